@@ -1,0 +1,59 @@
+"""The attention backend interface and the table of backends.
+
+A backend does two things over a paged cache: write this step's new keys/values into their slots,
+and attend each sequence's queries to its whole context (cached prefix + new tokens), causally.
+It never decides anything about scheduling; everything it needs is in AttentionMetadata.
+
+GQA cache layout, per layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from foretell.layers.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def write_kv(
+        self,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        slot_mapping: torch.Tensor,  # [num_tokens] int64
+    ) -> None: ...
+
+    def attend(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...  # [num_tokens, num_heads, head_dim]
+
+
+def build_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """Pick a backend by name. "auto" is Triton on CUDA when Triton imports, else torch."""
+    from foretell.layers.attention.torch_backend import TorchAttentionBackend
+
+    if name == "auto":
+        name = "triton" if device.type == "cuda" and _triton_available() else "torch"
+    if name == "torch":
+        return TorchAttentionBackend()
+    if name == "triton":
+        from foretell.layers.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}; expected one of: auto, torch, triton")
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

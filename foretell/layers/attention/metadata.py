@@ -1,0 +1,67 @@
+"""Per-step attention metadata: where each sequence's queries sit, how long its context is, and
+which cache slots its new tokens go to.
+
+One object is built per forward by the runner and passed down the call; nothing here is global.
+Every batch is "varlen": sequence i owns query rows query_start_loc[i]:query_start_loc[i+1]
+(a prefill chunk, one decode token, or 1 + k verify tokens), and after this step's writes its
+cache holds seq_lens[i] tokens. The queries are the *last* rows of that context, so query row j of
+sequence i sits at position seq_lens[i] - query_len[i] + j and attends causally to keys 0..that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32, on device
+    seq_lens: torch.Tensor  # [num_seqs] int32, context length after this step's writes
+    block_table: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32
+    slot_mapping: torch.Tensor  # [num_tokens] int64, flat cache slot of each new token
+    block_size: int
+    max_query_len: int
+    max_seq_len: int
+    # Host copies: the torch backend loops over sequences with them, no device sync needed.
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc_cpu[-1]
+
+    def with_block_size(self, block_size: int) -> "AttentionMetadata":
+        """The same batch seen through a cache paged with a smaller block size.
+
+        A draft's cache may use its own block size. Both caches index the same flat token
+        slots, so a target block b of size B maps to draft blocks b*r .. b*r + r-1 with
+        r = B / block_size, and the slot mapping is unchanged.
+        """
+        if block_size == self.block_size:
+            return self
+        if self.block_size % block_size != 0:
+            raise ValueError(
+                f"draft block size {block_size} must divide the target block size "
+                f"{self.block_size}"
+            )
+        ratio = self.block_size // block_size
+        sub = torch.arange(ratio, device=self.block_table.device, dtype=self.block_table.dtype)
+        # [num_seqs, max_blocks, ratio] -> [num_seqs, max_blocks * ratio]
+        table = (self.block_table.unsqueeze(-1) * ratio + sub).flatten(1)
+        return AttentionMetadata(
+            query_start_loc=self.query_start_loc,
+            seq_lens=self.seq_lens,
+            block_table=table,
+            slot_mapping=self.slot_mapping,
+            block_size=block_size,
+            max_query_len=self.max_query_len,
+            max_seq_len=self.max_seq_len,
+            query_start_loc_cpu=self.query_start_loc_cpu,
+            seq_lens_cpu=self.seq_lens_cpu,
+        )
