@@ -1,0 +1,188 @@
+"""Typed configuration: model, cache, scheduler, speculative decoding, and the engine's bundle.
+
+Every knob of the engine is a field here (and a CLI flag); each dataclass validates itself in
+__post_init__ and says what to do when a value is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+SPECULATIVE_METHODS = ("eagle3", "mtp", "draft_model", "ngram")
+
+
+@dataclass
+class ModelConfig:
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"  # auto | bfloat16 | float16 | float32
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    load_format: str = "auto"  # auto | safetensors | pt | dummy
+    max_model_len: int | None = None
+    seed: int = 0
+    attention_backend: str = "auto"  # auto | torch | triton
+    enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
+        if self.load_format not in ("auto", "safetensors", "pt", "dummy"):
+            raise ValueError(
+                f"load_format must be auto, safetensors, pt or dummy, got {self.load_format!r}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(
+                f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"
+            )
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolve_dtype(self, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
+        """auto: the checkpoint's torch_dtype, except half precision on CPU becomes float32."""
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        dtype = DTYPES.get(checkpoint_dtype or "", torch.float32 if device.type == "cpu" else torch.bfloat16)
+        if device.type == "cpu" and dtype != torch.float32:
+            return torch.float32
+        return dtype
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    # Memory for the KV cache (target and draft together). None: on CUDA,
+    # gpu_memory_utilization of the device minus what weights and activations take; on CPU 1 GiB.
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.90
+    num_kv_blocks: int | None = None  # override the budget with an exact number of target blocks
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048  # token budget per step; prefills are chunked to fit
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str
+    model: str | None = None
+    num_speculative_tokens: int = 3
+    # Read as "input of layer i" (vLLM's reading). None: the head's config, else 2, N//2, N-3.
+    eagle3_aux_layer_ids: list[int] | None = None
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    draft_block_size: int | None = None  # None: the target's block size
+    # Synthetic acceptance for benchmarks: per-position rates or a mean acceptance length.
+    simulate_acceptance: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                f"got {self.method!r}"
+            )
+        if self.method in ("eagle3", "draft_model") and not self.model:
+            raise ValueError(
+                f"speculative method {self.method!r} needs a draft model folder: set "
+                f"speculative_config['model'] (CLI: --draft-model DIR)"
+            )
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise ValueError(
+                f"num_speculative_tokens must be an integer >= 1, got {self.num_speculative_tokens!r}"
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
+            )
+        if self.eagle3_aux_layer_ids is not None and len(self.eagle3_aux_layer_ids) != 3:
+            raise ValueError(
+                f"eagle3_aux_layer_ids must name 3 layers, got {self.eagle3_aux_layer_ids}"
+            )
+
+    @classmethod
+    def from_any(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
+        """Accept a config, a dict with the same keys, or a JSON string (the CLI's form)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--speculative-config is not valid JSON: {e}") from e
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown speculative_config keys {unknown}; known keys: {sorted(known)}"
+            )
+        if "method" not in value:
+            raise ValueError("speculative_config needs a 'method' (eagle3, mtp, draft_model, ngram)")
+        return cls(**value)
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig | None = None
+    log_stats_interval_s: float = 10.0
+
+
+def build_engine_config(model: str, **kwargs: Any) -> EngineConfig:
+    """Route flat keyword arguments (the LLM(...) and CLI surface) to the typed configs."""
+    groups = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+    values: dict[str, dict[str, Any]] = {name: {} for name in groups}
+    speculative = kwargs.pop("speculative_config", None)
+    log_interval = kwargs.pop("log_stats_interval_s", 10.0)
+    for key, value in kwargs.items():
+        for name, cls in groups.items():
+            if key in {f.name for f in fields(cls)}:
+                values[name][key] = value
+                break
+        else:
+            known = sorted(f.name for cls in groups.values() for f in fields(cls) if f.name != "model")
+            raise TypeError(f"unknown engine option {key!r}; known options: {', '.join(known)}")
+    return EngineConfig(
+        model=ModelConfig(model=model, **values["model"]),
+        cache=CacheConfig(**values["cache"]),
+        scheduler=SchedulerConfig(**values["scheduler"]),
+        speculative=SpeculativeConfig.from_any(speculative),
+        log_stats_interval_s=log_interval,
+    )

@@ -1,0 +1,221 @@
+"""The engine: requests in, one step at a time (schedule -> execute -> postprocess), outputs out.
+
+Synchronous and single-threaded; the server's async front drives it from one loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from foretell.config import EngineConfig
+from foretell.engine.block_manager import BlockManager
+from foretell.engine.metrics import EngineMetrics
+from foretell.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from foretell.engine.scheduler import Scheduler
+from foretell.engine.sequence import Sequence
+from foretell.runner.model_runner import ModelRunner
+from foretell.sampling_params import SamplingParams
+from foretell.spec_decode.metrics import SpecDecodeStats
+from foretell.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    detokenizers: list[IncrementalDetokenizer]
+    metrics: RequestMetrics
+    aborted: bool = False
+    outputs_sent: bool = field(default=False)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.tokenizer = Tokenizer(config.model.tokenizer or config.model.model)
+        self.runner = ModelRunner(config)
+        plan = self.runner.cache_plan
+        self.block_manager = BlockManager(
+            plan.num_blocks, plan.block_size, config.cache.enable_prefix_caching
+        )
+        k = config.speculative.num_speculative_tokens if config.speculative else 0
+        self.scheduler = Scheduler(
+            config.scheduler, self.block_manager, self.runner.max_model_len, num_lookahead_tokens=k
+        )
+        self.metrics = EngineMetrics(spec=SpecDecodeStats(k) if k else None)
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    # ---- requests --------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams
+    ) -> None:
+        """Queue a request. Raises ValueError (and queues nothing) for bad input."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        vocab = self.runner.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(token_ids)} tokens, but max_model_len is {self.max_model_len}: "
+                f"shorten the prompt or raise --max-model-len"
+            )
+        seqs = [
+            Sequence(
+                next(self._seq_ids), request_id, i, token_ids, params, self.tokenizer.eos_token_ids
+            )
+            for i in range(params.n)
+        ]
+        for seq in seqs:
+            self.scheduler.add(seq)  # validates capacity; raises before anything is queued
+        self.requests[request_id] = Request(
+            request_id,
+            text,
+            token_ids,
+            params,
+            seqs,
+            [IncrementalDetokenizer(self.tokenizer, params) for _ in seqs],
+            RequestMetrics(arrival_time=time.monotonic()),
+        )
+        self.metrics.prompt_tokens_total += len(token_ids)
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+            raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise ValueError(
+            f"a prompt must be a string, a list of token ids, or a dict with 'prompt_token_ids'; "
+            f"got {type(prompt).__name__}"
+        )
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request at once and free its KV blocks. Unknown ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+            self.runner.forget(seq.seq_id)
+        request.aborted = True
+        return self._make_output(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step --------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        for seq in sched.preempted:
+            self.runner.forget(seq.seq_id)
+        if sched.is_empty:
+            return []
+        results = self.runner.execute(sched)
+        self.metrics.num_steps += 1
+        self.metrics.target_time_s += self.runner.last_times.target_s
+        self.metrics.draft_time_s += self.runner.last_times.draft_s
+        touched: dict[str, Request] = {}
+        now = time.monotonic()
+        for item, result in zip(sched.scheduled, results):
+            seq = item.seq
+            request = self.requests[seq.request_id]
+            if self.metrics.spec is not None:
+                self.metrics.spec.record(result.num_drafts, result.num_accepted)
+            appended = self.scheduler.postprocess(item, result.new_token_ids, result.num_accepted)
+            if not appended:
+                continue
+            touched[request.request_id] = request
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+                request.metrics.num_cached_prompt_tokens = seq.num_cached_prompt_tokens
+            self.metrics.generation_tokens_total += len(appended)
+            logprobs = result.logprobs[: len(appended)]
+            seq.logprobs.extend(logprobs)
+            seq.cumulative_logprob += sum(lp.logprob for lp in logprobs)
+            stop = request.detokenizers[seq.index].add(appended)
+            if stop is not None and not seq.is_finished:
+                seq.stop_reason = stop
+                self.scheduler.finish(seq, "stop")
+            if seq.is_finished:
+                self.runner.forget(seq.seq_id)
+            else:
+                seq.spec_token_ids = result.next_drafts
+        outputs = []
+        for request in touched.values():
+            outputs.append(self._make_output(request))
+            if request.finished:
+                request.metrics.finished_time = now
+                self.metrics.num_requests_finished += 1
+                del self.requests[request.request_id]
+        self.metrics.maybe_log(
+            self.config.log_stats_interval_s,
+            len(self.scheduler.running),
+            len(self.scheduler.waiting),
+            self.block_manager.usage,
+        )
+        return outputs
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        completions = []
+        for seq, detok in zip(request.seqs, request.detokenizers):
+            want_logprobs = request.params.logprobs is not None
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=detok.text,
+                    token_ids=list(seq.output_token_ids),
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                    logprobs=list(seq.logprobs) if want_logprobs else None,
+                    cumulative_logprob=seq.cumulative_logprob if want_logprobs else None,
+                )
+            )
+        return RequestOutput(
+            request.request_id,
+            request.prompt,
+            request.prompt_token_ids,
+            completions,
+            finished=request.finished,
+            metrics=request.metrics,
+        )
+
+    # ---- stats ---------------------------------------------------------------------
+    def get_stats(self) -> dict:
+        stats = self.metrics.as_dict()
+        stats.update(
+            num_requests_running=len(self.scheduler.running),
+            num_requests_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.block_manager.usage,
+            num_kv_blocks=self.block_manager.num_blocks,
+            num_free_kv_blocks=self.block_manager.num_free_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_hit_rate=(
+                self.block_manager.prefix_hits / self.block_manager.prefix_queries
+                if self.block_manager.prefix_queries
+                else 0.0
+            ),
+        )
+        return stats

@@ -1,0 +1,103 @@
+"""LLM: the offline Python API (generate, chat, get_stats) over one Engine."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence as Seq
+
+from tqdm import tqdm
+
+from foretell.config import build_engine_config
+from foretell.engine.engine import Engine
+from foretell.engine.outputs import RequestOutput
+from foretell.sampling_params import SamplingParams
+
+
+
+
+class LLM:
+    """LLM(model="path/to/hf_folder", dtype="auto", device="auto", speculative_config={...}).
+
+    Any field of ModelConfig, CacheConfig or SchedulerConfig is accepted as a keyword
+    (block_size=16, max_num_seqs=..., max_num_batched_tokens=..., num_kv_blocks=..., ...).
+    """
+
+    def __init__(self, model: str, speculative_config: Any = None, **kwargs: Any):
+        config = build_engine_config(model, speculative_config=speculative_config, **kwargs)
+        self.engine = Engine(config)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Any,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for one prompt or a list: strings, token-id lists, or
+        {"prompt_token_ids": [...]} dicts. Outputs come back in the order of the prompts."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; pass one "
+                    f"SamplingParams or one per prompt"
+                )
+        ids = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                request_id = str(next(self._ids))
+                self.engine.add_request(request_id, prompt, params)
+                ids.append(request_id)
+        except Exception:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            {"prompt_token_ids": self.engine.tokenizer.apply_chat_template(conv)}
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        wanted = set(ids)
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm or len(ids) < 2)
+        try:
+            while len(finished) < len(ids):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            for request_id in wanted - set(finished):
+                self.engine.abort_request(request_id)
+            raise
+        finally:
+            bar.close()
+        return [finished[i] for i in ids]
+
+    def get_stats(self) -> dict:
+        return self.engine.get_stats()

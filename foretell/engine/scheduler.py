@@ -1,0 +1,217 @@
+"""Continuous batching: which sequences run this step, and how many tokens each.
+
+Per step, under a token budget (max_num_batched_tokens) and a sequence cap (max_num_seqs):
+running sequences first (1 decode token, or 1 + k verify tokens when they carry drafts, or the
+next prefill chunk), then waiting ones are admitted (prefix-cache hit first, then a prefill chunk).
+A sequence that will sample this step also reserves `num_lookahead_tokens` slots, where the
+drafter writes its KV for the next k drafts. When blocks run out, the most recently admitted
+running sequence is preempted by recompute: its blocks are freed and it goes back to the front of
+the queue, to be prefilled again (prompt and output so far) and continue exactly where it was.
+
+postprocess() applies what the runner produced: accepted drafts plus one new token per sampling
+sequence, stop conditions, and the commit of newly full blocks to the prefix cache. Rejected draft
+slots need no undo: num_computed_tokens simply does not cover them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from foretell.config import SchedulerConfig
+from foretell.engine.block_manager import BlockManager
+from foretell.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int  # rows this sequence feeds the target this step (drafts included)
+    draft_token_ids: list[int]  # the drafts among those rows (the last len() of them)
+    samples: bool  # whether the step reaches the sequence's end and samples a token
+
+    @property
+    def num_computed_before(self) -> int:
+        return self.seq.num_computed_tokens
+
+    @property
+    def input_token_ids(self) -> list[int]:
+        start = self.seq.num_computed_tokens
+        real = self.num_new_tokens - len(self.draft_token_ids)
+        return self.seq.token_ids[start : start + real] + self.draft_token_ids
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        max_model_len: int,
+        num_lookahead_tokens: int = 0,
+    ):
+        self.config = config
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # ---- queue management -------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        if seq.num_tokens >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {seq.num_tokens} tokens, but max_model_len is {self.max_model_len}: "
+                f"shorten the prompt or raise --max-model-len"
+            )
+        needed = -(-(seq.num_tokens + 1 + self.num_lookahead_tokens) // self.block_manager.block_size)
+        if needed > self.block_manager.num_blocks:
+            raise ValueError(
+                f"prompt of {seq.num_tokens} tokens needs {needed} KV blocks, but the cache has "
+                f"only {self.block_manager.num_blocks}: give the KV cache more memory"
+            )
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.spec_token_ids = []
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        self.block_manager.free(seq)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- scheduling ---------------------------------------------------------------------
+    def _plan(self, seq: Sequence, budget: int) -> tuple[int, list[int]]:
+        """How many rows the sequence runs within the budget, and which of them are drafts."""
+        remaining = seq.num_uncomputed_tokens
+        if remaining > 1:
+            if not self.config.enable_chunked_prefill and remaining > budget:
+                return 0, []
+            return min(remaining, budget), []
+        room = min(budget - 1, self.max_model_len - seq.num_tokens)
+        drafts = seq.spec_token_ids[: max(0, room)]
+        return 1 + len(drafts), drafts
+
+    def _reserve(self, seq: Sequence, num_new: int, samples: bool) -> bool:
+        lookahead = self.num_lookahead_tokens if samples else 0
+        return self.block_manager.allocate(seq, seq.num_computed_tokens + num_new + lookahead)
+
+    def _preempt(self, victim: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(victim)
+        self.block_manager.free(victim)
+        victim.reset_for_recompute()
+        self.waiting.appendleft(victim)
+        out.preempted.append(victim)
+        self.num_preemptions += 1
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled_ids: set[int] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new, drafts = self._plan(seq, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            samples = seq.num_computed_tokens + num_new - len(drafts) >= seq.num_tokens
+            while not self._reserve(seq, num_new, samples):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.WAITING:  # preempted itself: nothing else fits
+                break
+            out.scheduled.append(ScheduledSequence(seq, num_new, drafts, samples))
+            scheduled_ids.add(seq.seq_id)
+            budget -= num_new
+            i += 1
+
+        while (
+            self.waiting
+            and not out.preempted
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            seq = self.waiting[0]
+            self.block_manager.admit(seq)
+            num_new, drafts = self._plan(seq, budget)
+            samples = seq.num_computed_tokens + num_new >= seq.num_tokens
+            if num_new == 0 or not self._reserve(seq, num_new, samples):
+                self.block_manager.free(seq)
+                seq.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSequence(seq, num_new, drafts, samples))
+            budget -= num_new
+        return out
+
+    # ---- applying results ------------------------------------------------------------------
+    def postprocess(
+        self, item: ScheduledSequence, new_token_ids: list[int], num_accepted: int
+    ) -> list[int]:
+        """Advance one sequence by this step's result; returns the tokens actually appended.
+
+        new_token_ids = the accepted drafts followed by one token from the target (empty for a
+        prefill chunk that does not reach the end). Stops (EOS, stop ids, max_tokens, max length)
+        may cut the list short; stop strings are checked by the engine after detokenization.
+        """
+        seq = item.seq
+        if seq.is_finished:
+            return []
+        seq.num_computed_tokens += item.num_new_tokens - len(item.draft_token_ids) + num_accepted
+        appended: list[int] = []
+        params = seq.sampling_params
+        for token in new_token_ids:
+            seq.token_ids.append(token)
+            appended.append(token)
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                seq.stop_reason = token if reason == "stop" else None
+                self.finish(seq, reason)
+                return appended
+        seq.spec_token_ids = []
+        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            self.finish(seq, "length")
+        else:
+            self.block_manager.commit(seq)
+        return appended
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.sampling_params
+        if not params.ignore_eos and token in seq.eos_token_ids:
+            return "stop"
+        if token in params.stop_token_ids:
+            return "stop"
+        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            return "length"
+        if seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None

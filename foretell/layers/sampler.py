@@ -1,0 +1,179 @@
+"""Turning logits into tokens: temperature, top-k, top-p, min-p, greedy, seeds, logprobs.
+
+`SamplingBatch` holds one row of parameters per logits row. Sampling from a distribution uses the
+exponential race (argmax of p / E with E ~ Exp(1)), which is exact and needs no cumulative sums.
+Rows of a request with a seed draw their noise from a generator seeded by (seed, sample index,
+token position), so a seeded request gives the same tokens whatever it is batched with and even
+after preemption.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from foretell.sampling_params import SamplingParams
+
+_MASK64 = (1 << 63) - 1
+
+
+def row_seed(seed: int, sample_index: int, position: int) -> int:
+    """A 63-bit seed that differs for every (request seed, sample, position)."""
+    x = (seed * 0x9E3779B97F4A7C15 + sample_index * 0xBF58476D1CE4E5B9 + position * 0x94D049BB133111EB)
+    x ^= x >> 31
+    return (x * 0xD6E8FEB86659FD93) & _MASK64
+
+
+@dataclass
+class SamplingBatch:
+    temperature: torch.Tensor  # [rows] float32 (0 for greedy rows)
+    top_k: torch.Tensor  # [rows] int64 (vocab size when disabled)
+    top_p: torch.Tensor  # [rows] float32
+    min_p: torch.Tensor  # [rows] float32
+    row_seeds: list[int | None]  # per row; None draws from the engine's generator
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+    max_num_logprobs: int  # -1: no row asked for logprobs; 0: only the chosen token's
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        row_seeds: list[int | None],
+        vocab_size: int,
+        device: torch.device,
+    ) -> "SamplingBatch":
+        temps = [p.temperature for p in params]
+        top_ks = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+        top_ps = [p.top_p for p in params]
+        min_ps = [p.min_p for p in params]
+        return cls(
+            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
+            top_k=torch.tensor(top_ks, dtype=torch.int64, device=device),
+            top_p=torch.tensor(top_ps, dtype=torch.float32, device=device),
+            min_p=torch.tensor(min_ps, dtype=torch.float32, device=device),
+            row_seeds=row_seeds,
+            all_greedy=all(t == 0 for t in temps),
+            any_top_k=any(k < vocab_size for k in top_ks),
+            any_top_p=any(p < 1.0 for p in top_ps),
+            any_min_p=any(p > 0 for p in min_ps),
+            max_num_logprobs=max((-1 if p.logprobs is None else p.logprobs) for p in params),
+        )
+
+    @property
+    def greedy_rows(self) -> torch.Tensor:  # [rows] bool
+        return self.temperature == 0
+
+
+def processed_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The distribution each row samples from: softmax(logits / T) restricted by top-k, top-p
+    and min-p, renormalized. Greedy rows get a one-hot at their argmax.
+
+    logits [rows, vocab] float32 -> probs [rows, vocab] float32
+    """
+    temperature = torch.where(batch.greedy_rows, torch.ones_like(batch.temperature), batch.temperature)
+    probs = torch.softmax(logits / temperature[:, None], dim=-1)
+    if batch.any_top_k or batch.any_top_p:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        drop = torch.zeros_like(sorted_probs, dtype=torch.bool)
+        if batch.any_top_k:
+            rank = torch.arange(probs.shape[-1], device=probs.device)
+            drop |= rank[None, :] >= batch.top_k[:, None]
+        if batch.any_top_p:
+            before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly above each token
+            drop |= before >= batch.top_p[:, None]
+        drop[:, 0] = False  # always keep the most likely token
+        probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
+    if batch.any_min_p:
+        threshold = batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    if not batch.all_greedy:
+        one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        probs = torch.where(batch.greedy_rows[:, None], one_hot, probs)
+    return probs
+
+
+class NoiseSource:
+    """Random draws per row: from the row's own seeded generator, or from the engine's."""
+
+    def __init__(self, device: torch.device, seed: int):
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def _generators(self, row_seeds: list[int | None]) -> list[torch.Generator | None]:
+        gens: list[torch.Generator | None] = []
+        for s in row_seeds:
+            if s is None:
+                gens.append(None)
+            else:
+                g = torch.Generator(device=self.device)
+                g.manual_seed(s)
+                gens.append(g)
+        return gens
+
+    def exponential(self, row_seeds: list[int | None], width: int) -> torch.Tensor:
+        """[rows, width] draws of Exp(1)."""
+        out = torch.empty(len(row_seeds), width, device=self.device)
+        out.exponential_(generator=self.generator)
+        for i, g in enumerate(self._generators(row_seeds)):
+            if g is not None:
+                out[i].exponential_(generator=g)
+        return out
+
+    def uniform(self, row_seeds: list[int | None], width: int) -> torch.Tensor:
+        """[rows, width] draws of U[0, 1); a seeded row uses a stream apart from exponential()."""
+        out = torch.rand(len(row_seeds), width, device=self.device, generator=self.generator)
+        shifted = [None if s is None else s ^ 0x5DEECE66D for s in row_seeds]
+        for i, g in enumerate(self._generators(shifted)):
+            if g is not None:
+                out[i] = torch.rand(width, device=self.device, generator=g)
+        return out
+
+
+def sample_from_probs(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Exponential race: argmax p / E. probs [rows, vocab], noise [rows, vocab] -> [rows] int64."""
+    return (probs / noise).argmax(dim=-1)
+
+
+@dataclass
+class SampledTokens:
+    token_ids: torch.Tensor  # [rows] int64
+    logprobs: torch.Tensor | None  # [rows] float32, log-prob of the chosen token (raw model)
+    top_logprobs: torch.Tensor | None  # [rows, n] float32
+    top_token_ids: torch.Tensor | None  # [rows, n] int64
+
+
+def compute_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-probabilities of the raw model distribution (before temperature and truncation)."""
+    logp = torch.log_softmax(logits, dim=-1)
+    chosen = logp.gather(-1, token_ids[:, None]).squeeze(-1)
+    top_vals, top_ids = logp.topk(max(num_top, 1), dim=-1)
+    return chosen, top_vals[:, :num_top], top_ids[:, :num_top]
+
+
+class Sampler:
+    def __init__(self, noise: NoiseSource):
+        self.noise = noise
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SampledTokens:
+        """logits [rows, vocab] float32 -> one token per row."""
+        if batch.all_greedy:
+            tokens = logits.argmax(dim=-1)
+        else:
+            probs = processed_probs(logits, batch)
+            tokens = sample_from_probs(probs, self.noise.exponential(batch.row_seeds, probs.shape[-1]))
+        return with_logprobs(logits, tokens, batch)
+
+
+def with_logprobs(logits: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch) -> SampledTokens:
+    if batch.max_num_logprobs < 0:
+        return SampledTokens(tokens, None, None, None)
+    chosen, top_vals, top_ids = compute_logprobs(logits, tokens, batch.max_num_logprobs)
+    return SampledTokens(tokens, chosen, top_vals, top_ids)

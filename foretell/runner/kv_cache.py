@@ -1,0 +1,108 @@
+"""KV cache memory: the target's paged cache and the draft's own (DraftKVCache), carved from
+one budget so that both hold the same number of tokens.
+
+Each attention layer says what one of its blocks holds (`kv_cache_shape(num_blocks, block_size)`),
+so a GQA layer, an MLA layer (latent + rope key) and a draft layer are sized the same way. Both
+caches index one flat token-slot space: target block b of size B covers slots b*B .. b*B + B-1,
+and the draft, with block size B/r, sees the same slots as blocks b*r .. b*r + r-1. So
+draft_num_blocks = target_num_blocks * B / draft_block_size, and one slot mapping serves both.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+def bytes_per_token(layers: list[nn.Module], dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return sum(math.prod(layer.kv_cache_shape(1, 1)) for layer in layers) * elem
+
+
+@dataclass
+class CachePlan:
+    num_blocks: int  # target blocks
+    block_size: int
+    draft_num_blocks: int
+    draft_block_size: int
+    target_bytes_per_token: int
+    draft_bytes_per_token: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_tokens * (self.target_bytes_per_token + self.draft_bytes_per_token)
+
+
+def plan_cache(
+    budget_bytes: int | None,
+    num_blocks_override: int | None,
+    target_layers: list[nn.Module],
+    dtype: torch.dtype,
+    block_size: int,
+    draft_layers: list[nn.Module] = (),
+    draft_dtype: torch.dtype | None = None,
+    draft_block_size: int | None = None,
+) -> CachePlan:
+    draft_block_size = draft_block_size or block_size
+    if block_size % draft_block_size != 0:
+        raise ValueError(
+            f"draft_block_size ({draft_block_size}) must divide the target block size "
+            f"({block_size}) so both caches share one slot mapping"
+        )
+    target_bpt = bytes_per_token(target_layers, dtype)
+    draft_bpt = bytes_per_token(list(draft_layers), draft_dtype or dtype) if draft_layers else 0
+    if num_blocks_override is not None:
+        num_blocks = num_blocks_override
+    else:
+        per_block = (target_bpt + draft_bpt) * block_size
+        num_blocks = int(budget_bytes // per_block) if per_block else 0
+        if num_blocks < 1:
+            raise ValueError(
+                f"the KV cache budget of {budget_bytes} bytes holds no block of {per_block} bytes "
+                f"(block_size {block_size}); give the cache more memory"
+            )
+    return CachePlan(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        draft_num_blocks=num_blocks * block_size // draft_block_size,
+        draft_block_size=draft_block_size,
+        target_bytes_per_token=target_bpt,
+        draft_bytes_per_token=draft_bpt,
+    )
+
+
+class KVCache:
+    """One cache tensor per attention layer, bound to the layer."""
+
+    def __init__(
+        self,
+        layers: list[nn.Module],
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.dtype = dtype
+        self.tensors = [
+            torch.zeros(layer.kv_cache_shape(num_blocks, block_size), dtype=dtype, device=device)
+            for layer in layers
+        ]
+        for layer, tensor in zip(layers, self.tensors):
+            layer.bind_kv_cache(tensor)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+class DraftKVCache(KVCache):
+    """The draft's own cache: its block size, number of blocks and dtype, beside the target's."""

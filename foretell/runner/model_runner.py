@@ -1,0 +1,243 @@
+"""ModelRunner: one step of the target (and the drafter) on a device.
+
+execute(): build the step's tensors once; target forward -> logits of the sampling rows ->
+Sampler (no drafts in the step) or RejectionSampler (verify) -> Proposer (catch-up + k drafts)
+-> per-sequence results for the scheduler. The runner never asks which model or which drafter it
+runs: capabilities come from the proposer's typed attributes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from foretell.config import EngineConfig
+from foretell.engine.scheduler import SchedulerOutput
+from foretell.engine.sequence import Logprob
+from foretell.layers.attention.backend import build_attention_backend
+from foretell.layers.sampler import NoiseSource, Sampler, SamplingBatch, compute_logprobs, row_seed
+from foretell.models.base import HFConfig, ModelOptions
+from foretell.runner.input_batch import InputBatch, build_input_batch
+from foretell.runner.kv_cache import CachePlan, DraftKVCache, KVCache, plan_cache
+from foretell.runner.model_loading import build_model, checkpoint_dtype
+from foretell.spec_decode.proposer import DraftBatch, Proposer, build_proposer
+from foretell.spec_decode.rejection_sampler import RejectionSampler
+
+CPU_KV_CACHE_BYTES = 256 << 20
+
+
+@dataclass
+class SequenceResult:
+    new_token_ids: list[int] = field(default_factory=list)  # accepted drafts + one target token
+    num_accepted: int = 0
+    num_drafts: int = 0
+    logprobs: list[Logprob] = field(default_factory=list)
+    next_drafts: list[int] = field(default_factory=list)
+
+
+@dataclass
+class StepTimes:
+    target_s: float = 0.0
+    draft_s: float = 0.0
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        mc = config.model
+        self.device = mc.resolve_device()
+        self.hf_config = HFConfig.from_folder(mc.model)
+        self.dtype = mc.resolve_dtype(checkpoint_dtype(self.hf_config), self.device)
+        self.backend = build_attention_backend(mc.attention_backend, self.device)
+        options = ModelOptions(self.dtype, self.device, self.backend)
+        self.proposer: Proposer | None = None
+        if config.speculative is not None:
+            self.proposer = build_proposer(config.speculative, self.hf_config, options)
+            options = ModelOptions(
+                self.dtype, self.device, self.backend, self.proposer.aux_hidden_state_layers
+            )
+        torch.manual_seed(mc.seed)
+        self.model = build_model(mc.model, self.hf_config, options, mc.load_format, mc.seed)
+        if self.proposer is not None:
+            self.proposer.load(self.model)
+        self.vocab_size = self.hf_config.vocab_size
+        self.max_model_len = self._max_model_len()
+        self.cache_plan = self._allocate_cache()
+        self.noise = NoiseSource(self.device, mc.seed)
+        self.sampler = Sampler(self.noise)
+        self.rejection_sampler = RejectionSampler(self.noise)
+        self.draft_probs: dict[int, torch.Tensor] = {}  # seq_id -> [k, vocab] for sampled drafts
+        self.last_times = StepTimes()
+
+    # ---- set-up --------------------------------------------------------------------------
+    def _max_model_len(self) -> int:
+        limit = self.hf_config.get("max_position_embeddings", 2048)
+        asked = self.config.model.max_model_len
+        if asked is not None and asked > limit:
+            raise ValueError(
+                f"max_model_len {asked} is larger than the model's max_position_embeddings "
+                f"{limit} ({self.hf_config.source})"
+            )
+        return asked or limit
+
+    def _kv_budget(self) -> int | None:
+        cc = self.config.cache
+        if cc.kv_cache_memory_bytes is not None:
+            return cc.kv_cache_memory_bytes
+        if self.device.type != "cuda":
+            return CPU_KV_CACHE_BYTES
+        free, total = torch.cuda.mem_get_info(self.device)
+        reserve = (1 - cc.gpu_memory_utilization) * total + (2 << 30)
+        return int(max(free - reserve, 0))
+
+    def _allocate_cache(self) -> CachePlan:
+        cc = self.config.cache
+        draft_layers = self.proposer.kv_layers() if self.proposer else []
+        spec = self.config.speculative
+        plan = plan_cache(
+            self._kv_budget(),
+            cc.num_kv_blocks,
+            self.model.attention_layers(),
+            self.dtype,
+            cc.block_size,
+            draft_layers,
+            self.proposer.draft_dtype if self.proposer else None,
+            spec.draft_block_size if spec else None,
+        )
+        self.kv_cache = KVCache(
+            self.model.attention_layers(), plan.num_blocks, plan.block_size, self.dtype, self.device
+        )
+        self.draft_kv_cache = None
+        if draft_layers:
+            self.draft_kv_cache = DraftKVCache(
+                draft_layers,
+                plan.draft_num_blocks,
+                plan.draft_block_size,
+                self.proposer.draft_dtype or self.dtype,
+                self.device,
+            )
+        return plan
+
+    # ---- one step ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> list[SequenceResult]:
+        t0 = time.perf_counter()
+        batch = build_input_batch(sched.scheduled, self.cache_plan.block_size, self.device)
+        hidden, aux = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
+        logits = self.model.compute_logits(hidden[batch.logits_rows])  # [rows, vocab] float32
+        results = [SequenceResult() for _ in sched.scheduled]
+        self._sample(sched, batch, logits, results)
+        if self._device_sync_needed():
+            torch.cuda.synchronize(self.device)
+        t1 = time.perf_counter()
+        if self.proposer is not None:
+            self._propose(sched, batch, hidden, aux, results)
+            if self._device_sync_needed():
+                torch.cuda.synchronize(self.device)
+        self.last_times = StepTimes(target_s=t1 - t0, draft_s=time.perf_counter() - t1)
+        return results
+
+    def _device_sync_needed(self) -> bool:
+        return self.device.type == "cuda"
+
+    def _sampling_rows(self, sched: SchedulerOutput, batch: InputBatch):
+        params, seeds = [], []
+        row = 0
+        for i in batch.sampling_seq_index:
+            item = sched.scheduled[i]
+            p = item.seq.sampling_params
+            for _ in range(len(item.draft_token_ids) + 1):
+                params.append(p)
+                pos = batch.row_positions[row]
+                seeds.append(None if p.seed is None else row_seed(p.seed, item.seq.index, pos))
+                row += 1
+        return SamplingBatch.build(params, seeds, self.vocab_size, self.device)
+
+    def _sample(self, sched, batch: InputBatch, logits, results) -> None:
+        if not batch.sampling_seq_index:
+            return
+        sampling = self._sampling_rows(sched, batch)
+        items = [sched.scheduled[i] for i in batch.sampling_seq_index]
+        if any(item.draft_token_ids for item in items):
+            drafts = [item.draft_token_ids for item in items]
+            probs = [self._pop_draft_probs(item) for item in items]
+            verify = self.rejection_sampler(logits, drafts, probs, sampling)
+            outputs, accepted = verify.output_token_ids, verify.num_accepted
+            rows = [r for rs in verify.emitted_rows for r in rs]
+            chosen_rows = torch.tensor(rows, dtype=torch.int64, device=self.device)
+            chosen_tokens = verify.emitted_tokens
+        else:
+            sampled = self.sampler(logits, sampling)
+            tokens = sampled.token_ids.tolist()
+            outputs, accepted = [[t] for t in tokens], [0] * len(tokens)
+            chosen_rows, chosen_tokens = None, sampled.token_ids
+        for i, out, a in zip(batch.sampling_seq_index, outputs, accepted):
+            results[i].new_token_ids = out
+            results[i].num_accepted = a
+            results[i].num_drafts = len(sched.scheduled[i].draft_token_ids)
+        if sampling.max_num_logprobs >= 0:
+            self._attach_logprobs(logits, chosen_rows, chosen_tokens, sampling, batch, sched, results)
+
+    def _pop_draft_probs(self, item) -> torch.Tensor | None:
+        probs = self.draft_probs.pop(item.seq.seq_id, None)
+        if probs is None or item.seq.sampling_params.greedy:
+            return None
+        return probs[: len(item.draft_token_ids)]
+
+    def _attach_logprobs(self, logits, rows, tokens, sampling, batch, sched, results) -> None:
+        picked = logits if rows is None else logits[rows]
+        chosen, top_vals, top_ids = compute_logprobs(picked, tokens, sampling.max_num_logprobs)
+        chosen, top_vals, top_ids = chosen.tolist(), top_vals.tolist(), top_ids.tolist()
+        flat = 0
+        for i in batch.sampling_seq_index:
+            want = sched.scheduled[i].seq.sampling_params.logprobs
+            for token in results[i].new_token_ids:
+                if want is not None:
+                    top = dict(zip(top_ids[flat][:want], top_vals[flat][:want]))
+                    results[i].logprobs.append(Logprob(token, chosen[flat], top))
+                flat += 1
+
+    def _propose(self, sched, batch: InputBatch, hidden, aux, results) -> None:
+        rows, starts, valid, nexts, histories = [], [], [], [], []
+        for i, item in enumerate(sched.scheduled):
+            seq = item.seq
+            n_real = item.num_new_tokens - len(item.draft_token_ids)
+            v = n_real + results[i].num_accepted if item.samples else item.num_new_tokens
+            row0 = batch.query_start[i]
+            rows.extend(range(row0, row0 + v))
+            p0 = seq.num_computed_tokens
+            starts.append(p0)
+            valid.append(v)
+            if item.samples:
+                nexts.append(results[i].new_token_ids[-1])
+                histories.append(seq.token_ids + results[i].new_token_ids)
+            else:
+                nexts.append(seq.token_ids[p0 + v])
+                histories.append(seq.token_ids[: p0 + v + 1])
+        index = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        draft_batch = DraftBatch(
+            start_positions=starts,
+            num_valid_rows=valid,
+            next_token_ids=nexts,
+            samples=[item.samples for item in sched.scheduled],
+            token_ids=batch.input_ids[index],
+            hidden_states=hidden[index],
+            aux_hidden_states=[a[index] for a in aux],
+            block_table=batch.attn_metadata.block_table,
+            block_size=self.cache_plan.block_size,
+            sampling_params=[item.seq.sampling_params for item in sched.scheduled],
+            sample_indices=[item.seq.index for item in sched.scheduled],
+            histories=histories,
+        )
+        proposal = self.proposer.propose(draft_batch)
+        for i, item in enumerate(sched.scheduled):
+            results[i].next_drafts = proposal.token_ids[i]
+            probs = proposal.probs[i]
+            if probs is not None and not item.seq.sampling_params.greedy:
+                self.draft_probs[item.seq.seq_id] = probs
+
+    def forget(self, seq_id: int) -> None:
+        """Drop per-sequence state (draft probabilities) of a finished or preempted sequence."""
+        self.draft_probs.pop(seq_id, None)

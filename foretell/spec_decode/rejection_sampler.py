@@ -1,0 +1,115 @@
+"""Verification of draft tokens against the target: greedy and rejection sampling.
+
+Every sampling sequence of a step comes here with its k >= 0 drafts and k + 1 target logits rows
+(k = 0 is plain sampling). Greedy rows accept the longest prefix of drafts equal to the target's
+argmax, then emit the target's argmax (the correction, or the bonus token when all k match).
+Sampled rows follow Leviathan et al. (2023): accept draft d at row i with probability
+min(1, p_i(d) / q_i(d)), where p is the target's distribution after temperature / top-k / top-p /
+min-p (the same processing as without speculation) and q the proposer's real draft distribution
+(a one-hot at d when the proposer does not sample); at the first rejection, draw from the
+residual max(0, p_i - q_i) renormalized; if all k pass, draw the bonus token from p_k.
+The output distribution is exactly the target's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from foretell.layers.sampler import NoiseSource, SamplingBatch, processed_probs, sample_from_probs
+
+
+@dataclass
+class VerifyResult:
+    num_accepted: list[int]  # per sequence
+    output_token_ids: list[list[int]]  # per sequence: accepted drafts + one target token
+    # Rows of the step's logits (per sequence, in order) whose token was emitted, for logprobs.
+    emitted_rows: list[list[int]]
+    emitted_tokens: torch.Tensor  # [total emitted] int64, matching emitted_rows flattened
+
+
+class RejectionSampler:
+    def __init__(self, noise: NoiseSource):
+        self.noise = noise
+
+    def __call__(
+        self,
+        logits: torch.Tensor,  # [rows, vocab] float32: k_i + 1 rows per sequence, in order
+        draft_token_ids: list[list[int]],  # per sequence, k_i drafts
+        draft_probs: list[torch.Tensor | None],  # per sequence [k_i, vocab] or None (one-hot)
+        batch: SamplingBatch,  # one entry per logits row
+    ) -> VerifyResult:
+        device = logits.device
+        num_seqs = len(draft_token_ids)
+        lengths = [len(d) for d in draft_token_ids]
+        max_k = max(lengths, default=0)
+        starts = [0]
+        for k in lengths:
+            starts.append(starts[-1] + k + 1)
+
+        # Padded views: [num_seqs, max_k + 1] row index into logits (padding repeats a valid row).
+        row_index = torch.tensor(
+            [[starts[s] + min(i, lengths[s]) for i in range(max_k + 1)] for s in range(num_seqs)],
+            device=device,
+        )
+        drafts = torch.tensor(
+            [d + [0] * (max_k - len(d)) for d in draft_token_ids], dtype=torch.int64, device=device
+        ).view(num_seqs, max_k)
+        valid = torch.arange(max_k, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
+
+        if batch.all_greedy:
+            target = logits.argmax(dim=-1)[row_index]  # [num_seqs, max_k + 1]
+            accept = (target[:, :max_k] == drafts) & valid
+            final_choice = target
+        else:
+            probs = processed_probs(logits, batch)  # [rows, vocab]
+            vocab = probs.shape[-1]
+            p = probs[row_index]  # [num_seqs, max_k + 1, vocab]
+            q = torch.zeros(num_seqs, max_k, vocab, device=device)
+            for s, dp in enumerate(draft_probs):
+                if lengths[s] == 0:
+                    continue
+                if dp is None:
+                    q[s, : lengths[s]].scatter_(-1, drafts[s, : lengths[s], None], 1.0)
+                else:
+                    q[s, : lengths[s]] = dp.to(device=device, dtype=torch.float32)
+            p_draft = p[:, :max_k].gather(-1, drafts[..., None]).squeeze(-1)  # [num_seqs, max_k]
+            q_draft = q.gather(-1, drafts[..., None]).squeeze(-1)
+            seeds = [batch.row_seeds[r] for r in row_index[:, 0].tolist()]
+            uniform = self.noise.uniform(seeds, max(max_k, 1))[:, :max_k]
+            accept = (uniform * q_draft < p_draft) & valid
+            # Residual distribution for the row after the accepted prefix; the bonus row uses p.
+            residual = (p[:, :max_k] - q).clamp_min(0.0)
+            mass = residual.sum(dim=-1, keepdim=True)
+            residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p[:, :max_k])
+            candidates = torch.cat([residual, p[:, max_k:]], dim=1)  # [num_seqs, max_k+1, vocab]
+            # The bonus row of a sequence with fewer than max_k drafts is its own row k_s.
+            bonus = p[torch.arange(num_seqs, device=device), torch.tensor(lengths, device=device)]
+            candidates[torch.arange(num_seqs, device=device), torch.tensor(lengths, device=device)] = bonus
+            noise = self.noise.exponential(
+                [batch.row_seeds[r] for r in row_index.flatten().tolist()], vocab
+            ).view(num_seqs, max_k + 1, vocab)
+            sampled = sample_from_probs(candidates.flatten(0, 1), noise.flatten(0, 1))
+            final_choice = sampled.view(num_seqs, max_k + 1)
+            greedy_seq = batch.greedy_rows[row_index[:, 0]]
+            if greedy_seq.any():
+                target = logits.argmax(dim=-1)[row_index]
+                greedy_accept = (target[:, :max_k] == drafts) & valid
+                accept = torch.where(greedy_seq[:, None], greedy_accept, accept)
+                final_choice = torch.where(greedy_seq[:, None], target, final_choice)
+
+        # Accepted count = length of the all-accepted prefix.
+        num_accepted_t = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [num_seqs]
+        final_tokens = final_choice.gather(1, num_accepted_t[:, None]).squeeze(1)
+        num_accepted = num_accepted_t.tolist()
+        finals = final_tokens.tolist()
+        outputs, emitted_rows = [], []
+        for s in range(num_seqs):
+            a = num_accepted[s]
+            outputs.append(draft_token_ids[s][:a] + [finals[s]])
+            emitted_rows.append(list(range(starts[s], starts[s] + a + 1)))
+        flat = [t for out in outputs for t in out]
+        return VerifyResult(
+            num_accepted, outputs, emitted_rows, torch.tensor(flat, dtype=torch.int64, device=device)
+        )
