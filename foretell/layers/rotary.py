@@ -1,0 +1,188 @@
+"""Rotary position embeddings: config parsing, the cos/sin cache, and applying it to q and k.
+
+Three pieces, kept apart so a new variant touches one table:
+  - `rope_parameters_from_config` reads theta and the scaling dict from a config, whichever way it
+    spells them (transformers 4 `rope_scaling` + `rope_theta`, transformers 5 `rope_parameters`;
+    the type under `rope_type` or the older `type`).
+  - FREQUENCY_BUILDERS: rope type -> function(base, rotary_dim, params, max_positions) returning
+    (inv_freq [rotary_dim // 2] float32, attention_factor). "yarn" goes here.
+  - APPLY_STYLES: style -> function(x, cos, sin). "neox" rotates halves (Llama, Qwen); an
+    interleaved-pairs style (DeepSeek) goes here.
+
+Everything is computed in float32. The cos/sin table is built once, up front, for max_positions
+positions, and kept as a plain tensor rather than a buffer so that casting the model's dtype can
+never round it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+FrequencyBuilder = Callable[[float, int, dict, int], tuple[torch.Tensor, float]]
+ApplyFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def rope_parameters_from_config(config: Any) -> tuple[float, dict[str, Any]]:
+    """(rope_theta, scaling dict with a "rope_type" key) from an HFConfig.
+
+    Accepts `rope_parameters` (transformers 5, may also hold rope_theta) or `rope_scaling`
+    (transformers 4 and most published config.json files); null means no scaling.
+    """
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ValueError(
+            f"{config.source}: rope_scaling/rope_parameters must be an object or null, "
+            f"got {params!r}"
+        )
+    params = dict(params)
+    theta = config.get("rope_theta", params.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    params["rope_type"] = rope_type
+    if rope_type not in FREQUENCY_BUILDERS:
+        raise ValueError(
+            f"{config.source}: rope type {rope_type!r} is not supported; supported types: "
+            f"{', '.join(sorted(FREQUENCY_BUILDERS))}"
+        )
+    return float(theta), params
+
+
+def base_inv_freq(base: float, rotary_dim: int) -> torch.Tensor:  # [rotary_dim // 2] float32
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    return 1.0 / (base**exponents)
+
+
+def _require(params: dict, key: str) -> Any:
+    if key not in params:
+        raise ValueError(f"rope type {params['rope_type']!r} needs field {key!r} in rope_scaling")
+    return params[key]
+
+
+def default_frequencies(base, rotary_dim, params, max_positions):
+    return base_inv_freq(base, rotary_dim), 1.0
+
+
+def linear_frequencies(base, rotary_dim, params, max_positions):
+    # Position interpolation: positions divided by factor, i.e. every frequency divided by it.
+    return base_inv_freq(base, rotary_dim) / float(_require(params, "factor")), 1.0
+
+
+def llama3_frequencies(base, rotary_dim, params, max_positions):
+    """Llama 3.1: long wavelengths slowed by `factor`, short ones kept, a smooth ramp between."""
+    factor = float(_require(params, "factor"))
+    low_freq_factor = float(_require(params, "low_freq_factor"))
+    high_freq_factor = float(_require(params, "high_freq_factor"))
+    old_context = float(_require(params, "original_max_position_embeddings"))
+    inv_freq = base_inv_freq(base, rotary_dim)
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = old_context / low_freq_factor
+    high_freq_wavelen = old_context / high_freq_factor
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    # 0 at the long-wavelength edge of the band (fully scaled), 1 at the short one (unscaled).
+    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    in_band = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(in_band, smoothed, scaled), 1.0
+
+
+FREQUENCY_BUILDERS: dict[str, FrequencyBuilder] = {
+    "default": default_frequencies,
+    "linear": linear_frequencies,
+    "llama3": llama3_frequencies,
+}
+
+
+def build_cos_sin_cache(
+    inv_freq: torch.Tensor,  # [rotary_dim // 2] float32
+    num_positions: int,
+    attention_factor: float = 1.0,
+    device: torch.device | str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin: [num_positions, rotary_dim // 2] float32
+    positions = torch.arange(num_positions, dtype=torch.float32, device=device)
+    freqs = torch.outer(positions, inv_freq.to(device=device, dtype=torch.float32))
+    return freqs.cos() * attention_factor, freqs.sin() * attention_factor
+
+
+def apply_rope_neox(
+    x: torch.Tensor,  # [num_tokens, num_heads, rotary_dim]
+    cos: torch.Tensor,  # [num_tokens, rotary_dim // 2] float32
+    sin: torch.Tensor,  # [num_tokens, rotary_dim // 2] float32
+) -> torch.Tensor:  # [num_tokens, num_heads, rotary_dim]
+    # Same arithmetic, in x's dtype, as HF's x * cos + rotate_half(x) * sin, so bf16 runs agree.
+    cos = cos.unsqueeze(1).to(x.dtype)
+    sin = sin.unsqueeze(1).to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+APPLY_STYLES: dict[str, ApplyFn] = {
+    "neox": apply_rope_neox,
+}
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates the first rotary_dim channels of each q/k head by position.
+
+    One instance is shared by every attention layer of a model.
+    """
+
+    def __init__(
+        self,
+        rotary_dim: int,
+        max_positions: int,
+        base: float,
+        scaling: dict[str, Any] | None = None,
+        style: str = "neox",
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        scaling = dict(scaling or {})
+        rope_type = scaling.setdefault("rope_type", "default")
+        if rope_type not in FREQUENCY_BUILDERS:
+            raise ValueError(
+                f"rope type {rope_type!r} is not supported; supported types: "
+                f"{', '.join(sorted(FREQUENCY_BUILDERS))}"
+            )
+        if style not in APPLY_STYLES:
+            raise ValueError(f"rope style {style!r} is not one of {sorted(APPLY_STYLES)}")
+        if rotary_dim % 2:
+            raise ValueError(f"rotary_dim must be even, got {rotary_dim}")
+        self.rotary_dim = rotary_dim
+        self.max_positions = max_positions
+        self.rope_type = rope_type
+        self.style = style
+        self._apply = APPLY_STYLES[style]
+        inv_freq, attention_factor = FREQUENCY_BUILDERS[rope_type](
+            base, rotary_dim, scaling, max_positions
+        )
+        self.inv_freq = inv_freq  # [rotary_dim // 2] float32, kept for inspection and tests
+        # [max_positions, rotary_dim // 2] each, float32
+        self.cos_cache, self.sin_cache = build_cos_sin_cache(
+            inv_freq, max_positions, attention_factor, device
+        )
+
+    def cos_sin(
+        self, positions: torch.Tensor  # [num_tokens] int64
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [num_tokens, rotary_dim // 2] float32 each
+        return self.cos_cache[positions], self.sin_cache[positions]
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos_sin(positions)
+        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.rotary_dim == x.shape[-1]:
+            return self._apply(x, cos, sin)
+        rotated = self._apply(x[..., : self.rotary_dim], cos, sin)
+        return torch.cat((rotated, x[..., self.rotary_dim :]), dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"rotary_dim={self.rotary_dim}, type={self.rope_type}, style={self.style}"

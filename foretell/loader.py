@@ -1,0 +1,268 @@
+"""Checkpoint files -> model parameters, for every model, with no per-model branches.
+
+A model says how checkpoint names map onto its parameters through `model.weight_rules` (fused
+rules with a shard id, and keys to ignore); each parameter's `weight_loader(param, tensor, shard)`
+copies its slice, converting dtype by value. Everything else here is finding files, reading them,
+and saying exactly what is wrong when a checkpoint does not fit the model.
+
+Reading is in one place, `iter_checkpoint_tensors`, which yields (key, tensor, file) from
+safetensors (single or sharded with model.safetensors.index.json) or pytorch_model.bin (single or
+sharded); a transform such as FP8 dequantization belongs there.
+
+`load_format="dummy"` reads no file: every parameter gets deterministic random values (normal,
+std 0.02, seeded per parameter name), and parameters that declare `dummy_value` (norm weights)
+are filled with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import zipfile
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from foretell.layers.linear import default_weight_loader
+from foretell.models.base import WeightRules
+
+LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
+DUMMY_STD = 0.02
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
+PT_INDEX = "pytorch_model.bin.index.json"
+PT_SINGLE = "pytorch_model.bin"
+# Mistral's repos also hold consolidated.safetensors in Mistral's own naming; never pick it up.
+_NOT_HF_WEIGHTS = ("consolidated",)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded into the model; the message names the file and key."""
+
+
+def _list_names(items: list[str], limit: int = 20) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
+
+
+def _read_index(index_path: str) -> dict[str, list[str]]:
+    """Shard file -> the keys the index says it holds, in index order."""
+    try:
+        with open(index_path) as f:
+            weight_map = json.load(f)["weight_map"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(
+            f"{index_path} is not a readable weight index (a JSON object with a 'weight_map' "
+            f"of tensor name -> file): {type(e).__name__}: {e}"
+        ) from e
+    by_file: dict[str, list[str]] = {}
+    for key, file_name in weight_map.items():
+        by_file.setdefault(file_name, []).append(key)
+    folder = os.path.dirname(index_path)
+    for file_name in by_file:
+        if not os.path.isfile(os.path.join(folder, file_name)):
+            raise CheckpointError(
+                f"{index_path} lists shard {file_name!r} (holding e.g. {by_file[file_name][0]!r}),"
+                f" but {os.path.join(folder, file_name)} does not exist"
+            )
+    return by_file
+
+
+def find_weight_files(
+    folder: str, load_format: str = "auto"
+) -> tuple[str, list[tuple[str, list[str] | None]]]:
+    """(format, [(file path, keys the index expects in it or None)]) for a model folder."""
+    if load_format not in LOAD_FORMATS or load_format == "dummy":
+        raise ValueError(
+            f"load_format {load_format!r} has no files; expected one of "
+            f"{', '.join(f for f in LOAD_FORMATS if f != 'dummy')}"
+        )
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"model folder {folder} does not exist or is not a folder")
+    looked_for = []
+    candidates = []
+    if load_format in ("auto", "safetensors"):
+        candidates.append(("safetensors", SAFETENSORS_INDEX, SAFETENSORS_SINGLE, "*.safetensors"))
+    if load_format in ("auto", "pt"):
+        candidates.append(("pt", PT_INDEX, PT_SINGLE, None))
+    for fmt, index_name, single_name, pattern in candidates:
+        index_path = os.path.join(folder, index_name)
+        looked_for.append(index_name)
+        if os.path.isfile(index_path):
+            by_file = _read_index(index_path)
+            return fmt, [(os.path.join(folder, f), keys) for f, keys in sorted(by_file.items())]
+        looked_for.append(single_name)
+        if os.path.isfile(os.path.join(folder, single_name)):
+            return fmt, [(os.path.join(folder, single_name), None)]
+        if pattern is not None:
+            looked_for.append(pattern)
+            suffix = pattern.lstrip("*")
+            others = sorted(
+                n for n in os.listdir(folder)
+                if n.endswith(suffix) and not n.startswith(_NOT_HF_WEIGHTS)
+            )
+            if others:
+                return fmt, [(os.path.join(folder, n), None) for n in others]
+    raise CheckpointError(
+        f"no weight files in {folder} for load_format={load_format!r}; looked for: "
+        f"{', '.join(looked_for)}"
+    )
+
+
+def _iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+    except CheckpointError:
+        raise
+    except Exception as e:  # SafetensorError, OSError: header or data unreadable / truncated
+        raise CheckpointError(
+            f"{path} is not a readable safetensors file (truncated or corrupt?): "
+            f"{type(e).__name__}: {e}"
+        ) from e
+
+
+def _iter_pt(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    try:
+        # mmap avoids a second copy of the file in memory; only the zip format supports it.
+        state = torch.load(
+            path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path)
+        )
+    except Exception as e:  # pickle errors, zip errors, OSError on truncated files
+        raise CheckpointError(
+            f"{path} is not a readable PyTorch weights file (truncated, corrupt, or holding "
+            f"more than tensors?): {type(e).__name__}: {e}"
+        ) from e
+    if not isinstance(state, dict):
+        raise CheckpointError(
+            f"{path} holds a {type(state).__name__}, expected a dict of tensor name -> tensor"
+        )
+    for key, tensor in state.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise CheckpointError(f"{path}: entry {key!r} is a {type(tensor).__name__}, not a tensor")
+        yield key, tensor
+
+
+def iter_checkpoint_tensors(
+    folder: str, load_format: str = "auto"
+) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """Yield (checkpoint key, CPU tensor as stored, file path) for every tensor of a checkpoint.
+
+    With an index, each shard must hold the keys the index assigns to it.
+    """
+    fmt, files = find_weight_files(folder, load_format)
+    read = _iter_safetensors if fmt == "safetensors" else _iter_pt
+    for path, expected_keys in files:
+        seen = set()
+        for key, tensor in read(path):
+            seen.add(key)
+            yield key, tensor, path
+        if expected_keys is not None:
+            absent = [k for k in expected_keys if k not in seen]
+            if absent:
+                raise CheckpointError(
+                    f"the weight index says {path} holds {_list_names(absent)}, but it does not"
+                )
+
+
+def _map_name(key: str, rules: WeightRules) -> tuple[str, Any]:
+    for rule in rules.fused:
+        mapped = rule.apply(key)
+        if mapped is not None:
+            return mapped
+    return key, None
+
+
+def _shard_label(name: str, shard: Any) -> str:
+    return name if shard is None else f"{name} (shard {shard!r})"
+
+
+def load_weights(
+    model: nn.Module, folder: str, load_format: str = "auto", seed: int = 0
+) -> list[str]:
+    """Fill every parameter of `model` from the checkpoint in `folder`; return the files read.
+
+    Raises CheckpointError for missing, unexpected or misshapen tensors and unreadable files.
+    """
+    if load_format == "dummy":
+        fill_dummy_weights(model, seed)
+        return []
+    rules: WeightRules = getattr(model, "weight_rules", None) or WeightRules()
+    ignored = [re.compile(p) for p in rules.ignored]
+    params = dict(model.named_parameters())
+    loaded: dict[tuple[str, Any], tuple[str, str]] = {}  # (param, shard) -> (key, file)
+    unexpected: list[str] = []
+    files: list[str] = []
+    for key, tensor, path in iter_checkpoint_tensors(folder, load_format):
+        if not files or files[-1] != path:
+            files.append(path)
+        if any(p.search(key) for p in ignored):
+            continue
+        name, shard = _map_name(key, rules)
+        param = params.get(name)
+        if param is None:
+            unexpected.append(f"{key} (in {os.path.basename(path)})")
+            continue
+        if (name, shard) in loaded:
+            first_key, first_path = loaded[(name, shard)]
+            raise CheckpointError(
+                f"{path}: tensor {key!r} fills {_shard_label(name, shard)}, which was already "
+                f"loaded from {first_key!r} in {first_path}"
+            )
+        weight_loader = getattr(param, "weight_loader", default_weight_loader)
+        try:
+            weight_loader(param, tensor, shard)
+        except ValueError as e:
+            raise CheckpointError(
+                f"{path}: tensor {key!r} does not fit parameter {_shard_label(name, shard)}: {e}"
+            ) from e
+        loaded[(name, shard)] = (key, path)
+
+    missing = [
+        _shard_label(name, shard)
+        for name, param in params.items()
+        for shard in getattr(param, "shard_ids", (None,))
+        if (name, shard) not in loaded
+    ]
+    problems = []
+    if missing:
+        problems.append(
+            f"{len(missing)} parameter(s) found no tensor in the checkpoint: {_list_names(missing)}"
+        )
+    if unexpected:
+        problems.append(
+            f"{len(unexpected)} checkpoint tensor(s) match no parameter of "
+            f"{type(model).__name__}: {_list_names(unexpected)}"
+        )
+    if problems:
+        raise CheckpointError(
+            f"checkpoint in {folder} does not fit {type(model).__name__}: " + "; ".join(problems)
+        )
+    return files
+
+
+def fill_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Deterministic random weights from the parameter names alone (no file is read).
+
+    Each parameter is drawn on the CPU from a generator seeded by (seed, name), so the values do
+    not depend on the device, the parameter order or which other parameters exist.
+    """
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            value = getattr(param, "dummy_value", None)
+            if value is not None:
+                param.fill_(value)
+                continue
+            generator = torch.Generator().manual_seed(
+                ((seed & 0x7FFFFFFF) << 32) | zlib.crc32(name.encode())
+            )
+            values = torch.randn(param.shape, generator=generator) * DUMMY_STD
+            param.copy_(values.to(param.dtype))

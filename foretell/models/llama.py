@@ -1,0 +1,296 @@
+"""The Llama family of dense decoders: Llama (2, 3, 3.1), Mistral, Qwen2 and Qwen3.
+
+One decoder-layer class serves them all; the members differ only by a few switches read from the
+config (`DecoderSwitches`): biases on the q/k/v and o projections, MLP bias, and Qwen3's per-head
+RMSNorm of q and k (over head_dim, before RoPE).
+
+Module and parameter names mirror the Hugging Face checkpoints. Two fused parameters pack several
+checkpoint tensors (see `family_weight_rules`):
+  model.layers.N.self_attn.qkv_proj  <- q_proj, k_proj, v_proj   (shards "q", "k", "v")
+  model.layers.N.mlp.gate_up_proj     <- gate_proj, up_proj        (shards 0, 1)
+With tied embeddings, lm_head uses model.embed_tokens.weight and a checkpoint's lm_head.weight,
+if present, is ignored.
+
+Sliding-window attention (Mistral v0.1, Qwen2 with use_sliding_window) is not implemented: such
+models are exact only while contexts stay within the window, and we warn at construction.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from foretell.layers.activation import SiluAndMul
+from foretell.layers.attention.layer import Attention
+from foretell.layers.attention.metadata import AttentionMetadata
+from foretell.layers.embedding import LMHead, VocabEmbedding
+from foretell.layers.linear import Linear, MergedLinear, QKVLinear
+from foretell.layers.norm import RMSNorm
+from foretell.layers.rotary import RotaryEmbedding, rope_parameters_from_config
+from foretell.models.base import HFConfig, ModelOptions, WeightRule, WeightRules
+
+
+@dataclass(frozen=True)
+class DecoderSwitches:
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+
+
+@dataclass(frozen=True)
+class DecoderDims:
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+
+    @classmethod
+    def from_config(cls, config: HFConfig) -> "DecoderDims":
+        num_heads = config.num_attention_heads
+        head_dim = config.get("head_dim") or config.hidden_size // num_heads
+        return cls(
+            hidden_size=config.hidden_size,
+            num_heads=num_heads,
+            num_kv_heads=config.get("num_key_value_heads", num_heads),
+            head_dim=head_dim,
+            intermediate_size=config.intermediate_size,
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+        )
+
+
+def family_weight_rules(tie_word_embeddings: bool) -> WeightRules:
+    fused = [
+        WeightRule(r"\.q_proj\.", ".qkv_proj.", "q"),
+        WeightRule(r"\.k_proj\.", ".qkv_proj.", "k"),
+        WeightRule(r"\.v_proj\.", ".qkv_proj.", "v"),
+        WeightRule(r"\.gate_proj\.", ".gate_up_proj.", 0),
+        WeightRule(r"\.up_proj\.", ".gate_up_proj.", 1),
+    ]
+    # Older checkpoints saved the rotary buffer; we recompute it from the config.
+    ignored = [r"rotary_emb\.inv_freq$"]
+    if tie_word_embeddings:
+        ignored.append(r"^lm_head\.weight$")
+    return WeightRules(fused=fused, ignored=ignored)
+
+
+class DecoderAttention(nn.Module):
+    def __init__(
+        self,
+        dims: DecoderDims,
+        switches: DecoderSwitches,
+        rotary_emb: RotaryEmbedding,
+        options: ModelOptions,
+    ):
+        super().__init__()
+        kw = dict(dtype=options.dtype, device=options.device)
+        self.num_heads = dims.num_heads
+        self.num_kv_heads = dims.num_kv_heads
+        self.head_dim = dims.head_dim
+        self.qkv_proj = QKVLinear(
+            dims.hidden_size, dims.head_dim, dims.num_heads, dims.num_kv_heads,
+            bias=switches.qkv_bias, **kw,
+        )
+        self.o_proj = Linear(
+            dims.num_heads * dims.head_dim, dims.hidden_size, bias=switches.o_bias, **kw
+        )
+        if switches.qk_norm:
+            self.q_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps, **kw)
+            self.k_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps, **kw)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rotary_emb = rotary_emb  # shared by all layers
+        self.attn = Attention(
+            dims.num_heads, dims.head_dim, dims.num_kv_heads, dims.head_dim**-0.5,
+            options.attention_backend,
+        )
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, _ = self.q_norm(q)
+            k, _ = self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v, metadata)  # [num_tokens, num_heads, head_dim]
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, dims: DecoderDims, switches: DecoderSwitches, options: ModelOptions):
+        super().__init__()
+        kw = dict(dtype=options.dtype, device=options.device)
+        size = dims.intermediate_size
+        self.gate_up_proj = MergedLinear(dims.hidden_size, [size, size], switches.mlp_bias, **kw)
+        self.down_proj = Linear(size, dims.hidden_size, switches.mlp_bias, **kw)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
+        return self.down_proj(self.act_fn(self.gate_up_proj(hidden)))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + MLP block; the residual add is fused into the next norm.
+
+    Takes and returns (hidden, residual) whose sum is the residual stream; the first layer gets
+    residual None and the stream in `hidden`.
+    """
+
+    def __init__(
+        self,
+        dims: DecoderDims,
+        switches: DecoderSwitches,
+        rotary_emb: RotaryEmbedding,
+        options: ModelOptions,
+    ):
+        super().__init__()
+        kw = dict(dtype=options.dtype, device=options.device)
+        self.self_attn = DecoderAttention(dims, switches, rotary_emb, options)
+        self.mlp = DecoderMLP(dims, switches, options)
+        self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, **kw)
+        self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, **kw)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        residual: torch.Tensor | None,  # [num_tokens, hidden_size]
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    """The `model.` prefix of the checkpoint: embeddings, layers, final norm."""
+
+    def __init__(self, config: HFConfig, switches: DecoderSwitches, options: ModelOptions):
+        super().__init__()
+        kw = dict(dtype=options.dtype, device=options.device)
+        dims = DecoderDims.from_config(config)
+        self.dims = dims
+        rope_theta, rope_scaling = rope_parameters_from_config(config)
+        rotary_dim = int(dims.head_dim * config.get("partial_rotary_factor", 1.0))
+        self.rotary_emb = RotaryEmbedding(
+            rotary_dim, config.max_position_embeddings, rope_theta, rope_scaling,
+            device=options.device,
+        )
+        self.embed_tokens = VocabEmbedding(config.vocab_size, dims.hidden_size, **kw)
+        self.layers = nn.ModuleList(
+            DecoderLayer(dims, switches, self.rotary_emb, options)
+            for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, **kw)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        metadata: AttentionMetadata,
+        aux_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        residual = None
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if i in aux_layers:
+                captured[i] = hidden if residual is None else residual + hidden
+            hidden, residual = layer(positions, hidden, residual, metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden, [captured[i] for i in aux_layers]
+
+
+class LlamaForCausalLM(nn.Module):
+    """Also the class for every family member; subclasses only choose `switches`."""
+
+    @classmethod
+    def switches(cls, config: HFConfig) -> DecoderSwitches:
+        bias = bool(config.get("attention_bias", False))
+        return DecoderSwitches(
+            qkv_bias=bias, o_bias=bias, mlp_bias=bool(config.get("mlp_bias", False))
+        )
+
+    def __init__(self, config: HFConfig, options: ModelOptions):
+        super().__init__()
+        self.config = config
+        self.options = options
+        num_layers = config.num_hidden_layers
+        bad = [i for i in options.aux_hidden_state_layers if not 0 <= i < num_layers]
+        if bad:
+            raise ValueError(
+                f"aux_hidden_state_layers {list(options.aux_hidden_state_layers)} must be layer "
+                f"indices in [0, {num_layers}) for {config.source} (num_hidden_layers="
+                f"{num_layers}); {bad} are not"
+            )
+        self.aux_hidden_state_layers = tuple(options.aux_hidden_state_layers)
+        _warn_sliding_window(config)
+        tie = bool(config.get("tie_word_embeddings", False))
+        self.model = DecoderModel(config, self.switches(config), options)
+        self.lm_head = LMHead(
+            config.vocab_size, self.model.dims.hidden_size,
+            tie_to=self.model.embed_tokens if tie else None,
+            dtype=options.dtype, device=options.device,
+        )
+        self.weight_rules = family_weight_rules(tie)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+        attn_metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        # hidden [num_tokens, hidden_size] after the final norm; aux: list of the same shape
+        return self.model(input_ids, positions, attn_metadata, self.aux_hidden_state_layers)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab] float32
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def switches(cls, config: HFConfig) -> DecoderSwitches:
+        # Qwen2 always has q/k/v biases and never an o_proj bias; its config has no field for it.
+        return DecoderSwitches(qkv_bias=True)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def switches(cls, config: HFConfig) -> DecoderSwitches:
+        bias = bool(config.get("attention_bias", False))
+        return DecoderSwitches(qkv_bias=bias, o_bias=bias, qk_norm=True)
+
+
+def _warn_sliding_window(config: HFConfig) -> None:
+    window = config.get("sliding_window")
+    if "use_sliding_window" in config:
+        uses_window = bool(config.get("use_sliding_window", False))
+    else:
+        uses_window = window is not None
+    if window is not None and uses_window and window < config.max_position_embeddings:
+        warnings.warn(
+            f"{config.source}: sliding_window={window} is not implemented; attention is full, "
+            f"so outputs are exact only for contexts up to {window} tokens",
+            stacklevel=3,
+        )
