@@ -173,6 +173,27 @@ def iter_checkpoint_tensors(
                 )
 
 
+def checkpoint_keys(folder: str, load_format: str = "auto") -> dict[str, tuple[int, ...]]:
+    """Key -> shape of every tensor in a checkpoint, read without loading the data where the
+    format allows (safetensors headers; .bin files are memory-mapped)."""
+    fmt, files = find_weight_files(folder, load_format)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path, _ in files:
+        try:
+            if fmt == "safetensors":
+                from safetensors import safe_open
+
+                with safe_open(path, framework="pt") as f:
+                    for key in f.keys():
+                        shapes[key] = tuple(f.get_slice(key).get_shape())
+            else:
+                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                shapes.update({k: tuple(v.shape) for k, v in state.items()})
+        except Exception as e:  # safetensors and torch raise several types for bad files
+            raise CheckpointError(f"{path} could not be read: {e}") from e
+    return shapes
+
+
 def _map_name(key: str, rules: WeightRules) -> tuple[str, Any]:
     for rule in rules.fused:
         mapped = rule.apply(key)
@@ -264,5 +285,5 @@ def fill_dummy_weights(model: nn.Module, seed: int = 0) -> None:
             generator = torch.Generator().manual_seed(
                 ((seed & 0x7FFFFFFF) << 32) | zlib.crc32(name.encode())
             )
-            values = torch.randn(param.shape, generator=generator) * DUMMY_STD
+            values = torch.randn(param.shape, generator=generator, device="cpu") * DUMMY_STD
             param.copy_(values.to(param.dtype))

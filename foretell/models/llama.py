@@ -263,6 +263,12 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
+    def get_input_embeddings(self) -> VocabEmbedding:
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self) -> LMHead:
+        return self.lm_head
+
 
 class MistralForCausalLM(LlamaForCausalLM):
     pass

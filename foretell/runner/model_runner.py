@@ -118,6 +118,7 @@ class ModelRunner:
                 self.proposer.draft_dtype or self.dtype,
                 self.device,
             )
+            self.proposer.bind_draft_cache(plan.draft_block_size)
         return plan
 
     # ---- one step ------------------------------------------------------------------------

@@ -75,6 +75,9 @@ class Proposer:
     def draft_dtype(self) -> torch.dtype | None:
         return None
 
+    def bind_draft_cache(self, block_size: int) -> None:
+        """Told once the DraftKVCache is allocated: the block size its metadata must use."""
+
     def propose(self, batch: DraftBatch) -> Proposal:
         raise NotImplementedError
 

@@ -1,0 +1,78 @@
+"""Engine flags shared by every CLI command (generate, serve, bench, eval): one flag per config
+field, and the speculative flags that build a speculative_config."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+
+def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True) -> None:
+    g = parser.add_argument_group("model")
+    g.add_argument("--model", required=model_required, help="local Hugging Face model folder")
+    g.add_argument("--tokenizer", help="tokenizer folder (default: the model folder)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "pt", "dummy"])
+    g.add_argument("--max-model-len", type=int)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    g.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
+    c = parser.add_argument_group("KV cache")
+    c.add_argument("--block-size", type=int, default=16)
+    c.add_argument("--kv-cache-memory-bytes", type=int, help="KV cache budget (target + draft)")
+    c.add_argument("--gpu-memory-utilization", type=float, default=0.90)
+    c.add_argument("--num-kv-blocks", type=int, help="exact number of target KV blocks")
+    c.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    s = parser.add_argument_group("scheduler")
+    s.add_argument("--max-num-seqs", type=int, default=128)
+    s.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    s.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    sp = parser.add_argument_group("speculative decoding")
+    sp.add_argument("--speculative-config", help="JSON with the keys of SpeculativeConfig")
+    sp.add_argument("--method", choices=["eagle3", "mtp", "draft_model", "ngram"])
+    sp.add_argument("--draft-model", help="EAGLE3 head or draft LM folder")
+    sp.add_argument("--num-speculative-tokens", type=int)
+    sp.add_argument("--eagle3-aux-layer-ids", help="comma-separated, read as inputs of layers i")
+    sp.add_argument("--prompt-lookup-min", type=int)
+    sp.add_argument("--prompt-lookup-max", type=int)
+    sp.add_argument("--draft-block-size", type=int)
+
+
+def speculative_config_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
+    config: dict[str, Any] = {}
+    if args.speculative_config:
+        try:
+            config = json.loads(args.speculative_config)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"--speculative-config is not valid JSON: {e}")
+    flags = {
+        "method": args.method,
+        "model": args.draft_model,
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "prompt_lookup_min": args.prompt_lookup_min,
+        "prompt_lookup_max": args.prompt_lookup_max,
+        "draft_block_size": args.draft_block_size,
+    }
+    if args.eagle3_aux_layer_ids:
+        try:
+            flags["eagle3_aux_layer_ids"] = [int(x) for x in args.eagle3_aux_layer_ids.split(",")]
+        except ValueError:
+            raise SystemExit(
+                f"--eagle3-aux-layer-ids must be comma-separated integers, got {args.eagle3_aux_layer_ids!r}"
+            )
+    config.update({k: v for k, v in flags.items() if v is not None})
+    return config or None
+
+
+def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    names = [
+        "tokenizer", "dtype", "device", "load_format", "max_model_len", "seed", "attention_backend",
+        "enforce_eager", "block_size", "kv_cache_memory_bytes", "gpu_memory_utilization",
+        "num_kv_blocks", "enable_prefix_caching", "max_num_seqs", "max_num_batched_tokens",
+        "enable_chunked_prefill",
+    ]
+    kwargs = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    kwargs["speculative_config"] = speculative_config_from_args(args)
+    return kwargs

@@ -1,0 +1,151 @@
+"""The EAGLE3 draft head: one decoder layer over [embedding ; fused target features].
+
+Checkpoint layouts (both load): EAGLE / AngelSlim name the layer `midlayer.*` and ship no
+`embed_tokens` (the target's embedding is shared); SpecForge / speculators name it `layers.0.*`
+and may ship their own `embed_tokens`. Tensors: fc [H, 3*Ht], the layer (q/k/v take 2H inputs),
+hidden_norm, norm, lm_head [draft_vocab, H], d2t [draft_vocab] (target_id = draft_id + d2t[id]);
+t2d is not needed at inference and is ignored.
+
+One draft step (rows pair the target's features at position t with the token at t+1):
+  g = fc(concat(aux_low, aux_mid, aux_high))        on the first step; later steps: previous h
+  x = concat(input_layernorm(embed(token)), hidden_norm(g))     [n, 2H], embedding first
+  h = g + o_proj(attention(x))          (residual = hidden_norm(g) with norm_before_residual)
+  h = h + mlp(post_attention_layernorm(h))
+  logits = lm_head(norm(h)) over the draft vocabulary; the next step gets h (before the norm)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from foretell.layers.attention.layer import Attention
+from foretell.layers.attention.metadata import AttentionMetadata
+from foretell.layers.embedding import LMHead, VocabEmbedding
+from foretell.layers.linear import Linear, QKVLinear, make_param
+from foretell.layers.norm import RMSNorm
+from foretell.layers.rotary import RotaryEmbedding, rope_parameters_from_config
+from foretell.models.base import HFConfig, ModelOptions, WeightRule, WeightRules
+from foretell.models.llama import DecoderDims, DecoderMLP, DecoderSwitches
+
+_LAYER = r"^(?:midlayer|layers\.0)\."
+
+
+def eagle3_weight_rules(has_embed: bool, has_lm_head: bool) -> WeightRules:
+    fused = [
+        WeightRule(_LAYER + r"self_attn\.q_proj\.", "midlayer.self_attn.qkv_proj.", "q"),
+        WeightRule(_LAYER + r"self_attn\.k_proj\.", "midlayer.self_attn.qkv_proj.", "k"),
+        WeightRule(_LAYER + r"self_attn\.v_proj\.", "midlayer.self_attn.qkv_proj.", "v"),
+        WeightRule(_LAYER + r"mlp\.gate_proj\.", "midlayer.mlp.gate_up_proj.", 0),
+        WeightRule(_LAYER + r"mlp\.up_proj\.", "midlayer.mlp.gate_up_proj.", 1),
+        WeightRule(_LAYER, "midlayer."),
+        WeightRule(r"^model\.", ""),
+    ]
+    ignored = [r"^t2d$", r"rotary_emb\.inv_freq$"]
+    if not has_embed:
+        ignored.append(r"embed_tokens\.weight$")
+    if not has_lm_head:
+        ignored.append(r"^lm_head\.weight$")
+    return WeightRules(fused=fused, ignored=ignored)
+
+
+class Eagle3Attention(nn.Module):
+    def __init__(self, dims: DecoderDims, rotary: RotaryEmbedding, options: ModelOptions, bias: bool):
+        super().__init__()
+        kw = dict(dtype=options.dtype, device=options.device)
+        self.num_heads, self.num_kv_heads, self.head_dim = dims.num_heads, dims.num_kv_heads, dims.head_dim
+        self.qkv_proj = QKVLinear(2 * dims.hidden_size, dims.head_dim, dims.num_heads, dims.num_kv_heads, bias, **kw)
+        self.o_proj = Linear(dims.num_heads * dims.head_dim, dims.hidden_size, bias, **kw)
+        self.rotary_emb = rotary
+        self.attn = Attention(dims.num_heads, dims.head_dim, dims.num_kv_heads, dims.head_dim**-0.5, options.attention_backend)
+
+    def forward(self, positions, x, metadata):  # x [n, 2H] -> [n, H]
+        n = x.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, metadata).reshape(n, -1))
+
+
+class Eagle3Layer(nn.Module):
+    def __init__(self, dims: DecoderDims, rotary: RotaryEmbedding, options: ModelOptions, config: HFConfig):
+        super().__init__()
+        kw = dict(dtype=options.dtype, device=options.device)
+        bias = bool(config.get("attention_bias", False))
+        self.norm_before_residual = bool(config.get("norm_before_residual", False))
+        self.self_attn = Eagle3Attention(dims, rotary, options, bias)
+        self.mlp = DecoderMLP(dims, DecoderSwitches(mlp_bias=bool(config.get("mlp_bias", False))), options)
+        self.hidden_norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, **kw)
+        self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, **kw)
+        self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, **kw)
+
+    def forward(self, positions, embeds, g, metadata):  # embeds, g [n, H] -> h [n, H]
+        normed_g, _ = self.hidden_norm(g)
+        residual = normed_g if self.norm_before_residual else g
+        embeds, _ = self.input_layernorm(embeds)
+        x = torch.cat([embeds, normed_g], dim=-1)  # [n, 2H], embedding first
+        h = residual + self.self_attn(positions, x, metadata)
+        normed_h, _ = self.post_attention_layernorm(h)
+        return h + self.mlp(normed_h)
+
+
+class Eagle3Head(nn.Module):
+    def __init__(
+        self,
+        config: HFConfig,
+        target_hidden_size: int,
+        target_max_positions: int,
+        options: ModelOptions,
+        has_embed: bool,
+        has_lm_head: bool,
+    ):
+        super().__init__()
+        kw = dict(dtype=options.dtype, device=options.device)
+        dims = DecoderDims.from_config(config)
+        self.hidden_size = dims.hidden_size
+        self.vocab_size = config.vocab_size
+        self.draft_vocab_size = config.get("draft_vocab_size", config.vocab_size)
+        rope_theta, rope_scaling = rope_parameters_from_config(config)
+        max_pos = max(config.get("max_position_embeddings", 2048), target_max_positions)
+        self.rotary_emb = RotaryEmbedding(dims.head_dim, max_pos, rope_theta, rope_scaling, device=options.device)
+        self.fc = Linear(3 * target_hidden_size, dims.hidden_size, **kw)
+        self.midlayer = Eagle3Layer(dims, self.rotary_emb, options, config)
+        self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, **kw)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, dims.hidden_size, **kw) if has_embed else None
+        self.lm_head = LMHead(self.draft_vocab_size, dims.hidden_size, **kw) if has_lm_head else None
+        self.d2t = make_param((self.draft_vocab_size,), torch.int64, options.device)
+        self.d2t.dummy_value = 0
+        self.weight_rules = eagle3_weight_rules(has_embed, has_lm_head)
+        self.shared_embed: nn.Module | None = None  # the target's, when the head has none
+        self.shared_lm_head: nn.Module | None = None
+
+    def share(self, embedding: nn.Module, lm_head: nn.Module) -> None:
+        # Plain attributes set through object.__setattr__ so the target's parameters are not
+        # registered (and loaded, or counted) a second time as the head's.
+        object.__setattr__(self, "shared_embed", embedding)
+        object.__setattr__(self, "shared_lm_head", lm_head)
+
+    def attention_layers(self) -> list[Attention]:
+        return [self.midlayer.self_attn.attn]
+
+    def combine(self, aux: list[torch.Tensor]) -> torch.Tensor:  # 3 x [n, Ht] -> [n, H]
+        return self.fc(torch.cat(aux, dim=-1))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [n] target token ids
+        positions: torch.Tensor,  # [n]
+        g: torch.Tensor,  # [n, H]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [n, H], before the final norm
+        embed = self.embed_tokens or self.shared_embed
+        return self.midlayer(positions, embed(input_ids).to(g.dtype), g, metadata)
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:  # [n, draft_vocab] float32
+        normed, _ = self.norm(h)
+        return (self.lm_head or self.shared_lm_head)(normed)
+
+    def target_ids(self) -> torch.Tensor:  # [draft_vocab] int64: target id of each draft id
+        return torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t

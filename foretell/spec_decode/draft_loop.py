@@ -1,0 +1,139 @@
+"""The k-step loop shared by model-based drafters (EAGLE3, MTP, a draft LM).
+
+Each step of the engine: one catch-up forward over the rows whose target outputs became final
+(so the drafter's KV cache is right for every accepted token), then for the sequences that
+sampled, draft token 1 from the catch-up's last row and tokens 2..k from single-row steps, each
+feeding the previous draft token at the next position. Greedy requests draft by argmax; sampled
+requests draw from the drafter's own distribution (the same temperature / top-k / top-p / min-p)
+and keep those probabilities for exact rejection sampling.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from foretell.layers.sampler import NoiseSource, SamplingBatch, processed_probs, row_seed, sample_from_probs
+from foretell.spec_decode.proposer import DraftBatch, Proposal, Proposer, catch_up_metadata
+
+DRAFT_SEED_SALT = 0x2545F4914F6CDD1D
+
+
+class DraftLoopProposer(Proposer):
+    """Subclasses implement catch_up() and chain_step(); state is whatever they carry between
+    steps (EAGLE3 and MTP: the previous hidden state; a draft LM: nothing)."""
+
+    #: Row position of a fed token relative to the token's own position: EAGLE3 and MTP rows
+    #: pair the hidden state at t with token t+1 (offset -1); a draft LM feeds tokens in place (0).
+    row_offset: int = -1
+    device: torch.device
+    draft_block_size: int
+    target_vocab_size: int
+
+    def init_loop(self, device: torch.device, target_vocab: int, seed: int = 0):
+        self.device = device
+        self.target_vocab_size = target_vocab
+        self.noise = NoiseSource(device, seed ^ 0x5EED)
+
+    def bind_draft_cache(self, block_size: int) -> None:
+        self.draft_block_size = block_size
+
+    # ---- subclass hooks ------------------------------------------------------------------
+    def catch_up(
+        self, batch: DraftBatch, last_rows: list[int]
+    ) -> tuple[torch.Tensor, Any]:
+        """Run the catch-up forward; return logits of `last_rows` sequences' last rows
+        [n, draft_vocab] and the state for the first chain step."""
+        raise NotImplementedError
+
+    def chain_step(
+        self, tokens: torch.Tensor, positions: torch.Tensor, metadata, state: Any
+    ) -> tuple[torch.Tensor, Any]:
+        """One single-row step per sequence: logits [n, draft_vocab] and the next state."""
+        raise NotImplementedError
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids  # identity unless the drafter has a smaller vocabulary (EAGLE3 d2t)
+
+    def to_target_probs(self, probs: torch.Tensor) -> torch.Tensor:
+        if probs.shape[-1] == self.target_vocab_size:
+            return probs
+        out = probs.new_zeros(probs.shape[0], self.target_vocab_size)
+        width = min(probs.shape[-1], self.target_vocab_size)
+        out[:, :width] = probs[:, :width]
+        return out
+
+    # ---- the loop --------------------------------------------------------------------------
+    def propose(self, batch: DraftBatch) -> Proposal:
+        sampling = [i for i, s in enumerate(batch.samples) if s]
+        logits, state = self.catch_up(batch, sampling)
+        if not sampling:
+            return Proposal([[] for _ in range(batch.num_seqs)], [None] * batch.num_seqs)
+        params = [batch.sampling_params[i] for i in sampling]
+        # Position of the token each draft step predicts; the first is the one after next_token.
+        positions = [batch.start_positions[i] + batch.num_valid_rows[i] + 1 for i in sampling]
+        table = batch.block_table[sampling]
+        drafts: list[torch.Tensor] = []
+        probs: list[torch.Tensor] = []
+        for step in range(self.k):
+            tokens, step_probs = self._sample(logits, params, [p + step for p in positions], batch, sampling)
+            drafts.append(tokens)
+            if step_probs is not None:
+                probs.append(step_probs)
+            if step == self.k - 1:
+                break
+            # The new draft sits at position p + step; its row predicts the token after it.
+            rows = [p + step + self.row_offset for p in positions]
+            metadata = catch_up_metadata(
+                rows, [1] * len(rows), table, batch.block_size, self.draft_block_size
+            )
+            pos_t = torch.tensor(rows, dtype=torch.int64, device=self.device)
+            logits, state = self.chain_step(tokens, pos_t, metadata, state)
+        token_lists = torch.stack(drafts, dim=1).tolist()  # [n, k]
+        stacked = torch.stack(probs, dim=1) if probs else None  # [n, k, target_vocab]
+        out_tokens: list[list[int]] = [[] for _ in range(batch.num_seqs)]
+        out_probs: list[torch.Tensor | None] = [None] * batch.num_seqs
+        for j, i in enumerate(sampling):
+            out_tokens[i] = token_lists[j]
+            if stacked is not None and not params[j].greedy:
+                out_probs[i] = stacked[j]
+        return Proposal(out_tokens, out_probs)
+
+    def _sample(self, logits, params, positions, batch, sampling):
+        """Draft tokens (target ids) [n] and, unless all greedy, their distributions [n, V]."""
+        seeds = [
+            None if p.seed is None else row_seed(p.seed ^ DRAFT_SEED_SALT, batch.sample_indices[i], pos)
+            for p, i, pos in zip(params, sampling, positions)
+        ]
+        sb = SamplingBatch.build(params, seeds, logits.shape[-1], self.device)
+        if sb.all_greedy:
+            return self.to_target_ids(logits.argmax(dim=-1)), None
+        q = processed_probs(logits, sb)  # [n, draft_vocab]
+        draft_ids = sample_from_probs(q, self.noise.exponential(seeds, q.shape[-1]))
+        return self.to_target_ids(draft_ids), self.to_target_probs(q)
+
+
+def catch_up_rows(batch: DraftBatch, include_next: bool) -> tuple[torch.Tensor, list[int], list[int]]:
+    """Input tokens, start positions and row counts of a catch-up pass.
+
+    include_next=False (EAGLE3, MTP): rows p0..p0+v-1 fed the token one ahead (x_{t+1});
+    include_next=True (draft LM): rows p0..p0+v fed their own tokens, the last being next_token
+    (for sequences that sampled; chunked-prefill rows stop at p0+v-1).
+    """
+    offsets = batch.valid_row_offsets()
+    pieces, counts = [], []
+    next_ids = torch.tensor(batch.next_token_ids, dtype=torch.int64, device=batch.token_ids.device)
+    for i in range(batch.num_seqs):
+        rows = batch.token_ids[offsets[i] : offsets[i + 1]]
+        if include_next:
+            if batch.samples[i]:
+                pieces += [rows, next_ids[i : i + 1]]
+                counts.append(len(rows) + 1)
+            else:
+                pieces.append(rows)
+                counts.append(len(rows))
+        else:
+            pieces += [rows[1:], next_ids[i : i + 1]]
+            counts.append(len(rows))
+    return torch.cat(pieces), list(batch.start_positions), counts

@@ -1,0 +1,160 @@
+"""EAGLE3 drafting: the head reads the target's aux hidden states and keeps its own KV cache.
+
+Which target layers feed it ("input of layer i" = HF hidden_states[i] = the residual stream
+entering layer i), in order of precedence:
+  1. speculative_config["eagle3_aux_layer_ids"] / --eagle3-aux-layer-ids: read as inputs of
+     layers i (vLLM's reading of its own flag);
+  2. the head's eagle_config.eagle_aux_hidden_state_layer_ids (also read at the top level):
+     read as SpecForge and SGLang write them, "output of layer j", so we capture the input of
+     layer j + 1 (SpecForge's default [1, N//2 - 1, N - 4] is inputs 2, N//2, N - 3);
+  3. the default inputs of layers 2, N//2, N - 3.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from foretell.loader import checkpoint_keys, load_weights
+from foretell.models.base import HFConfig, ModelOptions
+from foretell.models.eagle3 import Eagle3Head
+from foretell.runner.model_loading import default_dtype
+from foretell.spec_decode.draft_loop import DraftLoopProposer, catch_up_rows
+from foretell.spec_decode.proposer import DraftBatch, catch_up_metadata
+
+EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def resolve_aux_layers(flag_ids, head_config: HFConfig, num_layers: int) -> tuple[int, ...]:
+    if flag_ids is not None:
+        ids, source = tuple(int(i) for i in flag_ids), "eagle3_aux_layer_ids"
+    else:
+        eagle = head_config.get("eagle_config") or {}
+        written = eagle.get("eagle_aux_hidden_state_layer_ids") or head_config.get(
+            "eagle_aux_hidden_state_layer_ids"
+        )
+        if written:
+            ids = tuple(int(j) + 1 for j in written)
+            source = f"{head_config.source} eagle_aux_hidden_state_layer_ids {list(written)} (+1)"
+        else:
+            ids, source = default_aux_layers(num_layers), "default"
+    if len(ids) != 3 or any(not 0 <= i < num_layers for i in ids):
+        raise ValueError(
+            f"EAGLE3 aux layers {list(ids)} (from {source}) must be 3 layer inputs in "
+            f"[0, {num_layers}) for a target with {num_layers} layers"
+        )
+    return ids
+
+
+class Eagle3Proposer(DraftLoopProposer):
+    method = "eagle3"
+    row_offset = -1
+
+    def __init__(self, config, target_hf_config: HFConfig, options: ModelOptions):
+        super().__init__(config.num_speculative_tokens)
+        self.folder = config.model
+        self.head_config = HFConfig.from_folder(config.model)
+        archs = self.head_config.get("architectures") or []
+        if not any(a in EAGLE3_ARCHITECTURES for a in archs):
+            raise ValueError(
+                f"{self.head_config.source}: architectures {archs} is not an EAGLE3 head; expected "
+                f"one of {list(EAGLE3_ARCHITECTURES)}"
+            )
+        self.target_hidden = target_hf_config.hidden_size
+        self.target_vocab = target_hf_config.vocab_size
+        self.target_max_positions = target_hf_config.get("max_position_embeddings", 2048)
+        self.aux_hidden_state_layers = resolve_aux_layers(
+            config.eagle3_aux_layer_ids, self.head_config, target_hf_config.num_hidden_layers
+        )
+        draft_vocab = self.head_config.get("draft_vocab_size", self.head_config.vocab_size)
+        if draft_vocab > self.target_vocab:
+            raise ValueError(
+                f"{self.head_config.source}: draft_vocab_size {draft_vocab} is larger than the "
+                f"target's vocab_size {self.target_vocab}"
+            )
+        declared = self.head_config.get("target_hidden_size", self.target_hidden)
+        if declared != self.target_hidden:
+            raise ValueError(
+                f"{self.head_config.source}: target_hidden_size {declared} does not match the "
+                f"target's hidden_size {self.target_hidden}; this head was trained for another target"
+            )
+        self.options = ModelOptions(options.dtype, options.device, options.attention_backend)
+        self.init_loop(options.device, self.target_vocab)
+        self.head: Eagle3Head | None = None
+
+    @classmethod
+    def from_config(cls, config, target_hf_config, options) -> "Eagle3Proposer":
+        return cls(config, target_hf_config, options)
+
+    def load(self, target: nn.Module) -> None:
+        keys = checkpoint_keys(self.folder)
+        has_embed = any(k.endswith("embed_tokens.weight") for k in keys)
+        has_lm_head = "lm_head.weight" in keys
+        fc_shape = _fc_shape(self.folder, keys)
+        if fc_shape is not None and fc_shape[1] != 3 * self.target_hidden:
+            raise ValueError(
+                f"{self.folder}: fc.weight has input width {fc_shape[1]}, expected 3 x target "
+                f"hidden = {3 * self.target_hidden}"
+            )
+        with default_dtype(self.options.dtype), torch.device(self.options.device):
+            head = Eagle3Head(
+                self.head_config, self.target_hidden, self.target_max_positions,
+                self.options, has_embed, has_lm_head,
+            )
+        if not has_lm_head and head.draft_vocab_size != self.target_vocab:
+            raise ValueError(
+                f"{self.folder} has no lm_head.weight and a draft vocabulary of "
+                f"{head.draft_vocab_size} != the target's {self.target_vocab}, so it cannot share "
+                f"the target's lm_head"
+            )
+        load_weights(head, self.folder)
+        head.share(target.get_input_embeddings(), target.get_output_embeddings())
+        target_ids = head.target_ids()
+        if bool(((target_ids < 0) | (target_ids >= self.target_vocab)).any()):
+            bad = int(torch.nonzero((target_ids < 0) | (target_ids >= self.target_vocab))[0])
+            raise ValueError(
+                f"{self.folder}: d2t maps draft id {bad} to target id {int(target_ids[bad])}, "
+                f"outside the target vocabulary [0, {self.target_vocab})"
+            )
+        self.head = head.eval()
+        self._target_ids = target_ids
+
+    def kv_layers(self) -> list[nn.Module]:
+        return self.head.attention_layers()
+
+    @property
+    def draft_dtype(self) -> torch.dtype:
+        return self.options.dtype
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return self._target_ids[draft_ids]
+
+    def to_target_probs(self, probs: torch.Tensor) -> torch.Tensor:  # [n, Vd] -> [n, Vt]
+        out = probs.new_zeros(probs.shape[0], self.target_vocab)
+        return out.index_copy_(1, self._target_ids, probs)
+
+    def catch_up(self, batch: DraftBatch, last_rows: list[int]):
+        input_ids, starts, counts = catch_up_rows(batch, include_next=False)
+        positions = torch.cat(
+            [torch.arange(p, p + n, device=self.device) for p, n in zip(starts, counts)]
+        )
+        metadata = catch_up_metadata(starts, counts, batch.block_table, batch.block_size, self.draft_block_size)
+        g = self.head.combine(batch.aux_hidden_states)
+        h = self.head(input_ids, positions, g, metadata)  # [rows, H]
+        if not last_rows:
+            return None, None
+        ends = torch.tensor(metadata.query_start_loc_cpu[1:], device=self.device) - 1
+        state = h[ends[last_rows]]
+        return self.head.compute_logits(state), state
+
+    def chain_step(self, tokens, positions, metadata, state):
+        h = self.head(tokens, positions, state, metadata)
+        return self.head.compute_logits(h), h
+
+
+def _fc_shape(folder: str, keys: dict[str, tuple[int, ...]]) -> tuple[int, ...] | None:
+    return keys.get("fc.weight")

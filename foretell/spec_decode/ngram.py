@@ -1,0 +1,46 @@
+"""Prompt-lookup (n-gram) drafting: no model, just the sequence's own tokens.
+
+For n from prompt_lookup_max down to prompt_lookup_min, find the most recent earlier occurrence of
+the last n tokens and propose the (up to) k tokens that followed it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from foretell.spec_decode.proposer import DraftBatch, Proposal, Proposer
+
+
+def lookup(history: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    tokens = np.asarray(history, dtype=np.int64)
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        pattern = tokens[length - n :]
+        # windows[i] = tokens[i : i + n], for starts that leave at least one token after them
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
+        hits = np.flatnonzero((windows == pattern).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return tokens[start : start + k].tolist()
+    return []
+
+
+class NgramProposer(Proposer):
+    method = "ngram"
+    deterministic = True
+
+    def __init__(self, num_speculative_tokens: int, min_n: int, max_n: int):
+        super().__init__(num_speculative_tokens)
+        self.min_n = min_n
+        self.max_n = max_n
+
+    @classmethod
+    def from_config(cls, config, target_hf_config, options) -> "NgramProposer":
+        return cls(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+
+    def propose(self, batch: DraftBatch) -> Proposal:
+        drafts = [
+            lookup(history, self.k, self.min_n, self.max_n) if samples else []
+            for history, samples in zip(batch.histories, batch.samples)
+        ]
+        return Proposal(drafts, [None] * len(drafts))
