@@ -243,7 +243,7 @@ def load_weights(
             weight_loader(param, tensor, shard)
         except ValueError as e:
             raise CheckpointError(
-                f"{path}: tensor {key!r} does not fit parameter {_shard_label(name, shard)}: {e}"
+                f"{path}: tensor {key!r} does not fit parameter {name}: {e}"
             ) from e
         loaded[(name, shard)] = (key, path)
 
@@ -282,8 +282,7 @@ def fill_dummy_weights(model: nn.Module, seed: int = 0) -> None:
             if value is not None:
                 param.fill_(value)
                 continue
-            generator = torch.Generator().manual_seed(
-                ((seed & 0x7FFFFFFF) << 32) | zlib.crc32(name.encode())
-            )
+            # The CPU generator keeps only 32 bits of its seed: hash seed and name together.
+            generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
             values = torch.randn(param.shape, generator=generator, device="cpu") * DUMMY_STD
             param.copy_(values.to(param.dtype))
