@@ -7,6 +7,8 @@ decode steps); aux hidden states must equal HF's `hidden_states[i]` (the input o
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -49,7 +51,8 @@ def hf_run(folder: str, tokens: list[int], output_hidden_states: bool = False):
 
 
 def prompt(length: int, seed: int) -> list[int]:
-    return torch.randint(0, TOKENIZER_SIZE, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, TOKENIZER_SIZE, (length,), generator=generator).tolist()
 
 
 @pytest.fixture(params=FAMILIES)
@@ -149,3 +152,14 @@ def test_tied_model_has_no_lm_head_parameter(qwen3_tied_checkpoint):
     names = dict(model.named_parameters())
     assert "lm_head.weight" not in names
     assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_sliding_window_warns(mistral_checkpoint):
+    data = HFConfig.from_folder(mistral_checkpoint).to_dict()
+    options = ModelOptions(torch.float32, torch.device("cpu"), TorchAttentionBackend())
+    with pytest.warns(UserWarning, match="sliding_window=8 is not implemented"):
+        resolve_model_class(HFConfig(data))(HFConfig({**data, "sliding_window": 8}), options)
+    qwen2_like = {**data, "sliding_window": 8, "use_sliding_window": False}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resolve_model_class(HFConfig(data))(HFConfig(qwen2_like), options)
