@@ -147,7 +147,9 @@ def _iter_pt(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         )
     for key, tensor in state.items():
         if not isinstance(tensor, torch.Tensor):
-            raise CheckpointError(f"{path}: entry {key!r} is a {type(tensor).__name__}, not a tensor")
+            raise CheckpointError(
+                f"{path}: entry {key!r} is a {type(tensor).__name__}, not a tensor"
+            )
         yield key, tensor
 
 

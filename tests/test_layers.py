@@ -66,7 +66,8 @@ def test_qkv_linear_places_shards_and_matches_separate_projections():
 
 def test_qkv_linear_rejects_bad_shard_and_shape():
     layer = QKVLinear(16, 4, 4, 2)
-    with pytest.raises(ValueError, match=r"shard 'k': expected shape \(8, 16\), found shape \(16, 16\)"):
+    expected = r"shard 'k': expected shape \(8, 16\), found shape \(16, 16\)"
+    with pytest.raises(ValueError, match=expected):
         layer.weight.weight_loader(layer.weight, torch.zeros(16, 16), "k")
     with pytest.raises(ValueError, match=r"shards \['q', 'k', 'v'\].*'x'"):
         layer.weight.weight_loader(layer.weight, torch.zeros(8, 16), "x")

@@ -120,7 +120,8 @@ def test_sharded_pytorch_bin(llama2_bin_checkpoint, tmp_path):
 def test_explicit_load_format(qwen3_checkpoint, llama2_bin_checkpoint):
     load(qwen3_checkpoint, load_format="safetensors")
     load(llama2_bin_checkpoint, load_format="pt")
-    with pytest.raises(CheckpointError, match=r"pytorch_model\.bin\.index\.json, pytorch_model\.bin"):
+    looked_for = r"pytorch_model\.bin\.index\.json, pytorch_model\.bin"
+    with pytest.raises(CheckpointError, match=looked_for):
         load(qwen3_checkpoint, load_format="pt")
     with pytest.raises(CheckpointError, match=r"model\.safetensors"):
         load(llama2_bin_checkpoint, load_format="safetensors")
@@ -142,7 +143,8 @@ def test_dummy_weights(qwen3_checkpoint, tmp_path):
     assert_same_params(a, b)
     c = new_model(qwen3_checkpoint)
     load_weights(c, missing_folder, load_format="dummy", seed=1)
-    assert not torch.equal(params(a)["model.embed_tokens.weight"], params(c)["model.embed_tokens.weight"])
+    embed = "model.embed_tokens.weight"
+    assert not torch.equal(params(a)[embed], params(c)[embed])
     for name, p in params(a).items():
         if name.endswith("norm.weight"):
             assert torch.all(p == 1.0), name
@@ -222,7 +224,9 @@ def test_truncated_bin(llama2_bin_checkpoint, tmp_path):
 
 
 def test_no_weight_files(qwen3_checkpoint, tmp_path):
-    folder = make_variant(qwen3_checkpoint, str(tmp_path / "v"), delete_files=("model.safetensors",))
+    folder = make_variant(
+        qwen3_checkpoint, str(tmp_path / "v"), delete_files=("model.safetensors",)
+    )
     message = load_error(folder, qwen3_checkpoint)
     assert f"no weight files in {folder}" in message
     for name in ("model.safetensors.index.json", "model.safetensors", "*.safetensors",
@@ -246,7 +250,8 @@ def test_index_lists_a_key_its_shard_lacks(qwen3_sharded_checkpoint, tmp_path):
     index["weight_map"]["model.layers.0.extra.weight"] = "model-00002-of-00002.safetensors"
     json.dump(index, open(index_path, "w"))
     message = load_error(folder, qwen3_sharded_checkpoint)
-    assert "model-00002-of-00002.safetensors" in message and "model.layers.0.extra.weight" in message
+    assert "model-00002-of-00002.safetensors" in message
+    assert "model.layers.0.extra.weight" in message
 
 
 def test_unreadable_index(qwen3_sharded_checkpoint, tmp_path):
