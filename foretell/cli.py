@@ -55,6 +55,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 COMMANDS = {
     "generate": add_generate_parser,
+    "serve": lambda sub: __import__("foretell.server.cli", fromlist=["cli"]).add_serve_parser(sub),
 }
 
 

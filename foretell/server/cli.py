@@ -1,0 +1,65 @@
+"""`foretell serve`: the engine flags plus the server's, and a uvicorn run that shuts down cleanly.
+
+FastAPI and uvicorn are imported only when the command runs, so the rest of the CLI works
+without the `server` extra. On SIGTERM (or Ctrl+C) the server stops accepting connections,
+aborts what is in flight (streams end with finish_reason "abort", their KV blocks are freed),
+stops the engine thread and exits 0. The model loads in the engine thread while the server
+already listens: /health answers 503 until it is ready.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from foretell.cli_args import add_engine_args, engine_kwargs_from_args
+
+API_KEY_ENV = "FORETELL_API_KEY"
+
+
+def add_serve_parser(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    add_engine_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: all interfaces)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--served-model-name", help="the name clients pass as `model` (default: --model)")
+    g.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV})")
+    g.add_argument("--max-queued-requests", type=int,
+                   help="answer 503 (Retry-After) while more requests than this wait for their "
+                        "first token (default: no limit)")
+    g.add_argument("--log-stats-interval-s", type=float, default=10.0,
+                   help="seconds between engine stats log lines while busy (0: never)")
+    g.add_argument("--timeout-graceful-shutdown", type=float, default=10.0,
+                   help="seconds to wait for open responses on shutdown before cancelling them")
+    g.add_argument("--no-access-log", dest="access_log", action="store_false",
+                   help="do not log every HTTP request")
+    g.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    p.set_defaults(func=run_serve)
+
+
+def check_server_args(args: argparse.Namespace) -> None:
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    if args.max_queued_requests is not None and args.max_queued_requests < 0:
+        raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from foretell.config import build_engine_config
+    from foretell.server.api import build_app
+    from foretell.server.async_engine import AsyncEngine
+    from foretell.server.launcher import serve_forever
+
+    check_server_args(args)
+    kwargs = engine_kwargs_from_args(args)
+    config = build_engine_config(args.model, log_stats_interval_s=args.log_stats_interval_s, **kwargs)
+    async_engine = AsyncEngine(config)
+    app = build_app(async_engine, args.served_model_name or args.model, args.api_key or None,
+                    args.max_queued_requests)
+    return serve_forever(
+        app, async_engine, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+        access_log=args.access_log, timeout_graceful_shutdown=args.timeout_graceful_shutdown,
+    )
