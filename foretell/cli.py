@@ -55,6 +55,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
 COMMANDS = {
     "generate": add_generate_parser,
+    "bench": lambda sub: __import__("foretell.bench.cli", fromlist=["cli"]).add_bench_parser(sub),
+    "eval": lambda sub: __import__("foretell.eval.cli", fromlist=["cli"]).add_eval_parser(sub),
     "serve": lambda sub: __import__("foretell.server.cli", fromlist=["cli"]).add_serve_parser(sub),
 }
 

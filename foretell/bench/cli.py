@@ -1,0 +1,173 @@
+"""`foretell bench` (offline sweep) and `foretell bench serve` (load against a server): flags and
+the two command functions. Importing this module is cheap; torch, matplotlib and httpx load only
+when a command runs."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+
+from foretell.cli_args import add_engine_args, engine_kwargs_from_args, speculative_config_from_args
+
+DESCRIPTION = """\
+Sweep speculative methods x k x batch sizes on a prompt set and report acceptance (rate, mean
+length, per position, accepted-count distribution), draft and verify step times, tokens/s and
+speedup over no speculation measured in the same run, against the speedup predicted from the
+measured acceptance and costs. Example:
+
+  foretell bench --model Qwen3-8B --methods eagle3 --draft-model EAGLE3-Qwen3-8B \\
+      --k 1,2,3,5 --batch-sizes 1,8 --dataset mt_bench --num-prompts 32 --max-tokens 256 \\
+      --output-json bench.json --plot-dir plots/
+
+`foretell bench serve --help` for the load generator against an OpenAI-compatible server.
+"""
+
+
+def add_dataset_args(g, default_dataset: str) -> None:
+    g.add_argument(
+        "--dataset", default=default_dataset,
+        help="gsm8k | mt_bench | humaneval | random, or the path of a .jsonl file (one prompt per "
+        "line: a string or an object with prompt / text / question / prompt_token_ids)",
+    )
+    g.add_argument("--num-prompts", type=int, default=16)
+    g.add_argument("--input-len", type=int, default=128, help="prompt length of --dataset random")
+    g.add_argument("--max-tokens", "--output-len", dest="max_tokens", type=int, default=128,
+                   help="tokens to generate per request")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="always generate --max-tokens tokens (fixed output lengths)")
+    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+
+
+def add_bench_parser(sub) -> None:
+    p = sub.add_parser(
+        "bench", help="benchmark speculative configurations (or a server: bench serve)",
+        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_engine_args(p, model_required=False)
+    g = p.add_argument_group("sweep")
+    g.add_argument("--methods", help="comma-separated methods to sweep (default: --method)")
+    g.add_argument("--k", help="comma-separated num_speculative_tokens values, e.g. 1,2,3 "
+                   "(default: --num-speculative-tokens, else 3)")
+    g.add_argument("--batch-sizes", default="1", help="comma-separated concurrent requests, e.g. 1,8")
+    g.add_argument("--method-model", action="append", metavar="METHOD=DIR",
+                   help="draft folder for one method when sweeping several (repeatable)")
+    add_dataset_args(g, "gsm8k")
+    g.add_argument("--chat", action="store_true", help="wrap text prompts in the chat template")
+    g.add_argument("--no-warmup", dest="warmup", action="store_false")
+    g.add_argument("--compare", action="append", choices=["hf"], default=[],
+                   help="hf: also run transformers' generate (assisted for draft_model)")
+    g.add_argument("--output-json", help="write the full report here")
+    g.add_argument("--plot-dir", help="write PNG plots here")
+    p.set_defaults(func=run_bench_command)
+    modes = p.add_subparsers(dest="bench_mode", metavar="{serve}")
+    add_serve_parser(modes)
+
+
+def add_serve_parser(modes) -> None:
+    p = modes.add_parser(
+        "serve", help="load generator against an OpenAI-compatible server",
+        description="Send streaming requests to an OpenAI-compatible server and report TTFT, "
+        "TPOT, ITL and latency percentiles, throughput, and acceptance read from /metrics.",
+    )
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--api", choices=["completions", "chat"], default="completions")
+    p.add_argument("--endpoint", help="request path (default: /v1/completions or /v1/chat/completions)")
+    p.add_argument("--model", dest="served_model", help="model name (default: the first of /v1/models)")
+    p.add_argument("--tokenizer", dest="serve_tokenizer",
+                   help="tokenizer folder; --dataset random draws token ids from it")
+    p.add_argument("--request-rate", type=float, default=math.inf,
+                   help="requests per second, Poisson arrivals (default inf: all at once)")
+    p.add_argument("--max-concurrency", type=int, help="requests in flight at most")
+    p.add_argument("--seed", dest="serve_seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--metrics-url", help="Prometheus endpoint (default: BASE_URL/metrics; '' to skip)")
+    p.add_argument("--percentiles", default="50,90,99")
+    p.add_argument("--output-json", dest="serve_output_json")
+    add_dataset_args(p, "mt_bench")
+    p.set_defaults(func=run_serve_command)
+
+
+def build_bench_settings(args: argparse.Namespace):
+    from foretell.bench.offline import BenchSettings
+    from foretell.bench.sweep import (
+        DRAFT_MODEL_METHODS, parse_int_list, parse_methods, speculative_configs,
+    )
+
+    if not args.model:
+        raise ValueError("foretell bench needs --model DIR (or run `foretell bench serve ...`)")
+    spec = speculative_config_from_args(args) or {}
+    method = spec.pop("method", None)
+    draft = spec.pop("model", None)
+    single_k = spec.pop("num_speculative_tokens", None)
+    methods = parse_methods(args.methods) if args.methods else ([method] if method else [])
+    if args.k and not methods:
+        raise ValueError("--k needs speculative methods: add --methods (or --method)")
+    ks = parse_int_list(args.k, "--k") if args.k else [single_k or 3]
+    batch_sizes = parse_int_list(args.batch_sizes, "--batch-sizes")
+    method_models = {m: draft for m in methods if draft and m in DRAFT_MODEL_METHODS}
+    for item in args.method_model or []:
+        name, sep, folder = item.partition("=")
+        if not sep or not folder or name not in methods:
+            raise ValueError(
+                f"--method-model {item!r}: expected METHOD=DIR with METHOD one of {methods}"
+            )
+        method_models[name] = folder
+    kwargs = engine_kwargs_from_args(args)
+    kwargs.pop("speculative_config", None)
+    return BenchSettings(
+        model=args.model, engine_kwargs=kwargs,
+        speculative_configs=speculative_configs(methods, ks, method_models, spec),
+        batch_sizes=batch_sizes, dataset=args.dataset, num_prompts=args.num_prompts,
+        input_len=args.input_len, max_tokens=args.max_tokens, temperature=args.temperature,
+        ignore_eos=args.ignore_eos, chat=args.chat, seed=args.seed, warmup=args.warmup,
+        progress=args.progress, compare=list(args.compare),
+    )
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    from foretell.bench.offline import run_bench
+    from foretell.bench.report import sweep_summary, write_json
+
+    report = run_bench(build_bench_settings(args))
+    print(sweep_summary(report))
+    if args.output_json:
+        write_json(args.output_json, report)
+        print(f"\nwrote {args.output_json}")
+    if args.plot_dir:
+        from foretell.bench.plots import write_plots
+
+        paths = write_plots(report, args.plot_dir)
+        print(f"wrote {len(paths)} plots to {args.plot_dir}")
+    return 0
+
+
+def run_serve_command(args: argparse.Namespace) -> int:
+    from foretell.bench.datasets import load_prompts, ordinary_vocab
+    from foretell.bench.report import write_json
+    from foretell.bench.serve_load import ServeSettings, format_serve_report, run_serve_load
+    from foretell.bench.sweep import parse_float_list
+
+    vocab = None
+    if args.dataset == "random":
+        if not args.serve_tokenizer:
+            raise ValueError("--dataset random needs --tokenizer DIR to draw token ids from")
+        from foretell.tokenizer import Tokenizer
+
+        vocab = ordinary_vocab(Tokenizer(args.serve_tokenizer))
+    prompts = load_prompts(args.dataset, args.num_prompts, args.serve_seed, args.input_len, vocab)
+    settings = ServeSettings(
+        base_url=args.base_url, prompts=prompts, model=args.served_model, api=args.api,
+        endpoint=args.endpoint, max_tokens=args.max_tokens, temperature=args.temperature,
+        ignore_eos=args.ignore_eos, request_rate=args.request_rate,
+        max_concurrency=args.max_concurrency, seed=args.serve_seed, timeout_s=args.timeout,
+        metrics_url=args.metrics_url, percentiles=parse_float_list(args.percentiles, "--percentiles"),
+        progress=args.progress,
+    )
+    report = asyncio.run(run_serve_load(settings))
+    print(format_serve_report(report))
+    if args.serve_output_json:
+        write_json(args.serve_output_json, report)
+        print(f"\nwrote {args.serve_output_json}")
+    return 0 if report["completed"] else 1

@@ -1,0 +1,163 @@
+"""Prompt sets for benchmarks: the data shipped in foretell/data, random token prompts, or a JSONL
+file of the user's.
+
+A prompt is text or token ids (random prompts are token ids, so their length is exact). Loading
+never needs a tokenizer except for `random`, which needs the vocabulary to draw from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
+
+# Keys a JSONL prompt file may use, in the order they are looked for.
+TEXT_KEYS = ("prompt", "text", "question", "instruction", "input")
+
+
+@dataclass
+class Prompt:
+    text: str | None = None
+    token_ids: list[int] | None = None
+    source: str = ""  # where it came from: "gsm8k:12", "file.jsonl:3", ...
+
+
+def data_path(name: str) -> str:
+    """Absolute path of a file shipped in foretell/data."""
+    path = os.path.join(DATA_DIR, name)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"{path} is missing: the package data was not installed (reinstall foretell)"
+        )
+    return path
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """Objects of a JSON Lines file; blank lines are skipped, bad lines raise with their number."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"prompt file {path} does not exist")
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}, line {number}: not valid JSON ({e})") from e
+    return records
+
+
+def _gsm8k(records: list[dict]) -> list[Prompt]:
+    return [
+        Prompt(text=f"Question: {r['question']}\nAnswer:", source=f"gsm8k:{i}")
+        for i, r in enumerate(records)
+    ]
+
+
+def _mt_bench(records: list[dict]) -> list[Prompt]:
+    # The first turn only: the second turn needs the model's answer to the first.
+    return [Prompt(text=r["turns"][0], source=f"mt_bench:{r['question_id']}") for r in records]
+
+
+def _humaneval(records: list[dict]) -> list[Prompt]:
+    return [Prompt(text=r["prompt"], source=r["task_id"]) for r in records]
+
+
+SHIPPED: dict[str, tuple[str, Callable[[list[dict]], list[Prompt]]]] = {
+    "gsm8k": ("gsm8k_test.jsonl", _gsm8k),
+    "mt_bench": ("mt_bench.jsonl", _mt_bench),
+    "humaneval": ("humaneval.jsonl", _humaneval),
+}
+DATASET_NAMES = tuple(sorted(SHIPPED)) + ("random",)
+
+
+def prompt_from_record(record, where: str) -> Prompt:
+    """One line of a user's JSONL file: a string, or an object with prompt_token_ids, one of
+    TEXT_KEYS, or `turns` (the first turn is used)."""
+    if isinstance(record, str):
+        text = record
+    elif isinstance(record, dict):
+        ids = record.get("prompt_token_ids")
+        if ids is not None:
+            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
+                raise ValueError(f"{where}: prompt_token_ids must be a non-empty list of integers")
+            return Prompt(token_ids=ids, source=where)
+        text = next((record[k] for k in TEXT_KEYS if k in record), None)
+        if text is None and isinstance(record.get("turns"), list) and record["turns"]:
+            text = record["turns"][0]
+        if text is None:
+            raise ValueError(
+                f"{where}: found none of the keys prompt_token_ids, {', '.join(TEXT_KEYS)}, turns "
+                f"(keys present: {sorted(record)})"
+            )
+    else:
+        raise ValueError(f"{where}: expected a JSON string or object, got {type(record).__name__}")
+    if not isinstance(text, str) or not text:
+        raise ValueError(f"{where}: the prompt must be a non-empty string")
+    return Prompt(text=text, source=where)
+
+
+def load_file(path: str) -> list[Prompt]:
+    prompts = [
+        prompt_from_record(r, f"{path}, record {i + 1}") for i, r in enumerate(read_jsonl(path))
+    ]
+    if not prompts:
+        raise ValueError(f"prompt file {path} has no prompts (it is empty or only blank lines)")
+    return prompts
+
+
+def ordinary_vocab(tokenizer) -> list[int]:
+    """Token ids of a foretell Tokenizer that are not special (nor EOS)."""
+    special = set(getattr(tokenizer.hf, "all_special_ids", None) or []) | set(tokenizer.eos_token_ids)
+    return [i for i in range(tokenizer.vocab_size) if i not in special]
+
+
+def random_prompts(
+    num_prompts: int, input_len: int, vocab: Iterable[int], seed: int
+) -> list[Prompt]:
+    """Prompts of exactly input_len token ids drawn uniformly from vocab (no special tokens)."""
+    if input_len < 1:
+        raise ValueError(f"--input-len must be >= 1 for the random dataset, got {input_len}")
+    choices = list(vocab)
+    if not choices:
+        raise ValueError("the tokenizer has no ordinary tokens to draw random prompts from")
+    rng = random.Random(seed)
+    return [
+        Prompt(token_ids=[rng.choice(choices) for _ in range(input_len)], source=f"random:{i}")
+        for i in range(num_prompts)
+    ]
+
+
+def load_prompts(
+    dataset: str,
+    num_prompts: int | None = None,
+    seed: int = 0,
+    input_len: int = 128,
+    vocab: Iterable[int] | None = None,
+) -> list[Prompt]:
+    """num_prompts prompts of a shipped dataset (a seeded sample, so runs are comparable), of
+    `random`, or of a JSONL file (the first num_prompts, in file order). None: all of them
+    (random needs a number)."""
+    if num_prompts is not None and num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {num_prompts}")
+    if dataset == "random":
+        if vocab is None:
+            raise ValueError("the random dataset needs a tokenizer vocabulary")
+        return random_prompts(num_prompts or 16, input_len, vocab, seed)
+    if dataset in SHIPPED:
+        filename, convert = SHIPPED[dataset]
+        prompts = convert(read_jsonl(data_path(filename)))
+        if num_prompts is not None and num_prompts < len(prompts):
+            prompts = random.Random(seed).sample(prompts, num_prompts)
+        return prompts
+    if dataset.endswith(".jsonl") or os.path.sep in dataset or os.path.exists(dataset):
+        return load_file(dataset)[:num_prompts]
+    raise ValueError(
+        f"unknown dataset {dataset!r}: expected one of {', '.join(DATASET_NAMES)}, or the path of "
+        f"a .jsonl file"
+    )

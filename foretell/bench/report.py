@@ -1,0 +1,92 @@
+"""Text tables and JSON files for bench reports (offline sweep and serve load)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Sequence
+
+
+def fmt(value: Any, spec: str = ".2f") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    if isinstance(value, (int, float)):
+        return format(value, spec)
+    return str(value)
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A Markdown table (readable as plain text too, pastes into BENCHMARKS.md as is)."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    def line(cells):
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(headers), sep] + [line(r) for r in rows])
+
+
+def per_position(values: list[float] | None) -> str:
+    return "/".join(f"{v:.2f}" for v in values) if values else "-"
+
+
+SWEEP_HEADERS = (
+    "method", "k", "bs", "tok/s", "speedup", "predicted", "pred. (step)", "accept", "mean len",
+    "per position", "draft ms", "verify ms", "draft/verify", "greedy = base",
+)
+
+
+def sweep_table(report: dict[str, Any]) -> str:
+    rows = []
+    for r in report["results"]:
+        rows.append([
+            r["method"], str(r["k"]), str(r["batch_size"]), fmt(r["tokens_per_s"], ".1f"),
+            fmt(r.get("speedup"), ".2f"), fmt(r.get("predicted_speedup"), ".2f"),
+            fmt(r.get("predicted_speedup_step_model"), ".2f"), fmt(r.get("acceptance_rate"), ".2f"),
+            fmt(r.get("mean_acceptance_length"), ".2f"), per_position(r.get("acceptance_per_position")),
+            fmt(r.get("draft_step_ms"), ".2f"), fmt(r.get("target_step_ms"), ".2f"),
+            fmt(r.get("draft_verify_ratio"), ".2f"), fmt(r.get("matches_baseline")),
+        ])
+    return table(SWEEP_HEADERS, rows)
+
+
+def hf_table(comparison: dict[str, Any]) -> str:
+    headers = ("method", "k", "transformers mode", "HF tok/s (bs 1)",
+               f"foretell tok/s (bs {comparison['foretell_batch_size']})", "same tokens")
+    rows = [
+        [r["method"], str(r["k"]), r["hf_mode"], fmt(r["hf_tokens_per_s"], ".1f"),
+         fmt(r["foretell_tokens_per_s"], ".1f"), f"{r['num_agree']}/{r['num_prompts']}"]
+        for r in comparison["rows"]
+    ]
+    return table(headers, rows)
+
+
+def sweep_summary(report: dict[str, Any]) -> str:
+    d = report["dataset"]
+    head = (
+        f"foretell bench: {report['model']} on {report['device']} ({report['dtype']}), dataset "
+        f"{d['name']} ({d['num_prompts']} prompts, mean {d['mean_prompt_tokens']:.0f} tokens), "
+        f"max_tokens {d['max_tokens']}, temperature {d['temperature']}"
+    )
+    parts = [head, "", sweep_table(report)]
+    if "hf_comparison" in report:
+        parts += ["", "Hugging Face transformers, same prompts and token counts:", "",
+                  hf_table(report["hf_comparison"])]
+    mismatched = [r for r in report["results"] if r.get("matches_baseline") is False]
+    if mismatched:
+        parts += ["", "WARNING: greedy outputs differ from no speculation for: " + ", ".join(
+            f"{r['method']} k={r['k']} bs={r['batch_size']}" for r in mismatched)]
+    return "\n".join(parts)
+
+
+def write_json(path: str, data: dict[str, Any]) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2, allow_nan=False, default=_nan_free)
+        f.write("\n")
+
+
+def _nan_free(value: Any) -> Any:
+    raise TypeError(f"cannot write {type(value).__name__} to JSON")
