@@ -1,0 +1,51 @@
+"""The Triton attention backend: the AttentionBackend protocol over the kernels in triton_kernels.
+
+Same semantics as TorchAttentionBackend (its twin). Every launch reads only host ints that the
+metadata already carries (max_query_len) and tensor shapes, so a step is CUDA-graph capturable
+once each kernel shape has been compiled by a warm-up run. The split-K choice for decode depends
+on shapes only (the block table's width, not max_seq_len), so eager and captured runs agree.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from foretell.layers.attention.metadata import AttentionMetadata
+from foretell.layers.attention.triton_kernels import paged_attention_triton, write_kv_triton
+
+
+class TritonAttentionBackend:
+    name = "triton"
+
+    def write_kv(
+        self,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        slot_mapping: torch.Tensor,  # [num_tokens] int64; -1 marks padded rows
+    ) -> None:
+        write_kv_triton(key, value, kv_cache, slot_mapping)
+
+    def attend(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        if kv_cache.shape[2] != metadata.block_size:
+            raise ValueError(
+                f"metadata is paged with block_size {metadata.block_size} but the cache has "
+                f"blocks of {kv_cache.shape[2]}; derive it with AttentionMetadata.with_block_size"
+            )
+        out = torch.empty_like(query)
+        return paged_attention_triton(
+            query,
+            kv_cache,
+            metadata.block_table,
+            metadata.seq_lens,
+            metadata.query_start_loc,
+            metadata.max_query_len,
+            scale,
+            out,
+        )

@@ -1,0 +1,449 @@
+"""Triton kernels over the paged GQA cache: the KV write and one varlen attention kernel.
+
+Twins: `write_kv_torch` and `TorchAttentionBackend.attend` in torch_backend.py hold the reference
+semantics; tests/test_triton_attention.py holds the two together on random inputs.
+
+The attention kernel handles every kind of row in one launch: prefill chunks (with or without a
+cached prefix), decode (1 query token) and verify (1 + k query tokens). Each program owns one
+block of BLOCK_Q query tokens of one sequence and one kv head. The query heads that share that kv
+head are packed with the query tokens into the M dimension of the tile (row m = token m // GROUP_P,
+head m % GROUP_P), so K/V are read once per kv-head group and decode/verify still feed tensor
+cores. The program walks the context in tiles of TILE_N tokens, gathering each token's block
+through the block table (so TILE_N need not equal the cache block size), with an online softmax
+in float32 (base 2, the scale folded in).
+
+Sequences are found without a host sync: sequence i is given floor(qsl[i+1]/BLOCK_Q) -
+floor(qsl[i]/BLOCK_Q) + 1 query blocks (at least the cdiv(q_len, BLOCK_Q) it needs), so the grid
+is num_tokens // BLOCK_Q + num_seqs blocks and a program finds its sequence by binary search over
+query_start_loc. Surplus blocks return at once. Grid sizes depend only on host ints (shapes and
+max_query_len), so a launch is CUDA-graph capturable.
+
+Long-context decode with few programs splits the context (flash-decoding): each of num_splits
+programs covers an equal share of its own context (sized in-kernel from seq_lens, so the split
+adapts to the real length) and writes an unnormalised partial result with its running max and
+sum; a second kernel merges the splits.
+
+Rows of `out` past query_start_loc[-1] (padding) are left untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    stride_key_token,
+    stride_key_head,
+    stride_value_token,
+    stride_value_head,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_P: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:  # padded rows (CUDA-graph padding) carry slot -1
+        return
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    heads = tl.arange(0, HEADS_P)
+    dims = tl.arange(0, HEAD_DIM_P)
+    mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
+    key = tl.load(
+        key_ptr + token * stride_key_token + heads[:, None] * stride_key_head + dims[None, :],
+        mask=mask,
+    )
+    value = tl.load(
+        value_ptr + token * stride_value_token + heads[:, None] * stride_value_head + dims[None, :],
+        mask=mask,
+    )
+    cache_offsets = (
+        block * stride_cache_block
+        + offset * stride_cache_slot
+        + heads[:, None] * stride_cache_head
+        + dims[None, :]
+    )
+    tl.store(k_cache_ptr + cache_offsets, key.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + cache_offsets, value.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv_triton(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64; slots < 0 are skipped
+) -> None:
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    key = _unit_last_stride(key)
+    value = _unit_last_stride(value)
+    _check_cache(kv_cache)
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _write_kv_kernel[(num_tokens,)](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        HEADS_P=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM_P=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=kv_cache.shape[2],
+    )
+
+
+@triton.jit
+def _paged_attention_kernel(
+    query_ptr,  # [num_tokens, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,
+    out_ptr,  # [num_tokens, num_heads, head_dim] (used when not split)
+    part_acc_ptr,  # [num_tokens, num_heads, num_splits, head_dim] fp32 (used when split)
+    part_max_ptr,  # [num_tokens, num_heads, num_splits] fp32, base-2 running max
+    part_sum_ptr,  # [num_tokens, num_heads, num_splits] fp32
+    block_table_ptr,  # [num_seqs, max_blocks] int32
+    seq_lens_ptr,  # [num_seqs] int32
+    query_start_loc_ptr,  # [num_seqs + 1] int32
+    num_seqs,
+    scale_log2,  # softmax scale * log2(e)
+    stride_q_token,
+    stride_q_head,
+    stride_out_token,
+    stride_out_head,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_table_seq,
+    GROUP: tl.constexpr,  # query heads per kv head
+    GROUP_P: tl.constexpr,  # next power of two of GROUP
+    BLOCK_Q: tl.constexpr,  # query tokens per program
+    BLOCK_M: tl.constexpr,  # BLOCK_Q * GROUP_P rows
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # cache block size
+    TILE_N: tl.constexpr,  # context tokens per inner step
+    SPLIT: tl.constexpr,  # write partials for the merge kernel instead of `out`
+    DOT_PRECISION: tl.constexpr,
+):
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+
+    # Binary search: the last sequence i with qsl[i] // BLOCK_Q + i <= q_block.
+    lo = tl.full([], 0, tl.int32)
+    hi = tl.full([], 0, tl.int32) + num_seqs
+    while lo < hi - 1:
+        mid = (lo + hi) // 2
+        first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        lo = tl.where(first_block <= q_block, mid, lo)
+        hi = tl.where(first_block <= q_block, hi, mid)
+    seq = lo
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    local_block = q_block - (q_start // BLOCK_Q + seq)
+    if local_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix_len = seq_len - q_len  # context before this step's first query token
+
+    rows = tl.arange(0, BLOCK_M)
+    row_token = local_block * BLOCK_Q + rows // GROUP_P  # token index within the sequence
+    row_head = rows % GROUP_P
+    row_valid = (row_token < q_len) & (row_head < GROUP)
+    row_pos = prefix_len + row_token  # causal limit: keys 0..row_pos
+    dims = tl.arange(0, HEAD_DIM_P)
+    dim_valid = dims < HEAD_DIM
+
+    head = kv_head * GROUP + row_head
+    token_index = (q_start + row_token).to(tl.int64)
+    q_offsets = (
+        token_index[:, None] * stride_q_token
+        + head[:, None] * stride_q_head
+        + dims[None, :]
+    )
+    q = tl.load(query_ptr + q_offsets, mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+
+    # Context this block needs: up to its last query token's position.
+    kv_end = prefix_len + tl.minimum(q_len, (local_block + 1) * BLOCK_Q)
+    num_tiles = tl.cdiv(kv_end, TILE_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
+    table_row = block_table_ptr + seq.to(tl.int64) * stride_table_seq
+    head_offset = kv_head.to(tl.int64) * stride_cache_head
+    cols = tl.arange(0, TILE_N)
+    for tile in range(tile_lo, tile_hi):
+        key_pos = tile * TILE_N + cols
+        key_valid = key_pos < kv_end
+        block_ids = tl.load(table_row + key_pos // BLOCK_SIZE, mask=key_valid, other=0)
+        token_offsets = (
+            block_ids.to(tl.int64) * stride_cache_block
+            + (key_pos % BLOCK_SIZE) * stride_cache_slot
+            + head_offset
+        )
+        kv_mask = key_valid[:, None] & dim_valid[None, :]
+        k = tl.load(k_cache_ptr + token_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + token_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        visible = (key_pos[None, :] <= row_pos[:, None]) & key_valid[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        # A row may see no key yet (a later split's range, or padding): keep it finite.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(scores - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(
+            p.to(v.dtype), v, input_precision=DOT_PRECISION
+        )
+        m_i = m_new
+
+    out_mask = row_valid[:, None] & dim_valid[None, :]
+    if SPLIT:
+        part_row = (token_index * (GROUP * tl.num_programs(1)) + head) * num_splits + split
+        tl.store(part_max_ptr + part_row, m_i, mask=row_valid)
+        tl.store(part_sum_ptr + part_row, l_i, mask=row_valid)
+        tl.store(part_acc_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], acc, mask=out_mask)
+    else:
+        result = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        out_offsets = (
+            token_index[:, None] * stride_out_token
+            + head[:, None] * stride_out_head
+            + dims[None, :]
+        )
+        tl.store(out_ptr + out_offsets, result.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    part_acc_ptr,  # [num_tokens, num_heads, num_splits, head_dim] fp32
+    part_max_ptr,  # [num_tokens, num_heads, num_splits] fp32
+    part_sum_ptr,  # [num_tokens, num_heads, num_splits] fp32
+    query_start_loc_ptr,
+    num_seqs,
+    num_splits,
+    stride_out_token,
+    stride_out_head,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    SPLITS_P: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    if token >= tl.load(query_start_loc_ptr + num_seqs):
+        return  # padding rows past the last sequence were never attended
+    row = token.to(tl.int64) * tl.num_programs(1) + head
+    splits = tl.arange(0, SPLITS_P)
+    split_valid = splits < num_splits
+    m = tl.load(part_max_ptr + row * num_splits + splits, mask=split_valid, other=float("-inf"))
+    s = tl.load(part_sum_ptr + row * num_splits + splits, mask=split_valid, other=0.0)
+    m_max = tl.max(m, axis=0)  # finite: split 0 always holds key 0
+    weight = tl.exp2(m - m_max)  # empty splits (-inf) weigh 0
+    total = tl.sum(s * weight, axis=0)
+    dims = tl.arange(0, HEAD_DIM_P)
+    acc = tl.load(
+        part_acc_ptr + (row * num_splits + splits)[:, None] * HEAD_DIM + dims[None, :],
+        mask=split_valid[:, None] & (dims[None, :] < HEAD_DIM),
+        other=0.0,
+    )
+    result = tl.sum(acc * weight[:, None], axis=0) / total
+    tl.store(
+        out_ptr + token.to(tl.int64) * stride_out_token + head * stride_out_head + dims,
+        result.to(out_ptr.dtype.element_ty),
+        mask=dims < HEAD_DIM,
+    )
+
+
+def paged_attention_triton(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_table: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, context length after this step's writes
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    max_query_len: int,
+    scale: float,
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim], written in place
+    num_splits: int | None = None,  # None: chosen from shapes; 1 disables the split
+) -> torch.Tensor:
+    """Causal varlen attention of each sequence's queries to its paged context; returns `out`."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_seqs = seq_lens.shape[0]
+    _check_cache(kv_cache)
+    _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
+    if cache_head_dim != head_dim or num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"query [{num_tokens}, {num_heads}, {head_dim}] does not fit a cache of "
+            f"{num_kv_heads} kv heads x head_dim {cache_head_dim}"
+        )
+    if out.stride(-1) != 1:
+        raise ValueError("paged_attention_triton needs `out` with a unit stride on head_dim")
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    query = _unit_last_stride(query)
+    group = num_heads // num_kv_heads
+    config = _launch_config(
+        group, head_dim, max_query_len, query.dtype, kv_cache.element_size()
+    )
+    block_q, block_m, tile_n = config["BLOCK_Q"], config["BLOCK_M"], config["TILE_N"]
+    if num_splits is None:
+        num_splits = _choose_num_splits(
+            query.device,
+            active_programs=num_seqs * triton.cdiv(max(max_query_len, 1), block_q) * num_kv_heads,
+            max_context=block_table.shape[1] * block_size,
+            max_query_len=max_query_len,
+            tile_n=tile_n,
+        )
+    num_q_blocks = num_tokens // block_q + num_seqs
+    split = num_splits > 1
+    if split:
+        part_acc = torch.empty(
+            (num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
+        )
+        part_max = torch.empty(
+            (num_tokens, num_heads, num_splits), dtype=torch.float32, device=query.device
+        )
+        part_sum = torch.empty_like(part_max)
+    else:
+        part_acc = part_max = part_sum = out  # unused by the kernel when not split
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
+        query,
+        k_cache,
+        v_cache,
+        out,
+        part_acc,
+        part_max,
+        part_sum,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        num_seqs,
+        scale * _LOG2E,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_table.stride(0),
+        GROUP=group,
+        GROUP_P=triton.next_power_of_2(group),
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_P=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size,
+        TILE_N=tile_n,
+        SPLIT=split,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=config["num_warps"],
+    )
+    if split:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            out,
+            part_acc,
+            part_max,
+            part_sum,
+            query_start_loc,
+            num_seqs,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_P=triton.next_power_of_2(head_dim),
+            SPLITS_P=triton.next_power_of_2(num_splits),
+        )
+    return out
+
+
+def _launch_config(
+    group: int, head_dim: int, max_query_len: int, dtype: torch.dtype, cache_elem_bytes: int
+) -> dict:
+    group_p = triton.next_power_of_2(group)
+    # float32 tiles take the FMA path (exact "ieee" dot) and spill when large: keep them small.
+    wide = dtype == torch.float32 or cache_elem_bytes > 2
+    # About 64 rows per program for prefill; decode/verify take just enough tokens to hold
+    # their queries, but never fewer than 16 rows (the smallest tl.dot M).
+    target_rows = 16 if wide else (64 if head_dim <= 128 else 32)
+    block_q = min(triton.next_power_of_2(max(max_query_len, 1)), max(1, target_rows // group_p))
+    block_q = max(block_q, 16 // min(group_p, 16))
+    if wide:
+        tile_n = 16
+    else:
+        tile_n = 64 if head_dim <= 128 else 32
+    return {
+        "BLOCK_Q": block_q,
+        "BLOCK_M": block_q * group_p,
+        "TILE_N": tile_n,
+        "num_warps": 8 if block_q * group_p >= 128 else 4,
+    }
+
+
+def _choose_num_splits(
+    device: torch.device,
+    active_programs: int,
+    max_context: int,
+    max_query_len: int,
+    tile_n: int,
+) -> int:
+    """Split the context when decode/verify would leave most SMs idle. Shapes only, so the
+    choice is the same in eager mode and in a captured CUDA graph."""
+    if max_query_len > 16 or device.type != "cuda":
+        return 1
+    wanted = triton.cdiv(2 * _multiprocessor_count(device.index or 0), active_programs)
+    # Keep at least a couple of tiles per split over the longest context the table can hold.
+    cap = max(1, max_context // (2 * tile_n))
+    splits = min(wanted, cap, 64)
+    return 1 if splits <= 1 else triton.next_power_of_2(splits)
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessor_count(device_index: int) -> int:
+    # A fixed hardware fact, memoised so a launch never re-queries the driver.
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _unit_last_stride(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
+
+
+def _check_cache(kv_cache: torch.Tensor) -> None:
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.stride(-1) != 1:
+        raise ValueError(
+            "kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim] with a unit "
+            f"stride on head_dim; got shape {tuple(kv_cache.shape)}, stride {kv_cache.stride()}"
+        )
