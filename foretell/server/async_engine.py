@@ -52,28 +52,30 @@ class PromptSpec:
 @dataclass(eq=False)
 class OutputStream:
     """The outputs of one or more engine requests (one per prompt of an API call), on the
-    event loop. Ends when all of them have finished."""
+    event loop. The consumer is done when `finished` (every request's final output read)."""
 
     request_ids: list[str]
     _queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    unfinished: set[str] = field(default_factory=set)
+    in_engine: set[str] = field(default_factory=set)  # not finished in the engine yet
     without_output: set[str] = field(default_factory=set)  # queued: no token yet
+    _unread: set[str] = field(default_factory=set)  # final output not read by the consumer yet
 
     def __post_init__(self) -> None:
-        self.unfinished = set(self.request_ids)
+        self.in_engine = set(self.request_ids)
         self.without_output = set(self.request_ids)
+        self._unread = set(self.request_ids)
 
     @property
     def finished(self) -> bool:
-        return not self.unfinished
+        return not self._unread
 
     def _put(self, item: RequestOutput | BaseException) -> None:
         if isinstance(item, RequestOutput):
             self.without_output.discard(item.request_id)
             if item.finished:
-                self.unfinished.discard(item.request_id)
+                self.in_engine.discard(item.request_id)
         else:
-            self.unfinished.clear()
+            self.in_engine.clear()
             self.without_output.clear()
         self._queue.put_nowait(item)
 
@@ -86,8 +88,11 @@ class OutputStream:
         latest: dict[str, RequestOutput] = {}
         for item in items:
             if isinstance(item, BaseException):
+                self._unread.clear()
                 raise item
             latest[item.request_id] = item
+            if item.finished:
+                self._unread.discard(item.request_id)
         return list(latest.values())
 
 
@@ -182,7 +187,7 @@ class AsyncEngine:
 
     def abort(self, stream: OutputStream) -> None:
         """Abort the stream's unfinished requests (no-op once all finished)."""
-        unfinished = list(stream.unfinished)
+        unfinished = list(stream.in_engine)
         self._forget(stream)
         if unfinished:
             self._send(("abort", unfinished))

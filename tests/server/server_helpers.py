@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from foretell.config import build_engine_config
+from foretell.engine.engine import Engine
 from foretell.server.api import build_app
 from foretell.server.async_engine import AsyncEngine
 from foretell.server.launcher import BackgroundServer
@@ -25,7 +28,13 @@ def start_server(
 ) -> BackgroundServer:
     kwargs = {**ENGINE_KWARGS, **engine_kwargs}
     config = build_engine_config(model, **kwargs)
-    async_engine = AsyncEngine(config, engine_factory=engine_factory)
+    factory = engine_factory or (lambda: Engine(config))
+
+    def build_in_engine_thread() -> Engine:
+        torch.set_num_threads(1)  # see conftest.one_torch_thread: per thread, so set it here too
+        return factory()
+
+    async_engine = AsyncEngine(config, engine_factory=build_in_engine_thread)
     app = build_app(async_engine, MODEL_NAME, api_key=api_key, max_queued_requests=max_queued_requests)
     server = BackgroundServer(app, async_engine).start()
     if wait_ready and not async_engine.wait_ready(timeout=60):
