@@ -36,6 +36,7 @@ class BenchSettings:
     warmup: bool = True
     progress: bool = True
     compare: list[str] = field(default_factory=list)  # "hf"
+    torch_threads: int | None = None
 
 
 def tokenize_prompts(prompts: list[Prompt], tokenizer, chat: bool) -> list[list[int]]:
@@ -64,6 +65,8 @@ def check_settings(s: BenchSettings) -> None:
             raise ValueError("--compare hf compares greedy tokens: use --temperature 0")
         if s.engine_kwargs.get("load_format") == "dummy":
             raise ValueError("--compare hf needs real weights: drop --load-format dummy")
+    if s.torch_threads is not None and s.torch_threads < 1:
+        raise ValueError(f"--torch-threads must be >= 1, got {s.torch_threads}")
     unknown = sorted(set(s.compare) - {"hf"})
     if unknown:
         raise ValueError(f"--compare: unknown engine(s) {unknown}; supported: hf")
@@ -75,6 +78,10 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
     from foretell import LLM, SamplingParams, __version__
 
     check_settings(s)
+    if s.torch_threads is not None:
+        import torch
+
+        torch.set_num_threads(s.torch_threads)
     max_batch = max(s.batch_sizes)
     engine_kwargs = dict(s.engine_kwargs)
     engine_kwargs["max_num_seqs"] = max(engine_kwargs.get("max_num_seqs") or 1, max_batch)
@@ -155,6 +162,7 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
             "chat": s.chat,
             "seed": s.seed,
         },
+        "torch_threads": _torch_threads(),
         "batch_sizes": list(s.batch_sizes),
         "speculative_configs": list(s.speculative_configs),
         "results": rows,
@@ -167,6 +175,12 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
             outputs, min(s.batch_sizes), s.progress,
         )
     return report
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 def _jsonable(value: Any) -> bool:

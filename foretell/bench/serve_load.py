@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import random
 import re
@@ -236,6 +237,7 @@ async def run_serve_load(s: ServeSettings) -> dict[str, Any]:
         raise ValueError(f"--request-rate must be > 0 (inf: all at once), got {s.request_rate}")
     if s.max_concurrency is not None and s.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {s.max_concurrency}")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one INFO line per request
     chat = s.api == "chat"
     path = s.endpoint or ("/v1/chat/completions" if chat else "/v1/completions")
     url = s.base_url.rstrip("/") + path
