@@ -5,9 +5,10 @@ Three pieces, kept apart so a new variant touches one table:
     spells them (transformers 4 `rope_scaling` + `rope_theta`, transformers 5 `rope_parameters`;
     the type under `rope_type` or the older `type`).
   - FREQUENCY_BUILDERS: rope type -> function(base, rotary_dim, params, max_positions) returning
-    (inv_freq [rotary_dim // 2] float32, attention_factor). "yarn" goes here.
-  - APPLY_STYLES: style -> function(x, cos, sin). "neox" rotates halves (Llama, Qwen); an
-    interleaved-pairs style (DeepSeek) goes here.
+    (inv_freq [rotary_dim // 2] float32, attention_factor). "yarn" (DeepSeek-V2/V3, Kimi) scales
+    cos/sin by its attention factor; its softmax-scale correction is `yarn_softmax_scale_factor`.
+  - APPLY_STYLES: style -> function(x, cos, sin). "neox" rotates halves (Llama, Qwen); "gptj"
+    rotates interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek's complex-number RoPE).
 
 Everything is computed in float32. The cos/sin table is built once, up front, for max_positions
 positions, and kept as a plain tensor rather than a buffer so that casting the model's dtype can
@@ -88,10 +89,69 @@ def llama3_frequencies(base, rotary_dim, params, max_positions):
     return torch.where(in_band, smoothed, scaled), 1.0
 
 
+def yarn_get_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 * mscale * ln(factor) + 1 (1 when not scaling up)."""
+    if factor <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_frequencies(base, rotary_dim, params, max_positions):
+    """YaRN (arXiv 2309.00071) as DeepSeek-V2/V3 and Kimi use it.
+
+    Dimensions rotating fewer than beta_slow times over the original context are interpolated
+    (frequency / factor), those rotating more than beta_fast times are kept, with a linear ramp
+    between. cos/sin are multiplied by the attention factor: explicit `attention_factor`, else
+    m(mscale) / m(mscale_all_dim) when both are given (1.0 for DeepSeek-V3 and Kimi), else
+    m(1) (transformers' reading, so the two agree on every published config).
+    """
+    original = float(_require(params, "original_max_position_embeddings"))
+    factor = params.get("factor")
+    factor = float(factor) if factor is not None else max_positions / original
+    beta_fast = float(params.get("beta_fast") or 32)
+    beta_slow = float(params.get("beta_slow") or 1)
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = yarn_get_mscale(factor)
+
+    def correction_dim(num_rotations: float) -> float:
+        # The dimension whose wavelength fits num_rotations times into the original context.
+        return rotary_dim * math.log(original / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # a step instead of a ramp, without dividing by zero
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolated = base_inv_freq(base, rotary_dim)  # kept as trained
+    interpolated = extrapolated / factor
+    keep = 1 - ramp  # 1 for fast-rotating dims (kept), 0 for slow ones (interpolated)
+    return interpolated * (1 - keep) + extrapolated * keep, float(attention_factor)
+
+
+def yarn_softmax_scale_factor(params: dict) -> float:
+    """Multiplier of the attention softmax scale under YaRN in DeepSeek's MLA: m(mscale_all_dim)^2
+    (1.0 without scaling or without mscale_all_dim). DeepSeek-V3 (factor 40): about 1.874."""
+    if params.get("rope_type", "default") == "default":
+        return 1.0
+    mscale_all_dim = params.get("mscale_all_dim")
+    if not mscale_all_dim:
+        return 1.0
+    m = yarn_get_mscale(float(_require(params, "factor")), float(mscale_all_dim))
+    return m * m
+
+
 FREQUENCY_BUILDERS: dict[str, FrequencyBuilder] = {
     "default": default_frequencies,
     "linear": linear_frequencies,
     "llama3": llama3_frequencies,
+    "yarn": yarn_frequencies,
 }
 
 
@@ -118,8 +178,23 @@ def apply_rope_neox(
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def apply_rope_gptj(
+    x: torch.Tensor,  # [num_tokens, num_heads, rotary_dim], pairs (x0, x1), (x2, x3), ...
+    cos: torch.Tensor,  # [num_tokens, rotary_dim // 2] float32
+    sin: torch.Tensor,  # [num_tokens, rotary_dim // 2] float32
+) -> torch.Tensor:  # [num_tokens, num_heads, rotary_dim], pairs kept interleaved
+    # DeepSeek's view_as_complex(x) * e^(i*theta). The output stays interleaved; transformers'
+    # DeepSeek-V3 de-interleaves it instead, which permutes q and k alike and so leaves every
+    # q.k product, and the attention, unchanged.
+    cos = cos.unsqueeze(1).to(x.dtype)
+    sin = sin.unsqueeze(1).to(x.dtype)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+
+
 APPLY_STYLES: dict[str, ApplyFn] = {
     "neox": apply_rope_neox,
+    "gptj": apply_rope_gptj,
 }
 
 

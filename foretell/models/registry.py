@@ -16,6 +16,9 @@ MODEL_REGISTRY: dict[str, str] = {
     "MistralForCausalLM": "foretell.models.llama:MistralForCausalLM",
     "Qwen2ForCausalLM": "foretell.models.llama:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "foretell.models.llama:Qwen3ForCausalLM",
+    "DeepseekV2ForCausalLM": "foretell.models.deepseek_v2:DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM": "foretell.models.deepseek_v2:DeepseekV3ForCausalLM",
+    "KimiK25ForConditionalGeneration": "foretell.models.kimi_k25:KimiK25ForConditionalGeneration",
 }
 
 

@@ -1,0 +1,234 @@
+"""Multi-head Latent Attention (DeepSeek-V2/V3, Kimi-K2): projections, the latent KV cache, and
+its plain-torch attention.
+
+Per token, kv_a_proj_with_mqa gives a latent c (kv_lora_rank) and ONE rope key k_pe
+(qk_rope_head_dim) shared by every head; c is normed by kv_a_layernorm. The cache holds only
+[c | rotated k_pe] per token per layer: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]
+(576 values for DeepSeek-V3 and Kimi-K2, against 2 x heads x 192/128 for the keys and values it
+stands for). kv_b_proj [heads * (nope + v), kv_lora_rank] expands c into per-head keys and values:
+per head its first qk_nope_head_dim rows are W_UK, the next v_head_dim rows W_UV.
+
+Two exact ways to attend over that cache (`TorchMLABackend`):
+  expanded (prefill chunks): k = [c W_UK^T | k_pe], v = c W_UV^T for the whole context, then
+    ordinary attention with 192-wide q/k. Cost grows with context x heads, once per chunk.
+  absorbed (decode and verify, up to ABSORB_MAX_QUERY_LEN query rows): fold W_UK into the query,
+    q_lat = q_nope W_UK (kv_lora_rank wide), and attend MQA-style with q = [q_lat | q_pe] against
+    the cached [c | k_pe] as one key head; the output o_lat (kv_lora_rank wide) goes through W_UV.
+    Nothing is expanded per context token, which is what makes MLA decode cheap.
+The softmax scale is that of the 192-wide product in both: (nope + rope)^-0.5, times YaRN's
+m(mscale_all_dim)^2 when scaled.
+
+There is no Triton MLA kernel yet; every attention backend name maps to the torch one here
+(`MLA_BACKENDS`), which is the reference a GPU kernel will be held to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from foretell.layers.attention.metadata import AttentionMetadata
+from foretell.layers.attention.torch_backend import causal_attention, gather_context
+from foretell.layers.linear import Linear
+from foretell.layers.norm import RMSNorm
+from foretell.layers.rotary import RotaryEmbedding
+
+# Longest query (per sequence) attended in the absorbed form; longer chunks expand the context.
+ABSORB_MAX_QUERY_LEN = 16
+# DeepSeek's reference code and transformers build q_a_layernorm / kv_a_layernorm with the
+# RMSNorm default eps, not the config's rms_norm_eps (Kimi-K2.5 has 1e-5 there).
+LATENT_NORM_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class MLADims:
+    hidden_size: int
+    num_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @classmethod
+    def from_config(cls, config) -> "MLADims":
+        return cls(
+            hidden_size=config.hidden_size,
+            num_heads=config.num_attention_heads,
+            q_lora_rank=config.get("q_lora_rank"),
+            kv_lora_rank=config.kv_lora_rank,
+            qk_nope_head_dim=config.qk_nope_head_dim,
+            qk_rope_head_dim=config.qk_rope_head_dim,
+            v_head_dim=config.v_head_dim,
+        )
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:  # cached values per token per layer
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+class TorchMLABackend:
+    name = "torch"
+
+    def write_kv(
+        self,
+        latent: torch.Tensor,  # [num_tokens, kv_lora_rank], normed
+        k_pe: torch.Tensor,  # [num_tokens, qk_rope_head_dim], rotated
+        kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]
+        slot_mapping: torch.Tensor,  # [num_tokens] int64
+    ) -> None:
+        entries = torch.cat([latent, k_pe], dim=-1).to(kv_cache.dtype)
+        kv_cache.flatten(0, 1).index_copy_(0, slot_mapping, entries)
+
+    def attend(
+        self,
+        q_nope: torch.Tensor,  # [num_tokens, num_heads, qk_nope_head_dim]
+        q_pe: torch.Tensor,  # [num_tokens, num_heads, qk_rope_head_dim], rotated
+        kv_b_weight: torch.Tensor,  # [num_heads * (qk_nope + v), kv_lora_rank]
+        kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+        v_head_dim: int,
+        absorb: bool | None = None,  # None: by query length; True / False force a form (tests)
+    ) -> torch.Tensor:  # [num_tokens, num_heads, v_head_dim]
+        num_tokens, num_heads, nope = q_nope.shape
+        rank = kv_cache.shape[-1] - q_pe.shape[-1]
+        w = kv_b_weight.view(num_heads, nope + v_head_dim, rank)
+        w_uk, w_uv = w[:, :nope], w[:, nope:]  # [heads, nope, rank], [heads, v, rank]
+        out = q_nope.new_empty(num_tokens, num_heads, v_head_dim)
+        starts = metadata.query_start_loc_cpu
+        for i, seq_len in enumerate(metadata.seq_lens_cpu):
+            lo, hi = starts[i], starts[i + 1]
+            if hi == lo:
+                continue
+            context = gather_context(kv_cache, metadata.block_table[i], seq_len)  # [S, rank+rope]
+            use_absorbed = hi - lo <= ABSORB_MAX_QUERY_LEN if absorb is None else absorb
+            if use_absorbed:
+                out[lo:hi] = absorbed_attention(q_nope[lo:hi], q_pe[lo:hi], w_uk, w_uv, context, scale)
+            else:
+                out[lo:hi] = expanded_attention(q_nope[lo:hi], q_pe[lo:hi], w_uk, w_uv, context, scale)
+        return out
+
+
+def absorbed_attention(q_nope, q_pe, w_uk, w_uv, context, scale):
+    """[q, heads, nope], [q, heads, rope], [heads, nope, rank], [heads, v, rank], [S, rank+rope]
+    -> [q, heads, v]. The queries are the last q rows of the S-token context."""
+    rank = w_uk.shape[-1]
+    q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)  # [q, heads, rank]
+    query = torch.cat([q_lat, q_pe], dim=-1)  # [q, heads, rank + rope]
+    key = context.unsqueeze(1).to(query.dtype)  # [S, 1, rank + rope]: one key head
+    o_lat = causal_attention(query, key, key[..., :rank], scale)  # [q, heads, rank]
+    return torch.einsum("thr,hvr->thv", o_lat, w_uv)
+
+
+def expanded_attention(q_nope, q_pe, w_uk, w_uv, context, scale):
+    """Same contract as absorbed_attention, through per-head keys and values of the context."""
+    rank = w_uk.shape[-1]
+    latent, k_pe = context[:, :rank].to(q_nope.dtype), context[:, rank:].to(q_nope.dtype)
+    k_nope = torch.einsum("sr,hdr->shd", latent, w_uk)  # [S, heads, nope]
+    value = torch.einsum("sr,hvr->shv", latent, w_uv)  # [S, heads, v]
+    key = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, k_nope.shape[1], -1)], dim=-1)
+    query = torch.cat([q_nope, q_pe], dim=-1)
+    return causal_attention(query, key, value, scale)
+
+
+MLA_BACKENDS = {"torch": TorchMLABackend, "triton": TorchMLABackend}
+
+
+class LatentAttention(nn.Module):
+    """The part of an MLA layer that owns the KV cache (what `attention_layers()` returns)."""
+
+    def __init__(self, dims: MLADims, scale: float, backend_name: str = "torch"):
+        super().__init__()
+        self.num_heads = dims.num_heads
+        self.kv_lora_rank = dims.kv_lora_rank
+        self.qk_rope_head_dim = dims.qk_rope_head_dim
+        self.v_head_dim = dims.v_head_dim
+        self.scale = scale
+        self.backend = MLA_BACKENDS.get(backend_name, TorchMLABackend)()
+        self.kv_cache: torch.Tensor | None = None
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (num_blocks, block_size, self.kv_lora_rank + self.qk_rope_head_dim)
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        self.kv_cache = kv_cache
+
+    def forward(self, q_nope, q_pe, latent, k_pe, kv_b_weight, metadata: AttentionMetadata):
+        if self.kv_cache is None:
+            raise RuntimeError("MLA layer has no KV cache bound; the runner must bind one")
+        self.backend.write_kv(latent, k_pe, self.kv_cache, metadata.slot_mapping)
+        return self.backend.attend(
+            q_nope, q_pe, kv_b_weight, self.kv_cache, metadata, self.scale, self.v_head_dim
+        )
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.num_heads}, cache_width={self.kv_lora_rank + self.qk_rope_head_dim}, "
+                f"scale={self.scale:.5f}")
+
+
+class MLAAttention(nn.Module):
+    """`self_attn` of a DeepSeek layer; parameter names are the checkpoint's.
+
+    `input_size` defaults to hidden_size (an EAGLE3 draft layer with MLA takes 2 x hidden).
+    """
+
+    def __init__(
+        self,
+        dims: MLADims,
+        rotary_emb: RotaryEmbedding,
+        scale: float,
+        backend_name: str = "torch",
+        *,
+        bias: bool = False,
+        input_size: int | None = None,
+        dtype=None,
+        device=None,
+    ):
+        super().__init__()
+        kw = dict(dtype=dtype, device=device)
+        input_size = input_size or dims.hidden_size
+        self.dims = dims
+        q_out = dims.num_heads * dims.qk_head_dim
+        if dims.q_lora_rank:
+            self.q_a_proj = Linear(input_size, dims.q_lora_rank, bias, **kw)
+            self.q_a_layernorm = RMSNorm(dims.q_lora_rank, LATENT_NORM_EPS, **kw)
+            self.q_b_proj = Linear(dims.q_lora_rank, q_out, **kw)
+            self.q_proj = None
+        else:
+            self.q_proj = Linear(input_size, q_out, **kw)
+        self.kv_a_proj_with_mqa = Linear(input_size, dims.latent_dim, bias, **kw)
+        self.kv_a_layernorm = RMSNorm(dims.kv_lora_rank, LATENT_NORM_EPS, **kw)
+        self.kv_b_proj = Linear(
+            dims.kv_lora_rank, dims.num_heads * (dims.qk_nope_head_dim + dims.v_head_dim), **kw
+        )
+        self.o_proj = Linear(dims.num_heads * dims.v_head_dim, dims.hidden_size, bias, **kw)
+        self.rotary_emb = rotary_emb
+        self.attn = LatentAttention(dims, scale, backend_name)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        hidden: torch.Tensor,  # [num_tokens, input_size]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        d = self.dims
+        num_tokens = hidden.shape[0]
+        if self.q_proj is not None:
+            q = self.q_proj(hidden)
+        else:
+            q_latent, _ = self.q_a_layernorm(self.q_a_proj(hidden))
+            q = self.q_b_proj(q_latent)
+        q = q.view(num_tokens, d.num_heads, d.qk_head_dim)
+        q_nope, q_pe = q.split([d.qk_nope_head_dim, d.qk_rope_head_dim], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([d.kv_lora_rank, d.qk_rope_head_dim], dim=-1)
+        latent, _ = self.kv_a_layernorm(latent)
+        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe.unsqueeze(1))
+        out = self.attn(q_nope, q_pe, latent, k_pe.squeeze(1), self.kv_b_proj.weight, metadata)
+        return self.o_proj(out.reshape(num_tokens, d.num_heads * d.v_head_dim))
