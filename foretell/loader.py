@@ -7,7 +7,11 @@ and saying exactly what is wrong when a checkpoint does not fit the model.
 
 Reading is in one place, `iter_checkpoint_tensors`, which yields (key, tensor, file) from
 safetensors (single or sharded with model.safetensors.index.json) or pytorch_model.bin (single or
-sharded); a transform such as FP8 dequantization belongs there.
+sharded). It also dequantizes FP8 block-quantized weights as DeepSeek-V3/R1 and Kimi-K2 ship them:
+`X.weight` (float8) with `X.weight_scale_inv` (float32, [ceil(out/b0), ceil(in/b1)], blocks
+`quantization_config.weight_block_size`, default 128 x 128) become one float32 `X.weight` equal
+to each block times its scale, wherever the two sit in the shards; models never see scales. An
+FP8 matmul path would call it with dequantize_fp8=False and load both tensors itself.
 
 `load_format="dummy"` reads no file: every parameter gets deterministic random values (normal,
 std 0.02, seeded per parameter name), and parameters that declare `dummy_value` (norm weights)
@@ -154,25 +158,134 @@ def _iter_pt(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def iter_checkpoint_tensors(
-    folder: str, load_format: str = "auto"
+    folder: str, load_format: str = "auto", dequantize_fp8: bool = True
 ) -> Iterator[tuple[str, torch.Tensor, str]]:
-    """Yield (checkpoint key, CPU tensor as stored, file path) for every tensor of a checkpoint.
+    """Yield (checkpoint key, CPU tensor, file path) for every tensor of a checkpoint.
 
-    With an index, each shard must hold the keys the index assigns to it.
+    With an index, each shard must hold the keys the index assigns to it. With dequantize_fp8,
+    an FP8 `X.weight` and its `X.weight_scale_inv` are yielded once, as a float32 `X.weight`
+    (the file is the one that held the second of the two).
     """
     fmt, files = find_weight_files(folder, load_format)
     read = _iter_safetensors if fmt == "safetensors" else _iter_pt
+    fp8 = _Fp8Pairing(folder) if dequantize_fp8 else None
     for path, expected_keys in files:
         seen = set()
         for key, tensor in read(path):
             seen.add(key)
-            yield key, tensor, path
+            if fp8 is None:
+                yield key, tensor, path
+            else:
+                yield from ((k, t, path) for k, t in fp8.add(key, tensor, path))
         if expected_keys is not None:
             absent = [k for k in expected_keys if k not in seen]
             if absent:
                 raise CheckpointError(
                     f"the weight index says {path} holds {_list_names(absent)}, but it does not"
                 )
+    if fp8 is not None:
+        fp8.check_complete()
+
+
+FP8_DTYPES = tuple(
+    getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name)
+)
+FP8_SCALE_SUFFIX = "_scale_inv"
+DEFAULT_FP8_BLOCK = (128, 128)
+
+
+def fp8_block_size(folder: str) -> tuple[int, int]:
+    """quantization_config.weight_block_size from config.json (top level or text_config)."""
+    path = os.path.join(folder, "config.json")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return DEFAULT_FP8_BLOCK
+    for holder in (config, config.get("text_config") or {}):
+        block = (holder.get("quantization_config") or {}).get("weight_block_size")
+        if block is not None:
+            if len(block) != 2 or any(not isinstance(b, int) or b < 1 for b in block):
+                raise CheckpointError(
+                    f"{path}: quantization_config.weight_block_size must be two positive "
+                    f"integers, got {block!r}"
+                )
+            return tuple(block)
+    return DEFAULT_FP8_BLOCK
+
+
+def dequantize_fp8_blocks(
+    weight: torch.Tensor,  # [out, in] float8
+    scale_inv: torch.Tensor,  # [ceil(out / b0), ceil(in / b1)]
+    block: tuple[int, int],
+) -> torch.Tensor:  # [out, in] float32: each block times its scale
+    rows, cols = weight.shape
+    scales = scale_inv.float()
+    scales = scales.repeat_interleave(block[0], dim=0)[:rows]
+    scales = scales.repeat_interleave(block[1], dim=1)[:, :cols]
+    return weight.float() * scales
+
+
+class _Fp8Pairing:
+    """Holds an FP8 weight or a scale until its partner arrives (possibly from another shard)."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        self._block: tuple[int, int] | None = None
+        self.weights: dict[str, tuple[torch.Tensor, str]] = {}
+        self.scales: dict[str, tuple[torch.Tensor, str]] = {}
+
+    @property
+    def block(self) -> tuple[int, int]:
+        if self._block is None:
+            self._block = fp8_block_size(self.folder)
+        return self._block
+
+    def add(self, key: str, tensor: torch.Tensor, path: str) -> list[tuple[str, torch.Tensor]]:
+        if key.endswith(".weight" + FP8_SCALE_SUFFIX):
+            weight_key = key[: -len(FP8_SCALE_SUFFIX)]
+            if weight_key in self.weights:
+                weight, _ = self.weights.pop(weight_key)
+                return [(weight_key, self._dequantize(weight_key, weight, tensor, path))]
+            self.scales[weight_key] = (tensor, path)
+            return []
+        if tensor.dtype in FP8_DTYPES:
+            if key in self.scales:
+                scale, _ = self.scales.pop(key)
+                return [(key, self._dequantize(key, tensor, scale, path))]
+            self.weights[key] = (tensor, path)
+            return []
+        return [(key, tensor)]
+
+    def _dequantize(self, key, weight, scale, path) -> torch.Tensor:
+        b0, b1 = self.block
+        if weight.dim() != 2:
+            raise CheckpointError(f"{path}: FP8 tensor {key!r} has shape {tuple(weight.shape)}; "
+                                  f"block dequantization needs a 2-D weight")
+        expected = (-(-weight.shape[0] // b0), -(-weight.shape[1] // b1))
+        if tuple(scale.shape) != expected:
+            raise CheckpointError(
+                f"{path}: {key + FP8_SCALE_SUFFIX!r} has shape {tuple(scale.shape)}, expected "
+                f"{expected} for a {tuple(weight.shape)} weight in {b0}x{b1} blocks "
+                f"(quantization_config.weight_block_size)"
+            )
+        return dequantize_fp8_blocks(weight, scale, (b0, b1))
+
+    def check_complete(self) -> None:
+        if self.weights:
+            keys = sorted(self.weights)
+            raise CheckpointError(
+                f"checkpoint in {self.folder} has FP8 tensor(s) without a "
+                f"'{FP8_SCALE_SUFFIX}' scale: {_list_names(keys)} (in "
+                f"{os.path.basename(self.weights[keys[0]][1])}); foretell reads block-quantized "
+                f"FP8 (weight + weight_scale_inv) only"
+            )
+        if self.scales:
+            keys = sorted(k + FP8_SCALE_SUFFIX for k in self.scales)
+            raise CheckpointError(
+                f"checkpoint in {self.folder} has scale(s) without an FP8 weight: "
+                f"{_list_names(keys)}"
+            )
 
 
 def checkpoint_keys(folder: str, load_format: str = "auto") -> dict[str, tuple[int, ...]]:
