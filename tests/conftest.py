@@ -73,3 +73,29 @@ def mistral_checkpoint(checkpoint_root, tokenizer_dir) -> str:
 def llama2_bin_checkpoint(checkpoint_root, tokenizer_dir) -> str:
     """Llama-2-era pytorch_model.bin (fp16, with per-layer rotary_emb.inv_freq keys), 2 layers."""
     return _checkpoint("llama2_bin", checkpoint_root, tokenizer_dir)
+
+
+# ---------------------------------------------------------------------- speculative drafters
+
+
+@pytest.fixture(scope="session")
+def eagle3_head(checkpoint_root, qwen3_checkpoint) -> str:
+    """EAGLE layout head (midlayer.*, no embed_tokens) for qwen3_checkpoint, draft vocab 256,
+    aux ids written SpecForge-style [0, 1, 2] = inputs of layers 1, 2, 3."""
+    from fixtures.eagle3 import write_eagle3_head
+
+    folder = os.path.join(checkpoint_root, "eagle3_eagle")
+    if not os.path.isdir(folder):
+        write_eagle3_head(folder, qwen3_checkpoint, "eagle", draft_vocab_size=256, aux_layer_ids=[0, 1, 2])
+    return folder
+
+
+@pytest.fixture(scope="session")
+def eagle3_head_specforge(checkpoint_root, qwen3_checkpoint) -> str:
+    """SpecForge layout head (layers.0.*, own embed_tokens), full vocab, no eagle_config."""
+    from fixtures.eagle3 import write_eagle3_head
+
+    folder = os.path.join(checkpoint_root, "eagle3_specforge")
+    if not os.path.isdir(folder):
+        write_eagle3_head(folder, qwen3_checkpoint, "specforge", seed=11)
+    return folder

@@ -8,6 +8,7 @@ runs: capabilities come from the proposer's typed attributes.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -26,6 +27,7 @@ from foretell.spec_decode.proposer import DraftBatch, Proposer, build_proposer
 from foretell.spec_decode.rejection_sampler import RejectionSampler
 
 CPU_KV_CACHE_BYTES = 256 << 20
+logger = logging.getLogger("foretell")
 
 
 @dataclass
@@ -63,8 +65,8 @@ class ModelRunner:
         if self.proposer is not None:
             self.proposer.load(self.model)
         self.vocab_size = self.hf_config.vocab_size
-        self.max_model_len = self._max_model_len()
         self.cache_plan = self._allocate_cache()
+        self.max_model_len = self._max_model_len()
         self.noise = NoiseSource(self.device, mc.seed)
         self.sampler = Sampler(self.noise)
         self.rejection_sampler = RejectionSampler(self.noise)
@@ -73,6 +75,8 @@ class ModelRunner:
 
     # ---- set-up --------------------------------------------------------------------------
     def _max_model_len(self) -> int:
+        """The longest sequence: the model's limit, and no more than one sequence alone can hold
+        in the KV cache (with its lookahead slots), so any admitted sequence can finish."""
         limit = self.hf_config.get("max_position_embeddings", 2048)
         asked = self.config.model.max_model_len
         if asked is not None and asked > limit:
@@ -80,7 +84,20 @@ class ModelRunner:
                 f"max_model_len {asked} is larger than the model's max_position_embeddings "
                 f"{limit} ({self.hf_config.source})"
             )
-        return asked or limit
+        spec = self.config.speculative
+        capacity = self.cache_plan.num_tokens - (spec.num_speculative_tokens if spec else 0)
+        if asked is not None and asked > capacity:
+            raise ValueError(
+                f"max_model_len {asked} is more than the KV cache can hold for one sequence "
+                f"({capacity} tokens in {self.cache_plan.num_blocks} blocks of "
+                f"{self.cache_plan.block_size}): give the cache more memory or lower max_model_len"
+            )
+        if asked is None and capacity < limit:
+            logger.warning(
+                "max_model_len set to %d (the KV cache holds %d tokens; the model allows %d)",
+                max(capacity, 1), capacity, limit,
+            )
+        return max(1, min(asked or limit, capacity))
 
     def _kv_budget(self) -> int | None:
         cc = self.config.cache
