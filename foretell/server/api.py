@@ -1,10 +1,11 @@
 """The FastAPI app: routes, API-key check, and OpenAI-style errors for everything that goes wrong.
 
-build_app(async_engine, served_model_name, api_key, max_queued_requests) returns an app whose
-lifespan starts the engine thread and stops it (aborting what is in flight). Every error a client
-can cause is answered with `{"error": {"message", "type", "param", "code"}}` and a 4xx status:
-malformed JSON and schema violations are 400 (not FastAPI's 422, as OpenAI answers), unknown
-models and paths 404, a missing or wrong bearer token 401, overload and shutdown 503.
+build_app(async_engine, served_model_name, api_key, max_queued_requests, max_request_bytes)
+returns an app whose lifespan starts the engine thread and stops it (aborting what is in
+flight). Every error a client can cause is answered with `{"error": {"message", "type", "param",
+"code"}}` and a 4xx status: malformed JSON and schema violations are 400 (not FastAPI's 422, as
+OpenAI answers), unknown models and paths 404, a missing or wrong bearer token 401, a body over
+the size limit 413, overload and shutdown 503.
 """
 
 from __future__ import annotations
@@ -104,11 +105,44 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class BodySizeLimitMiddleware:
+    """413 for request bodies over the limit, before they are buffered whole: a declared
+    Content-Length is checked up front, a chunked body as it arrives."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        too_large = APIError(413, f"the request body is larger than {self.max_bytes} bytes",
+                             code="request_too_large")
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await error_response(too_large)(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise too_large
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
 def build_app(
     async_engine: AsyncEngine,
     served_model_name: str,
     api_key: str | None = None,
     max_queued_requests: int | None = None,
+    max_request_bytes: int = 32 * 2**20,
 ) -> FastAPI:
     metrics = ServerMetrics(async_engine.stats, served_model_name)
     async_engine.on_request_finished = metrics.observe_finished
@@ -125,6 +159,7 @@ def build_app(
     app.state.metrics = metrics
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_bytes)
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -137,6 +172,8 @@ def build_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if isinstance(exc.__cause__, APIError):  # raised while FastAPI read the body (too large)
+            return error_response(exc.__cause__)
         error_type = ERROR_TYPES.get(exc.status_code, "invalid_request_error")
         message = str(exc.detail)
         if exc.status_code == 404:

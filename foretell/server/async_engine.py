@@ -7,7 +7,7 @@ the outputs to the asyncio event loop in one call_soon_threadsafe per step. The 
 owns the OutputStreams; nothing else is shared except the command queue and a stats snapshot.
 
 Outputs are cumulative (the whole text and token list so far), so a consumer that falls behind
-only needs the latest output of each request: OutputStream.next_outputs() drains what has arrived.
+only needs the latest output of each request: an OutputStream keeps just that.
 A consumer that goes away aborts its requests, which frees their KV blocks at the next command
 pass (within one step).
 """
@@ -52,13 +52,18 @@ class PromptSpec:
 @dataclass(eq=False)
 class OutputStream:
     """The outputs of one or more engine requests (one per prompt of an API call), on the
-    event loop. The consumer is done when `finished` (every request's final output read)."""
+    event loop. The consumer is done when `finished` (every request's final output read).
+
+    Only the latest unread output of each request is kept: outputs are cumulative, so a stalled
+    client costs one output per request, not one per step."""
 
     request_ids: list[str]
-    _queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     in_engine: set[str] = field(default_factory=set)  # not finished in the engine yet
     without_output: set[str] = field(default_factory=set)  # queued: no token yet
     _unread: set[str] = field(default_factory=set)  # final output not read by the consumer yet
+    _pending: dict[str, RequestOutput] = field(default_factory=dict)
+    _error: BaseException | None = None
+    _news: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
         self.in_engine = set(self.request_ids)
@@ -74,26 +79,28 @@ class OutputStream:
             self.without_output.discard(item.request_id)
             if item.finished:
                 self.in_engine.discard(item.request_id)
+            self._pending[item.request_id] = item
         else:
             self.in_engine.clear()
             self.without_output.clear()
-        self._queue.put_nowait(item)
+            self._error = item
+        self._news.set()
 
     async def next_outputs(self) -> list[RequestOutput]:
         """Wait for news, then return the latest output of every request that has some.
         Raises what the engine raised for these requests."""
-        items = [await self._queue.get()]
-        while not self._queue.empty():
-            items.append(self._queue.get_nowait())
-        latest: dict[str, RequestOutput] = {}
-        for item in items:
-            if isinstance(item, BaseException):
-                self._unread.clear()
-                raise item
-            latest[item.request_id] = item
-            if item.finished:
-                self._unread.discard(item.request_id)
-        return list(latest.values())
+        while not self._pending and self._error is None:
+            self._news.clear()
+            await self._news.wait()
+        if self._error is not None:
+            self._unread.clear()
+            raise self._error
+        outputs = list(self._pending.values())
+        self._pending.clear()
+        for out in outputs:
+            if out.finished:
+                self._unread.discard(out.request_id)
+        return outputs
 
 
 class AsyncEngine:

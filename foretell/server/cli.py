@@ -29,6 +29,8 @@ def add_serve_parser(subparsers) -> None:
     g.add_argument("--max-queued-requests", type=int,
                    help="answer 503 (Retry-After) while more requests than this wait for their "
                         "first token (default: no limit)")
+    g.add_argument("--max-request-bytes", type=int, default=32 * 2**20,
+                   help="answer 413 to request bodies larger than this")
     g.add_argument("--log-stats-interval-s", type=float, default=10.0,
                    help="seconds between engine stats log lines while busy (0: never)")
     g.add_argument("--timeout-graceful-shutdown", type=float, default=10.0,
@@ -43,6 +45,8 @@ def add_serve_parser(subparsers) -> None:
 def check_server_args(args: argparse.Namespace) -> None:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    if args.max_request_bytes < 1:
+        raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     if args.max_queued_requests is not None and args.max_queued_requests < 0:
         raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
 
@@ -58,7 +62,7 @@ def run_serve(args: argparse.Namespace) -> int:
     config = build_engine_config(args.model, log_stats_interval_s=args.log_stats_interval_s, **kwargs)
     async_engine = AsyncEngine(config)
     app = build_app(async_engine, args.served_model_name or args.model, args.api_key or None,
-                    args.max_queued_requests)
+                    args.max_queued_requests, args.max_request_bytes)
     return serve_forever(
         app, async_engine, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
         access_log=args.access_log, timeout_graceful_shutdown=args.timeout_graceful_shutdown,

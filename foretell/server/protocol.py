@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from foretell.engine.outputs import RequestOutput
+
 MAX_N = 128  # choices per request; each is a full sequence in the engine
 MAX_LOGPROBS = 20  # the engine returns at most 20 alternatives per token
 MAX_STOP_STRINGS = 64
@@ -177,6 +179,13 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+def usage(outputs: list[RequestOutput]) -> dict[str, int]:
+    """The `usage` object of a response: the prompt counted once per prompt, all choices' tokens."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 class ErrorInfo(BaseModel):

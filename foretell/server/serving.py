@@ -1,25 +1,22 @@
 """What the endpoints do: turn a validated OpenAI request into engine requests, and the engine's
-cumulative outputs into an OpenAI response or a stream of Server-Sent Events.
+final outputs into an OpenAI response (streams: see streaming.py).
 
 One API call becomes one engine request per prompt (each with n sequences); choice index
-i * n + j is prompt i's j-th sample, as OpenAI numbers them. The stream sends text deltas;
-while a stop string could still be completing, the last (longest stop - 1) characters are held
-back, so a client never sees text that the stop string later cuts.
+i * n + j is prompt i's j-th sample, as OpenAI numbers them. A client that hangs up before its
+non-streaming response is ready has its requests aborted.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse
 
 from foretell.engine.outputs import CompletionOutput, RequestOutput
 from foretell.engine.sequence import Logprob
@@ -27,7 +24,8 @@ from foretell.sampling_params import SamplingParams
 from foretell.server.async_engine import AsyncEngine, EngineDeadError, OutputStream, PromptSpec
 from foretell.server.async_engine import RequestFailedError
 from foretell.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from foretell.server.protocol import SamplingRequestFields
+from foretell.server.protocol import SamplingRequestFields, usage
+from foretell.server.streaming import Delta, holdback, sse_response
 
 GREEDY_EPS = 1e-5  # temperatures below this sample greedily (dividing logits by ~0 overflows)
 LOGPROB_FLOOR = -9999.0  # stands in for -inf / NaN, which JSON cannot carry
@@ -110,12 +108,6 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(outputs: list[RequestOutput]) -> dict[str, int]:
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
 def finite(x: float) -> float:
     return x if x == x and x > LOGPROB_FLOOR else LOGPROB_FLOOR  # x == x is False for NaN
 
@@ -196,7 +188,7 @@ async def create_completion(req: CompletionRequest, ctx: ServingContext, raw: Re
             ch["finish_reason"], ch["stop_reason"] = delta.finish_reason, delta.stop_reason
             return {**base, "choices": [ch]}
 
-        return sse_response(ctx, stream, req, chunk, base, holdback(req))
+        return sse_response(stream, lambda: ctx.engine.abort(stream), req, chunk, base, holdback(req))
 
     finals = await collect_finals(ctx, stream, raw)
     choices = []
@@ -261,7 +253,7 @@ async def create_chat_completion(req: ChatCompletionRequest, ctx: ServingContext
                   "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
             return {**chunk_base, "choices": [ch]}
 
-        return sse_response(ctx, stream, req, chunk, chunk_base, holdback(req))
+        return sse_response(stream, lambda: ctx.engine.abort(stream), req, chunk, chunk_base, holdback(req))
 
     finals = await collect_finals(ctx, stream, raw)
     choices = [
@@ -312,86 +304,3 @@ async def collect_finals(ctx: ServingContext, stream: OutputStream, raw: Request
         raise APIError(503, "the request was aborted: the server is shutting down",
                        "service_unavailable", code="shutting_down")
     return [finals[rid] for rid in stream.request_ids]
-
-
-# ---------------------------------------------------------------------------------- streaming
-
-
-@dataclass
-class Delta:
-    """What one choice gained since its last chunk."""
-
-    first: bool
-    text: str
-    text_offset: int
-    logprobs: list[Logprob] | None
-    finish_reason: str | None
-    stop_reason: str | int | None
-
-
-@dataclass
-class ChoiceProgress:
-    sent_chars: int = 0
-    sent_tokens: int = 0
-    started: bool = False
-    done: bool = False
-
-    def advance(self, c: CompletionOutput, hold: int, want_logprobs: bool) -> Delta | None:
-        if self.done:
-            return None
-        end = len(c.text) if c.finished else max(self.sent_chars, len(c.text) - hold)
-        text, offset = c.text[self.sent_chars:end], self.sent_chars
-        logprobs = None
-        if want_logprobs and c.logprobs is not None:
-            logprobs = c.logprobs[self.sent_tokens:]
-        first = not self.started
-        self.started, self.sent_chars, self.sent_tokens = True, end, len(c.token_ids)
-        self.done = c.finished
-        return Delta(first, text, offset, logprobs or None, c.finish_reason, c.stop_reason)
-
-
-def holdback(req: SamplingRequestFields) -> int:
-    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
-    return max((len(s) for s in stops), default=1) - 1
-
-
-def sse(data: dict | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
-
-
-def sse_response(
-    ctx: ServingContext,
-    stream: OutputStream,
-    req: SamplingRequestFields,
-    make_chunk: Callable[[str, CompletionOutput, Delta], dict | None],
-    base: dict,
-    hold: int,
-) -> StreamingResponse:
-    want_logprobs = bool(getattr(req, "logprobs", None) is not None and req.logprobs is not False)
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-    async def events() -> AsyncIterator[str]:
-        progress: dict[tuple[str, int], ChoiceProgress] = {}
-        latest: dict[str, RequestOutput] = {}
-        try:
-            while not stream.finished:
-                for out in await stream.next_outputs():
-                    latest[out.request_id] = out
-                    for c in out.outputs:
-                        delta = progress.setdefault((out.request_id, c.index), ChoiceProgress()).advance(
-                            c, hold, want_logprobs)
-                        chunk = make_chunk(out.request_id, c, delta) if delta else None
-                        if chunk is not None:
-                            if include_usage:
-                                chunk["usage"] = None
-                            yield sse(chunk)
-            if include_usage:
-                yield sse({**base, "choices": [], "usage": usage([latest[r] for r in stream.request_ids if r in latest])})
-        except RequestFailedError as e:
-            yield sse(APIError(500, str(e), "internal_server_error").body())
-        finally:
-            ctx.engine.abort(stream)  # the client left early: free the KV blocks now
-        yield sse("[DONE]")
-
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

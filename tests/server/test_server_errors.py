@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 
 import pytest
 import requests
@@ -90,6 +91,23 @@ def test_wrong_method_path_and_content_type(server):
     assert "/v1/nothing" in error["message"]
     check_error_body(requests.post(server.url + C, data="prompt=x", timeout=5,
                                    headers={"Content-Type": "application/x-www-form-urlencoded"}), 400)
+
+
+def test_oversized_bodies_get_413(server):
+    with socket.create_connection((server.host, server.port), timeout=10) as sock:  # declared size
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100000000\r\n\r\n{")
+        assert sock.recv(4096).startswith(b"HTTP/1.1 413")
+
+    def chunked_body():  # no Content-Length: counted as it arrives
+        yield b'{"prompt": "'
+        for _ in range(33):
+            yield b"x" * 2**20
+        yield b'"}'
+
+    response = requests.post(server.url + C, data=chunked_body(), timeout=30,
+                             headers={"Content-Type": "application/json"})
+    assert check_error_body(response, 413)["code"] == "request_too_large"
 
 
 def test_server_survives_the_table(server):

@@ -199,3 +199,25 @@ def test_a_failing_step_fails_its_requests_not_the_server(qwen3_checkpoint):
         assert wait_until_idle(srv)["kv_cache_usage"] == 0.0
     finally:
         srv.stop()
+
+
+def test_a_stalled_consumer_keeps_one_output_per_request():
+    """Outputs are cumulative: a stream that is not read holds only the latest of each request."""
+    from foretell.engine.outputs import CompletionOutput, RequestOutput
+    from foretell.server.async_engine import OutputStream
+
+    async def run():
+        stream = OutputStream(["a", "b"])
+        for step in range(1000):
+            for rid in ("a", "b"):
+                done = rid == "b" and step == 999
+                stream._put(RequestOutput(rid, None, [1], [CompletionOutput(0, "x" * step, [0] * step,
+                                                                            "length" if done else None)],
+                                          finished=done))
+        outputs = await stream.next_outputs()
+        assert [(o.request_id, len(o.outputs[0].token_ids)) for o in outputs] == [("a", 999), ("b", 999)]
+        assert not stream.finished and stream.in_engine == {"a"}
+        return stream
+
+    asyncio.run(run())
+
