@@ -25,7 +25,7 @@ from foretell.server.async_engine import AsyncEngine, EngineDeadError, OutputStr
 from foretell.server.async_engine import RequestFailedError
 from foretell.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from foretell.server.protocol import SamplingRequestFields, usage
-from foretell.server.streaming import Delta, holdback, sse_response
+from foretell.server.streaming import Delta, sse_response
 
 GREEDY_EPS = 1e-5  # temperatures below this sample greedily (dividing logits by ~0 overflows)
 LOGPROB_FLOOR = -9999.0  # stands in for -inf / NaN, which JSON cannot carry
@@ -188,7 +188,7 @@ async def create_completion(req: CompletionRequest, ctx: ServingContext, raw: Re
             ch["finish_reason"], ch["stop_reason"] = delta.finish_reason, delta.stop_reason
             return {**base, "choices": [ch]}
 
-        return sse_response(stream, lambda: ctx.engine.abort(stream), req, chunk, base, holdback(req))
+        return sse_response(stream, lambda: ctx.engine.abort(stream), req, chunk, base, req.logprobs is not None)
 
     finals = await collect_finals(ctx, stream, raw)
     choices = []
@@ -253,7 +253,7 @@ async def create_chat_completion(req: ChatCompletionRequest, ctx: ServingContext
                   "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
             return {**chunk_base, "choices": [ch]}
 
-        return sse_response(stream, lambda: ctx.engine.abort(stream), req, chunk, chunk_base, holdback(req))
+        return sse_response(stream, lambda: ctx.engine.abort(stream), req, chunk, chunk_base, req.logprobs)
 
     finals = await collect_finals(ctx, stream, raw)
     choices = [

@@ -68,9 +68,11 @@ def sse_response(
     req: SamplingRequestFields,
     make_chunk: Callable[[str, CompletionOutput, Delta], dict | None],
     base: dict,
-    hold: int,
+    want_logprobs: bool,
 ) -> StreamingResponse:
-    want_logprobs = bool(getattr(req, "logprobs", None) is not None and req.logprobs is not False)
+    """make_chunk(request_id, choice, delta) builds one chunk (None: nothing worth sending);
+    base holds the id/object/created/model fields of the final usage chunk."""
+    hold = holdback(req)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
     async def events() -> AsyncIterator[str]:
@@ -93,7 +95,7 @@ def sse_response(
         except RequestFailedError as e:
             yield sse(APIError(500, str(e), "internal_server_error").body())
         finally:
-            abort()  # the client left early: free the KV blocks now
+            abort()  # no-op when all finished; else the client left: free the KV blocks now
         yield sse("[DONE]")
 
     return AbortOnCloseStreamingResponse(
