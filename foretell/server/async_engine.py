@@ -152,9 +152,16 @@ class AsyncEngine:
         return self._ready.wait(timeout)
 
     def begin_drain(self) -> None:
-        """Stop taking requests and abort what is in flight. Safe from a signal handler."""
+        """Stop taking requests and abort what is in flight. Safe from any thread."""
         self.draining = True
         self._send(("abort_all",))
+
+    def begin_drain_from_signal_handler(self) -> None:
+        """begin_drain for a signal handler, which may interrupt this very thread inside
+        _send: take no lock here, let the event loop do it."""
+        self.draining = True
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self.begin_drain)
 
     async def stop(self) -> None:
         """Abort everything, stop the engine thread and wait for it."""

@@ -31,7 +31,7 @@ class GracefulServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame) -> None:
         if not self.should_exit:
             logger.info("signal %d: refusing new requests, aborting in-flight ones", sig)
-        self.async_engine.begin_drain()
+        self.async_engine.begin_drain_from_signal_handler()
         super().handle_exit(sig, frame)
 
     def _on_engine_fatal(self, error: BaseException) -> None:
