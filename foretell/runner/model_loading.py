@@ -14,7 +14,7 @@ from foretell.models.registry import resolve_model_class
 
 @contextlib.contextmanager
 def default_dtype(dtype: torch.dtype):
-    """Parameters are created in the target dtype directly (no float32 copy of a large model)."""
+    """Temporarily create tensors in dtype by default (for layers that do not take a dtype)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -31,8 +31,8 @@ def build_model(
     seed: int = 0,
 ) -> nn.Module:
     model_class = resolve_model_class(hf_config)
-    with default_dtype(options.dtype), torch.device(options.device):
-        model = model_class(hf_config, options)
+    # Layers take dtype and device from options: parameters are created where they live.
+    model = model_class(hf_config, options)
     load_weights(model, folder, load_format=load_format, seed=seed)
     return model.eval()
 

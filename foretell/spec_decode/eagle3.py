@@ -18,7 +18,6 @@ from torch import nn
 from foretell.loader import checkpoint_keys, load_weights
 from foretell.models.base import HFConfig, ModelOptions
 from foretell.models.eagle3 import Eagle3Head
-from foretell.runner.model_loading import default_dtype
 from foretell.spec_decode.draft_loop import DraftLoopProposer, catch_up_rows
 from foretell.spec_decode.proposer import DraftBatch, catch_up_metadata
 
@@ -100,11 +99,10 @@ class Eagle3Proposer(DraftLoopProposer):
                 f"{self.folder}: fc.weight has input width {fc_shape[1]}, expected 3 x target "
                 f"hidden = {3 * self.target_hidden}"
             )
-        with default_dtype(self.options.dtype), torch.device(self.options.device):
-            head = Eagle3Head(
-                self.head_config, self.target_hidden, self.target_max_positions,
-                self.options, has_embed, has_lm_head,
-            )
+        head = Eagle3Head(
+            self.head_config, self.target_hidden, self.target_max_positions,
+            self.options, has_embed, has_lm_head,
+        )
         if not has_lm_head and head.draft_vocab_size != self.target_vocab:
             raise ValueError(
                 f"{self.folder} has no lm_head.weight and a draft vocabulary of "
