@@ -123,19 +123,15 @@ def build_proposer(config, target_hf_config, options) -> Proposer:
     """Construct the proposer for a SpeculativeConfig from the explicit method table."""
     from foretell.spec_decode.draft_model import DraftModelProposer
     from foretell.spec_decode.eagle3 import Eagle3Proposer
+    from foretell.spec_decode.mtp import MTPProposer
     from foretell.spec_decode.ngram import NgramProposer
 
     table: dict[str, type[Proposer]] = {
         "eagle3": Eagle3Proposer,
+        "mtp": MTPProposer,
         "draft_model": DraftModelProposer,
         "ngram": NgramProposer,
     }
-    try:
-        from foretell.spec_decode.mtp import MTPProposer
-
-        table["mtp"] = MTPProposer
-    except ImportError:
-        pass
     if config.method not in table:
         raise ValueError(
             f"speculative method {config.method!r} is not available; available: {sorted(table)}"
