@@ -27,6 +27,9 @@ class ModelConfig:
     seed: int = 0
     attention_backend: str = "auto"  # auto | torch | triton
     enforce_eager: bool = False
+    # torch's intra-op threads on CPU; None leaves torch's default. Small models on few cores
+    # often run faster with 1 (thread start-up costs more than the tiny matmuls).
+    num_cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -37,6 +40,8 @@ class ModelConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.num_cpu_threads is not None and self.num_cpu_threads < 1:
+            raise ValueError(f"num_cpu_threads must be >= 1, got {self.num_cpu_threads}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(
                 f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"

@@ -9,8 +9,13 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from fixtures import checkpoints
+
+# The tiny test models run several times faster on one intra-op thread than on two (thread
+# start-up costs more than their matmuls); the suite has a time budget on a 2-core machine.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -178,3 +178,10 @@ def test_max_model_len_ends_generation(qwen3_checkpoint):
     out = llm.generate({"prompt_token_ids": [1, 2, 3, 4]}, greedy(100), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 8 and out.outputs[0].finish_reason == "length"
     assert all_blocks_free(llm)
+
+
+def test_empty_prompt_is_refused(qwen3_checkpoint):
+    llm = LLM(qwen3_checkpoint, num_kv_blocks=16)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        llm.generate({"prompt_token_ids": []}, greedy(4))
+    assert all_blocks_free(llm) and not llm.engine.has_unfinished_requests()

@@ -67,6 +67,8 @@ class Engine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty: give at least one token")
         vocab = self.runner.vocab_size
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:

@@ -47,7 +47,7 @@ class SamplingBatch:
         device: torch.device,
     ) -> "SamplingBatch":
         temps = [p.temperature for p in params]
-        top_ks = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+        top_ks = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
         top_ps = [p.top_p for p in params]
         min_ps = [p.min_p for p in params]
         return cls(

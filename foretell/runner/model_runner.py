@@ -50,6 +50,8 @@ class ModelRunner:
         self.config = config
         mc = config.model
         self.device = mc.resolve_device()
+        if mc.num_cpu_threads is not None:
+            torch.set_num_threads(mc.num_cpu_threads)  # the process-wide knob, set once, asked for
         self.hf_config = HFConfig.from_folder(mc.model)
         self.dtype = mc.resolve_dtype(checkpoint_dtype(self.hf_config), self.device)
         self.backend = build_attention_backend(mc.attention_backend, self.device)
