@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Sequence as Seq
+from typing import Any
 
 from tqdm import tqdm
 

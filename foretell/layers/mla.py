@@ -74,6 +74,7 @@ class MLADims:
 
 
 class TorchMLABackend:
+    graph_safe = False  # loops over the host copies of the lengths
     name = "torch"
 
     def write_kv(

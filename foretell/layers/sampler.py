@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from foretell.device_util import to_device
 from foretell.sampling_params import SamplingParams
 
 _MASK64 = (1 << 63) - 1
@@ -33,6 +34,7 @@ class SamplingBatch:
     min_p: torch.Tensor  # [rows] float32
     row_seeds: list[int | None]  # per row; None draws from the engine's generator
     all_greedy: bool
+    any_greedy: bool
     any_top_k: bool
     any_top_p: bool
     any_min_p: bool
@@ -51,12 +53,13 @@ class SamplingBatch:
         top_ps = [p.top_p for p in params]
         min_ps = [p.min_p for p in params]
         return cls(
-            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
-            top_k=torch.tensor(top_ks, dtype=torch.int64, device=device),
-            top_p=torch.tensor(top_ps, dtype=torch.float32, device=device),
-            min_p=torch.tensor(min_ps, dtype=torch.float32, device=device),
+            temperature=to_device(temps, torch.float32, device),
+            top_k=to_device(top_ks, torch.int64, device),
+            top_p=to_device(top_ps, torch.float32, device),
+            min_p=to_device(min_ps, torch.float32, device),
             row_seeds=row_seeds,
             all_greedy=all(t == 0 for t in temps),
+            any_greedy=any(t == 0 for t in temps),
             any_top_k=any(k < vocab_size for k in top_ks),
             any_top_p=any(p < 1.0 for p in top_ps),
             any_min_p=any(p > 0 for p in min_ps),

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from foretell.device_util import to_device
 from foretell.engine.scheduler import ScheduledSequence
 from foretell.layers.attention.metadata import AttentionMetadata
 
@@ -28,7 +29,7 @@ class InputBatch:
 def build_block_table(block_ids: list[list[int]], device: torch.device) -> torch.Tensor:
     width = max((len(b) for b in block_ids), default=1) or 1
     rows = [b + [0] * (width - len(b)) for b in block_ids]
-    return torch.tensor(rows, dtype=torch.int32, device=device).view(len(block_ids), width)
+    return to_device(rows, torch.int32, device).view(len(block_ids), width)
 
 
 def build_input_batch(
@@ -61,10 +62,10 @@ def build_input_batch(
                 logits_rows.append(row0 + r)
                 row_positions.append(start + r + 1)
     metadata = AttentionMetadata(
-        query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        query_start_loc=to_device(query_start, torch.int32, device),
+        seq_lens=to_device(seq_lens, torch.int32, device),
         block_table=build_block_table([s.seq.block_ids for s in scheduled], device),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        slot_mapping=to_device(slots, torch.int64, device),
         block_size=block_size,
         max_query_len=max(s.num_new_tokens for s in scheduled),
         max_seq_len=max(seq_lens),
@@ -72,10 +73,10 @@ def build_input_batch(
         seq_lens_cpu=seq_lens,
     )
     return InputBatch(
-        input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
-        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        input_ids=to_device(input_ids, torch.int64, device),
+        positions=to_device(positions, torch.int64, device),
         attn_metadata=metadata,
-        logits_rows=torch.tensor(logits_rows, dtype=torch.int64, device=device),
+        logits_rows=to_device(logits_rows, torch.int64, device),
         sampling_seq_index=sampling_seq_index,
         row_positions=row_positions,
         query_start=query_start,

@@ -20,7 +20,8 @@ from foretell.engine.sequence import Logprob
 from foretell.layers.attention.backend import build_attention_backend
 from foretell.layers.sampler import NoiseSource, Sampler, SamplingBatch, compute_logprobs, row_seed
 from foretell.models.base import HFConfig, ModelOptions
-from foretell.runner.input_batch import InputBatch, build_input_batch
+from foretell.runner.cuda_graph import CudaGraphRunner
+from foretell.runner.input_batch import InputBatch, build_input_batch, to_device
 from foretell.runner.kv_cache import CachePlan, DraftKVCache, KVCache, plan_cache
 from foretell.runner.model_loading import build_model, checkpoint_dtype
 from foretell.spec_decode.proposer import DraftBatch, Proposer, build_proposer
@@ -69,6 +70,7 @@ class ModelRunner:
         self.vocab_size = self.hf_config.vocab_size
         self.cache_plan = self._allocate_cache()
         self.max_model_len = self._max_model_len()
+        self.graphs = self._capture_graphs()
         self.noise = NoiseSource(self.device, mc.seed)
         self.sampler = Sampler(self.noise)
         self.rejection_sampler = RejectionSampler(self.noise)
@@ -140,13 +142,43 @@ class ModelRunner:
             self.proposer.bind_draft_cache(plan.draft_block_size)
         return plan
 
+    def _capture_graphs(self) -> CudaGraphRunner | None:
+        layers = self.model.attention_layers()
+        if (
+            self.device.type != "cuda"
+            or self.config.model.enforce_eager
+            or not all(layer.backend.graph_safe for layer in layers)
+        ):
+            return None
+        spec = self.config.speculative
+        query_lens = (1,) if spec is None else (1, spec.num_speculative_tokens + 1)
+        graphs = CudaGraphRunner(
+            self.model,
+            self.config.scheduler.max_num_seqs,
+            query_lens,
+            max_blocks_per_seq=-(-self.max_model_len // self.cache_plan.block_size) + 1,
+            block_size=self.cache_plan.block_size,
+            max_model_len=self.max_model_len,
+            device=self.device,
+        )
+        graphs.capture()
+        return graphs
+
+    def _target_forward(self, batch: InputBatch):
+        """(hidden, aux, logits of the sampling rows): a graph replay when one fits."""
+        key = self.graphs.bucket_for(batch) if self.graphs is not None else None
+        if key is not None:
+            hidden, aux, logits = self.graphs.run(batch, key)
+            return hidden, aux, logits[batch.logits_rows]
+        hidden, aux = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
+        return hidden, aux, self.model.compute_logits(hidden[batch.logits_rows])
+
     # ---- one step ------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> list[SequenceResult]:
         t0 = time.perf_counter()
         batch = build_input_batch(sched.scheduled, self.cache_plan.block_size, self.device)
-        hidden, aux = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
-        logits = self.model.compute_logits(hidden[batch.logits_rows])  # [rows, vocab] float32
+        hidden, aux, logits = self._target_forward(batch)  # logits [rows, vocab] float32
         results = [SequenceResult() for _ in sched.scheduled]
         self._sample(sched, batch, logits, results)
         if self._device_sync_needed():
@@ -186,7 +218,7 @@ class ModelRunner:
             verify = self.rejection_sampler(logits, drafts, probs, sampling)
             outputs, accepted = verify.output_token_ids, verify.num_accepted
             rows = [r for rs in verify.emitted_rows for r in rs]
-            chosen_rows = torch.tensor(rows, dtype=torch.int64, device=self.device)
+            chosen_rows = to_device(rows, torch.int64, self.device)
             chosen_tokens = verify.emitted_tokens
         else:
             sampled = self.sampler(logits, sampling)
@@ -236,7 +268,7 @@ class ModelRunner:
             else:
                 nexts.append(seq.token_ids[p0 + v])
                 histories.append(seq.token_ids[: p0 + v + 1])
-        index = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        index = to_device(rows, torch.int64, self.device)
         draft_batch = DraftBatch(
             start_positions=starts,
             num_valid_rows=valid,

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from foretell.device_util import to_device
 from foretell.layers.sampler import NoiseSource, SamplingBatch, processed_probs, row_seed, sample_from_probs
 from foretell.spec_decode.proposer import DraftBatch, Proposal, Proposer, catch_up_metadata
 
@@ -88,7 +89,7 @@ class DraftLoopProposer(Proposer):
             metadata = catch_up_metadata(
                 rows, [1] * len(rows), table, batch.block_size, self.draft_block_size
             )
-            pos_t = torch.tensor(rows, dtype=torch.int64, device=self.device)
+            pos_t = to_device(rows, torch.int64, self.device)
             logits, state = self.chain_step(tokens, pos_t, metadata, state)
         token_lists = torch.stack(drafts, dim=1).tolist()  # [n, k]
         stacked = torch.stack(probs, dim=1) if probs else None  # [n, k, target_vocab]
@@ -123,7 +124,7 @@ def catch_up_rows(batch: DraftBatch, include_next: bool) -> tuple[torch.Tensor, 
     """
     offsets = batch.valid_row_offsets()
     pieces, counts = [], []
-    next_ids = torch.tensor(batch.next_token_ids, dtype=torch.int64, device=batch.token_ids.device)
+    next_ids = to_device(batch.next_token_ids, torch.int64, batch.token_ids.device)
     for i in range(batch.num_seqs):
         rows = batch.token_ids[offsets[i] : offsets[i + 1]]
         if include_next:

@@ -8,6 +8,7 @@ import os
 import torch
 from torch import nn
 
+from foretell.device_util import to_device
 from foretell.models.base import HFConfig, ModelOptions
 from foretell.runner.model_loading import build_model
 from foretell.spec_decode.draft_loop import DraftLoopProposer, catch_up_rows
@@ -80,7 +81,7 @@ class DraftModelProposer(DraftLoopProposer):
         hidden, _ = self.model(input_ids, positions, metadata)
         if not last_rows:
             return None, None
-        ends = torch.tensor(metadata.query_start_loc_cpu[1:], device=self.device) - 1
+        ends = to_device(metadata.query_start_loc_cpu[1:], torch.int64, self.device) - 1
         return self.model.compute_logits(hidden[ends[last_rows]]), None
 
     def chain_step(self, tokens, positions, metadata, state):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from foretell.device_util import to_device
 from foretell.loader import checkpoint_keys, load_weights
 from foretell.models.base import HFConfig, ModelOptions
 from foretell.models.eagle3 import Eagle3Head
@@ -145,7 +146,7 @@ class Eagle3Proposer(DraftLoopProposer):
         h = self.head(input_ids, positions, g, metadata)  # [rows, H]
         if not last_rows:
             return None, None
-        ends = torch.tensor(metadata.query_start_loc_cpu[1:], device=self.device) - 1
+        ends = to_device(metadata.query_start_loc_cpu[1:], torch.int64, self.device) - 1
         state = h[ends[last_rows]]
         return self.head.compute_logits(state), state
 

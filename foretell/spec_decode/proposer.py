@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from foretell.device_util import to_device
 from foretell.layers.attention.metadata import AttentionMetadata
 from foretell.sampling_params import SamplingParams
 
@@ -99,15 +100,15 @@ def catch_up_metadata(
         query_start.append(query_start[-1] + n)
         seq_lens.append(p0 + n)
         positions.extend(range(p0, p0 + n))
-    pos = torch.tensor(positions, dtype=torch.int64, device=device)
+    pos = to_device(positions, torch.int64, device)
     seq_index = torch.repeat_interleave(
-        torch.arange(len(num_rows), device=device), torch.tensor(num_rows, device=device)
+        torch.arange(len(num_rows), device=device), to_device(num_rows, torch.int64, device)
     )
     blocks = block_table[seq_index, pos // block_size].to(torch.int64)
     slot_mapping = blocks * block_size + pos % block_size
     metadata = AttentionMetadata(
-        query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        query_start_loc=to_device(query_start, torch.int32, device),
+        seq_lens=to_device(seq_lens, torch.int32, device),
         block_table=block_table,
         slot_mapping=slot_mapping,
         block_size=block_size,
@@ -122,12 +123,12 @@ def catch_up_metadata(
 def build_proposer(config, target_hf_config, options) -> Proposer:
     """Construct the proposer for a SpeculativeConfig from the explicit method table."""
     from foretell.spec_decode.draft_model import DraftModelProposer
-    from foretell.spec_decode.eagle3 import Eagle3Proposer
+    from foretell.spec_decode.eagle3_mla import Eagle3MLAProposer
     from foretell.spec_decode.mtp import MTPProposer
     from foretell.spec_decode.ngram import NgramProposer
 
     table: dict[str, type[Proposer]] = {
-        "eagle3": Eagle3Proposer,
+        "eagle3": Eagle3MLAProposer,  # an Eagle3Proposer, or its MLA-head subclass by head config
         "mtp": MTPProposer,
         "draft_model": DraftModelProposer,
         "ngram": NgramProposer,

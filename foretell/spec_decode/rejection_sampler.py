@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from foretell.device_util import to_device
 from foretell.layers.sampler import NoiseSource, SamplingBatch, processed_probs, sample_from_probs
 
 
@@ -49,14 +50,12 @@ class RejectionSampler:
             starts.append(starts[-1] + k + 1)
 
         # Padded views: [num_seqs, max_k + 1] row index into logits (padding repeats a valid row).
-        row_index = torch.tensor(
-            [[starts[s] + min(i, lengths[s]) for i in range(max_k + 1)] for s in range(num_seqs)],
-            device=device,
-        )
-        drafts = torch.tensor(
-            [d + [0] * (max_k - len(d)) for d in draft_token_ids], dtype=torch.int64, device=device
+        row_index_host = [[starts[s] + min(i, lengths[s]) for i in range(max_k + 1)] for s in range(num_seqs)]
+        row_index = to_device(row_index_host, torch.int64, device)
+        drafts = to_device(
+            [d + [0] * (max_k - len(d)) for d in draft_token_ids], torch.int64, device
         ).view(num_seqs, max_k)
-        valid = torch.arange(max_k, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
+        valid = torch.arange(max_k, device=device)[None, :] < to_device(lengths, torch.int64, device)[:, None]
 
         if batch.all_greedy:
             target = logits.argmax(dim=-1)[row_index]  # [num_seqs, max_k + 1]
@@ -76,7 +75,7 @@ class RejectionSampler:
                     q[s, : lengths[s]] = dp.to(device=device, dtype=torch.float32)
             p_draft = p[:, :max_k].gather(-1, drafts[..., None]).squeeze(-1)  # [num_seqs, max_k]
             q_draft = q.gather(-1, drafts[..., None]).squeeze(-1)
-            seeds = [batch.row_seeds[r] for r in row_index[:, 0].tolist()]
+            seeds = [batch.row_seeds[rows[0]] for rows in row_index_host]
             uniform = self.noise.uniform(seeds, max(max_k, 1))[:, :max_k]
             accept = (uniform * q_draft < p_draft) & valid
             # Residual distribution for the row after the accepted prefix; the bonus row uses p.
@@ -85,15 +84,15 @@ class RejectionSampler:
             residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p[:, :max_k])
             candidates = torch.cat([residual, p[:, max_k:]], dim=1)  # [num_seqs, max_k+1, vocab]
             # The bonus row of a sequence with fewer than max_k drafts is its own row k_s.
-            bonus = p[torch.arange(num_seqs, device=device), torch.tensor(lengths, device=device)]
-            candidates[torch.arange(num_seqs, device=device), torch.tensor(lengths, device=device)] = bonus
+            bonus = p[torch.arange(num_seqs, device=device), to_device(lengths, torch.int64, device)]
+            candidates[torch.arange(num_seqs, device=device), to_device(lengths, torch.int64, device)] = bonus
             noise = self.noise.exponential(
-                [batch.row_seeds[r] for r in row_index.flatten().tolist()], vocab
+                [batch.row_seeds[r] for rows in row_index_host for r in rows], vocab
             ).view(num_seqs, max_k + 1, vocab)
             sampled = sample_from_probs(candidates.flatten(0, 1), noise.flatten(0, 1))
             final_choice = sampled.view(num_seqs, max_k + 1)
-            greedy_seq = batch.greedy_rows[row_index[:, 0]]
-            if greedy_seq.any():
+            if batch.any_greedy:
+                greedy_seq = batch.greedy_rows[row_index[:, 0]]
                 target = logits.argmax(dim=-1)[row_index]
                 greedy_accept = (target[:, :max_k] == drafts) & valid
                 accept = torch.where(greedy_seq[:, None], greedy_accept, accept)
@@ -102,8 +101,7 @@ class RejectionSampler:
         # Accepted count = length of the all-accepted prefix.
         num_accepted_t = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [num_seqs]
         final_tokens = final_choice.gather(1, num_accepted_t[:, None]).squeeze(1)
-        num_accepted = num_accepted_t.tolist()
-        finals = final_tokens.tolist()
+        num_accepted, finals = torch.stack([num_accepted_t, final_tokens]).tolist()  # one sync
         outputs, emitted_rows = [], []
         for s in range(num_seqs):
             a = num_accepted[s]
@@ -111,5 +109,5 @@ class RejectionSampler:
             emitted_rows.append(list(range(starts[s], starts[s] + a + 1)))
         flat = [t for out in outputs for t in out]
         return VerifyResult(
-            num_accepted, outputs, emitted_rows, torch.tensor(flat, dtype=torch.int64, device=device)
+            num_accepted, outputs, emitted_rows, to_device(flat, torch.int64, device)
         )

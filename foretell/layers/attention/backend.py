@@ -18,6 +18,9 @@ from foretell.layers.attention.metadata import AttentionMetadata
 
 class AttentionBackend(Protocol):
     name: str
+    #: Whether a forward using it can be captured in a CUDA graph and replayed for other
+    #: lengths (true when it reads no host-side lengths).
+    graph_safe: bool
 
     def write_kv(
         self,

@@ -16,6 +16,7 @@ from foretell.layers.attention.triton_kernels import paged_attention_triton, wri
 
 class TritonAttentionBackend:
     name = "triton"
+    graph_safe = True
 
     def write_kv(
         self,

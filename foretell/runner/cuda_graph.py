@@ -1,0 +1,145 @@
+"""CUDA graphs for the target's decode and verify forwards.
+
+A batch where every sequence feeds the same number of rows q (1 for decode, 1 + k to verify k
+drafts) runs as the replay of a graph captured for (batch bucket, q): the smallest captured
+bucket B >= num_seqs, padded with dummy sequences whose rows write no KV (slot -1). Inputs live in
+persistent buffers that each step overwrites; outputs (final hidden states, the aux hidden states
+EAGLE3 reads, and the logits of every row) are static tensors of the graph, sliced to the live
+rows after replay. Any other batch (prefill chunks, mixed query lengths) runs eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from foretell.layers.attention.metadata import AttentionMetadata
+from foretell.runner.input_batch import InputBatch
+
+logger = logging.getLogger("foretell")
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    buckets = [1, 2, 4, 8]
+    while buckets[-1] < max_num_seqs:
+        buckets.append(buckets[-1] + (8 if buckets[-1] < 32 else 16 if buckets[-1] < 128 else 32))
+    return [b for b in buckets if b < max_num_seqs] + [max_num_seqs]
+
+
+@dataclass
+class CapturedForward:
+    graph: torch.cuda.CUDAGraph
+    hidden: torch.Tensor  # [B * q, hidden]
+    aux: list[torch.Tensor]  # each [B * q, hidden]
+    logits: torch.Tensor  # [B * q, vocab] float32
+
+
+class CudaGraphRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        max_num_seqs: int,
+        query_lens: tuple[int, ...],
+        max_blocks_per_seq: int,
+        block_size: int,
+        max_model_len: int,
+        device: torch.device,
+    ):
+        self.model = model
+        self.buckets = batch_buckets(max_num_seqs)
+        self.query_lens = tuple(sorted(set(query_lens)))
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.device = device
+        max_rows = self.buckets[-1] * max(self.query_lens)
+        i64 = dict(dtype=torch.int64, device=device)
+        i32 = dict(dtype=torch.int32, device=device)
+        self.input_ids = torch.zeros(max_rows, **i64)
+        self.positions = torch.zeros(max_rows, **i64)
+        self.slot_mapping = torch.full((max_rows,), -1, **i64)
+        self.query_start_loc = torch.zeros(self.buckets[-1] + 1, **i32)
+        self.seq_lens = torch.ones(self.buckets[-1], **i32)
+        self.block_table = torch.zeros(self.buckets[-1], max_blocks_per_seq, **i32)
+        self.graphs: dict[tuple[int, int], CapturedForward] = {}
+        self.pool = None
+
+    # ---- capture -------------------------------------------------------------------------
+    def _metadata(self, bucket: int, q: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            query_start_loc=self.query_start_loc[: bucket + 1],
+            seq_lens=self.seq_lens[:bucket],
+            block_table=self.block_table[:bucket],
+            slot_mapping=self.slot_mapping[: bucket * q],
+            block_size=self.block_size,
+            max_query_len=q,
+            max_seq_len=self.max_model_len,
+            # Host copies are only read by the torch backend, which never runs in a graph.
+            query_start_loc_cpu=[i * q for i in range(bucket + 1)],
+            seq_lens_cpu=[q] * bucket,
+        )
+
+    def _forward(self, bucket: int, q: int):
+        rows = bucket * q
+        hidden, aux = self.model(self.input_ids[:rows], self.positions[:rows], self._metadata(bucket, q))
+        return hidden, aux, self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        torch.cuda.synchronize(self.device)
+        for q in self.query_lens:
+            for bucket in reversed(self.buckets):  # largest first: later graphs reuse its pool
+                self._reset_padding(0, bucket, q)
+                for _ in range(2):  # compile Triton kernels and warm cuBLAS outside capture
+                    self._forward(bucket, q)
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    hidden, aux, logits = self._forward(bucket, q)
+                if self.pool is None:
+                    self.pool = graph.pool()
+                self.graphs[(bucket, q)] = CapturedForward(graph, hidden, list(aux), logits)
+        torch.cuda.synchronize(self.device)
+        logger.info("captured %d CUDA graphs (buckets %s, query lengths %s)",
+                    len(self.graphs), self.buckets, self.query_lens)
+
+    def _reset_padding(self, num_seqs: int, bucket: int, q: int) -> None:
+        """Dummy sequences num_seqs..bucket-1: q rows each, context q, no KV writes."""
+        self.query_start_loc[num_seqs : bucket + 1] = torch.arange(
+            num_seqs * q, (bucket + 1) * q, q, dtype=torch.int32, device=self.device
+        )
+        self.seq_lens[num_seqs:bucket] = q
+        self.slot_mapping[num_seqs * q : bucket * q] = -1
+        self.positions[num_seqs * q : bucket * q] = 0
+
+    # ---- replay ----------------------------------------------------------------------------
+    def bucket_for(self, batch: InputBatch) -> tuple[int, int] | None:
+        meta = batch.attn_metadata
+        q = meta.max_query_len
+        num_seqs = meta.num_seqs
+        if q not in self.query_lens or meta.num_tokens != q * num_seqs:
+            return None
+        if num_seqs > self.buckets[-1] or meta.block_table.shape[1] > self.block_table.shape[1]:
+            return None
+        bucket = next(b for b in self.buckets if b >= num_seqs)
+        return bucket, q
+
+    def run(self, batch: InputBatch, key: tuple[int, int]):
+        """Replay for a batch bucket_for() accepted: (hidden, aux, logits) of the live rows."""
+        bucket, q = key
+        meta = batch.attn_metadata
+        n, rows = meta.num_seqs, meta.num_tokens
+        self.input_ids[:rows].copy_(batch.input_ids, non_blocking=True)
+        self.positions[:rows].copy_(batch.positions, non_blocking=True)
+        self.slot_mapping[:rows].copy_(meta.slot_mapping, non_blocking=True)
+        self.query_start_loc[: n + 1].copy_(meta.query_start_loc, non_blocking=True)
+        self.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
+        width = meta.block_table.shape[1]
+        self.block_table[:n, :width].copy_(meta.block_table, non_blocking=True)
+        if n < bucket:
+            self._reset_padding(n, bucket, q)
+        captured = self.graphs[key]
+        captured.graph.replay()
+        return captured.hidden[:rows], [a[:rows] for a in captured.aux], captured.logits[:rows]
