@@ -20,6 +20,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     g.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
     g.add_argument("--num-cpu-threads", type=int, help="torch intra-op threads on CPU")
+    g.add_argument("--skip-tokenizer-init", action="store_true", help="token-id prompts only")
     c = parser.add_argument_group("KV cache")
     c.add_argument("--block-size", type=int, default=16)
     c.add_argument("--kv-cache-memory-bytes", type=int, help="KV cache budget (target + draft)")
@@ -70,7 +71,7 @@ def speculative_config_from_args(args: argparse.Namespace) -> dict[str, Any] | N
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     names = [
         "tokenizer", "dtype", "device", "load_format", "max_model_len", "seed", "attention_backend",
-        "enforce_eager", "num_cpu_threads", "block_size", "kv_cache_memory_bytes", "gpu_memory_utilization",
+        "enforce_eager", "num_cpu_threads", "skip_tokenizer_init", "block_size", "kv_cache_memory_bytes", "gpu_memory_utilization",
         "num_kv_blocks", "enable_prefix_caching", "max_num_seqs", "max_num_batched_tokens",
         "enable_chunked_prefill",
     ]

@@ -30,6 +30,9 @@ class ModelConfig:
     # torch's intra-op threads on CPU; None leaves torch's default. Small models on few cores
     # often run faster with 1 (thread start-up costs more than the tiny matmuls).
     num_cpu_threads: int | None = None
+    # No tokenizer: prompts must be token ids and outputs carry no text (benchmarks with
+    # --load-format dummy from a bare config.json).
+    skip_tokenizer_init: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:

@@ -28,19 +28,8 @@ class Tokenizer:
         self.eos_token_ids = self._find_eos_ids(folder)
 
     def _find_eos_ids(self, folder: str) -> frozenset[int]:
-        ids: set[int] = set()
-        if self.hf.eos_token_id is not None:
-            ids.add(self.hf.eos_token_id)
-        for name in ("generation_config.json", "config.json"):
-            path = os.path.join(folder, name)
-            if os.path.isfile(path):
-                with open(path) as f:
-                    value = json.load(f).get("eos_token_id")
-                if isinstance(value, int):
-                    ids.add(value)
-                elif isinstance(value, list):
-                    ids.update(v for v in value if isinstance(v, int))
-        return frozenset(ids)
+        own = {self.hf.eos_token_id} if self.hf.eos_token_id is not None else set()
+        return frozenset(own) | eos_ids_from_configs(folder)
 
     @property
     def vocab_size(self) -> int:
@@ -64,6 +53,21 @@ class Tokenizer:
         if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
             ids = ids["input_ids"]
         return list(ids)
+
+
+def eos_ids_from_configs(folder: str) -> frozenset[int]:
+    """EOS ids named by generation_config.json and config.json (int or list)."""
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            with open(path) as f:
+                value = json.load(f).get("eos_token_id")
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, list):
+                ids.update(v for v in value if isinstance(v, int))
+    return frozenset(ids)
 
 
 class IncrementalDetokenizer:

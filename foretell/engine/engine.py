@@ -18,7 +18,7 @@ from foretell.engine.sequence import Sequence
 from foretell.runner.model_runner import ModelRunner
 from foretell.sampling_params import SamplingParams
 from foretell.spec_decode.metrics import SpecDecodeStats
-from foretell.tokenizer import IncrementalDetokenizer, Tokenizer
+from foretell.tokenizer import IncrementalDetokenizer, Tokenizer, eos_ids_from_configs
 
 
 @dataclass
@@ -28,7 +28,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence]
-    detokenizers: list[IncrementalDetokenizer]
+    detokenizers: list[IncrementalDetokenizer | None]
     metrics: RequestMetrics
     aborted: bool = False
     outputs_sent: bool = field(default=False)
@@ -41,7 +41,11 @@ class Request:
 class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.tokenizer = Tokenizer(config.model.tokenizer or config.model.model)
+        mc = config.model
+        self.tokenizer = None if mc.skip_tokenizer_init else Tokenizer(mc.tokenizer or mc.model)
+        self.eos_token_ids = (
+            self.tokenizer.eos_token_ids if self.tokenizer else eos_ids_from_configs(mc.model)
+        )
         self.runner = ModelRunner(config)
         plan = self.runner.cache_plan
         self.block_manager = BlockManager(
@@ -51,7 +55,10 @@ class Engine:
         self.scheduler = Scheduler(
             config.scheduler, self.block_manager, self.runner.max_model_len, num_lookahead_tokens=k
         )
-        self.metrics = EngineMetrics(spec=SpecDecodeStats(k) if k else None)
+        self.metrics = EngineMetrics(
+            spec=SpecDecodeStats(k) if k else None,
+            synthetic_acceptance=self.runner.simulated is not None,
+        )
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
 
@@ -80,7 +87,7 @@ class Engine:
             )
         seqs = [
             Sequence(
-                next(self._seq_ids), request_id, i, token_ids, params, self.tokenizer.eos_token_ids
+                next(self._seq_ids), request_id, i, token_ids, params, self.eos_token_ids
             )
             for i in range(params.n)
         ]
@@ -92,12 +99,19 @@ class Engine:
             token_ids,
             params,
             seqs,
-            [IncrementalDetokenizer(self.tokenizer, params) for _ in seqs],
+            [IncrementalDetokenizer(self.tokenizer, params) if self.tokenizer else None for _ in seqs],
             RequestMetrics(arrival_time=time.monotonic()),
         )
         self.metrics.prompt_tokens_total += len(token_ids)
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        needs_text = isinstance(prompt, str) or (
+            isinstance(prompt, dict) and "prompt_token_ids" not in prompt
+        )
+        if self.tokenizer is None and needs_text:
+            raise ValueError(
+                "the engine runs without a tokenizer (skip_tokenizer_init): give token-id prompts"
+            )
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
@@ -157,7 +171,8 @@ class Engine:
             logprobs = result.logprobs[: len(appended)]
             seq.logprobs.extend(logprobs)
             seq.cumulative_logprob += sum(lp.logprob for lp in logprobs)
-            stop = request.detokenizers[seq.index].add(appended)
+            detok = request.detokenizers[seq.index]
+            stop = detok.add(appended) if detok is not None else None
             if stop is not None and not seq.is_finished:
                 seq.stop_reason = stop
                 self.scheduler.finish(seq, "stop")
@@ -187,7 +202,7 @@ class Engine:
             completions.append(
                 CompletionOutput(
                     index=seq.index,
-                    text=detok.text,
+                    text=detok.text if detok is not None else "",
                     token_ids=list(seq.output_token_ids),
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
@@ -207,6 +222,8 @@ class Engine:
     # ---- stats ---------------------------------------------------------------------
     def get_stats(self) -> dict:
         stats = self.metrics.as_dict()
+        if self.runner.simulated is not None:
+            stats["synthetic_acceptance"] = True  # accept decisions were drawn, text is synthetic
         stats.update(
             num_requests_running=len(self.scheduler.running),
             num_requests_waiting=len(self.scheduler.waiting),

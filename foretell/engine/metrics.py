@@ -14,6 +14,7 @@ logger = logging.getLogger("foretell")
 @dataclass
 class EngineMetrics:
     spec: SpecDecodeStats | None = None
+    synthetic_acceptance: bool = False
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     num_requests_finished: int = 0
@@ -50,4 +51,6 @@ class EngineMetrics:
         if self.spec is not None and self.spec.num_drafts:
             per_pos = ", ".join(f"{100 * r:.0f}%" for r in self.spec.per_position_rates())
             line += f"; {self.spec.log_line()}; per position [{per_pos}]"
+            if self.synthetic_acceptance:
+                line += " (SIMULATED acceptance: synthetic output)"
         logger.info(line)

@@ -26,6 +26,7 @@ from foretell.runner.kv_cache import CachePlan, DraftKVCache, KVCache, plan_cach
 from foretell.runner.model_loading import build_model, checkpoint_dtype
 from foretell.spec_decode.proposer import DraftBatch, Proposer, build_proposer
 from foretell.spec_decode.rejection_sampler import RejectionSampler
+from foretell.spec_decode.simulated_acceptance import SimulatedAcceptance, rates_from_config
 
 CPU_KV_CACHE_BYTES = 256 << 20
 logger = logging.getLogger("foretell")
@@ -66,7 +67,7 @@ class ModelRunner:
         torch.manual_seed(mc.seed)
         self.model = build_model(mc.model, self.hf_config, options, mc.load_format, mc.seed)
         if self.proposer is not None:
-            self.proposer.load(self.model)
+            self.proposer.load(self.model, mc.load_format)
         self.vocab_size = self.hf_config.vocab_size
         self.cache_plan = self._allocate_cache()
         self.max_model_len = self._max_model_len()
@@ -74,6 +75,12 @@ class ModelRunner:
         self.noise = NoiseSource(self.device, mc.seed)
         self.sampler = Sampler(self.noise)
         self.rejection_sampler = RejectionSampler(self.noise)
+        spec = config.speculative
+        self.simulated = (
+            SimulatedAcceptance(rates_from_config(spec.simulate_acceptance, spec.num_speculative_tokens), mc.seed)
+            if spec is not None and spec.simulate_acceptance is not None
+            else None
+        )
         self.draft_probs: dict[int, torch.Tensor] = {}  # seq_id -> [k, vocab] for sampled drafts
         self.last_times = StepTimes()
 
@@ -216,6 +223,8 @@ class ModelRunner:
             drafts = [item.draft_token_ids for item in items]
             probs = [self._pop_draft_probs(item) for item in items]
             verify = self.rejection_sampler(logits, drafts, probs, sampling)
+            if self.simulated is not None:
+                verify = self.simulated.apply(verify, logits, drafts)
             outputs, accepted = verify.output_token_ids, verify.num_accepted
             rows = [r for rs in verify.emitted_rows for r in rs]
             chosen_rows = to_device(rows, torch.int64, self.device)

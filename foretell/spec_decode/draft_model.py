@@ -62,8 +62,8 @@ class DraftModelProposer(DraftLoopProposer):
     def from_config(cls, config, target_hf_config, options) -> "DraftModelProposer":
         return cls(config, target_hf_config, options)
 
-    def load(self, target: nn.Module) -> None:
-        self.model = build_model(self.folder, self.hf_config, self.options)
+    def load(self, target: nn.Module, load_format: str = "auto") -> None:
+        self.model = build_model(self.folder, self.hf_config, self.options, load_format)
 
     def kv_layers(self) -> list[nn.Module]:
         return self.model.attention_layers()

@@ -75,10 +75,10 @@ class MTPProposer(DraftLoopProposer):
     def from_config(cls, config, target_hf_config, options) -> "MTPProposer":
         return cls(config, target_hf_config, options)
 
-    def load(self, target: nn.Module) -> None:
+    def load(self, target: nn.Module, load_format: str = "auto") -> None:
         # Layers take dtype and device from the options: parameters are created where they live.
         mtp = DeepseekMTP(self.text_config, self.options, self.prefix, self.default_router)
-        load_weights(mtp, self.folder)
+        load_weights(mtp, self.folder, load_format)
         mtp.share_embedding(target.get_input_embeddings())
         self.mtp = mtp.eval()
 

@@ -65,8 +65,9 @@ class Proposer:
     def __init__(self, num_speculative_tokens: int):
         self.k = num_speculative_tokens
 
-    def load(self, target: nn.Module) -> None:
-        """Build / load the drafter once the target is loaded (it may share the target's weights)."""
+    def load(self, target: nn.Module, load_format: str = "auto") -> None:
+        """Build / load the drafter once the target is loaded (it may share the target's
+        weights); load_format is the target's ("dummy": random weights, no files)."""
 
     def kv_layers(self) -> list[nn.Module]:
         """Attention layers of the drafter that need a DraftKVCache (none for n-gram)."""
