@@ -388,8 +388,9 @@ def load_weights(
 def fill_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """Deterministic random weights from the parameter names alone (no file is read).
 
-    Each parameter is drawn on the CPU from a generator seeded by (seed, name), so the values do
-    not depend on the device, the parameter order or which other parameters exist.
+    Each parameter is drawn from a generator seeded by (seed, name), on the parameter's own
+    device (an 8B model is drawn in seconds on a GPU), so the values do not depend on the
+    parameter order or which other parameters exist; they do differ between CPU and GPU.
     """
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -397,7 +398,11 @@ def fill_dummy_weights(model: nn.Module, seed: int = 0) -> None:
             if value is not None:
                 param.fill_(value)
                 continue
-            # The CPU generator keeps only 32 bits of its seed: hash seed and name together.
-            generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
-            values = torch.randn(param.shape, generator=generator, device="cpu") * DUMMY_STD
-            param.copy_(values.to(param.dtype))
+            # The CPU generator keeps only 32 bits of its seed: mix seed and name into 32.
+            mixed = zlib.crc32(name.encode(), zlib.crc32(seed.to_bytes(8, "little", signed=True)))
+            generator = torch.Generator(device=param.device).manual_seed(mixed)
+            if param.dtype.is_floating_point:
+                values = torch.randn(param.shape, generator=generator, device=param.device)
+                param.copy_(values.mul_(DUMMY_STD))
+            else:
+                param.zero_()
