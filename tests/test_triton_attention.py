@@ -191,7 +191,8 @@ def test_split_context_matches_torch(kind, num_splits):
 
 @pytest.mark.parametrize(
     "head_dim, group, num_splits",
-    [(16, 2, 1), (32, 2, 1), (128, 4, 1), (128, 4, 4), (256, 2, 1), (80, 3, 1), (64, 3, 2)],
+    [(8, 2, 1), (16, 2, 1), (32, 2, 1), (128, 4, 1), (128, 4, 4), (256, 2, 1), (80, 3, 1),
+     (64, 3, 2)],
 )
 def test_head_dims_and_odd_groups(head_dim, group, num_splits):
     seed = _new_seed()

@@ -189,6 +189,7 @@ def _paged_attention_kernel(
         + dims[None, :]
     )
     q = tl.load(query_ptr + q_offsets, mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+    q = q.to(k_cache_ptr.dtype.element_ty)  # tl.dot wants matching operand types
 
     # Context this block needs: up to its last query token's position.
     kv_end = prefix_len + tl.minimum(q_len, (local_block + 1) * BLOCK_Q)
@@ -314,9 +315,7 @@ def paged_attention_triton(
         return out
     query = _unit_last_stride(query)
     group = num_heads // num_kv_heads
-    config = _launch_config(
-        group, head_dim, max_query_len, query.dtype, kv_cache.element_size()
-    )
+    config = _launch_config(group, head_dim, max_query_len, kv_cache.dtype)
     block_q, block_m, tile_n = config["BLOCK_Q"], config["BLOCK_M"], config["TILE_N"]
     if num_splits is None:
         num_splits = _choose_num_splits(
@@ -365,11 +364,11 @@ def paged_attention_triton(
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
         HEAD_DIM=head_dim,
-        HEAD_DIM_P=triton.next_power_of_2(head_dim),
+        HEAD_DIM_P=max(16, triton.next_power_of_2(head_dim)),  # tl.dot needs K >= 16
         BLOCK_SIZE=block_size,
         TILE_N=tile_n,
         SPLIT=split,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
         num_warps=config["num_warps"],
     )
     if split:
@@ -391,11 +390,11 @@ def paged_attention_triton(
 
 
 def _launch_config(
-    group: int, head_dim: int, max_query_len: int, dtype: torch.dtype, cache_elem_bytes: int
+    group: int, head_dim: int, max_query_len: int, cache_dtype: torch.dtype
 ) -> dict:
     group_p = triton.next_power_of_2(group)
     # float32 tiles take the FMA path (exact "ieee" dot) and spill when large: keep them small.
-    wide = dtype == torch.float32 or cache_elem_bytes > 2
+    wide = cache_dtype.itemsize > 2
     # About 64 rows per program for prefill; decode/verify take just enough tokens to hold
     # their queries, but never fewer than 16 rows (the smallest tl.dot M).
     target_rows = 16 if wide else (64 if head_dim <= 128 else 32)
