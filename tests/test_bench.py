@@ -154,7 +154,7 @@ def sweep(qwen3_checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     json_path, plot_dir = out / "bench.json", out / "plots"
     argv = [
-        "bench", "--model", qwen3_checkpoint, "--methods", "ngram,draft_model",
+        "bench", "--model", qwen3_checkpoint, "--device", "cpu", "--methods", "ngram,draft_model",
         "--draft-model", qwen3_checkpoint,  # a draft equal to the target: every draft accepted
         "--k", "2", "--batch-sizes", "1,2", "--dataset", "gsm8k", "--num-prompts", "2",
         "--max-tokens", str(MAX_TOKENS), "--ignore-eos", "--compare", "hf",
@@ -258,7 +258,8 @@ def test_sweep_table_text(sweep):
 
 def test_random_dataset_without_speculation(qwen3_checkpoint, tmp_path, capsys):
     path = tmp_path / "r.json"
-    rc = main(["bench", "--model", qwen3_checkpoint, "--dataset", "random", "--input-len", "5",
+    rc = main(["bench", "--model", qwen3_checkpoint, "--device", "cpu", "--dataset", "random",
+               "--input-len", "5",
                "--num-prompts", "2", "--max-tokens", "3", "--ignore-eos", "--no-warmup",
                "--output-json", str(path), "--no-progress"])
     assert rc == 0

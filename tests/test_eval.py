@@ -76,7 +76,7 @@ def test_fewshot_prompt():
 def test_eval_with_speculation_end_to_end(qwen3_checkpoint, tmp_path, capsys):
     path = tmp_path / "eval.json"
     rc = main([
-        "eval", "gsm8k", "--model", qwen3_checkpoint, "--method", "draft_model",
+        "eval", "gsm8k", "--model", qwen3_checkpoint, "--device", "cpu", "--method", "draft_model",
         "--draft-model", qwen3_checkpoint, "--num-speculative-tokens", "2",
         "--num-fewshot", "1", "--limit", "2", "--max-tokens", "6",
         "--output-json", str(path), "--log-samples", "--no-progress",
@@ -103,7 +103,8 @@ def test_eval_with_speculation_end_to_end(qwen3_checkpoint, tmp_path, capsys):
 
 def test_eval_without_speculation(qwen3_checkpoint, tmp_path):
     path = tmp_path / "eval.json"
-    rc = main(["eval", "gsm8k", "--model", qwen3_checkpoint, "--num-fewshot", "0", "--limit", "2",
+    rc = main(["eval", "gsm8k", "--model", qwen3_checkpoint, "--device", "cpu", "--num-fewshot", "0",
+               "--limit", "2",
                "--max-tokens", "3", "--output-json", str(path), "--no-progress"])
     assert rc == 0
     report = json.loads(path.read_text())

@@ -16,7 +16,7 @@ from foretell.bench.datasets import Prompt, load_prompts, ordinary_vocab
 from foretell.bench.sweep import add_comparisons, release, run_closed_loop, summarize
 
 REPORT_SCHEMA_VERSION = 1
-WARMUP_MAX_TOKENS = 4
+WARMUP_MAX_TOKENS = 16
 
 
 @dataclass
@@ -101,6 +101,9 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
     params = SamplingParams(
         temperature=s.temperature, max_tokens=s.max_tokens, ignore_eos=s.ignore_eos, seed=s.seed
     )
+    prefill_params = SamplingParams(
+        temperature=s.temperature, max_tokens=1, ignore_eos=s.ignore_eos, seed=s.seed
+    )
     warmup_params = SamplingParams(
         temperature=s.temperature, max_tokens=min(WARMUP_MAX_TOKENS, s.max_tokens),
         ignore_eos=s.ignore_eos, seed=s.seed,
@@ -123,8 +126,12 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
             if config is not None:
                 llm = LLM(s.model, speculative_config=config, **engine_kwargs)
             if s.warmup:
-                # Also fills the prefix cache with every prompt, so all measured runs see it warm.
-                run_closed_loop(llm, requests_for(1), warmup_params, max_batch)
+                # Every prompt once (the prefix cache holds them all for every measured run),
+                # then a short run at each batch size, so that kernels for the shapes of the
+                # measured steps (decode, verify, drafting) are compiled and cached.
+                run_closed_loop(llm, requests_for(1), prefill_params, max_batch)
+                for batch_size in s.batch_sizes:
+                    run_closed_loop(llm, requests_for(batch_size)[:batch_size], warmup_params, batch_size)
             for batch_size in s.batch_sizes:
                 bar.set_description(f"bench {config_label(method, k)} bs={batch_size}")
                 run = run_closed_loop(llm, requests_for(batch_size), params, batch_size, bar.update)
