@@ -147,7 +147,7 @@ def test_mla_head_logits_match_reference(target, mla_heads):
     from foretell.spec_decode.proposer import catch_up_metadata
 
     folder = mla_heads["q_lora"]
-    llm = LLM(target, dtype="float32", num_kv_blocks=16, block_size=4,
+    llm = LLM(target, dtype="float32", device="cpu", num_kv_blocks=16, block_size=4,
               speculative_config={"method": "eagle3", "model": folder, "num_speculative_tokens": 2})
     proposer = llm.engine.runner.proposer
     hf = transformers.DeepseekV3ForCausalLM.from_pretrained(target, dtype=torch.float32, attn_implementation="eager")

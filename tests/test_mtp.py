@@ -140,7 +140,7 @@ def test_draft_logits_match_plain_torch_reference(folders, name):
     tokens = [5, 17, 250, 3, 99, 41, 7, 300, 12, 8]
     T = len(tokens) - 1  # rows 0..T-1 pair hidden t with token t+1; token T is "next"
     hidden = target_final_hidden(folder, tokens)
-    llm = LLM(folder, dtype="float32", num_kv_blocks=8, block_size=4,
+    llm = LLM(folder, dtype="float32", device="cpu", num_kv_blocks=8, block_size=4,
               speculative_config={"method": "mtp", "num_speculative_tokens": 3})
     proposer = llm.engine.runner.proposer
     assert [l.kv_cache.shape[-1] for l in proposer.kv_layers()] == [40] * config["num_nextn_predict_layers"]
