@@ -58,6 +58,7 @@ COMMANDS = {
     "bench": lambda sub: __import__("foretell.bench.cli", fromlist=["cli"]).add_bench_parser(sub),
     "eval": lambda sub: __import__("foretell.eval.cli", fromlist=["cli"]).add_eval_parser(sub),
     "serve": lambda sub: __import__("foretell.server.cli", fromlist=["cli"]).add_serve_parser(sub),
+    "train-eagle3": lambda sub: __import__("foretell.training.cli", fromlist=["cli"]).add_train_parser(sub),
 }
 
 
