@@ -1,0 +1,240 @@
+"""GPU benchmarks at real sizes with random weights (issue 5's bars), in one process.
+
+    python scripts/bench_gpu.py OUT_DIR [--quick]
+
+Llama-3.1-8B (bf16, dummy weights, CUDA graphs): batch-1 decode tok/s; the cost of a verify
+forward with 4 query tokens against a 1-token decode (graph replays timed with CUDA events);
+one EAGLE3 draft step (hidden 4096, draft vocab 32000) against a decode forward; EAGLE3 k=3 with
+simulated mean acceptance length 2.93; batches 1/4/16/64 with and without EAGLE3; host time per
+decode step. DeepSeek-V2-Lite shape at batch 1 against its roofline, and with MTP k=1 simulated at
+85%. bf16 greedy agreement of speculation with plain greedy on a tiny model. Each section
+is independent: a failure is recorded and the rest still runs. Writes OUT_DIR/bench_gpu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+from foretell import LLM, SamplingParams  # noqa: E402
+from foretell.spec_decode.proposer import catch_up_metadata  # noqa: E402
+
+CONFIGS = os.path.join(ROOT, "foretell", "configs")
+RESULTS: dict = {}
+
+
+def event_ms(fn, iters: int = 50, warmup: int = 5) -> float:
+    """Median GPU time of fn() in ms, timed with CUDA events one call at a time."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def free(llm) -> None:
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def make_llm(model: str, spec: dict | None = None, **kw) -> LLM:
+    kw.setdefault("max_num_seqs", 64)
+    return LLM(model, dtype="bfloat16", device="cuda", load_format="dummy", skip_tokenizer_init=True,
+               speculative_config=spec, log_stats_interval_s=0, **kw)
+
+
+def decode_tok_s(llm: LLM, batch: int, prompt_len: int = 128, new_tokens: int = 128) -> dict:
+    """Decode throughput: time for new_tokens minus the time of the prefill (max_tokens=1)."""
+    prompts = [{"prompt_token_ids": [(7 * i + j) % 1000 + 1 for j in range(prompt_len)]} for i in range(batch)]
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    full = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    llm.generate(prompts, one, use_tqdm=False)
+    torch.cuda.synchronize()
+    t_prefill = time.perf_counter() - t0
+    steps0 = llm.engine.metrics.num_steps
+    t0 = time.perf_counter()
+    llm.generate(prompts, full, use_tqdm=False)
+    torch.cuda.synchronize()
+    t_total = time.perf_counter() - t0
+    steps = llm.engine.metrics.num_steps - steps0
+    decode_s = max(t_total - t_prefill, 1e-9)
+    return {"batch": batch, "tok_s": batch * (new_tokens - 1) / decode_s,
+            "ms_per_step": 1000 * decode_s / max(steps - 1, 1), "steps": steps}
+
+
+def section(name):
+    def wrap(fn):
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                RESULTS[name] = fn(*args, **kwargs)
+            except Exception as e:  # record and go on: one broken section must not hide the rest
+                RESULTS[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+            RESULTS.setdefault("_seconds", {})[name] = round(time.perf_counter() - t0, 1)
+            print(f"[{name}] {json.dumps(RESULTS[name], default=str)[:600]}", flush=True)
+        return run
+    return wrap
+
+
+@section("llama_baseline")
+def llama_baseline(batches):
+    llm = make_llm(f"{CONFIGS}/llama-3.1-8b")
+    runner = llm.engine.runner
+    out = {"decode": [decode_tok_s(llm, b) for b in batches]}
+    graph = runner.graphs.graphs[(1, 1)].graph
+    out["decode_graph_ms_b1"] = event_ms(graph.replay)
+    step_ms = out["decode"][0]["ms_per_step"]
+    out["host_ms_per_step_b1"] = step_ms - out["decode_graph_ms_b1"]
+    free(llm)
+    return out
+
+
+@section("llama_eager_b1")
+def llama_eager():
+    llm = make_llm(f"{CONFIGS}/llama-3.1-8b", enforce_eager=True, max_num_seqs=4)
+    out = decode_tok_s(llm, 1, new_tokens=32)
+    free(llm)
+    return out
+
+
+@section("llama_eagle3")
+def llama_eagle3(batches, mean_length=2.93):
+    spec = {"method": "eagle3", "model": f"{CONFIGS}/llama-3.1-8b-eagle3", "num_speculative_tokens": 3,
+            "simulate_acceptance": {"mean_acceptance_length": mean_length}}
+    llm = make_llm(f"{CONFIGS}/llama-3.1-8b", spec)
+    runner = llm.engine.runner
+    graphs = runner.graphs.graphs
+    out = {"decode_graph_ms_b1": event_ms(graphs[(1, 1)].graph.replay),
+           "verify4_graph_ms_b1": event_ms(graphs[(1, 4)].graph.replay)}
+    out["verify_over_decode"] = out["verify4_graph_ms_b1"] / out["decode_graph_ms_b1"]
+    # One EAGLE3 chain step at batch 1 (eager), against the decode forward.
+    proposer = runner.proposer
+    hidden = proposer.head.hidden_size
+    table = torch.arange(8, dtype=torch.int32, device="cuda")[None]
+    meta = catch_up_metadata([100], [1], table, runner.cache_plan.block_size, proposer.draft_block_size)
+    tok = torch.tensor([5], device="cuda")
+    pos = torch.tensor([100], device="cuda")
+    state = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        out["draft_step_ms_b1"] = event_ms(lambda: proposer.chain_step(tok, pos, meta, state))
+    out["draft_over_decode"] = out["draft_step_ms_b1"] / out["decode_graph_ms_b1"]
+    out["spec"] = []
+    for b in batches:
+        before = dict(llm.get_stats())
+        r = decode_tok_s(llm, b)
+        s = llm.get_stats()
+        r["mean_acceptance_length"] = 1 + (s["num_accepted_tokens"] - before["num_accepted_tokens"]) / max(
+            s["num_drafts"] - before["num_drafts"], 1)
+        out["spec"].append(r)
+    out["synthetic_acceptance"] = llm.get_stats().get("synthetic_acceptance", False)
+    free(llm)
+    return out
+
+
+def v2_lite_folder(mtp: bool) -> str:
+    config = json.load(open(f"{CONFIGS}/deepseek-v2-lite/config.json"))
+    if mtp:
+        config["num_nextn_predict_layers"] = 1
+    folder = tempfile.mkdtemp()
+    json.dump(config, open(os.path.join(folder, "config.json"), "w"))
+    return folder
+
+
+def active_bytes(model, config) -> int:
+    """Weights read per token at batch 1: everything but the routed experts not selected."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.get_input_embeddings().weight
+    total -= embed.numel() * embed.element_size()  # one row is read, not the table
+    experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+    unused = experts * (config["n_routed_experts"] - config["num_experts_per_tok"]) / config["n_routed_experts"]
+    return int(total - unused)
+
+
+@section("deepseek_v2_lite")
+def deepseek_v2_lite(bandwidth_bytes_s: float):
+    llm = make_llm(v2_lite_folder(False), max_num_seqs=4)
+    out = decode_tok_s(llm, 1, new_tokens=64)
+    config = json.load(open(f"{CONFIGS}/deepseek-v2-lite/config.json"))
+    out["active_bytes"] = active_bytes(llm.engine.runner.model, config)
+    out["roofline_tok_s"] = bandwidth_bytes_s / out["active_bytes"]
+    out["fraction_of_roofline"] = out["tok_s"] / out["roofline_tok_s"]
+    free(llm)
+    spec = {"method": "mtp", "num_speculative_tokens": 1, "simulate_acceptance": {"rates": [0.85]}}
+    llm = make_llm(v2_lite_folder(True), spec, max_num_seqs=4)
+    mtp = decode_tok_s(llm, 1, new_tokens=64)
+    out["mtp_k1_sim85_tok_s"] = mtp["tok_s"]
+    out["mtp_speedup"] = mtp["tok_s"] / out["tok_s"]
+    free(llm)
+    return out
+
+
+@section("bf16_agreement")
+def bf16_agreement():
+    from fixtures.checkpoints import write_qwen3, write_tokenizer
+    from fixtures.eagle3 import write_eagle3_head
+
+    root = tempfile.mkdtemp()
+    write_tokenizer(f"{root}/tok")
+    write_qwen3(f"{root}/qwen3", f"{root}/tok")
+    write_eagle3_head(f"{root}/head", f"{root}/qwen3", "eagle", draft_vocab_size=256, aux_layer_ids=[0, 1, 2])
+    prompts = [{"prompt_token_ids": [(13 * i + j) % 400 + 1 for j in range(8 + i % 7)]} for i in range(32)]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        plain = LLM(f"{root}/qwen3", device="cuda", dtype=dtype, num_kv_blocks=512).generate(prompts, params, use_tqdm=False)
+        for method, model in (("eagle3", f"{root}/head"), ("draft_model", f"{root}/qwen3"), ("ngram", None)):
+            spec = {"method": method, "num_speculative_tokens": 3}
+            if model:
+                spec["model"] = model
+            llm = LLM(f"{root}/qwen3", device="cuda", dtype=dtype, num_kv_blocks=512, speculative_config=spec)
+            got = llm.generate(prompts, params, use_tqdm=False)
+            same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(plain, got))
+            out[f"{dtype}_{method}_match_fraction"] = same / len(prompts)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s for rooflines")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    batches = [1, 4] if args.quick else [1, 4, 16, 64]
+    RESULTS["gpu"] = torch.cuda.get_device_name()
+    RESULTS["torch"] = torch.__version__
+    bf16_agreement()
+    llama_baseline(batches)
+    llama_eagle3(batches)
+    llama_eager()
+    deepseek_v2_lite(args.bandwidth)
+    with open(os.path.join(args.out, "bench_gpu.json"), "w") as f:
+        json.dump(RESULTS, f, indent=2, default=str)
+    print(json.dumps({k: v for k, v in RESULTS.items() if k != "_seconds"}, indent=1, default=str)[:6000])
+
+
+if __name__ == "__main__":
+    main()

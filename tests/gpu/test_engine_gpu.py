@@ -1,0 +1,44 @@
+"""On a CUDA GPU: CUDA-graph replay equals eager execution, and greedy speculation equals plain
+greedy in float32 with the Triton backend, for every drafter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from foretell import LLM, SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+PROMPTS = ["The cat reads the book. The cat", "def add(x):\n    return", "a b a b a b", "Question:"]
+
+
+def run(folder, **kwargs):
+    llm = LLM(folder, device="cuda", dtype="float32", num_kv_blocks=256, max_num_seqs=8, **kwargs)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+    return llm, [o.outputs[0].token_ids for o in outs]
+
+
+def test_graph_replay_equals_eager(qwen3_checkpoint):
+    eager_llm, eager = run(qwen3_checkpoint, enforce_eager=True)
+    assert eager_llm.engine.runner.graphs is None
+    graph_llm, graphed = run(qwen3_checkpoint)
+    assert graph_llm.engine.runner.graphs is not None and graph_llm.engine.runner.graphs.graphs
+    assert graphed == eager
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3"])
+def test_fp32_greedy_speculation_equals_plain(qwen3_checkpoint, eagle3_head, method):
+    _, plain = run(qwen3_checkpoint)
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "draft_model":
+        spec["model"] = qwen3_checkpoint
+    if method == "eagle3":
+        spec["model"] = eagle3_head
+    llm, speculative = run(qwen3_checkpoint, speculative_config=spec)
+    assert speculative == plain
+    stats = llm.get_stats()
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
