@@ -130,6 +130,17 @@ def test_bench_needs_model(capsys):
     assert "--model" in capsys.readouterr().err
 
 
+def test_speculative_configs_pass_extra_keys_through():
+    from foretell.bench.sweep import speculative_configs
+
+    extra = {"simulate_acceptance": {"mean_acceptance_length": 2.5}, "prompt_lookup_max": 3}
+    configs = speculative_configs(["ngram", "draft_model"], [1, 4], {"draft_model": "/d"}, extra)
+    assert [(c["method"], c["num_speculative_tokens"]) for c in configs] == [
+        ("ngram", 1), ("ngram", 4), ("draft_model", 1), ("draft_model", 4)]
+    assert all(c["simulate_acceptance"] == extra["simulate_acceptance"] for c in configs)
+    assert "model" not in configs[0] and configs[2]["model"] == "/d"
+
+
 def test_spec_counters_are_deltas():
     before = {"num_drafts": 2, "num_draft_tokens": 6, "num_accepted_tokens": 3,
               "accepted_per_position": [2, 1, 0], "accepted_count_histogram": [0, 1, 1, 0]}
@@ -201,7 +212,8 @@ def test_sweep_numbers_are_consistent(sweep):
         assert r["num_requests"] == 2  # max(num_prompts, batch size)
         assert r["generated_tokens"] == r["num_requests"] * MAX_TOKENS  # --ignore-eos
         assert r["tokens_per_s"] == pytest.approx(r["generated_tokens"] / r["wall_s"])
-        assert r["speedup"] == pytest.approx(r["tokens_per_s"] / base[r["batch_size"]]["tokens_per_s"])
+        base_tps = base[r["batch_size"]]["tokens_per_s"]
+        assert r["speedup"] == pytest.approx(r["tokens_per_s"] / base_tps)
         assert r["matches_baseline"] is True and r["num_mismatched_requests"] == 0
         if not r["k"]:
             continue
@@ -261,13 +273,15 @@ def test_random_dataset_without_speculation(qwen3_checkpoint, tmp_path, capsys):
     rc = main(["bench", "--model", qwen3_checkpoint, "--device", "cpu", "--dataset", "random",
                "--input-len", "5",
                "--num-prompts", "2", "--max-tokens", "3", "--ignore-eos", "--no-warmup",
-               "--output-json", str(path), "--no-progress"])
+               "--output-json", str(path), "--plot-dir", str(tmp_path / "plots"),
+               "--no-progress"])
     assert rc == 0
     report = json.loads(path.read_text())
     assert report["dataset"]["mean_prompt_tokens"] == 5
     [row] = report["results"]
     assert row["method"] == "none" and row["generated_tokens"] == 6 and row["speedup"] == 1.0
     assert "| none" in capsys.readouterr().out
+    assert len(os.listdir(tmp_path / "plots")) == 4  # plots of a run without speculation
 
 
 # ------------------------------------------------------------------------------ bench serve

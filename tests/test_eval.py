@@ -95,7 +95,8 @@ def test_eval_with_speculation_end_to_end(qwen3_checkpoint, tmp_path, capsys):
     assert check["accuracy_identical"] and check["outputs_identical"]
     assert check["num_identical_outputs"] == 2
     assert len(report["samples"]) == 2
-    assert {"question", "completion", "reference", "strict", "flexible"} <= set(report["samples"][0])
+    sample = report["samples"][0]
+    assert {"question", "completion", "reference", "strict", "flexible"} <= set(sample)
     assert report["samples"][0]["reference"] == "18"  # the first test question's answer
     out = capsys.readouterr().out
     assert "greedy accuracy identical" in out and "mean acceptance length" in out
@@ -103,8 +104,8 @@ def test_eval_with_speculation_end_to_end(qwen3_checkpoint, tmp_path, capsys):
 
 def test_eval_without_speculation(qwen3_checkpoint, tmp_path):
     path = tmp_path / "eval.json"
-    rc = main(["eval", "gsm8k", "--model", qwen3_checkpoint, "--device", "cpu", "--num-fewshot", "0",
-               "--limit", "2",
+    rc = main(["eval", "gsm8k", "--model", qwen3_checkpoint, "--device", "cpu",
+               "--num-fewshot", "0", "--limit", "2",
                "--max-tokens", "3", "--output-json", str(path), "--no-progress"])
     assert rc == 0
     report = json.loads(path.read_text())

@@ -50,7 +50,8 @@ def add_bench_parser(sub) -> None:
     g.add_argument("--methods", help="comma-separated methods to sweep (default: --method)")
     g.add_argument("--k", help="comma-separated num_speculative_tokens values, e.g. 1,2,3 "
                    "(default: --num-speculative-tokens, else 3)")
-    g.add_argument("--batch-sizes", default="1", help="comma-separated concurrent requests, e.g. 1,8")
+    g.add_argument("--batch-sizes", default="1",
+                   help="comma-separated numbers of concurrent requests, e.g. 1,8")
     g.add_argument("--method-model", action="append", metavar="METHOD=DIR",
                    help="draft folder for one method when sweeping several (repeatable)")
     add_dataset_args(g, "gsm8k")
@@ -75,8 +76,10 @@ def add_serve_parser(modes) -> None:
     )
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--api", choices=["completions", "chat"], default="completions")
-    p.add_argument("--endpoint", help="request path (default: /v1/completions or /v1/chat/completions)")
-    p.add_argument("--model", dest="served_model", help="model name (default: the first of /v1/models)")
+    p.add_argument("--endpoint",
+                   help="request path (default: /v1/completions or /v1/chat/completions)")
+    p.add_argument("--model", dest="served_model",
+                   help="model name (default: the first of /v1/models)")
     p.add_argument("--tokenizer", dest="serve_tokenizer",
                    help="tokenizer folder; --dataset random draws token ids from it")
     p.add_argument("--request-rate", type=float, default=math.inf,
@@ -84,7 +87,8 @@ def add_serve_parser(modes) -> None:
     p.add_argument("--max-concurrency", type=int, help="requests in flight at most")
     p.add_argument("--seed", dest="serve_seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    p.add_argument("--metrics-url", help="Prometheus endpoint (default: BASE_URL/metrics; '' to skip)")
+    p.add_argument("--metrics-url",
+                   help="Prometheus endpoint (default: BASE_URL/metrics; '' to skip)")
     p.add_argument("--percentiles", default="50,90,99")
     p.add_argument("--output-json", dest="serve_output_json")
     add_dataset_args(p, "mt_bench")
@@ -164,8 +168,8 @@ def run_serve_command(args: argparse.Namespace) -> int:
         endpoint=args.endpoint, max_tokens=args.max_tokens, temperature=args.temperature,
         ignore_eos=args.ignore_eos, request_rate=args.request_rate,
         max_concurrency=args.max_concurrency, seed=args.serve_seed, timeout_s=args.timeout,
-        metrics_url=args.metrics_url, percentiles=parse_float_list(args.percentiles, "--percentiles"),
-        progress=args.progress,
+        metrics_url=args.metrics_url, progress=args.progress,
+        percentiles=parse_float_list(args.percentiles, "--percentiles"),
     )
     report = asyncio.run(run_serve_load(settings))
     print(format_serve_report(report))

@@ -113,7 +113,8 @@ def load_file(path: str) -> list[Prompt]:
 
 def ordinary_vocab(tokenizer) -> list[int]:
     """Token ids of a foretell Tokenizer that are not special (nor EOS)."""
-    special = set(getattr(tokenizer.hf, "all_special_ids", None) or []) | set(tokenizer.eos_token_ids)
+    special = set(getattr(tokenizer.hf, "all_special_ids", None) or [])
+    special |= set(tokenizer.eos_token_ids)
     return [i for i in range(tokenizer.vocab_size) if i not in special]
 
 

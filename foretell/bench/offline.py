@@ -93,7 +93,8 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
     llm = LLM(s.model, **engine_kwargs)
     tokenizer = llm.tokenizer
     if prompts is None:
-        prompts = load_prompts(s.dataset, s.num_prompts, s.seed, s.input_len, ordinary_vocab(tokenizer))
+        vocab = ordinary_vocab(tokenizer)
+        prompts = load_prompts(s.dataset, s.num_prompts, s.seed, s.input_len, vocab)
     prompt_ids = tokenize_prompts(prompts, tokenizer, s.chat)
     eos_ids = sorted(tokenizer.eos_token_ids)
     runner = llm.engine.runner
@@ -131,7 +132,8 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
                 # measured steps (decode, verify, drafting) are compiled and cached.
                 run_closed_loop(llm, requests_for(1), prefill_params, max_batch)
                 for batch_size in s.batch_sizes:
-                    run_closed_loop(llm, requests_for(batch_size)[:batch_size], warmup_params, batch_size)
+                    first = requests_for(batch_size)[:batch_size]
+                    run_closed_loop(llm, first, warmup_params, batch_size)
             for batch_size in s.batch_sizes:
                 bar.set_description(f"bench {config_label(method, k)} bs={batch_size}")
                 run = run_closed_loop(llm, requests_for(batch_size), params, batch_size, bar.update)

@@ -100,8 +100,10 @@ def plot_predicted(report: dict[str, Any], path: str) -> None:
     for method in sorted({r["method"] for r in rows}):
         color = colors[method]
         ax.scatter([], [], marker="o", color=color, label=f"{method}: L / (1 + k c)")
-        ax.scatter([], [], marker="s", color="none", edgecolors=color, label=f"{method}: step model")
-    ax.plot([0, top * 1.1], [0, top * 1.1], color="gray", linestyle="--", label="measured = predicted")
+        ax.scatter([], [], marker="s", color="none", edgecolors=color,
+                   label=f"{method}: step model")
+    ax.plot([0, top * 1.1], [0, top * 1.1], color="gray", linestyle="--",
+            label="measured = predicted")
     ax.set(xlabel="predicted speedup", ylabel="measured speedup", xlim=(0, top * 1.1),
            ylim=(0, top * 1.1), title="Measured vs predicted speedup")
     ax.legend(fontsize="x-small")

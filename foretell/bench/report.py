@@ -20,7 +20,7 @@ def fmt(value: Any, spec: str = ".2f") -> str:
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     """A Markdown table (readable as plain text too, pastes into BENCHMARKS.md as is)."""
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
     def line(cells):
         return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
@@ -44,7 +44,8 @@ def sweep_table(report: dict[str, Any]) -> str:
             r["method"], str(r["k"]), str(r["batch_size"]), fmt(r["tokens_per_s"], ".1f"),
             fmt(r.get("speedup"), ".2f"), fmt(r.get("predicted_speedup"), ".2f"),
             fmt(r.get("predicted_speedup_step_model"), ".2f"), fmt(r.get("acceptance_rate"), ".2f"),
-            fmt(r.get("mean_acceptance_length"), ".2f"), per_position(r.get("acceptance_per_position")),
+            fmt(r.get("mean_acceptance_length"), ".2f"),
+            per_position(r.get("acceptance_per_position")),
             fmt(r.get("draft_step_ms"), ".2f"), fmt(r.get("target_step_ms"), ".2f"),
             fmt(r.get("draft_verify_ratio"), ".2f"), fmt(r.get("matches_baseline")),
         ])

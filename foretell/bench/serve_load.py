@@ -116,7 +116,8 @@ def spec_delta(before: dict | None, after: dict | None) -> dict[str, Any] | None
     before = before or {"totals": {}, "per_position": {}}
     def d(kind):
         return after["totals"].get(kind, 0.0) - before["totals"].get(kind, 0.0)
-    drafts, draft_tokens, accepted = d("num_drafts"), d("num_draft_tokens"), d("num_accepted_tokens")
+    drafts, draft_tokens = d("num_drafts"), d("num_draft_tokens")
+    accepted = d("num_accepted_tokens")
     positions = sorted(after["per_position"])
     per_pos = [after["per_position"][p] - before["per_position"].get(p, 0.0) for p in positions]
     return {
@@ -146,7 +147,8 @@ def build_payload(s: ServeSettings, model: str, prompt: Prompt) -> dict[str, Any
     if s.api == "chat":
         if prompt.text is None:
             raise ValueError(
-                f"prompt {prompt.source} is token ids; the chat API needs text (use --api completions)"
+                f"prompt {prompt.source} is token ids; the chat API needs text "
+                f"(use --api completions)"
             )
         payload["messages"] = [{"role": "user", "content": prompt.text}]
     else:
@@ -178,7 +180,10 @@ async def send_request(client, url: str, payload: dict[str, Any], chat: bool) ->
                 if chunk.get("usage"):
                     usage = chunk["usage"]
                 for choice in chunk.get("choices") or []:
-                    piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+                    if chat:
+                        piece = (choice.get("delta") or {}).get("content")
+                    else:
+                        piece = choice.get("text")
                     if piece:
                         chunk_times.append(time.perf_counter())
     except (httpx.HTTPError, json.JSONDecodeError) as e:
@@ -345,7 +350,8 @@ def format_serve_report(report: dict[str, Any]) -> str:
         f"(tokens counted from {report['token_count_source'] or '-'})",
         "",
     ]
-    stats = [("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E latency", "e2el_ms")]
+    stats = [("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"),
+             ("E2E latency", "e2el_ms")]
     keys = [k for k in report["ttft_ms"] if k != "std"]
     rows = [[label] + [fmt(report[field_][k]) for k in keys] for label, field_ in stats]
     lines.append(table(["ms"] + keys, rows))
@@ -353,9 +359,11 @@ def format_serve_report(report: dict[str, Any]) -> str:
     if spec is not None:
         lines += [
             "",
-            f"speculative decoding (from /metrics): acceptance rate {fmt(spec['acceptance_rate'])}, "
+            f"speculative decoding (from /metrics): acceptance rate "
+            f"{fmt(spec['acceptance_rate'])}, "
             f"mean acceptance length {fmt(spec['mean_acceptance_length'])}, drafts "
-            f"{spec['num_drafts']:.0f}, per position {per_position(spec['acceptance_per_position'])}",
+            f"{spec['num_drafts']:.0f}, per position "
+            f"{per_position(spec['acceptance_per_position'])}",
         ]
     for error in report["errors"]:
         lines.append(f"error: {error}")

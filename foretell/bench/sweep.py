@@ -228,7 +228,9 @@ def summarize(run: LoadRun, method: str, k: int, batch_size: int) -> dict[str, A
         draft_verify_ratio=ratio,
         draft_token_ms=draft_step / k if draft_step is not None else None,
         # Tokens per sequence step, counting the steps that drafted nothing (n-gram misses).
-        tokens_per_sequence_step=generated / (generated - accepted) if generated > accepted else None,
+        tokens_per_sequence_step=(
+            generated / (generated - accepted) if generated > accepted else None
+        ),
         predicted_speedup=(mean_len or 1.0) / (1.0 + ratio) if ratio is not None else None,
     )
     return row

@@ -27,7 +27,8 @@ def add_eval_parser(sub) -> None:
     g.add_argument("--skip-greedy-check", dest="check_greedy", action="store_false",
                    help="with speculation, do not rerun without it")
     g.add_argument("--output-json", help="write the report here")
-    g.add_argument("--log-samples", action="store_true", help="include every completion in the JSON")
+    g.add_argument("--log-samples", action="store_true",
+                   help="include every completion in the JSON")
     g.add_argument("--no-progress", dest="progress", action="store_false")
     p.set_defaults(func=run_eval_command)
 

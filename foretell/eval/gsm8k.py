@@ -68,7 +68,9 @@ def fewshot_examples(train: list[dict], num_fewshot: int, seed: int) -> list[dic
     if num_fewshot < 0:
         raise ValueError(f"--num-fewshot must be >= 0, got {num_fewshot}")
     if num_fewshot > len(train):
-        raise ValueError(f"--num-fewshot {num_fewshot} is more than the {len(train)} train examples")
+        raise ValueError(
+            f"--num-fewshot {num_fewshot} is more than the {len(train)} train examples"
+        )
     return random.Random(seed).sample(train, num_fewshot)
 
 
@@ -128,7 +130,8 @@ def generate(model: str, engine_kwargs: dict, speculative_config, prompts: list[
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
     start = time.perf_counter()
     if chat:
-        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=progress)
+        conversations = [[{"role": "user", "content": p}] for p in prompts]
+        outs = llm.chat(conversations, params, use_tqdm=progress)
     else:
         outs = llm.generate(prompts, params, use_tqdm=progress)
     wall = time.perf_counter() - start
@@ -224,12 +227,14 @@ def format_report(report: dict[str, Any]) -> str:
     n = report["num_questions"]
     lines = [
         f"gsm8k, {report['num_fewshot']}-shot, {n} questions, model {report['model']}",
-        f"  exact match, number after ####:  {pm(report['strict_match'], report['strict_match_stderr'])}"
+        f"  exact match, number after ####:  "
+        f"{pm(report['strict_match'], report['strict_match_stderr'])}"
         f"  ({report['strict_correct']}/{n}; {report['num_without_hash_answer']} without ####)",
         f"  exact match, last number:        "
         f"{pm(report['flexible_match'], report['flexible_match_stderr'])}  "
         f"({report['flexible_correct']}/{n})",
-        f"  generation: {report['generated_tokens']} tokens, {fmt(report['tokens_per_s'], '.1f')} tok/s",
+        f"  generation: {report['generated_tokens']} tokens, "
+        f"{fmt(report['tokens_per_s'], '.1f')} tok/s",
     ]
     spec = report.get("spec_decode")
     if spec:
