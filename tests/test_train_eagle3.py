@@ -342,3 +342,25 @@ def test_cli(qwen3_checkpoint, prompt_file, tmp_path, capsys):
     wrong_aux[wrong_aux.index("--aux-layer-ids") + 1] = "0"
     assert main(wrong_aux) == 2
     assert "aux layer ids" in capsys.readouterr().err
+
+
+def test_default_models_recipe_smoke(tmp_path):
+    """scripts/train_default_models.py --smoke: every member is written, loads in foretell, and
+    speculation with the head and with the draft model keeps greedy output unchanged."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
+                        "train_default_models.py")
+    spec = importlib.util.spec_from_file_location("train_default_models", path)
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    out, work = tmp_path / "models", tmp_path / "work"
+    assert recipe.main(["--smoke", "--out", str(out), "--work", str(work)]) == 0
+    metrics = json.load(open(work / "recipe_metrics.json"))["measured"]
+    assert metrics["eagle3"]["greedy_equal"] and metrics["draft_model"]["greedy_equal"]
+    assert metrics["teacher_forced"]["engine_walk"]["num_drafts"] <= metrics["eagle3"]["num_drafts"]
+    for name in ("qwen3-target", "qwen3-draft", "qwen3-eagle3"):
+        assert os.path.isfile(out / name / "README.md")
+    assert sorted(os.listdir(out / "qwen3-eagle3")) == ["README.md", "config.json", "model.safetensors"]
+    llm = LLM(str(out / "qwen3-target"), num_kv_blocks=32)
+    assert llm.chat([{"role": "user", "content": "What is 2 + 3?"}], SamplingParams(max_tokens=4))[0].outputs[0].token_ids
