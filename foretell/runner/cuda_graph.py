@@ -6,6 +6,10 @@ bucket B >= num_seqs, padded with dummy sequences whose rows write no KV (slot -
 persistent buffers that each step overwrites; outputs (final hidden states, the aux hidden states
 EAGLE3 reads, and the logits of every row) are static tensors of the graph, sliced to the live
 rows after replay. Any other batch (prefill chunks, mixed query lengths) runs eagerly.
+
+Off CUDA (a graph-safe backend on the CPU, i.e. Triton's interpreter in tests) nothing is
+captured: run() executes the same forward on the same static buffers, so this path is tested
+in CI exactly as it runs on a GPU, minus the capture.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 
 @dataclass
 class CapturedForward:
-    graph: torch.cuda.CUDAGraph
+    graph: "torch.cuda.CUDAGraph | None"  # None: uncaptured (off CUDA), run() recomputes
     hidden: torch.Tensor  # [B * q, hidden]
     aux: list[torch.Tensor]  # each [B * q, hidden]
     logits: torch.Tensor  # [B * q, vocab] float32
@@ -86,8 +90,14 @@ class CudaGraphRunner:
         hidden, aux = self.model(self.input_ids[:rows], self.positions[:rows], self._metadata(bucket, q))
         return hidden, aux, self.model.compute_logits(hidden)
 
+    @property
+    def captures(self) -> bool:
+        return self.device.type == "cuda"
+
     @torch.inference_mode()
     def capture(self) -> None:
+        if not self.captures:
+            return
         torch.cuda.synchronize(self.device)
         for q in self.query_lens:
             for bucket in reversed(self.buckets):  # largest first: later graphs reuse its pool
@@ -140,6 +150,10 @@ class CudaGraphRunner:
         self.block_table[:n, :width].copy_(meta.block_table, non_blocking=True)
         if n < bucket:
             self._reset_padding(n, bucket, q)
-        captured = self.graphs[key]
-        captured.graph.replay()
+        if self.captures:
+            captured = self.graphs[key]
+            captured.graph.replay()
+        else:
+            captured = CapturedForward(None, *self._forward(bucket, q))
+            self.graphs[key] = captured
         return captured.hidden[:rows], [a[:rows] for a in captured.aux], captured.logits[:rows]

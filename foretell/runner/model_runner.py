@@ -21,6 +21,8 @@ from foretell.layers.attention.backend import build_attention_backend
 from foretell.layers.sampler import NoiseSource, Sampler, SamplingBatch, compute_logprobs, row_seed
 from foretell.models.base import HFConfig, ModelOptions
 from foretell.runner.cuda_graph import CudaGraphRunner
+from foretell.runner.graphed_verify import graphed_greedy_verify
+from foretell.spec_decode.draft_graph import DraftGraphRunner
 from foretell.runner.input_batch import InputBatch, build_input_batch, to_device
 from foretell.runner.kv_cache import CachePlan, DraftKVCache, KVCache, plan_cache
 from foretell.runner.model_loading import build_model, checkpoint_dtype
@@ -72,6 +74,7 @@ class ModelRunner:
         self.cache_plan = self._allocate_cache()
         self.max_model_len = self._max_model_len()
         self.graphs = self._capture_graphs()
+        self.draft_graphs = self._capture_draft_graphs()
         self.noise = NoiseSource(self.device, mc.seed)
         self.sampler = Sampler(self.noise)
         self.rejection_sampler = RejectionSampler(self.noise)
@@ -151,11 +154,7 @@ class ModelRunner:
 
     def _capture_graphs(self) -> CudaGraphRunner | None:
         layers = self.model.attention_layers()
-        if (
-            self.device.type != "cuda"
-            or self.config.model.enforce_eager
-            or not all(layer.backend.graph_safe for layer in layers)
-        ):
+        if self.config.model.enforce_eager or not all(layer.backend.graph_safe for layer in layers):
             return None
         spec = self.config.speculative
         query_lens = (1,) if spec is None else (1, spec.num_speculative_tokens + 1)
@@ -171,6 +170,16 @@ class ModelRunner:
         graphs.capture()
         return graphs
 
+    def _capture_draft_graphs(self) -> DraftGraphRunner | None:
+        spec = self.config.speculative
+        if self.graphs is None or spec is None or not self.proposer.graph_capable:
+            return None
+        if not all(layer.backend.graph_safe for layer in self.proposer.kv_layers()):
+            return None
+        draft_graphs = DraftGraphRunner(self.proposer, self.graphs, spec.num_speculative_tokens)
+        draft_graphs.capture()
+        return draft_graphs
+
     def _target_forward(self, batch: InputBatch):
         """(hidden, aux, logits of the sampling rows): a graph replay when one fits."""
         key = self.graphs.bucket_for(batch) if self.graphs is not None else None
@@ -185,6 +194,10 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> list[SequenceResult]:
         t0 = time.perf_counter()
         batch = build_input_batch(sched.scheduled, self.cache_plan.block_size, self.device)
+        if self._graphed_verify_fits(sched, batch):
+            results = graphed_greedy_verify(self, sched, batch)
+            self.last_times = StepTimes(target_s=time.perf_counter() - t0)
+            return results
         hidden, aux, logits = self._target_forward(batch)  # logits [rows, vocab] float32
         results = [SequenceResult() for _ in sched.scheduled]
         self._sample(sched, batch, logits, results)
@@ -197,6 +210,25 @@ class ModelRunner:
                 torch.cuda.synchronize(self.device)
         self.last_times = StepTimes(target_s=t1 - t0, draft_s=time.perf_counter() - t1)
         return results
+
+    def _graphed_verify_fits(self, sched: SchedulerOutput, batch: InputBatch) -> bool:
+        """A greedy batch where every sequence verifies exactly k drafts, with graphs for both
+        the target and the draft loop."""
+        if self.draft_graphs is None:
+            return False
+        k = self.draft_graphs.k
+        key = self.graphs.bucket_for(batch)
+        return (
+            key is not None
+            and key[1] == k + 1
+            and all(
+                item.samples
+                and len(item.draft_token_ids) == k
+                and item.seq.sampling_params.greedy
+                and item.seq.sampling_params.logprobs is None
+                for item in sched.scheduled
+            )
+        )
 
     def _device_sync_needed(self) -> bool:
         return self.device.type == "cuda"

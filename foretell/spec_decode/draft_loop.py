@@ -54,6 +54,19 @@ class DraftLoopProposer(Proposer):
         """One single-row step per sequence: logits [n, draft_vocab] and the next state."""
         raise NotImplementedError
 
+    def padded_catch_up(
+        self,
+        input_ids: torch.Tensor,  # [rows] token fed at each row (rows = bucket * (k + 1))
+        positions: torch.Tensor,  # [rows]
+        metadata,
+        hidden: torch.Tensor,  # [rows, hidden] target final hidden states
+        aux: list[torch.Tensor],  # each [rows, hidden]
+        last_rows: torch.Tensor,  # [bucket] the row whose output drafts token 1
+    ) -> tuple[torch.Tensor, Any]:
+        """The catch-up over every verify row with device-side inputs only (capturable); a
+        subclass that implements it sets graph_capable (spec_decode/draft_graph.py)."""
+        raise NotImplementedError
+
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids  # identity unless the drafter has a smaller vocabulary (EAGLE3 d2t)
 

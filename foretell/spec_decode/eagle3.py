@@ -151,6 +151,13 @@ class Eagle3Proposer(DraftLoopProposer):
         state = h[ends[last_rows]]
         return self.head.compute_logits(state), state
 
+    graph_capable = True
+
+    def padded_catch_up(self, input_ids, positions, metadata, hidden, aux, last_rows):
+        h = self.head(input_ids, positions, self.head.combine(aux), metadata)
+        state = h[last_rows]
+        return self.head.compute_logits(state), state
+
     def chain_step(self, tokens, positions, metadata, state):
         h = self.head(tokens, positions, state, metadata)
         return self.head.compute_logits(h), h

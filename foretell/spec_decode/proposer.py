@@ -61,6 +61,8 @@ class Proposer:
     aux_hidden_state_layers: tuple[int, ...] = ()
     #: Whether the proposer's drafts are always argmax (then no draft probabilities are kept).
     deterministic: bool = False
+    #: Whether a greedy verify step's whole draft loop can run as one CUDA graph.
+    graph_capable: bool = False
 
     def __init__(self, num_speculative_tokens: int):
         self.k = num_speculative_tokens

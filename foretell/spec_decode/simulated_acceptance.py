@@ -47,7 +47,18 @@ def rates_from_config(spec: dict, k: int) -> list[float]:
 class SimulatedAcceptance:
     def __init__(self, rates: list[float], seed: int):
         self.rates = rates
+        self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)
+        self._device_draws: tuple[torch.Generator, torch.Tensor] | None = None
+
+    def accepted_counts(self, num_seqs: int, device: torch.device) -> torch.Tensor:
+        """[num_seqs] int64 draws on the device, with no host sync (the graphed path)."""
+        if self._device_draws is None:
+            generator = torch.Generator(device=device).manual_seed(self.seed)
+            self._device_draws = (generator, torch.tensor(self.rates, device=device))
+        generator, rates = self._device_draws
+        uniform = torch.rand(num_seqs, 1, device=device, generator=generator)
+        return (uniform < rates[None, :]).sum(dim=1)
 
     def apply(
         self, verify: VerifyResult, logits: torch.Tensor, draft_token_ids: list[list[int]]
