@@ -76,6 +76,11 @@ class HFConfig:
     def to_dict(self) -> dict[str, Any]:
         return dict(self._data)
 
+    def language_model(self) -> "HFConfig":
+        """The language model's config: text_config for multimodal layouts (Kimi-K2.5), else
+        this one. Vocabulary, layers, hidden size and positions are read from it."""
+        return self.sub("text_config") if "text_config" in self._data else self
+
     def sub(self, key: str) -> "HFConfig":
         """A nested config (e.g. Kimi-K2.5's text_config)."""
         return HFConfig(self._data[key], f"{self._source}:{key}")

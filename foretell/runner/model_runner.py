@@ -70,7 +70,7 @@ class ModelRunner:
         self.model = build_model(mc.model, self.hf_config, options, mc.load_format, mc.seed)
         if self.proposer is not None:
             self.proposer.load(self.model, mc.load_format)
-        self.vocab_size = self.hf_config.vocab_size
+        self.vocab_size = self.hf_config.language_model().vocab_size
         self.cache_plan = self._allocate_cache()
         self.max_model_len = self._max_model_len()
         self.graphs = self._capture_graphs()
@@ -91,12 +91,12 @@ class ModelRunner:
     def _max_model_len(self) -> int:
         """The longest sequence: the model's limit, and no more than one sequence alone can hold
         in the KV cache (with its lookahead slots), so any admitted sequence can finish."""
-        limit = self.hf_config.get("max_position_embeddings", 2048)
+        limit = self.hf_config.language_model().get("max_position_embeddings", 2048)
         asked = self.config.model.max_model_len
         if asked is not None and asked > limit:
             raise ValueError(
                 f"max_model_len {asked} is larger than the model's max_position_embeddings "
-                f"{limit} ({self.hf_config.source})"
+                f"{limit} ({self.hf_config.language_model().source})"
             )
         spec = self.config.speculative
         capacity = self.cache_plan.num_tokens - (spec.num_speculative_tokens if spec else 0)

@@ -56,6 +56,7 @@ class Eagle3Proposer(DraftLoopProposer):
 
     def __init__(self, config, target_hf_config: HFConfig, options: ModelOptions):
         super().__init__(config.num_speculative_tokens)
+        target_hf_config = target_hf_config.language_model()
         self.folder = config.model
         self.head_config = HFConfig.from_folder(config.model)
         archs = self.head_config.get("architectures") or []
@@ -95,6 +96,13 @@ class Eagle3Proposer(DraftLoopProposer):
         keys = {} if dummy else checkpoint_keys(self.folder)
         has_embed = any(k.endswith("embed_tokens.weight") for k in keys)
         has_lm_head = dummy or "lm_head.weight" in keys
+        target_width = target.get_input_embeddings().weight.shape[1]
+        if not has_embed and self.head_config.hidden_size != target_width:
+            raise ValueError(
+                f"{self.folder}: the head's hidden_size {self.head_config.hidden_size} differs "
+                f"from the target's embedding width {target_width} and it ships no "
+                f"embed_tokens.weight to use instead"
+            )
         fc_shape = _fc_shape(self.folder, keys)
         if fc_shape is not None and fc_shape[1] != 3 * self.target_hidden:
             raise ValueError(
