@@ -111,7 +111,8 @@ def test_aux_layer_conventions():
         (dict(fc_input=3 * 64 + 3), {}, "fc.weight has input width"),
         (dict(draft_vocab_size=600), {}, "draft_vocab_size 600 is larger"),
         (dict(d2t_offset=400), {}, "d2t maps draft id"),
-        (dict(hidden_size=32), {}, None),
+        (dict(hidden_size=32), {}, "differs from the target's embedding width"),
+        (dict(hidden_size=32, layout="specforge"), {}, None),  # its own embedding: fine
         ({}, {"eagle3_aux_layer_ids": [0, 1, 9]}, "aux layers"),
         ({}, {"eagle3_aux_layer_ids": [0, 1]}, "must name 3 layers"),
     ],
@@ -119,7 +120,7 @@ def test_aux_layer_conventions():
 def test_bad_eagle3_heads(qwen3_checkpoint, tmp_path, kwargs, spec_extra, message):
     folder = write_eagle3_head(str(tmp_path / "head"), qwen3_checkpoint, **kwargs)
     spec = {"method": "eagle3", "model": folder, "num_speculative_tokens": 2, **spec_extra}
-    if message is None:  # a head narrower than the target is fine (fc maps 3*Ht -> H)
+    if message is None:  # a narrower head with its own embedding is fine (fc maps 3*Ht -> H)
         LLM(qwen3_checkpoint, num_kv_blocks=16, speculative_config=spec)
         return
     with pytest.raises(ValueError, match=message):

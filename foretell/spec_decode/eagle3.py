@@ -53,6 +53,7 @@ def resolve_aux_layers(flag_ids, head_config: HFConfig, num_layers: int) -> tupl
 class Eagle3Proposer(DraftLoopProposer):
     method = "eagle3"
     row_offset = -1
+    head_class: type[Eagle3Head] = Eagle3Head
 
     def __init__(self, config, target_hf_config: HFConfig, options: ModelOptions):
         super().__init__(config.num_speculative_tokens)
@@ -103,13 +104,13 @@ class Eagle3Proposer(DraftLoopProposer):
                 f"from the target's embedding width {target_width} and it ships no "
                 f"embed_tokens.weight to use instead"
             )
-        fc_shape = _fc_shape(self.folder, keys)
+        fc_shape = keys.get("fc.weight")
         if fc_shape is not None and fc_shape[1] != 3 * self.target_hidden:
             raise ValueError(
                 f"{self.folder}: fc.weight has input width {fc_shape[1]}, expected 3 x target "
                 f"hidden = {3 * self.target_hidden}"
             )
-        head = Eagle3Head(
+        head = self.head_class(
             self.head_config, self.target_hidden, self.target_max_positions,
             self.options, has_embed, has_lm_head,
         )
@@ -122,8 +123,9 @@ class Eagle3Proposer(DraftLoopProposer):
         load_weights(head, self.folder, load_format)
         head.share(target.get_input_embeddings(), target.get_output_embeddings())
         target_ids = head.target_ids()
-        if bool(((target_ids < 0) | (target_ids >= self.target_vocab)).any()):
-            bad = int(torch.nonzero((target_ids < 0) | (target_ids >= self.target_vocab))[0])
+        outside = (target_ids < 0) | (target_ids >= self.target_vocab)
+        if bool(outside.any()):
+            bad = int(torch.nonzero(outside)[0])
             raise ValueError(
                 f"{self.folder}: d2t maps draft id {bad} to target id {int(target_ids[bad])}, "
                 f"outside the target vocabulary [0, {self.target_vocab})"
@@ -169,7 +171,3 @@ class Eagle3Proposer(DraftLoopProposer):
     def chain_step(self, tokens, positions, metadata, state):
         h = self.head(tokens, positions, state, metadata)
         return self.head.compute_logits(h), h
-
-
-def _fc_shape(folder: str, keys: dict[str, tuple[int, ...]]) -> tuple[int, ...] | None:
-    return keys.get("fc.weight")
