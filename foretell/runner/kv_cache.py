@@ -66,7 +66,8 @@ def plan_cache(
         if num_blocks < 1:
             raise ValueError(
                 f"the KV cache budget of {budget_bytes} bytes holds no block of {per_block} bytes "
-                f"(block_size {block_size}); give the cache more memory"
+                f"(block_size {block_size}); give the cache more memory "
+                f"(--kv-cache-memory-bytes, --gpu-memory-utilization or --num-kv-blocks)"
             )
     return CachePlan(
         num_blocks=num_blocks,

@@ -121,7 +121,15 @@ class ModelRunner:
             return CPU_KV_CACHE_BYTES
         free, total = torch.cuda.mem_get_info(self.device)
         reserve = (1 - cc.gpu_memory_utilization) * total + (2 << 30)
-        return int(max(free - reserve, 0))
+        budget = int(free - reserve)
+        if budget <= 0:
+            raise ValueError(
+                f"no GPU memory left for the KV cache: {free / 2**30:.1f} GiB free of "
+                f"{total / 2**30:.1f} GiB after loading the weights, and {reserve / 2**30:.1f} GiB "
+                f"is kept back (1 - gpu_memory_utilization, plus 2 GiB for activations); raise "
+                f"--gpu-memory-utilization, or set --kv-cache-memory-bytes or --num-kv-blocks"
+            )
+        return budget
 
     def _allocate_cache(self) -> CachePlan:
         cc = self.config.cache
