@@ -103,6 +103,20 @@ class MTPProposer(DraftLoopProposer):
         state = out[ends[last_rows]]
         return self.mtp.compute_logits(0, state), (state, 1)
 
+    graph_capable = True
+
+    def padded_catch_up(self, input_ids, positions, metadata, hidden, aux, last_rows):
+        out = self.mtp.step(0, positions, input_ids, hidden, metadata)  # [rows, H]
+        previous = out
+        rows = torch.arange(out.shape[0], device=self.device)
+        # Every sequence has max_query_len rows here: the same shift as _catch_up_layer's,
+        # computed on the device (capturable).
+        pred = rows - (rows % metadata.max_query_len != 0).to(torch.int64)
+        for layer in range(1, self.mtp.num_layers):
+            previous = self.mtp.step(layer, positions, input_ids, previous[pred], metadata)
+        state = out[last_rows]
+        return self.mtp.compute_logits(0, state), (state, 1)
+
     def _catch_up_layer(self, layer, previous, input_ids, positions, metadata):
         """Layer `layer` over all catch-up rows: the row at t gets layer - 1's output at t - 1;
         the first row of each sequence, whose t - 1 ran in an earlier step, gets the output at
