@@ -20,12 +20,13 @@ from foretell.engine.sequence import Logprob
 from foretell.layers.attention.backend import build_attention_backend
 from foretell.layers.sampler import NoiseSource, Sampler, SamplingBatch, compute_logprobs, row_seed
 from foretell.models.base import HFConfig, ModelOptions
+from foretell.device_util import to_device
 from foretell.runner.cuda_graph import CudaGraphRunner
 from foretell.runner.graphed_verify import graphed_greedy_verify
-from foretell.spec_decode.draft_graph import DraftGraphRunner
-from foretell.runner.input_batch import InputBatch, build_input_batch, to_device
+from foretell.runner.input_batch import InputBatch, build_input_batch
 from foretell.runner.kv_cache import CachePlan, DraftKVCache, KVCache, plan_cache
 from foretell.runner.model_loading import build_model, checkpoint_dtype
+from foretell.spec_decode.draft_graph import DraftGraphRunner
 from foretell.spec_decode.proposer import DraftBatch, Proposer, build_proposer
 from foretell.spec_decode.rejection_sampler import RejectionSampler
 from foretell.spec_decode.simulated_acceptance import SimulatedAcceptance, rates_from_config
@@ -66,7 +67,6 @@ class ModelRunner:
             options = ModelOptions(
                 self.dtype, self.device, self.backend, self.proposer.aux_hidden_state_layers
             )
-        torch.manual_seed(mc.seed)
         self.model = build_model(mc.model, self.hf_config, options, mc.load_format, mc.seed)
         if self.proposer is not None:
             self.proposer.load(self.model, mc.load_format)
