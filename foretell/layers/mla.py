@@ -18,8 +18,8 @@ Two exact ways to attend over that cache (`TorchMLABackend`):
 The softmax scale is that of the 192-wide product in both: (nope + rope)^-0.5, times YaRN's
 m(mscale_all_dim)^2 when scaled.
 
-There is no Triton MLA kernel yet; every attention backend name maps to the torch one here
-(`MLA_BACKENDS`), which is the reference a GPU kernel will be held to.
+`MLA_BACKENDS` maps attention backend names to MLA backends: "triton" is TritonMLABackend
+(mla_triton.py, imported only when asked for), which this torch backend is the reference for.
 """
 
 from __future__ import annotations
@@ -139,7 +139,13 @@ def expanded_attention(q_nope, q_pe, w_uk, w_uv, context, scale):
     return causal_attention(query, key, value, scale)
 
 
-MLA_BACKENDS = {"torch": TorchMLABackend, "triton": TorchMLABackend}
+def _triton_mla_backend():
+    from foretell.layers.mla_triton import TritonMLABackend  # imports triton only when asked for
+
+    return TritonMLABackend()
+
+
+MLA_BACKENDS = {"torch": TorchMLABackend, "triton": _triton_mla_backend}
 
 
 class LatentAttention(nn.Module):

@@ -1,0 +1,392 @@
+"""Triton MLA over the latent cache: the latent KV write, one varlen attention kernel in the
+absorbed form, and `TritonMLABackend` (graph safe) that puts them behind the MLA backend interface.
+
+Twins: `TorchMLABackend.write_kv` and `absorbed_attention` in mla.py hold the reference semantics;
+tests/test_mla_triton.py holds kernels and twins together on random inputs (Triton's interpreter
+on the CPU), tests/gpu/test_mla_moe_gpu.py does it on CUDA in bf16.
+
+The attention works on q = [q_lat | q_pe] (kv_lora_rank + rope wide) against the cached
+[c | k_pe] of each context token: one key "head" shared by every query head (MQA), with the latent
+c doubling as the value. So each program packs BLOCK_Q query tokens x BLOCK_H query heads into the
+M dimension of its tiles (row m = token m // BLOCK_H, head m % BLOCK_H) and reads each latent
+tile once for all of them: scores = q_lat c^T + q_pe k_pe^T, o_lat += p c. Online softmax in
+float32, base 2, the scale folded in. Causal per query row: row j of a sequence with q_len queries
+and context seq_len sits at seq_len - q_len + j.
+
+Sequences are found without a host sync, as in the GQA kernel (attention/triton_kernels.py):
+sequence i gets floor(qsl[i+1]/BLOCK_Q) - floor(qsl[i]/BLOCK_Q) + 1 query blocks, found by
+binary search over query_start_loc; surplus blocks return. Decode and verify with few programs
+split the context (flash-decoding) and merge the partial results in a second kernel. Grids
+depend only on shapes and max_query_len, so every launch can be captured in a CUDA graph.
+The same kernel serves prefill chunks (any query length), so the backend never reads host
+lengths. Rows of the output past query_start_loc[-1] are left untouched.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from foretell.layers.attention.metadata import AttentionMetadata
+from foretell.layers.attention.triton_kernels import _choose_num_splits, _unit_last_stride
+from foretell.layers.mla import TorchMLABackend
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _write_latent_kernel(
+    latent_ptr,  # [num_tokens, rank]
+    k_pe_ptr,  # [num_tokens, rope]
+    cache_ptr,  # [num_blocks, block_size, rank + rope]
+    slot_mapping_ptr,  # [num_tokens] int64
+    stride_latent,
+    stride_k_pe,
+    stride_cache_block,
+    stride_cache_slot,
+    RANK: tl.constexpr,
+    RANK_P: tl.constexpr,
+    ROPE: tl.constexpr,
+    ROPE_P: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:  # padded rows (CUDA-graph padding) carry slot -1
+        return
+    base = cache_ptr + (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_slot
+    r = tl.arange(0, RANK_P)
+    c = tl.load(latent_ptr + token * stride_latent + r, mask=r < RANK)
+    tl.store(base + r, c.to(cache_ptr.dtype.element_ty), mask=r < RANK)
+    p = tl.arange(0, ROPE_P)
+    k_pe = tl.load(k_pe_ptr + token * stride_k_pe + p, mask=p < ROPE)
+    tl.store(base + RANK + p, k_pe.to(cache_ptr.dtype.element_ty), mask=p < ROPE)
+
+
+def write_latent_triton(
+    latent: torch.Tensor,  # [num_tokens, kv_lora_rank]
+    k_pe: torch.Tensor,  # [num_tokens, qk_rope_head_dim]
+    kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64; slots < 0 are skipped
+) -> None:
+    num_tokens, rank = latent.shape
+    rope = k_pe.shape[-1]
+    _check_cache(kv_cache, rank + rope)
+    if num_tokens == 0:
+        return
+    latent, k_pe = _unit_last_stride(latent), _unit_last_stride(k_pe)
+    _write_latent_kernel[(num_tokens,)](
+        latent, k_pe, kv_cache, slot_mapping,
+        latent.stride(0), k_pe.stride(0), kv_cache.stride(0), kv_cache.stride(1),
+        RANK=rank, RANK_P=triton.next_power_of_2(rank),
+        ROPE=rope, ROPE_P=triton.next_power_of_2(rope),
+        BLOCK_SIZE=kv_cache.shape[1],
+    )
+
+
+@triton.jit
+def _mla_attention_kernel(
+    q_lat_ptr,  # [num_tokens, num_heads, rank]
+    q_pe_ptr,  # [num_tokens, num_heads, rope]
+    cache_ptr,  # [num_blocks, block_size, rank + rope]
+    out_ptr,  # [num_tokens, num_heads, rank] (used when not split)
+    part_acc_ptr,  # [num_tokens, num_heads, num_splits, rank] fp32 (used when split)
+    part_max_ptr,  # [num_tokens, num_heads, num_splits] fp32, base-2 running max
+    part_sum_ptr,  # [num_tokens, num_heads, num_splits] fp32
+    block_table_ptr,  # [num_seqs, max_blocks] int32
+    seq_lens_ptr,  # [num_seqs] int32
+    query_start_loc_ptr,  # [num_seqs + 1] int32
+    num_seqs,
+    scale_log2,  # softmax scale * log2(e)
+    stride_lat_token,
+    stride_lat_head,
+    stride_pe_token,
+    stride_pe_head,
+    stride_out_token,
+    stride_out_head,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_table_seq,
+    NUM_HEADS: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # query heads per program (a power of two)
+    BLOCK_Q: tl.constexpr,  # query tokens per program
+    BLOCK_M: tl.constexpr,  # BLOCK_Q * BLOCK_H rows
+    RANK: tl.constexpr,
+    RANK_P: tl.constexpr,
+    ROPE: tl.constexpr,
+    ROPE_P: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # cache block size
+    TILE_N: tl.constexpr,  # context tokens per inner step
+    SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    q_block = tl.program_id(0)
+    head_block = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+
+    # Binary search: the last sequence i with qsl[i] // BLOCK_Q + i <= q_block.
+    lo = tl.full([], 0, tl.int32)
+    hi = tl.full([], 0, tl.int32) + num_seqs
+    while lo < hi - 1:
+        mid = (lo + hi) // 2
+        first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        lo = tl.where(first_block <= q_block, mid, lo)
+        hi = tl.where(first_block <= q_block, hi, mid)
+    seq = lo
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    local_block = q_block - (q_start // BLOCK_Q + seq)
+    if local_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix_len = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    row_token = local_block * BLOCK_Q + rows // BLOCK_H
+    head = head_block * BLOCK_H + rows % BLOCK_H
+    row_valid = (row_token < q_len) & (head < NUM_HEADS)
+    row_pos = prefix_len + row_token  # causal limit: keys 0..row_pos
+    token_index = (q_start + row_token).to(tl.int64)
+    r = tl.arange(0, RANK_P)
+    r_valid = r < RANK
+    p = tl.arange(0, ROPE_P)
+    p_valid = p < ROPE
+
+    q_lat = tl.load(
+        q_lat_ptr + token_index[:, None] * stride_lat_token + head[:, None] * stride_lat_head + r[None, :],
+        mask=row_valid[:, None] & r_valid[None, :], other=0.0,
+    ).to(cache_ptr.dtype.element_ty)  # tl.dot wants matching operand types
+    q_pe = tl.load(
+        q_pe_ptr + token_index[:, None] * stride_pe_token + head[:, None] * stride_pe_head + p[None, :],
+        mask=row_valid[:, None] & p_valid[None, :], other=0.0,
+    ).to(cache_ptr.dtype.element_ty)
+
+    kv_end = prefix_len + tl.minimum(q_len, (local_block + 1) * BLOCK_Q)
+    num_tiles = tl.cdiv(kv_end, TILE_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, RANK_P], dtype=tl.float32)
+    table_row = block_table_ptr + seq.to(tl.int64) * stride_table_seq
+    cols = tl.arange(0, TILE_N)
+    for tile in range(tile_lo, tile_hi):
+        key_pos = tile * TILE_N + cols
+        key_valid = key_pos < kv_end
+        block_ids = tl.load(table_row + key_pos // BLOCK_SIZE, mask=key_valid, other=0)
+        token_offsets = (
+            block_ids.to(tl.int64) * stride_cache_block + (key_pos % BLOCK_SIZE) * stride_cache_slot
+        )
+        latent = tl.load(
+            cache_ptr + token_offsets[:, None] + r[None, :],
+            mask=key_valid[:, None] & r_valid[None, :], other=0.0,
+        )  # [TILE_N, RANK_P]: the key's latent part and the value
+        k_pe = tl.load(
+            cache_ptr + token_offsets[:, None] + RANK + p[None, :],
+            mask=key_valid[:, None] & p_valid[None, :], other=0.0,
+        )  # [TILE_N, ROPE_P]
+        scores = tl.dot(q_lat, tl.trans(latent), input_precision=DOT_PRECISION)
+        scores += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION)
+        scores = scores * scale_log2
+        visible = (key_pos[None, :] <= row_pos[:, None]) & key_valid[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        # A row may see no key yet (a later split's range, or padding): keep it finite.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        prob = tl.exp2(scores - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(prob, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(prob.to(latent.dtype), latent, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out_mask = row_valid[:, None] & r_valid[None, :]
+    if SPLIT:
+        part_row = (token_index * NUM_HEADS + head) * num_splits + split
+        tl.store(part_max_ptr + part_row, m_i, mask=row_valid)
+        tl.store(part_sum_ptr + part_row, l_i, mask=row_valid)
+        tl.store(part_acc_ptr + part_row[:, None] * RANK + r[None, :], acc, mask=out_mask)
+    else:
+        result = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        out_offsets = token_index[:, None] * stride_out_token + head[:, None] * stride_out_head + r[None, :]
+        tl.store(out_ptr + out_offsets, result.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr,  # [num_tokens, num_heads, rank]
+    part_acc_ptr,  # [num_tokens, num_heads, num_splits, rank] fp32
+    part_max_ptr,  # [num_tokens, num_heads, num_splits] fp32
+    part_sum_ptr,  # [num_tokens, num_heads, num_splits] fp32
+    query_start_loc_ptr,
+    num_seqs,
+    num_splits,
+    stride_out_token,
+    stride_out_head,
+    NUM_HEADS: tl.constexpr,
+    RANK: tl.constexpr,
+    RANK_P: tl.constexpr,
+    SPLITS_P: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    if token >= tl.load(query_start_loc_ptr + num_seqs):
+        return  # padding rows past the last sequence were never attended
+    row = token.to(tl.int64) * NUM_HEADS + head
+    splits = tl.arange(0, SPLITS_P)
+    split_valid = splits < num_splits
+    m = tl.load(part_max_ptr + row * num_splits + splits, mask=split_valid, other=float("-inf"))
+    s = tl.load(part_sum_ptr + row * num_splits + splits, mask=split_valid, other=0.0)
+    m_max = tl.max(m, axis=0)  # finite: split 0 always holds key 0
+    total = tl.sum(s * tl.exp2(m - m_max), axis=0)
+    r = tl.arange(0, RANK_P)
+    acc = tl.zeros([RANK_P], dtype=tl.float32)
+    # One split's rank-wide row at a time: all of them at once would not fit in registers.
+    for i in range(num_splits):
+        weight = tl.exp2(tl.load(part_max_ptr + row * num_splits + i) - m_max)  # empty: 0
+        part = tl.load(part_acc_ptr + (row * num_splits + i) * RANK + r, mask=r < RANK, other=0.0)
+        acc += part * weight
+    tl.store(
+        out_ptr + token.to(tl.int64) * stride_out_token + head * stride_out_head + r,
+        (acc / total).to(out_ptr.dtype.element_ty),
+        mask=r < RANK,
+    )
+
+
+def mla_attention_triton(
+    q_lat: torch.Tensor,  # [num_tokens, num_heads, kv_lora_rank]
+    q_pe: torch.Tensor,  # [num_tokens, num_heads, qk_rope_head_dim], rotated
+    kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]
+    block_table: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, context length after this step's writes
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    max_query_len: int,
+    scale: float,
+    out: torch.Tensor,  # [num_tokens, num_heads, kv_lora_rank], written in place
+    num_splits: int | None = None,  # None: chosen from shapes; 1 disables the split
+    config: dict | None = None,  # overrides of mla_launch_config (benchmarks sweep these)
+) -> torch.Tensor:
+    """Causal varlen MQA of [q_lat | q_pe] over the latent cache; returns o_lat (`out`)."""
+    num_tokens, num_heads, rank = q_lat.shape
+    rope = q_pe.shape[-1]
+    _check_cache(kv_cache, rank + rope)
+    if out.stride(-1) != 1:
+        raise ValueError("mla_attention_triton needs `out` with a unit stride on kv_lora_rank")
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    q_lat, q_pe = _unit_last_stride(q_lat), _unit_last_stride(q_pe)
+    cfg = {**mla_launch_config(num_heads, max_query_len, kv_cache.dtype), **(config or {})}
+    block_m = cfg["BLOCK_M"]
+    block_h = min(triton.next_power_of_2(num_heads), block_m)
+    block_q = block_m // block_h
+    head_blocks = triton.cdiv(num_heads, block_h)
+    block_size = kv_cache.shape[1]
+    if num_splits is None:
+        num_splits = _choose_num_splits(
+            q_lat.device,
+            active_programs=num_seqs * triton.cdiv(max(max_query_len, 1), block_q) * head_blocks,
+            max_context=block_table.shape[1] * block_size,
+            max_query_len=max_query_len,
+            tile_n=cfg["TILE_N"],
+        )
+    split = num_splits > 1
+    if split:
+        f32 = dict(dtype=torch.float32, device=q_lat.device)
+        part_acc = torch.empty((num_tokens, num_heads, num_splits, rank), **f32)
+        part_max = torch.empty((num_tokens, num_heads, num_splits), **f32)
+        part_sum = torch.empty_like(part_max)
+    else:
+        part_acc = part_max = part_sum = out  # unused by the kernel when not split
+    _mla_attention_kernel[(num_tokens // block_q + num_seqs, head_blocks, num_splits)](
+        q_lat, q_pe, kv_cache, out, part_acc, part_max, part_sum,
+        block_table, seq_lens, query_start_loc, num_seqs, scale * _LOG2E,
+        q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
+        out.stride(0), out.stride(1), kv_cache.stride(0), kv_cache.stride(1),
+        block_table.stride(0),
+        NUM_HEADS=num_heads, BLOCK_H=block_h, BLOCK_Q=block_q, BLOCK_M=block_m,
+        RANK=rank, RANK_P=max(16, triton.next_power_of_2(rank)),  # tl.dot needs K >= 16
+        ROPE=rope, ROPE_P=max(16, triton.next_power_of_2(rope)),
+        BLOCK_SIZE=block_size, TILE_N=cfg["TILE_N"], SPLIT=split,
+        DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if split:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            out, part_acc, part_max, part_sum, query_start_loc, num_seqs, num_splits,
+            out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, RANK=rank, RANK_P=triton.next_power_of_2(rank),
+            SPLITS_P=triton.next_power_of_2(num_splits),
+        )
+    return out
+
+
+def mla_launch_config(num_heads: int, max_query_len: int, cache_dtype: torch.dtype) -> dict:
+    """Tile sizes from shapes only. The accumulator is BLOCK_M x kv_lora_rank in float32 (512
+    wide for DeepSeek), so rows stay few: 16 per 4 warps, as the latent tile is what is shared."""
+    if cache_dtype.itemsize > 2:  # float32 takes the FMA path and spills when large
+        return {"BLOCK_M": 16, "TILE_N": 16, "num_warps": 4, "num_stages": 1}
+    rows = max(max_query_len, 1) * triton.next_power_of_2(num_heads)
+    block_m = 16 if rows <= 16 else 32
+    return {"BLOCK_M": block_m, "TILE_N": 32, "num_warps": block_m // 4, "num_stages": 2}
+
+
+def _check_cache(kv_cache: torch.Tensor, width: int) -> None:
+    if kv_cache.dim() != 3 or kv_cache.shape[-1] != width or kv_cache.stride(-1) != 1:
+        raise ValueError(
+            f"the MLA cache must be [num_blocks, block_size, {width}] (kv_lora_rank + "
+            f"qk_rope_head_dim) with a unit last stride; got shape {tuple(kv_cache.shape)}, "
+            f"stride {kv_cache.stride()}"
+        )
+
+
+class TritonMLABackend:
+    """The MLA backend interface of TorchMLABackend over the kernels above. Every query length
+    goes through the absorbed kernel (prefill too), so nothing reads host lengths."""
+
+    graph_safe = True
+    name = "triton"
+
+    def write_kv(
+        self,
+        latent: torch.Tensor,  # [num_tokens, kv_lora_rank], normed
+        k_pe: torch.Tensor,  # [num_tokens, qk_rope_head_dim], rotated
+        kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]
+        slot_mapping: torch.Tensor,  # [num_tokens] int64; -1 marks padded rows
+    ) -> None:
+        write_latent_triton(latent, k_pe, kv_cache, slot_mapping)
+
+    def attend(
+        self,
+        q_nope: torch.Tensor,  # [num_tokens, num_heads, qk_nope_head_dim]
+        q_pe: torch.Tensor,  # [num_tokens, num_heads, qk_rope_head_dim], rotated
+        kv_b_weight: torch.Tensor,  # [num_heads * (qk_nope + v), kv_lora_rank]
+        kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+        v_head_dim: int,
+        absorb: bool | None = None,  # False: the torch backend's expanded form (tests)
+    ) -> torch.Tensor:  # [num_tokens, num_heads, v_head_dim]
+        if absorb is False:
+            return TorchMLABackend().attend(
+                q_nope, q_pe, kv_b_weight, kv_cache, metadata, scale, v_head_dim, absorb=False
+            )
+        if kv_cache.shape[1] != metadata.block_size:
+            raise ValueError(
+                f"metadata is paged with block_size {metadata.block_size} but the MLA cache has "
+                f"blocks of {kv_cache.shape[1]}; derive it with AttentionMetadata.with_block_size"
+            )
+        num_tokens, num_heads, nope = q_nope.shape
+        rank = kv_cache.shape[-1] - q_pe.shape[-1]
+        w = kv_b_weight.view(num_heads, nope + v_head_dim, rank)
+        w_uk, w_uv = w[:, :nope], w[:, nope:]  # [heads, nope, rank], [heads, v, rank]
+        q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)  # [T, heads, rank]
+        o_lat = torch.empty(num_tokens, num_heads, rank, dtype=q_nope.dtype, device=q_nope.device)
+        mla_attention_triton(
+            q_lat, q_pe, kv_cache, metadata.block_table, metadata.seq_lens,
+            metadata.query_start_loc, metadata.max_query_len, scale, o_lat,
+        )
+        return torch.einsum("thr,hvr->thv", o_lat, w_uv)  # [T, heads, v]
