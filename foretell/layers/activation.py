@@ -1,4 +1,8 @@
-"""Activations on fused projections."""
+"""Activations on fused projections.
+
+On CUDA (when kernel_dispatch.use_triton allows) SiluAndMul is one Triton kernel with the same
+roundings; the torch code here is its twin and what the CPU runs.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +10,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from foretell.layers import kernel_dispatch
+
 
 class SiluAndMul(nn.Module):
     """silu(gate) * up on a fused gate_up output [..., 2 * intermediate] -> [..., intermediate]."""
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if kernel_dispatch.use_triton(gate_up):
+            from foretell.layers import fused_kernels  # imports triton: CUDA only
+
+            return fused_kernels.silu_and_mul_triton(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up

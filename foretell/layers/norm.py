@@ -3,6 +3,9 @@
 Computed like Hugging Face's: normalise in float32, cast back to the input dtype, then scale by
 the weight in that dtype. The residual variant adds in the input dtype first (HF's
 `residual + hidden`), so stacking layers with it gives bit-identical residual streams.
+
+On CUDA (when kernel_dispatch.use_triton allows) one Triton kernel does the add and the norm with
+the same roundings; the torch code here is its twin and what the CPU runs.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from foretell.layers import kernel_dispatch
 from foretell.layers.linear import make_param
 
 
@@ -40,10 +44,22 @@ class RMSNorm(nn.Module):
         x: torch.Tensor,  # [..., hidden_size]
         residual: torch.Tensor | None = None,  # [..., hidden_size]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (normed, new_residual): new_residual is x + residual (or x), normed its norm."""
+        """Returns (normed, new_residual): new_residual is x + residual (or x), normed its norm.
+
+        x may be a per-head view [tokens, heads, head_dim] (Qwen3's q_norm/k_norm)."""
+        if self._fused(x, residual):
+            from foretell.layers import fused_kernels  # imports triton: CUDA only
+
+            return fused_kernels.rms_norm_triton(x, self.weight, self.eps, residual)
         if residual is not None:
             x = residual + x
         return self._norm(x), x
+
+    def _fused(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+        # Mixed dtypes promote in the torch path; the kernel keeps x's dtype, so leave them to it.
+        tensors = (x, self.weight) if residual is None else (x, self.weight, residual)
+        same_dtype = all(t.dtype == x.dtype for t in tensors)
+        return same_dtype and x.shape[-1] == self.hidden_size and kernel_dispatch.use_triton(*tensors)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"

@@ -13,6 +13,10 @@ Three pieces, kept apart so a new variant touches one table:
 Everything is computed in float32. The cos/sin table is built once, up front, for max_positions
 positions, and kept as a plain tensor rather than a buffer so that casting the model's dtype can
 never round it.
+
+On CUDA (when kernel_dispatch.use_triton allows) the neox style runs as one Triton kernel for q and
+k together, reading the table by position, with apply_rope_neox's roundings; the torch code here
+is its twin and what the CPU (and the gptj style everywhere) runs.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+
+from foretell.layers import kernel_dispatch
 
 FrequencyBuilder = Callable[[float, int, dict, int], tuple[torch.Tensor, float]]
 ApplyFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -250,6 +256,10 @@ class RotaryEmbedding(nn.Module):
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._fused(positions, query, key):
+            from foretell.layers import fused_kernels  # imports triton: CUDA only
+
+            return fused_kernels.rope_neox_triton(positions, query, key, self.cos_cache, self.sin_cache)
         cos, sin = self.cos_sin(positions)
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
 
@@ -258,6 +268,16 @@ class RotaryEmbedding(nn.Module):
             return self._apply(x, cos, sin)
         rotated = self._apply(x[..., : self.rotary_dim], cos, sin)
         return torch.cat((rotated, x[..., self.rotary_dim :]), dim=-1)
+
+    def _fused(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> bool:
+        return (
+            self.style == "neox"
+            and query.dim() == 3
+            and key.dim() == 3
+            and query.dtype == key.dtype
+            and self.cos_cache.device == query.device
+            and kernel_dispatch.use_triton(positions, query, key)
+        )
 
     def extra_repr(self) -> str:
         return f"rotary_dim={self.rotary_dim}, type={self.rope_type}, style={self.style}"
