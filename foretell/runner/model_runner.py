@@ -175,7 +175,12 @@ class ModelRunner:
             max_model_len=self.max_model_len,
             device=self.device,
         )
-        graphs.capture()
+        try:
+            graphs.capture()
+        except RuntimeError as e:  # e.g. a layer that reads host values: run eagerly instead
+            logger.warning("CUDA graph capture failed, running eagerly: %s", e)
+            torch.cuda.synchronize(self.device)
+            return None
         return graphs
 
     def _capture_draft_graphs(self) -> DraftGraphRunner | None:
@@ -185,7 +190,12 @@ class ModelRunner:
         if not all(layer.backend.graph_safe for layer in self.proposer.kv_layers()):
             return None
         draft_graphs = DraftGraphRunner(self.proposer, self.graphs, spec.num_speculative_tokens)
-        draft_graphs.capture()
+        try:
+            draft_graphs.capture()
+        except RuntimeError as e:
+            logger.warning("draft-loop graph capture failed, drafting eagerly: %s", e)
+            torch.cuda.synchronize(self.device)
+            return None
         return draft_graphs
 
     def _target_forward(self, batch: InputBatch):
