@@ -12,12 +12,15 @@ Routing (`RouterConfig`, `select_experts`), computed in float32 whatever the mod
 Experts are stored per expert in checkpoints (`mlp.experts.{e}.gate_proj.weight`, ...). They load
 into two packed parameters, `experts.gate_up_proj` [E, 2 * I, H] (shard (e, 0) gate, (e, 1) up)
 and `experts.down_proj` [E, H, I] (shard e), through `expert_weight_rules`. The torch forward
-sorts the (token, expert) pairs by expert and runs one matmul pair per expert that has tokens; a
-fused GPU kernel can replace `experts_forward_torch` without touching the layout.
+sorts the (token, expert) pairs by expert and runs one matmul pair per expert that has tokens
+(a host loop: the CPU path and the reference). On CUDA, with triton installed and no autograd,
+`PackedExperts` runs the fused kernels of moe_triton.py instead: same layout, no host sync, CUDA
+graph capturable.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,11 +183,31 @@ class PackedExperts(nn.Module):
         self.down_proj = _packed_param((num_experts, hidden_size, intermediate_size), 1, dtype, device)
 
     def forward(self, hidden, weights, ids):  # [T, H], [T, k], [T, k] -> [T, H] float32
+        if _use_fused_experts(hidden):
+            from foretell.layers.moe_triton import fused_experts_triton  # imports triton
+
+            return fused_experts_triton(hidden, self.gate_up_proj, self.down_proj, weights, ids)
         return experts_forward_torch(hidden, self.gate_up_proj, self.down_proj, weights, ids)
 
     def extra_repr(self) -> str:
         e, two_i, h = self.gate_up_proj.shape
         return f"experts={e}, hidden={h}, intermediate={two_i // 2}"
+
+
+def _use_fused_experts(hidden: torch.Tensor) -> bool:
+    """CUDA tensors, triton installed, no autograd graph to build (the kernels have no backward)."""
+    if not hidden.is_cuda or (torch.is_grad_enabled() and hidden.requires_grad):
+        return False
+    return _triton_importable()
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 class GatedMLP(nn.Module):
