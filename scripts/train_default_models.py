@@ -48,10 +48,10 @@ PRESETS = {
         vocab_size=8192, max_corpus_mb=30.0, tokenizer_corpus_mb=12.0, seq_len=512, stdlib_tests=True,
         target=dict(hidden=256, layers=8, heads=4, kv_heads=2, head_dim=64, intermediate=768),
         draft=dict(hidden=128, layers=4, heads=2, kv_heads=1, head_dim=64, intermediate=384),
-        target_steps=20000, target_batch=64, target_lr=3e-3, target_minutes=3.5,
-        draft_steps=20000, draft_batch=64, draft_lr=4e-3, draft_minutes=1.0,
-        head_gsm8k_prompts=4000, head_code_prompts=800, head_regen_tokens=160, head_max_len=512,
-        head_epochs=4, head_batch=32, head_lr=1e-3, head_minutes=1.5, draft_vocab_size=4096,
+        target_steps=20000, target_batch=64, target_lr=3e-3, target_minutes=3.0,
+        draft_steps=20000, draft_batch=64, draft_lr=4e-3, draft_minutes=0.75,
+        head_gsm8k_prompts=7473, head_code_prompts=1000, head_regen_tokens=160, head_max_len=512,
+        head_epochs=8, head_batch=32, head_lr=1e-3, head_minutes=2.0, draft_vocab_size=4096,
         measure_prompts=200, measure_tokens=128, device="cuda",
     ),
     "smoke": dict(
@@ -228,8 +228,12 @@ def measure(p, target_dir: str, draft_dir: str, head_dir: str, work: str) -> dic
             after = llm.get_stats()
             drafts = after["num_drafts"] - before["num_drafts"]
             accepted = [a - b for a, b in zip(after["accepted_per_position"], before["accepted_per_position"])]
+            # Prompts whose output differs from plain greedy, and the first differing position.
+            differ = [next(i for i, (a, b) in enumerate(zip(x + [None], y + [None])) if a != b)
+                      for x, y in zip(tokens, baseline) if x != y]
             entry.update(num_drafts=drafts, acceptance_per_position=[a / max(drafts, 1) for a in accepted],
-                         mean_acceptance_length=1 + sum(accepted) / max(drafts, 1), greedy_equal=tokens == baseline)
+                         mean_acceptance_length=1 + sum(accepted) / max(drafts, 1), greedy_equal=not differ,
+                         greedy_mismatch_prompts=len(differ), greedy_first_mismatch_positions=differ)
         results[name] = entry
         del llm
         _free()
@@ -348,7 +352,7 @@ def _write_cards(dirs: dict, s: dict) -> None:
             body += ["", "## Measured acceptance", "",
                      f"- as the draft model of qwen3-target, greedy, k=3, {m['prompts']} GSM8K test prompts: "
                      f"mean acceptance length {m['draft_model']['mean_acceptance_length']:.2f}, per position "
-                     f"{_fmt(m['draft_model']['acceptance_per_position'])}"]
+                     f"{_fmt(m['draft_model']['acceptance_per_position'])}; {_equal(m, 'draft_model')}"]
         write_card(dirs[role], f"{NAMES[role]} (foretell default model family)", body)
     h, tf = s["head"], m["teacher_forced"]
     ev = h.get("eval", {})
@@ -367,10 +371,15 @@ def _write_cards(dirs: dict, s: dict) -> None:
         f"- held-out teacher-forced acceptance per position: {_fmt(ev.get('acceptance_per_position', []))}", "",
         "## Measured acceptance (greedy, k=3, GSM8K test prompts)", "",
         f"- online (engine): mean acceptance length {m['eagle3']['mean_acceptance_length']:.2f}, per position "
-        f"{_fmt(m['eagle3']['acceptance_per_position'])}, greedy output equal to plain: {m['eagle3']['greedy_equal']}",
+        f"{_fmt(m['eagle3']['acceptance_per_position'])}; {_equal(m, 'eagle3')}",
         f"- teacher-forced, replaying the engine's walk: {_fmt(tf['engine_walk']['acceptance_per_position'])}; "
         f"over all rows: {_fmt(tf['acceptance_per_position'][:3])}",
     ])
+
+
+def _equal(m: dict, method: str) -> str:
+    return (f"greedy output identical to plain greedy on {m['prompts'] - m[method]['greedy_mismatch_prompts']} "
+            f"of {m['prompts']} prompts")
 
 
 def _fmt(values) -> str:

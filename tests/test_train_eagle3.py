@@ -364,3 +364,21 @@ def test_default_models_recipe_smoke(tmp_path):
     assert sorted(os.listdir(out / "qwen3-eagle3")) == ["README.md", "config.json", "model.safetensors"]
     llm = LLM(str(out / "qwen3-target"), num_kv_blocks=32)
     assert llm.chat([{"role": "user", "content": "What is 2 + 3?"}], SamplingParams(max_tokens=4))[0].outputs[0].token_ids
+
+
+def test_teacher_forced_acceptance_in_bfloat16(trained, qwen3_checkpoint, prompt_file):
+    """The evaluation casts a copy of the head to the engine's dtype (bfloat16 on GPUs)."""
+    from foretell.training.checkpoint import head_from_state, load_head_state
+    from foretell.training.evaluate import teacher_forced_acceptance
+    from foretell.training.features import Batch, TargetFeatures
+
+    out, _ = trained
+    config, tensors = load_head_state(out)
+    used = torch.arange(tensors["d2t"].numel()) + tensors["d2t"]
+    features = TargetFeatures(qwen3_checkpoint, tuple(AUX), used, torch.device("cpu"), torch.bfloat16)
+    head = head_from_state(config, tensors, features.embedding, "cpu")
+    examples = [Example.from_json(json.loads(line)) for line in open(os.path.join(out, "regenerated.jsonl"))
+                if "input_ids" in line][:8]
+    metrics = teacher_forced_acceptance(head, features, [Batch.collate(examples, "cpu")], 3, torch.bfloat16)
+    assert head.fc.weight.dtype == torch.float32  # the trained head itself is untouched
+    assert metrics["acceptance_per_position"][0] > 0 and metrics["rows_per_position"][0] > 0

@@ -20,8 +20,11 @@ class Batch:
     loss_mask: torch.Tensor  # [B, T] float32, 1 on tokens the target writes (0 on padding)
 
     @classmethod
-    def collate(cls, examples, device) -> "Batch":
-        T = max(len(e.input_ids) for e in examples)
+    def collate(cls, examples, device, pad_to_multiple: int = 64) -> "Batch":
+        """Right-pads to the longest example, rounded up to pad_to_multiple so that the kernels
+        (attention, cuDNN plans, the allocator) see few distinct shapes."""
+        longest = max(len(e.input_ids) for e in examples)
+        T = -(-longest // pad_to_multiple) * pad_to_multiple
         ids = torch.zeros(len(examples), T, dtype=torch.int64)
         attn = torch.zeros(len(examples), T, dtype=torch.int64)
         mask = torch.zeros(len(examples), T, dtype=torch.float32)

@@ -154,9 +154,11 @@ class Eagle3TrainHead(nn.Module):
             self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
         self.register_buffer("embed_weight", embedding.detach().to(device), persistent=False)
         rope_theta, rope_scaling = rope_parameters_from_config(c)
-        # The same table the engine builds: max(head, target) positions; float32, not a buffer.
-        self.rotary = RotaryEmbedding(c.head_dim, c.get("max_position_embeddings", 2048), rope_theta,
-                                      rope_scaling, device=device)
+        # The same table the engine builds: max(head, target) positions, float32. Kept out of the
+        # module tree: casting the head (eval in the engine's dtype) must not round it, and
+        # RotaryEmbedding's `_apply` attribute (its rope style) shadows nn.Module._apply.
+        object.__setattr__(self, "rotary", RotaryEmbedding(
+            c.head_dim, c.get("max_position_embeddings", 2048), rope_theta, rope_scaling, device=device))
 
     def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         self.d2t.copy_(d2t)
