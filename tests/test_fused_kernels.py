@@ -9,7 +9,7 @@ it. Every case draws fresh random inputs; a failure prints the seed that reprodu
 
 Where the kernel rounds exactly where the twin does (the residual add, every RoPE product and
 sum) the outputs must be equal; the norm (a float32 reduction in another order) and silu (another
-exp) must agree within one rounding of the dtype.
+exp) may differ by a rounding of the dtype that went the other way.
 """
 
 from __future__ import annotations
@@ -76,8 +76,9 @@ def _interpreter_mode():
 
 
 DTYPES = [torch.float16, torch.float32]
-# One rounding of the dtype, relative, plus room for values near zero.
-ONE_ROUNDING = {torch.float16: dict(rtol=2e-3, atol=1e-5), torch.float32: dict(rtol=1e-6, atol=1e-7)}
+# A rounding of the dtype that went the other way, carried through one more rounding (the norm's
+# weight multiply, silu's `* up`): up to 2 units in the last place, plus room near zero.
+NEAR = {torch.float16: dict(rtol=4e-3, atol=1e-5), torch.float32: dict(rtol=1e-6, atol=1e-7)}
 
 
 @contextlib.contextmanager
@@ -102,7 +103,7 @@ def _assert_written_and_close(got, expected, dtype, exact: bool):
     if exact:
         assert torch.equal(got, expected), f"max diff {(got.float() - expected.float()).abs().max()}"
     else:
-        torch.testing.assert_close(got, expected, **ONE_ROUNDING[dtype])
+        torch.testing.assert_close(got, expected, **NEAR[dtype])
 
 
 # ---------------------------------------------------------------------- residual add + RMSNorm

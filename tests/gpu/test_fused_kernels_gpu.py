@@ -1,0 +1,266 @@
+"""The fused Triton kernels on a CUDA device (bf16/fp16 at Llama-3.1-8B / Qwen3-8B sizes), held
+against their torch twins run on the same device; the layers' dispatch (kernel under inference,
+torch under autograd); no host sync in a launch; capture and replay in a CUDA graph; and whole
+models whose greedy tokens do not change when the kernels replace the torch paths.
+
+Where a kernel rounds exactly where its twin does (the residual add, every RoPE product and sum)
+the outputs must be bit-equal; the norm (float32 reduction in another order, another rsqrt) and
+silu (another exp) may differ in a small fraction of elements, by a rounding of the dtype that
+went the other way (up to 2 units in the last place after the rounding that follows).
+Every case draws fresh random inputs; a failure prints the seed that reproduces it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+pytest.importorskip("triton")
+
+from foretell import LLM, SamplingParams  # noqa: E402
+from foretell.layers import fused_kernels as fk  # noqa: E402
+from foretell.layers import kernel_dispatch  # noqa: E402
+from foretell.layers.activation import SiluAndMul  # noqa: E402
+from foretell.layers.norm import RMSNorm  # noqa: E402
+from foretell.layers.rotary import RotaryEmbedding  # noqa: E402
+
+DEVICE = torch.device("cuda")
+DTYPES = [torch.bfloat16, torch.float16]
+# A rounding of the dtype that went the other way, carried through one more rounding (the
+# norm's weight multiply, silu's `* up`): up to 2 units in the last place.
+NEAR = {torch.bfloat16: dict(rtol=1.6e-2, atol=1e-4), torch.float16: dict(rtol=4e-3, atol=1e-5)}
+MAX_DIFFERING_FRACTION = 0.01  # of elements not bit-equal (norm, silu)
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+@contextlib.contextmanager
+def _reports_seed(seed: int):
+    try:
+        yield
+    except AssertionError as err:
+        raise AssertionError(f"seed {seed}: {err}") from None
+
+
+def _rand(gen, *shape, dtype, scale=1.0):
+    return (torch.randn(*shape, generator=gen, device=DEVICE) * scale).to(dtype)
+
+
+def _nan(shape, dtype):
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+
+
+def _torch_path():
+    """Context in which the layers take their torch paths whatever the device."""
+    return pytest.MonkeyPatch.context()
+
+
+def _check(got, expected, dtype, exact):
+    assert not torch.isnan(got).any(), "kernel left poisoned elements"
+    assert got.shape == expected.shape and got.dtype == expected.dtype and got.is_contiguous()
+    if exact:
+        diff = (got.float() - expected.float()).abs().max()
+        assert torch.equal(got, expected), f"not bit-equal, max diff {diff}"
+        return
+    torch.testing.assert_close(got, expected, **NEAR[dtype])
+    differing = (got != expected).float().mean().item()
+    assert differing <= MAX_DIFFERING_FRACTION, f"{differing:.2%} of elements differ"
+
+
+def _norm_reference(norm, x, residual):
+    summed = x if residual is None else residual + x
+    return norm._norm(summed), summed
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 7, 64, 1000])
+@pytest.mark.parametrize("hidden", [4096, 4096 + 64, 7168])
+def test_rms_norm(dtype, num_tokens, hidden):
+    seed = random.randrange(2**31)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    norm = RMSNorm(hidden, 1e-5, dtype=dtype, device=DEVICE)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * _rand(gen, hidden, dtype=dtype))
+    x = _rand(gen, num_tokens, hidden, dtype=dtype, scale=2.0)
+    residual = _rand(gen, num_tokens, hidden, dtype=dtype, scale=8.0)
+    with _reports_seed(seed):
+        for res in (residual, None):
+            expected, expected_residual = _norm_reference(norm, x, res)
+            out, res_out = _nan(x.shape, dtype), _nan(x.shape, dtype)
+            normed, new_residual = fk.rms_norm_triton(x, norm.weight, norm.eps, res, out, res_out)
+            _check(normed, expected, dtype, exact=False)
+            if res is not None:
+                _check(new_residual, expected_residual, dtype, exact=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 64, 517])
+def test_qwen3_per_head_norm(dtype, num_tokens):
+    num_heads, num_kv_heads, head_dim = 32, 8, 128
+    seed = random.randrange(2**31)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    qkv = _rand(gen, num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, scale=3.0)
+    q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    norm = RMSNorm(head_dim, 1e-6, dtype=dtype, device=DEVICE)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * _rand(gen, head_dim, dtype=dtype))
+    with _reports_seed(seed):
+        for view in (q, k):
+            normed, _ = fk.rms_norm_triton(view, norm.weight, norm.eps, out=_nan(view.shape, dtype))
+            _check(normed, norm._norm(view), dtype, exact=False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 64, 300])
+@pytest.mark.parametrize(
+    "heads,head_dim,rotary_dim,scaling",
+    [((32, 8), 128, 128, LLAMA3_SCALING), ((32, 8), 128, 64, None), ((40, 8), 80, 40, None),
+     ((14, 2), 64, 64, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096})],
+)
+def test_rope_neox_bit_equal(dtype, num_tokens, heads, head_dim, rotary_dim, scaling):
+    num_heads, num_kv_heads = heads
+    seed = random.randrange(2**31)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    max_positions = 32768
+    rotary = RotaryEmbedding(rotary_dim, max_positions, 500000.0, scaling, device=DEVICE)
+    q_width, kv_width = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = _rand(gen, num_tokens, q_width + 2 * kv_width, dtype=dtype, scale=2.0)
+    query = qkv[:, :q_width].view(num_tokens, num_heads, head_dim)
+    key = qkv[:, q_width : q_width + kv_width].view(num_tokens, num_kv_heads, head_dim)
+    positions = torch.randint(0, max_positions, (num_tokens,), generator=gen, device=DEVICE)
+    cos, sin = rotary.cos_sin(positions)
+    expected = (rotary._rotate(query, cos, sin), rotary._rotate(key, cos, sin))
+    with _reports_seed(seed):
+        got = fk.rope_neox_triton(positions, query, key, rotary.cos_cache, rotary.sin_cache,
+                                  _nan(query.shape, dtype), _nan(key.shape, dtype))
+        _check(got[0], expected[0], dtype, exact=True)
+        _check(got[1], expected[1], dtype, exact=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 64, 333])
+@pytest.mark.parametrize("intermediate", [14336, 12288, 1000])
+def test_silu_and_mul(dtype, num_tokens, intermediate):
+    seed = random.randrange(2**31)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    gate_up = _rand(gen, num_tokens, 2 * intermediate, dtype=dtype, scale=3.0)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    with _reports_seed(seed):
+        out = fk.silu_and_mul_triton(gate_up, _nan(expected.shape, dtype))
+        _check(out, expected, dtype, exact=False)
+
+
+def test_layers_dispatch_under_inference_only(monkeypatch):
+    calls = []
+    for name in ("rms_norm_triton", "rope_neox_triton", "silu_and_mul_triton"):
+        kernel = getattr(fk, name)
+        monkeypatch.setattr(fk, name, lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw))
+    dtype = torch.bfloat16
+    norm = RMSNorm(256, dtype=dtype, device=DEVICE)
+    rotary = RotaryEmbedding(64, 128, 10000.0, device=DEVICE)
+    x = torch.randn(3, 256, device=DEVICE, dtype=dtype)
+    q, k = torch.randn(3, 4, 64, device=DEVICE, dtype=dtype), torch.randn(3, 2, 64, device=DEVICE, dtype=dtype)
+    positions = torch.tensor([0, 5, 100], device=DEVICE)
+    gate_up = torch.randn(3, 64, device=DEVICE, dtype=dtype)
+    with torch.inference_mode():
+        norm(x, x)
+        rotary(positions, q, k)
+        SiluAndMul()(gate_up)
+    assert calls == ["rms_norm_triton", "rope_neox_triton", "silu_and_mul_triton"]
+    # Training: parameters or activations needing grad keep the torch path (the kernels have no
+    # backward), and gradients flow.
+    norm.weight.requires_grad_(True)
+    q.requires_grad_(True)
+    gate_up.requires_grad_(True)
+    loss = norm(x)[0].float().sum() + rotary(positions, q, k)[0].float().sum()
+    loss = loss + SiluAndMul()(gate_up).float().sum()
+    loss.backward()
+    assert len(calls) == 3
+    assert norm.weight.grad is not None and q.grad is not None and gate_up.grad is not None
+    # gptj (DeepSeek) always runs the torch path.
+    with torch.inference_mode():
+        RotaryEmbedding(64, 128, 10000.0, style="gptj", device=DEVICE)(positions, q, k)
+    assert len(calls) == 3
+
+
+def _layer_step(norm, rotary, act, hidden, residual, positions, qkv, gate_up, num_heads, num_kv_heads, head_dim):
+    n = hidden.shape[0]
+    normed, new_residual = norm(hidden, residual)
+    q = qkv[:, : num_heads * head_dim].view(n, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(n, num_kv_heads, head_dim)
+    q, k = rotary(positions, q, k)
+    return normed, new_residual, q, k, act(gate_up)
+
+
+def test_launches_do_not_sync_and_replay_in_a_cuda_graph():
+    dtype, n, hidden, heads, kv_heads, head_dim, inter = torch.bfloat16, 8, 4096, 32, 8, 128, 14336
+    seed = random.randrange(2**31)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    norm = RMSNorm(hidden, 1e-5, dtype=dtype, device=DEVICE)
+    rotary = RotaryEmbedding(head_dim, 131072, 500000.0, LLAMA3_SCALING, device=DEVICE)
+    act = SiluAndMul()
+
+    def inputs():
+        return dict(
+            hidden=_rand(gen, n, hidden, dtype=dtype), residual=_rand(gen, n, hidden, dtype=dtype),
+            positions=torch.randint(0, 131072, (n,), generator=gen, device=DEVICE),
+            qkv=_rand(gen, n, (heads + 2 * kv_heads) * head_dim, dtype=dtype),
+            gate_up=_rand(gen, n, 2 * inter, dtype=dtype),
+        )
+
+    def step(t):
+        return _layer_step(norm, rotary, act, **t, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim)
+
+    static = inputs()
+    with torch.inference_mode():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step(static)  # compiles every kernel before the checks
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step(static)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = step(static)
+        with _reports_seed(seed):
+            for _ in range(2):
+                fresh = inputs()
+                for name, t in fresh.items():
+                    static[name].copy_(t)
+                graph.replay()
+                expected = step(fresh)
+                for got, want in zip(static_out, expected):
+                    assert torch.equal(got, want)  # same kernels, same inputs
+
+
+@pytest.mark.parametrize("checkpoint", ["qwen3_checkpoint", "llama31_checkpoint"])
+def test_model_greedy_tokens_unchanged(checkpoint, request):
+    """A whole model (float32, so tokens are stable against one-rounding differences) decodes the
+    same tokens with the fused kernels as with the torch paths."""
+    folder = request.getfixturevalue(checkpoint)
+    prompts = ["The cat reads the book. The cat", "def add(x):\n    return", "Question:"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    def generate():
+        llm = LLM(folder, device="cuda", dtype="float32", num_kv_blocks=128, max_num_seqs=4)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    fused = generate()
+    with _torch_path() as mp:
+        mp.setattr(kernel_dispatch, "use_triton", lambda *tensors: False)
+        plain = generate()
+    assert fused == plain
