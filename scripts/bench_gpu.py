@@ -200,8 +200,8 @@ def bf16_agreement():
     write_tokenizer(f"{root}/tok")
     write_qwen3(f"{root}/qwen3", f"{root}/tok")
     write_eagle3_head(f"{root}/head", f"{root}/qwen3", "eagle", draft_vocab_size=256, aux_layer_ids=[0, 1, 2])
-    prompts = [{"prompt_token_ids": [(13 * i + j) % 400 + 1 for j in range(8 + i % 7)]} for i in range(32)]
-    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [(13 * i + 7 * j * j) % 440 + 1 for j in range(60 + 9 * (i % 7))]} for i in range(32)]
+    params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
     out = {}
     for dtype in ("float32", "bfloat16"):
         plain = LLM(f"{root}/qwen3", device="cuda", dtype=dtype, num_kv_blocks=512).generate(prompts, params, use_tqdm=False)

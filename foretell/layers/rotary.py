@@ -235,7 +235,7 @@ class RotaryEmbedding(nn.Module):
         self.max_positions = max_positions
         self.rope_type = rope_type
         self.style = style
-        self._apply = APPLY_STYLES[style]
+        self._rotate_fn = APPLY_STYLES[style]
         inv_freq, attention_factor = FREQUENCY_BUILDERS[rope_type](
             base, rotary_dim, scaling, max_positions
         )
@@ -265,8 +265,8 @@ class RotaryEmbedding(nn.Module):
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.rotary_dim == x.shape[-1]:
-            return self._apply(x, cos, sin)
-        rotated = self._apply(x[..., : self.rotary_dim], cos, sin)
+            return self._rotate_fn(x, cos, sin)
+        rotated = self._rotate_fn(x[..., : self.rotary_dim], cos, sin)
         return torch.cat((rotated, x[..., self.rotary_dim :]), dim=-1)
 
     def _fused(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> bool:
