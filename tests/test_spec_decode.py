@@ -111,3 +111,19 @@ def test_metrics_add_up(qwen3_checkpoint, request):
 def test_bad_speculative_configs(qwen3_checkpoint, config, message):
     with pytest.raises(ValueError, match=message):
         LLM(qwen3_checkpoint, num_kv_blocks=16, speculative_config=config)
+
+
+def test_draft_model_with_another_tokenizer_is_refused(qwen3_checkpoint, tmp_path):
+    import json
+    import shutil
+
+    draft = tmp_path / "draft"
+    shutil.copytree(qwen3_checkpoint, draft)
+    tokenizer = json.loads((draft / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    token = next(iter(vocab))
+    vocab[token + "_other"] = vocab.pop(token)
+    (draft / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(ValueError, match="does not share the target's tokenizer"):
+        LLM(qwen3_checkpoint, num_kv_blocks=16,
+            speculative_config={"method": "draft_model", "model": str(draft)})
