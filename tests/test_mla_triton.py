@@ -45,7 +45,7 @@ def import_interpreted(name: str):
     previous = _set_interpreter()
     try:
         pytest.importorskip("triton")
-        import triton.language  # noqa: F401  (first import must see the interpreter)
+        import triton.language  # noqa: F401  (its first import must see the interpreter)
 
         module = sys.modules.get(name)
         if module is None:
@@ -249,6 +249,7 @@ def test_deepseek_triton_backend_matches_torch(checkpoint_root, tokenizer_dir, m
     for prefill, decode and verify, fused MoE forced on (it dispatches on CUDA only), MTP drafts
     attending through the same kernels; tokens equal the torch backend's."""
     from fixtures import deepseek as ds
+
     from foretell.layers import moe
 
     moe_triton = import_interpreted("foretell.layers.moe_triton")

@@ -16,7 +16,7 @@ from foretell.layers.moe import experts_forward_torch
 if torch.cuda.is_available():
     pytest.skip("on a GPU the kernels are tested in tests/gpu/test_mla_moe_gpu.py", allow_module_level=True)
 
-from test_mla_triton import _interpreter_mode, import_interpreted  # noqa: E402,F401
+from test_mla_triton import _interpreter_mode, import_interpreted  # noqa: F401  (autouse fixture)
 
 moe_triton = import_interpreted("foretell.layers.moe_triton")
 TOLERANCE = {torch.float16: 2e-2, torch.float32: 1e-4}
@@ -71,7 +71,7 @@ def test_fused_experts_match_torch(num_tokens, num_experts, top_k, hidden, inter
         assert out.dtype == torch.float32 and out.shape == expected.shape
         tol = TOLERANCE[dtype]
         torch.testing.assert_close(out, expected, rtol=tol, atol=tol,
-                                   msg=lambda m: f"align_kernel={align_kernel} (seed {seed}): {m}")
+                                   msg=lambda m, a=align_kernel: f"align_kernel={a} (seed {seed}): {m}")
 
 
 @pytest.mark.parametrize("block_m", [16, 32, 64])

@@ -140,7 +140,8 @@ def expanded_attention(q_nope, q_pe, w_uk, w_uv, context, scale):
 
 
 def _triton_mla_backend():
-    from foretell.layers.mla_triton import TritonMLABackend  # imports triton only when asked for
+    # Imported only when asked for: it imports triton.
+    from foretell.layers.mla_triton import TritonMLABackend
 
     return TritonMLABackend()
 

@@ -29,7 +29,10 @@ import triton
 import triton.language as tl
 
 from foretell.layers.attention.metadata import AttentionMetadata
-from foretell.layers.attention.triton_kernels import _choose_num_splits, _unit_last_stride
+from foretell.layers.attention.triton_kernels import (
+    _choose_num_splits,
+    _unit_last_stride,
+)
 from foretell.layers.mla import TorchMLABackend
 
 _LOG2E = 1.4426950408889634
