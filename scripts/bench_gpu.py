@@ -85,6 +85,15 @@ def decode_tok_s(llm: LLM, batch: int, prompt_len: int = 128, new_tokens: int = 
             "ms_per_step": 1000 * decode_s / max(steps - 1, 1), "steps": steps}
 
 
+OUT_DIR: list[str] = []  # set by main(); each section's result is saved as soon as it ends
+
+
+def save() -> None:
+    if OUT_DIR:
+        with open(os.path.join(OUT_DIR[0], "bench_gpu.json"), "w") as f:
+            json.dump(RESULTS, f, indent=2, default=str)
+
+
 def section(name):
     def wrap(fn):
         def run(*args, **kwargs):
@@ -94,7 +103,8 @@ def section(name):
             except Exception as e:  # record and go on: one broken section must not hide the rest
                 RESULTS[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
             RESULTS.setdefault("_seconds", {})[name] = round(time.perf_counter() - t0, 1)
-            print(f"[{name}] {json.dumps(RESULTS[name], default=str)[:600]}", flush=True)
+            print(f"[{name}] {json.dumps(RESULTS[name], default=str)[:1500]}", flush=True)
+            save()
         return run
     return wrap
 
@@ -223,16 +233,16 @@ def main() -> None:
     parser.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s for rooflines")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    OUT_DIR.append(args.out)
     batches = [1, 4] if args.quick else [1, 4, 16, 64]
     RESULTS["gpu"] = torch.cuda.get_device_name()
     RESULTS["torch"] = torch.__version__
-    bf16_agreement()
     llama_baseline(batches)
     llama_eagle3(batches)
+    bf16_agreement()
     llama_eager()
     deepseek_v2_lite(args.bandwidth)
-    with open(os.path.join(args.out, "bench_gpu.json"), "w") as f:
-        json.dump(RESULTS, f, indent=2, default=str)
+    save()
     print(json.dumps({k: v for k, v in RESULTS.items() if k != "_seconds"}, indent=1, default=str)[:6000])
 
 
