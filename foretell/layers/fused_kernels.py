@@ -105,8 +105,8 @@ def rms_norm_triton(
     out: torch.Tensor | None = None,  # contiguous, x's shape: where to write normed
     residual_out: torch.Tensor | None = None,  # the same for new_residual
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(normed, new_residual) as RMSNorm.forward returns them; both contiguous, x's shape
-    (new_residual is x itself without a residual)."""
+    """(normed, new_residual) as RMSNorm.forward returns them, x's shape: normed contiguous,
+    new_residual contiguous too, or x itself when there is no residual (as in the torch path)."""
     hidden = x.shape[-1]
     if weight.shape != (hidden,) or weight.dtype != x.dtype:
         raise ValueError(f"weight must be [{hidden}] {x.dtype}, got {list(weight.shape)} {weight.dtype}")
