@@ -64,34 +64,19 @@ def make_llm(model: str, spec: dict | None = None, **kw) -> LLM:
 
 
 def decode_tok_s(llm: LLM, batch: int, prompt_len: int = 128, new_tokens: int = 128) -> dict:
-    """Decode throughput: time for new_tokens minus the time of the prefill (max_tokens=1)."""
+    """Decode throughput from the requests' own timestamps: tokens after the first, over the time
+    from the last first token to the last finish (prefill excluded without a second run)."""
     prompts = [{"prompt_token_ids": [(7 * i + j) % 1000 + 1 for j in range(prompt_len)]} for i in range(batch)]
-    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     full = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    llm.generate(prompts, one, use_tqdm=False)
-    torch.cuda.synchronize()
-    t_prefill = time.perf_counter() - t0
     steps0 = llm.engine.metrics.num_steps
-    t0 = time.perf_counter()
-    llm.generate(prompts, full, use_tqdm=False)
-    torch.cuda.synchronize()
-    t_total = time.perf_counter() - t0
+    outs = llm.generate(prompts, full, use_tqdm=False)
     steps = llm.engine.metrics.num_steps - steps0
-    decode_s = max(t_total - t_prefill, 1e-9)
+    first = max(o.metrics.first_token_time for o in outs)
+    last = max(o.metrics.finished_time for o in outs)
+    decode_s = max(last - first, 1e-9)
     return {"batch": batch, "tok_s": batch * (new_tokens - 1) / decode_s,
             "ms_per_step": 1000 * decode_s / max(steps - 1, 1), "steps": steps}
-
-
-OUT_DIR: list[str] = []  # set by main(); each section's result is saved as soon as it ends
-
-
-def save() -> None:
-    if OUT_DIR:
-        with open(os.path.join(OUT_DIR[0], "bench_gpu.json"), "w") as f:
-            json.dump(RESULTS, f, indent=2, default=str)
 
 
 def section(name):
