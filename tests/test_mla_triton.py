@@ -255,7 +255,7 @@ def test_deepseek_triton_backend_matches_torch(checkpoint_root, tokenizer_dir, m
     moe_triton = import_interpreted("foretell.layers.moe_triton")
     folder = ds.checkpoint(checkpoint_root, tokenizer_dir, "v3")
     _, want = _greedy(folder, attention_backend="torch")
-    monkeypatch.setattr(moe, "_use_fused_experts", lambda hidden: True)
+    monkeypatch.setattr(moe, "use_triton", lambda *tensors: True)
     calls = []
     fused = moe_triton.fused_experts_triton
     monkeypatch.setattr(moe_triton, "fused_experts_triton", lambda *a: calls.append(1) or fused(*a))

@@ -20,7 +20,6 @@ graph capturable.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from foretell.layers.activation import SiluAndMul
+from foretell.layers.kernel_dispatch import use_triton
 from foretell.layers.linear import Linear, MergedLinear, check_shape, make_param
 from foretell.models.base import WeightRule
 
@@ -183,8 +183,10 @@ class PackedExperts(nn.Module):
         self.down_proj = _packed_param((num_experts, hidden_size, intermediate_size), 1, dtype, device)
 
     def forward(self, hidden, weights, ids):  # [T, H], [T, k], [T, k] -> [T, H] float32
-        if _use_fused_experts(hidden):
-            from foretell.layers.moe_triton import fused_experts_triton  # imports triton
+        if use_triton(hidden, self.gate_up_proj):
+            from foretell.layers.moe_triton import (
+                fused_experts_triton,  # imports triton
+            )
 
             return fused_experts_triton(hidden, self.gate_up_proj, self.down_proj, weights, ids)
         return experts_forward_torch(hidden, self.gate_up_proj, self.down_proj, weights, ids)
@@ -192,22 +194,6 @@ class PackedExperts(nn.Module):
     def extra_repr(self) -> str:
         e, two_i, h = self.gate_up_proj.shape
         return f"experts={e}, hidden={h}, intermediate={two_i // 2}"
-
-
-def _use_fused_experts(hidden: torch.Tensor) -> bool:
-    """CUDA tensors, triton installed, no autograd graph to build (the kernels have no backward)."""
-    if not hidden.is_cuda or (torch.is_grad_enabled() and hidden.requires_grad):
-        return False
-    return _triton_importable()
-
-
-@functools.cache
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 class GatedMLP(nn.Module):
