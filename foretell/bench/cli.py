@@ -57,8 +57,6 @@ def add_bench_parser(sub) -> None:
     add_dataset_args(g, "gsm8k")
     g.add_argument("--chat", action="store_true", help="wrap text prompts in the chat template")
     g.add_argument("--no-warmup", dest="warmup", action="store_false")
-    g.add_argument("--torch-threads", type=int,
-                   help="torch intra-op CPU threads (1 is fastest for tiny models on a busy host)")
     g.add_argument("--compare", action="append", choices=["hf"], default=[],
                    help="hf: also run transformers' generate (assisted for draft_model)")
     g.add_argument("--output-json", help="write the full report here")
@@ -128,7 +126,7 @@ def build_bench_settings(args: argparse.Namespace):
         batch_sizes=batch_sizes, dataset=args.dataset, num_prompts=args.num_prompts,
         input_len=args.input_len, max_tokens=args.max_tokens, temperature=args.temperature,
         ignore_eos=args.ignore_eos, chat=args.chat, seed=args.seed, warmup=args.warmup,
-        progress=args.progress, compare=list(args.compare), torch_threads=args.torch_threads,
+        progress=args.progress, compare=list(args.compare),
     )
 
 

@@ -36,7 +36,6 @@ class BenchSettings:
     warmup: bool = True
     progress: bool = True
     compare: list[str] = field(default_factory=list)  # "hf"
-    torch_threads: int | None = None
 
 
 def tokenize_prompts(prompts: list[Prompt], tokenizer, chat: bool) -> list[list[int]]:
@@ -65,8 +64,6 @@ def check_settings(s: BenchSettings) -> None:
             raise ValueError("--compare hf compares greedy tokens: use --temperature 0")
         if s.engine_kwargs.get("load_format") == "dummy":
             raise ValueError("--compare hf needs real weights: drop --load-format dummy")
-    if s.torch_threads is not None and s.torch_threads < 1:
-        raise ValueError(f"--torch-threads must be >= 1, got {s.torch_threads}")
     unknown = sorted(set(s.compare) - {"hf"})
     if unknown:
         raise ValueError(f"--compare: unknown engine(s) {unknown}; supported: hf")
@@ -78,10 +75,11 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
     from foretell import LLM, SamplingParams, __version__
 
     check_settings(s)
-    if s.torch_threads is not None:
+    threads = s.engine_kwargs.get("num_cpu_threads")
+    if threads is not None:  # before any run, so transformers' comparison uses the same
         import torch
 
-        torch.set_num_threads(s.torch_threads)
+        torch.set_num_threads(threads)
     max_batch = max(s.batch_sizes)
     engine_kwargs = dict(s.engine_kwargs)
     engine_kwargs["max_num_seqs"] = max(engine_kwargs.get("max_num_seqs") or 1, max_batch)
