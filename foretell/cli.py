@@ -15,7 +15,7 @@ from foretell.cli_args import add_engine_args, engine_kwargs_from_args
 
 def add_generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text for one or more prompts")
-    add_engine_args(p)
+    add_engine_args(p, model_required=False)
     p.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
     p.add_argument("--chat", action="store_true", help="wrap each prompt with the chat template")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -33,7 +33,9 @@ def add_generate_parser(sub) -> None:
 
 def run_generate(args: argparse.Namespace) -> int:
     from foretell import LLM, SamplingParams
+    from foretell.defaults import fill_default_models
 
+    fill_default_models(args)
     params = SamplingParams(
         n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, seed=args.sampling_seed, max_tokens=args.max_tokens, stop=args.stop,

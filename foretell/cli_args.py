@@ -33,7 +33,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
     s.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
     sp = parser.add_argument_group("speculative decoding")
     sp.add_argument("--speculative-config", help="JSON with the keys of SpeculativeConfig")
-    sp.add_argument("--method", choices=["eagle3", "mtp", "draft_model", "ngram"])
+    sp.add_argument("--method", choices=["eagle3", "mtp", "draft_model", "ngram", "none"],
+                    help="none: no speculation (also with the default models)")
     sp.add_argument("--draft-model", help="EAGLE3 head or draft LM folder")
     sp.add_argument("--num-speculative-tokens", type=int)
     sp.add_argument("--eagle3-aux-layer-ids", help="comma-separated, read as inputs of layers i")
@@ -43,6 +44,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
 
 
 def speculative_config_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
+    if args.method == "none":
+        return None
     config: dict[str, Any] = {}
     if args.speculative_config:
         try:

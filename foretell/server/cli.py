@@ -19,7 +19,7 @@ API_KEY_ENV = "FORETELL_API_KEY"
 
 def add_serve_parser(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
-    add_engine_args(p)
+    add_engine_args(p, model_required=False)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: all interfaces)")
     g.add_argument("--port", type=int, default=8000)
@@ -57,6 +57,9 @@ def run_serve(args: argparse.Namespace) -> int:
     from foretell.server.async_engine import AsyncEngine
     from foretell.server.launcher import serve_forever
 
+    from foretell.defaults import fill_default_models
+
+    fill_default_models(args)
     check_server_args(args)
     kwargs = engine_kwargs_from_args(args)
     config = build_engine_config(args.model, log_stats_interval_s=args.log_stats_interval_s, **kwargs)

@@ -1,0 +1,54 @@
+"""`foretell generate` without --model runs the default family: the target with its EAGLE3 head,
+or the member a flag picks."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+
+import pytest
+
+from foretell import cli, defaults
+
+
+@pytest.fixture
+def family(tmp_path, monkeypatch, qwen3_checkpoint, eagle3_head, qwen3_tied_checkpoint):
+    root = tmp_path / "default_models"
+    for member, source in (("target", qwen3_checkpoint), ("eagle3", eagle3_head),
+                           ("draft_model", qwen3_tied_checkpoint)):
+        shutil.copytree(source, root / defaults.MEMBERS[member])
+    monkeypatch.setattr(defaults, "DEFAULT_MODELS_DIR", str(root))
+    return root
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    return cli.build_parser().parse_args(["generate", "--prompt", "x", *argv])
+
+
+def test_defaults_pick_the_target_and_its_head(family):
+    args = parse()
+    defaults.fill_default_models(args)
+    assert args.model == str(family / "qwen3-target")
+    assert args.method == "eagle3" and args.draft_model == str(family / "qwen3-eagle3")
+    args = parse("--method", "draft_model")
+    defaults.fill_default_models(args)
+    assert args.draft_model == str(family / "qwen3-draft")
+    args = parse("--method", "none")
+    defaults.fill_default_models(args)
+    from foretell.cli_args import speculative_config_from_args
+
+    assert speculative_config_from_args(args) is None
+
+
+def test_generate_without_model_runs_end_to_end(family, capsys):
+    assert cli.main(["generate", "--prompt", "The cat", "--max-tokens", "6",
+                     "--num-kv-blocks", "32", "--stats"]) == 0
+    out = capsys.readouterr().out
+    assert "--- prompt: 'The cat'" in out and '"num_drafts"' in out
+
+
+def test_missing_default_models_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(defaults, "DEFAULT_MODELS_DIR", str(tmp_path / "nothing"))
+    with pytest.raises(ValueError, match="no --model given"):
+        defaults.fill_default_models(parse())
