@@ -15,10 +15,7 @@ exp) may differ by a rounding of the dtype that went the other way.
 from __future__ import annotations
 
 import contextlib
-import importlib
-import os
 import random
-import sys
 
 import pytest
 import torch
@@ -28,51 +25,10 @@ from foretell.layers.activation import SiluAndMul
 from foretell.layers.norm import RMSNorm
 from foretell.layers.rotary import RotaryEmbedding
 
-HAS_CUDA = torch.cuda.is_available()
+from fixtures.triton_interpreter import HAS_CUDA, import_interpreted, interpreter_mode  # noqa: F401
+
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
-_KERNELS = "foretell.layers.fused_kernels"
-
-
-def _import_kernels():
-    """Import the kernel module so its @triton.jit functions are built for the interpreter."""
-    if HAS_CUDA:
-        pytest.importorskip("triton")
-        return importlib.import_module(_KERNELS)
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        pytest.importorskip("triton")
-        module = sys.modules.get(_KERNELS)
-        if module is None:
-            return importlib.import_module(_KERNELS)
-        if type(module._rms_norm_kernel).__name__ != "InterpretedFunction":
-            # Imported earlier with kernels built for a GPU: rebuild them for the interpreter.
-            module = importlib.reload(module)
-        return module
-    finally:
-        _restore_env(previous)
-
-
-def _restore_env(previous: str | None) -> None:
-    if previous is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = previous
-
-
-fk = _import_kernels()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _interpreter_mode():
-    # The interpreter also consults the variable while kernels run.
-    if HAS_CUDA:
-        yield
-        return
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    yield
-    _restore_env(previous)
+fk = import_interpreted("foretell.layers.fused_kernels")
 
 
 DTYPES = [torch.float16, torch.float32]

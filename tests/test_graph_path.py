@@ -4,16 +4,11 @@ plain engine's, with real and with simulated acceptance. On a GPU the same code 
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
 
 from foretell import LLM, SamplingParams
 
-KERNELS = "foretell.layers.attention.triton_kernels"
 PROMPTS = ["The cat reads the book. The cat", "a b a b a b a b", "Question: what"]
 
 
@@ -21,40 +16,10 @@ if torch.cuda.is_available():
     pytest.skip("on a GPU the graph path is tested captured (tests/gpu)", allow_module_level=True)
 
 
-def _set_interpreter() -> str | None:
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    return previous
+from fixtures.triton_interpreter import import_interpreted, interpreter_mode  # noqa: E402, F401
 
-
-# triton.language must first be imported with the interpreter on (at collection, before
-# transformers may import triton), and the kernels built for it.
-_previous = _set_interpreter()
-try:
-    pytest.importorskip("triton")
-    import triton.language  # noqa: F401
-
-    if KERNELS in sys.modules and type(sys.modules[KERNELS]._paged_attention_kernel).__name__ != "InterpretedFunction":
-        importlib.reload(sys.modules[KERNELS])
-        importlib.reload(importlib.import_module("foretell.layers.attention.triton_backend"))
-    importlib.import_module("foretell.layers.attention.triton_backend")
-finally:
-    if _previous is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _previous
-
-
-@pytest.fixture(scope="module", autouse=True)
-def triton_interpreter():
-    previous = _set_interpreter()  # the interpreter also reads it while kernels run
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
+import_interpreted("foretell.layers.attention.triton_kernels")
+import_interpreted("foretell.layers.attention.triton_backend")
 
 
 def generate(folder, **kwargs):

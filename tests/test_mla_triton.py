@@ -9,10 +9,7 @@ Every case draws fresh random inputs; a failure prints the seed that reproduces 
 
 from __future__ import annotations
 
-import importlib
-import os
 import random
-import sys
 
 import pytest
 import torch
@@ -24,48 +21,9 @@ from foretell.layers.mla import TorchMLABackend
 if torch.cuda.is_available():
     pytest.skip("on a GPU the kernels are tested in tests/gpu/test_mla_moe_gpu.py", allow_module_level=True)
 
-_MODULES = ("foretell.layers.mla_triton", "foretell.layers.moe_triton")
+from fixtures.triton_interpreter import import_interpreted, interpreter_mode  # noqa: E402, F401
 
-
-def _set_interpreter() -> str | None:
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    return previous
-
-
-def _restore(previous: str | None) -> None:
-    if previous is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = previous
-
-
-def import_interpreted(name: str):
-    """Import a kernel module so its @triton.jit functions are built for the interpreter."""
-    previous = _set_interpreter()
-    try:
-        pytest.importorskip("triton")
-        import triton.language  # noqa: F401  (its first import must see the interpreter)
-
-        module = sys.modules.get(name)
-        if module is None:
-            return importlib.import_module(name)
-        jitted = [v for v in vars(module).values() if type(v).__name__ in ("JITFunction", "InterpretedFunction")]
-        if any(type(v).__name__ != "InterpretedFunction" for v in jitted):
-            module = importlib.reload(module)  # imported earlier for a GPU: rebuild for the CPU
-        return module
-    finally:
-        _restore(previous)
-
-
-mla_triton = import_interpreted(_MODULES[0])
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _interpreter_mode():
-    previous = _set_interpreter()  # the interpreter also consults the variable while kernels run
-    yield
-    _restore(previous)
+mla_triton = import_interpreted("foretell.layers.mla_triton")
 
 
 TOLERANCE = {torch.float16: 5e-3, torch.float32: 1e-4}

@@ -16,7 +16,7 @@ from foretell.layers.moe import experts_forward_torch
 if torch.cuda.is_available():
     pytest.skip("on a GPU the kernels are tested in tests/gpu/test_mla_moe_gpu.py", allow_module_level=True)
 
-from test_mla_triton import _interpreter_mode, import_interpreted  # noqa: F401  (autouse fixture)
+from fixtures.triton_interpreter import import_interpreted, interpreter_mode  # noqa: F401  (autouse fixture)
 
 moe_triton = import_interpreted("foretell.layers.moe_triton")
 TOLERANCE = {torch.float16: 2e-2, torch.float32: 1e-4}

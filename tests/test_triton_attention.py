@@ -8,10 +8,7 @@ Every case draws fresh random inputs; a failure prints the seed that reproduces 
 
 from __future__ import annotations
 
-import importlib
-import os
 import random
-import sys
 
 import pytest
 import torch
@@ -19,50 +16,11 @@ import torch
 from foretell.layers.attention.metadata import AttentionMetadata
 from foretell.layers.attention.torch_backend import TorchAttentionBackend, write_kv_torch
 
-HAS_CUDA = torch.cuda.is_available()
+from fixtures.triton_interpreter import HAS_CUDA, import_interpreted, interpreter_mode  # noqa: F401
+
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
-_KERNELS = "foretell.layers.attention.triton_kernels"
-
-
-def _import_kernels():
-    """Import the kernel module so its @triton.jit functions are built for the interpreter."""
-    if HAS_CUDA:
-        return importlib.import_module(_KERNELS)
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        pytest.importorskip("triton")
-        module = sys.modules.get(_KERNELS)
-        if module is None:
-            return importlib.import_module(_KERNELS)
-        if type(module._paged_attention_kernel).__name__ != "InterpretedFunction":
-            module = importlib.reload(module)  # imported earlier for a GPU: rebuild for the CPU
-        return module
-    finally:
-        _restore_env(previous)
-
-
-def _restore_env(previous: str | None) -> None:
-    if previous is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = previous
-
-
-kernels = _import_kernels()
+kernels = import_interpreted("foretell.layers.attention.triton_kernels")
 from foretell.layers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _interpreter_mode():
-    # The interpreter also consults the variable while kernels run.
-    if HAS_CUDA:
-        yield
-        return
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    yield
-    _restore_env(previous)
 
 
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if HAS_CUDA else [])
