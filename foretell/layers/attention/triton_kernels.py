@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from foretell.layers.attention.triton_varlen import find_sequence
+
 _LOG2E = 1.4426950408889634
 
 
@@ -156,15 +158,7 @@ def _paged_attention_kernel(
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
 
-    # Binary search: the last sequence i with qsl[i] // BLOCK_Q + i <= q_block.
-    lo = tl.full([], 0, tl.int32)
-    hi = tl.full([], 0, tl.int32) + num_seqs
-    while lo < hi - 1:
-        mid = (lo + hi) // 2
-        first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
-        lo = tl.where(first_block <= q_block, mid, lo)
-        hi = tl.where(first_block <= q_block, hi, mid)
-    seq = lo
+    seq = find_sequence(query_start_loc_ptr, num_seqs, q_block, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     local_block = q_block - (q_start // BLOCK_Q + seq)
