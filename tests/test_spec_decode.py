@@ -127,3 +127,4 @@ def test_draft_model_with_another_tokenizer_is_refused(qwen3_checkpoint, tmp_pat
     with pytest.raises(ValueError, match="does not share the target's tokenizer"):
         LLM(qwen3_checkpoint, num_kv_blocks=16,
             speculative_config={"method": "draft_model", "model": str(draft)})
+

@@ -22,12 +22,23 @@ def hash_block(parent: bytes | None, tokens: list[int]) -> bytes:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        reuse_margin_blocks: int = 0,
+    ):
         if num_blocks < 1:
             raise ValueError(f"the KV cache has room for no block (num_blocks={num_blocks})")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # Cached blocks at the end of a hit that are recomputed rather than reused. A drafter
+        # whose KV at position t depends on token t + 1 (EAGLE3, MTP) needs 1: the draft KV at a
+        # block's last slot was written for the token that followed it in the *earlier*
+        # sequence, which is known to match only inside the hit.
+        self.reuse_margin_blocks = reuse_margin_blocks
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}  # hash -> block id
@@ -76,6 +87,7 @@ class BlockManager:
             if block is None:
                 break
             hit.append(block)
+        hit = hit[: max(0, len(hit) - self.reuse_margin_blocks)]
         self.prefix_queries += seq.num_tokens
         self.prefix_hits += len(hit) * self.block_size
         for block in hit:

@@ -48,8 +48,12 @@ class Engine:
         )
         self.runner = ModelRunner(config)
         plan = self.runner.cache_plan
+        proposer = self.runner.proposer
         self.block_manager = BlockManager(
-            plan.num_blocks, plan.block_size, config.cache.enable_prefix_caching
+            plan.num_blocks,
+            plan.block_size,
+            config.cache.enable_prefix_caching,
+            reuse_margin_blocks=1 if proposer is not None and proposer.draft_kv_reads_next_token else 0,
         )
         k = config.speculative.num_speculative_tokens if config.speculative else 0
         self.scheduler = Scheduler(

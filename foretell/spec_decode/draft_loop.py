@@ -28,6 +28,10 @@ class DraftLoopProposer(Proposer):
     #: Row position of a fed token relative to the token's own position: EAGLE3 and MTP rows
     #: pair the hidden state at t with token t+1 (offset -1); a draft LM feeds tokens in place (0).
     row_offset: int = -1
+
+    @property
+    def draft_kv_reads_next_token(self) -> bool:
+        return self.row_offset == -1
     device: torch.device
     draft_block_size: int
     target_vocab_size: int

@@ -63,6 +63,9 @@ class Proposer:
     deterministic: bool = False
     #: Whether a greedy verify step's whole draft loop can run as one CUDA graph.
     graph_capable: bool = False
+    #: Whether the draft KV at position t depends on token t + 1 (EAGLE3, MTP): then a
+    #: prefix-cache hit must stop one block short (see BlockManager.reuse_margin_blocks).
+    draft_kv_reads_next_token: bool = False
 
     def __init__(self, num_speculative_tokens: int):
         self.k = num_speculative_tokens
