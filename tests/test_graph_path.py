@@ -28,22 +28,27 @@ def generate(folder, **kwargs):
     return llm, [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
-def test_graph_path_matches_plain_greedy(qwen3_checkpoint, eagle3_head, monkeypatch):
+def test_graph_path_matches_plain_greedy(qwen3_checkpoint, qwen3_tied_checkpoint, eagle3_head, monkeypatch):
     from foretell.runner import model_runner
 
     calls = []
     original = model_runner.graphed_greedy_verify
     monkeypatch.setattr(model_runner, "graphed_greedy_verify", lambda *a: calls.append(1) or original(*a))
     _, plain = generate(qwen3_checkpoint)
-    spec = {"method": "draft_model", "model": qwen3_checkpoint, "num_speculative_tokens": 2}
-    # A self-draft is accepted every time, so every verify step has exactly k drafts; EAGLE3
-    # (random weights) exercises rejections.
-    for config in (spec, {"method": "eagle3", "model": eagle3_head, "num_speculative_tokens": 2}):
+    configs = [
+        # A self-draft is accepted every time; another LM and a random EAGLE3 head are rejected
+        # at various positions: both catch-up layouts (row offset 0 and -1) with partial accepts.
+        {"method": "draft_model", "model": qwen3_checkpoint, "num_speculative_tokens": 2},
+        {"method": "draft_model", "model": qwen3_tied_checkpoint, "num_speculative_tokens": 3},
+        {"method": "eagle3", "model": eagle3_head, "num_speculative_tokens": 2},
+    ]
+    for config in configs:
+        before = len(calls)
         llm, got = generate(qwen3_checkpoint, attention_backend="triton", speculative_config=config)
-        assert got == plain
+        assert got == plain, config
+        assert llm.engine.runner.draft_graphs is not None and len(calls) > before, config
         stats = llm.get_stats()
         assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
-    assert llm.engine.runner.draft_graphs is not None and calls  # the EAGLE3 run used the path
 
 
 def test_graph_path_with_simulated_acceptance(qwen3_checkpoint, eagle3_head):

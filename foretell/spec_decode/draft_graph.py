@@ -1,14 +1,15 @@
-"""The whole draft loop of a greedy verify step as one CUDA graph (EAGLE3).
+"""The whole draft loop of a greedy verify step as one CUDA graph (EAGLE3, MTP, a draft LM).
 
 For a batch where every sequence verified k drafts (the target ran its (bucket, k + 1) graph),
 everything the drafter needs is already on the device: the verify's input tokens and positions
-and block table (the target graph's static buffers), the aux hidden states (its static outputs),
-and, from the greedy verification, each sequence's accepted count a and next token x. The
-captured loop then:
-  1. catches up over all k + 1 rows of each sequence (row r pairs the target's features at
-     p0 + r with the token at p0 + r + 1: accepted drafts, then x; rows past a get x too and only
-     write draft KV that later steps overwrite), taking row a's output;
-  2. drafts token 1 by argmax (through d2t), then k - 1 single-row steps at rows p0 + a + j.
+and block table (the target graph's static buffers), the hidden and aux hidden states (its static
+outputs), and, from the greedy verification, each sequence's accepted count a and next token x.
+The tokens at positions p0, p0 + 1, ... are then [t, d_1 .. d_a, x] (x also fills the positions
+past it: their KV is overwritten by later steps). The captured loop:
+  1. catches up over a fixed number of rows per sequence: EAGLE3/MTP rows (row_offset -1) pair
+     the target's features at p0 + r with the token at p0 + r + 1 (k + 1 rows, row a drafts);
+     a draft LM (row_offset 0) feeds the token at p0 + r itself (k + 2 rows, row a + 1 drafts);
+  2. drafts token 1 by argmax (through d2t for EAGLE3), then k - 1 single-row steps.
 Rows of padding sequences write no KV (slot -1). Only greedy batches use it; sampled requests
 and any other batch shape take the eager loop.
 """
@@ -71,8 +72,11 @@ class DraftGraphRunner:
         self.accepted = torch.zeros(max_bucket, dtype=torch.int64, device=device)
         self.next_token = torch.zeros(max_bucket, dtype=torch.int64, device=device)
         self.num_live = torch.zeros((), dtype=torch.int64, device=device)
+        # Rows fed per sequence: the token shift is 1 for EAGLE3/MTP (row t reads token t + 1).
+        self.shift = -proposer.row_offset
+        self.rows_per_seq = k + 2 - self.shift
         i32 = dict(dtype=torch.int32, device=device)
-        self.verify_starts = torch.arange(max_bucket + 1, **i32) * (k + 1)  # query_start_loc
+        self.catch_up_starts = torch.arange(max_bucket + 1, **i32) * self.rows_per_seq
         self.single_starts = torch.arange(max_bucket + 1, **i32)
         self.graphs: dict[int, CapturedDraft] = {}
 
@@ -87,23 +91,26 @@ class DraftGraphRunner:
         p0 = t.positions[:rows].view(bucket, q)[:, 0]
         a = self.accepted[:bucket]
         x = self.next_token[:bucket]
-        r = torch.arange(q, device=device)
-        shifted = torch.cat([tokens[:, 1:], x[:, None]], dim=1)
-        shifted = torch.where(r[None, :] < a[:, None], shifted, x[:, None])  # [bucket, q]
-        positions = (p0[:, None] + r[None, :]).flatten()
-        seq_of_row = seq_ids.repeat_interleave(q)
+        n = self.rows_per_seq
+        offset = torch.arange(q + 1, device=device)  # position offsets p0 + 0 .. p0 + q
+        at_position = torch.cat([tokens, x[:, None]], dim=1)
+        at_position = torch.where(offset[None, :] <= a[:, None], at_position, x[:, None])
+        fed = at_position[:, self.shift : self.shift + n]  # [bucket, n] token fed at each row
+        positions = (p0[:, None] + offset[None, :n]).flatten()
         table = t.block_table[:bucket]
         meta = device_metadata(
-            self.verify_starts[: bucket + 1], (p0 + q).to(torch.int32), table, positions, seq_of_row, live.repeat_interleave(q),
-            t.block_size, p.draft_block_size, q, t.max_model_len,
+            self.catch_up_starts[: bucket + 1], (p0 + n).to(torch.int32), table, positions,
+            seq_ids.repeat_interleave(n), live.repeat_interleave(n),
+            t.block_size, p.draft_block_size, n, t.max_model_len,
         )
         aux = [a_[:rows] for a_ in t.graphs[(bucket, q)].aux]
         hidden = t.graphs[(bucket, q)].hidden[:rows]
-        last = seq_ids * q + a
-        logits, state = p.padded_catch_up(shifted.flatten(), positions, meta, hidden, aux, last)
+        last = seq_ids * n + a + 1 - self.shift  # the row that sees x: it drafts token 1
+        logits, state = p.padded_catch_up(fed.flatten(), positions, meta, hidden, aux, last)
         drafts = [p.to_target_ids(logits.argmax(dim=-1))]
         for j in range(1, k):
-            row_pos = p0 + a + j  # the row of draft j (EAGLE: one before the token's position)
+            # Draft j sits at position p0 + a + 1 + j; its row is row_offset from there.
+            row_pos = p0 + a + 1 + j - self.shift
             meta = device_metadata(
                 self.single_starts[: bucket + 1], (row_pos + 1).to(torch.int32), table, row_pos,
                 seq_ids, live,

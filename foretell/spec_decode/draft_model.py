@@ -84,6 +84,12 @@ class DraftModelProposer(DraftLoopProposer):
         ends = to_device(metadata.query_start_loc_cpu[1:], torch.int64, self.device) - 1
         return self.model.compute_logits(hidden[ends[last_rows]]), None
 
+    graph_capable = True
+
+    def padded_catch_up(self, input_ids, positions, metadata, hidden, aux, last_rows):
+        out, _ = self.model(input_ids, positions, metadata)
+        return self.model.compute_logits(out[last_rows]), None
+
     def chain_step(self, tokens, positions, metadata, state):
         hidden, _ = self.model(tokens, positions, metadata)
         return self.model.compute_logits(hidden), None
