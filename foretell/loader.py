@@ -25,7 +25,7 @@ import os
 import re
 import zipfile
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -118,13 +118,13 @@ def find_weight_files(
     )
 
 
-def _iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors(path: str, skip: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor | None]]:
     from safetensors import safe_open
 
     try:
         with safe_open(path, framework="pt", device="cpu") as f:
             for key in f.keys():
-                yield key, f.get_tensor(key)
+                yield key, None if skip(key) else f.get_tensor(key)
     except CheckpointError:
         raise
     except Exception as e:  # SafetensorError, OSError: header or data unreadable / truncated
@@ -134,7 +134,7 @@ def _iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         ) from e
 
 
-def _iter_pt(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_pt(path: str, skip: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor | None]]:
     try:
         # mmap avoids a second copy of the file in memory; only the zip format supports it.
         state = torch.load(
@@ -150,6 +150,9 @@ def _iter_pt(path: str) -> Iterator[tuple[str, torch.Tensor]]:
             f"{path} holds a {type(state).__name__}, expected a dict of tensor name -> tensor"
         )
     for key, tensor in state.items():
+        if skip(key):
+            yield key, None
+            continue
         if not isinstance(tensor, torch.Tensor):
             raise CheckpointError(
                 f"{path}: entry {key!r} is a {type(tensor).__name__}, not a tensor"
@@ -158,21 +161,28 @@ def _iter_pt(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def iter_checkpoint_tensors(
-    folder: str, load_format: str = "auto", dequantize_fp8: bool = True
+    folder: str,
+    load_format: str = "auto",
+    dequantize_fp8: bool = True,
+    skip: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor, str]]:
     """Yield (checkpoint key, CPU tensor, file path) for every tensor of a checkpoint.
 
     With an index, each shard must hold the keys the index assigns to it. With dequantize_fp8,
     an FP8 `X.weight` and its `X.weight_scale_inv` are yielded once, as a float32 `X.weight`
-    (the file is the one that held the second of the two).
+    (the file is the one that held the second of the two). Keys for which skip(key) is true are
+    neither read nor yielded (a target ignoring MTP layers, a drafter taking one layer).
     """
     fmt, files = find_weight_files(folder, load_format)
     read = _iter_safetensors if fmt == "safetensors" else _iter_pt
     fp8 = _Fp8Pairing(folder) if dequantize_fp8 else None
+    skip = skip or (lambda key: False)
     for path, expected_keys in files:
         seen = set()
-        for key, tensor in read(path):
+        for key, tensor in read(path, skip):
             seen.add(key)
+            if tensor is None:
+                continue
             if fp8 is None:
                 yield key, tensor, path
             else:
@@ -337,11 +347,13 @@ def load_weights(
     loaded: dict[tuple[str, Any], tuple[str, str]] = {}  # (param, shard) -> (key, file)
     unexpected: list[str] = []
     files: list[str] = []
-    for key, tensor, path in iter_checkpoint_tensors(folder, load_format):
+    def is_ignored(key: str) -> bool:
+        base = key[: -len(FP8_SCALE_SUFFIX)] if key.endswith(FP8_SCALE_SUFFIX) else key
+        return any(p.search(base) for p in ignored)
+
+    for key, tensor, path in iter_checkpoint_tensors(folder, load_format, skip=is_ignored):
         if not files or files[-1] != path:
             files.append(path)
-        if any(p.search(key) for p in ignored):
-            continue
         name, shard = _map_name(key, rules)
         param = params.get(name)
         if param is None:

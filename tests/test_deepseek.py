@@ -301,3 +301,34 @@ def test_interleaved_rope_is_hf_deinterleaved():
     assert torch.equal(torch.cat([ours_q[..., 0::2], ours_q[..., 1::2]], -1), hf_q)
     assert torch.equal(torch.cat([ours_k[..., 0::2], ours_k[..., 1::2]], -1), hf_k)
     assert torch.equal(apply_rope_gptj(q, cos, sin), ours_q)
+
+
+def test_ignored_tensors_are_never_read(deepseek_checkpoint, monkeypatch):
+    """The target skips the MTP layer's tensors without reading them (on a real checkpoint
+    that is a whole decoder layer of experts, and FP8 dequantization besides)."""
+    import safetensors
+
+    read: list[str] = []
+    real_open = safetensors.safe_open
+
+    class CountingOpen:
+        def __init__(self, *args, **kwargs):
+            self._file = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self._inner = self._file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self._file.__exit__(*exc)
+
+        def keys(self):
+            return self._inner.keys()
+
+        def get_tensor(self, key):
+            read.append(key)
+            return self._inner.get_tensor(key)
+
+    monkeypatch.setattr(safetensors, "safe_open", CountingOpen)
+    build(deepseek_checkpoint("v3"))
+    assert read and not any(key.startswith("model.layers.4.") for key in read)
