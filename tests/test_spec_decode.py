@@ -128,3 +128,16 @@ def test_draft_model_with_another_tokenizer_is_refused(qwen3_checkpoint, tmp_pat
         LLM(qwen3_checkpoint, num_kv_blocks=16,
             speculative_config={"method": "draft_model", "model": str(draft)})
 
+
+
+def test_no_drafts_past_max_tokens(qwen3_checkpoint):
+    """A verify emits up to k + 1 tokens; near max_tokens the drafts are trimmed so that nothing
+    is drafted, verified and then thrown away."""
+    spec = {"method": "draft_model", "model": qwen3_checkpoint, "num_speculative_tokens": 5}
+    llm = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=64, speculative_config=spec)
+    out = llm.generate(["The cat"], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    s = llm.get_stats()
+    assert len(out.token_ids) == 9 and s["acceptance_rate"] == 1.0
+    # 1 token from the prefill, then every verify emits its accepted drafts plus one.
+    assert 1 + s["num_accepted_tokens"] + s["num_drafts"] == 9

@@ -112,6 +112,9 @@ class Scheduler:
                 return 0, []
             return min(remaining, budget), []
         room = min(budget - 1, self.max_model_len - seq.num_tokens)
+        max_tokens = seq.sampling_params.max_tokens
+        if max_tokens is not None:  # a verify emits up to drafts + 1 tokens: none past the end
+            room = min(room, max_tokens - seq.num_output_tokens - 1)
         drafts = seq.spec_token_ids[: max(0, room)]
         return 1 + len(drafts), drafts
 
