@@ -18,6 +18,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per generated token
+    prompt_logprobs: int | None = None  # top-n logprobs per prompt token (the first has none)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     stop_strings: list[str] = field(init=False, repr=False)
@@ -48,6 +49,10 @@ class SamplingParams:
             raise bad("max_tokens", "an integer >= 1 (or None for up to the model's max length)")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "an integer between 0 and 20")
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= 20
+        ):
+            raise bad("prompt_logprobs", "an integer between 0 and 20")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "an integer")
         if any(not isinstance(s, str) or not s for s in self.stop_strings):

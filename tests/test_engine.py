@@ -185,3 +185,30 @@ def test_empty_prompt_is_refused(qwen3_checkpoint):
     with pytest.raises(ValueError, match="prompt is empty"):
         llm.generate({"prompt_token_ids": []}, greedy(4))
     assert all_blocks_free(llm) and not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(num_kv_blocks=128), dict(num_kv_blocks=12, block_size=4, max_num_batched_tokens=5)],
+    ids=["plain", "chunked_and_preempted"],
+)
+def test_prompt_logprobs_match_hf(qwen3_checkpoint, options):
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(qwen3_checkpoint, dtype="float32", **options)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, prompt_logprobs=3)
+    llm.generate(PROMPTS[:2], params, use_tqdm=False)  # fill the prefix cache: must not be used
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    hf = AutoModelForCausalLM.from_pretrained(qwen3_checkpoint, dtype=torch.float32)
+    for out in outs:
+        ids = out.prompt_token_ids
+        assert len(out.prompt_logprobs) == len(ids) and out.prompt_logprobs[0] is None
+        if len(ids) < 2:
+            continue
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
+        for position, lp in enumerate(out.prompt_logprobs[1:]):
+            assert lp.token_id == ids[position + 1]
+            assert lp.logprob == pytest.approx(ref[position, ids[position + 1]].item(), abs=1e-4)
+            top = ref[position].topk(3)
+            assert list(lp.top) == top.indices.tolist()
+    assert all_blocks_free(llm)

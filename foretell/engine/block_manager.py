@@ -76,7 +76,9 @@ class BlockManager:
         At least one token is left to compute, so the step that follows produces logits.
         """
         seq.num_cached_prompt_tokens = 0
-        if not self.enable_prefix_caching or seq.block_ids:
+        # A request for prompt logprobs needs the logits of every prompt position: no reuse.
+        wants_prompt_logprobs = seq.sampling_params.prompt_logprobs is not None
+        if not self.enable_prefix_caching or seq.block_ids or wants_prompt_logprobs:
             return
         max_blocks = (seq.num_tokens - 1) // self.block_size
         parent = None

@@ -164,6 +164,7 @@ class Engine:
             request = self.requests[seq.request_id]
             if self.metrics.spec is not None:
                 self.metrics.spec.record(result.num_drafts, result.num_accepted)
+            seq.prompt_logprobs.extend(result.prompt_logprobs)
             appended = self.scheduler.postprocess(item, result.new_token_ids, result.num_accepted)
             if not appended:
                 continue
@@ -214,6 +215,9 @@ class Engine:
                     cumulative_logprob=seq.cumulative_logprob if want_logprobs else None,
                 )
             )
+        prompt_logprobs = None
+        if request.params.prompt_logprobs is not None:
+            prompt_logprobs = [None] + list(request.seqs[0].prompt_logprobs)
         return RequestOutput(
             request.request_id,
             request.prompt,
@@ -221,6 +225,7 @@ class Engine:
             completions,
             finished=request.finished,
             metrics=request.metrics,
+            prompt_logprobs=prompt_logprobs,
         )
 
     # ---- stats ---------------------------------------------------------------------

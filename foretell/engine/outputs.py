@@ -37,4 +37,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    # Per prompt token (None for the first) when SamplingParams.prompt_logprobs is set.
+    prompt_logprobs: list[Logprob | None] | None = None
     metrics: RequestMetrics | None = None

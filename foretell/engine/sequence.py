@@ -46,6 +46,8 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[Logprob] = field(default_factory=list)
+    # prompt_logprobs[j]: log-prob of prompt token j + 1 given the tokens before it.
+    prompt_logprobs: list[Logprob] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     num_preemptions: int = 0
     first_token_time: float | None = None

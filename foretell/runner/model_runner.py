@@ -42,6 +42,7 @@ class SequenceResult:
     num_drafts: int = 0
     logprobs: list[Logprob] = field(default_factory=list)
     next_drafts: list[int] = field(default_factory=list)
+    prompt_logprobs: list[Logprob] = field(default_factory=list)  # prompt positions this step
 
 
 @dataclass
@@ -218,6 +219,7 @@ class ModelRunner:
             return results
         hidden, aux, logits = self._target_forward(batch)  # logits [rows, vocab] float32
         results = [SequenceResult() for _ in sched.scheduled]
+        self._prompt_logprobs(sched, batch, hidden, results)
         self._sample(sched, batch, logits, results)
         if self._device_sync_needed():
             torch.cuda.synchronize(self.device)
@@ -290,6 +292,36 @@ class ModelRunner:
             results[i].num_drafts = len(sched.scheduled[i].draft_token_ids)
         if sampling.max_num_logprobs >= 0:
             self._attach_logprobs(logits, chosen_rows, chosen_tokens, sampling, batch, sched, results)
+
+    def _prompt_logprobs(self, sched, batch: InputBatch, hidden, results) -> None:
+        """Log-probs of the prompt tokens this step's prefill rows predict (for requests that ask;
+        positions already recorded before a preemption are not recorded twice)."""
+        rows, targets, owners = [], [], []
+        for i, item in enumerate(sched.scheduled):
+            seq = item.seq
+            if seq.sampling_params.prompt_logprobs is None:
+                continue
+            start = seq.num_computed_tokens
+            for r in range(item.num_new_tokens - len(item.draft_token_ids)):
+                position = start + r  # its row predicts prompt token position + 1
+                if position + 1 >= seq.num_prompt_tokens:
+                    break
+                if position >= len(seq.prompt_logprobs):
+                    rows.append(batch.query_start[i] + r)
+                    targets.append(seq.prompt_token_ids[position + 1])
+                    owners.append(i)
+        if not rows:
+            return
+        logits = self.model.compute_logits(hidden[to_device(rows, torch.int64, self.device)])
+        num_top = max(sched.scheduled[i].seq.sampling_params.prompt_logprobs for i in set(owners))
+        chosen, top_vals, top_ids = compute_logprobs(
+            logits, to_device(targets, torch.int64, self.device), num_top
+        )
+        chosen, top_vals, top_ids = chosen.tolist(), top_vals.tolist(), top_ids.tolist()
+        for j, (i, token) in enumerate(zip(owners, targets)):
+            want = sched.scheduled[i].seq.sampling_params.prompt_logprobs
+            top = dict(zip(top_ids[j][:want], top_vals[j][:want]))
+            results[i].prompt_logprobs.append(Logprob(token, chosen[j], top))
 
     def _pop_draft_probs(self, item) -> torch.Tensor | None:
         probs = self.draft_probs.pop(item.seq.seq_id, None)
