@@ -12,7 +12,7 @@ import asyncio
 import re
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from starlette.requests import Request
@@ -120,14 +120,17 @@ def completion_prompts(req: CompletionRequest, ctx: ServingContext, request_id: 
     raw = req.prompt
     if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
         raw = [raw]
-    if req.echo and req.logprobs is not None:
-        raise APIError(400, "echo with logprobs needs the prompt's logprobs, which this server "
-                       "does not compute; drop echo or logprobs", param="echo")
+    scores_prompt = req.echo and req.logprobs is not None
+    if scores_prompt and req.stream:
+        raise APIError(400, "echo with logprobs (prompt scoring) is supported without streaming; "
+                       "set stream to false", param="echo")
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(400, "best_of is not supported (only best_of == n)", param="best_of")
     if req.suffix:
         raise APIError(400, "suffix is not supported by this server", param="suffix")
     params = sampling_params(req, req.max_tokens, req.logprobs)
+    if scores_prompt:
+        params = replace(params, prompt_logprobs=req.logprobs)
     specs, texts = [], []
     for i, item in enumerate(raw):
         if isinstance(item, str):
@@ -158,6 +161,32 @@ def completion_logprobs(ctx: ServingContext, logprobs: list[Logprob], offset: in
         offset += len(token)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": text_offset}
+
+
+def echo_logprobs(ctx: ServingContext, out, completion: dict | None) -> dict:
+    """OpenAI's echo + logprobs layout: the prompt's tokens (the first without a log-prob), then
+    the completion's, with text offsets running through both."""
+    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+    offset = 0
+    for token_id, lp in zip(out.prompt_token_ids, out.prompt_logprobs):
+        token = ctx.token_string(token_id)
+        tokens.append(token)
+        text_offset.append(offset)
+        offset += len(token)
+        if lp is None:
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            continue
+        token_logprobs.append(finite(lp.logprob))
+        top = {ctx.token_string(t): finite(v) for t, v in lp.top.items()}
+        top.setdefault(token, finite(lp.logprob))
+        top_logprobs.append(top)
+    merged = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+              "text_offset": text_offset}
+    if completion is not None:
+        for key in merged:
+            merged[key] = merged[key] + completion[key]
+    return merged
 
 
 async def create_completion(req: CompletionRequest, ctx: ServingContext, raw: Request):
@@ -196,7 +225,10 @@ async def create_completion(req: CompletionRequest, ctx: ServingContext, raw: Re
         i = index_of[out.request_id]
         for c in out.outputs:
             logprobs = c.logprobs if req.logprobs is not None else None
-            choices.append(choice(i, c, echo[i] + c.text, logprobs, len(echo[i])))
+            ch = choice(i, c, echo[i] + c.text, logprobs, len(echo[i]))
+            if req.echo and req.logprobs is not None:
+                ch["logprobs"] = echo_logprobs(ctx, out, ch["logprobs"])
+            choices.append(ch)
     return JSONResponse({**base, "choices": choices, "usage": usage(finals)})
 
 

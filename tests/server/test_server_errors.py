@@ -47,7 +47,7 @@ BAD_REQUESTS = [
     ("seed-too-large", C, {"prompt": "x", "seed": 2**70}, 400, "seed", "seed"),
     ("stop-empty-string", C, {"prompt": "x", "stop": [""]}, 400, "stop", "stop"),
     ("stop-wrong-type", C, {"prompt": "x", "stop": 3}, 400, "expected a string or a list of strings", "stop"),
-    ("echo-with-logprobs", C, {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo", "echo"),
+    ("echo-with-logprobs-streamed", C, {"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, 400, "echo", "echo"),
     ("presence-penalty", C, {"prompt": "x", "presence_penalty": 0.5}, 400, "not supported", "presence_penalty"),
     ("best-of", C, {"prompt": "x", "best_of": 3}, 400, "best_of", "best_of"),
     ("stream-bad-params", C, {"prompt": "x", "stream": True, "top_p": 2}, 400, "top_p", "top_p"),

@@ -52,14 +52,24 @@ def test_lm_eval_request_shape(server, offline_answers):
     assert texts == expected
 
 
-def test_lm_eval_loglikelihood_shape_is_refused_clearly(server, offline_answers):
-    """Loglikelihood tasks need prompt logprobs (echo + logprobs), which the engine lacks."""
+def test_lm_eval_loglikelihood_shape_scores_the_prompt(server, qwen3_checkpoint, offline_answers):
+    """Loglikelihood tasks send echo + logprobs and read the prompt tokens' log-probs back."""
     ids, _ = offline_answers
-    payload = {"model": MODEL_NAME, "prompt": ids[:1], "temperature": 0, "max_tokens": 1,
+    prompt = ids[0]
+    payload = {"model": MODEL_NAME, "prompt": [prompt], "temperature": 0, "max_tokens": 1,
                "logprobs": 1, "seed": 1234, "echo": True}
     response = requests.post(server.url + "/v1/completions", json=payload, timeout=30)
-    assert response.status_code == 400
-    assert "prompt's logprobs" in response.json()["error"]["message"]
+    assert response.status_code == 200, response.text
+    logprobs = response.json()["choices"][0]["logprobs"]
+    assert len(logprobs["tokens"]) == len(prompt) + 1  # the prompt, then the one new token
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    offline = LLM(qwen3_checkpoint, num_kv_blocks=160, max_model_len=512).generate(
+        {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1),
+        use_tqdm=False)[0].prompt_logprobs
+    for served, expected in zip(logprobs["token_logprobs"][1 : len(prompt)], offline[1:]):
+        assert served == pytest.approx(expected.logprob, abs=1e-4)
+    streamed = requests.post(server.url + "/v1/completions", json={**payload, "stream": True}, timeout=30)
+    assert streamed.status_code == 400 and "without streaming" in streamed.json()["error"]["message"]
 
 
 def test_lm_eval_local_completions_gsm8k(server, qwen3_checkpoint, offline_answers, tmp_path, monkeypatch):
