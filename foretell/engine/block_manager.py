@@ -101,9 +101,6 @@ class BlockManager:
         seq.num_cached_prompt_tokens = seq.num_computed_tokens
         self._num_hashed[seq.seq_id] = len(hit)
 
-    def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.blocks_needed(seq, num_tokens) <= self.num_free_blocks
-
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow the sequence's blocks to hold num_tokens tokens; False (and no change) if full."""
         needed = self.blocks_needed(seq, num_tokens)

@@ -31,10 +31,6 @@ class ScheduledSequence:
     samples: bool  # whether the step reaches the sequence's end and samples a token
 
     @property
-    def num_computed_before(self) -> int:
-        return self.seq.num_computed_tokens
-
-    @property
     def input_token_ids(self) -> list[int]:
         start = self.seq.num_computed_tokens
         real = self.num_new_tokens - len(self.draft_token_ids)
@@ -99,10 +95,6 @@ class Scheduler:
                 pass
         self.block_manager.free(seq)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     # ---- scheduling ---------------------------------------------------------------------
     def _plan(self, seq: Sequence, budget: int) -> tuple[int, list[int]]:
         """How many rows the sequence runs within the budget, and which of them are drafts."""
@@ -133,7 +125,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        scheduled_ids: set[int] = set()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -151,7 +142,6 @@ class Scheduler:
             if seq.status is SequenceStatus.WAITING:  # preempted itself: nothing else fits
                 break
             out.scheduled.append(ScheduledSequence(seq, num_new, drafts, samples))
-            scheduled_ids.add(seq.seq_id)
             budget -= num_new
             i += 1
 
