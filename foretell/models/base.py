@@ -90,6 +90,32 @@ class HFConfig:
         return self._source
 
 
+def run_decoder_stack(
+    embed_tokens: "torch.nn.Module",
+    layers: "torch.nn.ModuleList",
+    norm: "torch.nn.Module",
+    input_ids: torch.Tensor,  # [num_tokens]
+    positions: torch.Tensor,  # [num_tokens]
+    metadata,
+    aux_layers: tuple[int, ...] = (),
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Embeddings -> pre-norm layers (residual add fused into the next norm) -> final norm.
+
+    Returns the hidden states after the final norm [num_tokens, hidden] and the residual stream
+    entering each layer in aux_layers (HF's hidden_states[i]). Every layer takes and returns
+    (hidden, residual) whose sum is the stream; the first gets residual None.
+    """
+    hidden = embed_tokens(input_ids)  # [num_tokens, hidden_size]
+    residual = None
+    captured: dict[int, torch.Tensor] = {}
+    for i, layer in enumerate(layers):
+        if i in aux_layers:
+            captured[i] = hidden if residual is None else residual + hidden
+        hidden, residual = layer(positions, hidden, residual, metadata)
+    hidden, _ = norm(hidden, residual)
+    return hidden, [captured[i] for i in aux_layers]
+
+
 @dataclass(frozen=True)
 class WeightRule:
     """Maps checkpoint tensor names onto a (fused) parameter.

@@ -30,7 +30,13 @@ from foretell.layers.mla import MLAAttention, MLADims
 from foretell.layers.moe import GatedMLP, MoE, RouterConfig, expert_weight_rules
 from foretell.layers.norm import RMSNorm
 from foretell.layers.rotary import RotaryEmbedding, rope_parameters_from_config, yarn_softmax_scale_factor
-from foretell.models.base import HFConfig, ModelOptions, WeightRule, WeightRules
+from foretell.models.base import (
+    HFConfig,
+    ModelOptions,
+    WeightRule,
+    WeightRules,
+    run_decoder_stack,
+)
 
 
 def router_config(config: HFConfig, default_scoring: str, default_topk_method: str) -> RouterConfig:
@@ -131,15 +137,9 @@ class DeepseekModel(nn.Module):
         metadata: AttentionMetadata,
         aux_layers: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
-        residual = None
-        captured: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
-            if i in aux_layers:
-                captured[i] = hidden if residual is None else residual + hidden
-            hidden, residual = layer(positions, hidden, residual, metadata)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden, [captured[i] for i in aux_layers]
+        return run_decoder_stack(
+            self.embed_tokens, self.layers, self.norm, input_ids, positions, metadata, aux_layers
+        )
 
 
 def mtp_layer_indices(config: HFConfig) -> list[int]:

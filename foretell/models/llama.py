@@ -30,7 +30,13 @@ from foretell.layers.embedding import LMHead, VocabEmbedding
 from foretell.layers.linear import Linear, MergedLinear, QKVLinear
 from foretell.layers.norm import RMSNorm
 from foretell.layers.rotary import RotaryEmbedding, rope_parameters_from_config
-from foretell.models.base import HFConfig, ModelOptions, WeightRule, WeightRules
+from foretell.models.base import (
+    HFConfig,
+    ModelOptions,
+    WeightRule,
+    WeightRules,
+    run_decoder_stack,
+)
 
 
 @dataclass(frozen=True)
@@ -204,15 +210,9 @@ class DecoderModel(nn.Module):
         metadata: AttentionMetadata,
         aux_layers: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
-        residual = None
-        captured: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
-            if i in aux_layers:
-                captured[i] = hidden if residual is None else residual + hidden
-            hidden, residual = layer(positions, hidden, residual, metadata)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden, [captured[i] for i in aux_layers]
+        return run_decoder_stack(
+            self.embed_tokens, self.layers, self.norm, input_ids, positions, metadata, aux_layers
+        )
 
 
 class LlamaForCausalLM(nn.Module):
