@@ -1,20 +1,26 @@
 """Train foretell's default model family (issue 8, part 2) from public data, on one GPU.
 
   python scripts/train_default_models.py            # full recipe: one H200, about 8 minutes
-  python scripts/train_default_models.py --smoke    # tiny sizes on the CPU, under a minute
+  python scripts/train_default_models.py --smoke    # tiny sizes on the CPU, a couple of minutes
 
 Corpus: the Python standard library's source on this machine + GSM8K train (corpus.py). Steps:
-  1. a byte-level BPE tokenizer with a ChatML chat template (bpe.py)
-  2. qwen3-target: a Qwen3-layout LM pretrained from scratch (pretrain.py, transformers' class)
-  3. qwen3-draft:  a smaller Qwen3-layout LM, same tokenizer and corpus
-  4. qwen3-eagle3: an EAGLE3 head for the target, trained with foretell train-eagle3 on the
-     target's own greedy answers to GSM8K train questions and Python prompts (--regenerate)
-  5. measurement on GSM8K test prompts (greedy, k=3): online acceptance for the head and the draft
-     model, and the trainer's teacher-forced acceptance on the same prompts (the fidelity check)
-Each member is written as a plain HF folder with a README card under --out (default
-foretell/default_models); intermediate files go to --work. Time budgets bound every training
-phase, so the run fits its slot whatever the GPU's speed; the learning-rate schedules follow them.
-The DeepSeek-V3-layout member (MLA + MoE with an MTP layer) is not part of this recipe yet.
+  1. a byte-level BPE tokenizer with a ChatML chat template (bpe.py), shared by every member
+  2. the Qwen3 family:
+     qwen3-target: a Qwen3-layout LM pretrained from scratch (pretrain.py, transformers' class)
+     qwen3-draft:  a smaller Qwen3-layout LM, same tokenizer and corpus
+     qwen3-eagle3: an EAGLE3 head for the target, trained with foretell train-eagle3 on the
+                   target's own greedy answers to GSM8K train questions and Python prompts
+  3. the DeepSeek family:
+     deepseek-target: a DeepSeek-V3-layout LM (MLA + MoE) trained jointly with one MTP layer
+                      (deepseek_pretrain.py: DeepSeek-V3's MTP loss, aux-loss-free balancing)
+     deepseek-eagle3: an EAGLE3 head for it, trained like qwen3-eagle3
+  4. measurement on GSM8K test prompts (greedy, k=3; recipe_measure.py): online acceptance of
+     every drafter (EAGLE3, draft model, MTP, n-gram) and the trainer's teacher-forced
+     acceptance of each head on the same prompts (the fidelity check)
+Each member is a plain HF folder with a README card under --out (default foretell/default_models);
+intermediate files go to --work. On a GPU the two families train at the same time in two
+processes (small models leave most of the GPU idle). Time budgets bound every training phase,
+so the run fits its slot whatever the GPU's speed; the learning-rate schedules follow them.
 """
 
 from __future__ import annotations
@@ -35,33 +41,50 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from foretell.training import bpe, corpus  # noqa: E402
+from foretell.training import bpe, corpus, recipe_cards as cards  # noqa: E402
+from foretell.training.deepseek_pretrain import deepseek_v3_config, pretrain_deepseek_mtp, save_deepseek_mtp  # noqa: E402
 from foretell.training.pretrain import PretrainOptions, pretrain_causal_lm, qwen3_config, save_lm  # noqa: E402
+from foretell.training.recipe_measure import free_memory, gsm8k_test_prompts, measure_methods, teacher_forced  # noqa: E402
 from foretell.training.trainer import TrainConfig, train_eagle3  # noqa: E402
 
 log = logging.getLogger("recipe")
-NAMES = {"target": "qwen3-target", "draft": "qwen3-draft", "eagle3": "qwen3-eagle3"}
+NAMES = {"target": "qwen3-target", "draft": "qwen3-draft", "eagle3": "qwen3-eagle3",
+         "ds_target": "deepseek-target", "ds_eagle3": "deepseek-eagle3"}
+FAMILIES = {"qwen3": ("target", "draft", "eagle3"), "deepseek": ("ds_target", "ds_eagle3")}
 
-# Sizes and budgets. "gpu" fits about 8 minutes on one H200; "smoke" under a minute on a CPU.
+# Sizes and budgets. "gpu" fits about 8 minutes on one H200 and 40 MB of bf16 weights in all;
+# "smoke" runs in a couple of minutes on a CPU.
 PRESETS = {
     "gpu": dict(
-        vocab_size=8192, max_corpus_mb=30.0, tokenizer_corpus_mb=12.0, seq_len=512, stdlib_tests=True,
+        vocab_size=4096, max_corpus_mb=30.0, tokenizer_corpus_mb=12.0, seq_len=512, stdlib_tests=True,
         target=dict(hidden=256, layers=8, heads=4, kv_heads=2, head_dim=64, intermediate=768),
         draft=dict(hidden=128, layers=4, heads=2, kv_heads=1, head_dim=64, intermediate=384),
-        target_steps=20000, target_batch=64, target_lr=3e-3, target_minutes=3.0,
-        draft_steps=20000, draft_batch=64, draft_lr=4e-3, draft_minutes=0.75,
-        head_gsm8k_prompts=7473, head_code_prompts=1000, head_regen_tokens=160, head_max_len=512,
-        head_epochs=8, head_batch=32, head_lr=1e-3, head_minutes=2.0, draft_vocab_size=4096,
+        ds_target=dict(hidden=192, layers=4, dense_layers=1, heads=4, q_lora_rank=96, kv_lora_rank=64,
+                       qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, intermediate=512,
+                       moe_intermediate=96, experts=8, shared_experts=1, experts_per_token=2, groups=2,
+                       topk_groups=1),
+        target_steps=20000, target_batch=64, target_lr=3e-3, target_minutes=2.5,
+        draft_steps=20000, draft_batch=64, draft_lr=4e-3, draft_minutes=0.6,
+        ds_target_steps=20000, ds_target_batch=64, ds_target_lr=3e-3, ds_target_minutes=3.0, mtp_weight=0.3,
+        head_gsm8k_prompts=5000, head_code_prompts=800, head_regen_tokens=128, head_max_len=512,
+        head_epochs=8, head_batch=32, head_lr=1e-3, head_minutes=2.0, ds_head_minutes=1.8, draft_vocab_size=2048,
+        ds_head_aux_layers=[1, 2, 3],
         measure_prompts=200, measure_tokens=128, device="cuda",
     ),
     "smoke": dict(
         vocab_size=512, max_corpus_mb=0.3, tokenizer_corpus_mb=0.3, seq_len=64, stdlib_tests=False,
         target=dict(hidden=64, layers=4, heads=4, kv_heads=2, head_dim=16, intermediate=128),
         draft=dict(hidden=32, layers=2, heads=2, kv_heads=1, head_dim=16, intermediate=64),
+        ds_target=dict(hidden=64, layers=4, dense_layers=1, heads=4, q_lora_rank=32, kv_lora_rank=32,
+                       qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, intermediate=128,
+                       moe_intermediate=32, experts=8, shared_experts=1, experts_per_token=2, groups=2,
+                       topk_groups=1),
         target_steps=40, target_batch=8, target_lr=3e-3, target_minutes=0.2,
         draft_steps=20, draft_batch=8, draft_lr=3e-3, draft_minutes=0.1,
+        ds_target_steps=30, ds_target_batch=8, ds_target_lr=3e-3, ds_target_minutes=0.2, mtp_weight=0.3,
         head_gsm8k_prompts=24, head_code_prompts=8, head_regen_tokens=24, head_max_len=128,
-        head_epochs=2, head_batch=8, head_lr=3e-3, head_minutes=0.2, draft_vocab_size=256,
+        head_epochs=2, head_batch=8, head_lr=3e-3, head_minutes=0.2, ds_head_minutes=0.2, draft_vocab_size=256,
+        ds_head_aux_layers=[1, 2, 3],
         measure_prompts=6, measure_tokens=24, device="cpu",
     ),
 }
@@ -69,11 +92,15 @@ PRESETS = {
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--smoke", action="store_true", help="tiny sizes, CPU, under a minute")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, CPU")
     p.add_argument("--out", default=os.path.join(REPO, "foretell", "default_models"))
     p.add_argument("--work", default="/tmp/foretell-recipe", help="intermediate files")
     p.add_argument("--gsm8k", help="GSM8K train JSONL (default: foretell/data, else ../shared/data)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--family", choices=["all", *FAMILIES], default="all",
+                   help="train one family only (reuses the tokenizer and corpus in --work if there)")
+    p.add_argument("--sequential", action="store_true", help="on a GPU too, one family after the other")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # the recipe's second process
     p.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                    help="override a preset value, e.g. --set target_minutes=4 --set head_epochs=3 "
                         "--set 'target={\"hidden\": 320, ...}'")
@@ -88,7 +115,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-# ------------------------------------------------------------------------------------ corpus
+# ------------------------------------------------------------------------------ corpus, tokenizer
 
 
 def build_corpus(p, gsm8k_path: str, seed: int) -> tuple[list[str], dict]:
@@ -121,41 +148,94 @@ def encode_corpus(tokenizer, docs: list[str], eot: int) -> tuple[torch.Tensor, t
     return stream(ids[:-n_eval]), stream(ids[-n_eval:])
 
 
-# ------------------------------------------------------------------------------------ models
+def prepare_data(args) -> dict:
+    """Tokenizer + encoded corpus in --work (made once; a --family run reuses them)."""
+    p, work = args.p, args.work
+    path = os.path.join(work, "data.pt")
+    if os.path.isfile(path) and args.family != "all":
+        return torch.load(path)
+    t0 = time.time()
+    gsm8k_path = corpus.find_gsm8k_train(args.gsm8k)
+    docs, corpus_info = build_corpus(p, gsm8k_path, args.seed)
+    log.info("corpus: %d documents, %.1fM characters", len(docs), sum(map(len, docs)) / 1e6)
+    tokenizer_dir = os.path.join(work, "tokenizer")
+    sample_budget, sample = int(p.tokenizer_corpus_mb * 1e6), []
+    for d in docs:
+        if sum(map(len, sample)) + len(d) > sample_budget and sample:
+            break
+        sample.append(d)
+    special = bpe.train_bpe_tokenizer(sample, p.vocab_size, tokenizer_dir)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    train, held = encode_corpus(tokenizer, docs, special["<|endoftext|>"])
+    corpus_info.update(train_tokens=train.numel(), held_out_tokens=held.numel(), tokenizer_s=time.time() - t0)
+    log.info("tokenizer %d ids; %d train / %d held-out tokens (%.0f s)", len(tokenizer), train.numel(),
+             held.numel(), time.time() - t0)
+    data = {"train": train, "held": held, "special": special, "corpus": corpus_info,
+            "tokenizer_dir": tokenizer_dir, "gsm8k": gsm8k_path}
+    torch.save(data, path)
+    return data
 
 
-def train_lm(role: str, p, vocab: int, special: dict, train, held, folder: str, tokenizer_dir: str, seed: int) -> dict:
-    dims = getattr(p, role)
-    config = qwen3_config(vocab, dims["hidden"], dims["layers"], dims["heads"], dims["kv_heads"],
-                          dims["head_dim"], dims["intermediate"], max(2048, p.seq_len * 4), special)
-    opts = PretrainOptions(steps=getattr(p, f"{role}_steps"), batch_size=getattr(p, f"{role}_batch"),
-                           seq_len=p.seq_len, lr=getattr(p, f"{role}_lr"), device=p.device, seed=seed,
-                           time_budget_s=60 * getattr(p, f"{role}_minutes"),
-                           warmup_steps=min(100, max(1, getattr(p, f"{role}_steps") // 10)))
-    model, stats = pretrain_causal_lm(config, train, opts, held)
+# ------------------------------------------------------------------------------------ members
+
+
+def options(p, role: str, seed: int) -> PretrainOptions:
+    steps = getattr(p, f"{role}_steps")
+    return PretrainOptions(steps=steps, batch_size=getattr(p, f"{role}_batch"), seq_len=p.seq_len,
+                           lr=getattr(p, f"{role}_lr"), device=p.device, seed=seed,
+                           time_budget_s=60 * getattr(p, f"{role}_minutes"), warmup_steps=min(100, max(1, steps // 10)))
+
+
+def train_qwen3(role: str, p, data: dict, folder: str, seed: int) -> dict:
+    d = getattr(p, role)
+    config = qwen3_config(p.vocab_size, d["hidden"], d["layers"], d["heads"], d["kv_heads"], d["head_dim"],
+                          d["intermediate"], max(2048, p.seq_len * 4), data["special"])
+    opts = options(p, role, seed)
+    model, stats = pretrain_causal_lm(config, data["train"], opts, data["held"])
     save_lm(model, folder)
-    _finish_hf_folder(folder, tokenizer_dir, special)
+    finish_hf_folder(folder, data)
     stats.update(config=config, options=vars(opts))
-    log.info("%s: %d params, %d steps in %.0f s, train loss %.3f, held-out loss %s", role, stats["parameters"],
-             stats["steps"], stats["train_time_s"], stats["final_train_loss"] or float("nan"), stats.get("eval_loss"))
+    log_lm(role, stats)
     del model
-    _free()
+    free_memory()
     return stats
 
 
-def _finish_hf_folder(folder: str, tokenizer_dir: str, special: dict) -> None:
+def train_deepseek(p, data: dict, folder: str, seed: int) -> dict:
+    config = deepseek_v3_config(p.vocab_size, max_positions=max(2048, p.seq_len * 4), special_ids=data["special"],
+                                **p.ds_target)
+    opts = options(p, "ds_target", seed)
+    model, stats = pretrain_deepseek_mtp(config, data["train"], opts, data["held"], mtp_weight=p.mtp_weight)
+    save_deepseek_mtp(model, folder)
+    finish_hf_folder(folder, data)
+    stats.update(config=config, options=vars(opts))
+    log_lm("ds_target", stats)
+    del model
+    free_memory()
+    return stats
+
+
+def log_lm(role: str, stats: dict) -> None:
+    log.info("%s: %d params, %d steps in %.0f s, train loss %.3f %s, held-out loss %s", role, stats["parameters"],
+             stats["steps"], stats["train_time_s"], stats["final_train_loss"] or float("nan"),
+             stats.get("final_train_parts", {}), stats.get("eval_loss"))
+
+
+def finish_hf_folder(folder: str, data: dict) -> None:
     """Tokenizer files, both rope spellings and torch_dtype (older readers), EOS ids."""
+    special = data["special"]
     for name in bpe.TOKENIZER_FILES:
-        shutil.copy(os.path.join(tokenizer_dir, name), folder)
+        shutil.copy(os.path.join(data["tokenizer_dir"], name), folder)
     path = os.path.join(folder, "config.json")
     config = json.load(open(path))
-    config.update(rope_theta=config.get("rope_parameters", {}).get("rope_theta", 10000.0), rope_scaling=None,
-                  torch_dtype="bfloat16", dtype="bfloat16")
-    _write_json(path, config)
+    config.update(rope_theta=config.get("rope_parameters", {}).get("rope_theta", config.get("rope_theta", 10000.0)),
+                  rope_scaling=None, torch_dtype="bfloat16", dtype="bfloat16")
+    write_json(path, config)
     eos = [special["<|endoftext|>"], special["<|im_end|>"]]
-    _write_json(os.path.join(folder, "generation_config.json"),
-                {"bos_token_id": special["<|endoftext|>"], "eos_token_id": eos,
-                 "pad_token_id": special["<|endoftext|>"]})
+    write_json(os.path.join(folder, "generation_config.json"),
+               {"bos_token_id": special["<|endoftext|>"], "eos_token_id": eos, "pad_token_id": special["<|endoftext|>"]})
 
 
 def head_prompts(path: str, gsm8k_path: str, p, seed: int) -> str:
@@ -184,108 +264,75 @@ def head_prompts(path: str, gsm8k_path: str, p, seed: int) -> str:
     return path
 
 
-def train_head(p, target_dir: str, data: str, work: str, seed: int) -> dict:
-    cfg = TrainConfig(target=target_dir, data=[data], out=work, regenerate=True,
+def train_head(p, target_dir: str, data: dict, work: str, out: str, minutes: float, seed: int,
+               aux_layers: list[int] | None = None) -> dict:
+    """An EAGLE3 head on the target's own greedy answers; aux_layers are layer inputs (None: the
+    default 2, N // 2, N - 3)."""
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    prompts = head_prompts(os.path.join(work, "head_prompts.jsonl"), data["gsm8k"], p, seed)
+    cfg = TrainConfig(target=target_dir, data=[prompts], out=work, regenerate=True,
                       regen_max_tokens=p.head_regen_tokens, regen_max_num_seqs=512, draft_vocab_size=p.draft_vocab_size,
                       ttt_steps=7, max_len=p.head_max_len, epochs=p.head_epochs, batch_size=p.head_batch,
-                      lr=p.head_lr, time_budget_s=60 * p.head_minutes, eval_fraction=0.05, device=p.device,
-                      seed=seed, warmup_ratio=0.05)
+                      lr=p.head_lr, time_budget_s=60 * minutes, eval_fraction=0.05, device=p.device,
+                      seed=seed, warmup_ratio=0.05, aux_layer_ids=aux_layers)
     metrics = train_eagle3(cfg)
-    _free()
+    os.makedirs(out, exist_ok=True)
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(os.path.join(work, name), out)
+    free_memory()
     return metrics
 
 
-# ------------------------------------------------------------------------------- measurement
+# ----------------------------------------------------------------------------------- families
 
 
-def measure(p, target_dir: str, draft_dir: str, head_dir: str, work: str) -> dict:
-    """Greedy on GSM8K test prompts: plain, EAGLE3 k=3 and draft model k=3 (online acceptance,
-    outputs must equal plain greedy), and the teacher-forced acceptance of the head on the same
-    prompts (its engine-walk replay is what the online number should equal)."""
-    from foretell import LLM, SamplingParams
-    from foretell.bench.datasets import data_path, read_jsonl
-
-    questions = [r["question"] for r in read_jsonl(data_path("gsm8k_test.jsonl"))[: p.measure_prompts]]
-    prompts = [f"Question: {q}\nAnswer:" for q in questions]
-    params = SamplingParams(temperature=0.0, max_tokens=p.measure_tokens)
-    engine = dict(device=p.device, kv_cache_memory_bytes=2 << 30, max_num_seqs=256)
-    results = {"prompts": len(prompts), "max_tokens": p.measure_tokens}
-    baseline = None
-    for name, spec in [("plain", None),
-                       ("eagle3", {"method": "eagle3", "model": head_dir, "num_speculative_tokens": 3}),
-                       ("draft_model", {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": 3})]:
-        llm = LLM(target_dir, speculative_config=spec, **engine)
-        llm.generate(prompts[:4], params, use_tqdm=False)  # warm-up (CUDA graphs, allocator)
-        before = llm.get_stats()
-        start = time.time()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        elapsed = time.time() - start
-        tokens = [o.outputs[0].token_ids for o in outs]
-        entry = {"seconds": elapsed, "output_tokens": sum(map(len, tokens))}
-        if baseline is None:
-            baseline = tokens
-        else:
-            after = llm.get_stats()
-            drafts = after["num_drafts"] - before["num_drafts"]
-            accepted = [a - b for a, b in zip(after["accepted_per_position"], before["accepted_per_position"])]
-            # Prompts whose output differs from plain greedy, and the first differing position.
-            differ = [next(i for i, (a, b) in enumerate(zip(x + [None], y + [None])) if a != b)
-                      for x, y in zip(tokens, baseline) if x != y]
-            entry.update(num_drafts=drafts, acceptance_per_position=[a / max(drafts, 1) for a in accepted],
-                         mean_acceptance_length=1 + sum(accepted) / max(drafts, 1), greedy_equal=not differ,
-                         greedy_mismatch_prompts=len(differ), greedy_first_mismatch_positions=differ)
-        results[name] = entry
-        del llm
-        _free()
-    data = os.path.join(work, "gsm8k_test_prompts.jsonl")
-    with open(data, "w") as f:
-        for prompt in prompts:
-            f.write(json.dumps({"prompt": prompt}) + "\n")
-    tf = train_eagle3(TrainConfig(target=target_dir, data=[data], out=head_dir, regenerate=True,
-                                  regen_max_tokens=p.measure_tokens, max_len=4096, eval_only=True,
-                                  device=p.device, ttt_steps=7, batch_size=32))
-    results["teacher_forced"] = {k: tf[k] for k in ("acceptance_per_position", "mean_acceptance_length", "engine_walk")}
-    return results
+def qwen3_family(args, data: dict, dirs: dict) -> dict:
+    p, work = args.p, os.path.join(args.work, "qwen3")
+    target = train_qwen3("target", p, data, dirs["target"], args.seed)
+    draft = train_qwen3("draft", p, data, dirs["draft"], args.seed + 1)
+    head = train_head(p, dirs["target"], data, os.path.join(work, "eagle3"), dirs["eagle3"], p.head_minutes, args.seed)
+    prompts = gsm8k_test_prompts(p.measure_prompts)
+    spec = dict(num_speculative_tokens=3)
+    measured = measure_methods(dirs["target"], {
+        "plain": None, "eagle3": {"method": "eagle3", "model": dirs["eagle3"], **spec},
+        "draft_model": {"method": "draft_model", "model": dirs["draft"], **spec}, "ngram": {"method": "ngram", **spec},
+    }, prompts, p.measure_tokens, p.device)
+    measured["teacher_forced"] = teacher_forced(dirs["target"], dirs["eagle3"], prompts, p.measure_tokens, p.device, work)
+    s = {"target": target, "draft": draft, "head": head, "measured": measured}
+    hw, c = data["hardware"], data["corpus"]
+    cards.write_card(dirs["target"], "qwen3-target (foretell default model family)", cards.qwen3_card("target", target, c, hw))
+    cards.write_card(dirs["draft"], "qwen3-draft (foretell default model family)", cards.qwen3_card("draft", draft, c, hw) + [
+        "", "## Measured acceptance (greedy, k=3, GSM8K test prompts)", "",
+        *cards.drafter_lines(measured, "draft_model", "as the draft model of qwen3-target")])
+    cards.write_card(dirs["eagle3"], "qwen3-eagle3 (foretell default model family)", cards.head_card(
+        "qwen3-target", target["config"]["hidden_size"], head, measured, hw))
+    return s
 
 
-# ----------------------------------------------------------------------------------- cards
-
-
-def folder_files(folder: str) -> dict[str, int]:
-    return {f: os.path.getsize(os.path.join(folder, f)) for f in sorted(os.listdir(folder))}
-
-
-def write_card(folder: str, title: str, body: list[str]) -> None:
-    sizes = folder_files(folder)
-    lines = [f"# {title}", "", *body, "", "## Files", ""]
-    lines += [f"- `{name}`: {size / 2**20:.2f} MiB" for name, size in sizes.items()]
-    lines += ["", "## Data and license", "",
-              "Trained from scratch on the Python standard library's source (Python Software Foundation "
-              "License) and GSM8K train (MIT, github.com/openai/grade-school-math). Rebuild with "
-              "`python scripts/train_default_models.py` (see its docstring).", ""]
-    with open(os.path.join(folder, "README.md"), "w") as f:
-        f.write("\n".join(lines))
-
-
-def lm_card(folder: str, role: str, stats: dict, corpus_info: dict, hardware: str) -> list[str]:
-    c = stats["config"]
-    o = stats["options"]
-    return [
-        f"The {role} of foretell's default model family: a Qwen3-layout causal LM "
-        f"(`Qwen3ForCausalLM`, tied embeddings), bfloat16 safetensors, byte-level BPE tokenizer with a "
-        f"ChatML chat template.", "",
-        "## Architecture", "",
-        f"- {stats['parameters'] / 1e6:.2f}M parameters: hidden {c['hidden_size']}, {c['num_hidden_layers']} layers, "
-        f"{c['num_attention_heads']} query / {c['num_key_value_heads']} KV heads of {c['head_dim']}, "
-        f"MLP {c['intermediate_size']}, vocabulary {c['vocab_size']}, RoPE theta {c['rope_theta']:g}", "",
-        "## Training", "",
-        f"- corpus: {corpus_info['stdlib_files']} standard-library files of Python {corpus_info['python']} "
-        f"({corpus_info['stdlib_chars'] / 1e6:.1f}M characters) + GSM8K train ({corpus_info['gsm8k_problems']} "
-        f"problems, plain `Question: ...\\nAnswer: ...` and ChatML), {corpus_info['train_tokens'] / 1e6:.2f}M tokens",
-        f"- {stats['steps']} steps of {o['batch_size']} x {o['seq_len']} tokens ({stats['tokens_seen'] / 1e6:.0f}M "
-        f"tokens), AdamW lr {o['lr']} cosine, {stats['train_time_s']:.0f} s on {hardware}",
-        f"- final train loss {stats['final_train_loss']:.3f}, held-out loss {stats.get('eval_loss', float('nan')):.3f}",
-    ]
+def deepseek_family(args, data: dict, dirs: dict) -> dict:
+    p, work = args.p, os.path.join(args.work, "deepseek")
+    target = train_deepseek(p, data, dirs["ds_target"], args.seed + 2)
+    head = train_head(p, dirs["ds_target"], data, os.path.join(work, "eagle3"), dirs["ds_eagle3"], p.ds_head_minutes,
+                      args.seed + 3, p.ds_head_aux_layers)
+    prompts = gsm8k_test_prompts(p.measure_prompts)
+    measured = measure_methods(dirs["ds_target"], {
+        "plain": None, "mtp_k1": {"method": "mtp", "num_speculative_tokens": 1},
+        "mtp": {"method": "mtp", "num_speculative_tokens": 3},
+        "eagle3": {"method": "eagle3", "model": dirs["ds_eagle3"], "num_speculative_tokens": 3},
+        "ngram": {"method": "ngram", "num_speculative_tokens": 3},
+    }, prompts, p.measure_tokens, p.device)
+    measured["teacher_forced"] = teacher_forced(dirs["ds_target"], dirs["ds_eagle3"], prompts, p.measure_tokens,
+                                                p.device, work)
+    hw = data["hardware"]
+    cards.write_card(dirs["ds_target"], "deepseek-target (foretell default model family)",
+                     cards.deepseek_card(target, data["corpus"], hw) + [
+                         "", "## Measured acceptance of the MTP layer (greedy, GSM8K test prompts)", "",
+                         *cards.drafter_lines(measured, "mtp_k1", "MTP, k=1"),
+                         *cards.drafter_lines(measured, "mtp", "MTP, k=3 (the one layer reused for each step)")])
+    cards.write_card(dirs["ds_eagle3"], "deepseek-eagle3 (foretell default model family)", cards.head_card(
+        "deepseek-target (MLA + MoE)", target["config"]["hidden_size"], head, measured, hw))
+    return {"ds_target": target, "ds_head": head, "ds_measured": measured}
 
 
 def main(argv=None) -> int:
@@ -294,96 +341,43 @@ def main(argv=None) -> int:
     p, t0 = args.p, time.time()
     if p.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("the full recipe needs a CUDA GPU; use --smoke for a CPU run")
-    hardware = torch.cuda.get_device_name() if p.device == "cuda" else "CPU"
     os.makedirs(args.work, exist_ok=True)
+    data = prepare_data(args)
+    data["hardware"] = torch.cuda.get_device_name() if p.device == "cuda" else "CPU"
     dirs = {role: os.path.join(args.out, name) for role, name in NAMES.items()}
-    for folder in dirs.values():
-        shutil.rmtree(folder, ignore_errors=True)
-    gsm8k_path = corpus.find_gsm8k_train(args.gsm8k)
-    docs, corpus_info = build_corpus(p, gsm8k_path, args.seed)
-    log.info("corpus: %d documents, %.1fM characters", len(docs), sum(map(len, docs)) / 1e6)
-
-    tokenizer_dir = os.path.join(args.work, "tokenizer")
-    sample_budget, sample = int(p.tokenizer_corpus_mb * 1e6), []
-    for d in docs:
-        if sum(map(len, sample)) + len(d) > sample_budget and sample:
-            break
-        sample.append(d)
-    special = bpe.train_bpe_tokenizer(sample, p.vocab_size, tokenizer_dir)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    train_tokens, held_tokens = encode_corpus(tokenizer, docs, special["<|endoftext|>"])
-    corpus_info.update(train_tokens=train_tokens.numel(), held_out_tokens=held_tokens.numel(),
-                       tokenizer_s=time.time() - t0)
-    log.info("tokenizer %d ids; %d train / %d held-out tokens (%.0f s)", len(tokenizer), train_tokens.numel(),
-             held_tokens.numel(), time.time() - t0)
-
-    target = train_lm("target", p, p.vocab_size, special, train_tokens, held_tokens, dirs["target"], tokenizer_dir, args.seed)
-    draft = train_lm("draft", p, p.vocab_size, special, train_tokens, held_tokens, dirs["draft"], tokenizer_dir, args.seed + 1)
-    head_work = os.path.join(args.work, "eagle3")
-    shutil.rmtree(head_work, ignore_errors=True)
-    data = head_prompts(os.path.join(args.work, "head_prompts.jsonl"), gsm8k_path, p, args.seed)
-    head = train_head(p, dirs["target"], data, head_work, args.seed)
-    os.makedirs(dirs["eagle3"], exist_ok=True)
-    for name in ("config.json", "model.safetensors"):
-        shutil.copy(os.path.join(head_work, name), dirs["eagle3"])
-    results = measure(p, dirs["target"], dirs["draft"], dirs["eagle3"], args.work)
-    # measure()'s teacher-forced pass ran on the shipped folder; keep only the head files there.
-    for name in os.listdir(dirs["eagle3"]):
-        if name not in ("config.json", "model.safetensors"):
-            path = os.path.join(dirs["eagle3"], name)
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-    summary = {"corpus": corpus_info, "target": target, "draft": draft, "head": head, "measured": results,
-               "total_s": time.time() - t0, "hardware": hardware, "commit": _commit(), "preset": vars(p)}
-    _write_json(os.path.join(args.work, "recipe_metrics.json"), summary)
-    _write_cards(dirs, summary)
-    log.info("done in %.0f s; models in %s, metrics in %s", summary["total_s"], args.out,
-             os.path.join(args.work, "recipe_metrics.json"))
-    print(json.dumps({"total_s": summary["total_s"], "measured": results}, indent=2))
-    return 0
-
-
-def _write_cards(dirs: dict, s: dict) -> None:
-    m, hw = s["measured"], s["hardware"]
-    for role in ("target", "draft"):
-        body = lm_card(dirs[role], role, s[role], s["corpus"], hw)
-        if role == "draft":
-            body += ["", "## Measured acceptance", "",
-                     f"- as the draft model of qwen3-target, greedy, k=3, {m['prompts']} GSM8K test prompts: "
-                     f"mean acceptance length {m['draft_model']['mean_acceptance_length']:.2f}, per position "
-                     f"{_fmt(m['draft_model']['acceptance_per_position'])}; {_equal(m, 'draft_model')}"]
-        write_card(dirs[role], f"{NAMES[role]} (foretell default model family)", body)
-    h, tf = s["head"], m["teacher_forced"]
-    ev = h.get("eval", {})
-    write_card(dirs["eagle3"], f"{NAMES['eagle3']} (foretell default model family)", [
-        "An EAGLE3 draft head for qwen3-target (`LlamaForCausalLMEagle3`, one Llama layer, EAGLE/AngelSlim "
-        "layout: `midlayer.*`, no embed_tokens, the target's embedding is shared).", "",
-        "## Architecture", "",
-        f"- hidden {s['target']['config']['hidden_size']}, draft vocabulary {h['draft_vocab_size']} "
-        f"(d2t / t2d), aux hidden states: inputs of target layers {h['aux_layer_ids']} (config ids "
-        f"{[i - 1 for i in h['aux_layer_ids']]}, SpecForge's 'output of layer j' convention)", "",
-        "## Training", "",
-        f"- `foretell train-eagle3 --regenerate`: the target's own greedy answers to {h['num_train_examples'] + h['num_eval_examples']} "
-        f"prompts (GSM8K train questions, plain and chat, and openings of standard-library files)",
-        f"- training-time test with 7 steps, {h['steps']} steps, {h['train_time_s']:.0f} s on {hw}, final loss "
-        f"{h['final_loss']:.3f}",
-        f"- held-out teacher-forced acceptance per position: {_fmt(ev.get('acceptance_per_position', []))}", "",
-        "## Measured acceptance (greedy, k=3, GSM8K test prompts)", "",
-        f"- online (engine): mean acceptance length {m['eagle3']['mean_acceptance_length']:.2f}, per position "
-        f"{_fmt(m['eagle3']['acceptance_per_position'])}; {_equal(m, 'eagle3')}",
-        f"- teacher-forced, replaying the engine's walk: {_fmt(tf['engine_walk']['acceptance_per_position'])}; "
-        f"over all rows: {_fmt(tf['acceptance_per_position'][:3])}",
-    ])
-
-
-def _equal(m: dict, method: str) -> str:
-    return (f"greedy output identical to plain greedy on {m['prompts'] - m[method]['greedy_mismatch_prompts']} "
-            f"of {m['prompts']} prompts")
-
-
-def _fmt(values) -> str:
-    return " / ".join(f"{v:.3f}" for v in values)
+    families = list(FAMILIES) if args.family == "all" else [args.family]
+    for family in families:
+        for role in FAMILIES[family]:
+            shutil.rmtree(dirs[role], ignore_errors=True)
+    summary = {"corpus": data["corpus"], "hardware": data["hardware"], "commit": _commit(), "preset": vars(p)}
+    background = None
+    if families == list(FAMILIES) and p.device == "cuda" and not args.sequential:
+        # The DeepSeek family in a second process, sharing the GPU and the prepared data.
+        cmd = [sys.executable, os.path.abspath(__file__), "--family", "deepseek", "--child", "--out", args.out,
+               "--work", args.work, "--seed", str(args.seed)] + [f"--set={s}" for s in args.set]
+        background = subprocess.Popen(cmd)
+        families = ["qwen3"]
+    for family in families:
+        result = qwen3_family(args, data, dirs) if family == "qwen3" else deepseek_family(args, data, dirs)
+        summary.update(result)
+        write_json(os.path.join(args.work, f"{family}_metrics.json"), result)
+    if background is not None:
+        code = background.wait()
+        path = os.path.join(args.work, "deepseek_metrics.json")
+        if code != 0 or not os.path.isfile(path):
+            log.error("the DeepSeek family's process failed (exit %d)", code)
+            summary["ds_error"] = f"exit {code}"
+        else:
+            summary.update(json.load(open(path)))
+    summary["total_s"] = time.time() - t0
+    name = "recipe_metrics.json" if args.family == "all" else f"recipe_metrics_{args.family}.json"
+    if not args.child:
+        write_json(os.path.join(args.work, name), summary)
+        write_json(os.path.join(args.out, name), summary)
+    log.info("done in %.0f s; models in %s", summary["total_s"], args.out)
+    print(json.dumps({"total_s": summary["total_s"], **{k: v for k, v in summary.items() if "measured" in k}},
+                     indent=2, default=str))
+    return 0 if "ds_error" not in summary else 1
 
 
 def _commit() -> str | None:
@@ -393,18 +387,10 @@ def _commit() -> str | None:
         return None
 
 
-def _write_json(path: str, data) -> None:
+def write_json(path: str, data) -> None:
     with open(path, "w") as f:
         json.dump(data, f, indent=2, default=str)
         f.write("\n")
-
-
-def _free() -> None:
-    import gc
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -13,8 +13,7 @@ from safetensors.torch import load_file
 
 from fixtures import deepseek as ds
 from foretell import LLM, SamplingParams
-from foretell.sampling_params import SamplingParams as SP
-from foretell.spec_decode.proposer import DraftBatch, catch_up_metadata
+from foretell.spec_decode.proposer import catch_up_metadata
 
 PROMPTS = [[5, 17, 250, 3, 99, 41, 7], [300, 12, 8, 8, 61, 2, 19, 77, 140, 33, 5, 21, 90], [44], [9, 9, 9, 9]]
 MAX_TOKENS = 14
@@ -122,16 +121,6 @@ def target_final_hidden(folder, tokens):
         return hf.model(torch.tensor([tokens])).last_hidden_state[0]  # after the final norm
 
 
-def draft_batch(tokens, hidden, block_size):
-    T = len(tokens) - 1
-    return DraftBatch(
-        start_positions=[0], num_valid_rows=[T], next_token_ids=[tokens[T]], samples=[True],
-        token_ids=torch.tensor(tokens[:T]), hidden_states=hidden[:T], aux_hidden_states=[],
-        block_table=torch.arange(8, dtype=torch.int32)[None], block_size=block_size,
-        sampling_params=[SP(temperature=0.0)], sample_indices=[0], histories=[list(tokens)],
-    )
-
-
 @pytest.mark.parametrize("name", ["v3", "kimi_k2"])
 def test_draft_logits_match_plain_torch_reference(folders, name):
     folder = folders[name]
@@ -144,7 +133,7 @@ def test_draft_logits_match_plain_torch_reference(folders, name):
               speculative_config={"method": "mtp", "num_speculative_tokens": 3})
     proposer = llm.engine.runner.proposer
     assert [l.kv_cache.shape[-1] for l in proposer.kv_layers()] == [40] * config["num_nextn_predict_layers"]
-    logits, state = proposer.catch_up(draft_batch(tokens, hidden, 4), [0])
+    logits, state = proposer.catch_up(ds.mtp_draft_batch(tokens, hidden, 4), [0])
 
     layer0 = ReferenceMTP(folder, n)
     positions = torch.arange(T)

@@ -141,3 +141,12 @@ def test_no_drafts_past_max_tokens(qwen3_checkpoint):
     assert len(out.token_ids) == 9 and s["acceptance_rate"] == 1.0
     # 1 token from the prefill, then every verify emits its accepted drafts plus one.
     assert 1 + s["num_accepted_tokens"] + s["num_drafts"] == 9
+
+
+def test_ngram_lookup_prefers_the_most_recent_match_and_continues_loops():
+    from foretell.spec_decode.ngram import lookup
+
+    assert lookup([7, 1, 2, 3, 9, 1, 2, 4, 5, 1, 2], 2, 1, 3) == [4, 5]  # the latest "1 2", not the first
+    assert lookup([5, 8, 8, 8], 3, 1, 3) == [8, 8, 8]  # a loop of one token: not just one proposal
+    assert lookup([4, 1, 2, 3, 1, 2], 4, 2, 2) == [3, 1, 2, 3]  # period 3 continued past the end
+    assert lookup([1, 2, 3], 3, 1, 3) == []  # nothing repeats

@@ -1,7 +1,9 @@
 """Prompt-lookup (n-gram) drafting: no model, just the sequence's own tokens.
 
 For n from prompt_lookup_max down to prompt_lookup_min, find the most recent earlier occurrence of
-the last n tokens and propose the (up to) k tokens that followed it.
+the last n tokens and propose the k tokens that followed it. When the match is so recent that
+fewer than k tokens follow it (a loop: the last p tokens repeat), the proposal continues the
+loop: token i of the proposal is the token p places before it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ def lookup(history: list[int], k: int, min_n: int, max_n: int) -> list[int]:
         hits = np.flatnonzero((windows == pattern).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n
-            return tokens[start : start + k].tolist()
+            period = length - start  # the tokens after the match run up to the end
+            return [int(tokens[start + i % period]) for i in range(k)]
     return []
 
 

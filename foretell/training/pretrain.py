@@ -79,22 +79,41 @@ def pretrain_causal_lm(config: dict, train_tokens: torch.Tensor, opts: PretrainO
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(opts.seed)
-    device = torch.device(opts.device)
     hf_config = Qwen3Config(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
     hf_config._attn_implementation = "sdpa"
-    model = Qwen3ForCausalLM(hf_config).to(device)
+    model = Qwen3ForCausalLM(hf_config).to(opts.device)
+
+    def step_loss(batch: torch.Tensor) -> tuple[torch.Tensor, dict]:  # batch [B, L + 1]
+        logits = model(input_ids=batch[:, :-1]).logits  # [B, L, V]
+        loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+        return loss, {}
+
+    stats = train_on_stream(model, step_loss, train_tokens, opts, window=opts.seq_len + 1)
+    if eval_tokens is not None and eval_tokens.numel() > opts.seq_len + 1:
+        stats["eval_loss"] = evaluate_lm(model, eval_tokens.to(opts.device), opts)
+    model.eval()
+    return model, stats
+
+
+def train_on_stream(model: torch.nn.Module, step_loss, train_tokens: torch.Tensor, opts: PretrainOptions,
+                    window: int, after_step=None) -> dict:
+    """The training loop shared by the recipe's models: AdamW (no decay on vectors), warmup +
+    cosine on max(step, time) progress, bf16 autocast on CUDA, random windows of `window` tokens.
+    step_loss(batch [B, window]) -> (loss, {name: float tensor}) runs under autocast; after_step()
+    (if given) runs after each optimizer step (e.g. MoE bias balancing)."""
+    device = torch.device(opts.device)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": opts.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=opts.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
     tokens = train_tokens.to(device)
-    if tokens.numel() <= opts.seq_len + 1:
-        raise ValueError(f"the corpus has {tokens.numel()} tokens, fewer than one window of {opts.seq_len + 1}")
+    if tokens.numel() <= window:
+        raise ValueError(f"the corpus has {tokens.numel()} tokens, fewer than one window of {window}")
     generator = torch.Generator(device=device).manual_seed(opts.seed)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     model.train()
-    start, step, losses = time.time(), 0, []
+    start, step, losses, parts = time.time(), 0, [], []
     bar = tqdm(total=opts.steps, desc=f"pretrain {count_parameters(model) / 1e6:.1f}M", disable=not opts.progress)
     while step < opts.steps:
         elapsed = time.time() - start
@@ -102,29 +121,25 @@ def pretrain_causal_lm(config: dict, train_tokens: torch.Tensor, opts: PretrainO
             break
         for group in optimizer.param_groups:
             group["lr"] = _lr(opts, step, elapsed)
-        starts = torch.randint(0, tokens.numel() - opts.seq_len - 1, (opts.batch_size,), device=device,
-                               generator=generator)
-        batch = _windows(tokens, starts, opts.seq_len + 1)  # [B, L + 1]
+        starts = torch.randint(0, tokens.numel() - window, (opts.batch_size,), device=device, generator=generator)
         with autocast:
-            logits = model(input_ids=batch[:, :-1]).logits  # [B, L, V]
-        loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+            loss, logged = step_loss(_windows(tokens, starts, window))  # batch [B, window]
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), opts.grad_clip)
         optimizer.step()
+        if after_step is not None:
+            after_step()
         step += 1
         if step % opts.log_every == 0 or step == 1:
             losses.append((step, loss.item()))
-            bar.set_postfix(loss=f"{losses[-1][1]:.3f}")
+            parts.append({k: float(v) for k, v in logged.items()})
+            bar.set_postfix(loss=f"{losses[-1][1]:.3f}", **{k: f"{v:.3f}" for k, v in parts[-1].items()})
         bar.update(1)
     bar.close()
-    stats = {"steps": step, "train_time_s": time.time() - start, "final_train_loss": losses[-1][1] if losses else None,
-             "tokens_seen": step * opts.batch_size * opts.seq_len, "parameters": count_parameters(model),
-             "loss_history": losses}
-    if eval_tokens is not None and eval_tokens.numel() > opts.seq_len + 1:
-        stats["eval_loss"] = evaluate_lm(model, eval_tokens.to(device), opts)
-    model.eval()
-    return model, stats
+    return {"steps": step, "train_time_s": time.time() - start, "final_train_loss": losses[-1][1] if losses else None,
+            "final_train_parts": parts[-1] if parts else {}, "tokens_seen": step * opts.batch_size * (window - 1),
+            "parameters": count_parameters(model), "loss_history": losses}
 
 
 @torch.no_grad()
