@@ -36,6 +36,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
     sp.add_argument("--method", choices=["eagle3", "mtp", "draft_model", "ngram", "none"],
                     help="none: no speculation (also with the default models)")
     sp.add_argument("--draft-model", help="EAGLE3 head or draft LM folder")
+    sp.add_argument("--default-family", choices=["qwen3", "deepseek"], default="qwen3",
+                    help="with no --model: the shipped Qwen3-layout target, or the DeepSeek-V3-layout "
+                         "(MLA + MoE) one with its MTP layer (--method mtp) and EAGLE3 head")
     sp.add_argument("--num-speculative-tokens", type=int)
     sp.add_argument("--eagle3-aux-layer-ids", help="comma-separated, read as inputs of layers i")
     sp.add_argument("--prompt-lookup-min", type=int)

@@ -39,6 +39,29 @@ def test_default_family_is_lossless_with_every_drafter():
             assert llm.get_stats()["acceptance_rate"] > 0.05  # a random head: 0
 
 
+@pytest.mark.skipif(not os.path.isdir(member_path("target", "deepseek")), reason="no DeepSeek default model")
+def test_deepseek_family_is_lossless_with_every_drafter():
+    """The DeepSeek-V3-layout member: MLA + MoE target, its own MTP layer, its EAGLE3 head (EAGLE3
+    on an MLA target), the shared-tokenizer draft model and n-gram."""
+
+    def run(spec):
+        llm = LLM(member_path("target", "deepseek"), num_kv_blocks=128, speculative_config=spec)
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+        return llm, [o.outputs[0].token_ids for o in outs]
+
+    _, plain = run(None)
+    assert all(plain)
+    for method, model in (("mtp", None), ("eagle3", member_path("eagle3", "deepseek")),
+                          ("draft_model", member_path("draft_model", "deepseek")), ("ngram", None)):
+        spec = {"method": method, "num_speculative_tokens": 3}
+        if model:
+            spec["model"] = model
+        llm, got = run(spec)
+        assert got == plain, method
+        if method in ("mtp", "eagle3"):  # trained drafters accept a real share of their drafts
+            assert llm.get_stats()["acceptance_rate"] > 0.05, method
+
+
 def test_prefix_cache_hit_leaves_the_draft_cache_as_a_cold_start_would():
     """EAGLE3's KV at a block's last slot depends on the token after it, so a prefix-cache hit
     stops one block short: for a prompt that shares a cached prefix up to a block boundary and

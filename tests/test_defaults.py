@@ -41,6 +41,20 @@ def test_defaults_pick_the_target_and_its_head(family):
     assert speculative_config_from_args(args) is None
 
 
+def test_default_family_flag_picks_the_deepseek_members(family):
+    shutil.copytree(family / "qwen3-target", family / "deepseek-target")  # stand-ins: only paths matter
+    shutil.copytree(family / "qwen3-eagle3", family / "deepseek-eagle3")
+    args = parse("--default-family", "deepseek")
+    defaults.fill_default_models(args)
+    assert args.model == str(family / "deepseek-target") and args.draft_model == str(family / "deepseek-eagle3")
+    args = parse("--default-family", "deepseek", "--method", "mtp")
+    defaults.fill_default_models(args)
+    assert args.method == "mtp" and args.draft_model is None and args.num_speculative_tokens == 3
+    args = parse("--default-family", "deepseek", "--method", "draft_model")  # the shared-tokenizer draft LM
+    defaults.fill_default_models(args)
+    assert args.draft_model == str(family / "qwen3-draft")
+
+
 def test_generate_without_model_runs_end_to_end(family, capsys):
     assert cli.main(["generate", "--prompt", "The cat", "--max-tokens", "6",
                      "--num-kv-blocks", "32", "--stats"]) == 0
