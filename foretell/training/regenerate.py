@@ -29,7 +29,9 @@ class RegenerateOptions:
     device: str = "auto"
     dtype: str = "auto"
     max_num_seqs: int = 256
-    gpu_memory_utilization: float = 0.4  # leave room for the trainer on the same GPU
+    # A fixed KV budget on GPUs (not a share of what is free), so that the trainer and any other
+    # process on the same GPU keep theirs whenever they start.
+    gpu_kv_cache_bytes: int = 4 << 30
 
 
 def regenerate_examples(
@@ -72,7 +74,7 @@ def generate(target: str, prompts: list[list[int]], options: RegenerateOptions, 
 
     kwargs = dict(dtype=options.dtype, device=options.device, max_num_seqs=options.max_num_seqs)
     if options.device != "cpu" and torch.cuda.is_available():
-        kwargs["gpu_memory_utilization"] = options.gpu_memory_utilization
+        kwargs["kv_cache_memory_bytes"] = options.gpu_kv_cache_bytes
     llm = LLM(target, **kwargs)
     params = [
         SamplingParams(temperature=options.temperature, max_tokens=min(options.max_tokens, max_len - len(p)),
