@@ -19,6 +19,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     g.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
+    g.add_argument("--small-m-gemm", default="auto", choices=["auto", "on", "off"],
+                   help="few-row matmuls on CUDA: auto = time cuBLAS vs the Triton skinny GEMM per shape")
     g.add_argument("--num-cpu-threads", type=int, help="torch intra-op threads on CPU")
     g.add_argument("--skip-tokenizer-init", action="store_true", help="token-id prompts only")
     c = parser.add_argument_group("KV cache")
@@ -77,7 +79,7 @@ def speculative_config_from_args(args: argparse.Namespace) -> dict[str, Any] | N
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     names = [
         "tokenizer", "dtype", "device", "load_format", "max_model_len", "seed", "attention_backend",
-        "enforce_eager", "num_cpu_threads", "skip_tokenizer_init", "block_size", "kv_cache_memory_bytes", "gpu_memory_utilization",
+        "enforce_eager", "small_m_gemm", "num_cpu_threads", "skip_tokenizer_init", "block_size", "kv_cache_memory_bytes", "gpu_memory_utilization",
         "num_kv_blocks", "enable_prefix_caching", "max_num_seqs", "max_num_batched_tokens",
         "enable_chunked_prefill",
     ]

@@ -14,6 +14,7 @@ import torch
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 SPECULATIVE_METHODS = ("eagle3", "mtp", "draft_model", "ngram")
+SMALL_M_GEMM_MODES = ("auto", "on", "off")
 
 
 @dataclass
@@ -33,6 +34,10 @@ class ModelConfig:
     # No tokenizer: prompts must be token ids and outputs carry no text (benchmarks with
     # --load-format dummy from a bare config.json).
     skip_tokenizer_init: bool = False
+    # Few-row matmuls (decode, verify) on CUDA with graphs: auto times cuBLAS against the skinny
+    # Triton GEMM once per shape at start-up and keeps the faster; on: always the kernel; off:
+    # always cuBLAS (layers/small_m_dispatch.py).
+    small_m_gemm: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -49,6 +54,8 @@ class ModelConfig:
             raise ValueError(
                 f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"
             )
+        if self.small_m_gemm not in SMALL_M_GEMM_MODES:
+            raise ValueError(f"small_m_gemm must be auto, on or off, got {self.small_m_gemm!r}")
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

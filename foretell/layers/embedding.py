@@ -1,12 +1,20 @@
-"""Token embedding and the output head (which may share the embedding's weight)."""
+"""Token embedding and the output head (which may share the embedding's weight).
+
+The head's matmul goes through a bound SmallMGemm like a Linear's (see layers/linear.py).
+"""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from foretell.layers.linear import make_param
+
+if TYPE_CHECKING:
+    from foretell.layers.small_m_dispatch import SmallMGemm
 
 
 class VocabEmbedding(nn.Module):
@@ -34,6 +42,8 @@ class LMHead(nn.Module):
     """hidden -> float32 logits. With `tie_to`, uses that embedding's weight (the same Parameter,
     so the model has no separate lm_head parameter and named_parameters lists it once)."""
 
+    small_m: "SmallMGemm | None" = None  # as Linear.small_m
+
     def __init__(
         self,
         vocab_size: int,
@@ -58,6 +68,8 @@ class LMHead(nn.Module):
             self.weight = make_param((vocab_size, hidden_size), dtype, device)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] f32
+        if self.small_m is not None:
+            return self.small_m(hidden, self.weight).float()
         return F.linear(hidden, self.weight).float()
 
     def extra_repr(self) -> str:

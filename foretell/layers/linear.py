@@ -8,15 +8,22 @@ tell a half-loaded fused parameter from a complete one.
 Values are converted with `tensor.to(param.dtype)` (by value, never by reinterpreting bits), and a
 tensor of the wrong shape raises ValueError with the expected and found shapes; the loader adds
 the parameter name, checkpoint key and file.
+
+A Linear computes F.linear, or, once prepare_small_m_linears (small_m_dispatch.py) has bound a
+SmallMGemm to it (on CUDA, before graph capture), lets that pick cuBLAS or the skinny Triton GEMM
+for few-row inputs.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from foretell.layers.small_m_dispatch import SmallMGemm
 
 
 def check_shape(loaded: torch.Tensor, expected: Sequence[int], what: str) -> None:
@@ -86,6 +93,9 @@ def make_sharded_param(
 class Linear(nn.Module):
     """y = x W^T (+ b), W [output_size, input_size], loaded whole from one checkpoint tensor."""
 
+    # Set per instance by prepare_small_m_linears; the class default (never changed) is F.linear.
+    small_m: "SmallMGemm | None" = None
+
     def __init__(
         self,
         input_size: int,
@@ -102,6 +112,8 @@ class Linear(nn.Module):
         self.bias = make_param((output_size,), dtype, device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., input] -> [..., output]
+        if self.small_m is not None:
+            return self.small_m(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:

@@ -1,0 +1,227 @@
+"""When a linear layer's few-row matmul runs the skinny Triton GEMM (layers/small_m_gemm.py)
+instead of cuBLAS (F.linear), decided by timing both once per shape on the device.
+
+A SmallMGemm is bound to the model's Linear and LMHead layers by prepare_small_m_linears (the
+runner does it on CUDA before capturing its graphs); each layer then calls it instead of F.linear.
+It owns a decision per GemmKey (rows rounded up to a power of two, N, K, dtype, bias or not):
+  - mode "off": no SmallMGemm is bound at all, every layer calls F.linear;
+  - mode "on": always the kernel where it applies (tests and benchmarks);
+  - mode "auto": at the first call of a key (or when warmed up front) F.linear and each of the
+    kernel's candidate configs run on random rows against the layer's own weight, timed on the
+    device (L2 flushed before each rep, as a decode step reads its weights from HBM); the kernel
+    wins only if it gives the same result and beats cuBLAS by MIN_SPEEDUP. During CUDA-graph
+    capture nothing is timed: a decided key keeps its choice, an undecided one gets cuBLAS.
+So the kernel can make a layer no slower than cuBLAS was when timed. Everything it does not
+apply to (many rows, CPU tensors, autograd, odd dtypes or strides) goes to F.linear unasked.
+
+Importing this module never imports triton: the kernel module is loaded on the first decision
+that needs it, which only CUDA tensors reach.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from foretell.config import SMALL_M_GEMM_MODES
+from foretell.layers import kernel_dispatch
+
+logger = logging.getLogger("foretell")
+
+MODES = SMALL_M_GEMM_MODES  # auto | on | off
+MAX_M = 16  # small_m_gemm.MAX_M, restated so that this module needs no triton
+MIN_SPEEDUP = 1.03  # the kernel must beat cuBLAS by this factor: noise never flips a layer
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def m_bucket(m: int) -> int:
+    return 1 << max(m - 1, 0).bit_length()
+
+
+@dataclass(frozen=True)
+class GemmKey:
+    m_bucket: int
+    n: int
+    k: int
+    dtype: torch.dtype
+    has_bias: bool
+
+
+class CudaEventTimer:
+    """Median device time of fn over `reps` runs, each after a write of flush_bytes (which
+    evicts L2, and keeps the device busy while the host enqueues fn, so launch cost is not
+    counted: in a CUDA graph there is none)."""
+
+    def __init__(self, reps: int = 10, warmup: int = 2, flush_bytes: int = 256 << 20):
+        self.reps, self.warmup, self.flush_bytes = reps, warmup, flush_bytes
+
+    def __call__(self, fn: Callable[[], Any], device: torch.device) -> float:
+        for _ in range(self.warmup):
+            fn()
+        flush = torch.empty(self.flush_bytes // 4, dtype=torch.int32, device=device)
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(self.reps)]
+        for start, end in events:
+            flush.zero_()
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize(device)
+        times = sorted(start.elapsed_time(end) for start, end in events)
+        return times[len(times) // 2] * 1e-3
+
+
+def _agree(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Same result up to rounding: a sanity check against a broken kernel, not a precision test."""
+    eps = torch.finfo(expected.dtype).eps
+    scale = expected.float().abs().max().item() + 1e-6
+    return bool(((got.float() - expected.float()).abs() <= 4 * eps * scale).all())
+
+
+class SmallMGemm:
+    """Callable like F.linear(x, weight, bias); picks cuBLAS or the kernel per GemmKey.
+
+    kernels: the module with small_m_linear and candidate_configs (default small_m_gemm,
+    imported on first need); timer(fn, device) -> seconds; is_capturing() -> bool. Tests pass
+    fakes for all three."""
+
+    def __init__(
+        self,
+        mode: str = "auto",
+        max_m: int = MAX_M,
+        *,
+        kernels: Any = None,
+        timer: Callable[[Callable[[], Any], torch.device], float] | None = None,
+        is_capturing: Callable[[], bool] | None = None,
+    ):
+        if mode not in ("auto", "on"):
+            raise ValueError(f"SmallMGemm mode must be auto or on, got {mode!r} (off: bind none)")
+        self.mode = mode
+        self.max_m = m_bucket(max(1, min(max_m, MAX_M)))  # a whole bucket: no key half-served
+        self._kernels = kernels
+        self.timer = timer or CudaEventTimer()
+        self.is_capturing = is_capturing or torch.cuda.is_current_stream_capturing
+        self.choices: dict[GemmKey, Any] = {}  # key -> kernel config, or None for cuBLAS
+        self.timings: dict[GemmKey, dict[str, float]] = {}  # key -> candidate -> seconds
+
+    @property
+    def kernels(self):
+        if self._kernels is None:
+            from foretell.layers import small_m_gemm  # imports triton: CUDA only
+
+            self._kernels = small_m_gemm
+        return self._kernels
+
+    def applies(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        k = weight.shape[-1]
+        if x.dim() == 0 or x.shape[-1] != k or k == 0 or not 1 <= x.numel() // k <= self.max_m:
+            return False
+        if x.dtype not in KERNEL_DTYPES or weight.dtype != x.dtype or not weight.is_contiguous():
+            return False
+        if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
+            return False
+        tensors = (x, weight) if bias is None else (x, weight, bias)
+        return kernel_dispatch.use_triton(*tensors)
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:  # [..., K] -> [..., N]
+        if not self.applies(x, weight, bias):
+            return F.linear(x, weight, bias)
+        n, k = weight.shape
+        rows = x.reshape(-1, k)  # [M, K]
+        key = GemmKey(m_bucket(rows.shape[0]), n, k, x.dtype, bias is not None)
+        config = self.choose(key, weight, bias)
+        if config is None:
+            return F.linear(x, weight, bias)
+        return self.kernels.small_m_linear(rows, weight, bias, config).view(*x.shape[:-1], n)
+
+    def choose(self, key: GemmKey, weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
+        """The kernel config for key, or None for cuBLAS; times the key once if undecided."""
+        if key in self.choices:
+            return self.choices[key]
+        if self.mode == "on":
+            configs = self.kernels.candidate_configs(key.m_bucket, key.n, key.k, weight.device)
+            self.choices[key] = configs[-1]
+        elif self.is_capturing():
+            return None  # cannot time inside a capture; left undecided for a later eager call
+        else:
+            self.choices[key] = self._measure(key, weight, bias)
+        return self.choices[key]
+
+    def _measure(self, key: GemmKey, weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
+        device = weight.device
+        gen = torch.Generator(device).manual_seed(0)  # leaves the global generators alone
+        x = torch.randn(key.m_bucket, key.k, generator=gen, device=device).to(key.dtype)  # [m_bucket, K]
+        expected = F.linear(x, weight, bias)
+        times = {"cublas": self.timer(lambda: F.linear(x, weight, bias), device)}
+        best, best_time = None, times["cublas"] / MIN_SPEEDUP
+        for config in self.kernels.candidate_configs(key.m_bucket, key.n, key.k, device):
+            run = lambda config=config: self.kernels.small_m_linear(x, weight, bias, config)  # noqa: E731
+            if not _agree(run(), expected):
+                logger.warning("small-M GEMM %s disagrees with F.linear at %s; not used", config, key)
+                continue
+            times[str(config)] = self.timer(run, device)
+            if times[str(config)] < best_time:
+                best, best_time = config, times[str(config)]
+        self.timings[key] = times
+        return best
+
+    def summary(self) -> str:
+        """One line per decided key: which won, and the times (for the log)."""
+        lines = []
+        for key, config in self.choices.items():
+            times = self.timings.get(key, {})
+            us = ", ".join(f"{name} {t * 1e6:.1f} us" for name, t in times.items())
+            winner = "cublas" if config is None else str(config)
+            lines.append(f"M<={key.m_bucket} N={key.n} K={key.k} {key.dtype}: {winner} ({us})")
+        return "\n".join(lines)
+
+
+def small_m_layers(roots: Iterable[nn.Module]) -> list[tuple[nn.Module, torch.Tensor | None]]:
+    """The layers that take a SmallMGemm, with their bias: every Linear (and subclass), LMHead."""
+    from foretell.layers.embedding import LMHead
+    from foretell.layers.linear import Linear
+
+    found = {}  # by id: a module reachable from two roots (a shared lm_head) is bound once
+    for root in roots:
+        for module in root.modules():
+            if isinstance(module, Linear):
+                found[id(module)] = (module, module.bias)
+            elif isinstance(module, LMHead):
+                found[id(module)] = (module, None)
+    return list(found.values())
+
+
+def prepare_small_m_linears(
+    modules: nn.Module | Iterable[nn.Module],
+    max_m: int,
+    mode: str = "auto",
+    gemm: SmallMGemm | None = None,  # tests: one with fakes; None: SmallMGemm(mode, max_m)
+) -> SmallMGemm | None:
+    """Bind one SmallMGemm to every Linear / LMHead under modules and decide (time) every key
+    of M <= max_m up front, so that a CUDA-graph capture afterwards finds them decided.
+    Returns it, or None where nothing is bound (mode off, or no weights on CUDA)."""
+    if mode not in MODES:
+        raise ValueError(f"small_m_gemm must be one of {', '.join(MODES)}, got {mode!r}")
+    roots = [modules] if isinstance(modules, nn.Module) else list(modules)
+    layers = [(layer, bias) for layer, bias in small_m_layers(roots) if kernel_dispatch.use_triton(layer.weight)]
+    if mode == "off" or not layers:
+        return None
+    gemm = gemm or SmallMGemm(mode, max_m)
+    buckets = [1 << i for i in range(gemm.max_m.bit_length())]  # 1, 2, 4, .., max_m
+    with torch.inference_mode():
+        for layer, bias in layers:
+            layer.small_m = gemm
+            weight = layer.weight  # [N, K]
+            for m in buckets:
+                x = torch.empty(m, weight.shape[1], dtype=weight.dtype, device=weight.device)
+                if gemm.applies(x, weight, bias):
+                    gemm.choose(GemmKey(m, *weight.shape, x.dtype, bias is not None), weight, bias)
+    logger.info("small-M GEMM (%s) for %d layers, M <= %d:\n%s", mode, len(layers), gemm.max_m, gemm.summary())
+    return gemm

@@ -1,0 +1,271 @@
+"""The skinny GEMM (layers/small_m_gemm.py) against a float64 torch reference, and the dispatch
+that picks it or cuBLAS (layers/small_m_dispatch.py) with a fake timer.
+
+Without a CUDA device the kernel runs in Triton's interpreter on CPU tensors (fp16 and fp32: the
+interpreter keeps bf16 as uint16; bf16 is checked on CUDA in tests/gpu/test_small_m_gemm_gpu.py).
+Every torch.empty of a launch (output and split-K workspace) is poisoned with NaN, so a kernel
+that skips an element shows it. Every case draws fresh shapes and inputs; a failure prints the
+seed that reproduces it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from foretell.config import ModelConfig
+from foretell.layers import kernel_dispatch
+from foretell.layers.embedding import LMHead
+from foretell.layers.linear import Linear, MergedLinear, QKVLinear
+from foretell.layers.small_m_dispatch import GemmKey, SmallMGemm, m_bucket, prepare_small_m_linears
+
+from fixtures.triton_interpreter import HAS_CUDA, import_interpreted, interpreter_mode  # noqa: F401
+
+DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+sm = import_interpreted("foretell.layers.small_m_gemm")
+
+
+@contextlib.contextmanager
+def _reports_seed(seed: int):
+    try:
+        yield
+    except AssertionError as err:
+        raise AssertionError(f"seed {seed}: {err}") from None
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """torch.empty inside small_m_gemm returns NaN-filled tensors."""
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        return empty(*args, **kwargs).fill_(float("nan"))
+
+    monkeypatch.setattr(sm.torch, "empty", nan_empty)
+
+
+def _check(got, x, weight, bias):
+    """got within one rounding of the dtype of the exact product, plus float32 accumulation."""
+    assert not torch.isnan(got).any(), "kernel left poisoned elements"
+    assert got.shape == (x.shape[0], weight.shape[0]) and got.dtype == x.dtype and got.is_contiguous()
+    x64, w64 = x.double().cpu(), weight.double().cpu()
+    exact = F.linear(x64, w64, None if bias is None else bias.double().cpu())
+    magnitude = F.linear(x64.abs(), w64.abs(), None if bias is None else bias.double().cpu().abs())
+    bound = torch.finfo(x.dtype).eps * exact.abs() + x.shape[1] * 2.0**-23 * magnitude + 1e-30
+    err = (got.double().cpu() - exact).abs()
+    assert (err <= bound).all(), f"max err {err.max():.3g}, worst err/bound {(err / bound).max():.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("m", [1, 3, 4, 8, 16])
+def test_matches_float64_reference(dtype, m, poisoned_empty):
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    n, k = rng.randint(17, 90), rng.randint(1025, 1700)  # >= 3 blocks of K <= 512, not multiples
+    x = torch.randn(m, k, generator=gen).to(dtype).to(DEVICE)
+    weight = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype).to(DEVICE)
+    bias = torch.randn(n, generator=gen).to(dtype).to(DEVICE)
+    split = sm.pick_config(m, n, k, split_k=3)
+    with _reports_seed(seed):
+        assert split.split_k > 1  # 2 or 3: splits of equal whole tiles, none empty
+        for config in (None, sm.pick_config(m, n, k, split_k=1), split):
+            for b in (bias, None):
+                _check(sm.small_m_linear(x, weight, b, config), x, weight, b)
+
+
+def test_strided_rows_and_tiny_k(poisoned_empty):
+    x = torch.randn(3, 40, dtype=torch.float32, device=DEVICE)[:, 5:12]  # row stride 40, K = 7
+    weight = torch.randn(5, 7, device=DEVICE)
+    _check(sm.small_m_linear(x, weight), x, weight, None)
+
+
+def test_configs_cover_k_without_empty_splits():
+    rng = random.Random(0)
+    for _ in range(300):
+        m, n, k = rng.randint(1, 16), rng.randint(1, 50000), rng.randint(1, 20000)
+        config = sm.pick_config(m, n, k, num_sms=rng.choice([8, 132]), split_k=rng.choice([None, 1, 2, 3, 7, 64]))
+        per_split = -(-(-(-k // config.block_k)) // config.split_k) * config.block_k
+        assert config.block_m >= m and (config.split_k - 1) * per_split < k <= config.split_k * per_split
+    assert sm.pick_config(1, 4096, 4096, num_sms=132).split_k > 1  # narrow layers split K
+
+
+def test_bad_inputs_raise_clear_errors():
+    x, w = torch.zeros(2, 8), torch.zeros(4, 8)
+    with pytest.raises(ValueError, match="K=9"):
+        sm.small_m_linear(torch.zeros(2, 9), w)
+    with pytest.raises(ValueError, match="contiguous"):
+        sm.small_m_linear(x, torch.zeros(8, 4).t())
+    with pytest.raises(ValueError, match="dtype"):
+        sm.small_m_linear(x.double(), w.double())
+    with pytest.raises(ValueError, match="dtype"):
+        sm.small_m_linear(x, w.half())
+    with pytest.raises(ValueError, match="bias"):
+        sm.small_m_linear(x, w, torch.zeros(3))
+    with pytest.raises(ValueError, match="1 to 16 rows"):
+        sm.small_m_linear(torch.zeros(17, 8), w)
+    with pytest.raises(ValueError, match=r"\[M, K\]"):
+        sm.small_m_linear(torch.zeros(8), w)
+
+
+# ---------------------------------------------------------------------- dispatch
+
+
+class FakeKernels:
+    """Stands in for small_m_gemm: two candidate configs, F.linear's result (or garbage)."""
+
+    def __init__(self, wrong: bool = False):
+        self.wrong, self.last, self.runs = wrong, None, 0
+
+    def candidate_configs(self, m, n, k, device):
+        return ["split1", "splitK"]
+
+    def small_m_linear(self, x, weight, bias, config):
+        self.last, self.runs = config, self.runs + 1
+        y = F.linear(x, weight, bias)
+        return y + 1 if self.wrong else y
+
+
+class FakeTimer:
+    """Returns scripted seconds per candidate ("cublas" or a config name)."""
+
+    def __init__(self, kernels: FakeKernels, times: dict[str, float]):
+        self.kernels, self.times, self.timed = kernels, times, []
+
+    def __call__(self, fn, device):
+        self.kernels.last = None
+        fn()
+        name = self.kernels.last or "cublas"
+        self.timed.append(name)
+        return self.times[name]
+
+
+def _gemm(times, mode="auto", capturing=False, wrong=False, max_m=16):
+    kernels = FakeKernels(wrong)
+    timer = FakeTimer(kernels, times)
+    gemm = SmallMGemm(mode, max_m, kernels=kernels, timer=timer, is_capturing=lambda: capturing)
+    return gemm, kernels, timer
+
+
+W, B = torch.randn(24, 32), torch.randn(24)
+KEY = GemmKey(4, 24, 32, torch.float32, True)
+
+
+@pytest.mark.parametrize(
+    "times, expected",
+    [
+        ({"cublas": 10.0, "split1": 8.0, "splitK": 6.0}, "splitK"),
+        ({"cublas": 10.0, "split1": 8.0, "splitK": 9.0}, "split1"),
+        ({"cublas": 10.0, "split1": 12.0, "splitK": 11.0}, None),
+        ({"cublas": 10.0, "split1": 9.9, "splitK": 9.8}, None),  # within the margin: cuBLAS
+    ],
+)
+def test_auto_keeps_the_faster_and_times_each_key_once(times, expected):
+    gemm, _, timer = _gemm(times)
+    assert gemm.choose(KEY, W, B) == expected
+    assert sorted(timer.timed) == ["cublas", "split1", "splitK"]
+    assert gemm.choose(KEY, W, B) == expected and len(timer.timed) == 3  # cached
+    assert set(gemm.timings[KEY]) == {"cublas", "split1", "splitK"}
+    assert "M<=4 N=24 K=32" in gemm.summary()
+
+
+def test_a_kernel_that_disagrees_is_never_used():
+    gemm, _, timer = _gemm({"cublas": 10.0, "split1": 1.0, "splitK": 1.0}, wrong=True)
+    assert gemm.choose(KEY, W, B) is None
+    assert timer.timed == ["cublas"]
+
+
+def test_capture_uses_the_cached_choice_or_cublas():
+    gemm, kernels, timer = _gemm({"cublas": 10.0, "split1": 5.0, "splitK": 6.0}, capturing=True)
+    assert gemm.choose(KEY, W, B) is None  # undecided during capture: cuBLAS, nothing timed
+    assert timer.timed == [] and KEY not in gemm.choices
+    gemm.is_capturing = lambda: False
+    assert gemm.choose(KEY, W, B) == "split1"
+    gemm.is_capturing = lambda: True
+    assert gemm.choose(KEY, W, B) == "split1" and len(timer.timed) == 3
+
+
+def test_mode_on_always_takes_the_kernel_untimed():
+    gemm, _, timer = _gemm({}, mode="on")
+    assert gemm.choose(KEY, W, B) == "splitK" and timer.timed == []
+    with pytest.raises(ValueError, match="mode"):
+        SmallMGemm("off")
+
+
+def test_call_routes_rows_through_the_chosen_path(monkeypatch):
+    gemm, kernels, _ = _gemm({"cublas": 10.0, "split1": 5.0, "splitK": 6.0}, max_m=8)
+    x = torch.randn(2, 3, 32)  # 6 rows -> bucket 8
+    assert torch.equal(gemm(x, W, B), F.linear(x, W, B)) and kernels.runs == 0  # CPU: F.linear
+    monkeypatch.setattr(kernel_dispatch, "use_triton", lambda *tensors: True)
+    torch.testing.assert_close(gemm(x, W, B), F.linear(x, W, B))
+    assert kernels.last == "split1" and GemmKey(8, 24, 32, torch.float32, True) in gemm.choices
+    runs = kernels.runs
+    for too_many in (torch.randn(9, 32), torch.randn(3, 32).double()):  # rows, dtype: F.linear
+        gemm(too_many, W.to(too_many.dtype), B.to(too_many.dtype))
+    assert kernels.runs == runs
+    assert [m_bucket(m) for m in (1, 2, 3, 5, 9, 16)] == [1, 2, 4, 8, 16, 16]
+
+
+def test_layers_run_the_interpreted_kernel_when_bound(monkeypatch):
+    """Linear, its fused subclasses and LMHead, bound in mode "on": the kernel's result."""
+    monkeypatch.setattr(kernel_dispatch, "use_triton", lambda *tensors: True)
+    dtype = torch.float16
+    layers = [Linear(40, 24, bias=True, dtype=dtype, device=DEVICE), MergedLinear(40, [8, 12], dtype=dtype, device=DEVICE),
+              QKVLinear(40, 8, 2, 1, dtype=dtype, device=DEVICE), LMHead(50, 40, dtype=dtype, device=DEVICE)]
+    for layer in layers:
+        for p in layer.parameters():
+            p.data.normal_()
+    x = torch.randn(3, 40).to(dtype).to(DEVICE)
+    plain = [layer(x) for layer in layers]
+    gemm = prepare_small_m_linears(torch.nn.ModuleList(layers), max_m=4, mode="on")
+    assert all(layer.small_m is gemm for layer in layers)
+    calls = []
+    kernel = sm.small_m_linear
+    monkeypatch.setattr(sm, "small_m_linear", lambda *a: calls.append(1) or kernel(*a))
+    for layer, expected in zip(layers, plain):
+        got = layer(x)
+        assert got.dtype == expected.dtype
+        torch.testing.assert_close(got, expected, rtol=2e-3, atol=2e-3)
+    assert len(calls) == len(layers)
+
+
+def test_prepare_warms_every_bucket_and_binds_once(monkeypatch):
+    monkeypatch.setattr(kernel_dispatch, "use_triton", lambda *tensors: True)
+    head = LMHead(50, 32)
+    model = torch.nn.ModuleList([Linear(32, 24, bias=True), Linear(32, 24, bias=True), head])
+    for p in model.parameters():
+        p.data.normal_()
+    gemm, _, timer = _gemm({"cublas": 10.0, "split1": 5.0, "splitK": 6.0}, max_m=3)
+    assert prepare_small_m_linears([model, head], max_m=3, gemm=gemm) is gemm
+    assert gemm.max_m == 4
+    assert set(gemm.choices) == {GemmKey(m, n, 32, torch.float32, bias) for m in (1, 2, 4)
+                                 for n, bias in ((24, True), (50, False))}
+    assert len(timer.timed) == 6 * 3  # each key timed once: cuBLAS + two configs
+
+
+def test_off_and_cpu_bind_nothing():
+    layer = Linear(8, 4)
+    assert prepare_small_m_linears(layer, 4, "auto") is None and layer.small_m is None  # CPU
+    assert prepare_small_m_linears(layer, 4, "off") is None
+    with pytest.raises(ValueError, match="small_m_gemm"):
+        prepare_small_m_linears(layer, 4, "fast")
+    with pytest.raises(ValueError, match="small_m_gemm"):
+        ModelConfig(model="x", small_m_gemm="fast")
+
+
+def test_cli_flag_reaches_the_model_config():
+    import argparse
+
+    from foretell.cli_args import add_engine_args, engine_kwargs_from_args
+    from foretell.config import build_engine_config
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    kwargs = engine_kwargs_from_args(parser.parse_args(["--model", "m", "--small-m-gemm", "off"]))
+    assert build_engine_config("m", **kwargs).model.small_m_gemm == "off"
+    kwargs = engine_kwargs_from_args(parser.parse_args(["--model", "m"]))
+    assert build_engine_config("m", **kwargs).model.small_m_gemm == "auto"
