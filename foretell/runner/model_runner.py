@@ -19,6 +19,7 @@ from foretell.engine.scheduler import SchedulerOutput
 from foretell.engine.sequence import Logprob
 from foretell.layers.attention.backend import build_attention_backend
 from foretell.layers.sampler import NoiseSource, Sampler, SamplingBatch, compute_logprobs, row_seed
+from foretell.layers.small_m_dispatch import SmallMGemm, prepare_small_m_linears
 from foretell.models.base import HFConfig, ModelOptions
 from foretell.device_util import to_device
 from foretell.runner.cuda_graph import CudaGraphRunner
@@ -74,6 +75,7 @@ class ModelRunner:
         self.vocab_size = self.hf_config.language_model().vocab_size
         self.cache_plan = self._allocate_cache()
         self.max_model_len = self._max_model_len()
+        self.small_m_gemm: SmallMGemm | None = None  # bound with the graphs, before capture
         self.graphs = self._capture_graphs()
         self.draft_graphs = self._capture_draft_graphs()
         self.noise = NoiseSource(self.device, mc.seed)
@@ -163,7 +165,8 @@ class ModelRunner:
 
     def _capture_graphs(self) -> CudaGraphRunner | None:
         layers = self.model.attention_layers()
-        if self.config.model.enforce_eager or not all(layer.backend.graph_safe for layer in layers):
+        mc = self.config.model
+        if mc.enforce_eager or not all(layer.backend.graph_safe for layer in layers):
             return None
         spec = self.config.speculative
         query_lens = (1,) if spec is None else (1, spec.num_speculative_tokens + 1)
@@ -176,6 +179,13 @@ class ModelRunner:
             max_model_len=self.max_model_len,
             device=self.device,
         )
+        if graphs.captures:
+            # cuBLAS or the skinny GEMM, per shape, decided now: nothing is timed in a capture.
+            # Rows: a graph's batch bucket x query length, + 1 for a draft LM's catch-up rows.
+            drafter = self.proposer.draft_modules() if self.proposer else []
+            self.small_m_gemm = prepare_small_m_linears(
+                [self.model, *drafter], graphs.buckets[-1] * (max(query_lens) + 1), mc.small_m_gemm
+            )
         try:
             graphs.capture()
         except RuntimeError as e:  # e.g. a layer that reads host values: run eagerly instead

@@ -68,6 +68,9 @@ class DraftModelProposer(DraftLoopProposer):
     def kv_layers(self) -> list[nn.Module]:
         return self.model.attention_layers()
 
+    def draft_modules(self) -> list[nn.Module]:
+        return [self.model]
+
     @property
     def draft_dtype(self) -> torch.dtype:
         return self.options.dtype

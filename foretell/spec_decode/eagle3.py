@@ -136,6 +136,9 @@ class Eagle3Proposer(DraftLoopProposer):
     def kv_layers(self) -> list[nn.Module]:
         return self.head.attention_layers()
 
+    def draft_modules(self) -> list[nn.Module]:
+        return [self.head]
+
     @property
     def draft_dtype(self) -> torch.dtype:
         return self.options.dtype

@@ -85,6 +85,9 @@ class MTPProposer(DraftLoopProposer):
     def kv_layers(self) -> list[nn.Module]:
         return self.mtp.attention_layers()
 
+    def draft_modules(self) -> list[nn.Module]:
+        return [self.mtp]
+
     @property
     def draft_dtype(self) -> torch.dtype:
         return self.options.dtype

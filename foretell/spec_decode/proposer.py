@@ -78,6 +78,10 @@ class Proposer:
         """Attention layers of the drafter that need a DraftKVCache (none for n-gram)."""
         return []
 
+    def draft_modules(self) -> list[nn.Module]:
+        """The drafter's own modules (after load), e.g. for binding its linears' small-M GEMM."""
+        return []
+
     @property
     def draft_dtype(self) -> torch.dtype | None:
         return None

@@ -1,0 +1,174 @@
+"""The skinny GEMM (layers/small_m_gemm.py) on a CUDA device, bf16 and fp16 at Llama-3.1-8B's
+linear shapes, against a float64 product; no host sync in a launch; capture and replay in a CUDA
+graph; the dispatch (layers/small_m_dispatch.py) timing real layers; and whole models whose
+greedy tokens do not change when the kernel replaces cuBLAS (float32, so no near-ties).
+
+Every case draws fresh random inputs; a failure prints the seed that reproduces it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+pytest.importorskip("triton")
+
+from foretell import LLM, SamplingParams  # noqa: E402
+from foretell.layers import small_m_gemm as sm  # noqa: E402
+from foretell.layers.linear import Linear  # noqa: E402
+from foretell.layers.small_m_dispatch import GemmKey, SmallMGemm, prepare_small_m_linears  # noqa: E402
+
+DEVICE = torch.device("cuda")
+# Llama-3.1-8B: qkv_proj, o_proj, gate_up_proj, down_proj, lm_head.
+SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
+
+
+@contextlib.contextmanager
+def _reports_seed(seed: int):
+    try:
+        yield
+    except AssertionError as err:
+        raise AssertionError(f"seed {seed}: {err}") from None
+
+
+def _inputs(gen, m, n, k, dtype, bias=False):
+    x = torch.randn(m, k, generator=gen, device=DEVICE).to(dtype)
+    weight = (torch.randn(n, k, generator=gen, device=DEVICE) / k**0.5).to(dtype)
+    b = torch.randn(n, generator=gen, device=DEVICE).to(dtype) if bias else None
+    return x, weight, b
+
+
+def _check(got, x, weight, bias):
+    """Within one rounding of the dtype of the exact product, plus float32 accumulation."""
+    assert not torch.isnan(got).any()
+    assert got.shape == (x.shape[0], weight.shape[0]) and got.dtype == x.dtype and got.is_contiguous()
+    b64 = None if bias is None else bias.double()
+    exact = F.linear(x.double(), weight.double(), b64)
+    magnitude = F.linear(x.double().abs(), weight.double().abs(), None if b64 is None else b64.abs())
+    bound = torch.finfo(x.dtype).eps * exact.abs() + x.shape[1] * 2.0**-23 * magnitude + 1e-30
+    err = (got.double() - exact).abs()
+    assert (err <= bound).all(), f"max err {err.max():.3g}, worst err/bound {(err / bound).max():.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("m", [1, 4, 8])
+def test_matches_float64_at_llama8b_shapes(dtype, shape, m):
+    seed = random.randrange(2**31)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    n, k = shape
+    x, weight, _ = _inputs(gen, m, n, k, dtype)
+    with torch.inference_mode(), _reports_seed(seed):
+        for config in sm.candidate_configs(m, n, k, DEVICE):
+            _check(sm.small_m_linear(x, weight, None, config), x, weight, None)
+        # The float32 path of the brief: cuBLAS in float32 of the same inputs, as a cross-check.
+        expected = F.linear(x.float(), weight.float())
+        torch.testing.assert_close(sm.small_m_linear(x, weight).float(), expected,
+                                   rtol=2 * torch.finfo(dtype).eps, atol=1e-3)
+        del expected
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [3, 16])
+def test_bias_and_odd_rows(dtype, m):
+    seed = random.randrange(2**31)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    x, weight, bias = _inputs(gen, m, 1000, 4096 + 24, dtype, bias=True)
+    with torch.inference_mode(), _reports_seed(seed):
+        for config in sm.candidate_configs(m, 1000, 4096 + 24, DEVICE):
+            _check(sm.small_m_linear(x, weight, bias, config), x, weight, bias)
+
+
+def test_launches_do_not_sync_and_replay_in_a_cuda_graph():
+    seed = random.randrange(2**31)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    dtype, m, n, k = torch.bfloat16, 4, 4096, 4096
+    x, weight, bias = _inputs(gen, m, n, k, dtype, bias=True)
+    configs = sm.candidate_configs(m, n, k, DEVICE)
+    assert any(c.split_k > 1 for c in configs)  # both kernels of the split path are captured
+
+    def step():
+        return [sm.small_m_linear(x, weight, bias, c) for c in configs]
+
+    with torch.inference_mode():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step()  # compiles
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = step()
+        with _reports_seed(seed):
+            for _ in range(2):
+                x.copy_(torch.randn(m, k, generator=gen, device=DEVICE).to(dtype))
+                graph.replay()
+                for got, want in zip(static_out, step()):
+                    assert torch.equal(got, want)  # same kernels, same inputs: deterministic
+
+
+def test_dispatch_times_real_layers_and_keeps_choices_in_capture():
+    seed = random.randrange(2**31)
+    torch.manual_seed(seed)
+    layers = torch.nn.ModuleList(
+        [Linear(k, n, dtype=torch.bfloat16, device=DEVICE) for n, k in SHAPES[:2]]
+    )
+    for p in layers.parameters():
+        p.data.normal_(std=0.02)
+    with torch.inference_mode(), _reports_seed(seed):
+        gemm = prepare_small_m_linears(layers, max_m=4)
+        assert isinstance(gemm, SmallMGemm) and all(layer.small_m is gemm for layer in layers)
+        assert len(gemm.choices) == 2 * 3 and len(gemm.timings) == 6  # M buckets 1, 2, 4
+        print(gemm.summary())
+        x = torch.randn(4, 4096, device=DEVICE).to(torch.bfloat16)
+        eager = [layer(x) for layer in layers]
+        for layer, got in zip(layers, eager):
+            torch.testing.assert_close(got.float(), F.linear(x, layer.weight).float(), rtol=1.6e-2, atol=1e-2)
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            captured = [layer(x) for layer in layers]
+        graph.replay()
+        for layer, got, want in zip(layers, captured, eager):
+            if gemm.choices[GemmKey(4, *layer.weight.shape, torch.bfloat16, False)] is not None:
+                assert torch.equal(got, want)  # the capture took the same (cached) kernel
+            else:
+                torch.testing.assert_close(got, want)  # cuBLAS, maybe another algorithm
+
+
+PROMPTS = ["The cat reads the book. The cat", "def add(x):\n    return", "a b a b a b", "Question:"]
+
+
+def _generate(folder, mode, **kwargs):
+    llm = LLM(folder, device="cuda", dtype="float32", num_kv_blocks=256, max_num_seqs=8,
+              small_m_gemm=mode, **kwargs)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+    return llm, [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("checkpoint", ["qwen3_checkpoint", "llama31_checkpoint"])
+@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3}])
+def test_greedy_tokens_unchanged_by_the_kernel(checkpoint, spec, request):
+    folder = request.getfixturevalue(checkpoint)
+    off_llm, off = _generate(folder, "off", speculative_config=spec)
+    assert off_llm.engine.runner.small_m_gemm is None
+    on_llm, on = _generate(folder, "on", speculative_config=spec)
+    gemm = on_llm.engine.runner.small_m_gemm
+    assert gemm is not None and gemm.choices and all(c is not None for c in gemm.choices.values())
+    assert on == off
+    _, auto = _generate(folder, "auto", speculative_config=spec)
+    assert auto == off
