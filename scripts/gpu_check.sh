@@ -11,4 +11,5 @@ python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider -o addopts="" 2>&1 | t
 [ "${2:-}" = "--skip-attention" ] || python3 scripts/bench_attention.py "$out" --quick 2>&1 | tail -30
 python3 scripts/bench_fused.py "$out" --quick 2>&1 | tail -20
 python3 scripts/bench_mla_moe.py "$out" --quick 2>&1 | tail -30
+python3 scripts/bench_small_m_gemm.py "$out" --quick 2>&1 | tail -16
 python3 scripts/bench_gpu.py "$out" 2>&1 | tee "$out/bench_gpu.log" | grep -v "^max_model_len"
