@@ -179,6 +179,21 @@ def test_a_kernel_that_disagrees_is_never_used():
     assert timer.timed == ["cublas"]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_agreement_check_takes_rounding_not_errors(dtype):
+    from foretell.layers.small_m_dispatch import _agree
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 4096, generator=gen).to(dtype)
+    w = (torch.randn(300, 4096, generator=gen) / 64).to(dtype)
+    expected = F.linear(x.float(), w.float()).to(dtype)
+    other_order = (x.float()[:, None, :] * w.float()[None]).sum(-1).to(dtype)  # [4, 300]
+    assert _agree(other_order, expected, x, w)
+    broken = other_order.clone()
+    broken[:, 7] = 0
+    assert not _agree(broken, expected, x, w)
+
+
 def test_capture_uses_the_cached_choice_or_cublas():
     gemm, kernels, timer = _gemm({"cublas": 10.0, "split1": 5.0, "splitK": 6.0}, capturing=True)
     assert gemm.choose(KEY, W, B) is None  # undecided during capture: cuBLAS, nothing timed
