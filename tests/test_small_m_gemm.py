@@ -194,6 +194,16 @@ def test_agreement_check_takes_rounding_not_errors(dtype):
     assert not _agree(broken, expected, x, w)
 
 
+def test_a_kernel_that_fails_to_compile_loses_to_cublas():
+    gemm, kernels, timer = _gemm({"cublas": 10.0, "split1": 1.0, "splitK": 1.0})
+
+    def broken(x, weight, bias, config):
+        raise RuntimeError("triton compile error")
+
+    kernels.small_m_linear = broken
+    assert gemm.choose(KEY, W, B) is None and timer.timed == ["cublas"]
+
+
 def test_capture_uses_the_cached_choice_or_cublas():
     gemm, kernels, timer = _gemm({"cublas": 10.0, "split1": 5.0, "splitK": 6.0}, capturing=True)
     assert gemm.choose(KEY, W, B) is None  # undecided during capture: cuBLAS, nothing timed

@@ -9,7 +9,7 @@ It owns a decision per GemmKey (rows rounded up to a power of two, N, K, dtype, 
   - mode "auto": at the first call of a key (or when warmed up front) F.linear and each of the
     kernel's candidate configs run on random rows against the layer's own weight, timed on the
     device (L2 flushed before each rep, as a decode step reads its weights from HBM); the kernel
-    wins only if it gives the same result and beats cuBLAS by MIN_SPEEDUP. During CUDA-graph
+    wins only if it compiles, gives the same result and beats cuBLAS by MIN_SPEEDUP. During CUDA-graph
     capture nothing is timed: a decided key keeps its choice, an undecided one gets cuBLAS.
 So the kernel can make a layer no slower than cuBLAS was when timed. Everything it does not
 apply to (many rows, CPU tensors, autograd, odd dtypes or strides) goes to F.linear unasked.
@@ -168,10 +168,14 @@ class SmallMGemm:
         best, best_time = None, times["cublas"] / MIN_SPEEDUP
         for config in self.kernels.candidate_configs(key.m_bucket, key.n, key.k, device):
             run = lambda config=config: self.kernels.small_m_linear(x, weight, bias, config)  # noqa: E731
-            if not _agree(run(), expected, x, weight):
-                logger.warning("small-M GEMM %s disagrees with F.linear at %s; not used", config, key)
+            try:  # a config that fails to compile (or to launch) just loses to cuBLAS
+                if not _agree(run(), expected, x, weight):
+                    logger.warning("small-M GEMM %s disagrees with F.linear at %s; not used", config, key)
+                    continue
+                times[str(config)] = self.timer(run, device)
+            except Exception as e:  # noqa: BLE001 (triton's compile errors have no common base)
+                logger.warning("small-M GEMM %s failed at %s, not used: %s", config, key, e)
                 continue
-            times[str(config)] = self.timer(run, device)
             if times[str(config)] < best_time:
                 best, best_time = config, times[str(config)]
         self.timings[key] = times
