@@ -69,8 +69,6 @@ def bench_shape(name, n, k, rows, dtype, rep, gemm) -> list[dict]:
             cublas_gbps=moved / us["cublas"] / 1e3, triton_gbps=moved / us[best] / 1e3,
             auto="cublas" if choice is None else str(choice), max_abs_err=err,
         ))
-    del weights
-    torch.cuda.empty_cache()
     return results
 
 
@@ -118,6 +116,7 @@ def main() -> None:
                 print(f"{name:8} {n:>6} {k:>6} {r['m']:>3} {r['cublas_us']:>10.1f} {r['triton_us']:>10.1f} "
                       f"{r['cublas_gbps']:>12.0f} {r['triton_gbps']:>12.0f} "
                       f"{r['cublas_us'] / r['triton_us']:>7.2f}x {auto:>6}  {r['triton_config']}", flush=True)
+            torch.cuda.empty_cache()  # the last shape's weight copies
     totals = step_totals(results)
     for m, t in totals.items():
         print(f"decode step (32 layers + lm_head) at M={m}: cuBLAS {t['cublas_ms']:.2f} ms, "
