@@ -107,6 +107,54 @@ def llama_baseline(batches):
     return out
 
 
+@section("llama_small_m_off")
+def llama_small_m_off():
+    """The same graphs with every linear on cuBLAS: the small-M GEMM's before/after."""
+    llm = make_llm(f"{CONFIGS}/llama-3.1-8b", small_m_gemm="off", max_num_seqs=4)
+    graphs = llm.engine.runner.graphs.graphs
+    out = {"decode_graph_ms_b1": event_ms(graphs[(1, 1)].graph.replay), "decode": decode_tok_s(llm, 1)}
+    free(llm)
+    return out
+
+
+@section("default_family")
+def default_family():
+    """The shipped default models (bf16, batch 1, GSM8K test prompts, greedy, k=3): tok/s of each
+    drafter against plain decoding in the same process, and acceptance."""
+    from foretell.defaults import member_path
+    from foretell.training.recipe_measure import gsm8k_test_prompts
+
+    prompts = gsm8k_test_prompts(12)
+    params = SamplingParams(temperature=0, max_tokens=128)
+    out = {}
+    for family, methods in (("qwen3", ("eagle3", "draft_model", "ngram")), ("deepseek", ("mtp", "eagle3", "draft_model", "ngram"))):
+        rows = {}
+        for method in ("none",) + methods:
+            spec = None if method == "none" else {"method": method, "num_speculative_tokens": 3}
+            if method in ("eagle3", "draft_model"):
+                spec["model"] = member_path(method, family)
+            llm = LLM(member_path("target", family), device="cuda", dtype="bfloat16", max_num_seqs=4,
+                      speculative_config=spec, log_stats_interval_s=0)
+            llm.generate(prompts[:2], params, use_tqdm=False)
+            before = dict(llm.get_stats())
+            start, tokens = time.perf_counter(), 0
+            for prompt in prompts:  # batch 1
+                tokens += len(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
+            seconds = time.perf_counter() - start
+            s = llm.get_stats()
+            drafts = max(s.get("num_drafts", 0) - before.get("num_drafts", 0), 1)
+            draft_s = s["draft_time_s"] - before["draft_time_s"]
+            target_s = s["target_time_s"] - before["target_time_s"]
+            rows[method] = {"tok_s": tokens / seconds, "tokens": tokens, "draft_time_share": draft_s / (draft_s + target_s),
+                            "mean_acceptance_length": None if spec is None else
+                            1 + (s["num_accepted_tokens"] - before["num_accepted_tokens"]) / drafts}
+            free(llm)
+        for row in rows.values():
+            row["speedup"] = row["tok_s"] / rows["none"]["tok_s"]
+        out[family] = rows
+    return out
+
+
 @section("llama_eager_b1")
 def llama_eager():
     llm = make_llm(f"{CONFIGS}/llama-3.1-8b", enforce_eager=True, max_num_seqs=4)
@@ -134,7 +182,12 @@ def llama_eagle3(batches, mean_length=2.93):
     pos = torch.tensor([100], device="cuda")
     state = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
     with torch.inference_mode():
-        out["draft_step_ms_b1"] = event_ms(lambda: proposer.chain_step(tok, pos, meta, state))
+        out["draft_step_eager_ms_b1"] = event_ms(lambda: proposer.chain_step(tok, pos, meta, state))
+    # The graphed draft loop (catch-up + k - 1 chained steps, what a greedy verify step runs):
+    # per draft step = loop / k.
+    loop = runner.draft_graphs.graphs[1].graph
+    out["draft_loop_graph_ms_b1"] = event_ms(loop.replay)
+    out["draft_step_ms_b1"] = out["draft_loop_graph_ms_b1"] / 3
     out["draft_over_decode"] = out["draft_step_ms_b1"] / out["decode_graph_ms_b1"]
     out["spec"] = []
     for b in batches:
@@ -224,6 +277,8 @@ def main() -> None:
     RESULTS["torch"] = torch.__version__
     llama_baseline(batches)
     llama_eagle3(batches)
+    llama_small_m_off()
+    default_family()
     bf16_agreement()
     llama_eager()
     deepseek_v2_lite(args.bandwidth)
