@@ -34,6 +34,7 @@ from foretell.spec_decode.proposer import catch_up_metadata  # noqa: E402
 
 CONFIGS = os.path.join(ROOT, "foretell", "configs")
 RESULTS: dict = {}
+OUT_DIR: list[str] = []  # set by main()
 
 
 def event_ms(fn, iters: int = 50, warmup: int = 5) -> float:
@@ -77,6 +78,12 @@ def decode_tok_s(llm: LLM, batch: int, prompt_len: int = 128, new_tokens: int = 
     decode_s = max(last - first, 1e-9)
     return {"batch": batch, "tok_s": batch * (new_tokens - 1) / decode_s,
             "ms_per_step": 1000 * decode_s / max(steps - 1, 1), "steps": steps}
+
+
+def save() -> None:
+    if OUT_DIR:
+        with open(os.path.join(OUT_DIR[0], "bench_gpu.json"), "w") as f:
+            json.dump(RESULTS, f, indent=2, default=str)
 
 
 def section(name):
