@@ -1,6 +1,6 @@
 """Train foretell's default model family (issue 8, part 2) from public data, on one GPU.
 
-  python scripts/train_default_models.py            # full recipe: one H200, about 8 minutes
+  python scripts/train_default_models.py            # full recipe: one H200, about 11 minutes
   python scripts/train_default_models.py --smoke    # tiny sizes on the CPU, a couple of minutes
 
 Corpus: the Python standard library's source on this machine + GSM8K train (corpus.py). Steps:
@@ -51,6 +51,7 @@ log = logging.getLogger("recipe")
 NAMES = {"target": "qwen3-target", "draft": "qwen3-draft", "eagle3": "qwen3-eagle3",
          "ds_target": "deepseek-target", "ds_eagle3": "deepseek-eagle3"}
 FAMILIES = {"qwen3": ("target", "draft", "eagle3"), "deepseek": ("ds_target", "ds_eagle3")}
+LM_ROLES = ("target", "draft", "ds_target")  # pretrained LMs (kept by --reuse-lms); the rest are heads
 
 # Sizes and budgets. "gpu" fits about 8 minutes on one H200 and 40 MB of bf16 weights in all;
 # "smoke" runs in a couple of minutes on a CPU.
@@ -66,8 +67,8 @@ PRESETS = {
         target_steps=20000, target_batch=64, target_lr=3e-3, target_minutes=2.3,
         draft_steps=20000, draft_batch=64, draft_lr=4e-3, draft_minutes=0.5,
         ds_target_steps=20000, ds_target_batch=64, ds_target_lr=3e-3, ds_target_minutes=2.6, mtp_weight=0.3,
-        head_gsm8k_prompts=5000, head_code_prompts=800, head_regen_tokens=128, head_max_len=512,
-        head_epochs=8, head_batch=32, head_lr=1e-3, head_minutes=1.8, ds_head_minutes=1.5, draft_vocab_size=2048,
+        head_gsm8k_prompts=7473, head_perturbed_prompts=7473, head_code_prompts=1500, head_regen_tokens=128,
+        head_max_len=512, head_epochs=8, head_batch=32, head_lr=1e-3, head_minutes=4.5, ds_head_minutes=1.5, draft_vocab_size=2048,
         ds_head_aux_layers=[1, 2, 3],
         measure_prompts=200, measure_tokens=128, device="cuda",
     ),
@@ -82,7 +83,7 @@ PRESETS = {
         target_steps=40, target_batch=8, target_lr=3e-3, target_minutes=0.2,
         draft_steps=20, draft_batch=8, draft_lr=3e-3, draft_minutes=0.1,
         ds_target_steps=30, ds_target_batch=8, ds_target_lr=3e-3, ds_target_minutes=0.2, mtp_weight=0.3,
-        head_gsm8k_prompts=24, head_code_prompts=8, head_regen_tokens=24, head_max_len=128,
+        head_gsm8k_prompts=24, head_perturbed_prompts=8, head_code_prompts=8, head_regen_tokens=24, head_max_len=128,
         head_epochs=2, head_batch=8, head_lr=3e-3, head_minutes=0.2, ds_head_minutes=0.2, draft_vocab_size=256,
         ds_head_aux_layers=[1, 2, 3],
         measure_prompts=6, measure_tokens=24, device="cpu",
@@ -100,6 +101,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--family", choices=["all", *FAMILIES], default="all",
                    help="train one family only (reuses the tokenizer and corpus in --work if there)")
     p.add_argument("--sequential", action="store_true", help="on a GPU too, one family after the other")
+    p.add_argument("--reuse-lms", action="store_true",
+                   help="keep the pretrained LMs already in --out (their stats from its recipe_metrics.json); "
+                        "retrain the heads and measure again")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # the recipe's second process
     p.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                    help="override a preset value, e.g. --set target_minutes=4 --set head_epochs=3 "
@@ -240,15 +244,19 @@ def finish_hf_folder(folder: str, data: dict) -> None:
 
 def head_prompts(path: str, gsm8k_path: str, p, seed: int) -> str:
     """Prompts the target answers for the head's training data: GSM8K train questions in the
-    benchmark's plain format and (a quarter of them) as chats, plus openings of stdlib files."""
+    benchmark's plain format and (a quarter of them) as chats, the first head_perturbed_prompts
+    of them again with fresh numbers (answered as unseen questions are, not from memory), and
+    openings of stdlib files."""
     rng = random.Random(seed)
     problems = corpus.read_gsm8k(gsm8k_path)[: p.head_gsm8k_prompts]
+    questions = [pr["question"] for pr in problems]
+    questions += [corpus.perturb_numbers(q, rng) for q in questions[: p.head_perturbed_prompts]]
     records = []
-    for i, problem in enumerate(problems):
+    for i, question in enumerate(questions):
         if i % 4 == 3:
-            records.append({"messages": [{"role": "user", "content": problem["question"]}]})
+            records.append({"messages": [{"role": "user", "content": question}]})
         else:
-            records.append({"prompt": f"Question: {problem['question']}\nAnswer:"})
+            records.append({"prompt": f"Question: {question}\nAnswer:"})
     files = corpus.stdlib_files(include_tests=False)
     for f in rng.sample(files, min(p.head_code_prompts, len(files))):
         try:
@@ -289,8 +297,11 @@ def train_head(p, target_dir: str, data: dict, work: str, out: str, minutes: flo
 
 def qwen3_family(args, data: dict, dirs: dict) -> dict:
     p, work = args.p, os.path.join(args.work, "qwen3")
-    target = train_qwen3("target", p, data, dirs["target"], args.seed)
-    draft = train_qwen3("draft", p, data, dirs["draft"], args.seed + 1)
+    if args.reuse_lms:
+        target, draft = data["previous"]["target"], data["previous"]["draft"]
+    else:
+        target = train_qwen3("target", p, data, dirs["target"], args.seed)
+        draft = train_qwen3("draft", p, data, dirs["draft"], args.seed + 1)
     head = train_head(p, dirs["target"], data, os.path.join(work, "eagle3"), dirs["eagle3"], p.head_minutes, args.seed)
     prompts = gsm8k_test_prompts(p.measure_prompts)
     spec = dict(num_speculative_tokens=3)
@@ -312,7 +323,10 @@ def qwen3_family(args, data: dict, dirs: dict) -> dict:
 
 def deepseek_family(args, data: dict, dirs: dict) -> dict:
     p, work = args.p, os.path.join(args.work, "deepseek")
-    target = train_deepseek(p, data, dirs["ds_target"], args.seed + 2)
+    if args.reuse_lms:
+        target = data["previous"]["ds_target"]
+    else:
+        target = train_deepseek(p, data, dirs["ds_target"], args.seed + 2)
     head = train_head(p, dirs["ds_target"], data, os.path.join(work, "eagle3"), dirs["ds_eagle3"], p.ds_head_minutes,
                       args.seed + 3, p.ds_head_aux_layers)
     prompts = gsm8k_test_prompts(p.measure_prompts)
@@ -342,19 +356,28 @@ def main(argv=None) -> int:
     if p.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("the full recipe needs a CUDA GPU; use --smoke for a CPU run")
     os.makedirs(args.work, exist_ok=True)
-    data = prepare_data(args)
+    previous_path = os.path.join(args.out, "recipe_metrics.json")
+    if args.reuse_lms:  # no corpus or tokenizer to build: the LMs are there
+        previous = json.load(open(previous_path))
+        data = {"gsm8k": corpus.find_gsm8k_train(args.gsm8k), "corpus": previous["corpus"], "previous": previous}
+    else:
+        data = prepare_data(args)
     data["hardware"] = torch.cuda.get_device_name() if p.device == "cuda" else "CPU"
     dirs = {role: os.path.join(args.out, name) for role, name in NAMES.items()}
     families = list(FAMILIES) if args.family == "all" else [args.family]
     for family in families:
         for role in FAMILIES[family]:
-            shutil.rmtree(dirs[role], ignore_errors=True)
-    summary = {"corpus": data["corpus"], "hardware": data["hardware"], "commit": _commit(), "preset": vars(p)}
+            if not (args.reuse_lms and role in LM_ROLES):
+                shutil.rmtree(dirs[role], ignore_errors=True)
+    run = {"hardware": data["hardware"], "commit": _commit(), "preset": vars(p), "family": args.family,
+           "reuse_lms": args.reuse_lms}
+    summary = {"corpus": data["corpus"], **run}
     background = None
     if families == list(FAMILIES) and p.device == "cuda" and not args.sequential:
         # The DeepSeek family in a second process, sharing the GPU and the prepared data.
         cmd = [sys.executable, os.path.abspath(__file__), "--family", "deepseek", "--child", "--out", args.out,
                "--work", args.work, "--seed", str(args.seed)] + [f"--set={s}" for s in args.set]
+        cmd += ["--reuse-lms"] if args.reuse_lms else []
         background = subprocess.Popen(cmd)
         families = ["qwen3"]
     for family in families:
@@ -370,10 +393,16 @@ def main(argv=None) -> int:
         else:
             summary.update(json.load(open(path)))
     summary["total_s"] = time.time() - t0
-    name = "recipe_metrics.json" if args.family == "all" else f"recipe_metrics_{args.family}.json"
     if not args.child:
-        write_json(os.path.join(args.work, name), summary)
-        write_json(os.path.join(args.out, name), summary)
+        if args.family != "all" and os.path.isfile(previous_path):
+            # One family again: the other family's entries stay; each run is listed.
+            merged = json.load(open(previous_path))
+            runs = merged.pop("runs", [{k: merged.get(k) for k in ("hardware", "commit", "preset", "total_s")}])
+            merged.update(summary)
+            merged["runs"] = runs + [dict(run, total_s=summary["total_s"])]
+            summary = merged
+        write_json(os.path.join(args.work, "recipe_metrics.json"), summary)
+        write_json(previous_path, summary)
     log.info("done in %.0f s; models in %s", summary["total_s"], args.out)
     print(json.dumps({"total_s": summary["total_s"], **{k: v for k, v in summary.items() if "measured" in k}},
                      indent=2, default=str))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import sysconfig
 
 SKIPPED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
@@ -88,3 +89,15 @@ def gsm8k_documents(problems: list[dict], seed: int = 0) -> list[str]:
         i += n
     docs += [gsm8k_chatml(p) for p in problems]
     return docs
+
+
+def perturb_numbers(text: str, rng: random.Random) -> str:
+    """The same question with fresh numbers (each integer redrawn with as many digits), so a
+    target that memorised GSM8K train must answer it as it would an unseen question."""
+
+    def redraw(match: re.Match) -> str:
+        digits = len(match.group())
+        low = 10 ** (digits - 1) if digits > 1 else 1
+        return str(rng.randint(low, 10**digits - 1))
+
+    return re.sub(r"\d+", redraw, text)
