@@ -36,8 +36,10 @@ class ModelConfig:
     skip_tokenizer_init: bool = False
     # Few-row matmuls (decode, verify) on CUDA with graphs: auto times cuBLAS against the skinny
     # Triton GEMM once per shape at start-up and keeps the faster; on: always the kernel; off:
-    # always cuBLAS (layers/small_m_dispatch.py).
-    small_m_gemm: str = "auto"
+    # always cuBLAS (layers/small_m_dispatch.py). Off by default: on the H200 the kernel only
+    # matches cuBLAS at M = 1 and auto's start-up timing picked it where graph replays were
+    # slower (decode graph 4.73 ms auto vs 4.55 ms off; BENCHMARKS.md).
+    small_m_gemm: str = "off"
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:

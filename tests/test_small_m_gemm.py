@@ -290,7 +290,7 @@ def test_cli_flag_reaches_the_model_config():
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    kwargs = engine_kwargs_from_args(parser.parse_args(["--model", "m", "--small-m-gemm", "off"]))
-    assert build_engine_config("m", **kwargs).model.small_m_gemm == "off"
-    kwargs = engine_kwargs_from_args(parser.parse_args(["--model", "m"]))
+    kwargs = engine_kwargs_from_args(parser.parse_args(["--model", "m", "--small-m-gemm", "auto"]))
     assert build_engine_config("m", **kwargs).model.small_m_gemm == "auto"
+    kwargs = engine_kwargs_from_args(parser.parse_args(["--model", "m"]))
+    assert build_engine_config("m", **kwargs).model.small_m_gemm == "off"
