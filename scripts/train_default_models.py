@@ -104,6 +104,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reuse-lms", action="store_true",
                    help="keep the pretrained LMs already in --out (their stats from its recipe_metrics.json); "
                         "retrain the heads and measure again")
+    p.add_argument("--cards-only", action="store_true",
+                   help="rewrite the model cards in --out from its recipe_metrics.json, train nothing")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # the recipe's second process
     p.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                    help="override a preset value, e.g. --set target_minutes=4 --set head_epochs=3 "
@@ -242,7 +244,7 @@ def finish_hf_folder(folder: str, data: dict) -> None:
                {"bos_token_id": special["<|endoftext|>"], "eos_token_id": eos, "pad_token_id": special["<|endoftext|>"]})
 
 
-def head_prompts(path: str, gsm8k_path: str, p, seed: int) -> str:
+def head_prompts(path: str, gsm8k_path: str, p, seed: int) -> tuple[str, dict]:
     """Prompts the target answers for the head's training data: GSM8K train questions in the
     benchmark's plain format and (a quarter of them) as chats, the first head_perturbed_prompts
     of them again with fresh numbers (answered as unseen questions are, not from memory), and
@@ -269,7 +271,8 @@ def head_prompts(path: str, gsm8k_path: str, p, seed: int) -> str:
     with open(path, "w") as f:
         for r in records:
             f.write(json.dumps(r) + "\n")
-    return path
+    fresh = min(p.head_perturbed_prompts, len(problems))
+    return path, {"gsm8k": len(problems), "gsm8k_fresh_numbers": fresh, "code": len(records) - len(problems) - fresh}
 
 
 def train_head(p, target_dir: str, data: dict, work: str, out: str, minutes: float, seed: int,
@@ -278,13 +281,13 @@ def train_head(p, target_dir: str, data: dict, work: str, out: str, minutes: flo
     default 2, N // 2, N - 3)."""
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
-    prompts = head_prompts(os.path.join(work, "head_prompts.jsonl"), data["gsm8k"], p, seed)
+    prompts, sources = head_prompts(os.path.join(work, "head_prompts.jsonl"), data["gsm8k"], p, seed)
     cfg = TrainConfig(target=target_dir, data=[prompts], out=work, regenerate=True,
                       regen_max_tokens=p.head_regen_tokens, regen_max_num_seqs=512, draft_vocab_size=p.draft_vocab_size,
                       ttt_steps=7, max_len=p.head_max_len, epochs=p.head_epochs, batch_size=p.head_batch,
                       lr=p.head_lr, time_budget_s=60 * minutes, eval_fraction=0.05, device=p.device,
                       seed=seed, warmup_ratio=0.05, aux_layer_ids=aux_layers)
-    metrics = train_eagle3(cfg)
+    metrics = dict(train_eagle3(cfg), prompt_sources=sources)
     os.makedirs(out, exist_ok=True)
     for name in ("config.json", "model.safetensors"):
         shutil.copy(os.path.join(work, name), out)
@@ -311,14 +314,18 @@ def qwen3_family(args, data: dict, dirs: dict) -> dict:
     }, prompts, p.measure_tokens, p.device)
     measured["teacher_forced"] = teacher_forced(dirs["target"], dirs["eagle3"], prompts, p.measure_tokens, p.device, work)
     s = {"target": target, "draft": draft, "head": head, "measured": measured}
-    hw, c = data["hardware"], data["corpus"]
-    cards.write_card(dirs["target"], "qwen3-target (foretell default model family)", cards.qwen3_card("target", target, c, hw))
-    cards.write_card(dirs["draft"], "qwen3-draft (foretell default model family)", cards.qwen3_card("draft", draft, c, hw) + [
+    write_qwen3_cards(dirs, s, data)
+    return s
+
+
+def write_qwen3_cards(dirs: dict, s: dict, data: dict) -> None:
+    hw, c, measured = data["hardware"], data["corpus"], s["measured"]
+    cards.write_card(dirs["target"], "qwen3-target (foretell default model family)", cards.qwen3_card("target", s["target"], c, hw))
+    cards.write_card(dirs["draft"], "qwen3-draft (foretell default model family)", cards.qwen3_card("draft", s["draft"], c, hw) + [
         "", "## Measured acceptance (greedy, k=3, GSM8K test prompts)", "",
         *cards.drafter_lines(measured, "draft_model", "as the draft model of qwen3-target")])
     cards.write_card(dirs["eagle3"], "qwen3-eagle3 (foretell default model family)", cards.head_card(
-        "qwen3-target", target["config"]["hidden_size"], head, measured, hw))
-    return s
+        "qwen3-target", s["target"]["config"]["hidden_size"], s["head"], measured, hw))
 
 
 def deepseek_family(args, data: dict, dirs: dict) -> dict:
@@ -338,21 +345,28 @@ def deepseek_family(args, data: dict, dirs: dict) -> dict:
     }, prompts, p.measure_tokens, p.device)
     measured["teacher_forced"] = teacher_forced(dirs["ds_target"], dirs["ds_eagle3"], prompts, p.measure_tokens,
                                                 p.device, work)
-    hw = data["hardware"]
+    s = {"ds_target": target, "ds_head": head, "ds_measured": measured}
+    write_deepseek_cards(dirs, s, data)
+    return s
+
+
+def write_deepseek_cards(dirs: dict, s: dict, data: dict) -> None:
+    hw, measured = data["hardware"], s["ds_measured"]
     cards.write_card(dirs["ds_target"], "deepseek-target (foretell default model family)",
-                     cards.deepseek_card(target, data["corpus"], hw) + [
+                     cards.deepseek_card(s["ds_target"], data["corpus"], hw) + [
                          "", "## Measured acceptance of the MTP layer (greedy, GSM8K test prompts)", "",
                          *cards.drafter_lines(measured, "mtp_k1", "MTP, k=1"),
                          *cards.drafter_lines(measured, "mtp", "MTP, k=3 (the one layer reused for each step)")])
     cards.write_card(dirs["ds_eagle3"], "deepseek-eagle3 (foretell default model family)", cards.head_card(
-        "deepseek-target (MLA + MoE)", target["config"]["hidden_size"], head, measured, hw))
-    return {"ds_target": target, "ds_head": head, "ds_measured": measured}
+        "deepseek-target (MLA + MoE)", s["ds_target"]["config"]["hidden_size"], s["ds_head"], measured, hw))
 
 
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parse_args(argv)
     p, t0 = args.p, time.time()
+    if args.cards_only:
+        return rewrite_cards(args.out, os.path.join(args.out, "recipe_metrics.json"))
     if p.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("the full recipe needs a CUDA GPU; use --smoke for a CPU run")
     os.makedirs(args.work, exist_ok=True)
@@ -407,6 +421,18 @@ def main(argv=None) -> int:
     print(json.dumps({"total_s": summary["total_s"], **{k: v for k, v in summary.items() if "measured" in k}},
                      indent=2, default=str))
     return 0 if "ds_error" not in summary else 1
+
+
+def rewrite_cards(out: str, metrics_path: str) -> int:
+    summary = json.load(open(metrics_path))
+    dirs = {role: os.path.join(out, name) for role, name in NAMES.items()}
+    data = {"hardware": summary["hardware"], "corpus": summary["corpus"]}
+    for measured in ("measured", "ds_measured"):  # metrics written before the dtype was recorded
+        summary[measured].setdefault("dtype", "float32" if summary["hardware"] == "CPU" else "bfloat16")
+    write_qwen3_cards(dirs, summary, data)
+    write_deepseek_cards(dirs, summary, data)
+    log.info("cards rewritten in %s", out)
+    return 0
 
 
 def _commit() -> str | None:

@@ -81,8 +81,7 @@ def head_card(target_name: str, target_hidden: int, head: dict, measured: dict, 
         "SpecForge's 'output of layer j' convention)", "",
         "## Training", "",
         f"- `foretell train-eagle3 --regenerate`: the target's own greedy answers to "
-        f"{head['num_train_examples'] + head['num_eval_examples']} prompts (GSM8K train questions, plain and chat, "
-        "and openings of standard-library files)",
+        f"{head['num_train_examples'] + head['num_eval_examples']} prompts ({prompt_sources(head)})",
         f"- training-time test with 7 steps, {head['steps']} steps, {head['train_time_s']:.0f} s on {hardware}, "
         f"final loss {head['final_loss']:.3f}",
         f"- held-out teacher-forced acceptance per position: {fmt(ev.get('acceptance_per_position', []))}", "",
@@ -92,6 +91,15 @@ def head_card(target_name: str, target_hidden: int, head: dict, measured: dict, 
         f"- teacher-forced, replaying the engine's walk: {fmt(tf['engine_walk']['acceptance_per_position'])}; "
         f"over all rows: {fmt(tf['acceptance_per_position'][:3])}",
     ]
+
+
+def prompt_sources(head: dict) -> str:
+    counts = head.get("prompt_sources")
+    if counts is None:  # recorded since the fresh-number questions were added
+        return "GSM8K train questions, plain and chat, and openings of standard-library files"
+    fresh = f", {counts['gsm8k_fresh_numbers']} of them again with fresh numbers" if counts["gsm8k_fresh_numbers"] else ""
+    code = f"{counts['code']} openings" if counts.get("code") is not None else "openings"
+    return f"{counts['gsm8k']} GSM8K train questions, plain and chat{fresh}, and {code} of standard-library files"
 
 
 def drafter_lines(measured: dict, method: str, what: str) -> list[str]:
@@ -104,7 +112,10 @@ def drafter_lines(measured: dict, method: str, what: str) -> list[str]:
 
 def equal_line(measured: dict, method: str) -> str:
     n = measured["prompts"]
-    return f"greedy output identical to plain greedy on {n - measured[method]['greedy_mismatch_prompts']} of {n} prompts"
+    line = f"greedy output identical to plain greedy on {n - measured[method]['greedy_mismatch_prompts']} of {n} prompts"
+    if measured.get("dtype") == "bfloat16":
+        line += " (bfloat16: near-tied logits flip some greedy tokens; in float32 every output is identical, as the tests check)"
+    return line
 
 
 def fmt(values) -> str:

@@ -30,7 +30,8 @@ def measure_methods(target_dir: str, methods: dict[str, dict | None], prompts: l
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     engine = dict(device=device, kv_cache_memory_bytes=2 << 30, max_num_seqs=256)
-    results: dict = {"prompts": len(prompts), "max_tokens": max_tokens}
+    results: dict = {"prompts": len(prompts), "max_tokens": max_tokens,
+                     "dtype": "bfloat16" if device.startswith("cuda") else "float32"}  # the engine's auto
     baseline = None
     for name, spec in methods.items():
         try:
