@@ -17,10 +17,7 @@ Prints a table and writes OUT_DIR/bench_attention.json.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import subprocess
 import sys
 
 import torch
@@ -28,6 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench_result import write_result  # noqa: E402
 from foretell.layers.attention.metadata import AttentionMetadata  # noqa: E402
 from foretell.layers.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 
@@ -186,30 +184,13 @@ def main() -> None:
               f"{r['max_abs_err_vs_torch']:>8.1e}", flush=True)
         torch.cuda.empty_cache()
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, cwd=os.path.dirname(os.path.abspath(__file__)),
-                                check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
-    result = {
-        "benchmark": "attention",
-        "device": torch.cuda.get_device_name(),
+    write_result(args.out_dir, "bench_attention", "attention", {
         "dtype": args.dtype,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "commit": commit,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "shapes": dict(num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
                        block_size=BLOCK_SIZE),
         "timing": "median of triton.testing.do_bench / do_bench_cudagraph, microseconds",
         "rows": rows,
-    }
-    os.makedirs(args.out_dir, exist_ok=True)
-    path = os.path.join(args.out_dir, "bench_attention.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {path}")
+    })
 
 
 if __name__ == "__main__":

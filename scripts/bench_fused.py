@@ -21,10 +21,7 @@ Prints a table and, given OUT_DIR, writes OUT_DIR/bench_fused.json.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import subprocess
 import sys
 
 import torch
@@ -32,6 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench_result import write_result  # noqa: E402
 from foretell.layers.norm import RMSNorm  # noqa: E402
 from foretell.layers.rotary import RotaryEmbedding  # noqa: E402
 
@@ -162,30 +160,13 @@ def main() -> None:
                 print(f"{'':13} {'':>5} x{NUM_LAYERS} layers: {saved:.2f} ms saved per step (graph)")
     if not args.out_dir:
         return
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, cwd=os.path.dirname(os.path.abspath(__file__)),
-                                check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
-    result = {
-        "benchmark": "fused_kernels",
-        "device": torch.cuda.get_device_name(),
+    write_result(args.out_dir, "bench_fused", "fused_kernels", {
         "dtype": args.dtype,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "commit": commit,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "shapes": dict(hidden=HIDDEN, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS,
                        head_dim=HEAD_DIM, intermediate=INTERMEDIATE),
         "timing": "median of triton.testing.do_bench_cudagraph / do_bench, microseconds",
         "rows": rows,
-    }
-    os.makedirs(args.out_dir, exist_ok=True)
-    path = os.path.join(args.out_dir, "bench_fused.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {path}")
+    })
 
 
 if __name__ == "__main__":

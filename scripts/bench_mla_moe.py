@@ -21,16 +21,14 @@ Prints tables and writes OUT_DIR/bench_mla_moe.json.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import subprocess
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench_result import write_result  # noqa: E402
 from foretell.layers.attention.metadata import AttentionMetadata
 from foretell.layers.mla import TorchMLABackend
 from foretell.layers.moe import experts_forward_torch
@@ -165,14 +163,6 @@ def bench_moe(num_tokens: int, rep: int, sweep: bool) -> dict:
     return row
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__)), check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", help="folder to write bench_mla_moe.json into")
@@ -213,21 +203,14 @@ def main() -> None:
               f"{r.get('best_graph_us', float('nan')):>8.1f} {r['max_abs_err_vs_torch']:>8.1e}", flush=True)
         torch.cuda.empty_cache()
 
-    result = {
-        "benchmark": "mla_moe", "device": torch.cuda.get_device_name(), "dtype": "bf16",
-        "torch": torch.__version__, "triton": triton.__version__, "commit": _commit(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    write_result(args.out_dir, "bench_mla_moe", "mla_moe", {
+        "dtype": "bf16",
         "mla_shapes": dict(kv_lora_rank=RANK, rope=ROPE, nope=NOPE, v_head_dim=V_DIM, block_size=BLOCK_SIZE,
                            heads=MLA_MODELS),
         "moe_shapes": MOE,
         "timing": "median of triton.testing.do_bench / do_bench_cudagraph, microseconds",
         "mla": mla_rows, "moe": moe_rows,
-    }
-    os.makedirs(args.out_dir, exist_ok=True)
-    path = os.path.join(args.out_dir, "bench_mla_moe.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {path}")
+    })
 
 
 if __name__ == "__main__":

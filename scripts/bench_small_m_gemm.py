@@ -18,10 +18,7 @@ Prints a table and, given OUT_DIR, writes OUT_DIR/bench_small_m_gemm.json.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import subprocess
 import sys
 
 import torch
@@ -29,6 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench_result import write_result  # noqa: E402
 from foretell.layers.small_m_dispatch import GemmKey, SmallMGemm  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
@@ -123,29 +121,12 @@ def main() -> None:
               f"best of both {t['best_ms']:.2f} ms")
     if not args.out_dir:
         return
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, cwd=os.path.dirname(os.path.abspath(__file__)),
-                                check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
-    result = {
-        "benchmark": "small_m_gemm",
-        "device": torch.cuda.get_device_name(),
+    write_result(args.out_dir, "bench_small_m_gemm", "small_m_gemm", {
         "dtype": args.dtype,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "commit": commit,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "timing": "median of triton.testing.do_bench_cudagraph per call, weights streamed past L2, us",
         "rows": results,
         "decode_step_ms": {str(m): t for m, t in totals.items()},
-    }
-    os.makedirs(args.out_dir, exist_ok=True)
-    path = os.path.join(args.out_dir, "bench_small_m_gemm.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {path}")
+    })
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ def test_checkpoint_is_the_deepseek_v3_layout(trained):
     n = 3
     assert f"model.layers.{n}.eh_proj.weight" in keys and f"model.layers.{n}.shared_head.head.weight" in keys
     assert f"model.layers.{n}.embed_tokens.weight" in keys and f"model.layers.{n}.mlp.experts.7.down_proj.weight" in keys
-    assert f"model.layers.1.mlp.gate.e_score_correction_bias" in keys and "model.layers.0.mlp.gate_proj.weight" in keys
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in keys and "model.layers.0.mlp.gate_proj.weight" in keys
     assert not any("gate_up_proj" in k or k.endswith("experts.down_proj") for k in keys)
     assert len(set(index["weight_map"].values())) > 1
     # transformers reads it back (the MTP layer's keys are extra) with the same logits

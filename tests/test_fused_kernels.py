@@ -14,12 +14,12 @@ exp) may differ by a rounding of the dtype that went the other way.
 
 from __future__ import annotations
 
-import contextlib
 import random
 
 import pytest
 import torch
 
+from fixtures.seeds import reports_seed  # noqa: E402
 from foretell.layers import kernel_dispatch
 from foretell.layers.activation import SiluAndMul
 from foretell.layers.norm import RMSNorm
@@ -35,14 +35,6 @@ DTYPES = [torch.float16, torch.float32]
 # A rounding of the dtype that went the other way, carried through one more rounding (the norm's
 # weight multiply, silu's `* up`): up to 2 units in the last place, plus room near zero.
 NEAR = {torch.float16: dict(rtol=4e-3, atol=1e-5), torch.float32: dict(rtol=1e-6, atol=1e-7)}
-
-
-@contextlib.contextmanager
-def _reports_seed(seed: int):
-    try:
-        yield
-    except AssertionError as err:
-        raise AssertionError(f"seed {seed}: {err}") from None
 
 
 def _rand(gen: torch.Generator, *shape, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
@@ -82,7 +74,7 @@ def test_rms_norm_matches_torch(dtype, hidden, with_residual):
     )
     out = _poisoned(x.shape, dtype)
     residual_out = _poisoned(x.shape, dtype) if with_residual else None
-    with _reports_seed(seed):
+    with reports_seed(seed):
         normed, new_residual = fk.rms_norm_triton(x, norm.weight, norm.eps, residual, out, residual_out)
         assert normed is out
         _assert_written_and_close(normed, expected, dtype, exact=False)
@@ -109,7 +101,7 @@ def test_per_head_norm_on_a_qkv_view(dtype):
     norm = RMSNorm(head_dim, eps=1e-6, dtype=dtype, device=DEVICE)
     with torch.no_grad():
         norm.weight.copy_(_rand(gen, head_dim, dtype=dtype))
-    with _reports_seed(seed):
+    with reports_seed(seed):
         for view in (q, k):
             assert not view.is_contiguous()
             out = _poisoned(view.shape, dtype)
@@ -158,7 +150,7 @@ def test_rope_neox_matches_torch(dtype, case):
     positions = torch.randint(0, max_positions, (num_tokens,), generator=gen).to(DEVICE)
     expected_q, expected_k = rotary(positions, query, key)  # CPU: the torch path
     q_out, k_out = _poisoned(query.shape, dtype), _poisoned(key.shape, dtype)
-    with _reports_seed(seed):
+    with reports_seed(seed):
         got_q, got_k = fk.rope_neox_triton(
             positions, query, key, rotary.cos_cache, rotary.sin_cache, q_out, k_out
         )
@@ -180,7 +172,7 @@ def test_silu_and_mul_matches_torch(dtype, intermediate):
     gate_up = _rand(gen, *leading, 2 * intermediate, dtype=dtype, scale=4.0)
     expected = SiluAndMul()(gate_up)  # CPU: the torch path
     out = _poisoned(expected.shape, dtype)
-    with _reports_seed(seed):
+    with reports_seed(seed):
         assert fk.silu_and_mul_triton(gate_up, out) is out
         _assert_written_and_close(out, expected, dtype, exact=False)
 
@@ -190,7 +182,7 @@ def test_silu_and_mul_on_a_strided_view():
     gen = torch.Generator().manual_seed(seed)
     wide = _rand(gen, 3, 2 * 100 + 17, dtype=torch.float16, scale=4.0)
     gate_up = wide[:, 17:]  # rows strided, last dim contiguous
-    with _reports_seed(seed):
+    with reports_seed(seed):
         _assert_written_and_close(
             fk.silu_and_mul_triton(gate_up), SiluAndMul()(gate_up), torch.float16, exact=False
         )
@@ -228,7 +220,7 @@ def test_layers_dispatch_to_the_kernels(monkeypatch):
     q, k = _rand(gen, 3, 4, 32, dtype=dtype), _rand(gen, 3, 2, 32, dtype=dtype)
     positions = torch.tensor([0, 5, 63], device=DEVICE)
     gate_up = _rand(gen, 3, 2 * 40, dtype=dtype)
-    with _reports_seed(seed):
+    with reports_seed(seed):
         fused = (norm(x, residual), rotary(positions, q, k), SiluAndMul()(gate_up))
         assert calls == ["rms_norm_triton", "rope_neox_triton", "silu_and_mul_triton"]
         monkeypatch.setattr(kernel_dispatch, "use_triton", lambda *tensors: False)

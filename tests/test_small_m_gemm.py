@@ -10,13 +10,13 @@ seed that reproduces it.
 
 from __future__ import annotations
 
-import contextlib
 import random
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from fixtures.seeds import reports_seed  # noqa: E402
 from foretell.config import ModelConfig
 from foretell.layers import kernel_dispatch
 from foretell.layers.embedding import LMHead
@@ -27,14 +27,6 @@ from fixtures.triton_interpreter import HAS_CUDA, import_interpreted, interprete
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 sm = import_interpreted("foretell.layers.small_m_gemm")
-
-
-@contextlib.contextmanager
-def _reports_seed(seed: int):
-    try:
-        yield
-    except AssertionError as err:
-        raise AssertionError(f"seed {seed}: {err}") from None
 
 
 @pytest.fixture
@@ -71,7 +63,7 @@ def test_matches_float64_reference(dtype, m, poisoned_empty):
     weight = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype).to(DEVICE)
     bias = torch.randn(n, generator=gen).to(dtype).to(DEVICE)
     split = sm.pick_config(m, n, k, split_k=3)
-    with _reports_seed(seed):
+    with reports_seed(seed):
         assert split.split_k > 1  # 2 or 3: splits of equal whole tiles, none empty
         for config in (None, sm.pick_config(m, n, k, split_k=1), split):
             for b in (bias, None):

@@ -13,7 +13,6 @@ Every case draws fresh random inputs; a failure prints the seed that reproduces 
 
 from __future__ import annotations
 
-import contextlib
 import random
 
 import pytest
@@ -25,6 +24,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 pytest.importorskip("triton")
 
+from fixtures.seeds import reports_seed  # noqa: E402
 from foretell import LLM, SamplingParams  # noqa: E402
 from foretell.layers import fused_kernels as fk  # noqa: E402
 from foretell.layers import kernel_dispatch  # noqa: E402
@@ -40,14 +40,6 @@ NEAR = {torch.bfloat16: dict(rtol=1.6e-2, atol=1e-4), torch.float16: dict(rtol=4
 MAX_DIFFERING_FRACTION = 0.01  # of elements not bit-equal (norm, silu)
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-
-
-@contextlib.contextmanager
-def _reports_seed(seed: int):
-    try:
-        yield
-    except AssertionError as err:
-        raise AssertionError(f"seed {seed}: {err}") from None
 
 
 def _rand(gen, *shape, dtype, scale=1.0):
@@ -110,7 +102,7 @@ def test_rms_norm(dtype, num_tokens, hidden):
         norm.weight.copy_(1 + 0.1 * _rand(gen, hidden, dtype=dtype))
     x = _rand(gen, num_tokens, hidden, dtype=dtype, scale=2.0)
     residual = _rand(gen, num_tokens, hidden, dtype=dtype, scale=8.0)
-    with _reports_seed(seed):
+    with reports_seed(seed):
         for res in (residual, None):
             expected, expected_residual = _norm_reference(norm, x, res)
             out, res_out = _nan(x.shape, dtype), _nan(x.shape, dtype)
@@ -132,7 +124,7 @@ def test_qwen3_per_head_norm(dtype, num_tokens):
     norm = RMSNorm(head_dim, 1e-6, dtype=dtype, device=DEVICE)
     with torch.no_grad():
         norm.weight.copy_(1 + 0.1 * _rand(gen, head_dim, dtype=dtype))
-    with _reports_seed(seed):
+    with reports_seed(seed):
         for view in (q, k):
             normed, _ = fk.rms_norm_triton(view, norm.weight, norm.eps, out=_nan(view.shape, dtype))
             _check(normed, norm._norm(view), dtype, exact=False)
@@ -157,7 +149,7 @@ def test_rope_neox_matches_torch(dtype, num_tokens, heads, head_dim, rotary_dim,
     key = qkv[:, q_width : q_width + kv_width].view(num_tokens, num_kv_heads, head_dim)
     positions = torch.randint(0, max_positions, (num_tokens,), generator=gen, device=DEVICE)
     cos, sin = rotary.cos_sin(positions)
-    with _reports_seed(seed):
+    with reports_seed(seed):
         got = fk.rope_neox_triton(positions, query, key, rotary.cos_cache, rotary.sin_cache,
                                   _nan(query.shape, dtype), _nan(key.shape, dtype))
         for out, x in zip(got, (query, key)):
@@ -173,7 +165,7 @@ def test_silu_and_mul(dtype, num_tokens, intermediate):
     gate_up = _rand(gen, num_tokens, 2 * intermediate, dtype=dtype, scale=3.0)
     gate, up = gate_up.chunk(2, dim=-1)
     expected = torch.nn.functional.silu(gate) * up
-    with _reports_seed(seed):
+    with reports_seed(seed):
         out = fk.silu_and_mul_triton(gate_up, _nan(expected.shape, dtype))
         _check(out, expected, dtype, exact=False)
 
@@ -255,7 +247,7 @@ def test_launches_do_not_sync_and_replay_in_a_cuda_graph():
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             static_out = step(static)
-        with _reports_seed(seed):
+        with reports_seed(seed):
             for _ in range(2):
                 fresh = inputs()
                 for name, t in fresh.items():

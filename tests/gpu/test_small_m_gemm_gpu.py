@@ -8,7 +8,6 @@ Every case draws fresh random inputs; a failure prints the seed that reproduces 
 
 from __future__ import annotations
 
-import contextlib
 import random
 
 import pytest
@@ -21,6 +20,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 pytest.importorskip("triton")
 
+from fixtures.seeds import reports_seed  # noqa: E402
 from foretell import LLM, SamplingParams  # noqa: E402
 from foretell.layers import small_m_gemm as sm  # noqa: E402
 from foretell.layers.linear import Linear  # noqa: E402
@@ -29,14 +29,6 @@ from foretell.layers.small_m_dispatch import GemmKey, SmallMGemm, prepare_small_
 DEVICE = torch.device("cuda")
 # Llama-3.1-8B: qkv_proj, o_proj, gate_up_proj, down_proj, lm_head.
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
-
-
-@contextlib.contextmanager
-def _reports_seed(seed: int):
-    try:
-        yield
-    except AssertionError as err:
-        raise AssertionError(f"seed {seed}: {err}") from None
 
 
 def _inputs(gen, m, n, k, dtype, bias=False):
@@ -66,7 +58,7 @@ def test_matches_float64_at_llama8b_shapes(dtype, shape, m):
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     n, k = shape
     x, weight, _ = _inputs(gen, m, n, k, dtype)
-    with torch.inference_mode(), _reports_seed(seed):
+    with torch.inference_mode(), reports_seed(seed):
         for config in sm.candidate_configs(m, n, k, DEVICE):
             _check(sm.small_m_linear(x, weight, None, config), x, weight, None)
         # The float32 path of the brief: cuBLAS in float32 of the same inputs, as a cross-check.
@@ -82,7 +74,7 @@ def test_bias_and_odd_rows(dtype, m):
     seed = random.randrange(2**31)
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     x, weight, bias = _inputs(gen, m, 1000, 4096 + 24, dtype, bias=True)
-    with torch.inference_mode(), _reports_seed(seed):
+    with torch.inference_mode(), reports_seed(seed):
         for config in sm.candidate_configs(m, 1000, 4096 + 24, DEVICE):
             _check(sm.small_m_linear(x, weight, bias, config), x, weight, bias)
 
@@ -113,7 +105,7 @@ def test_launches_do_not_sync_and_replay_in_a_cuda_graph():
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             static_out = step()
-        with _reports_seed(seed):
+        with reports_seed(seed):
             for _ in range(2):
                 x.copy_(torch.randn(m, k, generator=gen, device=DEVICE).to(dtype))
                 graph.replay()
@@ -129,7 +121,7 @@ def test_dispatch_times_real_layers_and_keeps_choices_in_capture():
     )
     for p in layers.parameters():
         p.data.normal_(std=0.02)
-    with torch.inference_mode(), _reports_seed(seed):
+    with torch.inference_mode(), reports_seed(seed):
         gemm = prepare_small_m_linears(layers, max_m=4)
         assert isinstance(gemm, SmallMGemm) and all(layer.small_m is gemm for layer in layers)
         assert len(gemm.choices) == 2 * 3 and len(gemm.timings) == 6  # M buckets 1, 2, 4

@@ -1,0 +1,39 @@
+"""What every kernel benchmark script writes beside its table: the run's provenance (GPU, torch,
+Triton, commit, UTC date) and its rows, as OUT_DIR/<name>.json."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__)), check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def write_result(out_dir: str, stem: str, benchmark: str, fields: dict) -> str:
+    """OUT_DIR/<stem>.json with {"benchmark": benchmark, provenance..., **fields}; returns the path."""
+    import torch
+    import triton
+
+    result = {
+        "benchmark": benchmark,
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "commit": git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **fields,
+    }
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{stem}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {path}")
+    return path
