@@ -59,3 +59,48 @@ def test_graph_path_with_simulated_acceptance(qwen3_checkpoint, eagle3_head):
     assert stats["synthetic_acceptance"] and stats["num_accepted_tokens"] > 0
     assert all(len(tokens) == 12 for tokens in got)
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+
+
+def test_requests_ending_mid_verify_stay_on_the_graph_path(qwen3_checkpoint, monkeypatch):
+    """Near max_tokens a graph-backed engine keeps the k draft rows (the verify's graph shape) and
+    caps what may be accepted instead of dropping drafts: a self-draft accepts everything, so
+    without the cap it would emit past max_tokens; every verify step takes the graphed path, the
+    output equals plain greedy and the statistics count only the usable drafts."""
+    from foretell.runner import model_runner
+
+    calls = []
+    original = model_runner.graphed_greedy_verify
+    monkeypatch.setattr(model_runner, "graphed_greedy_verify", lambda *a: calls.append(1) or original(*a))
+    spec = {"method": "draft_model", "model": qwen3_checkpoint, "num_speculative_tokens": 5}
+    llm = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=64, max_num_seqs=4, attention_backend="triton",
+              speculative_config=spec)
+    params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    out = llm.generate(["The cat"], params, use_tqdm=False)[0].outputs[0]
+    s = llm.get_stats()
+    assert len(out.token_ids) == 9 and s["acceptance_rate"] == 1.0
+    # prefill: 1 token; verify 1: 5 drafts + 1; verify 2: capped at 1 accepted draft + 1 token
+    assert s["num_drafts"] == 2 and s["num_draft_tokens"] == 6 and s["num_accepted_tokens"] == 6
+    assert len(calls) == 2
+    plain = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=64)
+    assert out.token_ids == plain.generate(["The cat"], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert s["num_free_kv_blocks"] == s["num_kv_blocks"]
+
+
+def test_capped_and_uncapped_requests_mixed_with_prefills(qwen3_checkpoint, eagle3_head):
+    """Different max_tokens per request, one sampled request (its drafts are trimmed instead),
+    prompts arriving while others verify: greedy outputs equal the plain engine's."""
+    prompts = PROMPTS + ["The dog runs and the dog", "x"]
+    greedy = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (4, 7, 10, 5, 3)]
+    sampled = SamplingParams(temperature=0.8, max_tokens=6, seed=1, ignore_eos=True)
+    plain = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=64, max_num_seqs=4)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy, use_tqdm=False)]
+    for spec in ({"method": "draft_model", "model": qwen3_checkpoint, "num_speculative_tokens": 3},
+                 {"method": "eagle3", "model": eagle3_head, "num_speculative_tokens": 3}):
+        llm = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=64, max_num_seqs=4, attention_backend="triton",
+                  speculative_config=spec)
+        outs = llm.generate(prompts + ["The cat"], greedy + [sampled], use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs[:-1]] == expected, spec["method"]
+        assert len(outs[-1].outputs[0].token_ids) == 6
+        s = llm.get_stats()
+        assert s["num_free_kv_blocks"] == s["num_kv_blocks"]
+        assert s["num_accepted_tokens"] <= s["num_draft_tokens"]

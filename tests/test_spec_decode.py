@@ -150,3 +150,18 @@ def test_ngram_lookup_prefers_the_most_recent_match_and_continues_loops():
     assert lookup([5, 8, 8, 8], 3, 1, 3) == [8, 8, 8]  # a loop of one token: not just one proposal
     assert lookup([4, 1, 2, 3, 1, 2], 4, 2, 2) == [3, 1, 2, 3]  # period 3 continued past the end
     assert lookup([1, 2, 3], 3, 1, 3) == []  # nothing repeats
+
+
+def test_cap_accepted_keeps_the_first_limit_plus_one_tokens():
+    import torch
+
+    from foretell.spec_decode.rejection_sampler import VerifyResult, cap_accepted
+
+    verify = VerifyResult([3, 1, 2], [[5, 6, 7, 8], [9, 4], [1, 2, 3]], [[0, 1, 2, 3], [4, 5], [8, 9, 10]],
+                          torch.tensor([5, 6, 7, 8, 9, 4, 1, 2, 3]))
+    capped = cap_accepted(verify, [1, None, 5])
+    assert capped.num_accepted == [1, 1, 2]
+    assert capped.output_token_ids == [[5, 6], [9, 4], [1, 2, 3]]  # 6 is the accepted second draft
+    assert capped.emitted_rows == [[0, 1], [4, 5], [8, 9, 10]]
+    assert capped.emitted_tokens.tolist() == [5, 6, 9, 4, 1, 2, 3]
+    assert cap_accepted(verify, [None, 1, 2]) is verify  # nothing over its limit: unchanged

@@ -29,6 +29,14 @@ class ScheduledSequence:
     num_new_tokens: int  # rows this sequence feeds the target this step (drafts included)
     draft_token_ids: list[int]  # the drafts among those rows (the last len() of them)
     samples: bool  # whether the step reaches the sequence's end and samples a token
+    # At most this many drafts may be accepted (None: all): set instead of dropping drafts near
+    # max_tokens when the runner keeps every verify at k + 1 rows (its CUDA graphs' shape).
+    accept_limit: int | None = None
+
+    @property
+    def num_usable_drafts(self) -> int:  # what the acceptance statistics count as drafted
+        n = len(self.draft_token_ids)
+        return n if self.accept_limit is None else min(n, self.accept_limit)
 
     @property
     def input_token_ids(self) -> list[int]:
@@ -58,8 +66,10 @@ class Scheduler:
         block_manager: BlockManager,
         max_model_len: int,
         num_lookahead_tokens: int = 0,
+        keep_draft_rows: bool = False,
     ):
         self.config = config
+        self.keep_draft_rows = keep_draft_rows
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.num_lookahead_tokens = num_lookahead_tokens
@@ -96,19 +106,27 @@ class Scheduler:
         self.block_manager.free(seq)
 
     # ---- scheduling ---------------------------------------------------------------------
-    def _plan(self, seq: Sequence, budget: int) -> tuple[int, list[int]]:
-        """How many rows the sequence runs within the budget, and which of them are drafts."""
+    def _plan(self, seq: Sequence, budget: int) -> tuple[int, list[int], int | None]:
+        """How many rows the sequence runs within the budget, which of them are drafts, and how
+        many of those may be accepted (None: all)."""
         remaining = seq.num_uncomputed_tokens
         if remaining > 1:
             if not self.config.enable_chunked_prefill and remaining > budget:
-                return 0, []
-            return min(remaining, budget), []
+                return 0, [], None
+            return min(remaining, budget), [], None
         room = min(budget - 1, self.max_model_len - seq.num_tokens)
-        max_tokens = seq.sampling_params.max_tokens
-        if max_tokens is not None:  # a verify emits up to drafts + 1 tokens: none past the end
-            room = min(room, max_tokens - seq.num_output_tokens - 1)
         drafts = seq.spec_token_ids[: max(0, room)]
-        return 1 + len(drafts), drafts
+        params = seq.sampling_params
+        if params.max_tokens is None:
+            return 1 + len(drafts), drafts, None
+        # A verify emits up to accepted + 1 tokens: none may pass max_tokens.
+        usable = max(0, params.max_tokens - seq.num_output_tokens - 1)
+        if usable >= len(drafts):
+            return 1 + len(drafts), drafts, None
+        if self.keep_draft_rows and params.greedy and params.logprobs is None:
+            # Keep the rows (the verify stays on its graph) and cap what may be accepted.
+            return 1 + len(drafts), drafts, usable
+        return 1 + usable, drafts[:usable], None
 
     def _reserve(self, seq: Sequence, num_new: int, samples: bool) -> bool:
         lookahead = self.num_lookahead_tokens if samples else 0
@@ -129,7 +147,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new, drafts = self._plan(seq, budget)
+            num_new, drafts, limit = self._plan(seq, budget)
             if num_new == 0:
                 i += 1
                 continue
@@ -141,7 +159,7 @@ class Scheduler:
                     break
             if seq.status is SequenceStatus.WAITING:  # preempted itself: nothing else fits
                 break
-            out.scheduled.append(ScheduledSequence(seq, num_new, drafts, samples))
+            out.scheduled.append(ScheduledSequence(seq, num_new, drafts, samples, limit))
             budget -= num_new
             i += 1
 
@@ -153,7 +171,7 @@ class Scheduler:
         ):
             seq = self.waiting[0]
             self.block_manager.admit(seq)
-            num_new, drafts = self._plan(seq, budget)
+            num_new, drafts, limit = self._plan(seq, budget)
             samples = seq.num_computed_tokens + num_new >= seq.num_tokens
             if num_new == 0 or not self._reserve(seq, num_new, samples):
                 self.block_manager.free(seq)
@@ -162,7 +180,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append(ScheduledSequence(seq, num_new, drafts, samples))
+            out.scheduled.append(ScheduledSequence(seq, num_new, drafts, samples, limit))
             budget -= num_new
         return out
 

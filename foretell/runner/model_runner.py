@@ -29,7 +29,7 @@ from foretell.runner.kv_cache import CachePlan, DraftKVCache, KVCache, plan_cach
 from foretell.runner.model_loading import build_model, checkpoint_dtype
 from foretell.spec_decode.draft_graph import DraftGraphRunner
 from foretell.spec_decode.proposer import DraftBatch, Proposer, build_proposer
-from foretell.spec_decode.rejection_sampler import RejectionSampler
+from foretell.spec_decode.rejection_sampler import RejectionSampler, cap_accepted
 from foretell.spec_decode.simulated_acceptance import SimulatedAcceptance, rates_from_config
 
 CPU_KV_CACHE_BYTES = 256 << 20
@@ -287,6 +287,7 @@ class ModelRunner:
             verify = self.rejection_sampler(logits, drafts, probs, sampling)
             if self.simulated is not None:
                 verify = self.simulated.apply(verify, logits, drafts)
+            verify = cap_accepted(verify, [item.accept_limit for item in items])
             outputs, accepted = verify.output_token_ids, verify.num_accepted
             rows = [r for rs in verify.emitted_rows for r in rs]
             chosen_rows = to_device(rows, torch.int64, self.device)
@@ -299,7 +300,7 @@ class ModelRunner:
         for i, out, a in zip(batch.sampling_seq_index, outputs, accepted):
             results[i].new_token_ids = out
             results[i].num_accepted = a
-            results[i].num_drafts = len(sched.scheduled[i].draft_token_ids)
+            results[i].num_drafts = sched.scheduled[i].num_usable_drafts
         if sampling.max_num_logprobs >= 0:
             self._attach_logprobs(logits, chosen_rows, chosen_tokens, sampling, batch, sched, results)
 

@@ -111,3 +111,20 @@ class RejectionSampler:
         return VerifyResult(
             num_accepted, outputs, emitted_rows, to_device(flat, torch.int64, device)
         )
+
+
+def cap_accepted(verify: VerifyResult, limits: list[int | None]) -> VerifyResult:
+    """At most limits[i] accepted drafts for sequence i (None: no cap). A sequence that accepted
+    more keeps its first limit + 1 tokens: the drafts up to the limit and, as the step's last
+    token, the next draft, which verification accepted, so it is a token the target emits there."""
+    if all(limit is None or limit >= a for limit, a in zip(limits, verify.num_accepted)):
+        return verify
+    accepted, outputs, rows = [], [], []
+    for limit, a, out, emitted in zip(limits, verify.num_accepted, verify.output_token_ids, verify.emitted_rows):
+        if limit is not None and a > limit:
+            a, out, emitted = limit, out[: limit + 1], emitted[: limit + 1]
+        accepted.append(a)
+        outputs.append(out)
+        rows.append(emitted)
+    flat = [t for out in outputs for t in out]
+    return VerifyResult(accepted, outputs, rows, torch.tensor(flat, dtype=torch.int64).to(verify.emitted_tokens.device))
