@@ -11,5 +11,10 @@ model family.
   checkpoint.py  export in the standard head layout; training state for --resume
   trainer.py     the training loop
   cli.py         the `foretell train-eagle3` command
-  bpe.py, corpus.py, pretrain.py   pieces of scripts/train_default_models.py
+  pieces of scripts/train_default_models.py (the default family's recipe):
+  bpe.py, corpus.py        the tokenizer and the corpus (stdlib source + GSM8K train)
+  pretrain.py              the shared pretraining loop; the Qwen3-layout LMs
+  deepseek_pretrain.py     the DeepSeek-V3-layout LM trained jointly with one MTP layer
+  recipe_measure.py        acceptance of every drafter on GSM8K test prompts, teacher-forced too
+  recipe_cards.py          the model cards (README.md) written from what was measured
 """
