@@ -33,6 +33,8 @@ def fill_default_models(args: argparse.Namespace) -> None:
             f"no --model given and no default model is installed at {target}: pass --model DIR"
         )
     args.model = target
+    if hasattr(args, "served_model_name") and not args.served_model_name:  # `foretell serve`
+        args.served_model_name = FAMILIES[family]["target"]  # clients say "qwen3-target", not a path
     if args.speculative_config is None and args.method is None:
         args.method = "eagle3"
     if args.method in ("eagle3", "draft_model") and not args.draft_model:

@@ -62,6 +62,20 @@ def test_generate_without_model_runs_end_to_end(family, capsys):
     assert "--- prompt: 'The cat'" in out and '"num_drafts"' in out
 
 
+def test_serve_without_model_names_the_member(family):
+    """`foretell serve` with no --model: clients name the model "deepseek-target", not a path."""
+    args = argparse.Namespace(model=None, speculative_config=None, method=None, draft_model=None,
+                              num_speculative_tokens=None, default_family="deepseek", served_model_name=None)
+    shutil.copytree(family / "qwen3-target", family / "deepseek-target")
+    shutil.copytree(family / "qwen3-eagle3", family / "deepseek-eagle3")
+    defaults.fill_default_models(args)
+    assert args.served_model_name == "deepseek-target"
+    args = argparse.Namespace(model=None, speculative_config=None, method=None, draft_model=None,
+                              num_speculative_tokens=None, default_family="qwen3", served_model_name="mine")
+    defaults.fill_default_models(args)
+    assert args.served_model_name == "mine"
+
+
 def test_missing_default_models_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr(defaults, "DEFAULT_MODELS_DIR", str(tmp_path / "nothing"))
     with pytest.raises(ValueError, match="no --model given"):
