@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything GPU-side in one go: the tests marked gpu, then the benchmarks (kernels and the
-# engine at 8B / V2-Lite sizes), results and logs under OUT_DIR.
+# engine at 8B / V2-Lite sizes, and where a decode step's kernel time goes), results and logs under OUT_DIR.
 #   bash scripts/gpu_check.sh OUT_DIR [--skip-attention]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -13,3 +13,4 @@ python3 scripts/bench_fused.py "$out" --quick 2>&1 | tail -20
 python3 scripts/bench_mla_moe.py "$out" --quick 2>&1 | tail -30
 python3 scripts/bench_small_m_gemm.py "$out" --quick 2>&1 | tail -16
 python3 scripts/bench_gpu.py "$out" 2>&1 | tee "$out/bench_gpu.log" | grep -v "^max_model_len"
+python3 scripts/profile_decode.py "$out" 2>&1 | tail -30

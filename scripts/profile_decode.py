@@ -1,0 +1,121 @@
+"""Where a batch-1 decode step's GPU time goes: one step of each target at real size (random bf16
+weights, eager so that every kernel is its own profiler event), kernel time summed by category.
+
+    python scripts/profile_decode.py OUT_DIR [--steps 8]
+
+Llama-3.1-8B and the DeepSeek-V2-Lite shape, 128-token prompt, batch 1. Categories come from the
+kernel names (GEMM, attention, norm, RoPE, activation, MoE, copies/casts, other); the table gives
+the share of GPU time and microseconds per step, and the JSON keeps the 25 costliest kernels too.
+The sum is kernel time only: the gaps between launches (what CUDA graphs remove) are not in it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import defaultdict
+
+import torch
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+
+from bench_result import write_result  # noqa: E402
+from foretell import LLM, SamplingParams  # noqa: E402
+
+CONFIGS = os.path.join(ROOT, "foretell", "configs")
+# First match wins; names are lower-cased kernel names.
+CATEGORIES = [
+    ("moe", ("moe", "expert", "align")),
+    ("attention", ("attention", "attn", "flash", "mla")),
+    ("gemm", ("gemm", "gemv", "cutlass", "sm90_xmma", "cublas", "matmul", "splitk", "small_m")),
+    ("norm", ("norm",)),
+    ("rope", ("rope", "rotary")),
+    ("activation", ("silu", "act_and_mul", "gelu")),
+    ("kv write", ("write_kv", "kv_write", "latent")),
+    ("copy / cast", ("copy", "cast", "fill", "elementwise", "index", "gather", "cat")),
+]
+
+
+def category(name: str) -> str:
+    lowered = name.lower()
+    for label, keys in CATEGORIES:
+        if any(k in lowered for k in keys):
+            return label
+    return "other"
+
+
+def summarize(events, steps: int) -> dict:
+    """events: (name, device microseconds) of every kernel -> per-category totals per step."""
+    by_category: dict[str, float] = defaultdict(float)
+    by_kernel: dict[str, float] = defaultdict(float)
+    for name, us in events:
+        by_category[category(name)] += us / steps
+        by_kernel[name] += us / steps
+    total = sum(by_category.values())
+    rows = sorted(by_category.items(), key=lambda kv: -kv[1])
+    return {
+        "total_us_per_step": total,
+        "categories": [{"category": c, "us_per_step": us, "share": us / total if total else 0.0} for c, us in rows],
+        "top_kernels": [{"kernel": k, "us_per_step": us}
+                        for k, us in sorted(by_kernel.items(), key=lambda kv: -kv[1])[:25]],
+    }
+
+
+def kernel_events(prof) -> list[tuple[str, float]]:
+    """(kernel name, microseconds) of every device-side event of the profile."""
+    return [(e.name, e.time_range.elapsed_us()) for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def profile_target(folder: str, steps: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    llm = LLM(folder, dtype="bfloat16", device="cuda", load_format="dummy", skip_tokenizer_init=True,
+              enforce_eager=True, max_num_seqs=1, kv_cache_memory_bytes=4 << 30)
+    engine = llm.engine
+    prompt = {"prompt_token_ids": [(7 * j) % 1000 + 1 for j in range(128)]}
+    engine.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True))
+    engine.step()  # prefill
+    engine.step()  # a first decode step (allocator, lazy init)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    engine.abort_request("p")
+    result = summarize(kernel_events(prof), steps)
+    del llm, engine
+    torch.cuda.empty_cache()
+    return result
+
+
+def print_table(name: str, result: dict) -> None:
+    print(f"\n{name}: {result['total_us_per_step']:.0f} us of kernels per decode step")
+    for row in result["categories"]:
+        print(f"  {row['category']:12} {row['us_per_step']:8.1f} us  {100 * row['share']:5.1f}%")
+    for row in result["top_kernels"][:8]:
+        print(f"    {row['us_per_step']:8.1f} us  {row['kernel'][:90]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("--steps", type=int, default=8)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("profile_decode.py needs a CUDA device")
+    results = {}
+    for name, folder in (("llama-3.1-8b", f"{CONFIGS}/llama-3.1-8b"), ("deepseek-v2-lite", f"{CONFIGS}/deepseek-v2-lite")):
+        try:
+            results[name] = profile_target(folder, args.steps)
+            print_table(name, results[name])
+        except Exception as e:  # one target failing must not hide the other
+            results[name] = {"error": f"{type(e).__name__}: {e}"}
+            print(f"\n{name}: {results[name]['error']}")
+    write_result(args.out_dir, "profile_decode", "profile_decode", {"steps": args.steps, "targets": results})
+
+
+if __name__ == "__main__":
+    main()
