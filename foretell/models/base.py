@@ -116,6 +116,61 @@ def run_decoder_stack(
     return hidden, [captured[i] for i in aux_layers]
 
 
+class CausalLM(torch.nn.Module):
+    """The part of the contract every decoder-only target shares: `self.model` is its decoder
+    stack (embed_tokens, layers[i].self_attn.attn, called with the aux layers) and `self.lm_head`
+    its output head, tied to the embedding when the config says so. A subclass builds
+    `self.model`, then calls attach_lm_head."""
+
+    def __init__(self, config: HFConfig, options: ModelOptions):
+        super().__init__()
+        self.config = config
+        self.options = options
+        num_layers = config.num_hidden_layers
+        bad = [i for i in options.aux_hidden_state_layers if not 0 <= i < num_layers]
+        if bad:
+            raise ValueError(
+                f"aux_hidden_state_layers {list(options.aux_hidden_state_layers)} must be layer "
+                f"indices in [0, {num_layers}) for {config.source} (num_hidden_layers="
+                f"{num_layers}); {bad} are not"
+            )
+        self.aux_hidden_state_layers = tuple(options.aux_hidden_state_layers)
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        return bool(self.config.get("tie_word_embeddings", False))
+
+    def attach_lm_head(self, hidden_size: int) -> None:
+        from foretell.layers.embedding import LMHead
+
+        self.lm_head = LMHead(
+            self.config.vocab_size, hidden_size,
+            tie_to=self.model.embed_tokens if self.tie_word_embeddings else None,
+            dtype=self.options.dtype, device=self.options.device,
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+        attn_metadata,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        # hidden [num_tokens, hidden_size] after the final norm; aux: list of the same shape
+        return self.model(input_ids, positions, attn_metadata, self.aux_hidden_state_layers)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab] float32
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[torch.nn.Module]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.lm_head
+
+
 @dataclass(frozen=True)
 class WeightRule:
     """Maps checkpoint tensor names onto a (fused) parameter.

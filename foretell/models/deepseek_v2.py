@@ -25,12 +25,13 @@ import torch
 from torch import nn
 
 from foretell.layers.attention.metadata import AttentionMetadata
-from foretell.layers.embedding import LMHead, VocabEmbedding
+from foretell.layers.embedding import VocabEmbedding
 from foretell.layers.mla import MLAAttention, MLADims
 from foretell.layers.moe import GatedMLP, MoE, RouterConfig, expert_weight_rules
 from foretell.layers.norm import RMSNorm
 from foretell.layers.rotary import RotaryEmbedding, rope_parameters_from_config, yarn_softmax_scale_factor
 from foretell.models.base import (
+    CausalLM,
     HFConfig,
     ModelOptions,
     WeightRule,
@@ -162,54 +163,19 @@ def deepseek_weight_rules(config: HFConfig, prefix: str = "", tie: bool = False)
     return WeightRules(fused=fused, ignored=ignored)
 
 
-class DeepseekV2ForCausalLM(nn.Module):
+class DeepseekV2ForCausalLM(CausalLM):
     default_scoring_func = "softmax"
     default_topk_method = "greedy"
 
     def __init__(self, config: HFConfig, options: ModelOptions):
-        super().__init__()
-        self.config = config
-        self.options = options
-        num_layers = config.num_hidden_layers
-        bad = [i for i in options.aux_hidden_state_layers if not 0 <= i < num_layers]
-        if bad:
-            raise ValueError(
-                f"aux_hidden_state_layers {list(options.aux_hidden_state_layers)} must be layer "
-                f"indices in [0, {num_layers}) for {config.source} (num_hidden_layers="
-                f"{num_layers}); {bad} are not"
-            )
-        self.aux_hidden_state_layers = tuple(options.aux_hidden_state_layers)
+        super().__init__(config, options)
         router = (
             router_config(config, self.default_scoring_func, self.default_topk_method)
             if config.get("n_routed_experts") else None
         )
-        tie = bool(config.get("tie_word_embeddings", False))
         self.model = DeepseekModel(config, router, options)
-        self.lm_head = LMHead(
-            config.vocab_size, config.hidden_size, tie_to=self.model.embed_tokens if tie else None,
-            dtype=options.dtype, device=options.device,
-        )
-        self.weight_rules = deepseek_weight_rules(config, tie=tie)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [num_tokens] int64
-        positions: torch.Tensor,  # [num_tokens] int64
-        attn_metadata: AttentionMetadata,
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        return self.model(input_ids, positions, attn_metadata, self.aux_hidden_state_layers)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab] float32
-        return self.lm_head(hidden)
-
-    def attention_layers(self) -> list[nn.Module]:
-        return [layer.self_attn.attn for layer in self.model.layers]
-
-    def get_input_embeddings(self) -> VocabEmbedding:
-        return self.model.embed_tokens
-
-    def get_output_embeddings(self) -> LMHead:
-        return self.lm_head
+        self.attach_lm_head(config.hidden_size)
+        self.weight_rules = deepseek_weight_rules(config, tie=self.tie_word_embeddings)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

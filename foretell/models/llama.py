@@ -26,11 +26,12 @@ from torch import nn
 from foretell.layers.activation import SiluAndMul
 from foretell.layers.attention.layer import Attention
 from foretell.layers.attention.metadata import AttentionMetadata
-from foretell.layers.embedding import LMHead, VocabEmbedding
+from foretell.layers.embedding import VocabEmbedding
 from foretell.layers.linear import Linear, MergedLinear, QKVLinear
 from foretell.layers.norm import RMSNorm
 from foretell.layers.rotary import RotaryEmbedding, rope_parameters_from_config
 from foretell.models.base import (
+    CausalLM,
     HFConfig,
     ModelOptions,
     WeightRule,
@@ -215,7 +216,7 @@ class DecoderModel(nn.Module):
         )
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     """Also the class for every family member; subclasses only choose `switches`."""
 
     @classmethod
@@ -226,48 +227,11 @@ class LlamaForCausalLM(nn.Module):
         )
 
     def __init__(self, config: HFConfig, options: ModelOptions):
-        super().__init__()
-        self.config = config
-        self.options = options
-        num_layers = config.num_hidden_layers
-        bad = [i for i in options.aux_hidden_state_layers if not 0 <= i < num_layers]
-        if bad:
-            raise ValueError(
-                f"aux_hidden_state_layers {list(options.aux_hidden_state_layers)} must be layer "
-                f"indices in [0, {num_layers}) for {config.source} (num_hidden_layers="
-                f"{num_layers}); {bad} are not"
-            )
-        self.aux_hidden_state_layers = tuple(options.aux_hidden_state_layers)
+        super().__init__(config, options)
         _warn_sliding_window(config)
-        tie = bool(config.get("tie_word_embeddings", False))
         self.model = DecoderModel(config, self.switches(config), options)
-        self.lm_head = LMHead(
-            config.vocab_size, self.model.dims.hidden_size,
-            tie_to=self.model.embed_tokens if tie else None,
-            dtype=options.dtype, device=options.device,
-        )
-        self.weight_rules = family_weight_rules(tie)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [num_tokens] int64
-        positions: torch.Tensor,  # [num_tokens] int64
-        attn_metadata: AttentionMetadata,
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        # hidden [num_tokens, hidden_size] after the final norm; aux: list of the same shape
-        return self.model(input_ids, positions, attn_metadata, self.aux_hidden_state_layers)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab] float32
-        return self.lm_head(hidden)
-
-    def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
-
-    def get_input_embeddings(self) -> VocabEmbedding:
-        return self.model.embed_tokens
-
-    def get_output_embeddings(self) -> LMHead:
-        return self.lm_head
+        self.attach_lm_head(self.model.dims.hidden_size)
+        self.weight_rules = family_weight_rules(self.tie_word_embeddings)
 
 
 class MistralForCausalLM(LlamaForCausalLM):
