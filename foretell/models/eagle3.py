@@ -69,17 +69,15 @@ class Eagle3Attention(nn.Module):
         return self.o_proj(self.attn(q, k, v, metadata).reshape(n, -1))
 
 
-class Eagle3Layer(nn.Module):
-    def __init__(self, dims: DecoderDims, rotary: RotaryEmbedding, options: ModelOptions, config: HFConfig):
-        super().__init__()
-        kw = dict(dtype=options.dtype, device=options.device)
-        bias = bool(config.get("attention_bias", False))
+class Eagle3LayerBase(nn.Module):
+    """The EAGLE3 layer's data flow, whatever its attention: a subclass builds self_attn (taking
+    [n, 2H]) and mlp, and calls add_norms."""
+
+    def add_norms(self, config: HFConfig, hidden: int, eps: float, **kw) -> None:
         self.norm_before_residual = bool(config.get("norm_before_residual", False))
-        self.self_attn = Eagle3Attention(dims, rotary, options, bias)
-        self.mlp = DecoderMLP(dims, DecoderSwitches(mlp_bias=bool(config.get("mlp_bias", False))), options)
-        self.hidden_norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, **kw)
-        self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, **kw)
-        self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, **kw)
+        self.hidden_norm = RMSNorm(hidden, eps, **kw)
+        self.input_layernorm = RMSNorm(hidden, eps, **kw)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, **kw)
 
     def forward(self, positions, embeds, g, metadata):  # embeds, g [n, H] -> h [n, H]
         normed_g, _ = self.hidden_norm(g)
@@ -89,6 +87,16 @@ class Eagle3Layer(nn.Module):
         h = residual + self.self_attn(positions, x, metadata)
         normed_h, _ = self.post_attention_layernorm(h)
         return h + self.mlp(normed_h)
+
+
+class Eagle3Layer(Eagle3LayerBase):
+    def __init__(self, dims: DecoderDims, rotary: RotaryEmbedding, options: ModelOptions, config: HFConfig):
+        super().__init__()
+        kw = dict(dtype=options.dtype, device=options.device)
+        bias = bool(config.get("attention_bias", False))
+        self.self_attn = Eagle3Attention(dims, rotary, options, bias)
+        self.mlp = DecoderMLP(dims, DecoderSwitches(mlp_bias=bool(config.get("mlp_bias", False))), options)
+        self.add_norms(config, dims.hidden_size, dims.rms_norm_eps, **kw)
 
 
 class Eagle3Head(nn.Module):

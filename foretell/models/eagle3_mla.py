@@ -23,7 +23,7 @@ from foretell.layers.moe import GatedMLP
 from foretell.layers.norm import RMSNorm
 from foretell.layers.rotary import RotaryEmbedding, rope_parameters_from_config, yarn_softmax_scale_factor
 from foretell.models.base import HFConfig, ModelOptions, WeightRules
-from foretell.models.eagle3 import Eagle3Head, eagle3_weight_rules
+from foretell.models.eagle3 import Eagle3Head, Eagle3LayerBase, eagle3_weight_rules
 
 
 def is_mla_head(config: HFConfig) -> bool:
@@ -37,29 +37,17 @@ def eagle3_mla_weight_rules(has_embed: bool, has_lm_head: bool) -> WeightRules:
     return WeightRules(fused=fused, ignored=list(rules.ignored))
 
 
-class Eagle3MLALayer(nn.Module):
+class Eagle3MLALayer(Eagle3LayerBase):
     def __init__(self, config: HFConfig, rotary: RotaryEmbedding, scale: float, options: ModelOptions):
         super().__init__()
         kw = dict(dtype=options.dtype, device=options.device)
         hidden, eps = config.hidden_size, config.get("rms_norm_eps", 1e-6)
-        self.norm_before_residual = bool(config.get("norm_before_residual", False))
         self.self_attn = MLAAttention(
             MLADims.from_config(config), rotary, scale, options.attention_backend.name,
             bias=bool(config.get("attention_bias", False)), input_size=2 * hidden, **kw,
         )
         self.mlp = GatedMLP(hidden, config.intermediate_size, bool(config.get("mlp_bias", False)), **kw)
-        self.hidden_norm = RMSNorm(hidden, eps, **kw)
-        self.input_layernorm = RMSNorm(hidden, eps, **kw)
-        self.post_attention_layernorm = RMSNorm(hidden, eps, **kw)
-
-    def forward(self, positions, embeds, g, metadata):  # embeds, g [n, H] -> h [n, H]
-        normed_g, _ = self.hidden_norm(g)
-        residual = normed_g if self.norm_before_residual else g
-        embeds, _ = self.input_layernorm(embeds)
-        x = torch.cat([embeds, normed_g], dim=-1)  # [n, 2H], embedding first
-        h = residual + self.self_attn(positions, x, metadata)
-        normed_h, _ = self.post_attention_layernorm(h)
-        return h + self.mlp(normed_h)
+        self.add_norms(config, hidden, eps, **kw)
 
 
 class Eagle3MLAHead(Eagle3Head):
