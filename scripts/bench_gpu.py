@@ -30,6 +30,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from foretell import LLM, SamplingParams  # noqa: E402
+from foretell.bench.sweep import spec_counters  # noqa: E402
 from foretell.spec_decode.proposer import catch_up_metadata  # noqa: E402
 
 CONFIGS = os.path.join(ROOT, "foretell", "configs")
@@ -152,12 +153,11 @@ def default_family():
                 tokens += len(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
             seconds = time.perf_counter() - start
             s = llm.get_stats()
-            drafts = max(s.get("num_drafts", 0) - before.get("num_drafts", 0), 1)
             draft_s = s["draft_time_s"] - before["draft_time_s"]
             target_s = s["target_time_s"] - before["target_time_s"]
             rows[method] = {"tok_s": tokens / seconds, "tokens": tokens, "draft_time_share": draft_s / (draft_s + target_s),
                             "mean_acceptance_length": None if spec is None else
-                            1 + (s["num_accepted_tokens"] - before["num_accepted_tokens"]) / drafts}
+                            spec_counters(before, s, 3)["mean_acceptance_length"]}
             free(llm)
             del llm
         for row in rows.values():
@@ -204,9 +204,7 @@ def llama_eagle3(batches, mean_length=2.93):
     for b in batches:
         before = dict(llm.get_stats())
         r = decode_tok_s(llm, b)
-        s = llm.get_stats()
-        r["mean_acceptance_length"] = 1 + (s["num_accepted_tokens"] - before["num_accepted_tokens"]) / max(
-            s["num_drafts"] - before["num_drafts"], 1)
+        r["mean_acceptance_length"] = spec_counters(before, llm.get_stats(), 3)["mean_acceptance_length"]
         out["spec"].append(r)
     out["synthetic_acceptance"] = llm.get_stats().get("synthetic_acceptance", False)
     free(llm)

@@ -27,6 +27,7 @@ def measure_methods(target_dir: str, methods: dict[str, dict | None], prompts: l
     per method: seconds, output tokens and (drafters) drafts, acceptance per position, mean
     acceptance length (1 + accepted per draft), greedy equality with plain."""
     from foretell import LLM, SamplingParams
+    from foretell.bench.sweep import spec_counters
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     engine = dict(device=device, kv_cache_memory_bytes=2 << 30, max_num_seqs=256)
@@ -50,12 +51,10 @@ def measure_methods(target_dir: str, methods: dict[str, dict | None], prompts: l
         if baseline is None:
             baseline = tokens
         else:
-            after = llm.get_stats()
-            drafts = after["num_drafts"] - before["num_drafts"]
-            accepted = [a - b for a, b in zip(after["accepted_per_position"], before["accepted_per_position"])]
+            counters = spec_counters(before, llm.get_stats(), spec["num_speculative_tokens"])
             differ = [_first_difference(x, y) for x, y in zip(tokens, baseline) if x != y]
-            entry.update(num_drafts=drafts, acceptance_per_position=[a / max(drafts, 1) for a in accepted],
-                         mean_acceptance_length=1 + sum(accepted) / max(drafts, 1), greedy_equal=not differ,
+            entry.update(num_drafts=counters["num_drafts"], acceptance_per_position=counters["acceptance_per_position"],
+                         mean_acceptance_length=counters["mean_acceptance_length"] or 1.0, greedy_equal=not differ,
                          greedy_mismatch_prompts=len(differ), greedy_first_mismatch_positions=differ)
         results[name] = entry
         del llm
