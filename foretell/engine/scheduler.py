@@ -124,7 +124,9 @@ class Scheduler:
         if usable >= len(drafts):
             return 1 + len(drafts), drafts, None
         if self.keep_draft_rows and params.greedy and params.logprobs is None:
-            # Keep the rows (the verify stays on its graph) and cap what may be accepted.
+            # Keep the rows (the verify stays on its graph) and cap what may be accepted. Only
+            # greedy requests without logprobs (the graphed verify step's): a capped sampled
+            # request would draw other tokens than an eager engine's for the same seed.
             return 1 + len(drafts), drafts, usable
         return 1 + usable, drafts[:usable], None
 
