@@ -23,9 +23,10 @@ from foretell.layers.attention.torch_backend import TorchAttentionBackend
 from foretell.layers.mla import absorbed_attention, expanded_attention
 from foretell.layers.moe import RouterConfig, experts_forward_torch, select_experts
 from foretell.layers.rotary import RotaryEmbedding, apply_rope_gptj, yarn_softmax_scale_factor
-from foretell.loader import CheckpointError, load_weights
+from foretell.loader import CheckpointError
 from foretell.models.base import HFConfig, ModelOptions
 from foretell.models.registry import resolve_model_class
+from foretell.runner import model_loading
 
 ATOL = 1e-4
 VARIANTS = ["v3", "kimi_k2", "v2_lite", "v2"]
@@ -38,11 +39,8 @@ def deepseek_checkpoint(checkpoint_root, tokenizer_dir):
 
 
 def build(folder: str, aux_layers=()):
-    config = HFConfig.from_folder(folder)
     options = ModelOptions(torch.float32, torch.device("cpu"), TorchAttentionBackend(), tuple(aux_layers))
-    model = resolve_model_class(config)(config, options)
-    load_weights(model, folder)
-    return model.eval()
+    return model_loading.build_model(folder, HFConfig.from_folder(folder), options)
 
 
 _HF: dict[str, torch.nn.Module] = {}

@@ -14,9 +14,9 @@ import torch
 
 from fixtures import PagedRunner
 from foretell.layers.attention.torch_backend import TorchAttentionBackend
-from foretell.loader import load_weights
 from foretell.models.base import HFConfig, ModelOptions
 from foretell.models.registry import resolve_model_class
+from foretell.runner import model_loading
 
 FAMILIES = ["llama31", "qwen3", "qwen3_tied", "qwen2", "mistral", "llama2_bin"]
 ATOL = 1e-4
@@ -24,11 +24,8 @@ TOKENIZER_SIZE = 448
 
 
 def build_model(folder: str, dtype=torch.float32, aux_layers=()):
-    config = HFConfig.from_folder(folder)
     options = ModelOptions(dtype, torch.device("cpu"), TorchAttentionBackend(), tuple(aux_layers))
-    model = resolve_model_class(config)(config, options)
-    load_weights(model, folder)
-    return model.eval()
+    return model_loading.build_model(folder, HFConfig.from_folder(folder), options)
 
 
 _HF_CACHE: dict[str, torch.nn.Module] = {}
