@@ -1,19 +1,22 @@
 """Where a batch-1 decode step's GPU time goes: one step of each target at real size (random bf16
-weights, eager so that every kernel is its own profiler event), kernel time summed by category.
+weights; eager, and with CUDA graphs where the profiler sees the replay's kernels), kernel time
+summed by category, next to the measured wall time per step.
 
     python scripts/profile_decode.py OUT_DIR [--steps 8]
 
 Llama-3.1-8B and the DeepSeek-V2-Lite shape, 128-token prompt, batch 1. Categories come from the
 kernel names (GEMM, attention, norm, RoPE, activation, MoE, copies/casts, other); the table gives
 the share of GPU time and microseconds per step, and the JSON keeps the 25 costliest kernels too.
-The sum is kernel time only: the gaps between launches (what CUDA graphs remove) are not in it.
+The sum is kernel time only; wall minus kernel time is host time and launch gaps.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
+import time
 from collections import defaultdict
 
 import torch
@@ -69,33 +72,42 @@ def kernel_events(prof) -> list[tuple[str, float]]:
             if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
-def profile_target(folder: str, steps: int) -> dict:
+def profile_target(folder: str, steps: int, enforce_eager: bool) -> dict:
+    """Kernel time by category of `steps` decode steps, and their wall time per step measured
+    without the profiler (with graphs: the replay, so wall minus kernels is the launch gaps)."""
     from torch.profiler import ProfilerActivity, profile
 
     llm = LLM(folder, dtype="bfloat16", device="cuda", load_format="dummy", skip_tokenizer_init=True,
-              enforce_eager=True, max_num_seqs=1, kv_cache_memory_bytes=4 << 30)
+              enforce_eager=enforce_eager, max_num_seqs=1, kv_cache_memory_bytes=4 << 30)
     engine = llm.engine
     prompt = {"prompt_token_ids": [(7 * j) % 1000 + 1 for j in range(128)]}
-    engine.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True))
+    engine.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=3 * steps + 8, ignore_eos=True))
     engine.step()  # prefill
-    engine.step()  # a first decode step (allocator, lazy init)
+    for _ in range(3):  # first decode steps (allocator, lazy init, Triton compiles)
+        engine.step()
     torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    wall_us = (time.perf_counter() - start) * 1e6 / steps
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
     engine.abort_request("p")
-    result = summarize(kernel_events(prof), steps)
+    result = dict(summarize(kernel_events(prof), steps), wall_us_per_step=wall_us, enforce_eager=enforce_eager)
     del llm, engine
     torch.cuda.empty_cache()
     return result
 
 
 def print_table(name: str, result: dict) -> None:
-    print(f"\n{name}: {result['total_us_per_step']:.0f} us of kernels per decode step")
+    print(f"\n{name}: {result['total_us_per_step']:.0f} us of kernels per decode step, "
+          f"{result['wall_us_per_step']:.0f} us wall")
     for row in result["categories"]:
         print(f"  {row['category']:12} {row['us_per_step']:8.1f} us  {100 * row['share']:5.1f}%")
-    for row in result["top_kernels"][:8]:
+    for row in result["top_kernels"][:14]:
         print(f"    {row['us_per_step']:8.1f} us  {row['kernel'][:90]}")
 
 
@@ -107,9 +119,11 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("profile_decode.py needs a CUDA device")
     results = {}
-    for name, folder in (("llama-3.1-8b", f"{CONFIGS}/llama-3.1-8b"), ("deepseek-v2-lite", f"{CONFIGS}/deepseek-v2-lite")):
+    targets = (("llama-3.1-8b", f"{CONFIGS}/llama-3.1-8b"), ("deepseek-v2-lite", f"{CONFIGS}/deepseek-v2-lite"))
+    for (model, folder), eager in itertools.product(targets, (True, False)):
+        name = f"{model} {'eager' if eager else 'graphs'}"
         try:
-            results[name] = profile_target(folder, args.steps)
+            results[name] = profile_target(folder, args.steps, eager)
             print_table(name, results[name])
         except Exception as e:  # one target failing must not hide the other
             results[name] = {"error": f"{type(e).__name__}: {e}"}
