@@ -97,7 +97,8 @@ def prompt_sources(head: dict) -> str:
     counts = head.get("prompt_sources")
     if counts is None:  # recorded since the fresh-number questions were added
         return "GSM8K train questions, plain and chat, and openings of standard-library files"
-    fresh = f", {counts['gsm8k_fresh_numbers']} of them again with fresh numbers" if counts["gsm8k_fresh_numbers"] else ""
+    fresh = counts["gsm8k_fresh_numbers"]
+    fresh = f", asked {fresh} more times with fresh numbers" if fresh else ""
     code = f"{counts['code']} openings" if counts.get("code") is not None else "openings"
     return f"{counts['gsm8k']} GSM8K train questions, plain and chat{fresh}, and {code} of standard-library files"
 
