@@ -84,7 +84,7 @@ def build_ops(batch: int, dtype: torch.dtype):
                     lambda: (fk.rms_norm_triton(q, head_norm.weight, head_norm.eps)[0],
                              fk.rms_norm_triton(k, head_norm.weight, head_norm.eps)[0])),
         "rope": (rope_torch,
-                 lambda: fk.rope_neox_triton(positions, q, k, rotary.cos_cache, rotary.sin_cache)),
+                 lambda: fk.rope_triton(positions, q, k, rotary.cos_cache, rotary.sin_cache)),
         "silu_and_mul": (lambda: silu_torch("llama"),
                          lambda: (fk.silu_and_mul_triton(gate_up["llama"]),)),
         "silu_qwen3": (lambda: silu_torch("qwen3"),

@@ -120,7 +120,7 @@ def test_rms_norm_rejects_mismatched_inputs():
         fk.rms_norm_triton(x, torch.ones(8), 1e-6, out=torch.zeros(8, 2).t())
 
 
-# ---------------------------------------------------------------------- neox RoPE
+# ---------------------------------------------------------------------- RoPE
 
 ROPE_CASES = {
     # name: (num_heads, num_kv_heads, head_dim, rotary_dim, scaling)
@@ -135,13 +135,14 @@ ROPE_CASES = {
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", sorted(ROPE_CASES))
-def test_rope_neox_matches_torch(dtype, case):
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+def test_rope_matches_torch(dtype, case, style):
     num_heads, num_kv_heads, head_dim, rotary_dim, scaling = ROPE_CASES[case]
     seed = random.randrange(2**31)
     gen = torch.Generator().manual_seed(seed)
     num_tokens = random.Random(seed).randint(1, 6)
     max_positions = 4096
-    rotary = RotaryEmbedding(rotary_dim, max_positions, 500000.0, scaling, device=DEVICE)
+    rotary = RotaryEmbedding(rotary_dim, max_positions, 500000.0, scaling, style, device=DEVICE)
     # q and k as the model makes them: strided views into the fused qkv projection.
     q_width, kv_width = num_heads * head_dim, num_kv_heads * head_dim
     qkv = _rand(gen, num_tokens, q_width + 2 * kv_width, dtype=dtype, scale=2.0)
@@ -151,8 +152,8 @@ def test_rope_neox_matches_torch(dtype, case):
     expected_q, expected_k = rotary(positions, query, key)  # CPU: the torch path
     q_out, k_out = _poisoned(query.shape, dtype), _poisoned(key.shape, dtype)
     with reports_seed(seed):
-        got_q, got_k = fk.rope_neox_triton(
-            positions, query, key, rotary.cos_cache, rotary.sin_cache, q_out, k_out
+        got_q, got_k = fk.rope_triton(
+            positions, query, key, rotary.cos_cache, rotary.sin_cache, q_out, k_out, style=style
         )
         assert got_q is q_out and got_k is k_out
         _assert_written_and_close(got_q, expected_q, dtype, exact=True)
@@ -210,7 +211,7 @@ def test_layers_dispatch_to_the_kernels(monkeypatch):
     gen = torch.Generator().manual_seed(seed)
     dtype = torch.float16
     calls = []
-    for name in ("rms_norm_triton", "rope_neox_triton", "silu_and_mul_triton"):
+    for name in ("rms_norm_triton", "rope_triton", "silu_and_mul_triton"):
         kernel = getattr(fk, name)
         monkeypatch.setattr(fk, name, lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw))
 
@@ -222,7 +223,7 @@ def test_layers_dispatch_to_the_kernels(monkeypatch):
     gate_up = _rand(gen, 3, 2 * 40, dtype=dtype)
     with reports_seed(seed):
         fused = (norm(x, residual), rotary(positions, q, k), SiluAndMul()(gate_up))
-        assert calls == ["rms_norm_triton", "rope_neox_triton", "silu_and_mul_triton"]
+        assert calls == ["rms_norm_triton", "rope_triton", "silu_and_mul_triton"]
         monkeypatch.setattr(kernel_dispatch, "use_triton", lambda *tensors: False)
         plain = (norm(x, residual), rotary(positions, q, k), SiluAndMul()(gate_up))
         assert len(calls) == 3
@@ -232,12 +233,29 @@ def test_layers_dispatch_to_the_kernels(monkeypatch):
             _assert_written_and_close(got, expected, dtype, exact=False)
 
 
-def test_gptj_style_stays_on_the_torch_path(monkeypatch):
+def test_gptj_style_dispatches_interleaved(monkeypatch):
+    """DeepSeek's interleaved RoPE goes to the kernel with style="gptj", rotating MLA's q_pe and
+    its single shared k_pe (views into the projections) as the torch path does."""
     monkeypatch.setattr(kernel_dispatch, "use_triton", lambda *tensors: True)
-    monkeypatch.setattr(fk, "rope_neox_triton", lambda *a, **kw: pytest.fail("gptj went to the neox kernel"))
+    styles = []
+    kernel = fk.rope_triton
+    monkeypatch.setattr(fk, "rope_triton", lambda *a, **kw: styles.append(kw["style"]) or kernel(*a, **kw))
     rotary = RotaryEmbedding(16, 32, 10000.0, style="gptj", device=DEVICE)
-    q = torch.randn(2, 3, 16, device=DEVICE)
-    rotary(torch.tensor([1, 2], device=DEVICE), q, q[:, :1])
+    q = torch.randn(2, 3, 24, device=DEVICE, dtype=torch.float16)
+    k_pe = torch.randn(2, 40, device=DEVICE, dtype=torch.float16)[:, 24:].unsqueeze(1)
+    positions = torch.tensor([1, 30], device=DEVICE)
+    got_q, got_k = rotary(positions, q[..., 8:], k_pe)
+    assert styles == ["gptj"]
+    monkeypatch.setattr(kernel_dispatch, "use_triton", lambda *tensors: False)
+    expected_q, expected_k = rotary(positions, q[..., 8:], k_pe)
+    assert torch.equal(got_q, expected_q) and torch.equal(got_k, expected_k)
+
+
+def test_rope_refuses_an_unknown_style():
+    cache = torch.zeros(8, 8)
+    with pytest.raises(ValueError, match="rope style 'halves' is not one of"):
+        fk.rope_triton(torch.zeros(1, dtype=torch.long), torch.zeros(1, 2, 16), torch.zeros(1, 1, 16),
+                       cache, cache, style="halves")
 
 
 def test_empty_batches():
@@ -247,7 +265,7 @@ def test_empty_batches():
     )
     assert normed.shape == residual.shape == (0, hidden)
     cache = torch.zeros(8, 8)
-    q, k = fk.rope_neox_triton(torch.zeros(0, dtype=torch.long), torch.zeros(0, 2, 16),
-                               torch.zeros(0, 1, 16), cache, cache)
+    q, k = fk.rope_triton(torch.zeros(0, dtype=torch.long), torch.zeros(0, 2, 16),
+                          torch.zeros(0, 1, 16), cache, cache)
     assert q.shape == (0, 2, 16) and k.shape == (0, 1, 16)
     assert fk.silu_and_mul_triton(torch.zeros(0, 10)).shape == (0, 5)

@@ -1,7 +1,7 @@
-"""Fused Triton kernels for a decoder layer's small ops: residual add + RMSNorm, neox RoPE on q
-and k, and SiLU-and-mul. Each replaces a chain of 3-10 small torch kernels with one launch.
+"""Fused Triton kernels for a decoder layer's small ops: residual add + RMSNorm, RoPE on q and k
+(neox and gptj pairings), and SiLU-and-mul. Each replaces a chain of 3-10 small torch kernels with one launch.
 
-Twins: RMSNorm.forward (norm.py), RotaryEmbedding.forward with the "neox" style (rotary.py) and
+Twins: RMSNorm.forward (norm.py), RotaryEmbedding.forward (rotary.py, either style) and
 SiluAndMul.forward (activation.py) hold the reference semantics and are what CPUs run;
 tests/test_fused_kernels.py holds kernels and twins together on random inputs (in Triton's
 interpreter on the CPU), tests/gpu/test_fused_kernels_gpu.py does the same on CUDA in bf16.
@@ -138,7 +138,7 @@ def rms_norm_triton(
     return out, residual_out
 
 
-# ---------------------------------------------------------------------- neox RoPE
+# ---------------------------------------------------------------------- RoPE (neox and gptj)
 
 
 @triton.jit
@@ -148,7 +148,7 @@ def _in_dtype(v, dtype: tl.constexpr):
 
 
 @triton.jit
-def _rope_neox_heads(
+def _rope_heads(
     x_ptr,
     out_ptr,
     token,
@@ -163,6 +163,7 @@ def _rope_neox_heads(
     HALF_P: tl.constexpr,
     TAIL_P: tl.constexpr,  # power of 2 >= head_dim - rotary_dim
     BLOCK_HEADS: tl.constexpr,
+    INTERLEAVED: tl.constexpr,  # gptj: pairs (2i, 2i + 1); neox: pairs (i, i + HALF)
 ):
     dtype = out_ptr.dtype.element_ty
     heads = first_head + tl.arange(0, BLOCK_HEADS)
@@ -171,15 +172,20 @@ def _rope_neox_heads(
     mask = head_ok & (dims < HALF)
     src = x_ptr + token * stride_token + heads[:, None] * stride_head
     dst = out_ptr + (token * NUM_HEADS + heads[:, None]) * HEAD_DIM
-    x1 = tl.load(src + dims, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_HEADS, HALF_P]
-    x2 = tl.load(src + HALF + dims, mask=mask, other=0.0).to(tl.float32)
+    if INTERLEAVED:
+        first, second = 2 * dims, 2 * dims + 1
+    else:
+        first, second = dims, HALF + dims
+    x1 = tl.load(src + first, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_HEADS, HALF_P]
+    x2 = tl.load(src + second, mask=mask, other=0.0).to(tl.float32)
     cos = cos[None, :]
     sin = sin[None, :]
-    # apply_rope_neox's arithmetic, each product and sum rounded to the dtype as torch does.
+    # apply_rope_neox's / apply_rope_gptj's arithmetic, each product and sum rounded to the
+    # dtype as torch does.
     o1 = _in_dtype(x1 * cos, dtype) - _in_dtype(x2 * sin, dtype)
     o2 = _in_dtype(x2 * cos, dtype) + _in_dtype(x1 * sin, dtype)
-    tl.store(dst + dims, o1.to(dtype), mask=mask)
-    tl.store(dst + HALF + dims, o2.to(dtype), mask=mask)
+    tl.store(dst + first, o1.to(dtype), mask=mask)
+    tl.store(dst + second, o2.to(dtype), mask=mask)
     if HEAD_DIM > 2 * HALF:  # partial rotary: the channels past rotary_dim pass through
         tail = 2 * HALF + tl.arange(0, TAIL_P)[None, :]
         tail_mask = head_ok & (tail < HEAD_DIM)
@@ -187,7 +193,7 @@ def _rope_neox_heads(
 
 
 @triton.jit
-def _rope_neox_kernel(
+def _rope_kernel(
     positions_ptr,
     cos_ptr,
     sin_ptr,
@@ -207,6 +213,7 @@ def _rope_neox_kernel(
     HALF_P: tl.constexpr,
     TAIL_P: tl.constexpr,
     BLOCK_HEADS: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
 ):
     # Program (token, head block); head blocks run over q's heads, then k's.
     token = tl.program_id(0).to(tl.int64)
@@ -218,18 +225,21 @@ def _rope_neox_kernel(
     sin = _in_dtype(tl.load(sin_ptr + position * stride_cache + dims, mask=dims < HALF, other=0.0), dtype)
     q_blocks = (NUM_Q_HEADS + BLOCK_HEADS - 1) // BLOCK_HEADS
     if block < q_blocks:
-        _rope_neox_heads(
+        _rope_heads(
             q_ptr, q_out_ptr, token, block * BLOCK_HEADS, stride_q_token, stride_q_head, cos, sin,
-            NUM_Q_HEADS, HEAD_DIM, HALF, HALF_P, TAIL_P, BLOCK_HEADS,
+            NUM_Q_HEADS, HEAD_DIM, HALF, HALF_P, TAIL_P, BLOCK_HEADS, INTERLEAVED,
         )
     else:
-        _rope_neox_heads(
+        _rope_heads(
             k_ptr, k_out_ptr, token, (block - q_blocks) * BLOCK_HEADS, stride_k_token, stride_k_head,
-            cos, sin, NUM_K_HEADS, HEAD_DIM, HALF, HALF_P, TAIL_P, BLOCK_HEADS,
+            cos, sin, NUM_K_HEADS, HEAD_DIM, HALF, HALF_P, TAIL_P, BLOCK_HEADS, INTERLEAVED,
         )
 
 
-def rope_neox_triton(
+ROPE_STYLES = ("neox", "gptj")
+
+
+def rope_triton(
     positions: torch.Tensor,  # [num_tokens] int
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -237,9 +247,12 @@ def rope_neox_triton(
     sin_cache: torch.Tensor,  # [max_positions, rotary_dim // 2] float32
     q_out: torch.Tensor | None = None,  # contiguous, query's shape: where to write
     k_out: torch.Tensor | None = None,
+    style: str = "neox",  # "neox": rotate halves (Llama, Qwen); "gptj": interleaved pairs (DeepSeek)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # rotated query, key: contiguous, same shapes
-    """RotaryEmbedding.forward for the neox style: the first rotary_dim channels of every head
-    rotated by its token's position, the rest copied."""
+    """RotaryEmbedding.forward: the first rotary_dim channels of every head rotated by its
+    token's position, the rest copied."""
+    if style not in ROPE_STYLES:
+        raise ValueError(f"rope style {style!r} is not one of {ROPE_STYLES}")
     if query.dim() != 3 or key.dim() != 3 or query.shape[0] != key.shape[0] or query.shape[2] != key.shape[2]:
         raise ValueError(f"query/key must be [tokens, heads, head_dim], got {list(query.shape)}, {list(key.shape)}")
     if query.dtype != key.dtype:
@@ -259,7 +272,7 @@ def rope_neox_triton(
     half_p = _next_pow2(half)
     block_heads = min(max(1, 1024 // half_p), _next_pow2(max(num_q_heads, num_k_heads)))
     grid = (num_tokens, triton.cdiv(num_q_heads, block_heads) + triton.cdiv(num_k_heads, block_heads))
-    _rope_neox_kernel[grid](
+    _rope_kernel[grid](
         positions.contiguous(), cos_cache, sin_cache, query, key, q_out, k_out,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), cos_cache.stride(0),
         NUM_Q_HEADS=num_q_heads,
@@ -269,6 +282,7 @@ def rope_neox_triton(
         HALF_P=half_p,
         TAIL_P=_next_pow2(max(head_dim - 2 * half, 1)),
         BLOCK_HEADS=block_heads,
+        INTERLEAVED=style == "gptj",
         num_warps=_num_warps(2 * block_heads * half_p),
     )
     return q_out, k_out

@@ -14,9 +14,9 @@ Everything is computed in float32. The cos/sin table is built once, up front, fo
 positions, and kept as a plain tensor rather than a buffer so that casting the model's dtype can
 never round it.
 
-On CUDA (when kernel_dispatch.use_triton allows) the neox style runs as one Triton kernel for q and
-k together, reading the table by position, with apply_rope_neox's roundings; the torch code here
-is its twin and what the CPU (and the gptj style everywhere) runs.
+On CUDA (when kernel_dispatch.use_triton allows) either style runs as one Triton kernel for q and
+k together, reading the table by position, with the roundings of apply_rope_neox / apply_rope_gptj;
+the torch code here is its twin and what the CPU runs.
 """
 
 from __future__ import annotations
@@ -259,7 +259,9 @@ class RotaryEmbedding(nn.Module):
         if self._fused(positions, query, key):
             from foretell.layers import fused_kernels  # imports triton: CUDA only
 
-            return fused_kernels.rope_neox_triton(positions, query, key, self.cos_cache, self.sin_cache)
+            return fused_kernels.rope_triton(
+                positions, query, key, self.cos_cache, self.sin_cache, style=self.style
+            )
         cos, sin = self.cos_sin(positions)
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
 
@@ -271,8 +273,7 @@ class RotaryEmbedding(nn.Module):
 
     def _fused(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> bool:
         return (
-            self.style == "neox"
-            and query.dim() == 3
+            query.dim() == 3
             and key.dim() == 3
             and query.dtype == key.dtype
             and self.cos_cache.device == query.device

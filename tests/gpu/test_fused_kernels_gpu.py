@@ -67,7 +67,7 @@ def _check(got, expected, dtype, exact):
     assert differing <= MAX_DIFFERING_FRACTION, f"{differing:.2%} of elements differ"
 
 
-def _check_rope(got, x, cos, sin, rotary_dim):
+def _check_rope(got, x, cos, sin, rotary_dim, style="neox"):
     """x1 cos - x2 sin and x2 cos + x1 sin against float64: within two roundings of the terms'
     magnitude (|x1 cos| + |x2 sin|). The torch path rounds each product to the dtype and the
     kernel fuses them, so near-cancelling elements differ by a rounding of the terms, not of
@@ -76,9 +76,15 @@ def _check_rope(got, x, cos, sin, rotary_dim):
     assert got.shape == x.shape and got.dtype == x.dtype and got.is_contiguous()
     half = rotary_dim // 2
     x64, c, s = x.double(), cos.double()[:, None, :], sin.double()[:, None, :]
-    x1, x2 = x64[..., :half], x64[..., half:rotary_dim]
-    exact = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, x64[..., rotary_dim:]), dim=-1)
-    terms = torch.cat(((x1 * c).abs() + (x2 * s).abs(), (x2 * c).abs() + (x1 * s).abs(), x64[..., rotary_dim:].abs()), -1)
+    if style == "gptj":  # pairs (2i, 2i + 1), results kept interleaved
+        x1, x2 = x64[..., 0:rotary_dim:2], x64[..., 1:rotary_dim:2]
+        pair = lambda a, b: torch.stack((a, b), dim=-1).flatten(-2)  # noqa: E731
+    else:
+        x1, x2 = x64[..., :half], x64[..., half:rotary_dim]
+        pair = lambda a, b: torch.cat((a, b), dim=-1)  # noqa: E731
+    tail = x64[..., rotary_dim:]
+    exact = torch.cat((pair(x1 * c - x2 * s, x2 * c + x1 * s), tail), dim=-1)
+    terms = torch.cat((pair((x1 * c).abs() + (x2 * s).abs(), (x2 * c).abs() + (x1 * s).abs()), tail.abs()), -1)
     error = (got.double() - exact).abs()
     bound = 2 * torch.finfo(x.dtype).eps * terms + 1e-30
     worst = (error / bound).max().item()
@@ -137,12 +143,13 @@ def test_qwen3_per_head_norm(dtype, num_tokens):
     [((32, 8), 128, 128, LLAMA3_SCALING), ((32, 8), 128, 64, None), ((40, 8), 80, 40, None),
      ((14, 2), 64, 64, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096})],
 )
-def test_rope_neox_matches_torch(dtype, num_tokens, heads, head_dim, rotary_dim, scaling):
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+def test_rope_matches_float64(dtype, num_tokens, heads, head_dim, rotary_dim, scaling, style):
     num_heads, num_kv_heads = heads
     seed = random.randrange(2**31)
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     max_positions = 32768
-    rotary = RotaryEmbedding(rotary_dim, max_positions, 500000.0, scaling, device=DEVICE)
+    rotary = RotaryEmbedding(rotary_dim, max_positions, 500000.0, scaling, style, device=DEVICE)
     q_width, kv_width = num_heads * head_dim, num_kv_heads * head_dim
     qkv = _rand(gen, num_tokens, q_width + 2 * kv_width, dtype=dtype, scale=2.0)
     query = qkv[:, :q_width].view(num_tokens, num_heads, head_dim)
@@ -150,10 +157,10 @@ def test_rope_neox_matches_torch(dtype, num_tokens, heads, head_dim, rotary_dim,
     positions = torch.randint(0, max_positions, (num_tokens,), generator=gen, device=DEVICE)
     cos, sin = rotary.cos_sin(positions)
     with reports_seed(seed):
-        got = fk.rope_neox_triton(positions, query, key, rotary.cos_cache, rotary.sin_cache,
-                                  _nan(query.shape, dtype), _nan(key.shape, dtype))
+        got = fk.rope_triton(positions, query, key, rotary.cos_cache, rotary.sin_cache,
+                             _nan(query.shape, dtype), _nan(key.shape, dtype), style=style)
         for out, x in zip(got, (query, key)):
-            _check_rope(out, x, cos, sin, rotary_dim)
+            _check_rope(out, x, cos, sin, rotary_dim, style)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -172,7 +179,7 @@ def test_silu_and_mul(dtype, num_tokens, intermediate):
 
 def test_layers_dispatch_under_inference_only(monkeypatch):
     calls = []
-    for name in ("rms_norm_triton", "rope_neox_triton", "silu_and_mul_triton"):
+    for name in ("rms_norm_triton", "rope_triton", "silu_and_mul_triton"):
         kernel = getattr(fk, name)
         monkeypatch.setattr(fk, name, lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw))
     dtype = torch.bfloat16
@@ -186,7 +193,7 @@ def test_layers_dispatch_under_inference_only(monkeypatch):
         norm(x, x)
         rotary(positions, q, k)
         SiluAndMul()(gate_up)
-    assert calls == ["rms_norm_triton", "rope_neox_triton", "silu_and_mul_triton"]
+    assert calls == ["rms_norm_triton", "rope_triton", "silu_and_mul_triton"]
     # Training: parameters or activations needing grad keep the torch path (the kernels have no
     # backward), and gradients flow.
     norm.weight.requires_grad_(True)
