@@ -8,6 +8,8 @@ Routing (`RouterConfig`, `select_experts`), computed in float32 whatever the mod
   choices ("noaux_tc") or its best score ("group_limited_greedy")
   experts = top-k of choice; weights = scores at those experts (unbiased),
             / their sum when norm_topk_prob, * routed_scaling_factor
+On CUDA (triton installed, no autograd) ungrouped routing runs as one Triton kernel instead
+(`select_experts_triton` in moe_router_triton.py, whose twin `select_experts` is).
 
 Experts are stored per expert in checkpoints (`mlp.experts.{e}.gate_proj.weight`, ...). They load
 into two packed parameters, `experts.gate_up_proj` [E, 2 * I, H] (shard (e, 0) gate, (e, 1) up)
@@ -225,6 +227,12 @@ class Router(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(hidden.float(), self.weight)  # [T, E] float32
+        if not self.config.grouped and use_triton(logits):
+            from foretell.layers.moe_router_triton import (
+                select_experts_triton,  # imports triton
+            )
+
+            return select_experts_triton(logits, self.config, self.e_score_correction_bias)
         return select_experts(logits, self.config, self.e_score_correction_bias)
 
 
@@ -255,7 +263,7 @@ class MoE(nn.Module):
         weights, ids = self.gate(hidden)
         out = self.experts(hidden, weights, ids)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(hidden).float()
+            out = out + self.shared_experts(hidden)  # float32 + model dtype: one promoting add
         return out.to(hidden.dtype)
 
 

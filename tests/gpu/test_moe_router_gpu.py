@@ -1,0 +1,143 @@
+"""The fused MoE routing kernel (`select_experts_triton`) on a CUDA device against its torch twin
+`select_experts` run on the same device: DeepSeek-V2-Lite / V2 (softmax greedy), Kimi-K2 (sigmoid
+noaux_tc, n_group 1, 384 experts) and tiny configs, 1 to 64 tokens and one prefill-sized batch;
+Router.forward's dispatch (kernel under inference, twin under autograd); no host sync in a launch;
+capture and replay in a CUDA graph.
+
+Every case draws fresh random logits; a failure prints the seed that reproduces it. Tokens whose
+top k + 1 choices lie within 1e-5 (relative) of each other are redrawn: there another exp may
+legitimately swap two experts. The ids must then be equal, the weights within a few roundings.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+pytest.importorskip("triton")
+
+from fixtures.seeds import reports_seed  # noqa: E402
+from foretell.layers import moe_router_triton as mrt  # noqa: E402
+from foretell.layers.moe import Router, RouterConfig, select_experts  # noqa: E402
+
+DEVICE = torch.device("cuda")
+NEAR = dict(rtol=3e-6, atol=1e-9)  # tl.exp is ex2.approx here: up to ~1e-6 relative per exp
+MIN_RELATIVE_GAP = 1e-5
+
+CASES = {
+    "v2_lite": (RouterConfig(64, 6, "softmax", "greedy"), False),
+    "v2": (RouterConfig(160, 6, "softmax", "greedy", routed_scaling_factor=16.0), False),
+    "kimi_k2": (RouterConfig(384, 8, "sigmoid", "noaux_tc", 1, 1, True, 2.827), True),
+    "kimi_k2_like": (RouterConfig(96, 8, "sigmoid", "noaux_tc", 1, 1, True, 2.827), True),
+    "tiny": (RouterConfig(8, 2, "softmax", "greedy", norm_topk_prob=True), False),
+    "tiny_top1_bias": (RouterConfig(8, 1, "sigmoid", "noaux_tc", norm_topk_prob=True, routed_scaling_factor=2.5),
+                       True),
+}
+
+
+def _seed() -> int:
+    return random.randrange(2**31)
+
+
+def _choice(logits: torch.Tensor, config: RouterConfig, bias: torch.Tensor | None) -> torch.Tensor:
+    scores = logits.sigmoid() if config.scoring_func == "sigmoid" else logits.softmax(-1)
+    return scores if bias is None else scores + bias
+
+
+def draw_inputs(seed: int, num_tokens: int, config: RouterConfig, with_bias: bool, bias=None):
+    """(logits [T, E], bias [E] or None) on the device, the bias drawn unless given; tokens with
+    near-tied top choices redrawn."""
+    gen = torch.Generator().manual_seed(seed)
+    if bias is None and with_bias:
+        bias = torch.randn(config.num_experts, generator=gen) * 0.5  # [E]
+    cpu_bias = bias.cpu() if bias is not None else None
+    logits = torch.randn(num_tokens, config.num_experts, generator=gen) * 2.0  # [T, E]
+    k = min(config.top_k + 1, config.num_experts)
+    while True:
+        top = _choice(logits, config, cpu_bias).topk(k, dim=-1).values  # [T, k]
+        close = ((top[:, :-1] - top[:, 1:]) <= MIN_RELATIVE_GAP * top[:, :-1].abs()).any(-1)  # [T]
+        if not close.any():
+            break
+        logits[close] = torch.randn(int(close.sum()), config.num_experts, generator=gen) * 2.0
+    return logits.to(DEVICE), (cpu_bias.to(DEVICE) if cpu_bias is not None else None)
+
+
+def assert_same_routing(got, expected):
+    (weights, ids), (expected_weights, expected_ids) = got, expected
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int64
+    assert weights.shape == ids.shape == expected_ids.shape
+    assert torch.equal(ids, expected_ids), "ids differ"
+    torch.testing.assert_close(weights, expected_weights, **NEAR)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2, 7, 17, 64])
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_select_experts(case, num_tokens):
+    config, with_bias = CASES[case]
+    seed = _seed()
+    logits, bias = draw_inputs(seed, num_tokens, config, with_bias)
+    with reports_seed(seed):
+        assert_same_routing(mrt.select_experts_triton(logits, config, bias), select_experts(logits, config, bias))
+
+
+@pytest.mark.parametrize("case", ["v2_lite", "kimi_k2"])
+def test_prefill_batch(case):
+    config, with_bias = CASES[case]
+    seed = _seed()
+    logits, bias = draw_inputs(seed, 3001, config, with_bias)
+    with reports_seed(seed):
+        assert_same_routing(mrt.select_experts_triton(logits, config, bias), select_experts(logits, config, bias))
+
+
+def test_router_dispatch_inference_and_autograd(monkeypatch):
+    calls = []
+    kernel = mrt.select_experts_triton
+    monkeypatch.setattr(mrt, "select_experts_triton", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    config, _ = CASES["kimi_k2"]
+    router = Router(config, 64, device=DEVICE)
+    with torch.no_grad():
+        router.weight.normal_(0.0, 0.125)
+        router.e_score_correction_bias.normal_(0.0, 0.1)
+    hidden = torch.randn(5, 64, device=DEVICE, dtype=torch.bfloat16)  # [T, H]
+    with torch.no_grad():
+        router(hidden)
+    assert calls == [1]
+    router(hidden.float().requires_grad_())  # autograd: the twin runs
+    assert calls == [1]
+    grouped = Router(RouterConfig(256, 8, "sigmoid", "noaux_tc", 8, 4, True, 2.5), 64, device=DEVICE)
+    with torch.no_grad():
+        grouped.weight.normal_(0.0, 0.125)
+        grouped.e_score_correction_bias.zero_()
+        grouped(hidden)
+    assert calls == [1]
+
+
+def test_no_sync_and_graph_replay():
+    config, with_bias = CASES["kimi_k2"]
+    seed = _seed()
+    logits, bias = draw_inputs(seed, 16, config, with_bias)
+    mrt.select_experts_triton(logits, config, bias)  # compile
+    mrt.select_experts_triton(logits[:1], config, bias)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        mrt.select_experts_triton(logits, config, bias)
+        mrt.select_experts_triton(logits[:1], config, bias)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    static = logits.clone()  # [16, E]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_weights, static_ids = mrt.select_experts_triton(static, config, bias)
+    for replay in range(3):
+        new_logits, _ = draw_inputs(seed + 1 + replay, 16, config, with_bias, bias)
+        static.copy_(new_logits)
+        graph.replay()
+        with reports_seed(seed + 1 + replay):
+            assert_same_routing((static_weights, static_ids), select_experts(new_logits, config, bias))

@@ -1,0 +1,195 @@
+"""The fused MoE routing kernel (`select_experts_triton`) held against its torch twin
+`select_experts`, in Triton's interpreter on CPU tensors (the real kernel on a CUDA machine), at
+DeepSeek-V2-Lite (softmax greedy), Kimi-K2-like (sigmoid noaux_tc with a correction bias, n_group 1,
+a non-power-of-two expert count) and tiny sizes; Router.forward's dispatch to it.
+
+Every case draws fresh random logits; a failure prints the seed that reproduces it. Buffers the
+wrapper allocates start poisoned (NaN weights, out-of-range ids), so an element the kernel does
+not write shows. The kernel's exp is not torch's, so two experts whose choices lie within a
+rounding of each other may legitimately swap places; tokens with such near-ties among the top
+k + 1 choices are redrawn, and the ids must then be equal.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from fixtures.seeds import reports_seed
+from foretell.layers import moe
+from foretell.layers.moe import Router, RouterConfig, select_experts
+
+from fixtures.triton_interpreter import HAS_CUDA, import_interpreted, interpreter_mode  # noqa: F401
+
+DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+mrt = import_interpreted("foretell.layers.moe_router_triton")
+
+NEAR = dict(rtol=1e-6, atol=1e-9)  # a few float32 roundings (exp, the sums' order)
+MIN_RELATIVE_GAP = 1e-5  # between consecutive top k + 1 choices of a drawn token
+
+CASES = {
+    "v2_lite": (RouterConfig(64, 6, "softmax", "greedy"), False),
+    "kimi_k2_like": (RouterConfig(96, 8, "sigmoid", "noaux_tc", 1, 1, True, 2.827), True),
+    "v2_softmax_norm": (RouterConfig(160, 6, "softmax", "greedy", norm_topk_prob=True, routed_scaling_factor=16.0),
+                        False),
+    "tiny": (RouterConfig(8, 2, "softmax", "greedy", norm_topk_prob=True), False),
+    "tiny_top1_bias": (RouterConfig(8, 1, "sigmoid", "noaux_tc", norm_topk_prob=True, routed_scaling_factor=2.5),
+                       True),
+}
+
+
+def _seed() -> int:
+    return random.randrange(2**31)
+
+
+def _choice(logits: torch.Tensor, config: RouterConfig, bias: torch.Tensor | None) -> torch.Tensor:
+    scores = logits.sigmoid() if config.scoring_func == "sigmoid" else logits.softmax(-1)
+    return scores if bias is None else scores + bias
+
+
+def draw_logits(gen, num_tokens, config, bias, scale=2.0) -> torch.Tensor:  # [num_tokens, E] float32
+    """Random logits, each token redrawn until its top k + 1 choices are clearly apart."""
+    rows = []
+    for _ in range(num_tokens):
+        while True:
+            row = torch.randn(1, config.num_experts, generator=gen) * scale  # [1, E]
+            top = _choice(row, config, bias).topk(min(config.top_k + 1, config.num_experts)).values[0]
+            if ((top[:-1] - top[1:]) > MIN_RELATIVE_GAP * top[:-1].abs()).all():
+                rows.append(row)
+                break
+    return torch.cat(rows).to(DEVICE)
+
+
+def poison_buffers(monkeypatch):
+    """torch.empty gives NaN (floats) or out-of-range ids (ints): an unwritten element shows."""
+    empty = torch.empty
+
+    def poisoned(*shape, dtype=None, **kwargs):
+        out = empty(*shape, dtype=dtype, **kwargs)
+        return out.fill_(float("nan") if out.is_floating_point() else 2**30)
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+def assert_same_routing(got, expected):
+    (weights, ids), (expected_weights, expected_ids) = got, expected
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int64
+    assert weights.shape == ids.shape == expected_ids.shape
+    assert weights.is_contiguous() and ids.is_contiguous()
+    assert not torch.isnan(weights).any(), "kernel left poisoned weights"
+    assert torch.equal(ids, expected_ids), f"ids {ids.tolist()} != {expected_ids.tolist()}"
+    torch.testing.assert_close(weights, expected_weights, **NEAR)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, 17])
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_select_experts(case, num_tokens, monkeypatch):
+    config, with_bias = CASES[case]
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    bias = torch.randn(config.num_experts, generator=gen) * 0.5 if with_bias else None  # [E]
+    logits = draw_logits(gen, num_tokens, config, bias)  # [T, E]
+    bias = bias.to(DEVICE) if bias is not None else None
+    expected = select_experts(logits, config, bias)
+    poison_buffers(monkeypatch)
+    with reports_seed(seed):
+        assert_same_routing(mrt.select_experts_triton(logits, config, bias), expected)
+
+
+def test_strided_logits():
+    """Logits a column slice of a wider tensor (rows further apart than num_experts)."""
+    config, _ = CASES["v2_lite"]
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    wide = torch.randn(5, 80, generator=gen).to(DEVICE)  # [T, 80]
+    wide[:, 16:] = draw_logits(gen, 5, config, None)
+    logits = wide[:, 16:]  # [T, 64], stride 80
+    with reports_seed(seed):
+        assert_same_routing(mrt.select_experts_triton(logits, config), select_experts(logits, config))
+
+
+def test_exact_ties_go_to_the_lower_expert():
+    config = RouterConfig(8, 3, "softmax", "greedy", norm_topk_prob=True)
+    weights, ids = mrt.select_experts_triton(torch.zeros(2, 8, device=DEVICE), config)
+    assert ids.tolist() == [[0, 1, 2]] * 2
+    torch.testing.assert_close(weights, torch.full((2, 3), 1 / 3, device=DEVICE))
+
+
+def test_no_tokens():
+    config, _ = CASES["kimi_k2_like"]
+    weights, ids = mrt.select_experts_triton(torch.zeros(0, 96, device=DEVICE), config, torch.zeros(96, device=DEVICE))
+    assert weights.shape == ids.shape == (0, 8)
+
+
+def test_bad_inputs():
+    grouped = RouterConfig(16, 4, "sigmoid", "noaux_tc", 4, 2, True, 2.5)
+    with pytest.raises(ValueError, match="ungrouped.*n_group=4"):
+        mrt.select_experts_triton(torch.zeros(2, 16, device=DEVICE), grouped, torch.zeros(16, device=DEVICE))
+    config = RouterConfig(16, 4)
+    with pytest.raises(ValueError, match="router_logits must be"):
+        mrt.select_experts_triton(torch.zeros(16, device=DEVICE), config)
+    with pytest.raises(ValueError, match="router_logits must be"):
+        mrt.select_experts_triton(torch.zeros(2, 12, device=DEVICE), config)
+    with pytest.raises(ValueError, match="float32"):
+        mrt.select_experts_triton(torch.zeros(2, 16, dtype=torch.float16, device=DEVICE), config)
+    with pytest.raises(ValueError, match="correction_bias"):
+        mrt.select_experts_triton(torch.zeros(2, 16, device=DEVICE), config, torch.zeros(8, device=DEVICE))
+
+
+def _router(config: RouterConfig, hidden: int, gen: torch.Generator) -> Router:
+    router = Router(config, hidden, device=DEVICE)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(config.num_experts, hidden, generator=gen) / hidden**0.5)
+        if router.e_score_correction_bias is not None:
+            router.e_score_correction_bias.copy_(torch.randn(config.num_experts, generator=gen) * 0.1)
+    return router
+
+
+def _count_kernel_calls(monkeypatch) -> list:
+    calls = []
+    kernel = mrt.select_experts_triton
+    monkeypatch.setattr(mrt, "select_experts_triton", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    return calls
+
+
+def test_router_dispatches_ungrouped_configs_to_the_kernel(monkeypatch):
+    """With use_triton forced on, Router.forward's result is the kernel's, equal to the twin's."""
+    monkeypatch.setattr(moe, "use_triton", lambda *tensors: True)
+    calls = _count_kernel_calls(monkeypatch)
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    config, _ = CASES["kimi_k2_like"]
+    router = _router(config, config.num_experts, gen)
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(config.num_experts))  # logits = hidden, exactly
+    bias = router.e_score_correction_bias
+    hidden = draw_logits(gen, 4, config, bias.cpu())  # [T, E]
+    with torch.no_grad(), reports_seed(seed):
+        got = router(hidden)
+        assert calls == [1]
+        assert_same_routing(got, select_experts(hidden, config, bias))
+
+
+def test_router_keeps_grouped_configs_on_torch(monkeypatch):
+    monkeypatch.setattr(moe, "use_triton", lambda *tensors: True)
+    calls = _count_kernel_calls(monkeypatch)
+    gen = torch.Generator().manual_seed(0)
+    router = _router(RouterConfig(16, 4, "sigmoid", "noaux_tc", 4, 2, True, 2.5), 32, gen)
+    hidden = torch.randn(3, 32, generator=gen).to(DEVICE)  # [T, H]
+    with torch.no_grad():
+        weights, ids = router(hidden)
+        expected = select_experts(torch.nn.functional.linear(hidden, router.weight), router.config,
+                                  router.e_score_correction_bias)
+    assert calls == []
+    assert torch.equal(ids, expected[1]) and torch.equal(weights, expected[0])
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the CPU path")
+def test_router_stays_on_torch_off_cuda(monkeypatch):
+    calls = _count_kernel_calls(monkeypatch)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        _router(CASES["tiny"][0], 32, gen)(torch.randn(3, 32, generator=gen))
+    assert calls == []
