@@ -135,7 +135,7 @@ def test_head_counts_and_widths(num_heads, rank, rope, block_size):
           torch.float16, seed)
 
 
-@pytest.mark.parametrize("num_splits", [2, 3, 8])
+@pytest.mark.parametrize("num_splits", [2, 3, 8, 32])
 def test_split_context_matches_torch(num_splits):
     seed = _seed()
     check(LatentBatch(LONG, 4, 32, 8, 16, torch.float16, seed), torch.float16, seed, num_splits=num_splits)
@@ -224,3 +224,27 @@ def test_deepseek_triton_backend_matches_torch(checkpoint_root, tokenizer_dir, m
     llm, spec_got = _greedy(folder, {"method": "mtp", "num_speculative_tokens": 2}, attention_backend="triton")
     assert spec_got == want
     assert (4, 3) in llm.engine.runner.graphs.graphs  # verify batches took the graph-safe path
+
+
+def test_v2_lite_every_fused_kernel_matches_torch(checkpoint_root, tokenizer_dir, monkeypatch):
+    """Tiny DeepSeek-V2-Lite (ungrouped softmax routing, interleaved RoPE) greedy with every GPU
+    kernel forced on: Triton MLA, fused norm / gptj RoPE / SiLU, the routing kernel and the fused
+    experts; tokens equal the all-torch path's."""
+    from fixtures import deepseek as ds
+
+    from foretell.layers import kernel_dispatch, moe
+
+    fused = import_interpreted("foretell.layers.fused_kernels")
+    router = import_interpreted("foretell.layers.moe_router_triton")
+    import_interpreted("foretell.layers.moe_triton")
+    folder = ds.checkpoint(checkpoint_root, tokenizer_dir, "v2_lite")
+    _, want = _greedy(folder, attention_backend="torch")
+    monkeypatch.setattr(kernel_dispatch, "use_triton", lambda *tensors: True)
+    monkeypatch.setattr(moe, "use_triton", lambda *tensors: True)
+    rope_styles, routed = [], []
+    rope, select = fused.rope_triton, router.select_experts_triton
+    monkeypatch.setattr(fused, "rope_triton", lambda *a, **kw: rope_styles.append(kw["style"]) or rope(*a, **kw))
+    monkeypatch.setattr(router, "select_experts_triton", lambda *a: routed.append(1) or select(*a))
+    _, got = _greedy(folder, attention_backend="triton")
+    assert got == want
+    assert rope_styles and set(rope_styles) == {"gptj"} and routed

@@ -137,7 +137,7 @@ def test_attention_matches_torch(kind, group, block_size, dtype):
     _check_attention(batch, dtype, seed)
 
 
-@pytest.mark.parametrize("num_splits", [2, 3, 8])
+@pytest.mark.parametrize("num_splits", [2, 3, 8, 32])
 @pytest.mark.parametrize("kind", ["decode", "verify", "mixed"])
 def test_split_context_matches_torch(kind, num_splits):
     seed = _new_seed()

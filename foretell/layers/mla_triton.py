@@ -240,9 +240,12 @@ def _merge_splits_kernel(
     total = tl.sum(s * tl.exp2(m - m_max), axis=0)
     r = tl.arange(0, RANK_P)
     acc = tl.zeros([RANK_P], dtype=tl.float32)
-    # One split's rank-wide row at a time: all of them at once would not fit in registers.
-    for i in range(num_splits):
-        weight = tl.exp2(tl.load(part_max_ptr + row * num_splits + i) - m_max)  # empty: 0
+    # Splits are sized from shapes (graphs), so a short context fills only the first few; the
+    # filled ones are a prefix (a split that sees no key of this row is followed by later keys
+    # only), so the loop stops there. One rank-wide row at a time: all would not fit in registers.
+    filled = tl.sum((m > float("-inf")).to(tl.int32), axis=0)
+    for i in range(filled):
+        weight = tl.exp2(tl.load(part_max_ptr + row * num_splits + i) - m_max)
         part = tl.load(part_acc_ptr + (row * num_splits + i) * RANK + r, mask=r < RANK, other=0.0)
         acc += part * weight
     tl.store(

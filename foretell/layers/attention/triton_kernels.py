@@ -269,9 +269,11 @@ def _merge_splits_kernel(
     weight = tl.exp2(m - m_max)  # empty splits (-inf) weigh 0
     total = tl.sum(s * weight, axis=0)
     dims = tl.arange(0, HEAD_DIM_P)
+    # Splits are sized from shapes (graphs), so short contexts leave most empty: skip their reads.
+    filled = split_valid & (m > float("-inf"))
     acc = tl.load(
         part_acc_ptr + (row * num_splits + splits)[:, None] * HEAD_DIM + dims[None, :],
-        mask=split_valid[:, None] & (dims[None, :] < HEAD_DIM),
+        mask=filled[:, None] & (dims[None, :] < HEAD_DIM),
         other=0.0,
     )
     result = tl.sum(acc * weight[:, None], axis=0) / total
