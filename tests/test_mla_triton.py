@@ -216,7 +216,7 @@ def test_deepseek_triton_backend_matches_torch(checkpoint_root, tokenizer_dir, m
     monkeypatch.setattr(moe, "use_triton", lambda *tensors: True)
     calls = []
     fused = moe_triton.fused_experts_triton
-    monkeypatch.setattr(moe_triton, "fused_experts_triton", lambda *a: calls.append(1) or fused(*a))
+    monkeypatch.setattr(moe_triton, "fused_experts_triton", lambda *a, **kw: calls.append(1) or fused(*a, **kw))
     llm, got = _greedy(folder, attention_backend="triton")
     assert got == want
     assert calls and all(isinstance(layer.backend, mla_triton.TritonMLABackend)

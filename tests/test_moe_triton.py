@@ -74,6 +74,40 @@ def test_fused_experts_match_torch(num_tokens, num_experts, top_k, hidden, inter
                                    msg=lambda m, a=align_kernel: f"align_kernel={a} (seed {seed}): {m}")
 
 
+@pytest.mark.parametrize("num_tokens, top_k, hidden", [(1, 6, 48), (7, 2, 1100), (30, 3, 16)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_shared_experts_added_and_cast_once(num_tokens, top_k, hidden, dtype):
+    """The combine step: top_k rows summed, the shared experts' output added in float32, one cast
+    to the model dtype (what MoE.forward's torch path computes); hidden 1100 spans two blocks."""
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
+    gate_up, down = experts(8, hidden, 24, dtype, gen)
+    weights, ids = routing(num_tokens, 8, top_k, gen, 1)
+    shared = torch.randn(2 * num_tokens, hidden, generator=gen).to(dtype)[::2]  # rows strided
+    expected = (experts_forward_torch(x, gate_up, down, weights, ids) + shared).to(dtype)
+    out = moe_triton.fused_experts_triton(x, gate_up, down, weights, ids, shared=shared, out_dtype=dtype)
+    assert out.dtype == dtype and out.shape == expected.shape
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out, expected, rtol=tol, atol=tol, msg=lambda m: f"seed {seed}: {m}")
+
+
+def test_combine_sums_every_top_k_row_in_float32():
+    """With expert outputs that cancel in low precision, only a float32 sum before the one cast
+    gives the exact answer."""
+    x = torch.ones(1, 16, dtype=torch.float16)
+    gate_up, down = torch.zeros(2, 32, 16, dtype=torch.float16), torch.zeros(2, 16, 16, dtype=torch.float16)
+    gate_up[:, :16] = 1.0  # silu(16) * 16 per intermediate row
+    gate_up[:, 16:] = 1.0
+    down[0] = 1.0
+    down[1] = -1.0
+    weights = torch.tensor([[1.0, 1.0]])
+    ids = torch.tensor([[0, 1]])
+    shared = torch.full((1, 16), 0.5, dtype=torch.float16)
+    out = moe_triton.fused_experts_triton(x, gate_up, down, weights, ids, shared=shared, out_dtype=torch.float16)
+    assert torch.equal(out, shared)
+
+
 @pytest.mark.parametrize("block_m", [16, 32, 64])
 def test_larger_row_blocks(block_m):
     # Prefill-sized blocks, several blocks for one expert, K and N not multiples of the tiles.
@@ -113,5 +147,10 @@ def test_no_tokens_and_bad_shapes():
     gate_up, down = torch.zeros(4, 16, 16), torch.zeros(4, 16, 8)
     ids = torch.zeros(0, 2, dtype=torch.int64)
     assert moe_triton.fused_experts_triton(x, gate_up, down, torch.zeros(0, 2), ids).shape == (0, 16)
+    with pytest.raises(ValueError, match=r"shared must be \[0, 16\]"):
+        moe_triton.fused_experts_triton(x, gate_up, down, torch.zeros(0, 2), ids, shared=torch.zeros(1, 16))
+    empty = moe_triton.fused_experts_triton(x, gate_up, down, torch.zeros(0, 2), ids, shared=torch.zeros(0, 16),
+                                            out_dtype=torch.float16)
+    assert empty.shape == (0, 16) and empty.dtype == torch.float16
     with pytest.raises(ValueError, match="experts do not fit"):
         moe_triton.fused_experts_triton(torch.zeros(3, 8), gate_up, down, torch.zeros(3, 2), torch.zeros(3, 2).long())

@@ -184,14 +184,20 @@ class PackedExperts(nn.Module):
         self.gate_up_proj = _packed_param((num_experts, 2 * intermediate_size, hidden_size), 2, dtype, device)
         self.down_proj = _packed_param((num_experts, hidden_size, intermediate_size), 1, dtype, device)
 
-    def forward(self, hidden, weights, ids):  # [T, H], [T, k], [T, k] -> [T, H] float32
+    def forward(self, hidden, weights, ids, shared=None):  # [T, H], [T, k], [T, k], [T, H] -> [T, H]
+        """The routed experts' weighted sum plus `shared` (the shared experts' output), summed in
+        float32 and returned in hidden's dtype."""
         if use_triton(hidden, self.gate_up_proj):
             from foretell.layers.moe_triton import (
                 fused_experts_triton,  # imports triton
             )
 
-            return fused_experts_triton(hidden, self.gate_up_proj, self.down_proj, weights, ids)
-        return experts_forward_torch(hidden, self.gate_up_proj, self.down_proj, weights, ids)
+            return fused_experts_triton(hidden, self.gate_up_proj, self.down_proj, weights, ids,
+                                        shared=shared, out_dtype=hidden.dtype)
+        out = experts_forward_torch(hidden, self.gate_up_proj, self.down_proj, weights, ids)  # float32
+        if shared is not None:
+            out = out + shared  # float32 + model dtype: one promoting add
+        return out.to(hidden.dtype)
 
     def extra_repr(self) -> str:
         e, two_i, h = self.gate_up_proj.shape
@@ -261,10 +267,8 @@ class MoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         weights, ids = self.gate(hidden)
-        out = self.experts(hidden, weights, ids)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(hidden)  # float32 + model dtype: one promoting add
-        return out.to(hidden.dtype)
+        shared = self.shared_experts(hidden) if self.shared_experts is not None else None
+        return self.experts(hidden, weights, ids, shared)
 
 
 def expert_weight_rules() -> list[WeightRule]:

@@ -12,8 +12,9 @@ tests/gpu/test_mla_moe_gpu.py on CUDA in bf16.
   gate_up   per block and BLOCK_N columns: x[token] @ W_gate[e]^T and @ W_up[e]^T, then
             silu(gate) * up -> act [max_blocks * BLOCK_M, I] in block order.
   down      per block and BLOCK_N columns: act @ W_down[e]^T, times the pair's routing weight
-            -> out_pairs [T * top_k, H] float32 at the pair's own row (no atomics), summed over
-            top_k by torch: deterministic.
+            -> out_pairs [T * top_k, H] float32 at the pair's own row (no atomics)
+  combine   per token: the sum over its top_k rows in order k = 0, 1, ... (deterministic), plus
+            the shared experts' output when given, in float32, cast to the output dtype once.
 
 Every grid is fixed by shapes: at most (P + min(E, P) * (BLOCK_M - 1)) / BLOCK_M blocks for
 P = T * top_k pairs, and blocks past the used ones return at once. Nothing reads a device value
@@ -215,6 +216,28 @@ def _down_kernel(
              mask=row_valid[:, None] & col_valid[None, :])
 
 
+@triton.jit
+def _combine_kernel(
+    out_pairs_ptr,  # [num_tokens, TOP_K, hidden] float32, contiguous
+    shared_ptr,  # [num_tokens, hidden] (read when HAS_SHARED)
+    out_ptr,  # [num_tokens, hidden], contiguous
+    hidden_size,
+    stride_shared,
+    TOP_K: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    valid = cols < hidden_size
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        acc += tl.load(out_pairs_ptr + (token * TOP_K + k) * hidden_size + cols, mask=valid, other=0.0)
+    if HAS_SHARED:
+        acc += tl.load(shared_ptr + token * stride_shared + cols, mask=valid, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * hidden_size + cols, acc.to(out_ptr.dtype.element_ty), mask=valid)
+
+
 def moe_launch_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
     """Tiles from shapes only. BLOCK_M follows the mean pairs per expert (16 at decode, where
     the kernels are weight-bandwidth bound; up to 64 for prefill)."""
@@ -240,7 +263,9 @@ def fused_experts_triton(
     ids: torch.Tensor,  # [num_tokens, top_k] int
     config: dict | None = None,  # overrides of moe_launch_config (benchmarks sweep these)
     align_kernel: bool | None = None,  # None: by size (ALIGN_KERNEL_MAX_PAIRS); tests force it
-) -> torch.Tensor:  # [num_tokens, hidden] float32, summed over the top_k experts
+    shared: torch.Tensor | None = None,  # [num_tokens, hidden]: added (the shared experts' output)
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:  # [num_tokens, hidden] out_dtype: the top_k experts' sum (+ shared)
     num_tokens, top_k = ids.shape
     num_experts, two_inter, hidden_size = gate_up.shape
     inter = two_inter // 2
@@ -249,9 +274,13 @@ def fused_experts_triton(
             f"experts do not fit: hidden {tuple(hidden.shape)}, gate_up {tuple(gate_up.shape)}, "
             f"down {tuple(down.shape)}"
         )
+    if shared is not None and (shared.shape != (num_tokens, hidden_size) or shared.stride(-1) != 1):
+        raise ValueError(f"shared must be [{num_tokens}, {hidden_size}] with a unit last stride, "
+                         f"got {tuple(shared.shape)} stride {shared.stride()}")
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
-        return torch.zeros(num_tokens, hidden_size, dtype=torch.float32, device=hidden.device)
+        out = torch.zeros(num_tokens, hidden_size, dtype=torch.float32, device=hidden.device)
+        return (out if shared is None else out + shared).to(out_dtype)
     hidden, gate_up, down = (t if t.stride(-1) == 1 else t.contiguous() for t in (hidden, gate_up, down))
     cfg = {**moe_launch_config(num_pairs, num_experts, gate_up.dtype), **(config or {})}
     block_m = cfg["BLOCK_M"]
@@ -279,7 +308,14 @@ def fused_experts_triton(
         hidden_size, inter, act.stride(0), down.stride(0), down.stride(1), out_pairs.stride(0),
         **common,
     )
-    return out_pairs.view(num_tokens, top_k, hidden_size).sum(dim=1)
+    out = torch.empty(num_tokens, hidden_size, dtype=out_dtype, device=hidden.device)
+    block_h = min(1024, triton.next_power_of_2(hidden_size))
+    _combine_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
+        out_pairs, shared if shared is not None else out, out, hidden_size,
+        shared.stride(0) if shared is not None else 0,
+        TOP_K=top_k, HAS_SHARED=shared is not None, BLOCK_H=block_h, num_warps=4,
+    )
+    return out
 
 
 def _align(flat_ids: torch.Tensor, num_experts: int, block_m: int, max_blocks: int):

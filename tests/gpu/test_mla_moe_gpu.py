@@ -229,6 +229,20 @@ def test_fused_moe_v2_lite_sizes(num_tokens, dtype):
     compare_moe(num_tokens, dtype)
 
 
+@pytest.mark.parametrize("num_tokens", [1, 4, 300])
+def test_fused_moe_with_shared_experts_in_bf16(num_tokens):
+    """MoE.forward's GPU path: the combine step adds the shared experts' output in float32 and
+    casts to bf16 once, as the torch path does."""
+    seed = _seed()
+    x, gate_up, down, weights, ids = moe_inputs(num_tokens, dtype=torch.bfloat16, seed=seed, **V2_LITE)
+    shared = torch.randn(num_tokens, V2_LITE["hidden"], device=DEVICE).to(torch.bfloat16)
+    expected = (experts_forward_torch(x, gate_up, down, weights, ids) + shared).to(torch.bfloat16)
+    out = fused_experts_triton(x, gate_up, down, weights, ids, shared=shared, out_dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected.float(), rtol=3e-2, atol=3e-2,
+                               msg=lambda m: f"fused MoE + shared (seed {seed}): {m}")
+
+
 @pytest.mark.parametrize("align_kernel", [True, False])
 def test_fused_moe_v3_like_and_empty_experts(align_kernel):
     # 256 experts (V3), top-8, smaller hidden to keep the test quick; half the experts unused.
