@@ -115,6 +115,23 @@ class CudaGraphRunner:
         logger.info("captured %d CUDA graphs (buckets %s, query lengths %s)",
                     len(self.graphs), self.buckets, self.query_lens)
 
+    def prepare_replay(self, key: tuple[int, int], context_len: int) -> None:
+        """Make graph `key` safe to replay on its own, as benchmarks time bare replays: every row
+        of its bucket becomes a sequence of `context_len` tokens over cache blocks 0, 1, ...
+        (which the cache must hold), writing no KV. Without this a replay reads whatever the last
+        step left, which may describe another query length than the graph's (out-of-bounds rows)."""
+        bucket, q = key
+        blocks = -(-context_len // self.block_size)
+        if bucket not in self.buckets or q not in self.query_lens:
+            raise ValueError(f"no graph for (bucket, q) = {key}; buckets {self.buckets}, "
+                             f"query lengths {self.query_lens}")
+        if not q <= context_len <= self.max_model_len or blocks > self.block_table.shape[1]:
+            raise ValueError(f"context_len {context_len} must be in [{q}, {self.max_model_len}] "
+                             f"and fit {self.block_table.shape[1]} blocks of {self.block_size}")
+        self._reset_padding(0, bucket, q)
+        self.seq_lens[:bucket] = context_len
+        self.block_table[:bucket, :blocks] = torch.arange(blocks, dtype=torch.int32, device=self.device)
+
     def _reset_padding(self, num_seqs: int, bucket: int, q: int) -> None:
         """Dummy sequences num_seqs..bucket-1: q rows each, context q, no KV writes."""
         self.query_start_loc[num_seqs : bucket + 1] = torch.arange(
