@@ -17,6 +17,8 @@ import random
 import pytest
 import torch
 
+from fixtures import routing
+from fixtures.routing import CASES
 from fixtures.seeds import reports_seed
 from foretell.layers import moe
 from foretell.layers.moe import Router, RouterConfig, select_experts
@@ -27,39 +29,19 @@ DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 mrt = import_interpreted("foretell.layers.moe_router_triton")
 
 NEAR = dict(rtol=1e-6, atol=1e-9)  # a few float32 roundings (exp, the sums' order)
-MIN_RELATIVE_GAP = 1e-5  # between consecutive top k + 1 choices of a drawn token
-
-CASES = {
-    "v2_lite": (RouterConfig(64, 6, "softmax", "greedy"), False),
-    "kimi_k2_like": (RouterConfig(96, 8, "sigmoid", "noaux_tc", 1, 1, True, 2.827), True),
-    "v2_softmax_norm": (RouterConfig(160, 6, "softmax", "greedy", norm_topk_prob=True, routed_scaling_factor=16.0),
-                        False),
-    "tiny": (RouterConfig(8, 2, "softmax", "greedy", norm_topk_prob=True), False),
-    "tiny_top1_bias": (RouterConfig(8, 1, "sigmoid", "noaux_tc", norm_topk_prob=True, routed_scaling_factor=2.5),
-                       True),
-}
+CPU_CASES = ["v2_lite", "kimi_k2_like", "v2_softmax_norm", "tiny", "tiny_top1_bias"]
 
 
 def _seed() -> int:
     return random.randrange(2**31)
 
 
-def _choice(logits: torch.Tensor, config: RouterConfig, bias: torch.Tensor | None) -> torch.Tensor:
-    scores = logits.sigmoid() if config.scoring_func == "sigmoid" else logits.softmax(-1)
-    return scores if bias is None else scores + bias
+def draw_logits(gen, num_tokens, config, bias) -> torch.Tensor:  # [num_tokens, E] float32
+    return routing.draw_logits(gen, num_tokens, config, bias, DEVICE)
 
 
-def draw_logits(gen, num_tokens, config, bias, scale=2.0) -> torch.Tensor:  # [num_tokens, E] float32
-    """Random logits, each token redrawn until its top k + 1 choices are clearly apart."""
-    rows = []
-    for _ in range(num_tokens):
-        while True:
-            row = torch.randn(1, config.num_experts, generator=gen) * scale  # [1, E]
-            top = _choice(row, config, bias).topk(min(config.top_k + 1, config.num_experts)).values[0]
-            if ((top[:-1] - top[1:]) > MIN_RELATIVE_GAP * top[:-1].abs()).all():
-                rows.append(row)
-                break
-    return torch.cat(rows).to(DEVICE)
+def assert_same_routing(got, expected):
+    routing.assert_same_routing(got, expected, NEAR)
 
 
 def poison_buffers(monkeypatch):
@@ -73,18 +55,8 @@ def poison_buffers(monkeypatch):
     monkeypatch.setattr(torch, "empty", poisoned)
 
 
-def assert_same_routing(got, expected):
-    (weights, ids), (expected_weights, expected_ids) = got, expected
-    assert weights.dtype == torch.float32 and ids.dtype == torch.int64
-    assert weights.shape == ids.shape == expected_ids.shape
-    assert weights.is_contiguous() and ids.is_contiguous()
-    assert not torch.isnan(weights).any(), "kernel left poisoned weights"
-    assert torch.equal(ids, expected_ids), f"ids {ids.tolist()} != {expected_ids.tolist()}"
-    torch.testing.assert_close(weights, expected_weights, **NEAR)
-
-
 @pytest.mark.parametrize("num_tokens", [1, 3, 17])
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", CPU_CASES)
 def test_matches_select_experts(case, num_tokens, monkeypatch):
     config, with_bias = CASES[case]
     seed = _seed()

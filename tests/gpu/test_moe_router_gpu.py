@@ -22,58 +22,32 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 pytest.importorskip("triton")
 
+from fixtures import routing  # noqa: E402
+from fixtures.routing import CASES  # noqa: E402
 from fixtures.seeds import reports_seed  # noqa: E402
 from foretell.layers import moe_router_triton as mrt  # noqa: E402
 from foretell.layers.moe import Router, RouterConfig, select_experts  # noqa: E402
 
 DEVICE = torch.device("cuda")
 NEAR = dict(rtol=3e-6, atol=1e-9)  # tl.exp is ex2.approx here: up to ~1e-6 relative per exp
-MIN_RELATIVE_GAP = 1e-5
-
-CASES = {
-    "v2_lite": (RouterConfig(64, 6, "softmax", "greedy"), False),
-    "v2": (RouterConfig(160, 6, "softmax", "greedy", routed_scaling_factor=16.0), False),
-    "kimi_k2": (RouterConfig(384, 8, "sigmoid", "noaux_tc", 1, 1, True, 2.827), True),
-    "kimi_k2_like": (RouterConfig(96, 8, "sigmoid", "noaux_tc", 1, 1, True, 2.827), True),
-    "tiny": (RouterConfig(8, 2, "softmax", "greedy", norm_topk_prob=True), False),
-    "tiny_top1_bias": (RouterConfig(8, 1, "sigmoid", "noaux_tc", norm_topk_prob=True, routed_scaling_factor=2.5),
-                       True),
-}
 
 
 def _seed() -> int:
     return random.randrange(2**31)
 
 
-def _choice(logits: torch.Tensor, config: RouterConfig, bias: torch.Tensor | None) -> torch.Tensor:
-    scores = logits.sigmoid() if config.scoring_func == "sigmoid" else logits.softmax(-1)
-    return scores if bias is None else scores + bias
-
-
 def draw_inputs(seed: int, num_tokens: int, config: RouterConfig, with_bias: bool, bias=None):
-    """(logits [T, E], bias [E] or None) on the device, the bias drawn unless given; tokens with
-    near-tied top choices redrawn."""
+    """(logits [T, E], bias [E] or None) on the device, the bias drawn unless given."""
     gen = torch.Generator().manual_seed(seed)
     if bias is None and with_bias:
         bias = torch.randn(config.num_experts, generator=gen) * 0.5  # [E]
     cpu_bias = bias.cpu() if bias is not None else None
-    logits = torch.randn(num_tokens, config.num_experts, generator=gen) * 2.0  # [T, E]
-    k = min(config.top_k + 1, config.num_experts)
-    while True:
-        top = _choice(logits, config, cpu_bias).topk(k, dim=-1).values  # [T, k]
-        close = ((top[:, :-1] - top[:, 1:]) <= MIN_RELATIVE_GAP * top[:, :-1].abs()).any(-1)  # [T]
-        if not close.any():
-            break
-        logits[close] = torch.randn(int(close.sum()), config.num_experts, generator=gen) * 2.0
-    return logits.to(DEVICE), (cpu_bias.to(DEVICE) if cpu_bias is not None else None)
+    logits = routing.draw_logits(gen, num_tokens, config, cpu_bias, DEVICE)
+    return logits, (cpu_bias.to(DEVICE) if cpu_bias is not None else None)
 
 
 def assert_same_routing(got, expected):
-    (weights, ids), (expected_weights, expected_ids) = got, expected
-    assert weights.dtype == torch.float32 and ids.dtype == torch.int64
-    assert weights.shape == ids.shape == expected_ids.shape
-    assert torch.equal(ids, expected_ids), "ids differ"
-    torch.testing.assert_close(weights, expected_weights, **NEAR)
+    routing.assert_same_routing(got, expected, NEAR)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 2, 7, 17, 64])
