@@ -1,5 +1,6 @@
 """Fused Triton kernels for a decoder layer's small ops: residual add + RMSNorm, RoPE on q and k
-(neox and gptj pairings), and SiLU-and-mul. Each replaces a chain of 3-10 small torch kernels with one launch.
+(neox and gptj pairings), and SiLU-and-mul. Each replaces a chain of 3-18 small torch kernels
+with one launch.
 
 Twins: RMSNorm.forward (norm.py), RotaryEmbedding.forward (rotary.py, either style) and
 SiluAndMul.forward (activation.py) hold the reference semantics and are what CPUs run;
