@@ -99,9 +99,7 @@ class TorchMLABackend:
         absorb: bool | None = None,  # None: by query length; True / False force a form (tests)
     ) -> torch.Tensor:  # [num_tokens, num_heads, v_head_dim]
         num_tokens, num_heads, nope = q_nope.shape
-        rank = kv_cache.shape[-1] - q_pe.shape[-1]
-        w = kv_b_weight.view(num_heads, nope + v_head_dim, rank)
-        w_uk, w_uv = w[:, :nope], w[:, nope:]  # [heads, nope, rank], [heads, v, rank]
+        w_uk, w_uv = split_kv_b(kv_b_weight, num_heads, nope, v_head_dim)
         out = q_nope.new_empty(num_tokens, num_heads, v_head_dim)
         starts = metadata.query_start_loc_cpu
         for i, seq_len in enumerate(metadata.seq_lens_cpu):
@@ -115,6 +113,13 @@ class TorchMLABackend:
             else:
                 out[lo:hi] = expanded_attention(q_nope[lo:hi], q_pe[lo:hi], w_uk, w_uv, context, scale)
         return out
+
+
+def split_kv_b(kv_b_weight: torch.Tensor, num_heads: int, nope: int, v_head_dim: int):
+    """kv_b_proj's weight [heads * (nope + v), rank] -> views W_UK [heads, nope, rank] and
+    W_UV [heads, v, rank]."""
+    w = kv_b_weight.view(num_heads, nope + v_head_dim, kv_b_weight.shape[-1])
+    return w[:, :nope], w[:, nope:]
 
 
 def absorbed_attention(q_nope, q_pe, w_uk, w_uv, context, scale):

@@ -33,8 +33,13 @@ from foretell.layers.attention.triton_kernels import (
     _choose_num_splits,
     _unit_last_stride,
 )
-from foretell.layers.attention.triton_varlen import find_sequence
-from foretell.layers.mla import TorchMLABackend
+from foretell.layers.attention.triton_varlen import (
+    locate_query_block,
+    online_softmax_step,
+    split_tile_range,
+    store_attention,
+)
+from foretell.layers.mla import TorchMLABackend, split_kv_b
 
 _LOG2E = 1.4426950408889634
 
@@ -130,14 +135,11 @@ def _mla_attention_kernel(
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
 
-    seq = find_sequence(query_start_loc_ptr, num_seqs, q_block, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    local_block = q_block - (q_start // BLOCK_Q + seq)
+    seq, q_start, q_len, local_block, prefix_len = locate_query_block(
+        query_start_loc_ptr, seq_lens_ptr, num_seqs, q_block, BLOCK_Q
+    )
     if local_block * BLOCK_Q >= q_len:
         return
-    seq_len = tl.load(seq_lens_ptr + seq)
-    prefix_len = seq_len - q_len
 
     rows = tl.arange(0, BLOCK_M)
     row_token = local_block * BLOCK_Q + rows // BLOCK_H
@@ -159,11 +161,7 @@ def _mla_attention_kernel(
         mask=row_valid[:, None] & p_valid[None, :], other=0.0,
     ).to(cache_ptr.dtype.element_ty)
 
-    kv_end = prefix_len + tl.minimum(q_len, (local_block + 1) * BLOCK_Q)
-    num_tiles = tl.cdiv(kv_end, TILE_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    kv_end, tile_lo, tile_hi = split_tile_range(prefix_len, q_len, local_block, split, num_splits, BLOCK_Q, TILE_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -190,25 +188,13 @@ def _mla_attention_kernel(
         scores = scores * scale_log2
         visible = (key_pos[None, :] <= row_pos[:, None]) & key_valid[None, :]
         scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        # A row may see no key yet (a later split's range, or padding): keep it finite.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        prob = tl.exp2(scores - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(prob, axis=1)
+        prob, alpha, m_i, l_i = online_softmax_step(scores, m_i, l_i)
         acc = acc * alpha[:, None] + tl.dot(prob.to(latent.dtype), latent, input_precision=DOT_PRECISION)
-        m_i = m_new
 
-    out_mask = row_valid[:, None] & r_valid[None, :]
-    if SPLIT:
-        part_row = (token_index * NUM_HEADS + head) * num_splits + split
-        tl.store(part_max_ptr + part_row, m_i, mask=row_valid)
-        tl.store(part_sum_ptr + part_row, l_i, mask=row_valid)
-        tl.store(part_acc_ptr + part_row[:, None] * RANK + r[None, :], acc, mask=out_mask)
-    else:
-        result = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        out_offsets = token_index[:, None] * stride_out_token + head[:, None] * stride_out_head + r[None, :]
-        tl.store(out_ptr + out_offsets, result.to(out_ptr.dtype.element_ty), mask=out_mask)
+    part_row = (token_index * NUM_HEADS + head) * num_splits + split
+    out_offsets = token_index[:, None] * stride_out_token + head[:, None] * stride_out_head + r[None, :]
+    store_attention(acc, m_i, l_i, row_valid, row_valid[:, None] & r_valid[None, :], part_row, r,
+                    out_ptr, out_offsets, part_acc_ptr, part_max_ptr, part_sum_ptr, RANK, SPLIT)
 
 
 @triton.jit
@@ -380,8 +366,7 @@ class TritonMLABackend:
             )
         num_tokens, num_heads, nope = q_nope.shape
         rank = kv_cache.shape[-1] - q_pe.shape[-1]
-        w = kv_b_weight.view(num_heads, nope + v_head_dim, rank)
-        w_uk, w_uv = w[:, :nope], w[:, nope:]  # [heads, nope, rank], [heads, v, rank]
+        w_uk, w_uv = split_kv_b(kv_b_weight, num_heads, nope, v_head_dim)
         q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)  # [T, heads, rank]
         o_lat = torch.empty(num_tokens, num_heads, rank, dtype=q_nope.dtype, device=q_nope.device)
         mla_attention_triton(
