@@ -64,12 +64,14 @@ def is_moe_layer(config: HFConfig, layer: int) -> bool:
     )
 
 
-def deepseek_rotary(config: HFConfig, device) -> tuple[RotaryEmbedding, float]:
-    """The rope-part rotary embedding and the softmax scale of a DeepSeek attention layer."""
+def deepseek_rotary(config: HFConfig, device, max_positions: int | None = None) -> tuple[RotaryEmbedding, float]:
+    """The rope-part rotary embedding and the softmax scale of a DeepSeek attention layer (its
+    table over max_positions, by default the config's max_position_embeddings)."""
     theta, scaling = rope_parameters_from_config(config)
     style = "gptj" if config.get("rope_interleave", True) else "neox"
     rotary = RotaryEmbedding(
-        config.qk_rope_head_dim, config.max_position_embeddings, theta, scaling, style, device=device
+        config.qk_rope_head_dim, max_positions or config.max_position_embeddings, theta, scaling, style,
+        device=device,
     )
     head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
     return rotary, head_dim**-0.5 * yarn_softmax_scale_factor(scaling)

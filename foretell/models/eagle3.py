@@ -111,23 +111,31 @@ class Eagle3Head(nn.Module):
     ):
         super().__init__()
         kw = dict(dtype=options.dtype, device=options.device)
-        dims = DecoderDims.from_config(config)
-        self.hidden_size = dims.hidden_size
+        hidden = config.hidden_size
+        self.hidden_size = hidden
         self.vocab_size = config.vocab_size
         self.draft_vocab_size = config.get("draft_vocab_size", config.vocab_size)
-        rope_theta, rope_scaling = rope_parameters_from_config(config)
         max_pos = max(config.get("max_position_embeddings", 2048), target_max_positions)
-        self.rotary_emb = RotaryEmbedding(dims.head_dim, max_pos, rope_theta, rope_scaling, device=options.device)
-        self.fc = Linear(3 * target_hidden_size, dims.hidden_size, **kw)
-        self.midlayer = Eagle3Layer(dims, self.rotary_emb, options, config)
-        self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, **kw)
-        self.embed_tokens = VocabEmbedding(config.vocab_size, dims.hidden_size, **kw) if has_embed else None
-        self.lm_head = LMHead(self.draft_vocab_size, dims.hidden_size, **kw) if has_lm_head else None
+        self.rotary_emb, self.midlayer = self.build_layer(config, max_pos, options)
+        self.fc = Linear(3 * target_hidden_size, hidden, **kw)
+        self.norm = RMSNorm(hidden, config.get("rms_norm_eps", 1e-6), **kw)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, hidden, **kw) if has_embed else None
+        self.lm_head = LMHead(self.draft_vocab_size, hidden, **kw) if has_lm_head else None
         self.d2t = make_param((self.draft_vocab_size,), torch.int64, options.device)
         self.d2t.dummy_value = 0
-        self.weight_rules = eagle3_weight_rules(has_embed, has_lm_head)
+        self.weight_rules = self.build_weight_rules(has_embed, has_lm_head)
         self.shared_embed: nn.Module | None = None  # the target's, when the head has none
         self.shared_lm_head: nn.Module | None = None
+
+    def build_layer(self, config: HFConfig, max_pos: int, options: ModelOptions) -> tuple[RotaryEmbedding, nn.Module]:
+        """The rotary embedding and the draft layer (`midlayer`): a Llama layer here."""
+        dims = DecoderDims.from_config(config)
+        rope_theta, rope_scaling = rope_parameters_from_config(config)
+        rotary = RotaryEmbedding(dims.head_dim, max_pos, rope_theta, rope_scaling, device=options.device)
+        return rotary, Eagle3Layer(dims, rotary, options, config)
+
+    def build_weight_rules(self, has_embed: bool, has_lm_head: bool) -> WeightRules:
+        return eagle3_weight_rules(has_embed, has_lm_head)
 
     def share(self, embedding: nn.Module, lm_head: nn.Module) -> None:
         # Plain attributes set through object.__setattr__ so the target's parameters are not

@@ -13,16 +13,13 @@ is a latent cache like the target's.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
-from foretell.layers.embedding import LMHead, VocabEmbedding
-from foretell.layers.linear import Linear, make_param
 from foretell.layers.mla import MLAAttention, MLADims
 from foretell.layers.moe import GatedMLP
-from foretell.layers.norm import RMSNorm
-from foretell.layers.rotary import RotaryEmbedding, rope_parameters_from_config, yarn_softmax_scale_factor
+from foretell.layers.rotary import RotaryEmbedding
 from foretell.models.base import HFConfig, ModelOptions, WeightRules
+from foretell.models.deepseek_v2 import deepseek_rotary
 from foretell.models.eagle3 import Eagle3Head, Eagle3LayerBase, eagle3_weight_rules
 
 
@@ -54,33 +51,9 @@ class Eagle3MLAHead(Eagle3Head):
     """Eagle3Head's interface (combine, forward, compute_logits, target_ids, share) over an MLA
     draft layer; only the construction differs."""
 
-    def __init__(
-        self,
-        config: HFConfig,
-        target_hidden_size: int,
-        target_max_positions: int,
-        options: ModelOptions,
-        has_embed: bool,
-        has_lm_head: bool,
-    ):
-        nn.Module.__init__(self)
-        kw = dict(dtype=options.dtype, device=options.device)
-        hidden = config.hidden_size
-        self.hidden_size = hidden
-        self.vocab_size = config.vocab_size
-        self.draft_vocab_size = config.get("draft_vocab_size", config.vocab_size)
-        theta, scaling = rope_parameters_from_config(config)
-        max_pos = max(config.get("max_position_embeddings", 2048), target_max_positions)
-        style = "gptj" if config.get("rope_interleave", True) else "neox"
-        self.rotary_emb = RotaryEmbedding(config.qk_rope_head_dim, max_pos, theta, scaling, style, device=options.device)
-        scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5 * yarn_softmax_scale_factor(scaling)
-        self.fc = Linear(3 * target_hidden_size, hidden, **kw)
-        self.midlayer = Eagle3MLALayer(config, self.rotary_emb, scale, options)
-        self.norm = RMSNorm(hidden, config.get("rms_norm_eps", 1e-6), **kw)
-        self.embed_tokens = VocabEmbedding(config.vocab_size, hidden, **kw) if has_embed else None
-        self.lm_head = LMHead(self.draft_vocab_size, hidden, **kw) if has_lm_head else None
-        self.d2t = make_param((self.draft_vocab_size,), torch.int64, options.device)
-        self.d2t.dummy_value = 0
-        self.weight_rules = eagle3_mla_weight_rules(has_embed, has_lm_head)
-        self.shared_embed = None
-        self.shared_lm_head = None
+    def build_layer(self, config: HFConfig, max_pos: int, options: ModelOptions) -> tuple[RotaryEmbedding, nn.Module]:
+        rotary, scale = deepseek_rotary(config, options.device, max_pos)  # DeepSeek's rope and scale
+        return rotary, Eagle3MLALayer(config, rotary, scale, options)
+
+    def build_weight_rules(self, has_embed: bool, has_lm_head: bool) -> WeightRules:
+        return eagle3_mla_weight_rules(has_embed, has_lm_head)
