@@ -90,6 +90,24 @@ class HFConfig:
         return self._source
 
 
+class PreNormDecoderLayer(torch.nn.Module):
+    """A decoder layer as run_decoder_stack drives it: norm -> self_attn -> norm -> mlp, the
+    residual add fused into each norm. Subclasses build input_layernorm, self_attn,
+    post_attention_layernorm and mlp (the checkpoint's names)."""
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        residual: torch.Tensor | None,  # [num_tokens, hidden_size]; None entering the first layer
+        metadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
 def run_decoder_stack(
     embed_tokens: "torch.nn.Module",
     layers: "torch.nn.ModuleList",

@@ -34,6 +34,7 @@ from foretell.models.base import (
     CausalLM,
     HFConfig,
     ModelOptions,
+    PreNormDecoderLayer,
     WeightRule,
     WeightRules,
     run_decoder_stack,
@@ -77,7 +78,7 @@ def deepseek_rotary(config: HFConfig, device, max_positions: int | None = None) 
     return rotary, head_dim**-0.5 * yarn_softmax_scale_factor(scaling)
 
 
-class DeepseekDecoderLayer(nn.Module):
+class DeepseekDecoderLayer(PreNormDecoderLayer):
     """Pre-norm MLA + (MoE or dense MLP); (hidden, residual) in and out as in llama.py."""
 
     def __init__(
@@ -105,18 +106,6 @@ class DeepseekDecoderLayer(nn.Module):
             self.mlp = GatedMLP(hidden, config.intermediate_size, bool(config.get("mlp_bias", False)), **kw)
         self.input_layernorm = RMSNorm(hidden, eps, **kw)
         self.post_attention_layernorm = RMSNorm(hidden, eps, **kw)
-
-    def forward(
-        self,
-        positions: torch.Tensor,  # [num_tokens]
-        hidden: torch.Tensor,  # [num_tokens, hidden_size]
-        residual: torch.Tensor | None,
-        metadata: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, metadata)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
 
 
 class DeepseekModel(nn.Module):

@@ -34,6 +34,7 @@ from foretell.models.base import (
     CausalLM,
     HFConfig,
     ModelOptions,
+    PreNormDecoderLayer,
     WeightRule,
     WeightRules,
     run_decoder_stack,
@@ -149,7 +150,7 @@ class DecoderMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(hidden)))
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PreNormDecoderLayer):
     """Pre-norm attention + MLP block; the residual add is fused into the next norm.
 
     Takes and returns (hidden, residual) whose sum is the residual stream; the first layer gets
@@ -169,18 +170,6 @@ class DecoderLayer(nn.Module):
         self.mlp = DecoderMLP(dims, switches, options)
         self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, **kw)
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, **kw)
-
-    def forward(
-        self,
-        positions: torch.Tensor,  # [num_tokens]
-        hidden: torch.Tensor,  # [num_tokens, hidden_size]
-        residual: torch.Tensor | None,  # [num_tokens, hidden_size]
-        metadata: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, metadata)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
 
 
 class DecoderModel(nn.Module):
