@@ -36,6 +36,7 @@ from foretell.layers.attention.triton_kernels import (
 from foretell.layers.attention.triton_varlen import (
     locate_query_block,
     online_softmax_step,
+    split_statistics,
     split_tile_range,
     store_attention,
 )
@@ -218,12 +219,7 @@ def _merge_splits_kernel(
     if token >= tl.load(query_start_loc_ptr + num_seqs):
         return  # padding rows past the last sequence were never attended
     row = token.to(tl.int64) * NUM_HEADS + head
-    splits = tl.arange(0, SPLITS_P)
-    split_valid = splits < num_splits
-    m = tl.load(part_max_ptr + row * num_splits + splits, mask=split_valid, other=float("-inf"))
-    s = tl.load(part_sum_ptr + row * num_splits + splits, mask=split_valid, other=0.0)
-    m_max = tl.max(m, axis=0)  # finite: split 0 always holds key 0
-    total = tl.sum(s * tl.exp2(m - m_max), axis=0)
+    m, m_max, _, total = split_statistics(part_max_ptr, part_sum_ptr, row, num_splits, SPLITS_P)
     r = tl.arange(0, RANK_P)
     acc = tl.zeros([RANK_P], dtype=tl.float32)
     # Splits are sized from shapes (graphs), so a short context fills only the first few; the

@@ -37,6 +37,7 @@ import triton.language as tl
 from foretell.layers.attention.triton_varlen import (
     locate_query_block,
     online_softmax_step,
+    split_statistics,
     split_tile_range,
     store_attention,
 )
@@ -240,13 +241,9 @@ def _merge_splits_kernel(
     if token >= tl.load(query_start_loc_ptr + num_seqs):
         return  # padding rows past the last sequence were never attended
     row = token.to(tl.int64) * tl.num_programs(1) + head
+    m, _, weight, total = split_statistics(part_max_ptr, part_sum_ptr, row, num_splits, SPLITS_P)
     splits = tl.arange(0, SPLITS_P)
     split_valid = splits < num_splits
-    m = tl.load(part_max_ptr + row * num_splits + splits, mask=split_valid, other=float("-inf"))
-    s = tl.load(part_sum_ptr + row * num_splits + splits, mask=split_valid, other=0.0)
-    m_max = tl.max(m, axis=0)  # finite: split 0 always holds key 0
-    weight = tl.exp2(m - m_max)  # empty splits (-inf) weigh 0
-    total = tl.sum(s * weight, axis=0)
     dims = tl.arange(0, HEAD_DIM_P)
     # Splits are sized from shapes (graphs), so short contexts leave most empty: skip their reads.
     filled = split_valid & (m > float("-inf"))

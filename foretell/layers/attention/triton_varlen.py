@@ -69,3 +69,17 @@ def store_attention(acc, m_i, l_i, row_valid, out_mask, part_row, cols, out_ptr,
     else:
         result = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + out_offsets, result.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def split_statistics(part_max_ptr, part_sum_ptr, row, num_splits, SPLITS_P: tl.constexpr):
+    """A merge's view of one (token, head) row's splits: (running maxima m [SPLITS_P], their max,
+    each split's weight exp2(m - max), the total softmax sum). Empty splits (-inf) weigh 0;
+    the max is finite since split 0 always holds key 0."""
+    splits = tl.arange(0, SPLITS_P)
+    split_valid = splits < num_splits
+    m = tl.load(part_max_ptr + row * num_splits + splits, mask=split_valid, other=float("-inf"))
+    s = tl.load(part_sum_ptr + row * num_splits + splits, mask=split_valid, other=0.0)
+    m_max = tl.max(m, axis=0)
+    weight = tl.exp2(m - m_max)
+    return m, m_max, weight, tl.sum(s * weight, axis=0)
