@@ -34,6 +34,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
     s.add_argument("--max-num-seqs", type=int, default=128)
     s.add_argument("--max-num-batched-tokens", type=int, default=2048)
     s.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    s.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
+                   help="queue the next decode step before reading this one's tokens (auto: on CUDA)")
     sp = parser.add_argument_group("speculative decoding")
     sp.add_argument("--speculative-config", help="JSON with the keys of SpeculativeConfig")
     sp.add_argument("--method", choices=["eagle3", "mtp", "draft_model", "ngram", "none"],
@@ -82,7 +84,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "tokenizer", "dtype", "device", "load_format", "max_model_len", "seed", "attention_backend",
         "enforce_eager", "small_m_gemm", "num_cpu_threads", "skip_tokenizer_init", "block_size", "kv_cache_memory_bytes", "gpu_memory_utilization",
         "num_kv_blocks", "enable_prefix_caching", "max_num_seqs", "max_num_batched_tokens",
-        "enable_chunked_prefill",
+        "enable_chunked_prefill", "async_scheduling",
     ]
     kwargs = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     kwargs["speculative_config"] = speculative_config_from_args(args)

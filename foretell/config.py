@@ -15,6 +15,7 @@ import torch
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 SPECULATIVE_METHODS = ("eagle3", "mtp", "draft_model", "ngram")
 SMALL_M_GEMM_MODES = ("auto", "on", "off")
+ASYNC_SCHEDULING_MODES = ("auto", "on", "off")
 
 
 @dataclass
@@ -102,8 +103,16 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048  # token budget per step; prefills are chunked to fit
     enable_chunked_prefill: bool = True
+    # Plain decode steps queue the next step's forward before the host reads this step's tokens,
+    # so the host's work between steps overlaps the GPU (runner/decode_ahead.py). auto: on CUDA
+    # only (on the CPU the forward runs in the call, so there is nothing to overlap).
+    async_scheduling: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.async_scheduling not in ASYNC_SCHEDULING_MODES:
+            raise ValueError(
+                f"async_scheduling must be auto, on or off, got {self.async_scheduling!r}"
+            )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

@@ -90,6 +90,17 @@ def decode_tok_s(llm: LLM, batch: int, prompt_len: int = 128, new_tokens: int = 
             "ms_per_step": 1000 * decode_s / max(steps - 1, 1), "steps": steps}
 
 
+def decode_sync_tok_s(llm: LLM, batch: int, **kw) -> dict:
+    """decode_tok_s with decoding one step ahead switched off: the synchronous engine (each step
+    waits for its tokens before the host schedules the next), for the before/after."""
+    runner = llm.engine.runner
+    ahead, runner.decode_ahead = runner.decode_ahead, False
+    try:
+        return decode_tok_s(llm, batch, **kw)
+    finally:
+        runner.decode_ahead = ahead
+
+
 def save() -> None:
     if OUT_DIR:
         with open(os.path.join(OUT_DIR[0], "bench_gpu.json"), "w") as f:
@@ -115,10 +126,13 @@ def section(name):
 def llama_baseline(batches):
     llm = make_llm(f"{CONFIGS}/llama-3.1-8b")
     runner = llm.engine.runner
-    out = {"decode": [decode_tok_s(llm, b) for b in batches]}
+    out = {"decode": [decode_tok_s(llm, b) for b in batches]}  # one step ahead (async_scheduling)
+    out["decode_sync"] = [decode_sync_tok_s(llm, b) for b in (batches[0], batches[-1])]
     out["decode_graph_ms_b1"] = graph_ms(runner, (1, 1))
-    step_ms = out["decode"][0]["ms_per_step"]
-    out["host_ms_per_step_b1"] = step_ms - out["decode_graph_ms_b1"]
+    # Wall time per step beyond the graph's GPU time: with the step ahead the host's work hides
+    # behind the GPU, without it the GPU waits for the host every step.
+    out["host_ms_per_step_b1"] = out["decode"][0]["ms_per_step"] - out["decode_graph_ms_b1"]
+    out["host_ms_per_step_b1_sync"] = out["decode_sync"][0]["ms_per_step"] - out["decode_graph_ms_b1"]
     free(llm)
     return out
 
@@ -243,6 +257,7 @@ def active_bytes(model, config) -> int:
 def deepseek_v2_lite(bandwidth_bytes_s: float):
     llm = make_llm(v2_lite_folder(False), max_num_seqs=4)
     out = decode_tok_s(llm, 1, new_tokens=64)
+    out["tok_s_sync"] = decode_sync_tok_s(llm, 1, new_tokens=64)["tok_s"]
     config = json.load(open(f"{CONFIGS}/deepseek-v2-lite/config.json"))
     out["active_bytes"] = active_bytes(llm.engine.runner.model, config)
     out["roofline_tok_s"] = bandwidth_bytes_s / out["active_bytes"]

@@ -12,6 +12,7 @@ import torch
 
 from foretell.device_util import to_device
 from foretell.engine.scheduler import ScheduledSequence
+from foretell.engine.sequence import Sequence
 from foretell.layers.attention.metadata import AttentionMetadata
 
 
@@ -26,10 +27,36 @@ class InputBatch:
     query_start: list[int]  # per scheduled sequence: its first row
 
 
+def cache_slot(block_ids: list[int], position: int, block_size: int) -> int:
+    """The flat cache slot of a sequence's token at `position`."""
+    return block_ids[position // block_size] * block_size + position % block_size
+
+
 def build_block_table(block_ids: list[list[int]], device: torch.device) -> torch.Tensor:
     width = max((len(b) for b in block_ids), default=1) or 1
     rows = [b + [0] * (width - len(b)) for b in block_ids]
     return to_device(rows, torch.int32, device).view(len(block_ids), width)
+
+
+def _attention_metadata(
+    query_start: list[int],
+    seq_lens: list[int],
+    block_ids: list[list[int]],
+    slots: list[int],
+    block_size: int,
+    device: torch.device,
+) -> AttentionMetadata:
+    return AttentionMetadata(
+        query_start_loc=to_device(query_start, torch.int32, device),
+        seq_lens=to_device(seq_lens, torch.int32, device),
+        block_table=build_block_table(block_ids, device),
+        slot_mapping=to_device(slots, torch.int64, device),
+        block_size=block_size,
+        max_query_len=max(b - a for a, b in zip(query_start, query_start[1:])),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=query_start,
+        seq_lens_cpu=seq_lens,
+    )
 
 
 def build_input_batch(
@@ -48,10 +75,9 @@ def build_input_batch(
         start = seq.num_computed_tokens
         n = item.num_new_tokens
         input_ids.extend(item.input_token_ids)
-        blocks = seq.block_ids
         for pos in range(start, start + n):
             positions.append(pos)
-            slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+            slots.append(cache_slot(seq.block_ids, pos, block_size))
         row0 = query_start[-1]
         query_start.append(row0 + n)
         seq_lens.append(start + n)
@@ -61,16 +87,8 @@ def build_input_batch(
             for r in range(n - k - 1, n):
                 logits_rows.append(row0 + r)
                 row_positions.append(start + r + 1)
-    metadata = AttentionMetadata(
-        query_start_loc=to_device(query_start, torch.int32, device),
-        seq_lens=to_device(seq_lens, torch.int32, device),
-        block_table=build_block_table([s.seq.block_ids for s in scheduled], device),
-        slot_mapping=to_device(slots, torch.int64, device),
-        block_size=block_size,
-        max_query_len=max(s.num_new_tokens for s in scheduled),
-        max_seq_len=max(seq_lens),
-        query_start_loc_cpu=query_start,
-        seq_lens_cpu=seq_lens,
+    metadata = _attention_metadata(
+        query_start, seq_lens, [s.seq.block_ids for s in scheduled], slots, block_size, device
     )
     return InputBatch(
         input_ids=to_device(input_ids, torch.int64, device),
@@ -80,4 +98,30 @@ def build_input_batch(
         sampling_seq_index=sampling_seq_index,
         row_positions=row_positions,
         query_start=query_start,
+    )
+
+
+def build_decode_batch(
+    seqs: list[Sequence],
+    positions: list[int],  # per sequence: the position of its one input token
+    input_ids: torch.Tensor,  # [num_seqs] int64 on the device (tokens not yet seen by the host)
+    block_size: int,
+) -> InputBatch:
+    """A decode step (one row per sequence, every one sampling) whose input tokens are already on
+    the device: what runner/decode_ahead.py launches before the host has read them."""
+    n = len(seqs)
+    slots = [cache_slot(seq.block_ids, p, block_size) for seq, p in zip(seqs, positions)]
+    rows = list(range(n))
+    metadata = _attention_metadata(
+        list(range(n + 1)), [p + 1 for p in positions], [s.block_ids for s in seqs], slots,
+        block_size, input_ids.device,
+    )
+    return InputBatch(
+        input_ids=input_ids,
+        positions=to_device(positions, torch.int64, input_ids.device),
+        attn_metadata=metadata,
+        logits_rows=to_device(rows, torch.int64, input_ids.device),
+        sampling_seq_index=rows,
+        row_positions=[p + 1 for p in positions],
+        query_start=list(range(n + 1)),
     )

@@ -23,8 +23,9 @@ from foretell.layers.small_m_dispatch import SmallMGemm, prepare_small_m_linears
 from foretell.models.base import HFConfig, ModelOptions
 from foretell.device_util import to_device
 from foretell.runner.cuda_graph import CudaGraphRunner
+from foretell.runner.decode_ahead import LaunchedDecode, next_positions, plain_decode
 from foretell.runner.graphed_verify import graphed_greedy_verify
-from foretell.runner.input_batch import InputBatch, build_input_batch
+from foretell.runner.input_batch import InputBatch, build_decode_batch, build_input_batch
 from foretell.runner.kv_cache import CachePlan, DraftKVCache, KVCache, plan_cache
 from foretell.runner.model_loading import build_model, checkpoint_dtype
 from foretell.spec_decode.draft_graph import DraftGraphRunner
@@ -89,6 +90,14 @@ class ModelRunner:
         )
         self.draft_probs: dict[int, torch.Tensor] = {}  # seq_id -> [k, vocab] for sampled drafts
         self.last_times = StepTimes()
+        mode = config.scheduler.async_scheduling
+        # Plain decoding only: a drafter's next step depends on how many drafts the host accepts.
+        self.decode_ahead = self.proposer is None and (
+            mode == "on" or (mode == "auto" and self.device.type == "cuda")
+        )
+        self.launched: LaunchedDecode | None = None  # the decode step queued ahead, if any
+        self.ahead_launched = 0  # steps launched ahead, and how many of them the scheduler used
+        self.ahead_used = 0
 
     # ---- set-up --------------------------------------------------------------------------
     def _max_model_len(self) -> int:
@@ -222,7 +231,17 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> list[SequenceResult]:
         t0 = time.perf_counter()
+        launched, self.launched = self.launched, None
+        if launched is not None and launched.matches(sched.scheduled, self.cache_plan.block_size):
+            self.ahead_used += 1
+            results = self._finish_decode(launched)
+            self.last_times = StepTimes(target_s=time.perf_counter() - t0)
+            return results
         batch = build_input_batch(sched.scheduled, self.cache_plan.block_size, self.device)
+        if self.decode_ahead and plain_decode(sched.scheduled):
+            results = self._finish_decode(self._launch_decode([item.seq for item in sched.scheduled], batch))
+            self.last_times = StepTimes(target_s=time.perf_counter() - t0)
+            return results
         if self._graphed_verify_fits(sched, batch):
             results = graphed_greedy_verify(self, sched, batch)
             self.last_times = StepTimes(target_s=time.perf_counter() - t0)
@@ -240,6 +259,31 @@ class ModelRunner:
                 torch.cuda.synchronize(self.device)
         self.last_times = StepTimes(target_s=t1 - t0, draft_s=time.perf_counter() - t1)
         return results
+
+    # ---- decoding one step ahead (decode_ahead.py) -----------------------------------------
+    def _launch_decode(self, seqs: list, batch: InputBatch) -> LaunchedDecode:
+        """Forward and sampling of a plain decode batch; the copy of its tokens to the host is
+        queued, nothing is waited for."""
+        _, _, logits = self._target_forward(batch)
+        seeds = [
+            None if seq.sampling_params.seed is None else row_seed(seq.sampling_params.seed, seq.index, pos)
+            for seq, pos in zip(seqs, batch.row_positions)
+        ]
+        sampling = SamplingBatch.build(
+            [seq.sampling_params for seq in seqs], seeds, self.vocab_size, self.device
+        )
+        token_ids = self.sampler(logits, sampling).token_ids  # [num_seqs] int64
+        return LaunchedDecode.queue(seqs, batch, token_ids)
+
+    def _finish_decode(self, launched: LaunchedDecode) -> list[SequenceResult]:
+        """Queue the step after `launched` for the same sequences when it can be, then wait for
+        `launched`'s tokens: the GPU runs the next step while the host handles these."""
+        positions = next_positions(launched, self.cache_plan.block_size, self.max_model_len)
+        if positions is not None:
+            batch = build_decode_batch(launched.seqs, positions, launched.token_ids, self.cache_plan.block_size)
+            self.launched = self._launch_decode(launched.seqs, batch)
+            self.ahead_launched += 1
+        return [SequenceResult(new_token_ids=[token]) for token in launched.read()]
 
     def _graphed_verify_fits(self, sched: SchedulerOutput, batch: InputBatch) -> bool:
         """A greedy batch where every sequence verifies exactly k drafts, with graphs for both

@@ -1,0 +1,101 @@
+"""Decoding one step ahead (asynchronous scheduling): step N + 1's forward is queued on the GPU
+before the host reads step N's tokens, so the host's work between two steps (the engine's
+postprocess and schedule, the next batch's tensors) runs while the GPU computes, not between.
+
+A plain decode step (every sequence feeds one row and samples; no drafts, no logprobs) samples on
+the device and queues the copy of its tokens to pinned host memory. Before waiting for that copy,
+the runner launches the next step for the same sequences: the sampled tokens, still on the device,
+are its inputs and every position moves one on. When the scheduler's next decision is exactly that
+batch (the same sequences in the same order, one row each at the expected position), the runner
+hands back the launched step's tokens instead of running the step; otherwise it drops the launch.
+
+Dropping is safe. The dropped step wrote each sequence's K/V at the slot of its next position, in
+a block the sequence held at launch and past its computed tokens: nothing reads a slot there before
+the sequence writes it again (the same token at the same position when it continues). If the block
+was freed meanwhile (the sequence finished, was aborted or preempted), the stale write precedes in
+stream order every write of the block's next owner. Blocks in the prefix cache are never written:
+the slot lies in the sequence's last, not yet full, block (a launch needs that block allocated).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from foretell.engine.scheduler import ScheduledSequence
+from foretell.engine.sequence import Sequence
+from foretell.runner.input_batch import InputBatch, cache_slot
+
+
+def plain_decode(scheduled: list[ScheduledSequence]) -> bool:
+    """Every sequence feeds one row, samples, carries no drafts and asks for no logprobs."""
+    return all(
+        item.num_new_tokens == 1
+        and item.samples
+        and not item.draft_token_ids
+        and item.seq.sampling_params.logprobs is None
+        for item in scheduled
+    )
+
+
+@dataclass
+class LaunchedDecode:
+    """A decode step queued on the device whose tokens the host has not read yet."""
+
+    seqs: list[Sequence]
+    positions: list[int]  # per sequence: the position of the step's input token
+    slots: list[int]  # per sequence: the cache slot the step wrote its K/V to
+    token_ids: torch.Tensor  # [num_seqs] int64 on the device: what the step sampled
+    host_token_ids: torch.Tensor  # [num_seqs] int64 on the host, pinned on CUDA
+    ready: "torch.cuda.Event | None"  # recorded after the copy to host_token_ids (CUDA only)
+
+    @classmethod
+    def queue(cls, seqs: list[Sequence], batch: InputBatch, token_ids: torch.Tensor) -> "LaunchedDecode":
+        """Queue the copy of the tokens `batch` sampled to the host; waits for nothing."""
+        positions = [p - 1 for p in batch.row_positions]  # a row predicts its position + 1
+        block_size = batch.attn_metadata.block_size
+        slots = [cache_slot(seq.block_ids, p, block_size) for seq, p in zip(seqs, positions)]
+        if token_ids.device.type != "cuda":
+            return cls(seqs, positions, slots, token_ids, token_ids, None)
+        host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+        host.copy_(token_ids, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return cls(seqs, positions, slots, token_ids, host, ready)
+
+    def read(self) -> list[int]:
+        """The step's tokens, waiting for the step itself only (not for steps queued after it)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host_token_ids.tolist()
+
+    def matches(self, scheduled: list[ScheduledSequence], block_size: int) -> bool:
+        """Whether the scheduler's decision is this step: its sequences in order, one sampling row
+        each at the launched position, over the same cache slot."""
+        if len(scheduled) != len(self.seqs) or not plain_decode(scheduled):
+            return False
+        for item, seq, pos, slot in zip(scheduled, self.seqs, self.positions, self.slots):
+            if item.seq is not seq or seq.num_computed_tokens != pos:
+                return False
+            if len(seq.block_ids) <= pos // block_size or cache_slot(seq.block_ids, pos, block_size) != slot:
+                return False
+        return True
+
+
+def next_positions(launched: LaunchedDecode, block_size: int, max_model_len: int) -> list[int] | None:
+    """The positions of the step after `launched`, or None when that step cannot be launched
+    now: a sequence would stop at `launched`'s token whatever it is (max_tokens, max_model_len),
+    or its next position lies in a block the scheduler has not allocated yet."""
+    positions = []
+    for seq, pos in zip(launched.seqs, launched.positions):
+        nxt = pos + 1
+        max_tokens = seq.sampling_params.max_tokens
+        # The host has not appended `launched`'s token: that one brings the sequence to
+        # num_tokens + 1 tokens and num_output_tokens + 1 outputs.
+        if max_tokens is not None and seq.num_output_tokens + 1 >= max_tokens:
+            return None
+        if seq.num_tokens + 1 >= max_model_len or nxt // block_size >= len(seq.block_ids):
+            return None
+        positions.append(nxt)
+    return positions
