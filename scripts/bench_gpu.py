@@ -229,6 +229,12 @@ def llama_eagle3(batches, mean_length=2.93):
         r = decode_tok_s(llm, b)
         r["mean_acceptance_length"] = spec_counters(before, llm.get_stats(), 3)["mean_acceptance_length"]
         out["spec"].append(r)
+    out["spec_sync"] = []  # verify steps not queued ahead (the synchronous engine)
+    for b in (batches[0], batches[-1]):
+        before = dict(llm.get_stats())
+        r = decode_sync_tok_s(llm, b)
+        r["mean_acceptance_length"] = spec_counters(before, llm.get_stats(), 3)["mean_acceptance_length"]
+        out["spec_sync"].append(r)
     out["synthetic_acceptance"] = llm.get_stats().get("synthetic_acceptance", False)
     free(llm)
     return out
@@ -268,6 +274,7 @@ def deepseek_v2_lite(bandwidth_bytes_s: float):
     llm = make_llm(v2_lite_folder(True), spec, max_num_seqs=4)
     mtp = decode_tok_s(llm, 1, new_tokens=64)
     out["mtp_k1_sim85_tok_s"] = mtp["tok_s"]
+    out["mtp_k1_sim85_tok_s_sync"] = decode_sync_tok_s(llm, 1, new_tokens=64)["tok_s"]
     out["mtp_speedup"] = mtp["tok_s"] / out["tok_s"]
     free(llm)
     return out

@@ -32,8 +32,8 @@ def test_graph_path_matches_plain_greedy(qwen3_checkpoint, qwen3_tied_checkpoint
     from foretell.runner import model_runner
 
     calls = []
-    original = model_runner.graphed_greedy_verify
-    monkeypatch.setattr(model_runner, "graphed_greedy_verify", lambda *a: calls.append(1) or original(*a))
+    original = model_runner.launch_graphed_verify
+    monkeypatch.setattr(model_runner, "launch_graphed_verify", lambda *a: calls.append(1) or original(*a))
     _, plain = generate(qwen3_checkpoint)
     configs = [
         # A self-draft is accepted every time; another LM and a random EAGLE3 head are rejected
@@ -69,8 +69,8 @@ def test_requests_ending_mid_verify_stay_on_the_graph_path(qwen3_checkpoint, mon
     from foretell.runner import model_runner
 
     calls = []
-    original = model_runner.graphed_greedy_verify
-    monkeypatch.setattr(model_runner, "graphed_greedy_verify", lambda *a: calls.append(1) or original(*a))
+    original = model_runner.launch_graphed_verify
+    monkeypatch.setattr(model_runner, "launch_graphed_verify", lambda *a: calls.append(1) or original(*a))
     spec = {"method": "draft_model", "model": qwen3_checkpoint, "num_speculative_tokens": 5}
     llm = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=64, max_num_seqs=4, attention_backend="triton",
               speculative_config=spec)
@@ -104,3 +104,36 @@ def test_capped_and_uncapped_requests_mixed_with_prefills(qwen3_checkpoint, eagl
         s = llm.get_stats()
         assert s["num_free_kv_blocks"] == s["num_kv_blocks"]
         assert s["num_accepted_tokens"] <= s["num_draft_tokens"]
+
+
+@pytest.mark.parametrize("block_size", [16, 4])
+def test_verify_steps_queued_ahead_give_the_same_tokens(qwen3_checkpoint, qwen3_tied_checkpoint, eagle3_head, block_size):
+    """async_scheduling on: each graphed verify step queues the next one from its device outputs
+    before the host reads them. Requests of different lengths (capped near max_tokens, so the
+    launch ahead stops or goes unused), arrivals, block boundaries: greedy output equals plain."""
+    prompts = PROMPTS + ["The dog runs and the dog", "x"]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (30, 7, 22, 5, 16)]
+    plain = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=64, max_num_seqs=4)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    for spec in ({"method": "draft_model", "model": qwen3_checkpoint, "num_speculative_tokens": 2},
+                 {"method": "draft_model", "model": qwen3_tied_checkpoint, "num_speculative_tokens": 3},
+                 {"method": "eagle3", "model": eagle3_head, "num_speculative_tokens": 3}):
+        llm = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=128, max_num_seqs=4, attention_backend="triton",
+                  block_size=block_size, async_scheduling="on", speculative_config=spec)
+        runner = llm.engine.runner
+        assert runner.decode_ahead and runner.num_lookahead_tokens == 2 * spec["num_speculative_tokens"] + 1
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert got == expected, spec
+        assert 0 < runner.ahead_used <= runner.ahead_launched, spec
+        s = llm.get_stats()
+        assert s["num_free_kv_blocks"] == s["num_kv_blocks"]
+
+
+def test_verify_ahead_with_simulated_acceptance(qwen3_checkpoint, eagle3_head):
+    spec = {"method": "eagle3", "model": eagle3_head, "num_speculative_tokens": 2,
+            "simulate_acceptance": {"rates": [0.8, 0.5]}}
+    llm, got = generate(qwen3_checkpoint, attention_backend="triton", speculative_config=spec, async_scheduling="on")
+    assert all(len(tokens) == 12 for tokens in got)
+    assert llm.engine.runner.ahead_used > 0
+    stats = llm.get_stats()
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]

@@ -57,7 +57,8 @@ class Engine:
         )
         k = config.speculative.num_speculative_tokens if config.speculative else 0
         self.scheduler = Scheduler(
-            config.scheduler, self.block_manager, self.runner.max_model_len, num_lookahead_tokens=k,
+            config.scheduler, self.block_manager, self.runner.max_model_len,
+            num_lookahead_tokens=self.runner.num_lookahead_tokens,
             keep_draft_rows=self.runner.graphs is not None,
         )
         self.metrics = EngineMetrics(

@@ -167,10 +167,38 @@ class CudaGraphRunner:
         self.block_table[:n, :width].copy_(meta.block_table, non_blocking=True)
         if n < bucket:
             self._reset_padding(n, bucket, q)
-        if self.captures:
-            captured = self.graphs[key]
-            captured.graph.replay()
-        else:
-            captured = CapturedForward(None, *self._forward(bucket, q))
-            self.graphs[key] = captured
+        captured = self.replay(key)
         return captured.hidden[:rows], [a[:rows] for a in captured.aux], captured.logits[:rows]
+
+    def replay(self, key: tuple[int, int]) -> CapturedForward:
+        """Run graph `key` on whatever the input buffers hold now."""
+        if not self.captures:
+            self.graphs[key] = CapturedForward(None, *self._forward(*key))
+        else:
+            self.graphs[key].graph.replay()
+        return self.graphs[key]
+
+    def advance_verify(
+        self,
+        num_seqs: int,
+        q: int,
+        accepted: torch.Tensor,  # [num_seqs] int64: drafts the step in the buffers accepted
+        next_token: torch.Tensor,  # [num_seqs] int64: the target's token after them
+        drafts: torch.Tensor,  # [num_seqs, q - 1] int64: the drafts to verify next
+        block_table: torch.Tensor,  # [num_seqs, width] int32: the sequences' blocks now
+    ) -> None:
+        """Turn the buffers of a verify step (q rows per sequence) into those of the next one,
+        on the device: each sequence moves past its accepted drafts and its next token
+        (p0 -> p0 + accepted + 1) and feeds [next_token, drafts] over its current block table
+        (the scheduler may have added blocks since the buffers were written). Query starts and
+        the padding sequences stay as they are."""
+        rows = num_seqs * q
+        self.block_table[:num_seqs, : block_table.shape[1]].copy_(block_table, non_blocking=True)
+        start = self.positions[:rows].view(num_seqs, q)[:, 0] + accepted + 1  # [num_seqs]
+        positions = start[:, None] + torch.arange(q, device=self.device)  # [num_seqs, q]
+        blocks = self.block_table[:num_seqs].gather(1, (positions // self.block_size).to(torch.int64))
+        slots = blocks.to(torch.int64) * self.block_size + positions % self.block_size
+        self.input_ids[:rows].copy_(torch.cat([next_token[:, None], drafts], dim=1).flatten())
+        self.positions[:rows].copy_(positions.flatten())
+        self.slot_mapping[:rows].copy_(slots.flatten())
+        self.seq_lens[:num_seqs].copy_(start + q)

@@ -28,6 +28,30 @@ from foretell.engine.sequence import Sequence
 from foretell.runner.input_batch import InputBatch, cache_slot
 
 
+@dataclass
+class HostCopy:
+    """A device tensor's copy to host memory, queued on the stream; read() waits for it alone,
+    not for work queued after it."""
+
+    host: torch.Tensor  # pinned on CUDA; the tensor itself off CUDA
+    ready: "torch.cuda.Event | None"
+
+    @classmethod
+    def queue(cls, values: torch.Tensor) -> "HostCopy":
+        if values.device.type != "cuda":
+            return cls(values, None)
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        host.copy_(values, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return cls(host, ready)
+
+    def read(self) -> list:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
+
+
 def plain_decode(scheduled: list[ScheduledSequence]) -> bool:
     """Every sequence feeds one row, samples, carries no drafts and asks for no logprobs."""
     return all(
@@ -47,8 +71,7 @@ class LaunchedDecode:
     positions: list[int]  # per sequence: the position of the step's input token
     slots: list[int]  # per sequence: the cache slot the step wrote its K/V to
     token_ids: torch.Tensor  # [num_seqs] int64 on the device: what the step sampled
-    host_token_ids: torch.Tensor  # [num_seqs] int64 on the host, pinned on CUDA
-    ready: "torch.cuda.Event | None"  # recorded after the copy to host_token_ids (CUDA only)
+    copy: HostCopy  # of token_ids
 
     @classmethod
     def queue(cls, seqs: list[Sequence], batch: InputBatch, token_ids: torch.Tensor) -> "LaunchedDecode":
@@ -56,19 +79,11 @@ class LaunchedDecode:
         positions = [p - 1 for p in batch.row_positions]  # a row predicts its position + 1
         block_size = batch.attn_metadata.block_size
         slots = [cache_slot(seq.block_ids, p, block_size) for seq, p in zip(seqs, positions)]
-        if token_ids.device.type != "cuda":
-            return cls(seqs, positions, slots, token_ids, token_ids, None)
-        host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
-        host.copy_(token_ids, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return cls(seqs, positions, slots, token_ids, host, ready)
+        return cls(seqs, positions, slots, token_ids, HostCopy.queue(token_ids))
 
     def read(self) -> list[int]:
         """The step's tokens, waiting for the step itself only (not for steps queued after it)."""
-        if self.ready is not None:
-            self.ready.synchronize()
-        return self.host_token_ids.tolist()
+        return self.copy.read()
 
     def matches(self, scheduled: list[ScheduledSequence], block_size: int) -> bool:
         """Whether the scheduler's decision is this step: its sequences in order, one sampling row

@@ -1,46 +1,152 @@
 """The graphed greedy verify step: target graph, verification on the device, draft-loop graph,
-and a single host sync for the whole step.
+and a single host read for the whole step.
 
 Used by the runner when every sequence verifies exactly k drafts under greedy decoding (and
 asks for no logprobs); everything else takes the general path. A sequence near max_tokens keeps
 its k draft rows with its acceptance capped (ScheduledSequence.accept_limit).
+
+Everything the next verify step needs is on the device when this one ends (each sequence's
+accepted count, its next token and its k new drafts), so with async scheduling the runner queues
+that step (`launch_next_verify`) before reading this one's results, as decode_ahead.py does for
+plain decoding: the buffers advance on the device, the graphs replay, and the launch is used if
+the scheduler's next decision is that batch, dropped otherwise (why dropping is safe: there).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from foretell.engine.scheduler import ScheduledSequence
+from foretell.engine.sequence import Sequence
+from foretell.runner.decode_ahead import HostCopy
+from foretell.runner.input_batch import build_block_table
 
-def graphed_greedy_verify(runner, sched, batch) -> list:
-    from foretell.runner.model_runner import SequenceResult
 
-    key = runner.graphs.bucket_for(batch)
+@dataclass
+class LaunchedVerify:
+    """A graphed verify step queued on the device whose results the host has not read yet."""
+
+    seqs: list[Sequence]
+    key: tuple[int, int]  # (batch bucket, k + 1)
+    accepted: torch.Tensor  # [num_seqs] int64 on the device
+    next_token: torch.Tensor  # [num_seqs] int64
+    drafts: torch.Tensor  # [num_seqs, k] int64: the drafts for the step after this one
+    copy: HostCopy  # of [accepted, next_token, drafts]
+    # What the step verifies, on the host: its first position per sequence and its drafts. A
+    # step launched ahead learns them when the step before it is read (expect()).
+    start_positions: list[int]
+    draft_token_ids: list[list[int]]
+    accept_limits: list[int | None]
+
+    def results(self) -> list:
+        from foretell.runner.model_runner import SequenceResult
+
+        n, k = len(self.seqs), self.key[1] - 1
+        host = self.copy.read()
+        return [
+            SequenceResult(
+                new_token_ids=drafts[: host[i]] + [host[n + i]],
+                num_accepted=host[i],
+                num_drafts=len(drafts) if limit is None else min(len(drafts), limit),
+                next_drafts=host[2 * n + i * k : 2 * n + (i + 1) * k],
+            )
+            for i, (drafts, limit) in enumerate(zip(self.draft_token_ids, self.accept_limits))
+        ]
+
+    def expect(self, previous: "LaunchedVerify", previous_results: list) -> None:
+        """Fill in what this step (launched after `previous`) verifies, from previous's results."""
+        self.start_positions = [
+            p + r.num_accepted + 1 for p, r in zip(previous.start_positions, previous_results)
+        ]
+        self.draft_token_ids = [r.next_drafts for r in previous_results]
+
+    def matches(self, scheduled: list[ScheduledSequence], block_size: int) -> bool:
+        """Whether the scheduler's decision is this step: its sequences in order, each verifying
+        the expected drafts from the expected position, with no cap on acceptance."""
+        if len(scheduled) != len(self.seqs):
+            return False
+        q = self.key[1]
+        for item, seq, start, drafts in zip(scheduled, self.seqs, self.start_positions, self.draft_token_ids):
+            if (
+                item.seq is not seq
+                or seq.num_computed_tokens != start
+                or item.num_new_tokens != q
+                or not item.samples
+                or item.accept_limit is not None
+                or item.draft_token_ids != drafts
+            ):
+                return False
+        return True
+
+
+def _verify_on_device(runner, key: tuple[int, int], n: int, limits: list[int | None]):
+    """After the target graph `key` ran: greedy verification, the next token and the draft-loop
+    graph, all on the device. Returns (accepted [n], next_token [n], drafts [n, k])."""
     bucket, q = key
     k = q - 1
-    n = batch.attn_metadata.num_seqs
-    _, _, logits = runner.graphs.run(batch, key)  # [n * q, vocab]; aux stays in the graph's outputs
+    logits = runner.graphs.graphs[key].logits[: n * q]  # [n * q, vocab]
     target = logits.argmax(dim=-1).view(n, q)  # the target's greedy token after each row
     if runner.simulated is not None:
         accepted = runner.simulated.accepted_counts(n, runner.device)
     else:
-        drafts_in = batch.input_ids.view(n, q)[:, 1:]
+        drafts_in = runner.graphs.input_ids[: n * q].view(n, q)[:, 1:]
         accepted = (target[:, :k] == drafts_in).to(torch.int64).cumprod(dim=1).sum(dim=1)
-    limits = [item.accept_limit for item in sched.scheduled]
     if any(limit is not None for limit in limits):  # near max_tokens: the rows stay, acceptance is capped
         cap = torch.tensor([k if limit is None else limit for limit in limits], device=accepted.device)
         accepted = torch.minimum(accepted, cap)
     next_token = target.gather(1, accepted[:, None]).squeeze(1)
     drafts = runner.draft_graphs.run(bucket, n, accepted, next_token)  # [n, k]
-    host = torch.cat([accepted, next_token, drafts.flatten()]).tolist()  # the step's one sync
-    results = []
-    for i, item in enumerate(sched.scheduled):
-        a = host[i]
-        results.append(
-            SequenceResult(
-                new_token_ids=item.draft_token_ids[:a] + [host[n + i]],
-                num_accepted=a,
-                num_drafts=item.num_usable_drafts,
-                next_drafts=host[2 * n + i * k : 2 * n + (i + 1) * k],
-            )
-        )
-    return results
+    return accepted, next_token, drafts
+
+
+def _launched(seqs, key, accepted, next_token, drafts, starts, draft_ids, limits) -> LaunchedVerify:
+    copy = HostCopy.queue(torch.cat([accepted, next_token, drafts.flatten()]))
+    return LaunchedVerify(seqs, key, accepted, next_token, drafts, copy, starts, draft_ids, limits)
+
+
+def launch_graphed_verify(runner, sched, batch) -> LaunchedVerify:
+    """The step the scheduler decided, its inputs from `batch`."""
+    key = runner.graphs.bucket_for(batch)
+    runner.graphs.run(batch, key)
+    items = sched.scheduled
+    limits = [item.accept_limit for item in items]
+    accepted, next_token, drafts = _verify_on_device(runner, key, len(items), limits)
+    return _launched(
+        [item.seq for item in items], key, accepted, next_token, drafts,
+        [item.seq.num_computed_tokens for item in items], [item.draft_token_ids for item in items], limits,
+    )
+
+
+def can_verify_next(launched: LaunchedVerify, block_size: int, max_model_len: int, max_blocks: int) -> bool:
+    """Whether the step after `launched` can be queued before its results are known: whatever
+    `launched` accepts, no sequence may reach max_tokens or max_model_len within the next step
+    (the scheduler would cap or cut it), and every slot the next step writes (its k + 1 target
+    rows, then the draft loop's rows up to k positions further) must sit in allocated blocks,
+    and the block tables fit the graphs' (max_blocks per sequence)."""
+    q = launched.key[1]
+    k = q - 1
+    for seq, start in zip(launched.seqs, launched.start_positions):
+        max_tokens = seq.sampling_params.max_tokens
+        if max_tokens is not None and seq.num_output_tokens + 2 * q > max_tokens:
+            return False
+        if seq.num_tokens + 2 * q > max_model_len:
+            return False
+        last_slot = start + q + k + k  # next start <= start + q; its rows and drafts follow
+        if not last_slot // block_size < len(seq.block_ids) <= max_blocks:
+            return False
+    return True
+
+
+def launch_next_verify(runner, launched: LaunchedVerify) -> LaunchedVerify:
+    """Queue the verify step after `launched` (can_verify_next() said it may be): its inputs
+    are computed on the device from `launched`'s outputs; its host-side expectations are filled
+    in by expect() once `launched` is read."""
+    n, (bucket, q) = len(launched.seqs), launched.key
+    table = build_block_table([seq.block_ids for seq in launched.seqs], runner.device)
+    runner.graphs.advance_verify(n, q, launched.accepted, launched.next_token, launched.drafts, table)
+    runner.graphs.replay(launched.key)
+    limits = [None] * n
+    accepted, next_token, drafts = _verify_on_device(runner, launched.key, n, limits)
+    return _launched(launched.seqs, launched.key, accepted, next_token, drafts, [], [], limits)

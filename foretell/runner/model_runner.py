@@ -24,7 +24,7 @@ from foretell.models.base import HFConfig, ModelOptions
 from foretell.device_util import to_device
 from foretell.runner.cuda_graph import CudaGraphRunner
 from foretell.runner.decode_ahead import LaunchedDecode, next_positions, plain_decode
-from foretell.runner.graphed_verify import graphed_greedy_verify
+from foretell.runner.graphed_verify import LaunchedVerify, can_verify_next, launch_graphed_verify, launch_next_verify
 from foretell.runner.input_batch import InputBatch, build_decode_batch, build_input_batch
 from foretell.runner.kv_cache import CachePlan, DraftKVCache, KVCache, plan_cache
 from foretell.runner.model_loading import build_model, checkpoint_dtype
@@ -74,6 +74,15 @@ class ModelRunner:
         if self.proposer is not None:
             self.proposer.load(self.model, mc.load_format)
         self.vocab_size = self.hf_config.language_model().vocab_size
+        mode = config.scheduler.async_scheduling
+        # Queue the next step before reading this one (decode_ahead.py): plain decoding, and the
+        # graphed greedy verify (which needs the graphs; checked once they are captured).
+        self.decode_ahead = mode == "on" or (mode == "auto" and self.device.type == "cuda")
+        k = config.speculative.num_speculative_tokens if config.speculative else 0
+        # KV slots reserved past a sampling step's rows: the drafter's k, plus, when steps are
+        # queued ahead, the k + 1 rows of the step after it (it is launched before the scheduler
+        # can allocate for it).
+        self.num_lookahead_tokens = k + (k + 1 if self.decode_ahead else 0)
         self.cache_plan = self._allocate_cache()
         self.max_model_len = self._max_model_len()
         self.small_m_gemm: SmallMGemm | None = None  # bound with the graphs, before capture
@@ -90,12 +99,9 @@ class ModelRunner:
         )
         self.draft_probs: dict[int, torch.Tensor] = {}  # seq_id -> [k, vocab] for sampled drafts
         self.last_times = StepTimes()
-        mode = config.scheduler.async_scheduling
-        # Plain decoding only: a drafter's next step depends on how many drafts the host accepts.
-        self.decode_ahead = self.proposer is None and (
-            mode == "on" or (mode == "auto" and self.device.type == "cuda")
-        )
-        self.launched: LaunchedDecode | None = None  # the decode step queued ahead, if any
+        if self.proposer is not None and self.draft_graphs is None:
+            self.decode_ahead = False  # a drafter's eager loop needs the host's accept counts
+        self.launched: LaunchedDecode | LaunchedVerify | None = None  # the step queued ahead
         self.ahead_launched = 0  # steps launched ahead, and how many of them the scheduler used
         self.ahead_used = 0
 
@@ -110,8 +116,7 @@ class ModelRunner:
                 f"max_model_len {asked} is larger than the model's max_position_embeddings "
                 f"{limit} ({self.hf_config.language_model().source})"
             )
-        spec = self.config.speculative
-        capacity = self.cache_plan.num_tokens - (spec.num_speculative_tokens if spec else 0)
+        capacity = self.cache_plan.num_tokens - self.num_lookahead_tokens
         if asked is not None and asked > capacity:
             raise ValueError(
                 f"max_model_len {asked} is more than the KV cache can hold for one sequence "
@@ -183,7 +188,7 @@ class ModelRunner:
             self.model,
             self.config.scheduler.max_num_seqs,
             query_lens,
-            max_blocks_per_seq=-(-self.max_model_len // self.cache_plan.block_size) + 1,
+            max_blocks_per_seq=-(-(self.max_model_len + self.num_lookahead_tokens) // self.cache_plan.block_size) + 1,
             block_size=self.cache_plan.block_size,
             max_model_len=self.max_model_len,
             device=self.device,
@@ -231,19 +236,22 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> list[SequenceResult]:
         t0 = time.perf_counter()
-        launched, self.launched = self.launched, None
-        if launched is not None and launched.matches(sched.scheduled, self.cache_plan.block_size):
+        block_size = self.cache_plan.block_size
+        launched, self.launched = self.launched, None  # a step queued ahead by the last one
+        if launched is not None and launched.matches(sched.scheduled, block_size):
             self.ahead_used += 1
-            results = self._finish_decode(launched)
-            self.last_times = StepTimes(target_s=time.perf_counter() - t0)
-            return results
-        batch = build_input_batch(sched.scheduled, self.cache_plan.block_size, self.device)
-        if self.decode_ahead and plain_decode(sched.scheduled):
-            results = self._finish_decode(self._launch_decode([item.seq for item in sched.scheduled], batch))
-            self.last_times = StepTimes(target_s=time.perf_counter() - t0)
-            return results
-        if self._graphed_verify_fits(sched, batch):
-            results = graphed_greedy_verify(self, sched, batch)
+        else:
+            launched = None
+            batch = build_input_batch(sched.scheduled, block_size, self.device)
+            if self.decode_ahead and self.proposer is None and plain_decode(sched.scheduled):
+                launched = self._launch_decode([item.seq for item in sched.scheduled], batch)
+            elif self._graphed_verify_fits(sched, batch):
+                launched = launch_graphed_verify(self, sched, batch)
+        if launched is not None:
+            if isinstance(launched, LaunchedDecode):
+                results = self._finish_decode(launched)
+            else:
+                results = self._finish_verify(launched)
             self.last_times = StepTimes(target_s=time.perf_counter() - t0)
             return results
         hidden, aux, logits = self._target_forward(batch)  # logits [rows, vocab] float32
@@ -284,6 +292,20 @@ class ModelRunner:
             self.launched = self._launch_decode(launched.seqs, batch)
             self.ahead_launched += 1
         return [SequenceResult(new_token_ids=[token]) for token in launched.read()]
+
+    def _finish_verify(self, launched: LaunchedVerify) -> list[SequenceResult]:
+        """The graphed verify's counterpart of _finish_decode."""
+        block_size = self.cache_plan.block_size
+        ahead = None
+        max_blocks = self.graphs.block_table.shape[1]
+        if self.decode_ahead and can_verify_next(launched, block_size, self.max_model_len, max_blocks):
+            ahead = launch_next_verify(self, launched)
+        results = launched.results()
+        if ahead is not None:
+            ahead.expect(launched, results)
+            self.launched = ahead
+            self.ahead_launched += 1
+        return results
 
     def _graphed_verify_fits(self, sched: SchedulerOutput, batch: InputBatch) -> bool:
         """A greedy batch where every sequence verifies exactly k drafts, with graphs for both

@@ -40,6 +40,8 @@ def test_fp32_greedy_speculation_equals_plain(qwen3_checkpoint, eagle3_head, met
         spec["model"] = eagle3_head
     llm, speculative = run(qwen3_checkpoint, speculative_config=spec)
     assert speculative == plain
+    if method != "ngram":  # graphed drafters: verify steps are queued ahead (async_scheduling auto)
+        assert llm.engine.runner.draft_graphs is not None and llm.engine.runner.ahead_used > 0
     stats = llm.get_stats()
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
 
