@@ -106,20 +106,20 @@ def test_capped_and_uncapped_requests_mixed_with_prefills(qwen3_checkpoint, eagl
         assert s["num_accepted_tokens"] <= s["num_draft_tokens"]
 
 
-@pytest.mark.parametrize("block_size", [16, 4])
-def test_verify_steps_queued_ahead_give_the_same_tokens(qwen3_checkpoint, qwen3_tied_checkpoint, eagle3_head, block_size):
+def test_verify_steps_queued_ahead_give_the_same_tokens(qwen3_checkpoint, eagle3_head):
     """async_scheduling on: each graphed verify step queues the next one from its device outputs
     before the host reads them. Requests of different lengths (capped near max_tokens, so the
-    launch ahead stops or goes unused), arrivals, block boundaries: greedy output equals plain."""
+    launch ahead stops or goes unused), arrivals, blocks of 4 (the scheduler adds blocks between a
+    launch and its use): greedy output equals plain, for a self-draft (every draft accepted) and
+    a random EAGLE3 head (partial accepts)."""
     prompts = PROMPTS + ["The dog runs and the dog", "x"]
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (30, 7, 22, 5, 16)]
     plain = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=64, max_num_seqs=4)
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     for spec in ({"method": "draft_model", "model": qwen3_checkpoint, "num_speculative_tokens": 2},
-                 {"method": "draft_model", "model": qwen3_tied_checkpoint, "num_speculative_tokens": 3},
                  {"method": "eagle3", "model": eagle3_head, "num_speculative_tokens": 3}):
         llm = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=128, max_num_seqs=4, attention_backend="triton",
-                  block_size=block_size, async_scheduling="on", speculative_config=spec)
+                  block_size=4, async_scheduling="on", speculative_config=spec)
         runner = llm.engine.runner
         assert runner.decode_ahead and runner.num_lookahead_tokens == 2 * spec["num_speculative_tokens"] + 1
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
