@@ -103,9 +103,10 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048  # token budget per step; prefills are chunked to fit
     enable_chunked_prefill: bool = True
-    # Plain decode steps queue the next step's forward before the host reads this step's tokens,
-    # so the host's work between steps overlaps the GPU (runner/decode_ahead.py). auto: on CUDA
-    # only (on the CPU the forward runs in the call, so there is nothing to overlap).
+    # Plain decode steps and graphed greedy verify steps queue the next step on the device before
+    # the host reads this step's results, so the host's work between steps overlaps the GPU
+    # (runner/decode_ahead.py). auto: on CUDA only (on the CPU the forward runs in the call, so
+    # there is nothing to overlap).
     async_scheduling: str = "auto"
 
     def __post_init__(self) -> None:

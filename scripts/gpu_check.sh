@@ -14,3 +14,4 @@ python3 scripts/bench_mla_moe.py "$out" --quick 2>&1 | tail -30
 python3 scripts/bench_small_m_gemm.py "$out" --quick 2>&1 | tail -16
 python3 scripts/bench_gpu.py "$out" 2>&1 | tee "$out/bench_gpu.log" | grep -v "^max_model_len"
 python3 scripts/profile_decode.py "$out" 2>&1 | tail -30
+python3 scripts/profile_host.py "$out" 2>&1 | head -12

@@ -2,12 +2,14 @@
 weights; eager, and with CUDA graphs where the profiler sees the replay's kernels), kernel time
 summed by category, next to the measured wall time per step.
 
-    python scripts/profile_decode.py OUT_DIR [--steps 8]
+    python scripts/profile_decode.py OUT_DIR [--steps 8] [--ops]
 
 Llama-3.1-8B and the DeepSeek-V2-Lite shape, 128-token prompt, batch 1. Categories come from the
 kernel names (GEMM, attention, norm, RoPE, activation, MoE, copies/casts, other); the table gives
 the share of GPU time and microseconds per step, and the JSON keeps the 25 costliest kernels too.
-The sum is kernel time only; wall minus kernel time is host time and launch gaps.
+The sum is kernel time only; wall minus kernel time is host time and launch gaps. --ops adds, for
+each eager profile, the torch ops with their input shapes by device time (which call a kernel
+belongs to), into OUT_DIR/profile_ops.txt.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ def kernel_events(prof) -> list[tuple[str, float]]:
             if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
-def profile_target(folder: str, steps: int, enforce_eager: bool) -> dict:
+def profile_target(folder: str, steps: int, enforce_eager: bool, ops: list[str] | None = None) -> dict:
     """Kernel time by category of `steps` decode steps, and their wall time per step measured
     without the profiler (with graphs: the replay, so wall minus kernels is the launch gaps)."""
     from torch.profiler import ProfilerActivity, profile
@@ -91,11 +93,16 @@ def profile_target(folder: str, steps: int, enforce_eager: bool) -> dict:
         engine.step()
     torch.cuda.synchronize()
     wall_us = (time.perf_counter() - start) * 1e6 / steps
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if ops is not None else [])
+    with profile(activities=activities, record_shapes=ops is not None) as prof:
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
     engine.abort_request("p")
+    if ops is not None:
+        averages = prof.key_averages(group_by_input_shape=True)
+        ops.append(averages.table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=40,
+                                  max_shapes_column_width=90))
     result = dict(summarize(kernel_events(prof), steps), wall_us_per_step=wall_us, enforce_eager=enforce_eager)
     del llm, engine
     torch.cuda.empty_cache()
@@ -115,15 +122,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir")
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--ops", action="store_true", help="also torch ops with shapes (eager profiles)")
+    parser.add_argument("--only", help="profile only targets whose name contains this (llama, deepseek)")
     args = parser.parse_args()
+    os.makedirs(args.out_dir, exist_ok=True)
     if not torch.cuda.is_available():
         sys.exit("profile_decode.py needs a CUDA device")
     results = {}
     targets = (("llama-3.1-8b", f"{CONFIGS}/llama-3.1-8b"), ("deepseek-v2-lite", f"{CONFIGS}/deepseek-v2-lite"))
     for (model, folder), eager in itertools.product(targets, (True, False)):
+        if args.only and args.only not in model:
+            continue
         name = f"{model} {'eager' if eager else 'graphs'}"
+        ops = [] if args.ops and eager else None
         try:
-            results[name] = profile_target(folder, args.steps, eager)
+            results[name] = profile_target(folder, args.steps, eager, ops)
+            if ops:
+                with open(os.path.join(args.out_dir, "profile_ops.txt"), "a") as f:
+                    f.write(f"== {name}\n{ops[0]}\n")
             print_table(name, results[name])
         except Exception as e:  # one target failing must not hide the other
             results[name] = {"error": f"{type(e).__name__}: {e}"}
