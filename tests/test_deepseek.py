@@ -29,7 +29,7 @@ from foretell.models.registry import resolve_model_class
 from foretell.runner import model_loading
 
 ATOL = 1e-4
-VARIANTS = ["v3", "kimi_k2", "v2_lite", "v2"]
+VARIANTS = ["v3", "kimi_k2", "v2_lite", "v2", "v2_lite_bias"]
 TOKENIZER_SIZE = 448
 
 

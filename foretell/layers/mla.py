@@ -31,7 +31,7 @@ from torch import nn
 
 from foretell.layers.attention.metadata import AttentionMetadata
 from foretell.layers.attention.torch_backend import causal_attention, gather_context
-from foretell.layers.linear import Linear
+from foretell.layers.linear import Linear, MergedLinear
 from foretell.layers.norm import RMSNorm
 from foretell.layers.rotary import RotaryEmbedding
 
@@ -209,14 +209,17 @@ class MLAAttention(nn.Module):
         input_size = input_size or dims.hidden_size
         self.dims = dims
         q_out = dims.num_heads * dims.qk_head_dim
+        # q_proj (or q_a_proj with a q LoRA) and kv_a_proj_with_mqa read the same input: one
+        # matmul, shards 0 and 1 (at batch 1 the 576-row kv_a alone took as long as q_proj).
+        self.q_size = dims.q_lora_rank or q_out
+        self.fused_qkv_a_proj = MergedLinear(input_size, [self.q_size, dims.latent_dim], bias, **kw)
+        if bias and not dims.q_lora_rank:  # HF's q_proj has no bias: that slice stays zero
+            with torch.no_grad():
+                self.fused_qkv_a_proj.bias[: self.q_size].zero_()
+            self.fused_qkv_a_proj.bias.shard_ids = (1,)
         if dims.q_lora_rank:
-            self.q_a_proj = Linear(input_size, dims.q_lora_rank, bias, **kw)
             self.q_a_layernorm = RMSNorm(dims.q_lora_rank, LATENT_NORM_EPS, **kw)
             self.q_b_proj = Linear(dims.q_lora_rank, q_out, **kw)
-            self.q_proj = None
-        else:
-            self.q_proj = Linear(input_size, q_out, **kw)
-        self.kv_a_proj_with_mqa = Linear(input_size, dims.latent_dim, bias, **kw)
         self.kv_a_layernorm = RMSNorm(dims.kv_lora_rank, LATENT_NORM_EPS, **kw)
         self.kv_b_proj = Linear(
             dims.kv_lora_rank, dims.num_heads * (dims.qk_nope_head_dim + dims.v_head_dim), **kw
@@ -233,14 +236,13 @@ class MLAAttention(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         d = self.dims
         num_tokens = hidden.shape[0]
-        if self.q_proj is not None:
-            q = self.q_proj(hidden)
-        else:
-            q_latent, _ = self.q_a_layernorm(self.q_a_proj(hidden))
+        q, kv_a = self.fused_qkv_a_proj(hidden).split([self.q_size, d.latent_dim], dim=-1)
+        if d.q_lora_rank:
+            q_latent, _ = self.q_a_layernorm(q)
             q = self.q_b_proj(q_latent)
         q = q.view(num_tokens, d.num_heads, d.qk_head_dim)
         q_nope, q_pe = q.split([d.qk_nope_head_dim, d.qk_rope_head_dim], dim=-1)
-        latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([d.kv_lora_rank, d.qk_rope_head_dim], dim=-1)
+        latent, k_pe = kv_a.split([d.kv_lora_rank, d.qk_rope_head_dim], dim=-1)
         latent, _ = self.kv_a_layernorm(latent)
         q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe.unsqueeze(1))
         out = self.attn(q_nope, q_pe, latent, k_pe.squeeze(1), self.kv_b_proj.weight, metadata)

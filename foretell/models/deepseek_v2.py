@@ -11,8 +11,8 @@ RoPE covers only the qk_rope_head_dim part of q and the shared k_pe, in DeepSeek
 pair layout ("gptj"; a config with `rope_interleave: false` gets "neox"), with YaRN when
 rope_scaling says so; the softmax scale gets YaRN's m(mscale_all_dim)^2.
 
-Checkpoint keys are the published ones. The loader packs experts and fuses gate/up through
-`deepseek_weight_rules`; the target ignores its MTP layers `model.layers.{N+i}.*`
+Checkpoint keys are the published ones. The loader packs experts and fuses gate/up and MLA's
+q/kv_a projections through `deepseek_weight_rules`; the target ignores its MTP layers `model.layers.{N+i}.*`
 (num_nextn_predict_layers of them), which foretell/models/mtp.py loads for "method": "mtp".
 A `prefix` (Kimi-K2.5's "language_model.") is put before every key pattern.
 """
@@ -139,9 +139,18 @@ def mtp_layer_indices(config: HFConfig) -> list[int]:
     return list(range(first, first + int(config.get("num_nextn_predict_layers", 0) or 0)))
 
 
+def fused_qkv_a_rules(where: str = r"\.self_attn\.", to: str = ".self_attn.") -> list[WeightRule]:
+    """MLA's q_proj (or q_a_proj) and kv_a_proj_with_mqa fill shards 0 and 1 of fused_qkv_a_proj;
+    `where` matches the attention module's prefix in a checkpoint name, `to` replaces it."""
+    return [
+        WeightRule(where + r"q_(?:a_)?proj\.", to + "fused_qkv_a_proj.", 0),
+        WeightRule(where + r"kv_a_proj_with_mqa\.", to + "fused_qkv_a_proj.", 1),
+    ]
+
+
 def deepseek_weight_rules(config: HFConfig, prefix: str = "", tie: bool = False) -> WeightRules:
     p = re.escape(prefix)
-    fused = expert_weight_rules() + [
+    fused = expert_weight_rules() + fused_qkv_a_rules() + [
         WeightRule(r"\.gate_proj\.", ".gate_up_proj.", 0),  # dense MLP and shared experts
         WeightRule(r"\.up_proj\.", ".gate_up_proj.", 1),
     ]

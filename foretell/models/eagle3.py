@@ -28,17 +28,17 @@ from foretell.layers.rotary import RotaryEmbedding, rope_parameters_from_config
 from foretell.models.base import HFConfig, ModelOptions, WeightRule, WeightRules
 from foretell.models.llama import DecoderDims, DecoderMLP, DecoderSwitches
 
-_LAYER = r"^(?:midlayer|layers\.0)\."
+HEAD_LAYER = r"^(?:midlayer|layers\.0)\."  # the draft layer in either published format
 
 
 def eagle3_weight_rules(has_embed: bool, has_lm_head: bool) -> WeightRules:
     fused = [
-        WeightRule(_LAYER + r"self_attn\.q_proj\.", "midlayer.self_attn.qkv_proj.", "q"),
-        WeightRule(_LAYER + r"self_attn\.k_proj\.", "midlayer.self_attn.qkv_proj.", "k"),
-        WeightRule(_LAYER + r"self_attn\.v_proj\.", "midlayer.self_attn.qkv_proj.", "v"),
-        WeightRule(_LAYER + r"mlp\.gate_proj\.", "midlayer.mlp.gate_up_proj.", 0),
-        WeightRule(_LAYER + r"mlp\.up_proj\.", "midlayer.mlp.gate_up_proj.", 1),
-        WeightRule(_LAYER, "midlayer."),
+        WeightRule(HEAD_LAYER + r"self_attn\.q_proj\.", "midlayer.self_attn.qkv_proj.", "q"),
+        WeightRule(HEAD_LAYER + r"self_attn\.k_proj\.", "midlayer.self_attn.qkv_proj.", "k"),
+        WeightRule(HEAD_LAYER + r"self_attn\.v_proj\.", "midlayer.self_attn.qkv_proj.", "v"),
+        WeightRule(HEAD_LAYER + r"mlp\.gate_proj\.", "midlayer.mlp.gate_up_proj.", 0),
+        WeightRule(HEAD_LAYER + r"mlp\.up_proj\.", "midlayer.mlp.gate_up_proj.", 1),
+        WeightRule(HEAD_LAYER, "midlayer."),
         WeightRule(r"^model\.", ""),
     ]
     ignored = [r"^t2d$", r"rotary_emb\.inv_freq$"]

@@ -19,8 +19,8 @@ from foretell.layers.mla import MLAAttention, MLADims
 from foretell.layers.moe import GatedMLP
 from foretell.layers.rotary import RotaryEmbedding
 from foretell.models.base import HFConfig, ModelOptions, WeightRules
-from foretell.models.deepseek_v2 import deepseek_rotary
-from foretell.models.eagle3 import Eagle3Head, Eagle3LayerBase, eagle3_weight_rules
+from foretell.models.deepseek_v2 import deepseek_rotary, fused_qkv_a_rules
+from foretell.models.eagle3 import HEAD_LAYER, Eagle3Head, Eagle3LayerBase, eagle3_weight_rules
 
 
 def is_mla_head(config: HFConfig) -> bool:
@@ -28,9 +28,10 @@ def is_mla_head(config: HFConfig) -> bool:
 
 
 def eagle3_mla_weight_rules(has_embed: bool, has_lm_head: bool) -> WeightRules:
-    """EAGLE3's rules without the q/k/v fusion (an MLA layer's q_proj stays q_proj)."""
+    """EAGLE3's rules with MLA's q/kv_a fusion in place of the q/k/v one."""
     rules = eagle3_weight_rules(has_embed, has_lm_head)
-    fused = [r for r in rules.fused if "qkv_proj" not in r.replacement]
+    fused = fused_qkv_a_rules(HEAD_LAYER + r"self_attn\.", "midlayer.self_attn.")
+    fused += [r for r in rules.fused if "qkv_proj" not in r.replacement]
     return WeightRules(fused=fused, ignored=list(rules.ignored))
 
 
