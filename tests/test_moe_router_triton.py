@@ -152,7 +152,8 @@ def test_router_keeps_grouped_configs_on_torch(monkeypatch):
     hidden = torch.randn(3, 32, generator=gen).to(DEVICE)  # [T, H]
     with torch.no_grad():
         weights, ids = router(hidden)
-        expected = select_experts(torch.nn.functional.linear(hidden, router.weight), router.config,
+        # The logits come from the logits kernel (3 tokens), the selection from the twin.
+        expected = select_experts(mrt.router_logits_triton(hidden, router.weight), router.config,
                                   router.e_score_correction_bias)
     assert calls == []
     assert torch.equal(ids, expected[1]) and torch.equal(weights, expected[0])
@@ -165,3 +166,32 @@ def test_router_stays_on_torch_off_cuda(monkeypatch):
     with torch.no_grad():
         _router(CASES["tiny"][0], 32, gen)(torch.randn(3, 32, generator=gen))
     assert calls == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens,num_experts,hidden", [(1, 64, 2048), (3, 96, 100), (16, 8, 48)])
+def test_router_logits_match_float64(dtype, num_tokens, num_experts, hidden, monkeypatch):
+    """router_logits_triton = hidden (widened to float32) x weight^T: against float64, bounded by
+    float32 accumulation over `hidden` terms; a column slice of a wider tensor as input."""
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    wide = torch.randn(num_tokens, hidden + 5, generator=gen).to(dtype)
+    x = wide[:, 5:]  # [T, H], rows hidden + 5 apart
+    weight = torch.randn(num_experts, hidden, generator=gen) / hidden**0.5  # [E, H] float32
+    expected = x.double() @ weight.double().T  # [T, E]
+    poison_buffers(monkeypatch)
+    with reports_seed(seed):
+        got = mrt.router_logits_triton(x.to(DEVICE), weight.to(DEVICE))
+        assert got.dtype == torch.float32 and got.shape == (num_tokens, num_experts)
+        bound = 4 * hidden * torch.finfo(torch.float32).eps * (x.double().abs() @ weight.double().abs().T)
+        assert ((got.cpu().double() - expected).abs() <= bound + 1e-30).all()
+
+
+def test_router_logits_bad_inputs():
+    x = torch.zeros(2, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="weight must be a contiguous float32"):
+        mrt.router_logits_triton(x, torch.zeros(8, 32, dtype=torch.float16, device=DEVICE))
+    with pytest.raises(ValueError, match=r"hidden must be \[num_tokens, H\]"):
+        mrt.router_logits_triton(x, torch.zeros(8, 31, device=DEVICE))
+    with pytest.raises(ValueError, match="up to 16 tokens"):
+        mrt.router_logits_triton(torch.zeros(17, 32, device=DEVICE), torch.zeros(8, 32, device=DEVICE))

@@ -232,14 +232,18 @@ class Router(nn.Module):
             self.e_score_correction_bias = None
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(hidden.float(), self.weight)  # [T, E] float32
-        if not self.config.grouped and use_triton(logits):
-            from foretell.layers.moe_router_triton import (
-                select_experts_triton,  # imports triton
-            )
+        if not use_triton(hidden):
+            logits = F.linear(hidden.float(), self.weight)  # [T, E] float32
+            return select_experts(logits, self.config, self.e_score_correction_bias)
+        from foretell.layers import moe_router_triton as kernels  # imports triton
 
-            return select_experts_triton(logits, self.config, self.e_score_correction_bias)
-        return select_experts(logits, self.config, self.e_score_correction_bias)
+        if hidden.shape[0] <= kernels.ROUTER_LOGITS_MAX_TOKENS:
+            logits = kernels.router_logits_triton(hidden, self.weight)
+        else:
+            logits = F.linear(hidden.float(), self.weight)
+        if self.config.grouped:
+            return select_experts(logits, self.config, self.e_score_correction_bias)
+        return kernels.select_experts_triton(logits, self.config, self.e_score_correction_bias)
 
 
 class MoE(nn.Module):

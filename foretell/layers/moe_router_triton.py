@@ -1,6 +1,9 @@
 """MoE expert selection (routing) on the GPU: one Triton kernel from router logits to the top-k
 expert ids and weights, in place of the ~6 small torch kernels (sigmoid or softmax, bias add,
-topk, gather, sum and divide, scale) that each MoE layer launches per decode step.
+topk, gather, sum and divide, scale) that each MoE layer launches per decode step; and, for a
+few tokens (decode, verify), one kernel for the router logits themselves (`router_logits_triton`:
+the hidden states read in the model dtype and widened to float32 in registers, against the float32
+gate weight), in place of a cast and cuBLAS's two-kernel float32 GEMV.
 
 Twin: `select_experts` in moe.py, for ungrouped configs (`RouterConfig.grouped` False: greedy, or
 noaux_tc / group_limited_greedy with n_group 1); grouped configs stay on the twin.
@@ -93,6 +96,77 @@ def _select_experts_kernel(
     out_offsets = rows[:, None] * TOP_K + ks[None, :]
     tl.store(weights_ptr + out_offsets, top_weights, mask=out_mask)
     tl.store(ids_ptr + out_offsets, top_ids.to(tl.int64), mask=out_mask)
+
+
+# Router logits in one kernel up to this many tokens; more go to cuBLAS (a program re-reads the
+# gate weight per block of tokens, which only pays while the blocks are few).
+ROUTER_LOGITS_MAX_TOKENS = 16
+
+
+@triton.jit
+def _router_logits_kernel(
+    x_ptr,  # [num_tokens, hidden] model dtype, rows stride_x apart, columns contiguous
+    w_ptr,  # [num_experts, hidden] float32 contiguous
+    out_ptr,  # [num_tokens, num_experts] float32
+    num_tokens,
+    num_experts,
+    hidden,
+    stride_x,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+    experts = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)  # [BLOCK_E]
+    lanes = tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    row_ok = rows < num_tokens
+    expert_ok = experts < num_experts
+    # Partial products per (token, expert, lane), reduced across the lanes once at the end.
+    acc = tl.zeros((BLOCK_T, BLOCK_E, BLOCK_H), dtype=tl.float32)
+    for h0 in range(0, hidden, BLOCK_H):
+        h_ok = (h0 + lanes) < hidden
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + h0 + lanes[None, :],
+                    mask=row_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_H]
+        w = tl.load(w_ptr + experts[:, None].to(tl.int64) * hidden + h0 + lanes[None, :],
+                    mask=expert_ok[:, None] & h_ok[None, :], other=0.0)  # [BLOCK_E, BLOCK_H]
+        acc += x[:, None, :] * w[None, :, :]
+    logits = tl.sum(acc, axis=2)  # [BLOCK_T, BLOCK_E]
+    offsets = rows[:, None].to(tl.int64) * num_experts + experts[None, :]
+    tl.store(out_ptr + offsets, logits, mask=row_ok[:, None] & expert_ok[None, :])
+
+
+def router_logits_triton(
+    hidden: torch.Tensor,  # [num_tokens, hidden_size], any float dtype, unit column stride
+    weight: torch.Tensor,  # [num_experts, hidden_size] float32 contiguous
+) -> torch.Tensor:  # [num_tokens, num_experts] float32
+    """F.linear(hidden.float(), weight) in one launch, for up to ROUTER_LOGITS_MAX_TOKENS tokens."""
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden must be [num_tokens, H] and weight [num_experts, H], got {list(hidden.shape)} "
+            f"and {list(weight.shape)}"
+        )
+    if weight.dtype != torch.float32 or not weight.is_contiguous() or weight.device != hidden.device:
+        raise ValueError(f"weight must be a contiguous float32 tensor on {hidden.device}, got "
+                         f"{weight.dtype} on {weight.device}")
+    num_tokens, hidden_size = hidden.shape
+    if num_tokens > ROUTER_LOGITS_MAX_TOKENS:
+        raise ValueError(f"router_logits_triton takes up to {ROUTER_LOGITS_MAX_TOKENS} tokens, got "
+                         f"{num_tokens} (use F.linear)")
+    if hidden.stride(1) != 1:
+        hidden = hidden.contiguous()
+    num_experts = weight.shape[0]
+    logits = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=hidden.device)
+    if num_tokens == 0:
+        return logits
+    block_t = _next_pow2(num_tokens)
+    block_e = 4  # 64 experts: 16 programs, each streaming 4 rows of the gate weight
+    block_h = max(16, min(512, 2048 // block_t, _next_pow2(hidden_size)))
+    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_experts, block_e))
+    _router_logits_kernel[grid](
+        hidden, weight, logits, num_tokens, num_experts, hidden_size, hidden.stride(0),
+        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_H=block_h, num_warps=4,
+    )
+    return logits
 
 
 def select_experts_triton(

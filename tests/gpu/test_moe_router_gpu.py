@@ -115,3 +115,24 @@ def test_no_sync_and_graph_replay():
         graph.replay()
         with reports_seed(seed + 1 + replay):
             assert_same_routing((static_weights, static_ids), select_experts(new_logits, config, bias))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("num_tokens,num_experts,hidden", [(1, 64, 2048), (4, 64, 2048), (16, 384, 7168)])
+def test_router_logits_match_float64(dtype, num_tokens, num_experts, hidden):
+    """The router-logits kernel at V2-Lite and Kimi-K2 sizes, against float64: within float32
+    accumulation over the hidden size; captured in a CUDA graph it gives the same values."""
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(dtype).to(DEVICE)
+    weight = (torch.randn(num_experts, hidden, generator=gen) / hidden**0.5).to(DEVICE)
+    expected = x.double() @ weight.double().T
+    bound = 4 * hidden * torch.finfo(torch.float32).eps * (x.double().abs() @ weight.double().abs().T)
+    got = mrt.router_logits_triton(x, weight)
+    with reports_seed(seed):
+        assert ((got.double() - expected).abs() <= bound).all()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = mrt.router_logits_triton(x, weight)
+    graph.replay()
+    assert torch.equal(static, got)
