@@ -158,9 +158,12 @@ def router_logits_triton(
     logits = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=hidden.device)
     if num_tokens == 0:
         return logits
+    # One expert per program (64 experts: 64 programs), and the whole hidden size in one or a few
+    # loads: at batch 1 the kernel is latency-bound (4 experts per program with 512-wide steps
+    # measured 4.4 us per layer on the H200, about what the cast + cuBLAS pair took).
     block_t = _next_pow2(num_tokens)
-    block_e = 4  # 64 experts: 16 programs, each streaming 4 rows of the gate weight
-    block_h = max(16, min(512, 2048 // block_t, _next_pow2(hidden_size)))
+    block_e = 1
+    block_h = max(16, min(4096 // block_t, _next_pow2(hidden_size)))
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_experts, block_e))
     _router_logits_kernel[grid](
         hidden, weight, logits, num_tokens, num_experts, hidden_size, hidden.stride(0),
