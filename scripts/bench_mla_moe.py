@@ -42,7 +42,9 @@ MLA_SWEEP = [dict(BLOCK_M=m, TILE_N=n, num_warps=w, num_stages=2)
              for m, w in ((16, 4), (32, 4), (32, 8), (64, 8)) for n in (32, 64)]
 MOE_SWEEP = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)
              for n, k, w, s in ((32, 128, 4, 3), (32, 256, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3),
-                                (64, 128, 4, 4), (64, 256, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3))]
+                                (64, 128, 4, 4), (64, 256, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3),
+                                (16, 256, 2, 4), (16, 512, 4, 3), (32, 256, 4, 4), (32, 512, 4, 3),
+                                (32, 128, 2, 5), (64, 256, 4, 4))]
 
 
 def mla_case(heads: int, batch: int, context: int, q_len: int):
@@ -167,6 +169,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", help="folder to write bench_mla_moe.json into")
     parser.add_argument("--quick", action="store_true", help="fewer cases, shorter timing, no sweeps")
+    parser.add_argument("--moe-sweep", help="only the MoE, swept, at these comma-separated token counts")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_mla_moe.py needs a CUDA device")
@@ -174,6 +177,13 @@ def main() -> None:
 
     rep = 30 if args.quick else 100
     sweep = not args.quick
+    if args.moe_sweep:
+        rows = [bench_moe(int(t), rep=rep, sweep=True) for t in args.moe_sweep.split(",")]
+        for r in rows:
+            print(f"MoE {r['num_tokens']} tokens: default {r['fused_graph_us']:.1f} us, best {r['best_graph_us']:.1f} "
+                  f"us {r['best_config']}; " + ", ".join(f"{tuple(c['config'].values())}: {c['us']:.1f}" for c in r["sweep"]))
+        write_result(args.out_dir, "bench_mla_moe", "moe_sweep", {"moe_shapes": MOE, "moe": rows})
+        return
     print(f"{torch.cuda.get_device_name()}  bf16  torch {torch.__version__}  triton {triton.__version__}")
     mla_cases = [(m, b, c, 1) for m in MLA_MODELS for b in (1, 16, 64) for c in (1024, 4096)]
     mla_cases += [(m, b, 4096, 4) for m in MLA_MODELS for b in (1, 16)]
