@@ -261,7 +261,9 @@ def active_bytes(model, config) -> int:
     embed = model.get_input_embeddings().weight
     total -= embed.numel() * embed.element_size()  # one row is read, not the table
     experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
-    unused = experts * (config["n_routed_experts"] - config["num_experts_per_tok"]) / config["n_routed_experts"]
+    routed, shared = config["n_routed_experts"], config.get("n_shared_experts", 0)
+    experts = experts * routed / (routed + shared)  # the shared experts sit packed after the routed
+    unused = experts * (routed - config["num_experts_per_tok"]) / routed
     return int(total - unused)
 
 

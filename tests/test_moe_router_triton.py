@@ -92,7 +92,7 @@ def test_exact_ties_go_to_the_lower_expert():
 def test_no_tokens():
     config, _ = CASES["kimi_k2_like"]
     weights, ids = mrt.select_experts_triton(torch.zeros(0, 96, device=DEVICE), config, torch.zeros(96, device=DEVICE))
-    assert weights.shape == ids.shape == (0, 8)
+    assert weights.shape == ids.shape == (0, 8 + 3)  # top 8, then 3 shared experts
 
 
 def test_bad_inputs():

@@ -12,8 +12,12 @@ On CUDA (triton installed, no autograd) ungrouped routing runs as one Triton ker
 (`select_experts_triton` in moe_router_triton.py, whose twin `select_experts` is).
 
 Experts are stored per expert in checkpoints (`mlp.experts.{e}.gate_proj.weight`, ...). They load
-into two packed parameters, `experts.gate_up_proj` [E, 2 * I, H] (shard (e, 0) gate, (e, 1) up)
-and `experts.down_proj` [E, H, I] (shard e), through `expert_weight_rules`. The torch forward
+into two packed parameters, `experts.gate_up_proj` [E + S, 2 * I, H] (shard (e, 0) gate, (e, 1)
+up) and `experts.down_proj` [E + S, H, I] (shard e), through `expert_weight_rules`. The S shared
+experts (`mlp.shared_experts.*`, one MLP of S * I in the checkpoint) are cut into S experts of I
+packed after the routed ones, and the router appends them to every token's choice with weight 1:
+one grouped kernel pair then runs routed and shared experts together (on the H200 the shared MLP
+as two more cuBLAS GEMMs and an activation cost V2-Lite about 15% of a decode step). The torch forward
 sorts the (token, expert) pairs by expert and runs one matmul pair per expert that has tokens
 (a host loop: the CPU path and the reference). On CUDA, with triton installed and no autograd,
 `PackedExperts` runs the fused kernels of moe_triton.py instead: same layout, no host sync, CUDA
@@ -48,8 +52,13 @@ class RouterConfig:
     topk_group: int = 1
     norm_topk_prob: bool = False
     routed_scaling_factor: float = 1.0
+    # Shared experts every token goes through: routed as experts num_experts .. + n - 1 with
+    # weight 1 (unscaled) after the top_k, so they run inside the same grouped expert kernels.
+    num_shared_experts: int = 0
 
     def __post_init__(self) -> None:
+        if self.num_shared_experts < 0:
+            raise ValueError(f"n_shared_experts must be >= 0, got {self.num_shared_experts}")
         if self.scoring_func not in SCORING_FUNCS:
             raise ValueError(
                 f"scoring_func {self.scoring_func!r} is not supported; expected one of "
@@ -110,7 +119,24 @@ def select_experts(
     weights = scores.gather(1, ids)
     if config.norm_topk_prob and config.top_k > 1:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * config.routed_scaling_factor, ids
+    return append_shared_experts(weights * config.routed_scaling_factor, ids, config)
+
+
+def append_shared_experts(
+    weights: torch.Tensor,  # [num_tokens, top_k] float32
+    ids: torch.Tensor,  # [num_tokens, top_k] int64
+    config: RouterConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:  # [num_tokens, top_k + num_shared_experts] each
+    """Every token's shared experts after its routed ones: ids num_experts.., weight 1."""
+    n = config.num_shared_experts
+    if n == 0:
+        return weights, ids
+    num_tokens = ids.shape[0]
+    shared_ids = torch.arange(config.num_experts, config.num_experts + n, device=ids.device)
+    return (
+        torch.cat([weights, weights.new_ones(num_tokens, n)], dim=1),
+        torch.cat([ids, shared_ids.expand(num_tokens, n)], dim=1),
+    )
 
 
 def experts_forward_torch(
@@ -143,22 +169,28 @@ def experts_forward_torch(
 
 class PackedExpertsLoader:
     """weight_loader of the packed expert parameters: shard (e, j) fills rows j*I .. (j+1)*I of
-    expert e of gate_up_proj; shard e fills expert e of down_proj."""
+    expert e of gate_up_proj; shard e fills expert e of down_proj. The shared experts' tensors
+    (shard ("shared", j) of gate_up_proj: [num_shared * I, H]; "shared" of down_proj:
+    [H, num_shared * I]) are cut into num_shared experts of I, after the routed ones."""
 
-    def __init__(self, num_experts: int, parts: int):
-        self.num_experts = num_experts
+    def __init__(self, num_experts: int, parts: int, num_shared: int = 0):
+        self.num_experts = num_experts  # routed
         self.parts = parts
+        self.num_shared = num_shared
 
     def shard_ids(self) -> tuple[Any, ...]:
         if self.parts == 1:
-            return tuple(range(self.num_experts))
-        return tuple((e, j) for e in range(self.num_experts) for j in range(self.parts))
+            return tuple(range(self.num_experts)) + (("shared",) if self.num_shared else ())
+        routed = tuple((e, j) for e in range(self.num_experts) for j in range(self.parts))
+        return routed + tuple(("shared", j) for j in range(self.parts) if self.num_shared)
 
     def __call__(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         if self.parts == 1:
             expert, part = shard_id, 0
         else:
             expert, part = shard_id if isinstance(shard_id, tuple) else (None, None)
+        if expert == "shared" and self.num_shared and 0 <= part < self.parts:
+            return self._load_shared(param, loaded, part)
         if not isinstance(expert, int) or not 0 <= expert < self.num_experts or not 0 <= part < self.parts:
             raise ValueError(
                 f"packed experts parameter of {self.num_experts} experts got shard {shard_id!r}"
@@ -168,21 +200,41 @@ class PackedExpertsLoader:
         with torch.no_grad():
             param[expert].narrow(0, part * rows, rows).copy_(loaded.to(param.dtype))
 
+    def _load_shared(self, param: nn.Parameter, loaded: torch.Tensor, part: int) -> None:
+        n, first = self.num_shared, self.num_experts
+        if self.parts == 1:  # down_proj [H, n * I]: expert c takes columns c*I ..
+            inter = param.shape[2]
+            check_shape(loaded, (param.shape[1], n * inter), "shared experts' down_proj")
+            with torch.no_grad():
+                for c in range(n):
+                    param[first + c].copy_(loaded[:, c * inter : (c + 1) * inter].to(param.dtype))
+            return
+        rows = param.shape[1] // self.parts  # gate_up [n * I, H] per part: expert c takes rows c*I ..
+        check_shape(loaded, (n * rows, param.shape[2]), f"shared experts' part {part}")
+        with torch.no_grad():
+            for c in range(n):
+                param[first + c].narrow(0, part * rows, rows).copy_(loaded[c * rows : (c + 1) * rows].to(param.dtype))
 
-def _packed_param(shape, parts: int, dtype, device) -> nn.Parameter:
+
+def _packed_param(shape, parts: int, num_shared: int, dtype, device) -> nn.Parameter:
     param = make_param(shape, dtype, device)
-    loader = PackedExpertsLoader(shape[0], parts)
+    loader = PackedExpertsLoader(shape[0] - num_shared, parts, num_shared)
     param.weight_loader = loader
     param.shard_ids = loader.shard_ids()
     return param
 
 
 class PackedExperts(nn.Module):
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, dtype=None, device=None):
+    """The routed experts, then `num_shared` shared experts of the same size, packed."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, num_shared: int = 0,
+                 *, dtype=None, device=None):
         super().__init__()
-        self.num_experts = num_experts
-        self.gate_up_proj = _packed_param((num_experts, 2 * intermediate_size, hidden_size), 2, dtype, device)
-        self.down_proj = _packed_param((num_experts, hidden_size, intermediate_size), 1, dtype, device)
+        self.num_experts = num_experts  # routed
+        self.num_shared = num_shared
+        slots = num_experts + num_shared
+        self.gate_up_proj = _packed_param((slots, 2 * intermediate_size, hidden_size), 2, num_shared, dtype, device)
+        self.down_proj = _packed_param((slots, hidden_size, intermediate_size), 1, num_shared, dtype, device)
 
     def forward(self, hidden, weights, ids, shared=None):  # [T, H], [T, k], [T, k], [T, H] -> [T, H]
         """The routed experts' weighted sum plus `shared` (the shared experts' output), summed in
@@ -200,8 +252,8 @@ class PackedExperts(nn.Module):
         return out.to(hidden.dtype)
 
     def extra_repr(self) -> str:
-        e, two_i, h = self.gate_up_proj.shape
-        return f"experts={e}, hidden={h}, intermediate={two_i // 2}"
+        _, two_i, h = self.gate_up_proj.shape
+        return f"experts={self.num_experts}, shared={self.num_shared}, hidden={h}, intermediate={two_i // 2}"
 
 
 class GatedMLP(nn.Module):
@@ -247,38 +299,27 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts plus optional shared experts (`mlp.gate`, `mlp.experts`, `mlp.shared_experts`)."""
+    """Routed experts plus the shared experts (`mlp.gate`, `mlp.experts`, `mlp.shared_experts`),
+    all packed in `experts` (the router appends the shared ones to every token's choice)."""
 
-    def __init__(
-        self,
-        config: RouterConfig,
-        hidden_size: int,
-        moe_intermediate_size: int,
-        num_shared_experts: int,
-        *,
-        dtype=None,
-        device=None,
-    ):
+    def __init__(self, config: RouterConfig, hidden_size: int, moe_intermediate_size: int, *, dtype=None, device=None):
         super().__init__()
-        kw = dict(dtype=dtype, device=device)
         self.gate = Router(config, hidden_size, device=device)
-        self.experts = PackedExperts(config.num_experts, hidden_size, moe_intermediate_size, **kw)
-        self.shared_experts = (
-            GatedMLP(hidden_size, moe_intermediate_size * num_shared_experts, **kw)
-            if num_shared_experts
-            else None
-        )
+        self.experts = PackedExperts(config.num_experts, hidden_size, moe_intermediate_size,
+                                     config.num_shared_experts, dtype=dtype, device=device)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        weights, ids = self.gate(hidden)
-        shared = self.shared_experts(hidden) if self.shared_experts is not None else None
-        return self.experts(hidden, weights, ids, shared)
+        weights, ids = self.gate(hidden)  # [T, top_k + num_shared] each
+        return self.experts(hidden, weights, ids)
 
 
 def expert_weight_rules() -> list[WeightRule]:
     """Per-expert checkpoint tensors -> the packed parameters (match before the plain gate/up
     rules, which would otherwise claim `experts.{e}.gate_proj`)."""
     return [
+        WeightRule(r"\.shared_experts\.gate_proj\.weight$", ".experts.gate_up_proj", ("shared", 0)),
+        WeightRule(r"\.shared_experts\.up_proj\.weight$", ".experts.gate_up_proj", ("shared", 1)),
+        WeightRule(r"\.shared_experts\.down_proj\.weight$", ".experts.down_proj", "shared"),
         WeightRule(r"\.experts\.(\d+)\.gate_proj\.weight$", ".experts.gate_up_proj",
                    lambda m: (int(m.group(1)), 0)),
         WeightRule(r"\.experts\.(\d+)\.up_proj\.weight$", ".experts.gate_up_proj",

@@ -41,19 +41,21 @@ def _next_pow2(n: int) -> int:
 def _select_experts_kernel(
     logits_ptr,  # [num_tokens, num_experts] float32, rows stride_logits apart, columns contiguous
     bias_ptr,  # [num_experts] float32 (unread without HAS_BIAS)
-    weights_ptr,  # [num_tokens, TOP_K] float32 out
-    ids_ptr,  # [num_tokens, TOP_K] int64 out
+    weights_ptr,  # [num_tokens, TOP_K + NUM_SHARED] float32 out
+    ids_ptr,  # [num_tokens, TOP_K + NUM_SHARED] int64 out
     num_tokens,
     num_experts,
     stride_logits,
     scaling,  # routed_scaling_factor
     TOP_K: tl.constexpr,
+    NUM_SHARED: tl.constexpr,  # shared experts appended after the top k (ids num_experts.., weight 1)
     SIGMOID: tl.constexpr,  # else softmax
     HAS_BIAS: tl.constexpr,
     NORMALIZE: tl.constexpr,  # norm_topk_prob and TOP_K > 1
     BLOCK_T: tl.constexpr,  # tokens per program
     EXPERTS_P: tl.constexpr,  # num_experts rounded up to a power of two
     TOP_K_P: tl.constexpr,  # TOP_K rounded up to a power of two
+    SHARED_P: tl.constexpr,  # NUM_SHARED rounded up to a power of two (1 when there are none)
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
     row_ok = rows < num_tokens
@@ -92,10 +94,19 @@ def _select_experts_kernel(
         top_weights = top_weights / (tl.sum(top_weights, axis=1)[:, None] + 1e-20)  # padding k: 0
     top_weights = top_weights * scaling
 
+    width = TOP_K + NUM_SHARED  # columns of an output row
     out_mask = row_ok[:, None] & (ks[None, :] < TOP_K)  # [BLOCK_T, TOP_K_P]
-    out_offsets = rows[:, None] * TOP_K + ks[None, :]
+    out_offsets = rows[:, None] * width + ks[None, :]
     tl.store(weights_ptr + out_offsets, top_weights, mask=out_mask)
     tl.store(ids_ptr + out_offsets, top_ids.to(tl.int64), mask=out_mask)
+    if NUM_SHARED > 0:
+        shared = tl.arange(0, SHARED_P)  # [SHARED_P]
+        shared_mask = row_ok[:, None] & (shared[None, :] < NUM_SHARED)  # [BLOCK_T, SHARED_P]
+        shared_offsets = rows[:, None] * width + TOP_K + shared[None, :]
+        ones = tl.full([BLOCK_T, SHARED_P], 1.0, dtype=tl.float32)
+        shared_ids = tl.zeros([BLOCK_T, SHARED_P], dtype=tl.int64) + (num_experts + shared)[None, :]
+        tl.store(weights_ptr + shared_offsets, ones, mask=shared_mask)
+        tl.store(ids_ptr + shared_offsets, shared_ids, mask=shared_mask)
 
 
 # Router logits in one kernel up to this many tokens; more go to cuBLAS (a program re-reads the
@@ -176,8 +187,9 @@ def select_experts_triton(
     router_logits: torch.Tensor,  # [num_tokens, num_experts] float32
     config: RouterConfig,
     correction_bias: torch.Tensor | None = None,  # [num_experts] float32
-) -> tuple[torch.Tensor, torch.Tensor]:  # weights [num_tokens, top_k] f32, ids [.., top_k] int64
-    """`select_experts` as one kernel launch, for ungrouped configs; fresh contiguous outputs."""
+) -> tuple[torch.Tensor, torch.Tensor]:  # weights [T, top_k + shared] f32, ids [T, top_k + shared] int64
+    """`select_experts` as one kernel launch, for ungrouped configs; fresh contiguous outputs
+    (the config's shared experts after the top_k, as select_experts appends them)."""
     if config.grouped:
         raise ValueError(
             f"select_experts_triton handles ungrouped routing only; this config has n_group="
@@ -206,8 +218,9 @@ def select_experts_triton(
 
     num_tokens = router_logits.shape[0]
     device = router_logits.device
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=device)  # [T, top_k]
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=device)  # [T, top_k]
+    width = top_k + config.num_shared_experts
+    weights = torch.empty(num_tokens, width, dtype=torch.float32, device=device)  # [T, width]
+    ids = torch.empty(num_tokens, width, dtype=torch.int64, device=device)  # [T, width]
     if num_tokens == 0:
         return weights, ids
     experts_p = _next_pow2(num_experts)
@@ -224,12 +237,14 @@ def select_experts_triton(
         router_logits.stride(0),
         float(config.routed_scaling_factor),
         TOP_K=top_k,
+        NUM_SHARED=config.num_shared_experts,
         SIGMOID=config.scoring_func == "sigmoid",
         HAS_BIAS=correction_bias is not None,
         NORMALIZE=config.norm_topk_prob and top_k > 1,
         BLOCK_T=block_t,
         EXPERTS_P=experts_p,
         TOP_K_P=_next_pow2(top_k),
+        SHARED_P=_next_pow2(max(config.num_shared_experts, 1)),
         num_warps=num_warps,
     )
     return weights, ids

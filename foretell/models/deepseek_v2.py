@@ -52,6 +52,7 @@ def router_config(config: HFConfig, default_scoring: str, default_topk_method: s
             topk_group=config.get("topk_group", 1),
             norm_topk_prob=bool(config.get("norm_topk_prob", False)),
             routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
+            num_shared_experts=int(config.get("n_shared_experts", 0) or 0),
         )
     except ValueError as e:
         raise ValueError(f"{config.source}: {e}") from e
@@ -99,9 +100,7 @@ class DeepseekDecoderLayer(PreNormDecoderLayer):
             bias=bool(config.get("attention_bias", False)), **kw,
         )
         if router is not None and is_moe_layer(config, layer_index):
-            self.mlp = MoE(
-                router, hidden, config.moe_intermediate_size, config.get("n_shared_experts", 0), **kw
-            )
+            self.mlp = MoE(router, hidden, config.moe_intermediate_size, **kw)
         else:
             self.mlp = GatedMLP(hidden, config.intermediate_size, bool(config.get("mlp_bias", False)), **kw)
         self.input_layernorm = RMSNorm(hidden, eps, **kw)
