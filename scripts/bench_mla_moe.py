@@ -44,7 +44,8 @@ MOE_SWEEP = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)
              for n, k, w, s in ((32, 128, 4, 3), (32, 256, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3),
                                 (64, 128, 4, 4), (64, 256, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3),
                                 (16, 256, 2, 4), (16, 512, 4, 3), (32, 256, 4, 4), (32, 512, 4, 3),
-                                (32, 128, 2, 5), (64, 256, 4, 4))]
+                                (32, 128, 2, 5), (64, 256, 4, 4), (32, 128, 4, 4), (32, 64, 4, 4),
+                                (32, 128, 2, 4), (16, 128, 2, 4))]
 
 
 def mla_case(heads: int, batch: int, context: int, q_len: int):
@@ -170,6 +171,7 @@ def main() -> None:
     parser.add_argument("out_dir", help="folder to write bench_mla_moe.json into")
     parser.add_argument("--quick", action="store_true", help="fewer cases, shorter timing, no sweeps")
     parser.add_argument("--moe-sweep", help="only the MoE, swept, at these comma-separated token counts")
+    parser.add_argument("--moe-top-k", type=int, help="experts per token (V2-Lite: 6 routed; 8 with its 2 shared)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_mla_moe.py needs a CUDA device")
@@ -177,6 +179,8 @@ def main() -> None:
 
     rep = 30 if args.quick else 100
     sweep = not args.quick
+    if args.moe_top_k:
+        MOE["top_k"] = args.moe_top_k
     if args.moe_sweep:
         rows = [bench_moe(int(t), rep=rep, sweep=True) for t in args.moe_sweep.split(",")]
         for r in rows:
