@@ -23,6 +23,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
                    help="few-row matmuls on CUDA: auto = time cuBLAS vs the Triton skinny GEMM per shape "
                         "(off by default: no gain measured on the H200)")
     g.add_argument("--num-cpu-threads", type=int, help="torch intra-op threads on CPU")
+    g.add_argument("--warm-up", default="auto", choices=["auto", "on", "off"],
+                   help="dummy requests at start-up so no kernel compiles during serving (auto: on CUDA)")
     g.add_argument("--skip-tokenizer-init", action="store_true", help="token-id prompts only")
     c = parser.add_argument_group("KV cache")
     c.add_argument("--block-size", type=int, default=16)
@@ -82,7 +84,7 @@ def speculative_config_from_args(args: argparse.Namespace) -> dict[str, Any] | N
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     names = [
         "tokenizer", "dtype", "device", "load_format", "max_model_len", "seed", "attention_backend",
-        "enforce_eager", "small_m_gemm", "num_cpu_threads", "skip_tokenizer_init", "block_size", "kv_cache_memory_bytes", "gpu_memory_utilization",
+        "enforce_eager", "small_m_gemm", "warm_up", "num_cpu_threads", "skip_tokenizer_init", "block_size", "kv_cache_memory_bytes", "gpu_memory_utilization",
         "num_kv_blocks", "enable_prefix_caching", "max_num_seqs", "max_num_batched_tokens",
         "enable_chunked_prefill", "async_scheduling",
     ]

@@ -41,8 +41,13 @@ class ModelConfig:
     # matches cuBLAS at M = 1 and auto's start-up timing picked it where graph replays were
     # slower (decode graph 4.73 ms auto vs 4.55 ms off; BENCHMARKS.md).
     small_m_gemm: str = "off"
+    # Run a few dummy requests at start-up so Triton compiles its kernels' shape variants before
+    # the first real request (engine/warm_up.py). auto: on CUDA only.
+    warm_up: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.warm_up not in ("auto", "on", "off"):
+            raise ValueError(f"warm_up must be auto, on or off, got {self.warm_up!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
         if self.load_format not in ("auto", "safetensors", "pt", "dummy"):

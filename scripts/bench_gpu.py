@@ -129,6 +129,7 @@ def llama_baseline(batches):
     out = {"decode": [decode_tok_s(llm, b) for b in batches]}  # one step ahead (async_scheduling)
     out["decode_sync"] = [decode_sync_tok_s(llm, b) for b in (batches[0], batches[-1])]
     out["decode_graph_ms_b1"] = graph_ms(runner, (1, 1))
+    out["warm_up_s"] = llm.engine.warm_up_seconds  # start-up dummy requests (Triton compiles)
     # Wall time per step beyond the graph's GPU time: with the step ahead the host's work hides
     # behind the GPU, without it the GPU waits for the host every step.
     out["host_ms_per_step_b1"] = out["decode"][0]["ms_per_step"] - out["decode_graph_ms_b1"]
@@ -184,6 +185,7 @@ def default_family():
             draft_s = s["draft_time_s"] - before["draft_time_s"]
             target_s = s["target_time_s"] - before["target_time_s"]
             rows[method] = {"tok_s": tokens / seconds, "tokens": tokens, "per_prompt_ms": per_prompt_ms, "warmup_ms": warmup_ms,
+                            "engine_warm_up_s": llm.engine.warm_up_seconds,
                             "draft_time_share": draft_s / (draft_s + target_s),
                             "mean_acceptance_length": None if spec is None else
                             spec_counters(before, s, 3)["mean_acceptance_length"]}

@@ -135,3 +135,12 @@ class BlockManager:
                 self.free_queue[block] = None
         seq.block_ids = []
         self._num_hashed.pop(seq.seq_id, None)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix and the hit statistics (after the start-up warm-up).
+        Only while no sequence holds a block: a held block's hash would be lost."""
+        if self.num_free_blocks != self.num_blocks:
+            raise RuntimeError("reset_prefix_cache needs every KV block free")
+        self.block_hash = [None] * self.num_blocks
+        self.cached.clear()
+        self.prefix_queries = self.prefix_hits = 0

@@ -6,6 +6,7 @@ Synchronous and single-threaded; the server's async front drives it from one loo
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -15,10 +16,13 @@ from foretell.engine.metrics import EngineMetrics
 from foretell.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from foretell.engine.scheduler import Scheduler
 from foretell.engine.sequence import Sequence
+from foretell.engine.warm_up import warm_up
 from foretell.runner.model_runner import ModelRunner
 from foretell.sampling_params import SamplingParams
 from foretell.spec_decode.metrics import SpecDecodeStats
 from foretell.tokenizer import IncrementalDetokenizer, Tokenizer, eos_ids_from_configs
+
+logger = logging.getLogger("foretell")
 
 
 @dataclass
@@ -67,6 +71,11 @@ class Engine:
         )
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
+        mode = config.model.warm_up
+        self.warm_up_seconds = 0.0
+        if mode == "on" or (mode == "auto" and self.runner.device.type == "cuda"):
+            self.warm_up_seconds = warm_up(self)
+            logger.info("warm-up: %.1f s of dummy requests (Triton kernels compiled)", self.warm_up_seconds)
 
     @property
     def max_model_len(self) -> int:

@@ -1,0 +1,62 @@
+"""Start-up warm-up: dummy requests through the whole engine before the first real one.
+
+Triton compiles a kernel variant the first time it meets a new combination of constexpr tiles
+(derived from the query length, the number of tokens, the pairs per expert) and of integer
+arguments' specialisation (1, a multiple of 16, other): 0.1 to 1 s each. CUDA graphs cover decode
+and verify steps, not prefill: on the H200 the first GSM8K prompts of a fresh engine took 1151 and
+295 ms against 56 ms steady (BENCHMARKS.md), compiling inside the first requests. The warm-up
+runs prompts whose lengths cover the tile variants (powers of two and their neighbours, up to the
+chunked-prefill budget), one at a time and then together, each for a few verify or decode steps,
+through the scheduler, runner and drafter exactly as requests run. Afterwards nothing of it
+remains: counters, the prefix cache and the KV blocks are as they were.
+"""
+
+from __future__ import annotations
+
+import time
+
+from foretell.engine.metrics import EngineMetrics
+from foretell.sampling_params import SamplingParams
+
+# Prompt lengths: every power-of-two tile of the query length, both sides of a multiple of 16.
+PROMPT_LENGTHS = (1, 2, 3, 5, 9, 16, 17, 31, 33, 64, 100, 129, 257, 513, 1025, 2049, 4097)
+
+
+def warm_up(engine) -> float:
+    """Run the dummy requests; returns the seconds they took."""
+    start = time.perf_counter()
+    k = engine.config.speculative.num_speculative_tokens if engine.config.speculative else 0
+    longest = min(engine.max_model_len - 2 * (k + 2), engine.config.scheduler.max_num_batched_tokens * 2)
+    lengths = [n for n in PROMPT_LENGTHS if n <= longest]
+    vocab = engine.runner.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=2 * (k + 1) + 2, ignore_eos=True)
+    prompts = {f"warm-up-{n}": [(7 * i + 3) % vocab for i in range(n)] for n in lengths}
+    for request_id, tokens in prompts.items():  # batch 1: each prefill shape, then decode / verify
+        _run(engine, {request_id: tokens}, params)
+    _run(engine, {f"{r}-batched": t for r, t in prompts.items()}, params)  # mixed batches
+    _forget(engine)
+    return time.perf_counter() - start
+
+
+def _run(engine, prompts: dict[str, list[int]], params: SamplingParams) -> None:
+    for request_id, tokens in prompts.items():
+        try:
+            engine.add_request(request_id, {"prompt_token_ids": tokens}, params)
+        except ValueError:  # a small KV cache: skip what does not fit
+            continue
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def _forget(engine) -> None:
+    """Leave no trace: fresh counters, no cached prefixes, no step queued ahead."""
+    runner = engine.runner
+    runner.launched = None
+    runner.ahead_launched = runner.ahead_used = 0
+    engine.scheduler.num_preemptions = 0
+    engine.block_manager.reset_prefix_cache()
+    old = engine.metrics
+    engine.metrics = EngineMetrics(
+        spec=type(old.spec)(old.spec.num_speculative_tokens) if old.spec is not None else None,
+        synthetic_acceptance=old.synthetic_acceptance,
+    )

@@ -1,0 +1,38 @@
+"""The start-up warm-up (engine/warm_up.py): dummy requests of every tile-covering length run
+through the engine, then leave no trace: counters at zero, every KV block free, no cached prefix,
+and the engine's outputs equal those of an engine that did not warm up."""
+
+from __future__ import annotations
+
+import pytest
+
+from foretell import LLM, SamplingParams
+
+PROMPTS = ["The cat reads the book. The dog", "a", "Question: what is 3 plus 7? Answer:"]
+
+
+def outputs(llm: LLM) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("spec", [None, "draft_model"])
+def test_warm_up_leaves_no_trace(qwen3_checkpoint, spec):
+    config = None if spec is None else {"method": spec, "model": qwen3_checkpoint, "num_speculative_tokens": 2}
+    cold = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=64, warm_up="off", speculative_config=config)
+    warm = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=64, warm_up="on", max_num_batched_tokens=64,
+               speculative_config=config)
+    assert cold.engine.warm_up_seconds == 0.0 and warm.engine.warm_up_seconds > 0.0
+    stats = warm.get_stats()
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"] and stats["num_requests_running"] == 0
+    assert stats["prompt_tokens_total"] == stats["generation_tokens_total"] == 0
+    assert stats["prefix_cache_hit_rate"] == 0.0 and not warm.engine.block_manager.cached
+    if spec is not None:
+        assert stats["num_drafts"] == 0
+    assert outputs(warm) == outputs(cold)
+
+
+def test_warm_up_is_off_by_default_on_cpu_and_checks_its_value(qwen3_checkpoint):
+    assert LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=64).engine.warm_up_seconds == 0.0
+    with pytest.raises(ValueError, match="warm_up must be auto, on or off"):
+        LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=64, warm_up="yes")
