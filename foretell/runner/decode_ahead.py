@@ -25,7 +25,9 @@ import torch
 
 from foretell.engine.scheduler import ScheduledSequence
 from foretell.engine.sequence import Sequence
-from foretell.runner.input_batch import InputBatch, cache_slot
+from foretell.layers.sampler import SamplingBatch, row_seed
+from foretell.runner.input_batch import InputBatch, build_decode_batch, cache_slot
+from foretell.runner.sequence_result import SequenceResult
 
 
 @dataclass
@@ -81,9 +83,16 @@ class LaunchedDecode:
         slots = [cache_slot(seq.block_ids, p, block_size) for seq, p in zip(seqs, positions)]
         return cls(seqs, positions, slots, token_ids, HostCopy.queue(token_ids))
 
-    def read(self) -> list[int]:
-        """The step's tokens, waiting for the step itself only (not for steps queued after it)."""
-        return self.copy.read()
+    def finish(self, runner) -> list[SequenceResult]:
+        """Queue the step after this one for the same sequences when it can be, then wait for
+        this step's tokens (only: not for the one just queued) while the GPU runs the next."""
+        block_size = runner.cache_plan.block_size
+        positions = next_positions(self, block_size, runner.max_model_len)
+        if positions is not None:
+            batch = build_decode_batch(self.seqs, positions, self.token_ids, block_size)
+            runner.launched = launch_decode(runner, self.seqs, batch)
+            runner.ahead_launched += 1
+        return [SequenceResult(new_token_ids=[token]) for token in self.copy.read()]
 
     def matches(self, scheduled: list[ScheduledSequence], block_size: int) -> bool:
         """Whether the scheduler's decision is this step: its sequences in order, one sampling row
@@ -96,6 +105,19 @@ class LaunchedDecode:
             if len(seq.block_ids) <= pos // block_size or cache_slot(seq.block_ids, pos, block_size) != slot:
                 return False
         return True
+
+
+def launch_decode(runner, seqs: list[Sequence], batch: InputBatch) -> LaunchedDecode:
+    """Forward and sampling of a plain decode batch; the copy of its tokens to the host is
+    queued, nothing is waited for."""
+    _, _, logits = runner.target_forward(batch)
+    seeds = [
+        None if seq.sampling_params.seed is None else row_seed(seq.sampling_params.seed, seq.index, pos)
+        for seq, pos in zip(seqs, batch.row_positions)
+    ]
+    sampling = SamplingBatch.build([seq.sampling_params for seq in seqs], seeds, runner.vocab_size, runner.device)
+    token_ids = runner.sampler(logits, sampling).token_ids  # [num_seqs] int64
+    return LaunchedDecode.queue(seqs, batch, token_ids)
 
 
 def next_positions(launched: LaunchedDecode, block_size: int, max_model_len: int) -> list[int] | None:

@@ -22,6 +22,7 @@ from foretell.engine.scheduler import ScheduledSequence
 from foretell.engine.sequence import Sequence
 from foretell.runner.decode_ahead import HostCopy
 from foretell.runner.input_batch import build_block_table
+from foretell.runner.sequence_result import SequenceResult
 
 
 @dataclass
@@ -40,9 +41,21 @@ class LaunchedVerify:
     draft_token_ids: list[list[int]]
     accept_limits: list[int | None]
 
-    def results(self) -> list:
-        from foretell.runner.model_runner import SequenceResult
+    def finish(self, runner) -> list[SequenceResult]:
+        """Queue the verify step after this one when it can be (launch_next_verify), then read
+        this one's results; the queued step learns what it verifies from them."""
+        ahead = None
+        max_blocks = runner.graphs.block_table.shape[1]
+        if runner.decode_ahead and can_verify_next(self, runner.cache_plan.block_size, runner.max_model_len, max_blocks):
+            ahead = launch_next_verify(runner, self)
+        results = self.results()
+        if ahead is not None:
+            ahead.expect(self, results)
+            runner.launched = ahead
+            runner.ahead_launched += 1
+        return results
 
+    def results(self) -> list[SequenceResult]:
         n, k = len(self.seqs), self.key[1] - 1
         host = self.copy.read()
         return [

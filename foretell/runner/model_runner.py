@@ -4,28 +4,33 @@ execute(): build the step's tensors once; target forward -> logits of the sampli
 Sampler (no drafts in the step) or RejectionSampler (verify) -> Proposer (catch-up + k drafts)
 -> per-sequence results for the scheduler. The runner never asks which model or which drafter it
 runs: capabilities come from the proposer's typed attributes.
+
+Two fast paths return early: a plain decode batch (decode_ahead.py) and a graphed greedy verify
+(graphed_verify.py). Each queues the step after it on the device before reading its own results
+(async scheduling); the next execute() takes that queued step when the scheduler's batch matches.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from foretell.config import EngineConfig
 from foretell.engine.scheduler import SchedulerOutput
 from foretell.engine.sequence import Logprob
+from foretell.runner.sequence_result import SequenceResult
 from foretell.layers.attention.backend import build_attention_backend
 from foretell.layers.sampler import NoiseSource, Sampler, SamplingBatch, compute_logprobs, row_seed
 from foretell.layers.small_m_dispatch import SmallMGemm, prepare_small_m_linears
 from foretell.models.base import HFConfig, ModelOptions
 from foretell.device_util import to_device
 from foretell.runner.cuda_graph import CudaGraphRunner
-from foretell.runner.decode_ahead import LaunchedDecode, next_positions, plain_decode
-from foretell.runner.graphed_verify import LaunchedVerify, can_verify_next, launch_graphed_verify, launch_next_verify
-from foretell.runner.input_batch import InputBatch, build_decode_batch, build_input_batch
+from foretell.runner.decode_ahead import LaunchedDecode, launch_decode, plain_decode
+from foretell.runner.graphed_verify import LaunchedVerify, launch_graphed_verify
+from foretell.runner.input_batch import InputBatch, build_input_batch
 from foretell.runner.kv_cache import CachePlan, DraftKVCache, KVCache, plan_cache
 from foretell.runner.model_loading import build_model, checkpoint_dtype
 from foretell.spec_decode.draft_graph import DraftGraphRunner
@@ -35,16 +40,6 @@ from foretell.spec_decode.simulated_acceptance import SimulatedAcceptance, rates
 
 CPU_KV_CACHE_BYTES = 256 << 20
 logger = logging.getLogger("foretell")
-
-
-@dataclass
-class SequenceResult:
-    new_token_ids: list[int] = field(default_factory=list)  # accepted drafts + one target token
-    num_accepted: int = 0
-    num_drafts: int = 0
-    logprobs: list[Logprob] = field(default_factory=list)
-    next_drafts: list[int] = field(default_factory=list)
-    prompt_logprobs: list[Logprob] = field(default_factory=list)  # prompt positions this step
 
 
 @dataclass
@@ -223,7 +218,7 @@ class ModelRunner:
             return None
         return draft_graphs
 
-    def _target_forward(self, batch: InputBatch):
+    def target_forward(self, batch: InputBatch):
         """(hidden, aux, logits of the sampling rows): a graph replay when one fits."""
         key = self.graphs.bucket_for(batch) if self.graphs is not None else None
         if key is not None:
@@ -244,17 +239,14 @@ class ModelRunner:
             launched = None
             batch = build_input_batch(sched.scheduled, block_size, self.device)
             if self.decode_ahead and self.proposer is None and plain_decode(sched.scheduled):
-                launched = self._launch_decode([item.seq for item in sched.scheduled], batch)
+                launched = launch_decode(self, [item.seq for item in sched.scheduled], batch)
             elif self._graphed_verify_fits(sched, batch):
                 launched = launch_graphed_verify(self, sched, batch)
-        if launched is not None:
-            if isinstance(launched, LaunchedDecode):
-                results = self._finish_decode(launched)
-            else:
-                results = self._finish_verify(launched)
+        if launched is not None:  # queues the step after it when it can, then reads its results
+            results = launched.finish(self)
             self.last_times = StepTimes(target_s=time.perf_counter() - t0)
             return results
-        hidden, aux, logits = self._target_forward(batch)  # logits [rows, vocab] float32
+        hidden, aux, logits = self.target_forward(batch)  # logits [rows, vocab] float32
         results = [SequenceResult() for _ in sched.scheduled]
         self._prompt_logprobs(sched, batch, hidden, results)
         self._sample(sched, batch, logits, results)
@@ -266,45 +258,6 @@ class ModelRunner:
             if self._device_sync_needed():
                 torch.cuda.synchronize(self.device)
         self.last_times = StepTimes(target_s=t1 - t0, draft_s=time.perf_counter() - t1)
-        return results
-
-    # ---- decoding one step ahead (decode_ahead.py) -----------------------------------------
-    def _launch_decode(self, seqs: list, batch: InputBatch) -> LaunchedDecode:
-        """Forward and sampling of a plain decode batch; the copy of its tokens to the host is
-        queued, nothing is waited for."""
-        _, _, logits = self._target_forward(batch)
-        seeds = [
-            None if seq.sampling_params.seed is None else row_seed(seq.sampling_params.seed, seq.index, pos)
-            for seq, pos in zip(seqs, batch.row_positions)
-        ]
-        sampling = SamplingBatch.build(
-            [seq.sampling_params for seq in seqs], seeds, self.vocab_size, self.device
-        )
-        token_ids = self.sampler(logits, sampling).token_ids  # [num_seqs] int64
-        return LaunchedDecode.queue(seqs, batch, token_ids)
-
-    def _finish_decode(self, launched: LaunchedDecode) -> list[SequenceResult]:
-        """Queue the step after `launched` for the same sequences when it can be, then wait for
-        `launched`'s tokens: the GPU runs the next step while the host handles these."""
-        positions = next_positions(launched, self.cache_plan.block_size, self.max_model_len)
-        if positions is not None:
-            batch = build_decode_batch(launched.seqs, positions, launched.token_ids, self.cache_plan.block_size)
-            self.launched = self._launch_decode(launched.seqs, batch)
-            self.ahead_launched += 1
-        return [SequenceResult(new_token_ids=[token]) for token in launched.read()]
-
-    def _finish_verify(self, launched: LaunchedVerify) -> list[SequenceResult]:
-        """The graphed verify's counterpart of _finish_decode."""
-        block_size = self.cache_plan.block_size
-        ahead = None
-        max_blocks = self.graphs.block_table.shape[1]
-        if self.decode_ahead and can_verify_next(launched, block_size, self.max_model_len, max_blocks):
-            ahead = launch_next_verify(self, launched)
-        results = launched.results()
-        if ahead is not None:
-            ahead.expect(launched, results)
-            self.launched = ahead
-            self.ahead_launched += 1
         return results
 
     def _graphed_verify_fits(self, sched: SchedulerOutput, batch: InputBatch) -> bool:
