@@ -137,3 +137,21 @@ def test_verify_ahead_with_simulated_acceptance(qwen3_checkpoint, eagle3_head):
     assert llm.engine.runner.ahead_used > 0
     stats = llm.get_stats()
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+
+
+def test_verify_ahead_under_preemption(qwen3_checkpoint, eagle3_head):
+    """A cache so small that sequences are preempted between a queued verify step and its use:
+    the queued step is dropped (its KV writes land in freed blocks before their next owner's) and
+    greedy output still equals plain greedy."""
+    prompts = PROMPTS + ["The dog runs and the dog"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=64, max_num_seqs=4)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    spec = {"method": "eagle3", "model": eagle3_head, "num_speculative_tokens": 2}
+    llm = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=26, block_size=4, max_num_seqs=4,
+              attention_backend="triton", async_scheduling="on", speculative_config=spec)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    s = llm.get_stats()
+    assert got == expected
+    assert s["num_preemptions"] > 0 and llm.engine.runner.ahead_used > 0
+    assert s["num_free_kv_blocks"] == s["num_kv_blocks"]
