@@ -221,3 +221,43 @@ def test_a_stalled_consumer_keeps_one_output_per_request():
 
     asyncio.run(run())
 
+
+
+def test_async_scheduling_server_streams_aborts_and_leaks_nothing(qwen3_checkpoint, server_factory):
+    """With async scheduling forced on (the CPU default is off), concurrent greedy and sampled
+    streams of different lengths, and a client hanging up mid-stream while steps are queued
+    ahead: greedy completions equal the offline engine's and every KV block is free after."""
+    from foretell import LLM, SamplingParams
+
+    srv = server_factory(qwen3_checkpoint, async_scheduling="on")
+    assert srv.server.async_engine.engine.runner.decode_ahead
+    prompts = ["The cat", "def add(x):", "Question: what is 2 plus 9?", "x y z"]
+    offline = LLM(qwen3_checkpoint, dtype="float32", **{k: v for k, v in ENGINE_KWARGS.items() if k != "log_stats_interval_s"})
+    expected = [o.outputs[0].text for o in offline.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)]
+
+    async def one(client, i):
+        greedy = i < len(prompts)
+        stream = await client.completions.create(
+            model=MODEL_NAME, prompt=prompts[i % len(prompts)], max_tokens=24 if greedy else 5 + i,
+            temperature=0.0 if greedy else 0.8, stream=True, extra_body={"ignore_eos": True})
+        text, finish = "", None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+                finish = chunk.choices[0].finish_reason or finish
+        return text, finish
+
+    async def run_all():
+        async with openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(12)))
+
+    body = {"model": MODEL_NAME, "prompt": "The dog", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with requests.post(srv.url + "/v1/completions", json=body, stream=True, timeout=30) as response:
+        assert [line for line, _ in zip(response.iter_lines(), range(4)) if line]  # then hang up
+    results = asyncio.run(run_all())
+    assert all(finish == "length" for _, finish in results)
+    assert [text for text, _ in results[: len(prompts)]] == expected
+    stats = wait_until_idle(srv, timeout=10)
+    assert stats["num_requests_running"] == 0 and stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+    assert srv.server.async_engine.engine.runner.ahead_used > 0  # steps were taken from the queue
