@@ -55,7 +55,12 @@ class HostCopy:
 
 
 def plain_decode(scheduled: list[ScheduledSequence]) -> bool:
-    """Every sequence feeds one row, samples, carries no drafts and asks for no logprobs."""
+    """Every sequence feeds one row, samples, carries no drafts and asks for no logprobs.
+
+    A queued step samples before the host has appended the previous token, which is exact
+    because sampling reads only the row's parameters and position (seeds), never the tokens
+    generated so far: a sampling option that did (repetition penalties, min_tokens) would have to
+    keep its requests out of this path."""
     return all(
         item.num_new_tokens == 1
         and item.samples
