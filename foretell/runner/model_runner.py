@@ -20,10 +20,9 @@ import torch
 
 from foretell.config import EngineConfig
 from foretell.engine.scheduler import SchedulerOutput
-from foretell.engine.sequence import Logprob
 from foretell.runner.sequence_result import SequenceResult
 from foretell.layers.attention.backend import build_attention_backend
-from foretell.layers.sampler import NoiseSource, Sampler, SamplingBatch, compute_logprobs, row_seed
+from foretell.layers.sampler import NoiseSource, Sampler, SamplingBatch, row_seed
 from foretell.layers.small_m_dispatch import SmallMGemm, prepare_small_m_linears
 from foretell.models.base import HFConfig, ModelOptions
 from foretell.device_util import to_device
@@ -31,6 +30,7 @@ from foretell.runner.cuda_graph import CudaGraphRunner
 from foretell.runner.decode_ahead import LaunchedDecode, launch_decode, plain_decode
 from foretell.runner.graphed_verify import LaunchedVerify, launch_graphed_verify
 from foretell.runner.input_batch import InputBatch, build_input_batch
+from foretell.runner.logprobs import add_logprobs, add_prompt_logprobs
 from foretell.runner.kv_cache import CachePlan, DraftKVCache, KVCache, plan_cache
 from foretell.runner.model_loading import build_model, checkpoint_dtype
 from foretell.spec_decode.draft_graph import DraftGraphRunner
@@ -248,7 +248,7 @@ class ModelRunner:
             return results
         hidden, aux, logits = self.target_forward(batch)  # logits [rows, vocab] float32
         results = [SequenceResult() for _ in sched.scheduled]
-        self._prompt_logprobs(sched, batch, hidden, results)
+        add_prompt_logprobs(self.model, sched, batch, hidden, results)
         self._sample(sched, batch, logits, results)
         if self._device_sync_needed():
             torch.cuda.synchronize(self.device)
@@ -321,56 +321,13 @@ class ModelRunner:
             results[i].num_accepted = a
             results[i].num_drafts = sched.scheduled[i].num_usable_drafts
         if sampling.max_num_logprobs >= 0:
-            self._attach_logprobs(logits, chosen_rows, chosen_tokens, sampling, batch, sched, results)
-
-    def _prompt_logprobs(self, sched, batch: InputBatch, hidden, results) -> None:
-        """Log-probs of the prompt tokens this step's prefill rows predict (for requests that ask;
-        positions already recorded before a preemption are not recorded twice)."""
-        rows, targets, owners = [], [], []
-        for i, item in enumerate(sched.scheduled):
-            seq = item.seq
-            if seq.sampling_params.prompt_logprobs is None:
-                continue
-            start = seq.num_computed_tokens
-            for r in range(item.num_new_tokens - len(item.draft_token_ids)):
-                position = start + r  # its row predicts prompt token position + 1
-                if position + 1 >= seq.num_prompt_tokens:
-                    break
-                if position >= len(seq.prompt_logprobs):
-                    rows.append(batch.query_start[i] + r)
-                    targets.append(seq.prompt_token_ids[position + 1])
-                    owners.append(i)
-        if not rows:
-            return
-        logits = self.model.compute_logits(hidden[to_device(rows, torch.int64, self.device)])
-        num_top = max(sched.scheduled[i].seq.sampling_params.prompt_logprobs for i in set(owners))
-        chosen, top_vals, top_ids = compute_logprobs(
-            logits, to_device(targets, torch.int64, self.device), num_top
-        )
-        chosen, top_vals, top_ids = chosen.tolist(), top_vals.tolist(), top_ids.tolist()
-        for j, (i, token) in enumerate(zip(owners, targets)):
-            want = sched.scheduled[i].seq.sampling_params.prompt_logprobs
-            top = dict(zip(top_ids[j][:want], top_vals[j][:want]))
-            results[i].prompt_logprobs.append(Logprob(token, chosen[j], top))
+            add_logprobs(logits, chosen_rows, chosen_tokens, sampling, batch, sched, results)
 
     def _pop_draft_probs(self, item) -> torch.Tensor | None:
         probs = self.draft_probs.pop(item.seq.seq_id, None)
         if probs is None or item.seq.sampling_params.greedy:
             return None
         return probs[: len(item.draft_token_ids)]
-
-    def _attach_logprobs(self, logits, rows, tokens, sampling, batch, sched, results) -> None:
-        picked = logits if rows is None else logits[rows]
-        chosen, top_vals, top_ids = compute_logprobs(picked, tokens, sampling.max_num_logprobs)
-        chosen, top_vals, top_ids = chosen.tolist(), top_vals.tolist(), top_ids.tolist()
-        flat = 0
-        for i in batch.sampling_seq_index:
-            want = sched.scheduled[i].seq.sampling_params.logprobs
-            for token in results[i].new_token_ids:
-                if want is not None:
-                    top = dict(zip(top_ids[flat][:want], top_vals[flat][:want]))
-                    results[i].logprobs.append(Logprob(token, chosen[flat], top))
-                flat += 1
 
     def _propose(self, sched, batch: InputBatch, hidden, aux, results) -> None:
         rows, starts, valid, nexts, histories = [], [], [], [], []
