@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from foretell.layers.attention.metadata import AttentionMetadata
+from foretell.layers.sampler import argmax_rows
 from foretell.runner.cuda_graph import CudaGraphRunner
 from foretell.spec_decode.draft_loop import DraftLoopProposer
 
@@ -107,7 +108,7 @@ class DraftGraphRunner:
         hidden = t.graphs[(bucket, q)].hidden[:rows]
         last = seq_ids * n + a + 1 - self.shift  # the row that sees x: it drafts token 1
         logits, state = p.padded_catch_up(fed.flatten(), positions, meta, hidden, aux, last)
-        drafts = [p.to_target_ids(logits.argmax(dim=-1))]
+        drafts = [p.to_target_ids(argmax_rows(logits))]
         for j in range(1, k):
             # Draft j sits at position p0 + a + 1 + j; its row is row_offset from there.
             row_pos = p0 + a + 1 + j - self.shift
@@ -117,7 +118,7 @@ class DraftGraphRunner:
                 t.block_size, p.draft_block_size, 1, t.max_model_len,
             )
             logits, state = p.chain_step(drafts[-1], row_pos, meta, state)
-            drafts.append(p.to_target_ids(logits.argmax(dim=-1)))
+            drafts.append(p.to_target_ids(argmax_rows(logits)))
         return torch.stack(drafts, dim=1)  # [bucket, k]
 
     @torch.inference_mode()

@@ -15,7 +15,14 @@ from typing import Any
 import torch
 
 from foretell.device_util import to_device
-from foretell.layers.sampler import NoiseSource, SamplingBatch, processed_probs, row_seed, sample_from_probs
+from foretell.layers.sampler import (
+    NoiseSource,
+    SamplingBatch,
+    argmax_rows,
+    processed_probs,
+    row_seed,
+    sample_from_probs,
+)
 from foretell.spec_decode.proposer import DraftBatch, Proposal, Proposer, catch_up_metadata
 
 DRAFT_SEED_SALT = 0x2545F4914F6CDD1D
@@ -126,7 +133,7 @@ class DraftLoopProposer(Proposer):
         ]
         sb = SamplingBatch.build(params, seeds, logits.shape[-1], self.device)
         if sb.all_greedy:
-            return self.to_target_ids(logits.argmax(dim=-1)), None
+            return self.to_target_ids(argmax_rows(logits)), None
         q = processed_probs(logits, sb)  # [n, draft_vocab]
         draft_ids = sample_from_probs(q, self.noise.exponential(seeds, q.shape[-1]))
         return self.to_target_ids(draft_ids), self.to_target_probs(q)

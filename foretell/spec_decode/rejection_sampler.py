@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from foretell.device_util import to_device
-from foretell.layers.sampler import NoiseSource, SamplingBatch, processed_probs, sample_from_probs
+from foretell.layers.sampler import NoiseSource, SamplingBatch, argmax_rows, processed_probs, sample_from_probs
 
 
 @dataclass
@@ -58,7 +58,7 @@ class RejectionSampler:
         valid = torch.arange(max_k, device=device)[None, :] < to_device(lengths, torch.int64, device)[:, None]
 
         if batch.all_greedy:
-            target = logits.argmax(dim=-1)[row_index]  # [num_seqs, max_k + 1]
+            target = argmax_rows(logits)[row_index]  # [num_seqs, max_k + 1]
             accept = (target[:, :max_k] == drafts) & valid
             final_choice = target
         else:
@@ -93,7 +93,7 @@ class RejectionSampler:
             final_choice = sampled.view(num_seqs, max_k + 1)
             if batch.any_greedy:
                 greedy_seq = batch.greedy_rows[row_index[:, 0]]
-                target = logits.argmax(dim=-1)[row_index]
+                target = argmax_rows(logits)[row_index]
                 greedy_accept = (target[:, :max_k] == drafts) & valid
                 accept = torch.where(greedy_seq[:, None], greedy_accept, accept)
                 final_choice = torch.where(greedy_seq[:, None], target, final_choice)

@@ -1,0 +1,67 @@
+"""The chunked Triton argmax (layers/argmax_triton.py) against torch.argmax, in Triton's
+interpreter on CPU tensors (the real kernels on a CUDA machine): vocabularies of one chunk, several
+chunks and a ragged last chunk; ties inside a chunk and across chunks (the first column wins, as
+torch's); -inf and NaN entries; strided rows; bad input.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from fixtures.seeds import reports_seed
+from fixtures.triton_interpreter import HAS_CUDA, import_interpreted, interpreter_mode  # noqa: F401
+from foretell.layers.sampler import argmax_rows
+
+DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+kernels = import_interpreted("foretell.layers.argmax_triton")
+CHUNK = kernels.CHUNK
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows,vocab", [(1, 100), (3, CHUNK), (2, 2 * CHUNK + 37), (5, 3 * CHUNK)])
+def test_argmax_matches_torch(rows, vocab, dtype):
+    seed = random.randrange(2**31)
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=gen).to(dtype)
+    with reports_seed(seed):
+        torch.testing.assert_close(kernels.argmax_triton(logits.to(DEVICE)).cpu(), logits.argmax(dim=-1))
+
+
+def test_ties_take_the_first_column_within_and_across_chunks():
+    vocab = 3 * CHUNK + 5
+    logits = torch.full((4, vocab), -1.0)
+    logits[0, [7, 9]] = 2.0  # a tie inside chunk 0
+    logits[1, [CHUNK + 3, 2 * CHUNK + 1, 3 * CHUNK + 4]] = 5.0  # ties across chunks
+    logits[2, :] = float("-inf")  # nothing but -inf: column 0, as torch
+    logits[3, [10, CHUNK + 1]] = float("inf")
+    got = kernels.argmax_triton(logits.to(DEVICE)).cpu()
+    assert got.tolist() == [7, CHUNK + 3, 0, 10]
+    assert got.tolist() == logits.argmax(dim=-1).tolist()
+
+
+def test_nan_counts_as_the_maximum():
+    logits = torch.randn(2, 2 * CHUNK)
+    logits[0, CHUNK + 11] = float("nan")
+    logits[1, 3] = float("nan")
+    assert kernels.argmax_triton(logits.to(DEVICE)).cpu().tolist() == [CHUNK + 11, 3]
+
+
+def test_strided_rows_and_empty_batch():
+    base = torch.randn(3, 2 * CHUNK + 8)
+    rows = base[:, 4 : 4 + CHUNK + 100]  # row stride != vocab
+    assert kernels.argmax_triton(rows.to(DEVICE)).cpu().tolist() == rows.argmax(dim=-1).tolist()
+    assert kernels.argmax_triton(torch.empty(0, 10, device=DEVICE)).shape == (0,)
+
+
+@pytest.mark.parametrize("bad", [torch.randn(10), torch.randn(2, 0), torch.randn(4, 3).t()])
+def test_bad_input_is_refused(bad):
+    with pytest.raises(ValueError, match="unit last stride"):
+        kernels.argmax_triton(bad.to(DEVICE))
+
+
+def test_argmax_rows_dispatch_keeps_torch_semantics_on_cpu():
+    logits = torch.randn(3, 20000)
+    assert argmax_rows(logits).tolist() == logits.argmax(dim=-1).tolist()
