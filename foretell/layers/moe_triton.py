@@ -1,5 +1,8 @@
 """Fused MoE on the GPU: the routed (token, expert) pairs grouped by expert into blocks of
 BLOCK_M rows, then two grouped GEMM kernels that read only the selected experts' weights.
+`fused_experts_triton` is the entry point of both paths: up to GEMV_MAX_TOKENS tokens (decode,
+verify) it runs the GEMV path of moe_gemv_triton.py instead (no align, no combine launch; same
+contract, same rounding, same slot order in the float32 sum); `path` forces one or the other.
 
 Twin: `experts_forward_torch` in moe.py (same inputs, same float32 output, the same points of
 rounding to the model dtype); `moe_align_torch` here is the twin of the align kernel.
@@ -29,7 +32,14 @@ import torch
 import triton
 import triton.language as tl
 
+from foretell.layers.moe_gemv_triton import (
+    GEMV_MAX_TOKENS,
+    check_expert_inputs,
+    launch_gemv_experts,
+)
+
 ALIGN_KERNEL_MAX_PAIRS = 16384
+PATHS = ("gemv", "grouped")
 
 
 @triton.jit
@@ -261,22 +271,25 @@ def fused_experts_triton(
     down: torch.Tensor,  # [E, hidden, I]
     weights: torch.Tensor,  # [num_tokens, top_k] float32
     ids: torch.Tensor,  # [num_tokens, top_k] int
-    config: dict | None = None,  # overrides of moe_launch_config (benchmarks sweep these)
-    align_kernel: bool | None = None,  # None: by size (ALIGN_KERNEL_MAX_PAIRS); tests force it
+    config: dict | None = None,  # launch config overrides of the path that runs (benchmarks sweep these)
+    align_kernel: bool | None = None,  # grouped path: None by size (ALIGN_KERNEL_MAX_PAIRS); tests force it
     shared: torch.Tensor | None = None,  # [num_tokens, hidden]: added (the shared experts' output)
     out_dtype: torch.dtype = torch.float32,
+    path: str | None = None,  # "gemv" / "grouped"; None: gemv up to GEMV_MAX_TOKENS tokens
 ) -> torch.Tensor:  # [num_tokens, hidden] out_dtype: the top_k experts' sum (+ shared)
-    num_tokens, top_k = ids.shape
-    num_experts, two_inter, hidden_size = gate_up.shape
-    inter = two_inter // 2
-    if down.shape != (num_experts, hidden_size, inter) or hidden.shape[-1] != hidden_size:
-        raise ValueError(
-            f"experts do not fit: hidden {tuple(hidden.shape)}, gate_up {tuple(gate_up.shape)}, "
-            f"down {tuple(down.shape)}"
-        )
-    if shared is not None and (shared.shape != (num_tokens, hidden_size) or shared.stride(-1) != 1):
-        raise ValueError(f"shared must be [{num_tokens}, {hidden_size}] with a unit last stride, "
-                         f"got {tuple(shared.shape)} stride {shared.stride()}")
+    """The top_k experts of every token, weighted and summed in float32 (+ shared), cast once.
+    `config` overrides moe_launch_config (grouped) or gemv_launch_config (gemv). Forcing
+    `align_kernel` asks for the grouped path (with path None it selects it)."""
+    num_tokens, top_k, hidden_size, inter = check_expert_inputs(hidden, gate_up, down, weights, ids, shared)
+    if path is None:
+        path = "gemv" if align_kernel is None and num_tokens <= GEMV_MAX_TOKENS else "grouped"
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS} or None, got {path!r}")
+    if path == "gemv":
+        if align_kernel is not None:
+            raise ValueError("align_kernel applies to the grouped path only; got it with path='gemv'")
+        return launch_gemv_experts(hidden, gate_up, down, weights, ids, shared, out_dtype, config)
+    num_experts = gate_up.shape[0]
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         out = torch.zeros(num_tokens, hidden_size, dtype=torch.float32, device=hidden.device)
