@@ -290,6 +290,20 @@ def deepseek_v2_lite(bandwidth_bytes_s: float):
     return out
 
 
+@section("deepseek_small_m")
+def deepseek_small_m():
+    """V2-Lite at batch 1 with the skinny Triton GEMM for its few-row linears (small_m_gemm on
+    and auto) against the default cuBLAS: its attention projections are small (8-15 MB), where
+    cuBLAS reads far below the bandwidth."""
+    out = {}
+    for mode in ("on", "auto"):
+        llm = make_llm(v2_lite_folder(False), small_m_gemm=mode, max_num_seqs=4)
+        out[mode] = {"decode_graph_ms_b1": graph_ms(llm.engine.runner, (1, 1)), "decode": decode_tok_s(llm, 1, new_tokens=64)}
+        free(llm)
+        del llm
+    return out
+
+
 @section("bf16_agreement")
 def bf16_agreement():
     from fixtures.checkpoints import write_qwen3, write_tokenizer
@@ -330,7 +344,7 @@ def main() -> None:
     sections = {"llama_baseline": lambda: llama_baseline(batches), "llama_eagle3": lambda: llama_eagle3(batches),
                 "llama_small_m_off": llama_small_m_off, "default_family": default_family,
                 "bf16_agreement": bf16_agreement, "llama_eager_b1": llama_eager,
-                "deepseek_v2_lite": lambda: deepseek_v2_lite(args.bandwidth)}
+                "deepseek_v2_lite": lambda: deepseek_v2_lite(args.bandwidth), "deepseek_small_m": deepseek_small_m}
     chosen = args.only.split(",") if args.only else list(sections)
     unknown = set(chosen) - set(sections)
     if unknown:

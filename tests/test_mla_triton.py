@@ -100,7 +100,7 @@ def reference_o_lat(batch: LatentBatch, cache: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def check(batch: LatentBatch, dtype, seed, num_splits=None, config=None):
+def check(batch: LatentBatch, dtype, seed, num_splits=None, config=None, min_split_tokens=128):
     md = batch.metadata
     cache_ref = batch.cache.clone()
     TorchMLABackend().write_kv(batch.latent, batch.k_pe, cache_ref, md.slot_mapping)
@@ -113,6 +113,7 @@ def check(batch: LatentBatch, dtype, seed, num_splits=None, config=None):
     returned = mla_triton.mla_attention_triton(
         batch.q_lat, batch.q_pe, cache, md.block_table, md.seq_lens, md.query_start_loc,
         md.max_query_len, batch.scale, out, num_splits=num_splits, config=config,
+        min_split_tokens=min_split_tokens,
     )
     assert returned is out
     assert not out.isnan().any(), f"rows left unwritten or NaN read (seed {seed})"
@@ -135,10 +136,12 @@ def test_head_counts_and_widths(num_heads, rank, rope, block_size):
           torch.float16, seed)
 
 
+@pytest.mark.parametrize("min_split_tokens", [1, 128])  # every split used / short contexts unsplit
 @pytest.mark.parametrize("num_splits", [2, 3, 8, 32])
-def test_split_context_matches_torch(num_splits):
+def test_split_context_matches_torch(num_splits, min_split_tokens):
     seed = _seed()
-    check(LatentBatch(LONG, 4, 32, 8, 16, torch.float16, seed), torch.float16, seed, num_splits=num_splits)
+    check(LatentBatch(LONG, 4, 32, 8, 16, torch.float16, seed), torch.float16, seed, num_splits=num_splits,
+          min_split_tokens=min_split_tokens)
 
 
 def test_wide_row_blocks():
@@ -228,13 +231,13 @@ def test_deepseek_triton_backend_matches_torch(checkpoint_root, tokenizer_dir, m
 
 def test_v2_lite_every_fused_kernel_matches_torch(checkpoint_root, tokenizer_dir, monkeypatch):
     """Tiny DeepSeek-V2-Lite (ungrouped softmax routing, interleaved RoPE) greedy with every GPU
-    kernel forced on: Triton MLA, fused norm / gptj RoPE / SiLU, the routing kernel and the fused
-    experts; tokens equal the all-torch path's."""
+    kernel forced on: Triton MLA (its fused latent write with gptj RoPE), fused norm / SiLU, the
+    routing kernel and the fused experts; tokens equal the all-torch path's."""
     from fixtures import deepseek as ds
 
     from foretell.layers import kernel_dispatch, moe
 
-    fused = import_interpreted("foretell.layers.fused_kernels")
+    import_interpreted("foretell.layers.fused_kernels")
     router = import_interpreted("foretell.layers.moe_router_triton")
     import_interpreted("foretell.layers.moe_triton")
     folder = ds.checkpoint(checkpoint_root, tokenizer_dir, "v2_lite")
@@ -242,8 +245,11 @@ def test_v2_lite_every_fused_kernel_matches_torch(checkpoint_root, tokenizer_dir
     monkeypatch.setattr(kernel_dispatch, "use_triton", lambda *tensors: True)
     monkeypatch.setattr(moe, "use_triton", lambda *tensors: True)
     rope_styles, routed = [], []
-    rope, select = fused.rope_triton, router.select_experts_triton
-    monkeypatch.setattr(fused, "rope_triton", lambda *a, **kw: rope_styles.append(kw["style"]) or rope(*a, **kw))
+    write, select = mla_triton.latent_write_triton, router.select_experts_triton
+    # RoPE runs inside the fused MLA kernels: the latent write rotates k_pe with the layer's style.
+    monkeypatch.setattr(mla_triton, "latent_write_triton",
+                        lambda kv_a, positions, norm, rotary, *a: rope_styles.append(rotary.style)
+                        or write(kv_a, positions, norm, rotary, *a))
     monkeypatch.setattr(router, "select_experts_triton", lambda *a: routed.append(1) or select(*a))
     _, got = _greedy(folder, attention_backend="triton")
     assert got == want

@@ -105,7 +105,7 @@ class Batch:
         self.scale = head_dim**-0.5
 
 
-def _check_attention(batch: Batch, dtype, seed, num_splits=None):
+def _check_attention(batch: Batch, dtype, seed, num_splits=None, min_split_tokens=128):
     md = batch.metadata
     cache_ref = batch.cache.clone()
     write_kv_torch(batch.key, batch.value, cache_ref, md.slot_mapping)
@@ -118,7 +118,7 @@ def _check_attention(batch: Batch, dtype, seed, num_splits=None):
     out = torch.full_like(batch.query, float("nan"))
     returned = kernels.paged_attention_triton(
         batch.query, cache, md.block_table, md.seq_lens, md.query_start_loc,
-        md.max_query_len, batch.scale, out, num_splits=num_splits,
+        md.max_query_len, batch.scale, out, num_splits=num_splits, min_split_tokens=min_split_tokens,
     )
     assert returned is out
     assert not out.isnan().any(), f"rows left unwritten or NaN read (seed {seed})"
@@ -137,14 +137,15 @@ def test_attention_matches_torch(kind, group, block_size, dtype):
     _check_attention(batch, dtype, seed)
 
 
+@pytest.mark.parametrize("min_split_tokens", [1, 128])  # every split used / short contexts unsplit
 @pytest.mark.parametrize("num_splits", [2, 3, 8, 32])
 @pytest.mark.parametrize("kind", ["decode", "verify", "mixed"])
-def test_split_context_matches_torch(kind, num_splits):
+def test_split_context_matches_torch(kind, num_splits, min_split_tokens):
     seed = _new_seed()
     specs = LONG_BATCHES.get(kind, BATCHES[kind])
     batch = Batch(specs, num_kv_heads=2, group=4, head_dim=64, block_size=16,
                   dtype=torch.float16, seed=seed)
-    _check_attention(batch, torch.float16, seed, num_splits=num_splits)
+    _check_attention(batch, torch.float16, seed, num_splits=num_splits, min_split_tokens=min_split_tokens)
 
 
 @pytest.mark.parametrize(

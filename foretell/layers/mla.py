@@ -20,6 +20,10 @@ m(mscale_all_dim)^2 when scaled.
 
 `MLA_BACKENDS` maps attention backend names to MLA backends: "triton" is TritonMLABackend
 (mla_triton.py, imported only when asked for), which this torch backend is the reference for.
+A backend's `attend_projections` takes the layer's raw projections (q per head, the kv_a slice of
+fused_qkv_a_proj) and does everything between them and o_proj: kv_a_layernorm, RoPE, the cache
+write, attention. Here that composes the modules' own ops; the Triton backend fuses them
+(mla_fused_triton.py).
 """
 
 from __future__ import annotations
@@ -73,9 +77,59 @@ class MLADims:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
 
+def projection_widths(
+    q: torch.Tensor,  # [num_tokens, num_heads, qk_nope + qk_rope]
+    kv_a: torch.Tensor,  # [num_tokens, kv_lora_rank + qk_rope]
+    rotary_emb: RotaryEmbedding,
+    kv_a_layernorm: RMSNorm,
+    kv_b_weight: torch.Tensor,  # [num_heads * (qk_nope + v), kv_lora_rank]
+    kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_lora_rank + qk_rope]
+    v_head_dim: int,
+) -> tuple[int, int, int]:
+    """(qk_nope_head_dim, kv_lora_rank, qk_rope_head_dim) of an MLA layer's inputs, checked
+    against each other; ValueError naming the tensor that does not fit."""
+    rank, rope = kv_a_layernorm.hidden_size, rotary_emb.rotary_dim
+    if q.dim() != 3 or q.shape[-1] <= rope:
+        raise ValueError(f"q must be [num_tokens, num_heads, qk_nope + {rope}], got {list(q.shape)}")
+    num_tokens, num_heads, qk_head_dim = q.shape
+    nope = qk_head_dim - rope
+    if kv_a.dim() != 2 or tuple(kv_a.shape) != (num_tokens, rank + rope):
+        raise ValueError(f"kv_a must be [{num_tokens}, {rank + rope}] (kv_lora_rank + qk_rope_head_dim), "
+                         f"got {list(kv_a.shape)}")
+    if tuple(kv_b_weight.shape) != (num_heads * (nope + v_head_dim), rank):
+        raise ValueError(f"kv_b_proj.weight must be [{num_heads * (nope + v_head_dim)}, {rank}] "
+                         f"(heads * (qk_nope + v), kv_lora_rank), got {list(kv_b_weight.shape)}")
+    if kv_cache.dim() != 3 or kv_cache.shape[-1] != rank + rope:
+        raise ValueError(f"the MLA cache must be [num_blocks, block_size, {rank + rope}], got "
+                         f"{list(kv_cache.shape)}")
+    return nope, rank, rope
+
+
 class TorchMLABackend:
     graph_safe = False  # loops over the host copies of the lengths
     name = "torch"
+
+    def attend_projections(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, qk_nope + qk_rope], may be a strided view
+        kv_a: torch.Tensor,  # [num_tokens, kv_lora_rank + qk_rope], may be a strided view
+        positions: torch.Tensor,  # [num_tokens]
+        rotary_emb: RotaryEmbedding,
+        kv_a_layernorm: RMSNorm,
+        kv_b_weight: torch.Tensor,  # [num_heads * (qk_nope + v), kv_lora_rank]
+        kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_lora_rank + qk_rope]
+        metadata: AttentionMetadata,
+        scale: float,
+        v_head_dim: int,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, v_head_dim]
+        """Norm the latent, rotate q_pe / k_pe, write the cache, attend: the reference path."""
+        nope, rank, rope = projection_widths(q, kv_a, rotary_emb, kv_a_layernorm, kv_b_weight, kv_cache, v_head_dim)
+        q_nope, q_pe = q.split([nope, rope], dim=-1)
+        latent, k_pe = kv_a.split([rank, rope], dim=-1)
+        latent, _ = kv_a_layernorm(latent)
+        q_pe, k_pe = rotary_emb(positions, q_pe, k_pe.unsqueeze(1))
+        self.write_kv(latent, k_pe.squeeze(1), kv_cache, metadata.slot_mapping)
+        return self.attend(q_nope, q_pe, kv_b_weight, kv_cache, metadata, scale, v_head_dim)
 
     def write_kv(
         self,
@@ -173,12 +227,21 @@ class LatentAttention(nn.Module):
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         self.kv_cache = kv_cache
 
-    def forward(self, q_nope, q_pe, latent, k_pe, kv_b_weight, metadata: AttentionMetadata):
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, qk_nope + qk_rope]
+        kv_a: torch.Tensor,  # [num_tokens, kv_lora_rank + qk_rope]
+        positions: torch.Tensor,  # [num_tokens]
+        rotary_emb: RotaryEmbedding,
+        kv_a_layernorm: RMSNorm,
+        kv_b_weight: torch.Tensor,  # [num_heads * (qk_nope + v), kv_lora_rank]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, v_head_dim]
         if self.kv_cache is None:
             raise RuntimeError("MLA layer has no KV cache bound; the runner must bind one")
-        self.backend.write_kv(latent, k_pe, self.kv_cache, metadata.slot_mapping)
-        return self.backend.attend(
-            q_nope, q_pe, kv_b_weight, self.kv_cache, metadata, self.scale, self.v_head_dim
+        return self.backend.attend_projections(
+            q, kv_a, positions, rotary_emb, kv_a_layernorm, kv_b_weight, self.kv_cache, metadata,
+            self.scale, self.v_head_dim,
         )
 
     def extra_repr(self) -> str:
@@ -240,10 +303,8 @@ class MLAAttention(nn.Module):
         if d.q_lora_rank:
             q_latent, _ = self.q_a_layernorm(q)
             q = self.q_b_proj(q_latent)
-        q = q.view(num_tokens, d.num_heads, d.qk_head_dim)
-        q_nope, q_pe = q.split([d.qk_nope_head_dim, d.qk_rope_head_dim], dim=-1)
-        latent, k_pe = kv_a.split([d.kv_lora_rank, d.qk_rope_head_dim], dim=-1)
-        latent, _ = self.kv_a_layernorm(latent)
-        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe.unsqueeze(1))
-        out = self.attn(q_nope, q_pe, latent, k_pe.squeeze(1), self.kv_b_proj.weight, metadata)
+        q = q.view(num_tokens, d.num_heads, d.qk_head_dim)  # a strided view without a q LoRA
+        out = self.attn(
+            q, kv_a, positions, self.rotary_emb, self.kv_a_layernorm, self.kv_b_proj.weight, metadata
+        )  # [num_tokens, num_heads, v_head_dim]
         return self.o_proj(out.reshape(num_tokens, d.num_heads * d.v_head_dim))

@@ -16,7 +16,8 @@ and context seq_len sits at seq_len - q_len + j.
 Sequences are found without a host sync, as in the GQA kernel (attention/triton_kernels.py):
 sequence i gets floor(qsl[i+1]/BLOCK_Q) - floor(qsl[i]/BLOCK_Q) + 1 query blocks, found by
 binary search over query_start_loc; surplus blocks return. Decode and verify with few programs
-split the context (flash-decoding) and merge the partial results in a second kernel. Grids
+split a long context (flash-decoding; the last program of a query block merges the pieces, see
+attention/triton_varlen.py). Grids
 depend only on shapes and max_query_len, so every launch can be captured in a CUDA graph.
 The same kernel serves prefill chunks (any query length), so the backend never reads host
 lengths. Rows of the output past query_start_loc[-1] are left untouched.
@@ -30,17 +31,25 @@ import triton.language as tl
 
 from foretell.layers.attention.metadata import AttentionMetadata
 from foretell.layers.attention.triton_kernels import (
+    MIN_SPLIT_TOKENS,
     _choose_num_splits,
     _unit_last_stride,
 )
 from foretell.layers.attention.triton_varlen import (
     locate_query_block,
     online_softmax_step,
-    split_statistics,
+    split_counters,
     split_tile_range,
     store_attention,
 )
-from foretell.layers.mla import TorchMLABackend, split_kv_b
+from foretell.layers.mla import TorchMLABackend, projection_widths, split_kv_b
+from foretell.layers.mla_fused_triton import (
+    absorb_query_triton,
+    latent_write_triton,
+    project_values_triton,
+)
+from foretell.layers.norm import RMSNorm
+from foretell.layers.rotary import RotaryEmbedding
 
 _LOG2E = 1.4426950408889634
 
@@ -104,6 +113,7 @@ def _mla_attention_kernel(
     part_acc_ptr,  # [num_tokens, num_heads, num_splits, rank] fp32 (used when split)
     part_max_ptr,  # [num_tokens, num_heads, num_splits] fp32, base-2 running max
     part_sum_ptr,  # [num_tokens, num_heads, num_splits] fp32
+    counters_ptr,  # [num_q_blocks * head_blocks] int32, zero (used when split)
     block_table_ptr,  # [num_seqs, max_blocks] int32
     seq_lens_ptr,  # [num_seqs] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
@@ -129,6 +139,7 @@ def _mla_attention_kernel(
     BLOCK_SIZE: tl.constexpr,  # cache block size
     TILE_N: tl.constexpr,  # context tokens per inner step
     SPLIT: tl.constexpr,
+    MIN_TILES: tl.constexpr,  # fewest tiles per split
     DOT_PRECISION: tl.constexpr,
 ):
     q_block = tl.program_id(0)
@@ -152,6 +163,11 @@ def _mla_attention_kernel(
     r_valid = r < RANK
     p = tl.arange(0, ROPE_P)
     p_valid = p < ROPE
+    kv_end, tile_lo, tile_hi, active = split_tile_range(
+        prefix_len, q_len, local_block, split, num_splits, BLOCK_Q, TILE_N, MIN_TILES
+    )
+    if split >= active:
+        return
 
     q_lat = tl.load(
         q_lat_ptr + token_index[:, None] * stride_lat_token + head[:, None] * stride_lat_head + r[None, :],
@@ -161,8 +177,6 @@ def _mla_attention_kernel(
         q_pe_ptr + token_index[:, None] * stride_pe_token + head[:, None] * stride_pe_head + p[None, :],
         mask=row_valid[:, None] & p_valid[None, :], other=0.0,
     ).to(cache_ptr.dtype.element_ty)
-
-    kv_end, tile_lo, tile_hi = split_tile_range(prefix_len, q_len, local_block, split, num_splits, BLOCK_Q, TILE_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -192,49 +206,12 @@ def _mla_attention_kernel(
         prob, alpha, m_i, l_i = online_softmax_step(scores, m_i, l_i)
         acc = acc * alpha[:, None] + tl.dot(prob.to(latent.dtype), latent, input_precision=DOT_PRECISION)
 
-    part_row = (token_index * NUM_HEADS + head) * num_splits + split
+    part_base = (token_index * NUM_HEADS + head) * num_splits
     out_offsets = token_index[:, None] * stride_out_token + head[:, None] * stride_out_head + r[None, :]
-    store_attention(acc, m_i, l_i, row_valid, row_valid[:, None] & r_valid[None, :], part_row, r,
-                    out_ptr, out_offsets, part_acc_ptr, part_max_ptr, part_sum_ptr, RANK, SPLIT)
-
-
-@triton.jit
-def _merge_splits_kernel(
-    out_ptr,  # [num_tokens, num_heads, rank]
-    part_acc_ptr,  # [num_tokens, num_heads, num_splits, rank] fp32
-    part_max_ptr,  # [num_tokens, num_heads, num_splits] fp32
-    part_sum_ptr,  # [num_tokens, num_heads, num_splits] fp32
-    query_start_loc_ptr,
-    num_seqs,
-    num_splits,
-    stride_out_token,
-    stride_out_head,
-    NUM_HEADS: tl.constexpr,
-    RANK: tl.constexpr,
-    RANK_P: tl.constexpr,
-    SPLITS_P: tl.constexpr,
-):
-    token = tl.program_id(0)
-    head = tl.program_id(1)
-    if token >= tl.load(query_start_loc_ptr + num_seqs):
-        return  # padding rows past the last sequence were never attended
-    row = token.to(tl.int64) * NUM_HEADS + head
-    m, m_max, _, total = split_statistics(part_max_ptr, part_sum_ptr, row, num_splits, SPLITS_P)
-    r = tl.arange(0, RANK_P)
-    acc = tl.zeros([RANK_P], dtype=tl.float32)
-    # Splits are sized from shapes (graphs), so a short context fills only the first few; the
-    # filled ones are a prefix (a split that sees no key of this row is followed by later keys
-    # only), so the loop stops there. One rank-wide row at a time: all would not fit in registers.
-    filled = tl.sum((m > float("-inf")).to(tl.int32), axis=0)
-    for i in range(filled):
-        weight = tl.exp2(tl.load(part_max_ptr + row * num_splits + i) - m_max)
-        part = tl.load(part_acc_ptr + (row * num_splits + i) * RANK + r, mask=r < RANK, other=0.0)
-        acc += part * weight
-    tl.store(
-        out_ptr + token.to(tl.int64) * stride_out_token + head * stride_out_head + r,
-        (acc / total).to(out_ptr.dtype.element_ty),
-        mask=r < RANK,
-    )
+    counter_ptr = counters_ptr + q_block * tl.num_programs(1) + head_block
+    store_attention(acc, m_i, l_i, row_valid, row_valid[:, None] & r_valid[None, :], part_base, split,
+                    active, counter_ptr, r, out_ptr, out_offsets, part_acc_ptr, part_max_ptr,
+                    part_sum_ptr, BLOCK_M, RANK_P, RANK, SPLIT)
 
 
 def mla_attention_triton(
@@ -249,6 +226,7 @@ def mla_attention_triton(
     out: torch.Tensor,  # [num_tokens, num_heads, kv_lora_rank], written in place
     num_splits: int | None = None,  # None: chosen from shapes; 1 disables the split
     config: dict | None = None,  # overrides of mla_launch_config (benchmarks sweep these)
+    min_split_tokens: int = MIN_SPLIT_TOKENS,  # fewest context tokens per split
 ) -> torch.Tensor:
     """Causal varlen MQA of [q_lat | q_pe] over the latent cache; returns o_lat (`out`)."""
     num_tokens, num_heads, rank = q_lat.shape
@@ -274,16 +252,18 @@ def mla_attention_triton(
             max_query_len=max_query_len,
             tile_n=cfg["TILE_N"],
         )
+    num_q_blocks = num_tokens // block_q + num_seqs
     split = num_splits > 1
     if split:
         f32 = dict(dtype=torch.float32, device=q_lat.device)
         part_acc = torch.empty((num_tokens, num_heads, num_splits, rank), **f32)
         part_max = torch.empty((num_tokens, num_heads, num_splits), **f32)
         part_sum = torch.empty_like(part_max)
+        counters = split_counters(q_lat.device, num_q_blocks * head_blocks)
     else:
-        part_acc = part_max = part_sum = out  # unused by the kernel when not split
-    _mla_attention_kernel[(num_tokens // block_q + num_seqs, head_blocks, num_splits)](
-        q_lat, q_pe, kv_cache, out, part_acc, part_max, part_sum,
+        part_acc = part_max = part_sum = counters = out  # unused by the kernel when not split
+    _mla_attention_kernel[(num_q_blocks, head_blocks, num_splits)](
+        q_lat, q_pe, kv_cache, out, part_acc, part_max, part_sum, counters,
         block_table, seq_lens, query_start_loc, num_seqs, scale * _LOG2E,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
         out.stride(0), out.stride(1), kv_cache.stride(0), kv_cache.stride(1),
@@ -292,16 +272,10 @@ def mla_attention_triton(
         RANK=rank, RANK_P=max(16, triton.next_power_of_2(rank)),  # tl.dot needs K >= 16
         ROPE=rope, ROPE_P=max(16, triton.next_power_of_2(rope)),
         BLOCK_SIZE=block_size, TILE_N=cfg["TILE_N"], SPLIT=split,
+        MIN_TILES=triton.cdiv(min_split_tokens, cfg["TILE_N"]),
         DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    if split:
-        _merge_splits_kernel[(num_tokens, num_heads)](
-            out, part_acc, part_max, part_sum, query_start_loc, num_seqs, num_splits,
-            out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, RANK=rank, RANK_P=triton.next_power_of_2(rank),
-            SPLITS_P=triton.next_power_of_2(num_splits),
-        )
     return out
 
 
@@ -326,10 +300,40 @@ def _check_cache(kv_cache: torch.Tensor, width: int) -> None:
 
 class TritonMLABackend:
     """The MLA backend interface of TorchMLABackend over the kernels above. Every query length
-    goes through the absorbed kernel (prefill too), so nothing reads host lengths."""
+    goes through the absorbed kernel (prefill too), so nothing reads host lengths.
+
+    `attend_projections` (what MLAAttention calls) runs the fused kernels of mla_fused_triton.py
+    around the attention: latent norm + k_pe RoPE + cache write in one launch, q_nope . W_UK and
+    q_pe RoPE into one q_abs buffer in another, and the W_UV projection in a third."""
 
     graph_safe = True
     name = "triton"
+
+    def attend_projections(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, qk_nope + qk_rope], may be a strided view
+        kv_a: torch.Tensor,  # [num_tokens, kv_lora_rank + qk_rope], may be a strided view
+        positions: torch.Tensor,  # [num_tokens]
+        rotary_emb: RotaryEmbedding,
+        kv_a_layernorm: RMSNorm,
+        kv_b_weight: torch.Tensor,  # [num_heads * (qk_nope + v), kv_lora_rank]
+        kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_lora_rank + qk_rope]
+        metadata: AttentionMetadata,
+        scale: float,
+        v_head_dim: int,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, v_head_dim]
+        nope, rank, _ = projection_widths(q, kv_a, rotary_emb, kv_a_layernorm, kv_b_weight, kv_cache, v_head_dim)
+        _check_block_size(kv_cache, metadata)
+        num_tokens, num_heads, _ = q.shape
+        w_uk, w_uv = split_kv_b(kv_b_weight, num_heads, nope, v_head_dim)
+        latent_write_triton(kv_a, positions, kv_a_layernorm, rotary_emb, kv_cache, metadata.slot_mapping)
+        q_abs = absorb_query_triton(q, w_uk, positions, rotary_emb)  # [T, heads, rank + rope]
+        o_lat = torch.empty(num_tokens, num_heads, rank, dtype=q.dtype, device=q.device)
+        mla_attention_triton(
+            q_abs[..., :rank], q_abs[..., rank:], kv_cache, metadata.block_table, metadata.seq_lens,
+            metadata.query_start_loc, metadata.max_query_len, scale, o_lat,
+        )
+        return project_values_triton(o_lat, w_uv)  # [T, heads, v]
 
     def write_kv(
         self,
@@ -355,11 +359,7 @@ class TritonMLABackend:
             return TorchMLABackend().attend(
                 q_nope, q_pe, kv_b_weight, kv_cache, metadata, scale, v_head_dim, absorb=False
             )
-        if kv_cache.shape[1] != metadata.block_size:
-            raise ValueError(
-                f"metadata is paged with block_size {metadata.block_size} but the MLA cache has "
-                f"blocks of {kv_cache.shape[1]}; derive it with AttentionMetadata.with_block_size"
-            )
+        _check_block_size(kv_cache, metadata)
         num_tokens, num_heads, nope = q_nope.shape
         rank = kv_cache.shape[-1] - q_pe.shape[-1]
         w_uk, w_uv = split_kv_b(kv_b_weight, num_heads, nope, v_head_dim)
@@ -370,3 +370,11 @@ class TritonMLABackend:
             metadata.query_start_loc, metadata.max_query_len, scale, o_lat,
         )
         return torch.einsum("thr,hvr->thv", o_lat, w_uv)  # [T, heads, v]
+
+
+def _check_block_size(kv_cache: torch.Tensor, metadata: AttentionMetadata) -> None:
+    if kv_cache.shape[1] != metadata.block_size:
+        raise ValueError(
+            f"metadata is paged with block_size {metadata.block_size} but the MLA cache has "
+            f"blocks of {kv_cache.shape[1]}; derive it with AttentionMetadata.with_block_size"
+        )

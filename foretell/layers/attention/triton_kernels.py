@@ -18,10 +18,10 @@ is num_tokens // BLOCK_Q + num_seqs blocks and a program finds its sequence by b
 query_start_loc. Surplus blocks return at once. Grid sizes depend only on host ints (shapes and
 max_query_len), so a launch is CUDA-graph capturable.
 
-Long-context decode with few programs splits the context (flash-decoding): each of num_splits
-programs covers an equal share of its own context (sized in-kernel from seq_lens, so the split
-adapts to the real length) and writes an unnormalised partial result with its running max and
-sum; a second kernel merges the splits.
+Long-context decode with few programs splits the context (flash-decoding): up to num_splits
+programs cover pieces of at least MIN_SPLIT_TOKENS of their own context (sized in-kernel from
+seq_lens, so the split adapts to the real length), and the last to finish merges the pieces
+(triton_varlen.py says how).
 
 Rows of `out` past query_start_loc[-1] (padding) are left untouched.
 """
@@ -37,12 +37,15 @@ import triton.language as tl
 from foretell.layers.attention.triton_varlen import (
     locate_query_block,
     online_softmax_step,
-    split_statistics,
+    split_counters,
     split_tile_range,
     store_attention,
 )
 
 _LOG2E = 1.4426950408889634
+# A split of the context covers at least this many tokens: a short context runs as one program
+# per query block and kv head (no partials), a long one as up to num_splits pieces.
+MIN_SPLIT_TOKENS = 128
 
 
 @triton.jit
@@ -135,6 +138,7 @@ def _paged_attention_kernel(
     part_acc_ptr,  # [num_tokens, num_heads, num_splits, head_dim] fp32 (used when split)
     part_max_ptr,  # [num_tokens, num_heads, num_splits] fp32, base-2 running max
     part_sum_ptr,  # [num_tokens, num_heads, num_splits] fp32
+    counters_ptr,  # [num_q_blocks * num_kv_heads] int32, zero (used when split)
     block_table_ptr,  # [num_seqs, max_blocks] int32
     seq_lens_ptr,  # [num_seqs] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
@@ -156,7 +160,8 @@ def _paged_attention_kernel(
     HEAD_DIM_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # cache block size
     TILE_N: tl.constexpr,  # context tokens per inner step
-    SPLIT: tl.constexpr,  # write partials for the merge kernel instead of `out`
+    SPLIT: tl.constexpr,  # several programs per query block and kv head share the context
+    MIN_TILES: tl.constexpr,  # fewest tiles per split
     DOT_PRECISION: tl.constexpr,
 ):
     q_block = tl.program_id(0)
@@ -185,10 +190,13 @@ def _paged_attention_kernel(
         + head[:, None] * stride_q_head
         + dims[None, :]
     )
+    kv_end, tile_lo, tile_hi, active = split_tile_range(
+        prefix_len, q_len, local_block, split, num_splits, BLOCK_Q, TILE_N, MIN_TILES
+    )
+    if split >= active:
+        return
     q = tl.load(query_ptr + q_offsets, mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
     q = q.to(k_cache_ptr.dtype.element_ty)  # tl.dot wants matching operand types
-
-    kv_end, tile_lo, tile_hi = split_tile_range(prefix_len, q_len, local_block, split, num_splits, BLOCK_Q, TILE_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -215,49 +223,12 @@ def _paged_attention_kernel(
         p, alpha, m_i, l_i = online_softmax_step(scores, m_i, l_i)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
 
-    part_row = (token_index * (GROUP * tl.num_programs(1)) + head) * num_splits + split
+    part_base = (token_index * (GROUP * tl.num_programs(1)) + head) * num_splits
     out_offsets = token_index[:, None] * stride_out_token + head[:, None] * stride_out_head + dims[None, :]
-    store_attention(acc, m_i, l_i, row_valid, row_valid[:, None] & dim_valid[None, :], part_row, dims,
-                    out_ptr, out_offsets, part_acc_ptr, part_max_ptr, part_sum_ptr, HEAD_DIM, SPLIT)
-
-
-@triton.jit
-def _merge_splits_kernel(
-    out_ptr,  # [num_tokens, num_heads, head_dim]
-    part_acc_ptr,  # [num_tokens, num_heads, num_splits, head_dim] fp32
-    part_max_ptr,  # [num_tokens, num_heads, num_splits] fp32
-    part_sum_ptr,  # [num_tokens, num_heads, num_splits] fp32
-    query_start_loc_ptr,
-    num_seqs,
-    num_splits,
-    stride_out_token,
-    stride_out_head,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_P: tl.constexpr,
-    SPLITS_P: tl.constexpr,
-):
-    token = tl.program_id(0)
-    head = tl.program_id(1)
-    if token >= tl.load(query_start_loc_ptr + num_seqs):
-        return  # padding rows past the last sequence were never attended
-    row = token.to(tl.int64) * tl.num_programs(1) + head
-    m, _, weight, total = split_statistics(part_max_ptr, part_sum_ptr, row, num_splits, SPLITS_P)
-    splits = tl.arange(0, SPLITS_P)
-    split_valid = splits < num_splits
-    dims = tl.arange(0, HEAD_DIM_P)
-    # Splits are sized from shapes (graphs), so short contexts leave most empty: skip their reads.
-    filled = split_valid & (m > float("-inf"))
-    acc = tl.load(
-        part_acc_ptr + (row * num_splits + splits)[:, None] * HEAD_DIM + dims[None, :],
-        mask=filled[:, None] & (dims[None, :] < HEAD_DIM),
-        other=0.0,
-    )
-    result = tl.sum(acc * weight[:, None], axis=0) / total
-    tl.store(
-        out_ptr + token.to(tl.int64) * stride_out_token + head * stride_out_head + dims,
-        result.to(out_ptr.dtype.element_ty),
-        mask=dims < HEAD_DIM,
-    )
+    counter_ptr = counters_ptr + q_block * tl.num_programs(1) + kv_head
+    store_attention(acc, m_i, l_i, row_valid, row_valid[:, None] & dim_valid[None, :], part_base, split,
+                    active, counter_ptr, dims, out_ptr, out_offsets, part_acc_ptr, part_max_ptr,
+                    part_sum_ptr, BLOCK_M, HEAD_DIM_P, HEAD_DIM, SPLIT)
 
 
 def paged_attention_triton(
@@ -270,6 +241,7 @@ def paged_attention_triton(
     scale: float,
     out: torch.Tensor,  # [num_tokens, num_heads, head_dim], written in place
     num_splits: int | None = None,  # None: chosen from shapes; 1 disables the split
+    min_split_tokens: int = MIN_SPLIT_TOKENS,  # fewest context tokens per split (benchmarks sweep it)
 ) -> torch.Tensor:
     """Causal varlen attention of each sequence's queries to its paged context; returns `out`."""
     num_tokens, num_heads, head_dim = query.shape
@@ -307,8 +279,9 @@ def paged_attention_triton(
             (num_tokens, num_heads, num_splits), dtype=torch.float32, device=query.device
         )
         part_sum = torch.empty_like(part_max)
+        counters = split_counters(query.device, num_q_blocks * num_kv_heads)
     else:
-        part_acc = part_max = part_sum = out  # unused by the kernel when not split
+        part_acc = part_max = part_sum = counters = out  # unused by the kernel when not split
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
         query,
@@ -318,6 +291,7 @@ def paged_attention_triton(
         part_acc,
         part_max,
         part_sum,
+        counters,
         block_table,
         seq_lens,
         query_start_loc,
@@ -340,24 +314,10 @@ def paged_attention_triton(
         BLOCK_SIZE=block_size,
         TILE_N=tile_n,
         SPLIT=split,
+        MIN_TILES=triton.cdiv(min_split_tokens, tile_n),
         DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
         num_warps=config["num_warps"],
     )
-    if split:
-        _merge_splits_kernel[(num_tokens, num_heads)](
-            out,
-            part_acc,
-            part_max,
-            part_sum,
-            query_start_loc,
-            num_seqs,
-            num_splits,
-            out.stride(0),
-            out.stride(1),
-            HEAD_DIM=head_dim,
-            HEAD_DIM_P=triton.next_power_of_2(head_dim),
-            SPLITS_P=triton.next_power_of_2(num_splits),
-        )
     return out
 
 

@@ -1,9 +1,41 @@
-"""Device-side helpers shared by the varlen Triton attention kernels (GQA and MLA)."""
+"""Helpers shared by the varlen Triton attention kernels (GQA and MLA): finding a program's
+sequence, the online softmax, and the split of a long context (flash-decoding).
+
+Split context: a decode or verify launch with few programs gives each (query block, head group)
+`num_splits` programs (a number fixed by shapes, so a CUDA graph holds for any context length).
+At run time the context is cut into pieces of at least MIN_TILES tiles, so a short context uses
+one or a few of them and the rest return at once. A lone piece writes the output directly; else
+each writes an unnormalised partial (accumulator, running max, sum), and the LAST program of the
+group to finish (counted with an atomic per group in `split_counters`) merges the partials and
+resets its counter. No second kernel, no merge launch per layer.
+"""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+# Counters of finished split programs, one int32 per (query block, head group) of a launch,
+# zero between launches (the merging program resets its own). Per device, allocated outside any
+# CUDA graph capture and kept for the process (graphs capture its address).
+_SPLIT_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_MIN_SPLIT_COUNTERS = 1 << 20
+
+
+def split_counters(device: torch.device, count: int) -> torch.Tensor:
+    """A zeroed int32 buffer of at least `count` counters on `device` for split launches."""
+    counters = _SPLIT_COUNTERS.get(device)
+    if counters is None or counters.numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"split attention needs {count} counters but only "
+                f"{0 if counters is None else counters.numel()} exist on {device}; they cannot be "
+                "allocated during CUDA graph capture (run the same shapes eagerly first)"
+            )
+        counters = torch.zeros(max(count, _MIN_SPLIT_COUNTERS), dtype=torch.int32, device=device)
+        _SPLIT_COUNTERS[device] = counters
+    return counters
 
 
 @triton.jit
@@ -35,14 +67,15 @@ def locate_query_block(query_start_loc_ptr, seq_lens_ptr, num_seqs, q_block, BLO
 
 @triton.jit
 def split_tile_range(prefix_len, q_len, local_block, split, num_splits, BLOCK_Q: tl.constexpr,
-                     TILE_N: tl.constexpr):
-    """(kv_end, tile_lo, tile_hi): the context a query block needs (up to its last query token)
-    and this split's share of its TILE_N-token tiles (empty past the last tile)."""
+                     TILE_N: tl.constexpr, MIN_TILES: tl.constexpr):
+    """(kv_end, tile_lo, tile_hi, active): the context a query block needs (up to its last query
+    token), this split's share of its TILE_N-token tiles (empty past the last tile), and how many
+    splits hold tiles (pieces of at least MIN_TILES tiles, so short contexts use few)."""
     kv_end = prefix_len + tl.minimum(q_len, (local_block + 1) * BLOCK_Q)
     num_tiles = tl.cdiv(kv_end, TILE_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), MIN_TILES)
     tile_lo = split * tiles_per_split
-    return kv_end, tile_lo, tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    return kv_end, tile_lo, tl.minimum(tile_lo + tiles_per_split, num_tiles), tl.cdiv(num_tiles, tiles_per_split)
 
 
 @triton.jit
@@ -58,28 +91,58 @@ def online_softmax_step(scores, m_i, l_i):
 
 
 @triton.jit
-def store_attention(acc, m_i, l_i, row_valid, out_mask, part_row, cols, out_ptr, out_offsets,
-                    part_acc_ptr, part_max_ptr, part_sum_ptr, WIDTH: tl.constexpr, SPLIT: tl.constexpr):
-    """A program's result: the normalised rows to out (not split), or the partial accumulator,
-    max and sum at part_row for the merge kernel (split)."""
-    if SPLIT:
-        tl.store(part_max_ptr + part_row, m_i, mask=row_valid)
-        tl.store(part_sum_ptr + part_row, l_i, mask=row_valid)
-        tl.store(part_acc_ptr + part_row[:, None] * WIDTH + cols[None, :], acc, mask=out_mask)
-    else:
-        result = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(out_ptr + out_offsets, result.to(out_ptr.dtype.element_ty), mask=out_mask)
+def _store_normalised(acc, l_i, out_mask, out_ptr, out_offsets):
+    result = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + out_offsets, result.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
-def split_statistics(part_max_ptr, part_sum_ptr, row, num_splits, SPLITS_P: tl.constexpr):
-    """A merge's view of one (token, head) row's splits: (running maxima m [SPLITS_P], their max,
-    each split's weight exp2(m - max), the total softmax sum). Empty splits (-inf) weigh 0;
-    the max is finite since split 0 always holds key 0."""
-    splits = tl.arange(0, SPLITS_P)
-    split_valid = splits < num_splits
-    m = tl.load(part_max_ptr + row * num_splits + splits, mask=split_valid, other=float("-inf"))
-    s = tl.load(part_sum_ptr + row * num_splits + splits, mask=split_valid, other=0.0)
-    m_max = tl.max(m, axis=0)
-    weight = tl.exp2(m - m_max)
-    return m, m_max, weight, tl.sum(s * weight, axis=0)
+def _merge_partials(part_base, active, row_valid, out_mask, cols, part_acc_ptr, part_max_ptr,
+                    part_sum_ptr, BLOCK_M: tl.constexpr, WIDTH_P: tl.constexpr, WIDTH: tl.constexpr):
+    """(acc [BLOCK_M, WIDTH_P], sum [BLOCK_M]) of the rows' `active` partials, merged in split
+    order with the same rescaling as the online softmax. Loads bypass L1 (.cg): other programs
+    wrote them during this launch."""
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, WIDTH_P], dtype=tl.float32)
+    for s in range(0, active):
+        row = part_base + s
+        m_s = tl.load(part_max_ptr + row, mask=row_valid, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(part_sum_ptr + row, mask=row_valid, other=0.0, cache_modifier=".cg")
+        acc_s = tl.load(part_acc_ptr + row[:, None] * WIDTH + cols[None, :], mask=out_mask, other=0.0,
+                        cache_modifier=".cg")
+        m_new = tl.maximum(m_i, m_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        beta = tl.exp2(m_s - m_safe)
+        acc = acc * alpha[:, None] + acc_s * beta[:, None]
+        l_i = l_i * alpha + l_s * beta
+        m_i = m_new
+    return acc, l_i
+
+
+@triton.jit
+def store_attention(acc, m_i, l_i, row_valid, out_mask, part_base, split, active, counter_ptr, cols,
+                    out_ptr, out_offsets, part_acc_ptr, part_max_ptr, part_sum_ptr,
+                    BLOCK_M: tl.constexpr, WIDTH_P: tl.constexpr, WIDTH: tl.constexpr,
+                    SPLIT: tl.constexpr):
+    """A program's result. Unsplit, or the only split holding tiles: the normalised rows to out.
+    Else the partial at part_base + split ([BLOCK_M] row offsets into the partial buffers); the
+    group's last program to arrive at counter_ptr merges all `active` partials into out."""
+    if SPLIT:
+        if active > 1:
+            row = part_base + split
+            tl.store(part_max_ptr + row, m_i, mask=row_valid)
+            tl.store(part_sum_ptr + row, l_i, mask=row_valid)
+            tl.store(part_acc_ptr + row[:, None] * WIDTH + cols[None, :], acc, mask=out_mask)
+            tl.debug_barrier()  # every thread's partial is written before the release below
+            arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
+            if arrived == active - 1:
+                merged, total = _merge_partials(part_base, active, row_valid, out_mask, cols,
+                                                part_acc_ptr, part_max_ptr, part_sum_ptr, BLOCK_M, WIDTH_P, WIDTH)
+                _store_normalised(merged, total, out_mask, out_ptr, out_offsets)
+                tl.atomic_xchg(counter_ptr, 0)  # ready for the next launch
+        else:
+            _store_normalised(acc, l_i, out_mask, out_ptr, out_offsets)
+    else:
+        _store_normalised(acc, l_i, out_mask, out_ptr, out_offsets)

@@ -1,0 +1,538 @@
+"""Fused Triton kernels around MLA's latent attention: the small per-layer ops before and after
+`mla_attention_triton`, a launch each instead of a chain of tiny ones.
+
+  latent_write_triton   kv side, one program per token: RMSNorm of the latent c (kv_a_layernorm),
+                        RoPE of the shared k_pe, and the write of [c | k_pe] into the latent cache
+                        at slot_mapping (slot -1, a CUDA-graph padding row, writes nothing). It
+                        reads the kv_a slice of fused_qkv_a_proj's output in place (a strided view).
+  absorb_query_triton   q side: q_lat = q_nope . W_UK per head and RoPE of q_pe, both written into
+                        one buffer q_abs [T, heads, rank + rope] whose two slices are the
+                        attention kernel's q_lat and q_pe.
+  project_values_triton out = o_lat . W_UV^T per head (the absorbed form's value projection).
+
+At DeepSeek-V2-Lite's batch 1 the ops these replace were launch-bound: RMSNorm, RoPE, the cache
+write and two batched cuBLAS matmuls, each a few microseconds of mostly launch latency, 27 layers
+a step. The two matmuls run as tl.dot tiles over tokens (BLOCK_T x K x BLOCK_N per head) with a
+float32 accumulator, so the same kernels serve decode and prefill chunks (the Triton MLA backend
+sends every query length through the absorbed form). Past FUSED_ROPE_MAX_TOKENS tokens the q_pe
+RoPE takes a second launch of its own (faster there than a branch of the matmul kernel).
+
+H200, bf16, V2-Lite sizes, per layer inside a CUDA graph at T = 1: RMSNorm 1.2 + RoPE 2.2 + cache
+write 1.3 + cuBLAS W_UK 2.7 + cuBLAS W_UV 2.9 = 10.3 us before; latent write 1.3 + absorbed query
+2.1 + value projection 2.4 = 5.7 us now (about 125 us a 27-layer step). Prefill chunks: on par
+with the torch ops up to 512 tokens; at 4096 the W_UK tiles take 44 us against cuBLAS's 30.
+
+Twins (the reference semantics, and what the CPU runs): `latent_write_torch` is RMSNorm +
+RotaryEmbedding + TorchMLABackend.write_kv, `absorb_query_torch` the einsum + rope, and
+`project_values_torch` the einsum; tests/test_mla_fused_triton.py holds each pair together (in
+Triton's interpreter on the CPU), tests/gpu/test_mla_fused_gpu.py on CUDA in bf16 and fp16.
+
+Every kernel rounds where its twin rounds: the norm rounds the normalised row to the model dtype
+before the weight multiply (RMSNorm's torch path); RoPE rounds cos/sin to the dtype, then each
+product and each sum (apply_rope_neox / apply_rope_gptj); the matmuls accumulate in float32 and
+round once (torch's einsum). On CUDA the compiler may still contract a RoPE product into an FMA
+(about a quarter of the bf16 values on the H200 then differ from the twin's by one rounding of
+the terms), and the norm's sum of squares runs in another order. Grids depend only on shapes and
+nothing syncs with the host, so every launch can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from foretell.layers.norm import RMSNorm
+from foretell.layers.rotary import APPLY_STYLES, RotaryEmbedding
+
+ROPE_STYLES = ("neox", "gptj")
+
+
+# ---------------------------------------------------------------------- shared pieces
+
+
+@triton.jit
+def _in_dtype(v, dtype: tl.constexpr):
+    # A float32 value rounded as a tensor of `dtype` would hold it.
+    return v.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _rotate_pairs(x1, x2, cos, sin, dtype: tl.constexpr):
+    """apply_rope_*'s arithmetic on float32 pairs (cos/sin already rounded to dtype): each
+    product and each sum rounded to dtype. Returns the rotated pair, float32, dtype-exact."""
+    o1 = _in_dtype(_in_dtype(x1 * cos, dtype) - _in_dtype(x2 * sin, dtype), dtype)
+    o2 = _in_dtype(_in_dtype(x2 * cos, dtype) + _in_dtype(x1 * sin, dtype), dtype)
+    return o1, o2
+
+
+@triton.jit
+def _pair_offsets(i, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    # gptj (DeepSeek): pairs (2i, 2i + 1); neox: pairs (i, i + HALF).
+    if INTERLEAVED:
+        return 2 * i, 2 * i + 1
+    else:
+        return i, HALF + i
+
+
+def _rope_tables(rotary_emb: RotaryEmbedding, rope: int, like: torch.Tensor):
+    """(cos, sin) [max_positions, rope // 2] float32 with a unit last stride, checked against the
+    rope width and the tensors' device."""
+    if rotary_emb.style not in ROPE_STYLES:
+        raise ValueError(f"rope style {rotary_emb.style!r} is not one of {ROPE_STYLES}")
+    if rotary_emb.rotary_dim != rope:
+        raise ValueError(
+            f"the rotary embedding rotates {rotary_emb.rotary_dim} channels but the rope part is "
+            f"{rope} wide (qk_rope_head_dim)"
+        )
+    cos, sin = rotary_emb.cos_cache, rotary_emb.sin_cache
+    if cos.device != like.device:
+        raise ValueError(f"the rotary cos/sin tables are on {cos.device}, the inputs on {like.device}")
+    return cos.contiguous(), sin.contiguous()
+
+
+def _check_cache(kv_cache: torch.Tensor, width: int) -> None:
+    if kv_cache.dim() != 3 or kv_cache.shape[-1] != width or kv_cache.stride(-1) != 1:
+        raise ValueError(
+            f"the MLA cache must be [num_blocks, block_size, {width}] (kv_lora_rank + "
+            f"qk_rope_head_dim) with a unit last stride; got shape {tuple(kv_cache.shape)}, "
+            f"stride {kv_cache.stride()}"
+        )
+
+
+def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+# ---------------------------------------------------------------------- kv side
+
+
+@triton.jit
+def _latent_write_kernel(
+    kv_a_ptr,  # [num_tokens, rank + rope], row stride stride_kv_a
+    norm_weight_ptr,  # [rank]
+    positions_ptr,  # [num_tokens] int
+    cos_ptr,  # [max_positions, rope // 2] float32
+    sin_ptr,
+    cache_ptr,  # [num_blocks, block_size, rank + rope]
+    slot_mapping_ptr,  # [num_tokens] int64; < 0: padded row
+    eps,
+    stride_kv_a,
+    stride_cos,
+    stride_cache_block,
+    stride_cache_slot,
+    RANK: tl.constexpr,
+    RANK_P: tl.constexpr,
+    HALF: tl.constexpr,  # rope // 2
+    HALF_P: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # cache block size
+    INTERLEAVED: tl.constexpr,
+):
+    # Every load is issued before any result is waited on (a padded row's loads are wasted, but
+    # an early return would put the slot load's latency in front of all the others).
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    dtype = kv_a_ptr.dtype.element_ty  # the model dtype: where the torch path rounds
+    cache_dtype = cache_ptr.dtype.element_ty
+    row = kv_a_ptr + token * stride_kv_a
+    r = tl.arange(0, RANK_P)
+    r_ok = r < RANK
+    i = tl.arange(0, HALF_P)
+    i_ok = i < HALF
+    first, second = _pair_offsets(i, HALF, INTERLEAVED)
+    c = tl.load(row + r, mask=r_ok, other=0.0).to(tl.float32)  # [RANK_P]
+    weight = tl.load(norm_weight_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
+    x1 = tl.load(row + RANK + first, mask=i_ok, other=0.0).to(tl.float32)  # [HALF_P]
+    x2 = tl.load(row + RANK + second, mask=i_ok, other=0.0).to(tl.float32)
+    # Padded rows (slot -1) write nothing and may carry any position. (Masks spelled as full
+    # vectors: the interpreter rejects a scalar & vector mask.)
+    pair_ok = i_ok & ((slot + 0 * i) >= 0)  # [HALF_P]
+    rank_ok = r_ok & ((slot + 0 * r) >= 0)  # [RANK_P]
+    cos = _in_dtype(tl.load(cos_ptr + position * stride_cos + i, mask=pair_ok, other=0.0), dtype)
+    sin = _in_dtype(tl.load(sin_ptr + position * stride_cos + i, mask=pair_ok, other=0.0), dtype)
+    entry = cache_ptr + (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_slot
+
+    # RMSNorm (norm.py): normalise in float32, round, multiply by the weight, round.
+    variance = tl.sum(c * c, axis=0) / RANK
+    normed = _in_dtype(c * tl.rsqrt(variance + eps), dtype)
+    tl.store(entry + r, (weight * normed).to(dtype).to(cache_dtype), mask=rank_ok)
+    # RoPE of k_pe at the token's position.
+    o1, o2 = _rotate_pairs(x1, x2, cos, sin, dtype)
+    tl.store(entry + RANK + first, o1.to(cache_dtype), mask=pair_ok)
+    tl.store(entry + RANK + second, o2.to(cache_dtype), mask=pair_ok)
+
+
+def latent_write_triton(
+    kv_a: torch.Tensor,  # [num_tokens, kv_lora_rank + rope], may be a strided view
+    positions: torch.Tensor,  # [num_tokens] int
+    kv_a_layernorm: RMSNorm,  # over kv_lora_rank
+    rotary_emb: RotaryEmbedding,  # rotary_dim == rope
+    kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_lora_rank + rope]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64; slots < 0 are skipped
+) -> None:
+    """Norm the latent, rotate k_pe and write [c | k_pe] into the cache, one launch."""
+    rank = kv_a_layernorm.hidden_size
+    weight = kv_a_layernorm.weight
+    if kv_a.dim() != 2 or kv_a.shape[-1] <= rank:
+        raise ValueError(
+            f"kv_a must be [num_tokens, kv_lora_rank + qk_rope_head_dim] with kv_lora_rank {rank}; "
+            f"got shape {tuple(kv_a.shape)}"
+        )
+    rope = kv_a.shape[-1] - rank
+    _check_cache(kv_cache, rank + rope)
+    if weight.shape != (rank,) or weight.dtype != kv_a.dtype:
+        raise ValueError(f"kv_a_layernorm.weight must be [{rank}] {kv_a.dtype}, got "
+                         f"{list(weight.shape)} {weight.dtype}")
+    num_tokens = kv_a.shape[0]
+    if positions.shape != (num_tokens,) or slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"positions and slot_mapping must be [{num_tokens}], got "
+                         f"{list(positions.shape)} and {list(slot_mapping.shape)}")
+    cos, sin = _rope_tables(rotary_emb, rope, kv_a)
+    if num_tokens == 0:
+        return
+    kv_a = _unit_last_stride(kv_a)
+    _latent_write_kernel[(num_tokens,)](
+        kv_a, weight, positions, cos, sin, kv_cache, slot_mapping,
+        kv_a_layernorm.eps, kv_a.stride(0), cos.stride(0), kv_cache.stride(0), kv_cache.stride(1),
+        RANK=rank, RANK_P=triton.next_power_of_2(rank),
+        HALF=rope // 2, HALF_P=triton.next_power_of_2(max(rope // 2, 1)),
+        BLOCK_SIZE=kv_cache.shape[1], INTERLEAVED=rotary_emb.style == "gptj",
+        num_warps=4 if rank >= 512 else 1,
+    )
+
+
+def latent_write_torch(kv_a, positions, kv_a_layernorm, rotary_emb, kv_cache, slot_mapping) -> None:
+    """Twin of latent_write_triton: the modules' own torch paths, then TorchMLABackend.write_kv
+    (rows with slot < 0 dropped first, as the kernel skips them)."""
+    from foretell.layers.mla import TorchMLABackend
+
+    rank = kv_a_layernorm.hidden_size
+    keep = slot_mapping >= 0
+    kv_a, positions, slot_mapping = kv_a[keep], positions[keep], slot_mapping[keep]
+    latent, k_pe = kv_a[:, :rank], kv_a[:, rank:]
+    latent, _ = kv_a_layernorm(latent)
+    cos, sin = rotary_emb.cos_sin(positions)
+    k_pe = APPLY_STYLES[rotary_emb.style](k_pe.unsqueeze(1), cos, sin).squeeze(1)
+    TorchMLABackend().write_kv(latent, k_pe, kv_cache, slot_mapping)
+
+
+# ---------------------------------------------------------------------- per-head matmuls
+
+
+@triton.jit
+def _head_matmul_tile(
+    a_ptr,  # [num_tokens, num_heads, K] rows: a[t, h, k]
+    b_ptr,  # per head a [K, N] operand at strides (stride_b_k, stride_b_n)
+    num_tokens,
+    head,
+    t0,
+    n0,
+    stride_a_token,
+    stride_a_head,
+    stride_b_head,
+    stride_b_k,
+    stride_b_n,
+    K: tl.constexpr,
+    N: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """[BLOCK_T, BLOCK_N] float32 tile of a[t0:, head, :] . B[head][:, n0:]."""
+    t = t0 + tl.arange(0, BLOCK_T)
+    n = n0 + tl.arange(0, BLOCK_N)
+    t_ok = t < num_tokens
+    n_ok = n < N
+    a_rows = a_ptr + t.to(tl.int64)[:, None] * stride_a_token + head * stride_a_head
+    b_cols = b_ptr + head * stride_b_head + n[None, :] * stride_b_n
+    acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        a = tl.load(a_rows + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_cols + k[:, None] * stride_b_k, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc += tl.dot(a, b, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _rope_tile(
+    x_ptr,  # [num_tokens, num_heads, >= 2 * HALF] rows: the rope part of a head
+    out_ptr,  # same layout
+    positions_ptr,
+    cos_ptr,
+    sin_ptr,
+    num_tokens,
+    head,
+    t0,
+    stride_x_token,
+    stride_x_head,
+    stride_out_token,
+    stride_out_head,
+    stride_cos,
+    HALF: tl.constexpr,
+    HALF_P: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+):
+    """RoPE of BLOCK_T tokens' rope part of one head, rounded as apply_rope_* rounds."""
+    dtype = out_ptr.dtype.element_ty
+    t = t0 + tl.arange(0, BLOCK_T)
+    i = tl.arange(0, HALF_P)
+    mask = (t < num_tokens)[:, None] & (i < HALF)[None, :]
+    t = t.to(tl.int64)
+    position = tl.load(positions_ptr + t, mask=t < num_tokens, other=0).to(tl.int64)
+    table = position[:, None] * stride_cos + i[None, :]
+    cos = _in_dtype(tl.load(cos_ptr + table, mask=mask, other=0.0), dtype)  # [BLOCK_T, HALF_P]
+    sin = _in_dtype(tl.load(sin_ptr + table, mask=mask, other=0.0), dtype)
+    first, second = _pair_offsets(i, HALF, INTERLEAVED)
+    src = x_ptr + t[:, None] * stride_x_token + head * stride_x_head
+    dst = out_ptr + t[:, None] * stride_out_token + head * stride_out_head
+    x1 = tl.load(src + first[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + second[None, :], mask=mask, other=0.0).to(tl.float32)
+    o1, o2 = _rotate_pairs(x1, x2, cos, sin, dtype)
+    tl.store(dst + first[None, :], o1.to(dtype), mask=mask)
+    tl.store(dst + second[None, :], o2.to(dtype), mask=mask)
+
+
+@triton.jit
+def _head_matmul_kernel(
+    a_ptr,  # [num_tokens, num_heads, K]
+    b_ptr,  # per head [K, N] at (stride_b_k, stride_b_n)
+    out_ptr,  # [num_tokens, num_heads, N (+ 2 * HALF with ROPE)]
+    rope_in_ptr,  # [num_tokens, num_heads, 2 * HALF] (with ROPE)
+    positions_ptr,  # [num_tokens] (with ROPE)
+    cos_ptr,  # [max_positions, HALF] float32 (with ROPE)
+    sin_ptr,
+    num_tokens,
+    stride_a_token,
+    stride_a_head,
+    stride_b_head,
+    stride_b_k,
+    stride_b_n,
+    stride_out_token,
+    stride_out_head,
+    stride_rope_token,
+    stride_rope_head,
+    stride_cos,
+    K: tl.constexpr,
+    N: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    ROPE: tl.constexpr,  # one more column block per (token block, head) rotates the rope part
+    HALF: tl.constexpr,
+    HALF_P: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+):
+    # Program (token block, head, column block); with ROPE the last column block is the rope.
+    t0 = tl.program_id(0) * BLOCK_T
+    head = tl.program_id(1).to(tl.int64)
+    n0 = tl.program_id(2) * BLOCK_N
+    if ROPE and n0 >= N:
+        _rope_tile(
+            rope_in_ptr, out_ptr + N, positions_ptr, cos_ptr, sin_ptr, num_tokens, head, t0,
+            stride_rope_token, stride_rope_head, stride_out_token, stride_out_head, stride_cos,
+            HALF, HALF_P, BLOCK_T, INTERLEAVED,
+        )
+    else:
+        acc = _head_matmul_tile(
+            a_ptr, b_ptr, num_tokens, head, t0, n0, stride_a_token, stride_a_head,
+            stride_b_head, stride_b_k, stride_b_n, K, N, BLOCK_T, BLOCK_N, BLOCK_K, DOT_PRECISION,
+        )
+        t = t0 + tl.arange(0, BLOCK_T)
+        n = n0 + tl.arange(0, BLOCK_N)
+        out = out_ptr + t.to(tl.int64)[:, None] * stride_out_token + head * stride_out_head + n[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(t < num_tokens)[:, None] & (n < N)[None, :])
+
+
+@triton.jit
+def _rope_heads_kernel(
+    x_ptr,  # [num_tokens, num_heads, 2 * HALF] rows
+    out_ptr,  # same layout
+    positions_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_x_token,
+    stride_x_head,
+    stride_out_token,
+    stride_out_head,
+    stride_cos,
+    NUM_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_P: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+):
+    # Program (token, head block): absorb_query_triton's q_pe RoPE for prefill-sized T. One
+    # token per program with heads as rows (as fused_kernels.rope_triton does): cos/sin are
+    # read once, and per-row position gathers (_rope_tile) ran several times slower here.
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)
+    dtype = out_ptr.dtype.element_ty
+    i = tl.arange(0, HALF_P)
+    i_ok = i < HALF
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    cos = _in_dtype(tl.load(cos_ptr + position * stride_cos + i, mask=i_ok, other=0.0), dtype)[None, :]
+    sin = _in_dtype(tl.load(sin_ptr + position * stride_cos + i, mask=i_ok, other=0.0), dtype)[None, :]
+    mask = (heads < NUM_HEADS)[:, None] & i_ok[None, :]
+    first, second = _pair_offsets(i, HALF, INTERLEAVED)
+    src = x_ptr + token * stride_x_token + heads[:, None] * stride_x_head
+    dst = out_ptr + token * stride_out_token + heads[:, None] * stride_out_head
+    x1 = tl.load(src + first[None, :], mask=mask, other=0.0).to(tl.float32)  # [BLOCK_HEADS, HALF_P]
+    x2 = tl.load(src + second[None, :], mask=mask, other=0.0).to(tl.float32)
+    o1, o2 = _rotate_pairs(x1, x2, cos, sin, dtype)
+    tl.store(dst + first[None, :], o1.to(dtype), mask=mask)
+    tl.store(dst + second[None, :], o2.to(dtype), mask=mask)
+
+
+# Up to this many tokens the q_pe RoPE rides in absorb_query's matmul launch (one launch less at
+# decode); past it a second launch (_rope_heads_kernel) is faster: on the H200 the token-rows
+# rope tile took most of a prefill-sized launch.
+FUSED_ROPE_MAX_TOKENS = 16
+
+
+def head_matmul_config(num_tokens: int, k: int, n: int, dtype: torch.dtype) -> dict:
+    """Tiles from shapes only. Decode (a few tokens) is a weight read of about 2 MB at V2-Lite's
+    sizes: narrow column blocks spread it over the SMs, with the whole K range in flight
+    (H200 sweep, CUDA graphs, T = 1: W_UK 2.1 us, W_UV 2.4 us against cuBLAS's 2.7 and 3.0).
+    Prefill gets large tiles: the A rows are re-read once per column block."""
+    k_p = max(16, triton.next_power_of_2(k))
+    if dtype.itemsize > 2:  # float32 runs on FMAs: small tiles keep it out of spills
+        return {"BLOCK_T": 16, "BLOCK_N": 32, "BLOCK_K": min(k_p, 32), "num_warps": 4, "num_stages": 1}
+    if num_tokens <= 16:
+        if n >= 256:  # W_UK: N = kv_lora_rank, K = nope
+            return {"BLOCK_T": 16, "BLOCK_N": 64, "BLOCK_K": min(k_p, 128), "num_warps": 4, "num_stages": 1}
+        return {"BLOCK_T": 16, "BLOCK_N": 16, "BLOCK_K": min(k_p, 256), "num_warps": 2, "num_stages": 3}
+    return {"BLOCK_T": 64, "BLOCK_N": 128, "BLOCK_K": min(k_p, 64), "num_warps": 4, "num_stages": 3}
+
+
+def _launch_head_matmul(a, b, b_strides, out, n, rope=None, config=None):
+    """out[t, h, :n] = a[t, h, :] . B[h] with B[h][k, j] at b + h*s_h + k*s_k + j*s_n; `rope`
+    (rope_in, positions, cos, sin, interleaved) adds the rope part at out[t, h, n:]."""
+    num_tokens, num_heads, k = a.shape
+    cfg = {**head_matmul_config(num_tokens, k, n, a.dtype), **(config or {})}
+    n_blocks = triton.cdiv(n, cfg["BLOCK_N"])
+    if rope is not None:
+        rope_in, positions, cos, sin, interleaved = rope
+        half = rope_in.shape[-1] // 2
+    else:  # unused pointers: any tensor of the right kind
+        rope_in, positions, cos, sin, interleaved, half = out, a, out, out, False, 1
+    grid = (triton.cdiv(num_tokens, cfg["BLOCK_T"]), num_heads, n_blocks + (rope is not None))
+    _head_matmul_kernel[grid](
+        a, b, out, rope_in, positions, cos, sin, num_tokens,
+        a.stride(0), a.stride(1), *b_strides, out.stride(0), out.stride(1),
+        rope_in.stride(0), rope_in.stride(1), cos.stride(0),
+        K=k, N=n, BLOCK_T=cfg["BLOCK_T"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        ROPE=rope is not None, HALF=half, HALF_P=triton.next_power_of_2(half), INTERLEAVED=interleaved,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out
+
+
+def _check_weight(name: str, w: torch.Tensor, shape: tuple, like: torch.Tensor) -> None:
+    if tuple(w.shape) != shape or w.dtype != like.dtype or w.stride(-1) != 1:
+        raise ValueError(
+            f"{name} must be {list(shape)} {like.dtype} with a unit last stride (a view of "
+            f"kv_b_proj.weight, see split_kv_b); got {list(w.shape)} {w.dtype}, stride {w.stride()}"
+        )
+
+
+# ---------------------------------------------------------------------- q side
+
+
+def absorb_query_triton(
+    q: torch.Tensor,  # [num_tokens, num_heads, nope + rope], may be a strided view
+    w_uk: torch.Tensor,  # [num_heads, nope, kv_lora_rank], a view of kv_b_proj.weight
+    positions: torch.Tensor,  # [num_tokens] int
+    rotary_emb: RotaryEmbedding,  # rotary_dim == rope
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, kv_lora_rank + rope], unit last stride
+    config: dict | None = None,  # overrides of head_matmul_config (benchmarks sweep these)
+) -> torch.Tensor:  # q_abs [num_tokens, num_heads, kv_lora_rank + rope]: [q_lat | rotated q_pe]
+    """q_lat = q_nope . W_UK per head and RoPE of q_pe, written side by side, one launch."""
+    if q.dim() != 3 or w_uk.dim() != 3:
+        raise ValueError(f"q must be [tokens, heads, nope + rope] and w_uk [heads, nope, rank]; got "
+                         f"{list(q.shape)} and {list(w_uk.shape)}")
+    num_tokens, num_heads, qk_head_dim = q.shape
+    nope, rank = w_uk.shape[1], w_uk.shape[2]
+    rope = qk_head_dim - nope
+    if rope <= 0 or rope % 2:
+        raise ValueError(f"q is {qk_head_dim} wide per head but W_UK takes {nope} nope channels: the "
+                         f"rope part ({rope}) must be even and positive")
+    _check_weight("w_uk", w_uk, (num_heads, nope, rank), q)
+    if positions.shape != (num_tokens,):
+        raise ValueError(f"positions must be [{num_tokens}], got {list(positions.shape)}")
+    cos, sin = _rope_tables(rotary_emb, rope, q)
+    shape = (num_tokens, num_heads, rank + rope)
+    if out is None:
+        out = torch.empty(shape, dtype=q.dtype, device=q.device)
+    elif tuple(out.shape) != shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be {list(shape)} {q.dtype} with a unit last stride, got "
+                         f"{list(out.shape)} {out.dtype}, stride {out.stride()}")
+    if num_tokens == 0:
+        return out
+    q = _unit_last_stride(q)
+    q_nope, q_pe = q[..., :nope], q[..., nope:]
+    interleaved = rotary_emb.style == "gptj"
+    w_uk_strides = (w_uk.stride(0), w_uk.stride(1), 1)  # B[h][k=d, j=r] = W_UK[h, d, r]
+    if num_tokens <= FUSED_ROPE_MAX_TOKENS:
+        rope_args = (q_pe, positions, cos, sin, interleaved)
+        return _launch_head_matmul(q_nope, w_uk, w_uk_strides, out, rank, rope_args, config)
+    _launch_head_matmul(q_nope, w_uk, w_uk_strides, out, rank, config=config)
+    half, block_heads = rope // 2, min(16, triton.next_power_of_2(num_heads))
+    q_pe_out = out[..., rank:]
+    _rope_heads_kernel[(num_tokens, triton.cdiv(num_heads, block_heads))](
+        q_pe, q_pe_out, positions, cos, sin,
+        q_pe.stride(0), q_pe.stride(1), q_pe_out.stride(0), q_pe_out.stride(1), cos.stride(0),
+        NUM_HEADS=num_heads, HALF=half, HALF_P=triton.next_power_of_2(half), BLOCK_HEADS=block_heads,
+        INTERLEAVED=interleaved, num_warps=2,
+    )
+    return out
+
+
+def absorb_query_torch(q, w_uk, positions, rotary_emb) -> torch.Tensor:
+    """Twin of absorb_query_triton: TritonMLABackend's former einsum and RotaryEmbedding's rope."""
+    nope = w_uk.shape[1]
+    q_nope, q_pe = q[..., :nope], q[..., nope:]
+    q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)  # [T, heads, rank]
+    cos, sin = rotary_emb.cos_sin(positions)
+    return torch.cat([q_lat, APPLY_STYLES[rotary_emb.style](q_pe, cos, sin)], dim=-1)
+
+
+# ---------------------------------------------------------------------- value projection
+
+
+def project_values_triton(
+    o_lat: torch.Tensor,  # [num_tokens, num_heads, kv_lora_rank]
+    w_uv: torch.Tensor,  # [num_heads, v_head_dim, kv_lora_rank], a view of kv_b_proj.weight
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, v_head_dim], unit last stride
+    config: dict | None = None,
+) -> torch.Tensor:  # [num_tokens, num_heads, v_head_dim]
+    """out[t, h, :] = o_lat[t, h, :] . W_UV[h]^T, one launch."""
+    if o_lat.dim() != 3 or w_uv.dim() != 3:
+        raise ValueError(f"o_lat must be [tokens, heads, rank] and w_uv [heads, v, rank]; got "
+                         f"{list(o_lat.shape)} and {list(w_uv.shape)}")
+    num_tokens, num_heads, rank = o_lat.shape
+    v_head_dim = w_uv.shape[1]
+    _check_weight("w_uv", w_uv, (num_heads, v_head_dim, rank), o_lat)
+    shape = (num_tokens, num_heads, v_head_dim)
+    if out is None:
+        out = torch.empty(shape, dtype=o_lat.dtype, device=o_lat.device)
+    elif tuple(out.shape) != shape or out.dtype != o_lat.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be {list(shape)} {o_lat.dtype} with a unit last stride, got "
+                         f"{list(out.shape)} {out.dtype}, stride {out.stride()}")
+    if num_tokens == 0:
+        return out
+    o_lat = _unit_last_stride(o_lat)
+    # B[h][k=r, j=v] = W_UV[h, v, r]
+    return _launch_head_matmul(o_lat, w_uv, (w_uv.stride(0), 1, w_uv.stride(1)), out, v_head_dim,
+                               config=config)
+
+
+def project_values_torch(o_lat, w_uv) -> torch.Tensor:
+    """Twin of project_values_triton (absorbed_attention's last einsum)."""
+    return torch.einsum("thr,hvr->thv", o_lat, w_uv)
