@@ -32,9 +32,11 @@ from foretell import LLM, SamplingParams  # noqa: E402
 CONFIGS = os.path.join(ROOT, "foretell", "configs")
 # First match wins; names are lower-cased kernel names.
 CATEGORIES = [
-    ("moe", ("moe", "expert", "align")),
+    ("moe", ("moe", "expert", "align", "gate_up_gemv", "down_combine", "router")),
     ("attention", ("attention", "attn", "flash", "mla")),
-    ("gemm", ("gemm", "gemv", "cutlass", "sm90_xmma", "cublas", "matmul", "splitk", "small_m")),
+    ("mla projections", ("head_matmul", "rope_heads")),
+    ("sampling", ("argmax", "pick_chunk")),
+    ("gemm", ("gemm", "gemv", "cutlass", "sm90_xmma", "cublas", "matmul", "splitk", "small_m", "nvjet")),
     ("norm", ("norm",)),
     ("rope", ("rope", "rotary")),
     ("activation", ("silu", "act_and_mul", "gelu")),

@@ -100,7 +100,7 @@ def reference_o_lat(batch: LatentBatch, cache: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def check(batch: LatentBatch, dtype, seed, num_splits=None, config=None, min_split_tokens=128):
+def check(batch: LatentBatch, dtype, seed, num_splits=None, config=None):
     md = batch.metadata
     cache_ref = batch.cache.clone()
     TorchMLABackend().write_kv(batch.latent, batch.k_pe, cache_ref, md.slot_mapping)
@@ -113,7 +113,6 @@ def check(batch: LatentBatch, dtype, seed, num_splits=None, config=None, min_spl
     returned = mla_triton.mla_attention_triton(
         batch.q_lat, batch.q_pe, cache, md.block_table, md.seq_lens, md.query_start_loc,
         md.max_query_len, batch.scale, out, num_splits=num_splits, config=config,
-        min_split_tokens=min_split_tokens,
     )
     assert returned is out
     assert not out.isnan().any(), f"rows left unwritten or NaN read (seed {seed})"
@@ -136,12 +135,10 @@ def test_head_counts_and_widths(num_heads, rank, rope, block_size):
           torch.float16, seed)
 
 
-@pytest.mark.parametrize("min_split_tokens", [1, 128])  # every split used / short contexts unsplit
 @pytest.mark.parametrize("num_splits", [2, 3, 8, 32])
-def test_split_context_matches_torch(num_splits, min_split_tokens):
+def test_split_context_matches_torch(num_splits):
     seed = _seed()
-    check(LatentBatch(LONG, 4, 32, 8, 16, torch.float16, seed), torch.float16, seed, num_splits=num_splits,
-          min_split_tokens=min_split_tokens)
+    check(LatentBatch(LONG, 4, 32, 8, 16, torch.float16, seed), torch.float16, seed, num_splits=num_splits)
 
 
 def test_wide_row_blocks():

@@ -16,8 +16,8 @@ and context seq_len sits at seq_len - q_len + j.
 Sequences are found without a host sync, as in the GQA kernel (attention/triton_kernels.py):
 sequence i gets floor(qsl[i+1]/BLOCK_Q) - floor(qsl[i]/BLOCK_Q) + 1 query blocks, found by
 binary search over query_start_loc; surplus blocks return. Decode and verify with few programs
-split a long context (flash-decoding; the last program of a query block merges the pieces, see
-attention/triton_varlen.py). Grids
+split the context (flash-decoding) and merge the partial results in a second kernel (the GQA
+kernel merges inside; a 512-wide latent row made that serial merge slower than a launch). Grids
 depend only on shapes and max_query_len, so every launch can be captured in a CUDA graph.
 The same kernel serves prefill chunks (any query length), so the backend never reads host
 lengths. Rows of the output past query_start_loc[-1] are left untouched.
@@ -31,14 +31,13 @@ import triton.language as tl
 
 from foretell.layers.attention.metadata import AttentionMetadata
 from foretell.layers.attention.triton_kernels import (
-    MIN_SPLIT_TOKENS,
     _choose_num_splits,
     _unit_last_stride,
 )
 from foretell.layers.attention.triton_varlen import (
     locate_query_block,
     online_softmax_step,
-    split_counters,
+    split_statistics,
     split_tile_range,
     store_attention,
 )
@@ -113,7 +112,6 @@ def _mla_attention_kernel(
     part_acc_ptr,  # [num_tokens, num_heads, num_splits, rank] fp32 (used when split)
     part_max_ptr,  # [num_tokens, num_heads, num_splits] fp32, base-2 running max
     part_sum_ptr,  # [num_tokens, num_heads, num_splits] fp32
-    counters_ptr,  # [num_q_blocks * head_blocks] int32, zero (used when split)
     block_table_ptr,  # [num_seqs, max_blocks] int32
     seq_lens_ptr,  # [num_seqs] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
@@ -139,7 +137,6 @@ def _mla_attention_kernel(
     BLOCK_SIZE: tl.constexpr,  # cache block size
     TILE_N: tl.constexpr,  # context tokens per inner step
     SPLIT: tl.constexpr,
-    MIN_TILES: tl.constexpr,  # fewest tiles per split
     DOT_PRECISION: tl.constexpr,
 ):
     q_block = tl.program_id(0)
@@ -164,10 +161,8 @@ def _mla_attention_kernel(
     p = tl.arange(0, ROPE_P)
     p_valid = p < ROPE
     kv_end, tile_lo, tile_hi, active = split_tile_range(
-        prefix_len, q_len, local_block, split, num_splits, BLOCK_Q, TILE_N, MIN_TILES
+        prefix_len, q_len, local_block, split, num_splits, BLOCK_Q, TILE_N, 1
     )
-    if split >= active:
-        return
 
     q_lat = tl.load(
         q_lat_ptr + token_index[:, None] * stride_lat_token + head[:, None] * stride_lat_head + r[None, :],
@@ -208,10 +203,49 @@ def _mla_attention_kernel(
 
     part_base = (token_index * NUM_HEADS + head) * num_splits
     out_offsets = token_index[:, None] * stride_out_token + head[:, None] * stride_out_head + r[None, :]
-    counter_ptr = counters_ptr + q_block * tl.num_programs(1) + head_block
+    # Partials for the merge kernel (MERGE_IN_KERNEL off: `active` and the counter go unused).
     store_attention(acc, m_i, l_i, row_valid, row_valid[:, None] & r_valid[None, :], part_base, split,
-                    active, counter_ptr, r, out_ptr, out_offsets, part_acc_ptr, part_max_ptr,
-                    part_sum_ptr, BLOCK_M, RANK_P, RANK, SPLIT)
+                    active, part_base, r, out_ptr, out_offsets, part_acc_ptr, part_max_ptr,
+                    part_sum_ptr, BLOCK_M, RANK_P, RANK, SPLIT, False)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr,  # [num_tokens, num_heads, rank]
+    part_acc_ptr,  # [num_tokens, num_heads, num_splits, rank] fp32
+    part_max_ptr,  # [num_tokens, num_heads, num_splits] fp32
+    part_sum_ptr,  # [num_tokens, num_heads, num_splits] fp32
+    query_start_loc_ptr,
+    num_seqs,
+    num_splits,
+    stride_out_token,
+    stride_out_head,
+    NUM_HEADS: tl.constexpr,
+    RANK: tl.constexpr,
+    RANK_P: tl.constexpr,
+    SPLITS_P: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    if token >= tl.load(query_start_loc_ptr + num_seqs):
+        return  # padding rows past the last sequence were never attended
+    row = token.to(tl.int64) * NUM_HEADS + head
+    m, m_max, _, total = split_statistics(part_max_ptr, part_sum_ptr, row, num_splits, SPLITS_P)
+    r = tl.arange(0, RANK_P)
+    acc = tl.zeros([RANK_P], dtype=tl.float32)
+    # Splits are sized from shapes (graphs), so a short context fills only the first few; the
+    # filled ones are a prefix (a split that sees no key of this row is followed by later keys
+    # only), so the loop stops there. One rank-wide row at a time: all would not fit in registers.
+    filled = tl.sum((m > float("-inf")).to(tl.int32), axis=0)
+    for i in range(filled):
+        weight = tl.exp2(tl.load(part_max_ptr + row * num_splits + i) - m_max)
+        part = tl.load(part_acc_ptr + (row * num_splits + i) * RANK + r, mask=r < RANK, other=0.0)
+        acc += part * weight
+    tl.store(
+        out_ptr + token.to(tl.int64) * stride_out_token + head * stride_out_head + r,
+        (acc / total).to(out_ptr.dtype.element_ty),
+        mask=r < RANK,
+    )
 
 
 def mla_attention_triton(
@@ -226,7 +260,6 @@ def mla_attention_triton(
     out: torch.Tensor,  # [num_tokens, num_heads, kv_lora_rank], written in place
     num_splits: int | None = None,  # None: chosen from shapes; 1 disables the split
     config: dict | None = None,  # overrides of mla_launch_config (benchmarks sweep these)
-    min_split_tokens: int = MIN_SPLIT_TOKENS,  # fewest context tokens per split
 ) -> torch.Tensor:
     """Causal varlen MQA of [q_lat | q_pe] over the latent cache; returns o_lat (`out`)."""
     num_tokens, num_heads, rank = q_lat.shape
@@ -259,11 +292,10 @@ def mla_attention_triton(
         part_acc = torch.empty((num_tokens, num_heads, num_splits, rank), **f32)
         part_max = torch.empty((num_tokens, num_heads, num_splits), **f32)
         part_sum = torch.empty_like(part_max)
-        counters = split_counters(q_lat.device, num_q_blocks * head_blocks)
     else:
-        part_acc = part_max = part_sum = counters = out  # unused by the kernel when not split
+        part_acc = part_max = part_sum = out  # unused by the kernel when not split
     _mla_attention_kernel[(num_q_blocks, head_blocks, num_splits)](
-        q_lat, q_pe, kv_cache, out, part_acc, part_max, part_sum, counters,
+        q_lat, q_pe, kv_cache, out, part_acc, part_max, part_sum,
         block_table, seq_lens, query_start_loc, num_seqs, scale * _LOG2E,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
         out.stride(0), out.stride(1), kv_cache.stride(0), kv_cache.stride(1),
@@ -272,10 +304,16 @@ def mla_attention_triton(
         RANK=rank, RANK_P=max(16, triton.next_power_of_2(rank)),  # tl.dot needs K >= 16
         ROPE=rope, ROPE_P=max(16, triton.next_power_of_2(rope)),
         BLOCK_SIZE=block_size, TILE_N=cfg["TILE_N"], SPLIT=split,
-        MIN_TILES=triton.cdiv(min_split_tokens, cfg["TILE_N"]),
         DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+    if split:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            out, part_acc, part_max, part_sum, query_start_loc, num_seqs, num_splits,
+            out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, RANK=rank, RANK_P=triton.next_power_of_2(rank),
+            SPLITS_P=triton.next_power_of_2(num_splits),
+        )
     return out
 
 

@@ -7,7 +7,9 @@ At run time the context is cut into pieces of at least MIN_TILES tiles, so a sho
 one or a few of them and the rest return at once. A lone piece writes the output directly; else
 each writes an unnormalised partial (accumulator, running max, sum), and the LAST program of the
 group to finish (counted with an atomic per group in `split_counters`) merges the partials and
-resets its counter. No second kernel, no merge launch per layer.
+resets its counter: no merge launch per layer. That merge is serial over the pieces, so wide rows
+(MLA's 512-wide latent, where it cost ~7 us per layer on an H200) keep a merge kernel instead
+(MERGE_IN_KERNEL off: every split program writes a partial, `split_statistics` reads them).
 """
 
 from __future__ import annotations
@@ -97,6 +99,14 @@ def _store_normalised(acc, l_i, out_mask, out_ptr, out_offsets):
 
 
 @triton.jit
+def _store_partial(acc, m_i, l_i, row, row_valid, out_mask, cols, part_acc_ptr, part_max_ptr, part_sum_ptr,
+                   WIDTH: tl.constexpr):
+    tl.store(part_max_ptr + row, m_i, mask=row_valid)
+    tl.store(part_sum_ptr + row, l_i, mask=row_valid)
+    tl.store(part_acc_ptr + row[:, None] * WIDTH + cols[None, :], acc, mask=out_mask)
+
+
+@triton.jit
 def _merge_partials(part_base, active, row_valid, out_mask, cols, part_acc_ptr, part_max_ptr,
                     part_sum_ptr, BLOCK_M: tl.constexpr, WIDTH_P: tl.constexpr, WIDTH: tl.constexpr):
     """(acc [BLOCK_M, WIDTH_P], sum [BLOCK_M]) of the rows' `active` partials, merged in split
@@ -125,24 +135,42 @@ def _merge_partials(part_base, active, row_valid, out_mask, cols, part_acc_ptr, 
 def store_attention(acc, m_i, l_i, row_valid, out_mask, part_base, split, active, counter_ptr, cols,
                     out_ptr, out_offsets, part_acc_ptr, part_max_ptr, part_sum_ptr,
                     BLOCK_M: tl.constexpr, WIDTH_P: tl.constexpr, WIDTH: tl.constexpr,
-                    SPLIT: tl.constexpr):
+                    SPLIT: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr):
     """A program's result. Unsplit, or the only split holding tiles: the normalised rows to out.
     Else the partial at part_base + split ([BLOCK_M] row offsets into the partial buffers); the
-    group's last program to arrive at counter_ptr merges all `active` partials into out."""
-    if SPLIT:
-        if active > 1:
-            row = part_base + split
-            tl.store(part_max_ptr + row, m_i, mask=row_valid)
-            tl.store(part_sum_ptr + row, l_i, mask=row_valid)
-            tl.store(part_acc_ptr + row[:, None] * WIDTH + cols[None, :], acc, mask=out_mask)
-            tl.debug_barrier()  # every thread's partial is written before the release below
-            arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
-            if arrived == active - 1:
-                merged, total = _merge_partials(part_base, active, row_valid, out_mask, cols,
-                                                part_acc_ptr, part_max_ptr, part_sum_ptr, BLOCK_M, WIDTH_P, WIDTH)
-                _store_normalised(merged, total, out_mask, out_ptr, out_offsets)
-                tl.atomic_xchg(counter_ptr, 0)  # ready for the next launch
+    group's last program to arrive at counter_ptr merges all `active` partials into out. Without
+    MERGE_IN_KERNEL every split writes its partial (empty ones too: max -inf, sum 0) for a merge
+    kernel launched after."""
+    if SPLIT:  # one constexpr per test, so the branch not taken is never compiled
+        if MERGE_IN_KERNEL:
+            if active > 1:
+                _store_partial(acc, m_i, l_i, part_base + split, row_valid, out_mask, cols, part_acc_ptr,
+                               part_max_ptr, part_sum_ptr, WIDTH)
+                tl.debug_barrier()  # every thread's partial is written before the release below
+                arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
+                if arrived == active - 1:
+                    merged, total = _merge_partials(part_base, active, row_valid, out_mask, cols, part_acc_ptr,
+                                                    part_max_ptr, part_sum_ptr, BLOCK_M, WIDTH_P, WIDTH)
+                    _store_normalised(merged, total, out_mask, out_ptr, out_offsets)
+                    tl.atomic_xchg(counter_ptr, 0)  # ready for the next launch
+            else:
+                _store_normalised(acc, l_i, out_mask, out_ptr, out_offsets)
         else:
-            _store_normalised(acc, l_i, out_mask, out_ptr, out_offsets)
+            _store_partial(acc, m_i, l_i, part_base + split, row_valid, out_mask, cols, part_acc_ptr,
+                           part_max_ptr, part_sum_ptr, WIDTH)
     else:
         _store_normalised(acc, l_i, out_mask, out_ptr, out_offsets)
+
+
+@triton.jit
+def split_statistics(part_max_ptr, part_sum_ptr, row, num_splits, SPLITS_P: tl.constexpr):
+    """A merge's view of one (token, head) row's splits: (running maxima m [SPLITS_P], their max,
+    each split's weight exp2(m - max), the total softmax sum). Empty splits (-inf) weigh 0;
+    the max is finite since split 0 always holds key 0."""
+    splits = tl.arange(0, SPLITS_P)
+    split_valid = splits < num_splits
+    m = tl.load(part_max_ptr + row * num_splits + splits, mask=split_valid, other=float("-inf"))
+    s = tl.load(part_sum_ptr + row * num_splits + splits, mask=split_valid, other=0.0)
+    m_max = tl.max(m, axis=0)
+    weight = tl.exp2(m - m_max)
+    return m, m_max, weight, tl.sum(s * weight, axis=0)
