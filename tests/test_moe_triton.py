@@ -76,9 +76,11 @@ def test_fused_experts_match_torch(num_tokens, num_experts, top_k, hidden, inter
 
 @pytest.mark.parametrize("num_tokens, top_k, hidden", [(1, 6, 48), (7, 2, 1100), (30, 3, 16)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
-def test_shared_experts_added_and_cast_once(num_tokens, top_k, hidden, dtype):
-    """The combine step: top_k rows summed, the shared experts' output added in float32, one cast
-    to the model dtype (what MoE.forward's torch path computes); hidden 1100 spans two blocks."""
+@pytest.mark.parametrize("path", ["grouped", "gemv"])
+def test_shared_experts_added_and_cast_once(num_tokens, top_k, hidden, dtype, path):
+    """The combine step (the combine kernel, or the GEMV path's down kernel): top_k rows summed,
+    the shared experts' output added in float32, one cast to the model dtype (what MoE.forward's
+    torch path computes); hidden 1100 spans two blocks."""
     seed = _seed()
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
@@ -86,13 +88,14 @@ def test_shared_experts_added_and_cast_once(num_tokens, top_k, hidden, dtype):
     weights, ids = routing(num_tokens, 8, top_k, gen, 1)
     shared = torch.randn(2 * num_tokens, hidden, generator=gen).to(dtype)[::2]  # rows strided
     expected = (experts_forward_torch(x, gate_up, down, weights, ids) + shared).to(dtype)
-    out = moe_triton.fused_experts_triton(x, gate_up, down, weights, ids, shared=shared, out_dtype=dtype)
+    out = moe_triton.fused_experts_triton(x, gate_up, down, weights, ids, shared=shared, out_dtype=dtype, path=path)
     assert out.dtype == dtype and out.shape == expected.shape
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out, expected, rtol=tol, atol=tol, msg=lambda m: f"seed {seed}: {m}")
 
 
-def test_combine_sums_every_top_k_row_in_float32():
+@pytest.mark.parametrize("path", ["grouped", "gemv"])
+def test_combine_sums_every_top_k_row_in_float32(path):
     """With expert outputs that cancel in low precision, only a float32 sum before the one cast
     gives the exact answer."""
     x = torch.ones(1, 16, dtype=torch.float16)
@@ -104,7 +107,8 @@ def test_combine_sums_every_top_k_row_in_float32():
     weights = torch.tensor([[1.0, 1.0]])
     ids = torch.tensor([[0, 1]])
     shared = torch.full((1, 16), 0.5, dtype=torch.float16)
-    out = moe_triton.fused_experts_triton(x, gate_up, down, weights, ids, shared=shared, out_dtype=torch.float16)
+    out = moe_triton.fused_experts_triton(x, gate_up, down, weights, ids, shared=shared, out_dtype=torch.float16,
+                                          path=path)
     assert torch.equal(out, shared)
 
 
