@@ -20,6 +20,7 @@ from fixtures.triton_interpreter import HAS_CUDA, import_interpreted, interprete
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 kernels = import_interpreted("foretell.layers.attention.triton_kernels")
+varlen = import_interpreted("foretell.layers.attention.triton_varlen")
 from foretell.layers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 
 
@@ -146,6 +147,26 @@ def test_split_context_matches_torch(kind, num_splits, min_split_tokens):
     batch = Batch(specs, num_kv_heads=2, group=4, head_dim=64, block_size=16,
                   dtype=torch.float16, seed=seed)
     _check_attention(batch, torch.float16, seed, num_splits=num_splits, min_split_tokens=min_split_tokens)
+
+
+def test_persistent_split_counters_reset_between_launches():
+    """A backend's SplitCounters serve launch after launch: the merging program zeroes its own."""
+    seed = _new_seed()
+    batch = Batch(LONG_BATCHES["verify"], num_kv_heads=2, group=4, head_dim=64, block_size=16,
+                  dtype=torch.float16, seed=seed)
+    md = batch.metadata
+    cache = batch.cache.clone()
+    kernels.write_kv_triton(batch.key, batch.value, cache, md.slot_mapping)
+    expected = TorchAttentionBackend().attend(batch.query, cache, md, batch.scale)
+    counters = varlen.SplitCounters()
+    for _ in range(3):
+        out = torch.full_like(batch.query, float("nan"))
+        kernels.paged_attention_triton(batch.query, cache, md.block_table, md.seq_lens, md.query_start_loc,
+                                       md.max_query_len, batch.scale, out, num_splits=4, min_split_tokens=1,
+                                       counters=counters)
+        torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2,
+                                   msg=lambda m: f"seed {seed}: {m}")
+        assert not counters.get(out.device, 1).any(), "a counter was left non-zero"
 
 
 @pytest.mark.parametrize(

@@ -12,11 +12,15 @@ import torch
 
 from foretell.layers.attention.metadata import AttentionMetadata
 from foretell.layers.attention.triton_kernels import paged_attention_triton, write_kv_triton
+from foretell.layers.attention.triton_varlen import SplitCounters
 
 
 class TritonAttentionBackend:
     name = "triton"
     graph_safe = True
+
+    def __init__(self):
+        self.split_counters = SplitCounters()  # shared by every layer: launches run in stream order
 
     def write_kv(
         self,
@@ -49,4 +53,5 @@ class TritonAttentionBackend:
             metadata.max_query_len,
             scale,
             out,
+            counters=self.split_counters,
         )

@@ -37,7 +37,7 @@ import triton.language as tl
 from foretell.layers.attention.triton_varlen import (
     locate_query_block,
     online_softmax_step,
-    split_counters,
+    SplitCounters,
     split_tile_range,
     store_attention,
 )
@@ -243,6 +243,7 @@ def paged_attention_triton(
     out: torch.Tensor,  # [num_tokens, num_heads, head_dim], written in place
     num_splits: int | None = None,  # None: chosen from shapes; 1 disables the split
     min_split_tokens: int = MIN_SPLIT_TOKENS,  # fewest context tokens per split (benchmarks sweep it)
+    counters: SplitCounters | None = None,  # the caller's persistent counters; None: zeros per call
 ) -> torch.Tensor:
     """Causal varlen attention of each sequence's queries to its paged context; returns `out`."""
     num_tokens, num_heads, head_dim = query.shape
@@ -280,9 +281,13 @@ def paged_attention_triton(
             (num_tokens, num_heads, num_splits), dtype=torch.float32, device=query.device
         )
         part_sum = torch.empty_like(part_max)
-        counters = split_counters(query.device, num_q_blocks * num_kv_heads)
+        count = num_q_blocks * num_kv_heads
+        if counters is None:  # a memset per call (also inside a graph); the backend keeps its own
+            counter_buf = torch.zeros(count, dtype=torch.int32, device=query.device)
+        else:
+            counter_buf = counters.get(query.device, count)
     else:
-        part_acc = part_max = part_sum = counters = out  # unused by the kernel when not split
+        part_acc = part_max = part_sum = counter_buf = out  # unused by the kernel when not split
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
         query,
@@ -292,7 +297,7 @@ def paged_attention_triton(
         part_acc,
         part_max,
         part_sum,
-        counters,
+        counter_buf,
         block_table,
         seq_lens,
         query_start_loc,
