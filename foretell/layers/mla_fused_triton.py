@@ -445,6 +445,16 @@ def _check_weight(name: str, w: torch.Tensor, shape: tuple, like: torch.Tensor) 
 # ---------------------------------------------------------------------- q side
 
 
+def _output_buffer(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """`out` checked against shape / like's dtype (unit last stride), or a new buffer."""
+    if out is None:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    if tuple(out.shape) != shape or out.dtype != like.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be {list(shape)} {like.dtype} with a unit last stride, got "
+                         f"{list(out.shape)} {out.dtype}, stride {out.stride()}")
+    return out
+
+
 def absorb_query_triton(
     q: torch.Tensor,  # [num_tokens, num_heads, nope + rope], may be a strided view
     w_uk: torch.Tensor,  # [num_heads, nope, kv_lora_rank], a view of kv_b_proj.weight
@@ -467,12 +477,7 @@ def absorb_query_triton(
     if positions.shape != (num_tokens,):
         raise ValueError(f"positions must be [{num_tokens}], got {list(positions.shape)}")
     cos, sin = _rope_tables(rotary_emb, rope, q)
-    shape = (num_tokens, num_heads, rank + rope)
-    if out is None:
-        out = torch.empty(shape, dtype=q.dtype, device=q.device)
-    elif tuple(out.shape) != shape or out.dtype != q.dtype or out.stride(-1) != 1:
-        raise ValueError(f"out must be {list(shape)} {q.dtype} with a unit last stride, got "
-                         f"{list(out.shape)} {out.dtype}, stride {out.stride()}")
+    out = _output_buffer(out, (num_tokens, num_heads, rank + rope), q)
     if num_tokens == 0:
         return out
     q = _unit_last_stride(q)
@@ -519,12 +524,7 @@ def project_values_triton(
     num_tokens, num_heads, rank = o_lat.shape
     v_head_dim = w_uv.shape[1]
     _check_weight("w_uv", w_uv, (num_heads, v_head_dim, rank), o_lat)
-    shape = (num_tokens, num_heads, v_head_dim)
-    if out is None:
-        out = torch.empty(shape, dtype=o_lat.dtype, device=o_lat.device)
-    elif tuple(out.shape) != shape or out.dtype != o_lat.dtype or out.stride(-1) != 1:
-        raise ValueError(f"out must be {list(shape)} {o_lat.dtype} with a unit last stride, got "
-                         f"{list(out.shape)} {out.dtype}, stride {out.stride()}")
+    out = _output_buffer(out, (num_tokens, num_heads, v_head_dim), o_lat)
     if num_tokens == 0:
         return out
     o_lat = _unit_last_stride(o_lat)
