@@ -42,6 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
+from foretell.layers.attention.triton_kernels import _unit_last_stride
+from foretell.layers.fused_kernels import _in_dtype
 from foretell.layers.norm import RMSNorm
 from foretell.layers.rotary import APPLY_STYLES, RotaryEmbedding
 
@@ -49,12 +51,6 @@ ROPE_STYLES = ("neox", "gptj")
 
 
 # ---------------------------------------------------------------------- shared pieces
-
-
-@triton.jit
-def _in_dtype(v, dtype: tl.constexpr):
-    # A float32 value rounded as a tensor of `dtype` would hold it.
-    return v.to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -98,10 +94,6 @@ def _check_cache(kv_cache: torch.Tensor, width: int) -> None:
             f"qk_rope_head_dim) with a unit last stride; got shape {tuple(kv_cache.shape)}, "
             f"stride {kv_cache.stride()}"
         )
-
-
-def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 # ---------------------------------------------------------------------- kv side

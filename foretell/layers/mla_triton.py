@@ -43,6 +43,7 @@ from foretell.layers.attention.triton_varlen import (
 )
 from foretell.layers.mla import TorchMLABackend, projection_widths, split_kv_b
 from foretell.layers.mla_fused_triton import (
+    _check_cache,
     absorb_query_triton,
     latent_write_triton,
     project_values_triton,
@@ -325,15 +326,6 @@ def mla_launch_config(num_heads: int, max_query_len: int, cache_dtype: torch.dty
     rows = max(max_query_len, 1) * triton.next_power_of_2(num_heads)
     block_m = 16 if rows <= 16 else 32
     return {"BLOCK_M": block_m, "TILE_N": 32, "num_warps": block_m // 4, "num_stages": 2}
-
-
-def _check_cache(kv_cache: torch.Tensor, width: int) -> None:
-    if kv_cache.dim() != 3 or kv_cache.shape[-1] != width or kv_cache.stride(-1) != 1:
-        raise ValueError(
-            f"the MLA cache must be [num_blocks, block_size, {width}] (kv_lora_rank + "
-            f"qk_rope_head_dim) with a unit last stride; got shape {tuple(kv_cache.shape)}, "
-            f"stride {kv_cache.stride()}"
-        )
 
 
 class TritonMLABackend:
