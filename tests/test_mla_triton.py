@@ -242,12 +242,12 @@ def test_v2_lite_every_fused_kernel_matches_torch(checkpoint_root, tokenizer_dir
     monkeypatch.setattr(kernel_dispatch, "use_triton", lambda *tensors: True)
     monkeypatch.setattr(moe, "use_triton", lambda *tensors: True)
     rope_styles, routed = [], []
-    write, select = mla_triton.latent_write_triton, router.select_experts_triton
+    write, route = mla_triton.latent_write_triton, router.route_triton
     # RoPE runs inside the fused MLA kernels: the latent write rotates k_pe with the layer's style.
     monkeypatch.setattr(mla_triton, "latent_write_triton",
                         lambda kv_a, positions, norm, rotary, *a: rope_styles.append(rotary.style)
                         or write(kv_a, positions, norm, rotary, *a))
-    monkeypatch.setattr(router, "select_experts_triton", lambda *a: routed.append(1) or select(*a))
+    monkeypatch.setattr(router, "route_triton", lambda *a: routed.append(1) or route(*a))
     _, got = _greedy(folder, attention_backend="triton")
     assert got == want
     assert rope_styles and set(rope_styles) == {"gptj"} and routed

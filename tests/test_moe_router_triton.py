@@ -119,17 +119,20 @@ def _router(config: RouterConfig, hidden: int, gen: torch.Generator) -> Router:
     return router
 
 
-def _count_kernel_calls(monkeypatch) -> list:
+def _count_kernel_calls(monkeypatch, name: str = "select_experts_triton") -> list:
     calls = []
-    kernel = mrt.select_experts_triton
-    monkeypatch.setattr(mrt, "select_experts_triton", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    kernel = getattr(mrt, name)
+    monkeypatch.setattr(mrt, name, lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     return calls
 
 
-def test_router_dispatches_ungrouped_configs_to_the_kernel(monkeypatch):
-    """With use_triton forced on, Router.forward's result is the kernel's, equal to the twin's."""
+@pytest.mark.parametrize("num_tokens, kernel", [(4, "route_triton"), (17, "select_experts_triton")])
+def test_router_dispatches_ungrouped_configs_to_the_kernel(monkeypatch, num_tokens, kernel):
+    """With use_triton forced on, Router.forward's result is the kernel's, equal to the twin's: one
+    launch for logits and selection up to ROUTER_LOGITS_MAX_TOKENS tokens, the selection kernel
+    after cuBLAS's logits beyond."""
     monkeypatch.setattr(moe, "use_triton", lambda *tensors: True)
-    calls = _count_kernel_calls(monkeypatch)
+    calls = _count_kernel_calls(monkeypatch, kernel)
     seed = _seed()
     gen = torch.Generator().manual_seed(seed)
     config, _ = CASES["kimi_k2_like"]
@@ -137,11 +140,45 @@ def test_router_dispatches_ungrouped_configs_to_the_kernel(monkeypatch):
     with torch.no_grad():
         router.weight.copy_(torch.eye(config.num_experts))  # logits = hidden, exactly
     bias = router.e_score_correction_bias
-    hidden = draw_logits(gen, 4, config, bias.cpu())  # [T, E]
+    hidden = draw_logits(gen, num_tokens, config, bias.cpu())  # [T, E]
     with torch.no_grad(), reports_seed(seed):
         got = router(hidden)
         assert calls == [1]
         assert_same_routing(got, select_experts(hidden, config, bias))
+        assert router.route_counter.item() == 0
+
+
+@pytest.mark.parametrize("case", CPU_CASES)
+@pytest.mark.parametrize("num_tokens", [1, 5, 16])
+def test_route_equals_logits_then_select(case, num_tokens):
+    """route_triton is router_logits_triton + select_experts_triton in one launch: the same
+    arithmetic, so the same bits; its counter is back at zero after every launch."""
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    config, with_bias = CASES[case]
+    router = _router(config, 40, gen)
+    bias = router.e_score_correction_bias if with_bias else None
+    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    with torch.no_grad(), reports_seed(seed):
+        for _ in range(2):
+            hidden = torch.randn(num_tokens, 40, generator=gen).half().to(DEVICE)  # [T, H]
+            weights, ids = mrt.route_triton(hidden, router.weight, config, bias, counter)
+            expected = mrt.select_experts_triton(mrt.router_logits_triton(hidden, router.weight), config, bias)
+            assert torch.equal(ids, expected[1]) and torch.equal(weights, expected[0])
+            assert counter.item() == 0
+
+
+def test_route_refuses_bad_input():
+    config, _ = CASES["tiny"]
+    weight = torch.zeros(config.num_experts, 32, device=DEVICE)
+    hidden = torch.zeros(2, 32, device=DEVICE)
+    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="int32"):
+        mrt.route_triton(hidden, weight, config, None, counter.float())
+    with pytest.raises(ValueError, match="experts but the config"):
+        mrt.route_triton(hidden, weight[:-1], config, None, counter)
+    with pytest.raises(ValueError, match="up to"):
+        mrt.route_triton(torch.zeros(17, 32, device=DEVICE), weight, config, None, counter)
 
 
 def test_router_keeps_grouped_configs_on_torch(monkeypatch):

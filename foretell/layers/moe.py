@@ -282,6 +282,9 @@ class Router(nn.Module):
             self.e_score_correction_bias = make_param((config.num_experts,), torch.float32, device)
         else:
             self.e_score_correction_bias = None
+        # For the one-launch Triton routing (route_triton): its programs count themselves here; the
+        # last resets it. Not a weight (not in the state dict); a CUDA graph captures its address.
+        self.register_buffer("route_counter", torch.zeros(1, dtype=torch.int32, device=device), persistent=False)
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if not use_triton(hidden):
@@ -289,10 +292,11 @@ class Router(nn.Module):
             return select_experts(logits, self.config, self.e_score_correction_bias)
         from foretell.layers import moe_router_triton as kernels  # imports triton
 
-        if hidden.shape[0] <= kernels.ROUTER_LOGITS_MAX_TOKENS:
-            logits = kernels.router_logits_triton(hidden, self.weight)
-        else:
-            logits = F.linear(hidden.float(), self.weight)
+        few_tokens = hidden.shape[0] <= kernels.ROUTER_LOGITS_MAX_TOKENS
+        if few_tokens and not self.config.grouped:  # logits and selection in one launch
+            return kernels.route_triton(hidden, self.weight, self.config, self.e_score_correction_bias,
+                                        self.route_counter)
+        logits = kernels.router_logits_triton(hidden, self.weight) if few_tokens else F.linear(hidden.float(), self.weight)
         if self.config.grouped:
             return select_experts(logits, self.config, self.e_score_correction_bias)
         return kernels.select_experts_triton(logits, self.config, self.e_score_correction_bias)

@@ -71,8 +71,8 @@ def test_prefill_batch(case):
 
 def test_router_dispatch_inference_and_autograd(monkeypatch):
     calls = []
-    kernel = mrt.select_experts_triton
-    monkeypatch.setattr(mrt, "select_experts_triton", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    kernel = mrt.route_triton  # 5 tokens: logits and selection in one launch
+    monkeypatch.setattr(mrt, "route_triton", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     config, _ = CASES["kimi_k2"]
     router = Router(config, 64, device=DEVICE)
     with torch.no_grad():
@@ -90,6 +90,38 @@ def test_router_dispatch_inference_and_autograd(monkeypatch):
         grouped.e_score_correction_bias.zero_()
         grouped(hidden)
     assert calls == [1]
+
+
+@pytest.mark.parametrize("case", ["v2_lite", "kimi_k2", "tiny"])
+@pytest.mark.parametrize("num_tokens", [1, 4, 16])
+def test_one_launch_route_equals_logits_then_select(case, num_tokens):
+    """route_triton: the last of the logits programs selects; bit-equal to the two launches, the
+    counter back at zero, repeated launches and a graph replay included."""
+    config, with_bias = CASES[case]
+    router = Router(config, 2048, device=DEVICE)
+    with torch.no_grad():
+        router.weight.normal_(0.0, 2048**-0.5)
+        if router.e_score_correction_bias is not None:
+            router.e_score_correction_bias.normal_(0.0, 0.1)
+    bias = router.e_score_correction_bias if with_bias else None
+    hidden = torch.randn(num_tokens, 2048, device=DEVICE, dtype=torch.bfloat16)  # [T, H]
+    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+
+    def both():
+        got = mrt.route_triton(hidden, router.weight, config, bias, counter)
+        return got, mrt.select_experts_triton(mrt.router_logits_triton(hidden, router.weight), config, bias)
+
+    for _ in range(20):
+        (weights, ids), (want_w, want_ids) = both()
+        assert torch.equal(ids, want_ids) and torch.equal(weights, want_w)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        (weights, ids), (want_w, want_ids) = both()
+    for _ in range(3):
+        hidden.copy_(torch.randn_like(hidden))
+        graph.replay()
+        assert torch.equal(ids, want_ids) and torch.equal(weights, want_w)
+    assert counter.item() == 0
 
 
 def test_no_sync_and_graph_replay():
