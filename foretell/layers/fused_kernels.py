@@ -151,11 +151,12 @@ def _in_dtype(v, dtype: tl.constexpr):
 @triton.jit
 def _rope_heads(
     x_ptr,
-    out_ptr,
+    dst_ptr,  # this token's first destination head (out rows, or a KV cache slot)
     token,
     first_head,
     stride_token,
     stride_head,
+    dst_stride_head,
     cos,  # [HALF_P] float32, already rounded to the dtype
     sin,
     NUM_HEADS: tl.constexpr,
@@ -166,13 +167,13 @@ def _rope_heads(
     BLOCK_HEADS: tl.constexpr,
     INTERLEAVED: tl.constexpr,  # gptj: pairs (2i, 2i + 1); neox: pairs (i, i + HALF)
 ):
-    dtype = out_ptr.dtype.element_ty
+    dtype = dst_ptr.dtype.element_ty
     heads = first_head + tl.arange(0, BLOCK_HEADS)
     head_ok = (heads < NUM_HEADS)[:, None]
     dims = tl.arange(0, HALF_P)[None, :]
     mask = head_ok & (dims < HALF)
     src = x_ptr + token * stride_token + heads[:, None] * stride_head
-    dst = out_ptr + (token * NUM_HEADS + heads[:, None]) * HEAD_DIM
+    dst = dst_ptr + heads[:, None] * dst_stride_head
     if INTERLEAVED:
         first, second = 2 * dims, 2 * dims + 1
     else:
@@ -227,13 +228,15 @@ def _rope_kernel(
     q_blocks = (NUM_Q_HEADS + BLOCK_HEADS - 1) // BLOCK_HEADS
     if block < q_blocks:
         _rope_heads(
-            q_ptr, q_out_ptr, token, block * BLOCK_HEADS, stride_q_token, stride_q_head, cos, sin,
-            NUM_Q_HEADS, HEAD_DIM, HALF, HALF_P, TAIL_P, BLOCK_HEADS, INTERLEAVED,
+            q_ptr, q_out_ptr + token * NUM_Q_HEADS * HEAD_DIM, token, block * BLOCK_HEADS, stride_q_token,
+            stride_q_head, HEAD_DIM, cos, sin, NUM_Q_HEADS, HEAD_DIM, HALF, HALF_P, TAIL_P, BLOCK_HEADS,
+            INTERLEAVED,
         )
     else:
         _rope_heads(
-            k_ptr, k_out_ptr, token, (block - q_blocks) * BLOCK_HEADS, stride_k_token, stride_k_head,
-            cos, sin, NUM_K_HEADS, HEAD_DIM, HALF, HALF_P, TAIL_P, BLOCK_HEADS, INTERLEAVED,
+            k_ptr, k_out_ptr + token * NUM_K_HEADS * HEAD_DIM, token, (block - q_blocks) * BLOCK_HEADS,
+            stride_k_token, stride_k_head, HEAD_DIM, cos, sin, NUM_K_HEADS, HEAD_DIM, HALF, HALF_P, TAIL_P,
+            BLOCK_HEADS, INTERLEAVED,
         )
 
 

@@ -256,7 +256,7 @@ class RotaryEmbedding(nn.Module):
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._fused(positions, query, key):
+        if self.fusable(positions, query, key):
             from foretell.layers import fused_kernels  # imports triton: CUDA only
 
             return fused_kernels.rope_triton(
@@ -271,7 +271,8 @@ class RotaryEmbedding(nn.Module):
         rotated = self._rotate_fn(x[..., : self.rotary_dim], cos, sin)
         return torch.cat((rotated, x[..., self.rotary_dim :]), dim=-1)
 
-    def _fused(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> bool:
+    def fusable(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> bool:
+        """Whether the Triton kernels can rotate these (CUDA, one dtype, no autograd)."""
         return (
             query.dim() == 3
             and key.dim() == 3

@@ -65,8 +65,7 @@ class Eagle3Attention(nn.Module):
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, metadata).reshape(n, -1))
+        return self.o_proj(self.attn.forward_rotary(positions, q, k, v, self.rotary_emb, metadata).reshape(n, -1))
 
 
 class Eagle3LayerBase(nn.Module):

@@ -132,8 +132,7 @@ class DecoderAttention(nn.Module):
         if self.q_norm is not None:
             q, _ = self.q_norm(q)
             k, _ = self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v, metadata)  # [num_tokens, num_heads, head_dim]
+        out = self.attn.forward_rotary(positions, q, k, v, self.rotary_emb, metadata)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 

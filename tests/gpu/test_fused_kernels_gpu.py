@@ -177,6 +177,44 @@ def test_silu_and_mul(dtype, num_tokens, intermediate):
         _check(out, expected, dtype, exact=False)
 
 
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+@pytest.mark.parametrize("shape", [(32, 8, 128, 128), (7, 1, 64, 64), (6, 3, 80, 48)])
+def test_rope_and_kv_write_in_one_launch(shape, style):
+    """rope_write_kv_triton against the two launches it replaces (rope_triton, write_kv_triton) in
+    bf16, padded rows left alone, and captured in a CUDA graph."""
+    from foretell.layers.attention.rope_kv_triton import rope_write_kv_triton
+    from foretell.layers.attention.triton_kernels import write_kv_triton
+
+    num_heads, num_kv_heads, head_dim, rotary_dim = shape
+    dtype, num_tokens = torch.bfloat16, 9
+    rotary = RotaryEmbedding(rotary_dim, 8192, 500000.0, None, style, device=DEVICE)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, device=DEVICE, dtype=dtype)
+    query, key, value = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    query = query.view(num_tokens, num_heads, head_dim)
+    key, value = key.view(num_tokens, num_kv_heads, head_dim), value.view(num_tokens, num_kv_heads, head_dim)
+    positions = torch.randint(0, 8192, (num_tokens,), device=DEVICE)
+    slots = torch.randperm(64 * 16, device=DEVICE)[:num_tokens]
+    slots[3] = -1
+    cache = torch.full((2, 64, 16, num_kv_heads, head_dim), float("nan"), dtype=dtype, device=DEVICE)
+    want_cache = cache.clone()
+    want_q, want_k = fk.rope_triton(positions, query, key, rotary.cos_cache, rotary.sin_cache, style=style)
+    write_kv_triton(want_k, value, want_cache, slots)
+    got_q = rope_write_kv_triton(positions, query, key, value, rotary.cos_cache, rotary.sin_cache, cache, slots,
+                                 style=style)
+    torch.testing.assert_close(got_q, want_q)
+    torch.testing.assert_close(cache, want_cache, equal_nan=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_q = rope_write_kv_triton(positions, query, key, value, rotary.cos_cache, rotary.sin_cache, cache,
+                                       slots, style=style)
+    positions.copy_(torch.randint(0, 8192, (num_tokens,), device=DEVICE))
+    graph.replay()
+    want_q, want_k = fk.rope_triton(positions, query, key, rotary.cos_cache, rotary.sin_cache, style=style)
+    write_kv_triton(want_k, value, want_cache, slots)
+    torch.testing.assert_close(graph_q, want_q)
+    torch.testing.assert_close(cache, want_cache, equal_nan=True)
+
+
 def test_layers_dispatch_under_inference_only(monkeypatch):
     calls = []
     for name in ("rms_norm_triton", "rope_triton", "silu_and_mul_triton"):

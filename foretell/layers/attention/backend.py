@@ -21,6 +21,8 @@ class AttentionBackend(Protocol):
     #: Whether a forward using it can be captured in a CUDA graph and replayed for other
     #: lengths (true when it reads no host-side lengths).
     graph_safe: bool
+    #: Whether it has `rope_write_kv` (RoPE and the KV write in one launch).
+    fuses_rope: bool
 
     def write_kv(
         self,

@@ -13,6 +13,7 @@ from torch import nn
 
 from foretell.layers.attention.backend import AttentionBackend
 from foretell.layers.attention.metadata import AttentionMetadata
+from foretell.layers.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -54,3 +55,24 @@ class Attention(nn.Module):
             raise RuntimeError("attention layer has no KV cache bound; the runner must bind one")
         self.backend.write_kv(key, value, self.kv_cache, metadata.slot_mapping)
         return self.backend.attend(query, self.kv_cache, metadata, self.scale)
+
+    def forward_rotary(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim], before RoPE
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], before RoPE
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        rotary_emb: RotaryEmbedding,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """RoPE on query and key, then forward: one launch for RoPE and the KV write when the
+        backend fuses them (the cache in the query's dtype), else rotary_emb then forward."""
+        if self.kv_cache is None:
+            raise RuntimeError("attention layer has no KV cache bound; the runner must bind one")
+        if (self.backend.fuses_rope and self.kv_cache.dtype == query.dtype
+                and rotary_emb.fusable(positions, query, key)):
+            query = self.backend.rope_write_kv(positions, query, key, value, rotary_emb, self.kv_cache,
+                                               metadata.slot_mapping)
+            return self.backend.attend(query, self.kv_cache, metadata, self.scale)
+        query, key = rotary_emb(positions, query, key)
+        return self(query, key, value, metadata)

@@ -60,6 +60,7 @@ def causal_attention(
 class TorchAttentionBackend:
     name = "torch"
     graph_safe = False  # loops over the host copies of the lengths
+    fuses_rope = False
 
     def write_kv(self, key, value, kv_cache, slot_mapping) -> None:
         write_kv_torch(key, value, kv_cache, slot_mapping)

@@ -13,11 +13,13 @@ import torch
 from foretell.layers.attention.metadata import AttentionMetadata
 from foretell.layers.attention.triton_kernels import paged_attention_triton, write_kv_triton
 from foretell.layers.attention.triton_varlen import SplitCounters
+from foretell.layers.rotary import RotaryEmbedding
 
 
 class TritonAttentionBackend:
     name = "triton"
     graph_safe = True
+    fuses_rope = True
 
     def __init__(self):
         self.split_counters = SplitCounters()  # shared by every layer: launches run in stream order
@@ -30,6 +32,22 @@ class TritonAttentionBackend:
         slot_mapping: torch.Tensor,  # [num_tokens] int64; -1 marks padded rows
     ) -> None:
         write_kv_triton(key, value, kv_cache, slot_mapping)
+
+    def rope_write_kv(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        rotary_emb: RotaryEmbedding,
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], query's dtype
+        slot_mapping: torch.Tensor,  # [num_tokens] int64; -1 marks padded rows
+    ) -> torch.Tensor:  # rotated query
+        """rotary_emb(positions, query, key), then write_kv of the rotated key: one launch."""
+        from foretell.layers.attention.rope_kv_triton import rope_write_kv_triton
+
+        return rope_write_kv_triton(positions, query, key, value, rotary_emb.cos_cache, rotary_emb.sin_cache,
+                                    kv_cache, slot_mapping, style=rotary_emb.style)
 
     def attend(
         self,
