@@ -22,6 +22,7 @@ from foretell.layers import kernel_dispatch
 from foretell.layers.attention.layer import Attention
 from foretell.layers.attention.metadata import AttentionMetadata
 from foretell.layers.attention.torch_backend import write_kv_torch
+from foretell.layers.norm import RMSNorm
 from foretell.layers.rotary import RotaryEmbedding
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
@@ -76,9 +77,42 @@ def test_rope_and_kv_write_match_the_twin(dtype, case, style):
         torch.testing.assert_close(cache, expected_cache, rtol=0, atol=0, equal_nan=True)
 
 
-def test_forward_rotary_fuses_on_the_triton_backend(monkeypatch):
+# The norm's float32 sum runs in another order than torch's: a normed value may round the other
+# way, and RoPE carries that one rounding on.
+NORM_TOLERANCE = {torch.float16: dict(rtol=1e-2, atol=2e-3), torch.float32: dict(rtol=1e-5, atol=1e-6)}
+
+
+def _qk_norm(head_dim, dtype, gen) -> tuple[RMSNorm, RMSNorm]:
+    norms = (RMSNorm(head_dim, 1e-6, dtype=dtype, device=DEVICE), RMSNorm(head_dim, 1e-5, dtype=dtype, device=DEVICE))
+    with torch.no_grad():
+        for n in norms:
+            n.weight.copy_((1 + 0.3 * torch.randn(head_dim, generator=gen)).to(dtype))
+    return norms
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("case", ["odd_heads", "partial_rotary"])
+def test_qwen3_qk_norm_before_the_rotation(dtype, case):
+    """With (q_norm, k_norm): each head RMS-normed, then rotated, then written, in one launch."""
+    seed = random.randrange(2**31)
+    query, key, value, positions, slots, cache = _inputs(case, dtype, seed, 5)
+    norms = _qk_norm(CASES[case][2], dtype, torch.Generator().manual_seed(seed))
+    rotary = RotaryEmbedding(CASES[case][3], 4096, 1000000.0, CASES[case][4], device=DEVICE)
+    expected_q, expected_k = rotary(positions, norms[0](query)[0], norms[1](key)[0])
+    expected_cache = cache.clone()
+    real = slots >= 0
+    write_kv_torch(expected_k[real], value[real], expected_cache, slots[real])
+    with reports_seed(seed):
+        got_q = rkv.rope_write_kv_triton(positions, query, key, value, rotary.cos_cache, rotary.sin_cache, cache,
+                                         slots, qk_norm=norms)
+        torch.testing.assert_close(got_q, expected_q, **NORM_TOLERANCE[dtype])
+        torch.testing.assert_close(cache, expected_cache, equal_nan=True, **NORM_TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_forward_rotary_fuses_on_the_triton_backend(monkeypatch, with_norm):
     """Attention.forward_rotary with the kernels on: the fused launch, and the same output and
-    cache as RoPE then forward."""
+    cache as (q_norm / k_norm,) RoPE, then forward."""
     monkeypatch.setattr(kernel_dispatch, "use_triton", lambda *tensors: True)
     calls = []
     kernel = rkv.rope_write_kv_triton
@@ -88,6 +122,7 @@ def test_forward_rotary_fuses_on_the_triton_backend(monkeypatch):
     query, key, value, positions, slots, cache = _inputs("llama_gqa", dtype, seed, 3)
     slots[1] = 5  # no padded row: attention reads every token
     rotary = RotaryEmbedding(128, 4096, 500000.0, CASES["llama_gqa"][4], device=DEVICE)
+    qk_norm = _qk_norm(128, dtype, torch.Generator().manual_seed(seed)) if with_norm else None
     blocks = torch.arange(NUM_BLOCKS, dtype=torch.int32, device=DEVICE)[None, :]
     md = AttentionMetadata(
         query_start_loc=torch.tensor([0, 3], dtype=torch.int32, device=DEVICE),
@@ -101,12 +136,16 @@ def test_forward_rotary_fuses_on_the_triton_backend(monkeypatch):
         layer.bind_kv_cache(cache.clone().nan_to_num_(0.0))
         layers.append(layer)
     with reports_seed(seed):
-        fused = layers[0].forward_rotary(positions, query, key, value, rotary, md)
+        fused = layers[0].forward_rotary(positions, query, key, value, rotary, md, qk_norm)
         assert calls == [1]
-        q, k = rotary(positions, query, key)
+        q, k = query, key
+        if qk_norm is not None:
+            q, k = qk_norm[0](query)[0], qk_norm[1](key)[0]
+        q, k = rotary(positions, q, k)
         plain = layers[1](q, k, value, md)
-        assert torch.equal(layers[0].kv_cache, layers[1].kv_cache)
-        torch.testing.assert_close(fused, plain, rtol=0, atol=0)
+        tolerance = NORM_TOLERANCE[dtype] if with_norm else dict(rtol=0, atol=0)
+        torch.testing.assert_close(layers[0].kv_cache, layers[1].kv_cache, **tolerance)
+        torch.testing.assert_close(fused, plain, **tolerance)
 
 
 def test_bad_input_is_refused():
@@ -121,3 +160,6 @@ def test_bad_input_is_refused():
         rkv.rope_write_kv_triton(positions, query, key, value, *args, cache, slots, style="llama")
     with pytest.raises(ValueError, match="matching tokens"):
         rkv.rope_write_kv_triton(positions, query[:1], key, value, *args, cache, slots)
+    wrong = (RMSNorm(32, device=DEVICE), RMSNorm(64, device=DEVICE))
+    with pytest.raises(ValueError, match="q_norm / k_norm"):
+        rkv.rope_write_kv_triton(positions, query, key, value, *args, cache, slots, qk_norm=wrong)

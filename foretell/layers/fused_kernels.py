@@ -159,6 +159,8 @@ def _rope_heads(
     dst_stride_head,
     cos,  # [HALF_P] float32, already rounded to the dtype
     sin,
+    norm_w_ptr,  # [HEAD_DIM] per-head RMSNorm weight (read when HAS_NORM)
+    eps,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr,  # rotary_dim // 2
@@ -166,6 +168,7 @@ def _rope_heads(
     TAIL_P: tl.constexpr,  # power of 2 >= head_dim - rotary_dim
     BLOCK_HEADS: tl.constexpr,
     INTERLEAVED: tl.constexpr,  # gptj: pairs (2i, 2i + 1); neox: pairs (i, i + HALF)
+    HAS_NORM: tl.constexpr,  # RMSNorm each head first (Qwen3's q_norm / k_norm), with its roundings
 ):
     dtype = dst_ptr.dtype.element_ty
     heads = first_head + tl.arange(0, BLOCK_HEADS)
@@ -180,6 +183,21 @@ def _rope_heads(
         first, second = dims, HALF + dims
     x1 = tl.load(src + first, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_HEADS, HALF_P]
     x2 = tl.load(src + second, mask=mask, other=0.0).to(tl.float32)
+    tail = 2 * HALF + tl.arange(0, TAIL_P)[None, :]  # partial rotary: channels past rotary_dim
+    tail_mask = head_ok & (tail < HEAD_DIM)
+    if HEAD_DIM > 2 * HALF:
+        rest = tl.load(src + tail, mask=tail_mask, other=0.0).to(tl.float32)  # [BLOCK_HEADS, TAIL_P]
+    else:
+        rest = tl.zeros([BLOCK_HEADS, TAIL_P], dtype=tl.float32)
+    if HAS_NORM:  # RMSNorm.forward: normalise in float32, round, times the weight, round
+        squares = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1) + tl.sum(rest * rest, axis=1)
+        rstd = tl.rsqrt(squares / HEAD_DIM + eps)[:, None]  # [BLOCK_HEADS, 1]
+        w1 = tl.load(norm_w_ptr + first, mask=dims < HALF, other=0.0).to(tl.float32)
+        w2 = tl.load(norm_w_ptr + second, mask=dims < HALF, other=0.0).to(tl.float32)
+        x1 = _in_dtype(_in_dtype(x1 * rstd, dtype) * w1, dtype)
+        x2 = _in_dtype(_in_dtype(x2 * rstd, dtype) * w2, dtype)
+        w_rest = tl.load(norm_w_ptr + tail, mask=tail < HEAD_DIM, other=0.0).to(tl.float32)
+        rest = _in_dtype(_in_dtype(rest * rstd, dtype) * w_rest, dtype)
     cos = cos[None, :]
     sin = sin[None, :]
     # apply_rope_neox's / apply_rope_gptj's arithmetic, each product and sum rounded to the
@@ -188,10 +206,8 @@ def _rope_heads(
     o2 = _in_dtype(x2 * cos, dtype) + _in_dtype(x1 * sin, dtype)
     tl.store(dst + first, o1.to(dtype), mask=mask)
     tl.store(dst + second, o2.to(dtype), mask=mask)
-    if HEAD_DIM > 2 * HALF:  # partial rotary: the channels past rotary_dim pass through
-        tail = 2 * HALF + tl.arange(0, TAIL_P)[None, :]
-        tail_mask = head_ok & (tail < HEAD_DIM)
-        tl.store(dst + tail, tl.load(src + tail, mask=tail_mask), mask=tail_mask)
+    if HEAD_DIM > 2 * HALF:  # the channels past rotary_dim pass through (normed when HAS_NORM)
+        tl.store(dst + tail, rest.to(dtype), mask=tail_mask)
 
 
 @triton.jit
@@ -229,14 +245,14 @@ def _rope_kernel(
     if block < q_blocks:
         _rope_heads(
             q_ptr, q_out_ptr + token * NUM_Q_HEADS * HEAD_DIM, token, block * BLOCK_HEADS, stride_q_token,
-            stride_q_head, HEAD_DIM, cos, sin, NUM_Q_HEADS, HEAD_DIM, HALF, HALF_P, TAIL_P, BLOCK_HEADS,
-            INTERLEAVED,
+            stride_q_head, HEAD_DIM, cos, sin, q_ptr, 0.0, NUM_Q_HEADS, HEAD_DIM, HALF, HALF_P, TAIL_P,
+            BLOCK_HEADS, INTERLEAVED, False,
         )
     else:
         _rope_heads(
             k_ptr, k_out_ptr + token * NUM_K_HEADS * HEAD_DIM, token, (block - q_blocks) * BLOCK_HEADS,
-            stride_k_token, stride_k_head, HEAD_DIM, cos, sin, NUM_K_HEADS, HEAD_DIM, HALF, HALF_P, TAIL_P,
-            BLOCK_HEADS, INTERLEAVED,
+            stride_k_token, stride_k_head, HEAD_DIM, cos, sin, k_ptr, 0.0, NUM_K_HEADS, HEAD_DIM, HALF, HALF_P,
+            TAIL_P, BLOCK_HEADS, INTERLEAVED, False,
         )
 
 

@@ -129,10 +129,8 @@ class DecoderAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, _ = self.q_norm(q)
-            k, _ = self.k_norm(k)
-        out = self.attn.forward_rotary(positions, q, k, v, self.rotary_emb, metadata)  # [num_tokens, num_heads, head_dim]
+        qk_norm = (self.q_norm, self.k_norm) if self.q_norm is not None else None  # Qwen3
+        out = self.attn.forward_rotary(positions, q, k, v, self.rotary_emb, metadata, qk_norm)  # [T, heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 

@@ -177,11 +177,12 @@ def test_silu_and_mul(dtype, num_tokens, intermediate):
         _check(out, expected, dtype, exact=False)
 
 
+@pytest.mark.parametrize("with_norm", [False, True])
 @pytest.mark.parametrize("style", ["neox", "gptj"])
 @pytest.mark.parametrize("shape", [(32, 8, 128, 128), (7, 1, 64, 64), (6, 3, 80, 48)])
-def test_rope_and_kv_write_in_one_launch(shape, style):
-    """rope_write_kv_triton against the two launches it replaces (rope_triton, write_kv_triton) in
-    bf16, padded rows left alone, and captured in a CUDA graph."""
+def test_rope_and_kv_write_in_one_launch(shape, style, with_norm):
+    """rope_write_kv_triton against the launches it replaces ((q_norm, k_norm,) rope_triton,
+    write_kv_triton) in bf16, padded rows left alone, and captured in a CUDA graph."""
     from foretell.layers.attention.rope_kv_triton import rope_write_kv_triton
     from foretell.layers.attention.triton_kernels import write_kv_triton
 
@@ -197,22 +198,34 @@ def test_rope_and_kv_write_in_one_launch(shape, style):
     slots[3] = -1
     cache = torch.full((2, 64, 16, num_kv_heads, head_dim), float("nan"), dtype=dtype, device=DEVICE)
     want_cache = cache.clone()
-    want_q, want_k = fk.rope_triton(positions, query, key, rotary.cos_cache, rotary.sin_cache, style=style)
-    write_kv_triton(want_k, value, want_cache, slots)
-    got_q = rope_write_kv_triton(positions, query, key, value, rotary.cos_cache, rotary.sin_cache, cache, slots,
-                                 style=style)
-    torch.testing.assert_close(got_q, want_q)
-    torch.testing.assert_close(cache, want_cache, equal_nan=True)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        graph_q = rope_write_kv_triton(positions, query, key, value, rotary.cos_cache, rotary.sin_cache, cache,
-                                       slots, style=style)
-    positions.copy_(torch.randint(0, 8192, (num_tokens,), device=DEVICE))
-    graph.replay()
-    want_q, want_k = fk.rope_triton(positions, query, key, rotary.cos_cache, rotary.sin_cache, style=style)
-    write_kv_triton(want_k, value, want_cache, slots)
-    torch.testing.assert_close(graph_q, want_q)
-    torch.testing.assert_close(cache, want_cache, equal_nan=True)
+    qk_norm = None
+    if with_norm:  # Qwen3: per-head RMSNorm before the rotation (a normed value may round the other way)
+        qk_norm = (RMSNorm(head_dim, 1e-6, dtype=dtype, device=DEVICE), RMSNorm(head_dim, 1e-6, dtype=dtype, device=DEVICE))
+        with torch.no_grad():
+            for n in qk_norm:
+                n.weight.normal_(1.0, 0.3)
+    tolerance = dict(rtol=2e-2, atol=2e-2) if with_norm else {}
+
+    def unfused():
+        q, k = (qk_norm[0](query)[0], qk_norm[1](key)[0]) if with_norm else (query, key)
+        want_q, want_k = fk.rope_triton(positions, q, k, rotary.cos_cache, rotary.sin_cache, style=style)
+        write_kv_triton(want_k, value, want_cache, slots)
+        return want_q
+
+    def fused():
+        return rope_write_kv_triton(positions, query, key, value, rotary.cos_cache, rotary.sin_cache, cache, slots,
+                                    style=style, qk_norm=qk_norm)
+
+    with torch.inference_mode():
+        torch.testing.assert_close(fused(), unfused(), **tolerance)
+        torch.testing.assert_close(cache, want_cache, equal_nan=True, **tolerance)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            graph_q = fused()
+        positions.copy_(torch.randint(0, 8192, (num_tokens,), device=DEVICE))
+        graph.replay()
+        torch.testing.assert_close(graph_q, unfused(), **tolerance)
+        torch.testing.assert_close(cache, want_cache, equal_nan=True, **tolerance)
 
 
 def test_layers_dispatch_under_inference_only(monkeypatch):

@@ -13,6 +13,7 @@ from torch import nn
 
 from foretell.layers.attention.backend import AttentionBackend
 from foretell.layers.attention.metadata import AttentionMetadata
+from foretell.layers.norm import RMSNorm
 from foretell.layers.rotary import RotaryEmbedding
 
 
@@ -64,15 +65,20 @@ class Attention(nn.Module):
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         rotary_emb: RotaryEmbedding,
         metadata: AttentionMetadata,
+        qk_norm: tuple[RMSNorm, RMSNorm] | None = None,  # (q_norm, k_norm) per head, before RoPE
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """RoPE on query and key, then forward: one launch for RoPE and the KV write when the
-        backend fuses them (the cache in the query's dtype), else rotary_emb then forward."""
+        """(q_norm / k_norm,) RoPE on query and key, then forward: one launch for all of it and
+        the KV write when the backend fuses them (the cache and norms in the query's dtype), else
+        the modules one after the other."""
         if self.kv_cache is None:
             raise RuntimeError("attention layer has no KV cache bound; the runner must bind one")
-        if (self.backend.fuses_rope and self.kv_cache.dtype == query.dtype
+        norms_fit = qk_norm is None or all(n.weight.dtype == query.dtype for n in qk_norm)
+        if (self.backend.fuses_rope and norms_fit and self.kv_cache.dtype == query.dtype
                 and rotary_emb.fusable(positions, query, key)):
             query = self.backend.rope_write_kv(positions, query, key, value, rotary_emb, self.kv_cache,
-                                               metadata.slot_mapping)
+                                               metadata.slot_mapping, qk_norm)
             return self.backend.attend(query, self.kv_cache, metadata, self.scale)
+        if qk_norm is not None:
+            (query, _), (key, _) = qk_norm[0](query), qk_norm[1](key)
         query, key = rotary_emb(positions, query, key)
         return self(query, key, value, metadata)

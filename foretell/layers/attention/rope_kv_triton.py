@@ -9,8 +9,9 @@ does one of three things:
   v blocks   copy value heads into the V cache at the token's slot.
 A padded row (slot -1) writes nothing to the cache (its q is still rotated: nobody reads it).
 
-Twin: RotaryEmbedding.forward, then write_kv_torch (what Attention.forward_rotary runs without
-this kernel). The rotation is fused_kernels._rope_heads, so q and k are rounded where the twin
+With Qwen3's q_norm / k_norm given, each head is RMS-normed first, in the same launch (two
+fewer launches a layer). Twin: q_norm / k_norm, RotaryEmbedding.forward, then write_kv_torch
+(what Attention.forward_rotary runs without this kernel). The rotation is fused_kernels._rope_heads, so q and k are rounded where the twin
 rounds them; the cache must have q's dtype (else the twin would round twice). Grids depend only on
 shapes and nothing syncs with the host, so a launch can be captured in a CUDA graph.
 tests/test_rope_kv_triton.py holds kernel and twin together in Triton's interpreter,
@@ -24,6 +25,7 @@ import triton
 import triton.language as tl
 
 from foretell.layers.fused_kernels import ROPE_STYLES, _in_dtype, _next_pow2, _num_warps, _rope_heads
+from foretell.layers.norm import RMSNorm
 
 
 @triton.jit
@@ -38,6 +40,10 @@ def _rope_write_kv_kernel(
     k_cache_ptr,  # [num_blocks, BLOCK_SIZE, NUM_K_HEADS, HEAD_DIM]
     v_cache_ptr,
     slot_mapping_ptr,  # [num_tokens] int64; -1: padding
+    q_norm_ptr,  # [HEAD_DIM] q_norm weight (read when HAS_NORM)
+    k_norm_ptr,  # [HEAD_DIM] k_norm weight
+    q_eps,
+    k_eps,
     stride_q_token,
     stride_q_head,
     stride_k_token,
@@ -58,6 +64,7 @@ def _rope_write_kv_kernel(
     BLOCK_HEADS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # cache block size
     INTERLEAVED: tl.constexpr,
+    HAS_NORM: tl.constexpr,  # per-head RMSNorm of q and k before the rotation (Qwen3)
 ):
     token = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
@@ -71,8 +78,8 @@ def _rope_write_kv_kernel(
     if block < q_blocks:
         _rope_heads(
             q_ptr, q_out_ptr + token * NUM_Q_HEADS * HEAD_DIM, token, block * BLOCK_HEADS, stride_q_token,
-            stride_q_head, HEAD_DIM, cos, sin, NUM_Q_HEADS, HEAD_DIM, HALF, HALF_P, TAIL_P, BLOCK_HEADS,
-            INTERLEAVED,
+            stride_q_head, HEAD_DIM, cos, sin, q_norm_ptr, q_eps, NUM_Q_HEADS, HEAD_DIM, HALF, HALF_P, TAIL_P,
+            BLOCK_HEADS, INTERLEAVED, HAS_NORM,
         )
     else:
         slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -82,8 +89,8 @@ def _rope_write_kv_kernel(
             if kv_block < k_blocks:
                 _rope_heads(
                     k_ptr, k_cache_ptr + slot_offset, token, kv_block * BLOCK_HEADS, stride_k_token,
-                    stride_k_head, stride_cache_head, cos, sin, NUM_K_HEADS, HEAD_DIM, HALF, HALF_P, TAIL_P,
-                    BLOCK_HEADS, INTERLEAVED,
+                    stride_k_head, stride_cache_head, cos, sin, k_norm_ptr, k_eps, NUM_K_HEADS, HEAD_DIM, HALF,
+                    HALF_P, TAIL_P, BLOCK_HEADS, INTERLEAVED, HAS_NORM,
                 )
             else:
                 heads = (kv_block - k_blocks) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)
@@ -105,8 +112,10 @@ def rope_write_kv_triton(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], query's dtype
     slot_mapping: torch.Tensor,  # [num_tokens] int64; slots < 0 are skipped
     style: str = "neox",
+    qk_norm: tuple[RMSNorm, RMSNorm] | None = None,  # (q_norm, k_norm) over head_dim, applied first
 ) -> torch.Tensor:  # rotated query [num_tokens, num_heads, head_dim], contiguous
-    """RotaryEmbedding.forward on query and key, then the KV write of the rotated key and value."""
+    """RotaryEmbedding.forward on query and key (after q_norm / k_norm when given), then the KV
+    write of the rotated key and value."""
     if style not in ROPE_STYLES:
         raise ValueError(f"rope style {style!r} is not one of {ROPE_STYLES}")
     if query.dim() != 3 or key.dim() != 3 or value.shape != key.shape or query.shape[::2] != key.shape[::2]:
@@ -120,6 +129,11 @@ def rope_write_kv_triton(
     if not (query.dtype == key.dtype == value.dtype == kv_cache.dtype) or kv_cache.stride(-1) != 1:
         raise ValueError(f"query, key, value and the cache must share a dtype (got {query.dtype}, {key.dtype}, "
                          f"{value.dtype}, {kv_cache.dtype}) and the cache a unit last stride")
+    if qk_norm is not None and any(
+        n.weight.shape != (head_dim,) or n.weight.dtype != query.dtype or n.weight.device != query.device
+        for n in qk_norm
+    ):
+        raise ValueError(f"q_norm / k_norm must have a [{head_dim}] {query.dtype} weight on {query.device}")
     half = cos_cache.shape[1]
     if 2 * half > head_dim or sin_cache.shape != cos_cache.shape:
         raise ValueError(f"cos/sin caches [{list(cos_cache.shape)}] do not fit head_dim {head_dim}")
@@ -132,8 +146,11 @@ def rope_write_kv_triton(
     half_p = _next_pow2(half)
     block_heads = min(max(1, 1024 // max(half_p, _next_pow2(head_dim) // 2)), _next_pow2(max(num_q_heads, num_k_heads)))
     q_blocks, k_blocks = triton.cdiv(num_q_heads, block_heads), triton.cdiv(num_k_heads, block_heads)
+    q_norm, k_norm = qk_norm if qk_norm is not None else (None, None)
     _rope_write_kv_kernel[(num_tokens, q_blocks + 2 * k_blocks)](
         positions.contiguous(), cos_cache, sin_cache, query, key, value, q_out, k_cache, v_cache, slot_mapping,
+        q_norm.weight if q_norm is not None else query, k_norm.weight if k_norm is not None else key,
+        q_norm.eps if q_norm is not None else 0.0, k_norm.eps if k_norm is not None else 0.0,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         cos_cache.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_Q_HEADS=num_q_heads,
@@ -146,6 +163,7 @@ def rope_write_kv_triton(
         BLOCK_HEADS=block_heads,
         BLOCK_SIZE=kv_cache.shape[2],
         INTERLEAVED=style == "gptj",
+        HAS_NORM=qk_norm is not None,
         num_warps=_num_warps(2 * block_heads * half_p),
     )
     return q_out

@@ -13,6 +13,7 @@ import torch
 from foretell.layers.attention.metadata import AttentionMetadata
 from foretell.layers.attention.triton_kernels import paged_attention_triton, write_kv_triton
 from foretell.layers.attention.triton_varlen import SplitCounters
+from foretell.layers.norm import RMSNorm
 from foretell.layers.rotary import RotaryEmbedding
 
 
@@ -42,12 +43,14 @@ class TritonAttentionBackend:
         rotary_emb: RotaryEmbedding,
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], query's dtype
         slot_mapping: torch.Tensor,  # [num_tokens] int64; -1 marks padded rows
+        qk_norm: tuple[RMSNorm, RMSNorm] | None = None,  # (q_norm, k_norm), applied before RoPE
     ) -> torch.Tensor:  # rotated query
-        """rotary_emb(positions, query, key), then write_kv of the rotated key: one launch."""
+        """(q_norm / k_norm,) rotary_emb(positions, query, key), then write_kv of the rotated key:
+        one launch."""
         from foretell.layers.attention.rope_kv_triton import rope_write_kv_triton
 
         return rope_write_kv_triton(positions, query, key, value, rotary_emb.cos_cache, rotary_emb.sin_cache,
-                                    kv_cache, slot_mapping, style=rotary_emb.style)
+                                    kv_cache, slot_mapping, style=rotary_emb.style, qk_norm=qk_norm)
 
     def attend(
         self,
