@@ -7,11 +7,20 @@ cd "$(dirname "$0")/.."
 out=${1:?usage: gpu_check.sh OUT_DIR [--skip-attention]}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+stage() { echo "[gpu_check] $1 done at ${SECONDS}s" | tee -a "$out/stages.log"; }  # the budget: 10 minutes
 python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider -o addopts="" 2>&1 | tee "$out/gpu_tests.log" | tail -25
+stage gpu_tests
 [ "${2:-}" = "--skip-attention" ] || python3 scripts/bench_attention.py "$out" --quick 2>&1 | tail -30
+stage bench_attention
 python3 scripts/bench_fused.py "$out" --quick 2>&1 | tail -20
+stage bench_fused
 python3 scripts/bench_mla_moe.py "$out" --quick 2>&1 | tail -30
+stage bench_mla_moe
 python3 scripts/bench_small_m_gemm.py "$out" --quick 2>&1 | tail -16
+stage bench_small_m_gemm
 python3 scripts/bench_gpu.py "$out" 2>&1 | tee "$out/bench_gpu.log" | grep -v "^max_model_len"
+stage bench_gpu
 python3 scripts/profile_decode.py "$out" 2>&1 | tail -30
+stage profile_decode
 python3 scripts/profile_host.py "$out" 2>&1 | head -12
+stage profile_host

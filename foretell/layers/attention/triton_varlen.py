@@ -8,8 +8,9 @@ one or a few of them and the rest return at once. A lone piece writes the output
 each writes an unnormalised partial (accumulator, running max, sum), and the LAST program of the
 group to finish (counted with an atomic per group in `SplitCounters`) merges the partials and
 resets its counter: no merge launch per layer. That merge is serial over the pieces, so wide rows
-(MLA's 512-wide latent, where it cost ~7 us per layer on an H200) keep a merge kernel instead
-(MERGE_IN_KERNEL off: every split program writes a partial, `split_statistics` reads them).
+(MLA's 512-wide latent: 12.4 us a layer on an H200, against 5.8 + 2.3 us with a merge kernel) keep
+a merge kernel instead (MERGE_IN_KERNEL off: every split program writes a partial, the merge
+kernel reads them through `split_statistics`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 
 class SplitCounters:
     """Counters of finished split programs, one int32 per (query block, head group) of a launch,
