@@ -1,0 +1,51 @@
+"""The newest Triton kernels compile for an H100/H200 (sm_90) without a GPU: Triton's frontend,
+its passes and ptxas run ahead of time, so an error that Triton's interpreter cannot see (a
+constexpr branch, a type, a layout, a register limit) shows in CI rather than in the first minutes
+of a GPU session. The kernels are compiled at the shapes the engine launches them with (DeepSeek-
+V2-Lite, Kimi-K2, Llama-3.1-8B, Qwen3); correctness is the interpreter tests' and tests/gpu's job.
+
+The compiles run in one fresh process (fixtures/kernel_compile.py): kernel modules imported here
+for the interpreter would be interpreter functions, and the other way round. Skipped when this
+Triton cannot compile for CUDA on this machine (no CUDA backend or ptxas).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+CASES = [
+    "argmax chunks", "argmax pick", "gqa attention, split, Llama", "mla absorbed query with rope",
+    "mla attention, split, V2-Lite", "mla latent write", "mla merge", "moe gemv down + combine",
+    "moe gemv gate_up", "rope + kv write, Qwen3 norms", "rope + kv write, partial rotary", "route, Kimi-K2",
+    "route, V2-Lite",
+]
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [TESTS_DIR, env.get("PYTHONPATH")]))
+    run = subprocess.run([sys.executable, "-m", "fixtures.kernel_compile"], cwd=TESTS_DIR, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    results = json.loads(run.stdout.strip().splitlines()[-1])
+    if results.get("unavailable"):
+        pytest.skip("this Triton cannot compile for sm_90 here")
+    return results
+
+
+def test_every_case_was_compiled(compiled):
+    assert sorted(compiled) == sorted(CASES)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_compiles_for_sm90(compiled, case):
+    assert compiled[case] == "ok", compiled[case]
