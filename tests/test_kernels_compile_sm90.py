@@ -1,8 +1,9 @@
-"""The newest Triton kernels compile for an H100/H200 (sm_90) without a GPU: Triton's frontend,
-its passes and ptxas run ahead of time, so an error that Triton's interpreter cannot see (a
-constexpr branch, a type, a layout, a register limit) shows in CI rather than in the first minutes
-of a GPU session. The kernels are compiled at the shapes the engine launches them with (DeepSeek-
-V2-Lite, Kimi-K2, Llama-3.1-8B, Qwen3); correctness is the interpreter tests' and tests/gpu's job.
+"""The newest Triton kernels (and older ones sharing their helpers) compile for an H100/H200 (sm_90)
+without a GPU: Triton's frontend, its passes and ptxas run ahead of time, so an error that Triton's
+interpreter cannot see (a constexpr branch, a type, a layout, a register limit) shows in CI rather
+than in the first minutes of a GPU session. The kernels are compiled at the shapes the engine
+launches them with (DeepSeek-V2-Lite, Kimi-K2, Llama-3.1-8B, Qwen3); correctness is the
+interpreter tests' and tests/gpu's job.
 
 The compiles run in one fresh process (fixtures/kernel_compile.py): kernel modules imported here
 for the interpreter would be interpreter functions, and the other way round. Skipped when this
@@ -25,7 +26,8 @@ CASES = [
     "argmax chunks", "argmax pick", "gqa attention, split, Llama", "mla absorbed query with rope",
     "mla attention, split, V2-Lite", "mla latent write", "mla merge", "moe gemv down + combine",
     "moe gemv gate_up", "rope + kv write, Qwen3 norms", "rope + kv write, partial rotary", "route, Kimi-K2",
-    "route, V2-Lite",
+    "route, V2-Lite", "rope (q and k), gptj partial", "select experts, Kimi-K2", "router logits",
+    "gqa attention, unsplit prefill",
 ]
 
 
