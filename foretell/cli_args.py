@@ -19,9 +19,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     g.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
-    g.add_argument("--small-m-gemm", default="off", choices=["auto", "on", "off"],
-                   help="few-row matmuls on CUDA: auto = time cuBLAS vs the Triton skinny GEMM per shape "
-                        "(off by default: no gain measured on the H200)")
+    g.add_argument("--small-m-gemm", default="on", choices=["auto", "on", "off"],
+                   help="few-row matmuls on CUDA: on = the Triton GEMV for batch-1 decode (7%% faster "
+                        "Llama-8B steps on the H200), auto = time it against cuBLAS per shape, off = cuBLAS")
     g.add_argument("--num-cpu-threads", type=int, help="torch intra-op threads on CPU")
     g.add_argument("--warm-up", default="auto", choices=["auto", "on", "off"],
                    help="dummy requests at start-up so no kernel compiles during serving (auto: on CUDA)")

@@ -35,12 +35,12 @@ class ModelConfig:
     # No tokenizer: prompts must be token ids and outputs carry no text (benchmarks with
     # --load-format dummy from a bare config.json).
     skip_tokenizer_init: bool = False
-    # Few-row matmuls (decode, verify) on CUDA with graphs: auto times cuBLAS against the skinny
-    # Triton GEMM once per shape at start-up and keeps the faster; on: always the kernel; off:
-    # always cuBLAS (layers/small_m_dispatch.py). Off by default: on the H200 the kernel only
-    # matches cuBLAS at M = 1 and auto's start-up timing picked it where graph replays were
-    # slower (decode graph 4.73 ms auto vs 4.55 ms off; BENCHMARKS.md).
-    small_m_gemm: str = "off"
+    # Few-row matmuls on CUDA with graphs (layers/small_m_dispatch.py): on: the Triton GEMV for
+    # single-row inputs (batch-1 decode), which streams its weights while the kernel before it
+    # finishes (Llama-8B decode graph 4.31 against 4.63 ms with cuBLAS on the H200; BENCHMARKS.md);
+    # auto: times cuBLAS against the GEMV once per shape up to 4 rows and keeps the faster; off:
+    # always cuBLAS.
+    small_m_gemm: str = "on"
     # Run a few dummy requests at start-up so Triton compiles its kernels' shape variants before
     # the first real request (engine/warm_up.py). auto: on CUDA only.
     warm_up: str = "auto"

@@ -65,8 +65,13 @@ def free(llm) -> None:
     torch.cuda.empty_cache()
 
 
+ENGINE_DEFAULTS: dict = {}  # set by main() from the command line (--small-m-gemm)
+
+
 def make_llm(model: str, spec: dict | None = None, **kw) -> LLM:
     kw.setdefault("max_num_seqs", 64)
+    for key, value in ENGINE_DEFAULTS.items():
+        kw.setdefault(key, value)
     return LLM(model, dtype="bfloat16", device="cuda", load_format="dummy", skip_tokenizer_init=True,
                speculative_config=spec, log_stats_interval_s=0, **kw)
 
@@ -335,8 +340,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s for rooflines")
     parser.add_argument("--only", help="comma-separated sections to run (default: all but deepseek_small_m)")
+    parser.add_argument("--small-m-gemm", choices=["auto", "on", "off"],
+                        help="few-row linears for every engine here (default: the engine's default)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.small_m_gemm:
+        ENGINE_DEFAULTS["small_m_gemm"] = args.small_m_gemm
+        RESULTS["small_m_gemm"] = args.small_m_gemm
     OUT_DIR.append(args.out)
     batches = [1, 4] if args.quick else [1, 4, 16, 64]
     RESULTS["gpu"] = torch.cuda.get_device_name()

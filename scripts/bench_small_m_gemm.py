@@ -1,4 +1,4 @@
-"""Time the skinny Triton GEMM (layers/small_m_gemm.py) against cuBLAS (F.linear) at the linear
+"""Time the Triton GEMV (layers/small_m_gemm.py) against cuBLAS (F.linear) at the linear
 shapes of Llama-3.1-8B, for the few rows of decode (M = batch) and verify (M = batch x (k + 1)).
 
 Shapes (N, K): qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336, lm_head
@@ -10,7 +10,7 @@ configs (the ones the engine's dispatch times); "auto" is what the dispatch (Sma
 own event timer) would pick. The "decode step" lines add up one Llama-8B step at M = 1 and 4:
 32 x (qkv + o + gate_up + down) + lm_head.
 
-    python scripts/bench_small_m_gemm.py [OUT_DIR] [--dtype bf16] [--rows 1 2 4 8 16] [--quick]
+    python scripts/bench_small_m_gemm.py [OUT_DIR] [--dtype bf16] [--rows 1 2 4] [--quick]
 
 Prints a table and, given OUT_DIR, writes OUT_DIR/bench_small_m_gemm.json.
 """
@@ -88,14 +88,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", nargs="?", help="folder to write bench_small_m_gemm.json into")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    parser.add_argument("--rows", type=int, nargs="+", help="M values (default 1 2 4 8 16)")
+    parser.add_argument("--rows", type=int, nargs="+", help="M values (default 1 2 4)")
     parser.add_argument("--quick", action="store_true", help="M 1 and 4, shorter timing")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_small_m_gemm.py needs a CUDA device")
     import triton
 
-    rows = args.rows or ([1, 4] if args.quick else [1, 2, 4, 8, 16])
+    rows = args.rows or ([1, 4] if args.quick else [1, 2, 4])
     rep = 10 if args.quick else 50
     dtype = DTYPES[args.dtype]
     print(f"{torch.cuda.get_device_name()}  {args.dtype}  torch {torch.__version__}  "

@@ -27,7 +27,8 @@ CASES = [
     "mla attention, split, V2-Lite", "mla latent write", "mla merge", "moe gemv down + combine",
     "moe gemv gate_up", "rope + kv write, Qwen3 norms", "rope + kv write, partial rotary", "route, Kimi-K2",
     "route, V2-Lite", "rope (q and k), gptj partial", "select experts, Kimi-K2", "router logits",
-    "gqa attention, unsplit prefill",
+    "gqa attention, unsplit prefill", "gemv with pdl, Llama qkv", "gemv with pdl, silu_mul input, 4 rows, bias",
+    "rms norm + residual, pdl trigger",
 ]
 
 

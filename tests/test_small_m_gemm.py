@@ -1,10 +1,10 @@
-"""The skinny GEMM (layers/small_m_gemm.py) against a float64 torch reference, and the dispatch
-that picks it or cuBLAS (layers/small_m_dispatch.py) with a fake timer.
+"""The GEMV (layers/small_m_gemm.py) against a float64 torch reference, and the dispatch that picks
+it or cuBLAS (layers/small_m_dispatch.py) with a fake timer.
 
 Without a CUDA device the kernel runs in Triton's interpreter on CPU tensors (fp16 and fp32: the
 interpreter keeps bf16 as uint16; bf16 is checked on CUDA in tests/gpu/test_small_m_gemm_gpu.py).
-Every torch.empty of a launch (output and split-K workspace) is poisoned with NaN, so a kernel
-that skips an element shows it. Every case draws fresh shapes and inputs; a failure prints the
+Every torch.empty of a launch (the output) is poisoned with NaN, so a kernel that skips an
+element shows it. Every case draws fresh shapes and inputs; a failure prints the
 seed that reproduces it.
 """
 
@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from fixtures.seeds import reports_seed  # noqa: E402
 from foretell.config import ModelConfig
 from foretell.layers import kernel_dispatch
+from foretell.layers.activation import SiluAndMul
 from foretell.layers.embedding import LMHead
 from foretell.layers.linear import Linear, MergedLinear, QKVLinear
 from foretell.layers.small_m_dispatch import GemmKey, SmallMGemm, m_bucket, prepare_small_m_linears
@@ -53,21 +54,36 @@ def _check(got, x, weight, bias):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("m", [1, 3, 4, 8, 16])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
 def test_matches_float64_reference(dtype, m, poisoned_empty):
     seed = random.randrange(2**31)
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    n, k = rng.randint(17, 90), rng.randint(1025, 1700)  # >= 3 blocks of K <= 512, not multiples
+    n, k = rng.randint(17, 90), rng.randint(1025, 1700)  # not multiples of the tiles
     x = torch.randn(m, k, generator=gen).to(dtype).to(DEVICE)
     weight = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype).to(DEVICE)
     bias = torch.randn(n, generator=gen).to(dtype).to(DEVICE)
-    split = sm.pick_config(m, n, k, split_k=3)
     with reports_seed(seed):
-        assert split.split_k > 1  # 2 or 3: splits of equal whole tiles, none empty
-        for config in (None, sm.pick_config(m, n, k, split_k=1), split):
+        # default tiles (one tile of all K), several tiles of K, more rows of W per program
+        for config in (None, sm.pick_config(m, n, k, block_k=256), sm.pick_config(m, n, k, block_n=4, block_k=512)):
             for b in (bias, None):
                 _check(sm.small_m_linear(x, weight, b, config), x, weight, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_silu_mul_input_matches_the_activation_then_the_product(dtype, poisoned_empty):
+    """silu_mul=True: x is gate_up [M, 2K]; the kernel must equal F.linear(SiluAndMul(x)) with the
+    activation's roundings (silu rounded to the dtype, then the product)."""
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    m, n, k = rng.randint(1, 4), rng.randint(5, 40), rng.randint(300, 700)
+    gate_up = (torch.randn(m, 2 * k, generator=gen) * 3).to(dtype).to(DEVICE)
+    weight = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype).to(DEVICE)
+    activated = SiluAndMul()(gate_up.cpu()).to(DEVICE)  # [m, k], the torch path
+    with reports_seed(seed):
+        for config in (None, sm.pick_config(m, n, k, block_k=128)):
+            _check(sm.small_m_linear(gate_up, weight, None, config, silu_mul=True), activated, weight, None)
 
 
 def test_strided_rows_and_tiny_k(poisoned_empty):
@@ -76,19 +92,20 @@ def test_strided_rows_and_tiny_k(poisoned_empty):
     _check(sm.small_m_linear(x, weight), x, weight, None)
 
 
-def test_configs_cover_k_without_empty_splits():
+def test_configs_fit_the_rows_and_keep_threads_busy():
     rng = random.Random(0)
     for _ in range(300):
-        m, n, k = rng.randint(1, 16), rng.randint(1, 50000), rng.randint(1, 20000)
-        config = sm.pick_config(m, n, k, num_sms=rng.choice([8, 132]), split_k=rng.choice([None, 1, 2, 3, 7, 64]))
-        per_split = -(-(-(-k // config.block_k)) // config.split_k) * config.block_k
-        assert config.block_m >= m and (config.split_k - 1) * per_split < k <= config.split_k * per_split
-    assert sm.pick_config(1, 4096, 4096, num_sms=132).split_k > 1  # narrow layers split K
+        m, n, k = rng.randint(1, 4), rng.randint(1, 50000), rng.randint(1, 20000)
+        config = sm.pick_config(m, n, k)
+        assert config.block_m >= m and config.block_k <= sm.MAX_BLOCK_K and 1 <= config.num_warps <= 8
+        assert config.block_n * config.block_k <= 32 * 32 * config.num_warps  # 32 weights a thread
+    assert sm.pick_config(1, 6144, 4096).block_k == 4096  # Llama-8B qkv: one tile per program
+    assert sm.pick_config(1, 4096, 14336).block_k == 2048  # down: tiles of 2048
 
 
 def test_bad_inputs_raise_clear_errors():
     x, w = torch.zeros(2, 8), torch.zeros(4, 8)
-    with pytest.raises(ValueError, match="K=9"):
+    with pytest.raises(ValueError, match=r"K=8\], got \[2, 9\]"):
         sm.small_m_linear(torch.zeros(2, 9), w)
     with pytest.raises(ValueError, match="contiguous"):
         sm.small_m_linear(x, torch.zeros(8, 4).t())
@@ -98,8 +115,10 @@ def test_bad_inputs_raise_clear_errors():
         sm.small_m_linear(x, w.half())
     with pytest.raises(ValueError, match="bias"):
         sm.small_m_linear(x, w, torch.zeros(3))
-    with pytest.raises(ValueError, match="1 to 16 rows"):
-        sm.small_m_linear(torch.zeros(17, 8), w)
+    with pytest.raises(ValueError, match="1 to 4 rows"):
+        sm.small_m_linear(torch.zeros(5, 8), w)
+    with pytest.raises(ValueError, match="2K=16"):  # silu_mul wants gate then up
+        sm.small_m_linear(x, w, silu_mul=True)
     with pytest.raises(ValueError, match=r"\[M, K\]"):
         sm.small_m_linear(torch.zeros(8), w)
 
@@ -116,9 +135,9 @@ class FakeKernels:
     def candidate_configs(self, m, n, k, device):
         return ["split1", "splitK"]
 
-    def small_m_linear(self, x, weight, bias, config):
+    def small_m_linear(self, x, weight, bias, config, silu_mul=False):
         self.last, self.runs = config, self.runs + 1
-        y = F.linear(x, weight, bias)
+        y = F.linear(SiluAndMul()(x) if silu_mul else x, weight, bias)
         return y + 1 if self.wrong else y
 
 
@@ -136,7 +155,7 @@ class FakeTimer:
         return self.times[name]
 
 
-def _gemm(times, mode="auto", capturing=False, wrong=False, max_m=16):
+def _gemm(times, mode="auto", capturing=False, wrong=False, max_m=4):
     kernels = FakeKernels(wrong)
     timer = FakeTimer(kernels, times)
     gemm = SmallMGemm(mode, max_m, kernels=kernels, timer=timer, is_capturing=lambda: capturing)
@@ -189,7 +208,7 @@ def test_agreement_check_takes_rounding_not_errors(dtype):
 def test_a_kernel_that_fails_to_compile_loses_to_cublas():
     gemm, kernels, timer = _gemm({"cublas": 10.0, "split1": 1.0, "splitK": 1.0})
 
-    def broken(x, weight, bias, config):
+    def broken(x, weight, bias, config, silu_mul=False):
         raise RuntimeError("triton compile error")
 
     kernels.small_m_linear = broken
@@ -208,27 +227,32 @@ def test_capture_uses_the_cached_choice_or_cublas():
 
 def test_mode_on_always_takes_the_kernel_untimed():
     gemm, _, timer = _gemm({}, mode="on")
-    assert gemm.choose(KEY, W, B) == "splitK" and timer.timed == []
+    assert gemm.choose(KEY, W, B) == "split1" and timer.timed == []  # the default tiles
     with pytest.raises(ValueError, match="mode"):
         SmallMGemm("off")
 
 
 def test_call_routes_rows_through_the_chosen_path(monkeypatch):
-    gemm, kernels, _ = _gemm({"cublas": 10.0, "split1": 5.0, "splitK": 6.0}, max_m=8)
-    x = torch.randn(2, 3, 32)  # 6 rows -> bucket 8
+    gemm, kernels, _ = _gemm({"cublas": 10.0, "split1": 5.0, "splitK": 6.0})
+    x = torch.randn(1, 3, 32)  # 3 rows -> bucket 4
     assert torch.equal(gemm(x, W, B), F.linear(x, W, B)) and kernels.runs == 0  # CPU: F.linear
     monkeypatch.setattr(kernel_dispatch, "use_triton", lambda *tensors: True)
     torch.testing.assert_close(gemm(x, W, B), F.linear(x, W, B))
-    assert kernels.last == "split1" and GemmKey(8, 24, 32, torch.float32, True) in gemm.choices
+    assert kernels.last == "split1" and GemmKey(4, 24, 32, torch.float32, True) in gemm.choices
+    gate_up = torch.randn(3, 64)  # silu_mul: [M, 2K], the same key as [M, K]
+    torch.testing.assert_close(gemm(gate_up, W, B, silu_mul=True), F.linear(SiluAndMul()(gate_up), W, B))
     runs = kernels.runs
-    for too_many in (torch.randn(9, 32), torch.randn(3, 32).double()):  # rows, dtype: F.linear
+    for too_many in (torch.randn(5, 32), torch.randn(3, 32).double()):  # rows, dtype: F.linear
         gemm(too_many, W.to(too_many.dtype), B.to(too_many.dtype))
+    wide = torch.randn(5, 64)  # too many rows with silu_mul: activation, then F.linear
+    torch.testing.assert_close(gemm(wide, W, B, silu_mul=True), F.linear(SiluAndMul()(wide), W, B))
     assert kernels.runs == runs
     assert [m_bucket(m) for m in (1, 2, 3, 5, 9, 16)] == [1, 2, 4, 8, 16, 16]
 
 
 def test_layers_run_the_interpreted_kernel_when_bound(monkeypatch):
-    """Linear, its fused subclasses and LMHead, bound in mode "on": the kernel's result."""
+    """Linear, its fused subclasses and LMHead, bound in mode "on": the kernel's result for one
+    row (a batch-1 decode step), F.linear's for more."""
     monkeypatch.setattr(kernel_dispatch, "use_triton", lambda *tensors: True)
     dtype = torch.float16
     layers = [Linear(40, 24, bias=True, dtype=dtype, device=DEVICE), MergedLinear(40, [8, 12], dtype=dtype, device=DEVICE),
@@ -236,18 +260,26 @@ def test_layers_run_the_interpreted_kernel_when_bound(monkeypatch):
     for layer in layers:
         for p in layer.parameters():
             p.data.normal_()
-    x = torch.randn(3, 40).to(dtype).to(DEVICE)
+    x = torch.randn(1, 40).to(dtype).to(DEVICE)
     plain = [layer(x) for layer in layers]
     gemm = prepare_small_m_linears(torch.nn.ModuleList(layers), max_m=4, mode="on")
-    assert all(layer.small_m is gemm for layer in layers)
+    assert all(layer.small_m is gemm for layer in layers) and gemm.max_m == 1
     calls = []
     kernel = sm.small_m_linear
-    monkeypatch.setattr(sm, "small_m_linear", lambda *a: calls.append(1) or kernel(*a))
+    monkeypatch.setattr(sm, "small_m_linear", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     for layer, expected in zip(layers, plain):
         got = layer(x)
         assert got.dtype == expected.dtype
         torch.testing.assert_close(got, expected, rtol=2e-3, atol=2e-3)
     assert len(calls) == len(layers)
+    down = layers[0]  # an MLP's down projection: x as gate_up, the activation inside the kernel
+    gate_up = torch.randn(1, 80).to(dtype).to(DEVICE)
+    expected = F.linear(SiluAndMul()(gate_up.cpu()).to(DEVICE), down.weight, down.bias)
+    torch.testing.assert_close(down.forward_silu_mul(gate_up), expected, rtol=2e-3, atol=2e-3)
+    assert len(calls) == len(layers) + 1
+    three_rows = torch.randn(3, 40).to(dtype).to(DEVICE)
+    assert torch.equal(layers[1](three_rows), F.linear(three_rows, layers[1].weight))  # cuBLAS's path
+    assert len(calls) == len(layers) + 1
 
 
 def test_prepare_warms_every_bucket_and_binds_once(monkeypatch):
@@ -285,4 +317,4 @@ def test_cli_flag_reaches_the_model_config():
     kwargs = engine_kwargs_from_args(parser.parse_args(["--model", "m", "--small-m-gemm", "auto"]))
     assert build_engine_config("m", **kwargs).model.small_m_gemm == "auto"
     kwargs = engine_kwargs_from_args(parser.parse_args(["--model", "m"]))
-    assert build_engine_config("m", **kwargs).model.small_m_gemm == "off"
+    assert build_engine_config("m", **kwargs).model.small_m_gemm == "on"

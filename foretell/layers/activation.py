@@ -13,13 +13,18 @@ from torch import nn
 from foretell.layers import kernel_dispatch
 
 
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [..., 2 * intermediate] -> [..., intermediate]
+    """silu(gate) * up on a fused gate_up output."""
+    if kernel_dispatch.use_triton(gate_up):
+        from foretell.layers import fused_kernels  # imports triton: CUDA only
+
+        return fused_kernels.silu_and_mul_triton(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class SiluAndMul(nn.Module):
-    """silu(gate) * up on a fused gate_up output [..., 2 * intermediate] -> [..., intermediate]."""
+    """silu_and_mul as a module (no weights), for the MLPs' `act_fn`."""
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if kernel_dispatch.use_triton(gate_up):
-            from foretell.layers import fused_kernels  # imports triton: CUDA only
-
-            return fused_kernels.silu_and_mul_triton(gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return silu_and_mul(gate_up)

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from foretell.layers.pdl import let_next_kernel_launch, pdl_enabled
+
 
 def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
@@ -69,7 +71,10 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,  # let a PDL-launched next kernel start now (layers/pdl.py)
 ):
+    # The next kernel (a projection's GEMV) only reads its weights until this one completes.
+    let_next_kernel_launch(LAUNCH_DEPENDENTS)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_H)
     col_ok = cols < hidden
@@ -134,6 +139,7 @@ def rms_norm_triton(
         HAS_RESIDUAL=residual is not None,
         BLOCK_ROWS=block_rows,
         BLOCK_H=block_h,
+        LAUNCH_DEPENDENTS=pdl_enabled(x),
         num_warps=_num_warps(block_rows * block_h),
     )
     return out, residual_out

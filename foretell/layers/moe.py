@@ -33,7 +33,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from foretell.layers.activation import SiluAndMul
 from foretell.layers.kernel_dispatch import use_triton
 from foretell.layers.linear import Linear, MergedLinear, check_shape, make_param
 from foretell.models.base import WeightRule
@@ -264,10 +263,9 @@ class GatedMLP(nn.Module):
         kw = dict(dtype=dtype, device=device)
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias, **kw)
         self.down_proj = Linear(intermediate_size, hidden_size, bias, **kw)
-        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj.forward_silu_mul(self.gate_up_proj(x))  # silu(gate) * up inside
 
 
 class Router(nn.Module):

@@ -1,12 +1,14 @@
-"""When a linear layer's few-row matmul runs the skinny Triton GEMM (layers/small_m_gemm.py)
-instead of cuBLAS (F.linear), decided by timing both once per shape on the device.
+"""When a linear layer's few-row matmul runs the Triton GEMV (layers/small_m_gemm.py) instead of
+cuBLAS (F.linear): always ("on", the default on CUDA), or decided by timing both once per shape.
 
 A SmallMGemm is bound to the model's Linear and LMHead layers by prepare_small_m_linears (the
 runner does it on CUDA before capturing its graphs); each layer then calls it instead of F.linear.
 It owns a decision per GemmKey (rows rounded up to a power of two, N, K, dtype, bias or not):
   - mode "off": no SmallMGemm is bound at all, every layer calls F.linear;
-  - mode "on": always the kernel where it applies (tests and benchmarks);
-  - mode "auto": at the first call of a key (or when warmed up front) F.linear and each of the
+  - mode "on" (the default): the kernel with its default tiles for single-row inputs (decode at
+    batch 1), cuBLAS for more rows. At M = 1 the GEMV read Llama-8B's weights faster than cuBLAS
+    on the H200, and only it overlaps the kernel before it, which timing one call alone cannot see;
+  - mode "auto": for up to MAX_M rows, at the first call of a key (or when warmed up front) F.linear and each of the
     kernel's candidate configs run on random rows against the layer's own weight, timed on the
     device (L2 flushed before each rep, as a decode step reads its weights from HBM); the kernel
     wins only if it compiles, gives the same result and beats cuBLAS by MIN_SPEEDUP. During CUDA-graph
@@ -30,11 +32,16 @@ from torch import nn
 
 from foretell.config import SMALL_M_GEMM_MODES
 from foretell.layers import kernel_dispatch
+from foretell.layers.activation import silu_and_mul
 
 logger = logging.getLogger("foretell")
 
 MODES = SMALL_M_GEMM_MODES  # auto | on | off
-MAX_M = 16  # small_m_gemm.MAX_M, restated so that this module needs no triton
+MAX_M = 4  # small_m_gemm.MAX_M, restated so that this module needs no triton
+# Mode "on" uses the kernel up to this many rows: on the H200 it read the weights faster than
+# cuBLAS at M = 1 (a Llama-8B step's linears 3.71 against 4.00 ms) but not at M = 2 or 4, where
+# every row of x is another pass of float32 FMAs (BENCHMARKS.md).
+ON_MAX_M = 1
 MIN_SPEEDUP = 1.03  # the kernel must beat cuBLAS by this factor: noise never flips a layer
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -107,7 +114,8 @@ class SmallMGemm:
         if mode not in ("auto", "on"):
             raise ValueError(f"SmallMGemm mode must be auto or on, got {mode!r} (off: bind none)")
         self.mode = mode
-        self.max_m = m_bucket(max(1, min(max_m, MAX_M)))  # a whole bucket: no key half-served
+        limit = ON_MAX_M if mode == "on" else MAX_M
+        self.max_m = m_bucket(max(1, min(max_m, limit)))  # a whole bucket: no key half-served
         self._kernels = kernels
         self.timer = timer or CudaEventTimer()
         self.is_capturing = is_capturing or torch.cuda.is_current_stream_capturing
@@ -122,8 +130,10 @@ class SmallMGemm:
             self._kernels = small_m_gemm
         return self._kernels
 
-    def applies(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        k = weight.shape[-1]
+    def applies(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool = False
+    ) -> bool:
+        k = weight.shape[-1] * (2 if silu_mul else 1)  # x's width
         if x.dim() == 0 or x.shape[-1] != k or k == 0 or not 1 <= x.numel() // k <= self.max_m:
             return False
         if x.dtype not in KERNEL_DTYPES or weight.dtype != x.dtype or not weight.is_contiguous():
@@ -134,17 +144,18 @@ class SmallMGemm:
         return kernel_dispatch.use_triton(*tensors)
 
     def __call__(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:  # [..., K] -> [..., N]
-        if not self.applies(x, weight, bias):
-            return F.linear(x, weight, bias)
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False
+    ) -> torch.Tensor:  # [..., K] (silu_mul: [..., 2K], gate then up) -> [..., N]
+        if not self.applies(x, weight, bias, silu_mul):
+            return F.linear(silu_and_mul(x) if silu_mul else x, weight, bias)
         n, k = weight.shape
-        rows = x.reshape(-1, k)  # [M, K]
+        rows = x.reshape(-1, x.shape[-1])  # [M, K] or [M, 2K]
         key = GemmKey(m_bucket(rows.shape[0]), n, k, x.dtype, bias is not None)
         config = self.choose(key, weight, bias)
         if config is None:
-            return F.linear(x, weight, bias)
-        return self.kernels.small_m_linear(rows, weight, bias, config).view(*x.shape[:-1], n)
+            return F.linear(silu_and_mul(x) if silu_mul else x, weight, bias)
+        out = self.kernels.small_m_linear(rows, weight, bias, config, silu_mul=silu_mul)  # [M, N]
+        return out.view(*x.shape[:-1], n)
 
     def choose(self, key: GemmKey, weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
         """The kernel config for key, or None for cuBLAS; times the key once if undecided."""
@@ -152,7 +163,7 @@ class SmallMGemm:
             return self.choices[key]
         if self.mode == "on":
             configs = self.kernels.candidate_configs(key.m_bucket, key.n, key.k, weight.device)
-            self.choices[key] = configs[-1]
+            self.choices[key] = configs[0]
         elif self.is_capturing():
             return None  # cannot time inside a capture; left undecided for a later eager call
         else:

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from foretell.layers.activation import SiluAndMul
 from foretell.layers.attention.layer import Attention
 from foretell.layers.attention.metadata import AttentionMetadata
 from foretell.layers.embedding import VocabEmbedding
@@ -141,10 +140,9 @@ class DecoderMLP(nn.Module):
         size = dims.intermediate_size
         self.gate_up_proj = MergedLinear(dims.hidden_size, [size, size], switches.mlp_bias, **kw)
         self.down_proj = Linear(size, dims.hidden_size, switches.mlp_bias, **kw)
-        self.act_fn = SiluAndMul()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
-        return self.down_proj(self.act_fn(self.gate_up_proj(hidden)))
+        return self.down_proj.forward_silu_mul(self.gate_up_proj(hidden))  # silu(gate) * up inside
 
 
 class DecoderLayer(PreNormDecoderLayer):

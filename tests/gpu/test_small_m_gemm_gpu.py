@@ -1,7 +1,9 @@
-"""The skinny GEMM (layers/small_m_gemm.py) on a CUDA device, bf16 and fp16 at Llama-3.1-8B's
-linear shapes, against a float64 product; no host sync in a launch; capture and replay in a CUDA
-graph; the dispatch (layers/small_m_dispatch.py) timing real layers; and whole models whose
-greedy tokens do not change when the kernel replaces cuBLAS (float32, so no near-ties).
+"""The GEMV (layers/small_m_gemm.py) on a CUDA device, bf16 and fp16 at Llama-3.1-8B's linear
+shapes, against a float64 product (also with the fused SiLU-and-mul input); no host sync in a
+launch; capture and replay in a CUDA graph; a chain of dependent launches (programmatic dependent
+launch on Hopper: each must wait for its input) against a float64 chain; the dispatch
+(layers/small_m_dispatch.py) timing real layers; and whole models whose greedy tokens do not change
+when the kernel replaces cuBLAS (float32, so no near-ties).
 
 Every case draws fresh random inputs; a failure prints the seed that reproduces it.
 """
@@ -23,6 +25,7 @@ pytest.importorskip("triton")
 from fixtures.seeds import reports_seed  # noqa: E402
 from foretell import LLM, SamplingParams  # noqa: E402
 from foretell.layers import small_m_gemm as sm  # noqa: E402
+from foretell.layers.activation import SiluAndMul  # noqa: E402
 from foretell.layers.linear import Linear  # noqa: E402
 from foretell.layers.small_m_dispatch import GemmKey, SmallMGemm, prepare_small_m_linears  # noqa: E402
 
@@ -52,7 +55,7 @@ def _check(got, x, weight, bias):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("m", [1, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 4])
 def test_matches_float64_at_llama8b_shapes(dtype, shape, m):
     seed = random.randrange(2**31)
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
@@ -69,7 +72,21 @@ def test_matches_float64_at_llama8b_shapes(dtype, shape, m):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [3, 16])
+@pytest.mark.parametrize("m", [1, 4])
+def test_silu_mul_input_at_the_down_projection(dtype, m):
+    seed = random.randrange(2**31)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    n, k = SHAPES[3]  # down_proj [4096, 14336], input gate_up [m, 28672]
+    gate_up, weight, _ = _inputs(gen, m, n, 2 * k, dtype)
+    weight = weight[:, :k].contiguous()
+    with torch.inference_mode(), reports_seed(seed):
+        activated = SiluAndMul()(gate_up)  # the Triton activation kernel: same roundings
+        for config in sm.candidate_configs(m, n, k, DEVICE):
+            _check(sm.small_m_linear(gate_up, weight, None, config, silu_mul=True), activated, weight, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [3, 4])
 def test_bias_and_odd_rows(dtype, m):
     seed = random.randrange(2**31)
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
@@ -85,7 +102,6 @@ def test_launches_do_not_sync_and_replay_in_a_cuda_graph():
     dtype, m, n, k = torch.bfloat16, 4, 4096, 4096
     x, weight, bias = _inputs(gen, m, n, k, dtype, bias=True)
     configs = sm.candidate_configs(m, n, k, DEVICE)
-    assert any(c.split_k > 1 for c in configs)  # both kernels of the split path are captured
 
     def step():
         return [sm.small_m_linear(x, weight, bias, c) for c in configs]
@@ -111,6 +127,55 @@ def test_launches_do_not_sync_and_replay_in_a_cuda_graph():
                 graph.replay()
                 for got, want in zip(static_out, step()):
                     assert torch.equal(got, want)  # same kernels, same inputs: deterministic
+
+
+@pytest.mark.parametrize("m", [1, 4])
+def test_a_chain_of_dependent_launches_waits_for_each_input(m):
+    """Eight GEMVs, each reading the one before (with a torch op between some, launched plainly),
+    captured once and replayed on new inputs: with PDL each launch may start before the one
+    before it ends, so a missing wait would read a stale input. Float32 against float64."""
+    seed = random.randrange(2**31)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    widths = [4096, 6144, 4096, 28672, 14336, 4096, 4096, 4096, 8192]  # a silu_mul step halves 28672
+    weights = [(torch.randn(widths[i + 1], widths[i] // (2 if widths[i] == 28672 else 1), generator=gen,
+                            device=DEVICE) / widths[i] ** 0.5) for i in range(len(widths) - 1)]
+    x = torch.randn(m, widths[0], generator=gen, device=DEVICE)
+
+    def chain(linear):
+        h = x
+        for i, w in enumerate(weights):
+            h = linear(h, w, silu_mul=True) if widths[i] == 28672 else linear(h, w)
+            if i % 3 == 1:
+                h = h * 2.0  # a plain launch between two GEMVs
+        return h
+
+    def gemv(h, w, silu_mul=False):
+        return sm.small_m_linear(h, w, None, None, silu_mul=silu_mul)
+
+    def reference(h, w, silu_mul=False):
+        if silu_mul:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        return F.linear(h, w)
+
+    with torch.inference_mode(), reports_seed(seed):
+        chain(gemv)  # compiles
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain(gemv)
+        for _ in range(3):
+            x.copy_(torch.randn(m, widths[0], generator=gen, device=DEVICE) * 3)
+            graph.replay()
+            weights64 = [w.double() for w in weights]
+            x64 = x.double()
+            h = x64
+            for i, w in enumerate(weights64):
+                h = reference(h, w, silu_mul=widths[i] == 28672)
+                if i % 3 == 1:
+                    h = h * 2.0
+            torch.testing.assert_close(out.double(), h, rtol=1e-4, atol=1e-4 * h.abs().max().item())
+            del weights64, x64
 
 
 def test_dispatch_times_real_layers_and_keeps_choices_in_capture():

@@ -1,0 +1,58 @@
+"""Programmatic dependent launch (PDL, Hopper's griddepcontrol) for the decode step's kernels.
+
+Normally a kernel starts only when the one before it on the stream has finished and its writes are
+flushed. A kernel launched with PDL may start earlier, as soon as every program of the kernel
+before it has called `launch_dependents` (or exited). It must then `wait` (griddepcontrol.wait:
+until that kernel has completed and its memory is visible) before it reads anything that kernel,
+or any kernel before it, wrote, and before it writes anything they read. What it may do before the
+wait is read memory no kernel of the step writes: its weights.
+
+Rules that keep a whole CUDA graph of such launches ordered:
+  - every program of a PDL-launched kernel calls `wait`, whatever path it takes; so each kernel
+    still completes after the one before it, and completions stay in stream order;
+  - a kernel calls `launch_dependents` only once it is past its own dependency (after its `wait`,
+    or anywhere in a kernel launched normally), so at most one kernel runs ahead;
+  - a weight-streaming kernel calls it at the end of its work, not the start: its dependents would
+    otherwise take multiprocessor slots while its own later programs still wait for them.
+
+Both instructions are no-ops when the launch did not ask for PDL. Triton's interpreter knows neither:
+kernels take a PDL constexpr, False there and on GPUs before Hopper.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+
+@triton.jit
+def wait_for_previous_kernel(PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def let_next_kernel_launch(PDL: tl.constexpr):
+    if PDL:
+        gdc_launch_dependents()
+
+
+def pdl_enabled(t: torch.Tensor) -> bool:
+    """Whether kernels on t's device can use PDL: a Hopper (or newer) GPU, not the interpreter."""
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return t.is_cuda and not interpreted and _capability_at_least_hopper(t.device.index or 0)
+
+
+@functools.cache
+def _capability_at_least_hopper(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def launch_options(pdl: bool) -> dict:
+    """Extra keyword arguments of a Triton launch that asks for PDL (none otherwise)."""
+    return {"launch_pdl": True} if pdl else {}
