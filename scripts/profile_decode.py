@@ -7,7 +7,9 @@ summed by category, next to the measured wall time per step.
 Llama-3.1-8B and the DeepSeek-V2-Lite shape, 128-token prompt, batch 1. Categories come from the
 kernel names (GEMM, attention, norm, RoPE, activation, MoE, copies/casts, other); the table gives
 the share of GPU time and microseconds per step, and the JSON keeps the 25 costliest kernels too.
-The sum is kernel time only; wall minus kernel time is host time and launch gaps. --ops adds, for
+The sum is kernel time only; wall minus kernel time is host time and launch gaps. In the graphs on
+Hopper the batch-1 GEMVs start early (programmatic dependent launch, layers/pdl.py) and are timed
+from then, so kernel times overlap and their sum can exceed the wall time. --ops adds, for
 each eager profile, the torch ops with their input shapes by device time (which call a kernel
 belongs to), into OUT_DIR/profile_ops.txt.
 """
