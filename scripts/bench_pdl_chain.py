@@ -3,20 +3,25 @@
 A Llama-3.1-8B decode step at batch 1 is 32 layers of four weight-bound GEMVs (qkv, o, gate_up,
 down) with small latency-bound kernels between them (norms, RoPE + KV write, attention), then the
 lm_head. cuBLAS reads the weights at about 3.8 TB/s, but each kernel ramps up and drains on its own,
-and the small kernels leave HBM idle. With PDL (Hopper's griddepcontrol) a kernel may start while
-the one before it is still running: it issues what does not depend on that kernel (an L2 prefetch
-of its own weights) and then waits (`gdc_wait`) before touching the activations.
+and the small kernels leave HBM idle. With PDL (Hopper's griddepcontrol, layers/pdl.py) a kernel
+may start while the one before it still runs: it issues what does not depend on that kernel (loads
+or an L2 prefetch of its own weights) and waits (`gdc_wait`) before it touches the activations.
 
-This script builds that chain with stand-in small kernels at the real sizes, captures it in a CUDA
-graph per variant and times the replays:
-  cublas             F.linear + torch SiLU-mul, small kernels launched plainly (today's shape)
-  triton             the GEMV below, no PDL
-  triton_pdl         every kernel launched with PDL, waits before its first dependent access
-  triton_pdl_pfN     the same, each GEMV program prefetching the first N KiB of its rows into L2
-and, per shape, the GEMV alone against cuBLAS (L2 flushed). All variants must give the same output
-(they run the same kernels in the same order; PDL only moves launches earlier).
+This script builds that chain with stand-in norm and attention kernels at the real sizes, captures
+it in a CUDA graph per variant and times the replays:
+  cublas / cublas_pdl_small   F.linear + torch SiLU-mul; the small kernels plain or with PDL
+  triton                      the GEMV below (16 x 512 tiles), no PDL
+  triton_pdl_early_trigger    every kernel with PDL, each releasing the next at its start
+  triton_pdl                  ... releasing the next once its reads are done
+  triton_pdl_early_w          ... and loading its first weight tile before the wait
+  triton_pdl_pfN              ... prefetching its first N KiB into L2 before the wait instead
+  triton_byshape_*            two rows of W x all of K per program (2048 wide above K = 4096)
+With --single, each shape alone too (8 GEMVs over distinct weights back to back in one graph), over
+tile shapes, against cuBLAS. Variants with the same tiles must give the same output (PDL only moves
+launches earlier): "same_as_triton" checks it. What the engine took from this: layers/small_m_gemm.py;
+the numbers: BENCHMARKS.md (seventh session).
 
-    python scripts/bench_pdl_chain.py OUT_DIR [--layers 32]
+    python scripts/bench_pdl_chain.py OUT_DIR [--layers 32] [--single]
 """
 
 from __future__ import annotations
@@ -238,7 +243,7 @@ def main():
         row["ideal_us_at_4.3TB/s"] = n * k * 2 / 4.3e12 * 1e6
         single[name] = row
         print(name, {k_: (round(v, 2) if isinstance(v, float) else v) for k_, v in row.items()}, flush=True)
-        del ws
+        ws.clear()  # this shape's weights
     result["single"] = single
     # 2. the chain
     chain = Chain(args.layers, "cuda")
@@ -251,6 +256,8 @@ def main():
         "triton_pdl_early_trigger": (triton_gemv(pdl=True, late=False), True),
         "triton_pdl": (triton_gemv(pdl=True), True),
         "triton_pdl_early_w": (triton_gemv(pdl=True, early_w=True), True),
+        "triton_pdl_pf8": (triton_gemv(pdl=True, prefetch_kib=8), True),
+        "triton_pdl_pf128": (triton_gemv(pdl=True, prefetch_kib=128), True),
         "triton_byshape": (triton_gemv(None), False),
         "triton_byshape_pdl": (triton_gemv(None, pdl=True), True),
         "triton_byshape_pdl_early_w": (triton_gemv(None, pdl=True, early_w=True), True),

@@ -8,11 +8,12 @@ It owns a decision per GemmKey (rows rounded up to a power of two, N, K, dtype, 
   - mode "on" (the default): the kernel with its default tiles for single-row inputs (decode at
     batch 1), cuBLAS for more rows. At M = 1 the GEMV read Llama-8B's weights faster than cuBLAS
     on the H200, and only it overlaps the kernel before it, which timing one call alone cannot see;
-  - mode "auto": for up to MAX_M rows, at the first call of a key (or when warmed up front) F.linear and each of the
-    kernel's candidate configs run on random rows against the layer's own weight, timed on the
-    device (L2 flushed before each rep, as a decode step reads its weights from HBM); the kernel
-    wins only if it compiles, gives the same result and beats cuBLAS by MIN_SPEEDUP. During CUDA-graph
-    capture nothing is timed: a decided key keeps its choice, an undecided one gets cuBLAS.
+  - mode "auto": for up to MAX_M rows, at the first call of a key (or when warmed up front)
+    F.linear and each of the kernel's candidate configs run on random rows against the layer's own
+    weight, timed on the device (L2 flushed before each rep, as a decode step reads its weights
+    from HBM); the kernel wins only if it compiles, gives the same result and beats cuBLAS by
+    MIN_SPEEDUP. During CUDA-graph capture nothing is timed: a decided key keeps its choice, an
+    undecided one gets cuBLAS.
 So the kernel can make a layer no slower than cuBLAS was when timed. Everything it does not
 apply to (many rows, CPU tensors, autograd, odd dtypes or strides) goes to F.linear unasked.
 
@@ -234,6 +235,11 @@ def prepare_small_m_linears(
     if mode == "off" or not layers:
         return None
     gemm = gemm or SmallMGemm(mode, max_m)
+    # The kernel may read its weight before the kernel launched ahead of it has finished
+    # (layers/pdl.py): whatever wrote the weights (loading, dummy init) must be done first.
+    device = layers[0][0].weight.device
+    if device.type == "cuda":  # (interpreter tests bind CPU layers)
+        torch.cuda.synchronize(device)
     buckets = [1 << i for i in range(gemm.max_m.bit_length())]  # 1, 2, 4, .., max_m
     with torch.inference_mode():
         for layer, bias in layers:

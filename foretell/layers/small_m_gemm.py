@@ -16,6 +16,9 @@ built for that chain:
     SiluAndMul's roundings) as it reads it, so an MLP's down projection needs no activation launch;
   - for M > 1 the tile is reused for every row of x (rows of x one at a time: the tile's
     registers do not grow with M);
+  - up to MAX_M rows of x run one at a time against the same tile (its registers do not grow with
+    M), but each row is another pass of float32 FMAs: slower than cuBLAS at M = 2 and 4 on the
+    H200, so the dispatch's default uses the kernel for one row only;
   - float32 products summed per tile, over the K lanes of a tile then across tiles: a fixed order,
     the same result on every call (not cuBLAS's order: results differ from F.linear by float32
     rounding of the sums).
