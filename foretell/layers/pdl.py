@@ -17,7 +17,7 @@ Rules that keep a whole CUDA graph of such launches ordered:
     otherwise take multiprocessor slots while its own later programs still wait for them.
 
 Both instructions are no-ops when the launch did not ask for PDL. Triton's interpreter knows neither:
-kernels take a PDL constexpr, False there and on GPUs before Hopper.
+kernels take a PDL constexpr, False there, on GPUs before Hopper, and with a Triton that lacks them.
 """
 
 from __future__ import annotations
@@ -28,7 +28,21 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    TRITON_HAS_PDL = True
+except ImportError:  # a Triton without griddepcontrol: kernels launch plainly, these are never traced
+    TRITON_HAS_PDL = False
+
+    @triton.jit
+    def gdc_wait():
+        pass
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
 
 
 @triton.jit
@@ -46,7 +60,7 @@ def let_next_kernel_launch(PDL: tl.constexpr):
 def pdl_enabled(t: torch.Tensor) -> bool:
     """Whether kernels on t's device can use PDL: a Hopper (or newer) GPU, not the interpreter."""
     interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    return t.is_cuda and not interpreted and _capability_at_least_hopper(t.device.index or 0)
+    return TRITON_HAS_PDL and t.is_cuda and not interpreted and _capability_at_least_hopper(t.device.index or 0)
 
 
 @functools.cache
