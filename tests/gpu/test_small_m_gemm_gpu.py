@@ -141,41 +141,34 @@ def test_a_chain_of_dependent_launches_waits_for_each_input(m):
                             device=DEVICE) / widths[i] ** 0.5) for i in range(len(widths) - 1)]
     x = torch.randn(m, widths[0], generator=gen, device=DEVICE)
 
-    def chain(linear):
-        h = x
-        for i, w in enumerate(weights):
-            h = linear(h, w, silu_mul=True) if widths[i] == 28672 else linear(h, w)
+    def chain(linear, h, ws):
+        for i, w in enumerate(ws):
+            h = linear(h, w, silu_mul=widths[i] == 28672)
             if i % 3 == 1:
                 h = h * 2.0  # a plain launch between two GEMVs
         return h
 
-    def gemv(h, w, silu_mul=False):
+    def gemv(h, w, silu_mul):
         return sm.small_m_linear(h, w, None, None, silu_mul=silu_mul)
 
-    def reference(h, w, silu_mul=False):
+    def reference(h, w, silu_mul):
         if silu_mul:
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
         return F.linear(h, w)
 
     with torch.inference_mode(), reports_seed(seed):
-        chain(gemv)  # compiles
+        chain(gemv, x, weights)  # compiles
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = chain(gemv)
+            out = chain(gemv, x, weights)
+        weights64 = [w.double() for w in weights]
         for _ in range(3):
             x.copy_(torch.randn(m, widths[0], generator=gen, device=DEVICE) * 3)
             graph.replay()
-            weights64 = [w.double() for w in weights]
-            x64 = x.double()
-            h = x64
-            for i, w in enumerate(weights64):
-                h = reference(h, w, silu_mul=widths[i] == 28672)
-                if i % 3 == 1:
-                    h = h * 2.0
-            torch.testing.assert_close(out.double(), h, rtol=1e-4, atol=1e-4 * h.abs().max().item())
-            del weights64, x64
+            expected = chain(reference, x.double(), weights64)
+            torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
 
 
 def test_dispatch_times_real_layers_and_keeps_choices_in_capture():
