@@ -29,13 +29,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from bench_result import graph_replay_ms, write_result
 
 HIDDEN, Q_OUT, INTER, VOCAB = 4096, 6144, 14336, 128256
 
@@ -181,21 +182,9 @@ def triton_gemv(block_n=16, block_k=512, warps=4, pdl=False, prefetch_kib=0, lat
     return call
 
 
-def graph_ms(fn, reps=20):
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    times = []
-    for _ in range(reps + 3):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times[3:]), out.clone()
+def graph_ms(fn):
+    ms, out = graph_replay_ms(fn)
+    return ms, out.clone()
 
 
 def main():
@@ -205,7 +194,7 @@ def main():
     parser.add_argument("--single", action="store_true", help="also time each shape alone, over tile shapes")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    result = {"triton": triton.__version__, "torch": torch.__version__}
+    result = {}
     torch.manual_seed(0)
     # 1. each shape alone: 8 GEMVs over distinct weights back to back in one graph (no L2 reuse),
     # time per GEMV; cuBLAS against tile shapes, plain and with PDL
@@ -280,8 +269,7 @@ def main():
         result["triton_vs_cublas_max_rel"] = ((outputs["cublas"].float() - base.float()).abs().max()
                                               / base.float().abs().max()).item()
     result["chain_ms"] = chain_ms
-    with open(os.path.join(args.out, "bench_pdl_chain.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    write_result(args.out, "bench_pdl_chain", "pdl_chain", result)
     print(json.dumps({k: v for k, v in result.items() if k != "single"}, indent=1))
 
 

@@ -1,5 +1,6 @@
 """What every kernel benchmark script writes beside its table: the run's provenance (GPU, torch,
-Triton, commit, UTC date) and its rows, as OUT_DIR/<name>.json."""
+Triton, commit, UTC date) and its rows, as OUT_DIR/<name>.json; and how the experiment scripts
+time a captured sequence of launches (graph_replay_ms)."""
 
 from __future__ import annotations
 
@@ -37,3 +38,26 @@ def write_result(out_dir: str, stem: str, benchmark: str, fields: dict) -> str:
         json.dump(result, f, indent=2)
     print(f"wrote {path}")
     return path
+
+
+def graph_replay_ms(fn, reps: int = 20, warmup: int = 3):
+    """(median ms of one replay, fn's output) for fn captured once in a CUDA graph: no launch cost,
+    as in the engine's decode graphs. fn runs once eagerly first (compiles)."""
+    import statistics
+
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    times = []
+    for _ in range(reps + warmup):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times[warmup:]), out

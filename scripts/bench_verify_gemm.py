@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
-import statistics
 import sys
 
 import torch
@@ -29,6 +27,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench_result import graph_replay_ms, write_result  # noqa: E402
 from foretell.layers.pdl import launch_options, let_next_kernel_launch, pdl_enabled, wait_for_previous_kernel  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
@@ -74,21 +73,8 @@ def dot_linear(x, w, block_n, block_k, warps, stages, split):
     return out.to(x.dtype) if split > 1 else out
 
 
-def graph_us(fn, count, reps=20):
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(reps + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return 1000 * statistics.median(times[3:]) / count
+def graph_us(fn, count):
+    return 1000 * graph_replay_ms(fn)[0] / count
 
 
 def main() -> None:
@@ -103,7 +89,7 @@ def main() -> None:
     configs = list(itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (3, 5), (1, 2)))
     if args.quick:
         configs = [c for c in configs if c[3] == 3 and c[2] == 4]
-    result = {"gpu": torch.cuda.get_device_name(), "triton": triton.__version__, "rows": args.rows, "shapes": {}}
+    result = {"rows": args.rows, "timing": "median us per product, 8 back to back in a CUDA graph", "shapes": {}}
     for name, (n, k) in SHAPES.items():
         count = 2 if name == "lm_head" else 8
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(count)]
@@ -128,8 +114,7 @@ def main() -> None:
               flush=True)
         result["shapes"][name] = row
         ws.clear()
-    with open(os.path.join(args.out_dir, "bench_verify_gemm.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    write_result(args.out_dir, "bench_verify_gemm", "verify_gemm", result)
 
 
 if __name__ == "__main__":
