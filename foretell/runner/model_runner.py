@@ -189,7 +189,7 @@ class ModelRunner:
             device=self.device,
         )
         if graphs.captures:
-            # cuBLAS or the skinny GEMM, per shape, decided now: nothing is timed in a capture.
+            # cuBLAS or the batch-1 GEMV, per shape, decided now: nothing is timed in a capture.
             # Rows: a graph's batch bucket x query length, + 1 for a draft LM's catch-up rows.
             drafter = self.proposer.draft_modules() if self.proposer else []
             self.small_m_gemm = prepare_small_m_linears(
