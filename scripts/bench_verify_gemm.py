@@ -3,10 +3,14 @@ launch beat cuBLAS on a few rows (a verify of k + 1 = 4 tokens at batch 1)?
 
 The batch-1 GEMV (layers/small_m_gemm.py) wins at one row but loses from two rows on, so a verify
 step still runs cuBLAS (4.74 ms for Llama-8B against 4.35 for a decode step on the H200). This
-script sweeps a tl.dot kernel over tile shapes: x padded to 16 rows, BLOCK_N rows of W per program,
-BLOCK_K-wide pipelined tiles, optional split-K (float32 partial sums added by atomics into a zeroed
-float32 buffer, then cast: not deterministic, fine for an experiment), each program loading its
-first weight tile before waiting for the kernel before it. Each config runs as 8 back-to-back
+script sweeps two tl.dot kernels over tile shapes, each program loading its first weight tile before
+waiting for the kernel before it:
+  - "dot": x padded to 16 rows as the MMA's A operand, BLOCK_N rows of W per program,
+    BLOCK_K-wide pipelined tiles, optional split-K (float32 partial sums added by atomics into a
+    zeroed float32 buffer, then cast: not deterministic, fine for an experiment);
+  - "swapped": W as the A operand (64 or 128 rows of W per program, a wgmma tile on Hopper) times
+    x^T padded to 16 columns, split-K by float32 partials that the last-arriving split sums in a
+    fixed order (deterministic; a counter per tile, left zeroed). Each config runs as 8 back-to-back
 products over distinct weights in one CUDA graph (weights streamed from HBM), us per product,
 against cuBLAS the same way, and is checked against a float32 product.
 
@@ -60,6 +64,66 @@ def _dot_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split,
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None])
 
 
+@triton.jit
+def _swapped_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, count_ptr, M, N, K, k_per_split,
+                    PDL: tl.constexpr, SPLIT: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """W as the MMA's A operand (BLOCK_N >= 64 rows of W: a wgmma tile) times x^T padded to
+    BLOCK_M columns. Split-K without atomics on the output: each split stores a float32 partial;
+    the split that arrives last at the tile's counter sums them in split order (deterministic),
+    stores the output and zeroes the counter for the next call."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # rows of W
+    k_start = pid_s * k_per_split
+    lanes = tl.arange(0, BLOCK_K)
+    rows = tl.arange(0, BLOCK_M)  # rows of x
+    row_ok = rows < M
+    w_tile = w_ptr + cols[:, None].to(tl.int64) * K + (k_start + lanes)[None, :]  # [BLOCK_N, BLOCK_K]
+    x_tile = x_ptr + rows[None, :] * K + (k_start + lanes)[:, None]  # [BLOCK_K, BLOCK_M]
+    w = tl.load(w_tile, eviction_policy="evict_first")
+    wait_for_previous_kernel(PDL)
+    x = tl.load(x_tile, mask=row_ok[None, :], other=0.0)
+    acc = tl.dot(w, x)  # [BLOCK_N, BLOCK_M] float32
+    for k0 in range(BLOCK_K, k_per_split, BLOCK_K):
+        w = tl.load(w_tile + k0, eviction_policy="evict_first")
+        x = tl.load(x_tile + k0, mask=row_ok[None, :], other=0.0)
+        acc = tl.dot(w, x, acc)
+    let_next_kernel_launch(PDL)
+    out = out_ptr + rows[None, :] * N + cols[:, None]  # [BLOCK_N, BLOCK_M]
+    if SPLIT == 1:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[None, :])
+    else:
+        parts = partial_ptr + rows[None, :] * N + cols[:, None]  # split s at + s * M * N
+        tl.store(parts + pid_s * M * N, acc, mask=row_ok[None, :])
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")  # publishes the partial
+        if arrived == SPLIT - 1:  # every other split's partial is visible now
+            total = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            for s in range(SPLIT):
+                total += tl.load(parts + s * M * N, mask=row_ok[None, :], other=0.0, cache_modifier=".cg")
+            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=row_ok[None, :])
+            tl.atomic_xchg(count_ptr + pid_n, 0)
+
+
+class SwappedLinear:
+    """Scratch (float32 partials, zeroed counters) for _swapped_kernel, reused by every call."""
+
+    def __init__(self, max_elements: int, device):
+        self.partials = torch.empty(max_elements, device=device, dtype=torch.float32)
+        self.counts = torch.zeros(1 << 16, device=device, dtype=torch.int32)
+
+    def __call__(self, x, w, block_n, block_k, warps, stages, split):
+        m, k = x.shape
+        n = w.shape[0]
+        pdl = pdl_enabled(x)
+        out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+        _swapped_kernel[(n // block_n, split)](x, w, out, self.partials, self.counts, m, n, k, k // split,
+                                               PDL=pdl, SPLIT=split, BLOCK_M=16, BLOCK_N=block_n,
+                                               BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+                                               **launch_options(pdl))
+        return out
+
+
 def dot_linear(x, w, block_n, block_k, warps, stages, split):
     """x [M, K] @ w[N, K]^T for N % block_n == 0 and K % (block_k * split) == 0."""
     m, k = x.shape
@@ -86,26 +150,33 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("bench_verify_gemm.py needs a CUDA device")
     os.makedirs(args.out_dir, exist_ok=True)
-    configs = list(itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (3, 5), (1, 2)))
+    dot_configs = list(itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (3, 5), (1, 2)))
+    swapped_configs = [c for c in itertools.product((64, 128), (64, 128, 256), (4, 8), (3, 4, 6), (1, 2, 4))
+                       if c[0] * c[1] * 2 * c[3] <= 160 << 10]  # shared memory for the stages
     if args.quick:
-        configs = [c for c in configs if c[3] == 3 and c[2] == 4]
+        dot_configs = [c for c in dot_configs if c[0] == 64 and c[1] in (128, 256) and c[2] == 4 and c[3] == 3]
+        swapped_configs = [c for c in swapped_configs if c[2] == 4 and c[3] == 4]
     result = {"rows": args.rows, "timing": "median us per product, 8 back to back in a CUDA graph", "shapes": {}}
     for name, (n, k) in SHAPES.items():
         count = 2 if name == "lm_head" else 8
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(count)]
         x = torch.randn(args.rows, k, device="cuda", dtype=torch.bfloat16)
         expected = F.linear(x.float(), ws[0].float())
+        swapped = SwappedLinear(4 * args.rows * n, x.device)
         row = {"cublas": graph_us(lambda: [F.linear(x, w) for w in ws], count)}
-        for block_n, block_k, warps, stages, split in configs:
+        kernels = [("dot", c, lambda x, w, c: dot_linear(x, w, *c)) for c in dot_configs]
+        kernels += [("swapped", c, lambda x, w, c: swapped(x, w, *c)) for c in swapped_configs]
+        for kind, (block_n, block_k, warps, stages, split), run in kernels:
             if n % block_n or k % (block_k * split):
                 continue
-            tag = f"bn{block_n}_bk{block_k}_w{warps}_s{stages}_split{split}"
+            config = (block_n, block_k, warps, stages, split)
+            tag = f"{kind}_bn{block_n}_bk{block_k}_w{warps}_s{stages}_split{split}"
             try:
-                err = (dot_linear(x, ws[0], block_n, block_k, warps, stages, split).float() - expected).abs().max()
+                err = (run(x, ws[0], config).float() - expected).abs().max()
                 if err > 0.05 * expected.abs().max():
                     row[tag] = f"wrong: max error {err:.3g}"
                     continue
-                row[tag] = graph_us(lambda: [dot_linear(x, w, block_n, block_k, warps, stages, split) for w in ws], count)
+                row[tag] = graph_us(lambda: [run(x, w, config) for w in ws], count)
             except Exception as e:  # noqa: BLE001 (a config that does not compile or fit is reported)
                 row[tag] = f"{type(e).__name__}: {e}"[:200]
         timed = {tag: us for tag, us in row.items() if isinstance(us, float) and tag != "cublas"}

@@ -1,0 +1,146 @@
+"""What each kind of kernel costs inside a captured batch-1 decode (and verify) forward: capture the
+target's forward again with one kind of kernel taken out, and time the replay against the full one.
+
+With programmatic dependent launch (layers/pdl.py) kernels overlap, so a profiler's per-kernel
+times no longer add up to the step; taking a kernel out and timing the graph does. The variants
+replace a module's forward by an allocation of its output (no launch, garbage values: the timings
+are all this is for):
+
+    full          the forward as the engine captures it
+    no_norms      RMSNorm (with its fused residual add) returns its input
+    no_rope_kv    the fused RoPE + KV-cache write returns the query unrotated, writes nothing
+    no_attend     the paged attention returns an empty output
+    no_attention  both of the above
+    no_lm_head    the LM head returns empty logits
+    linears_only  no norms, no attention, no RoPE: the weight reads and the glue between them
+    no_linears    every Linear returns an empty output: the rest of the chain alone
+
+    python scripts/ablate_decode.py OUT_DIR [--model foretell/configs/llama-3.1-8b] [--context 256]
+
+Llama-3.1-8B shape with random bf16 weights (load_format dummy), batch 1, query lengths 1 and 4
+(the EAGLE3 k = 3 verify), plus the EAGLE3 draft loop graph as the engine captured it.
+Writes OUT_DIR/ablate_decode.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+from unittest import mock
+
+import torch
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+
+from bench_result import graph_replay_ms, write_result  # noqa: E402
+from foretell import LLM  # noqa: E402
+from foretell.layers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from foretell.layers.embedding import LMHead  # noqa: E402
+from foretell.layers.linear import Linear  # noqa: E402
+from foretell.layers.norm import RMSNorm  # noqa: E402
+
+CONFIGS = os.path.join(ROOT, "foretell", "configs")
+
+
+def _norm_passthrough(self, x, residual=None):
+    return x, x if residual is None else residual
+
+
+def _rope_kv_passthrough(self, positions, query, key, value, rotary_emb, kv_cache, slot_mapping, qk_norm=None):
+    return query
+
+
+def _attend_empty(self, query, kv_cache, metadata, scale):
+    return torch.empty_like(query)
+
+
+def _linear_empty(self, x):
+    return x.new_empty(*x.shape[:-1], self.output_size)
+
+
+def _linear_silu_mul_empty(self, gate_up):
+    return gate_up.new_empty(*gate_up.shape[:-1], self.output_size)
+
+
+def _lm_head_empty(self, hidden):
+    return torch.empty(*hidden.shape[:-1], self.vocab_size, dtype=torch.float32, device=hidden.device)
+
+
+PATCHES = {
+    "norms": [(RMSNorm, "forward", _norm_passthrough)],
+    "rope_kv": [(TritonAttentionBackend, "rope_write_kv", _rope_kv_passthrough)],
+    "attend": [(TritonAttentionBackend, "attend", _attend_empty)],
+    "lm_head": [(LMHead, "forward", _lm_head_empty)],
+    "linears": [(Linear, "forward", _linear_empty), (Linear, "forward_silu_mul", _linear_silu_mul_empty),
+                (LMHead, "forward", _lm_head_empty)],
+}
+VARIANTS = {
+    "full": [],
+    "no_norms": ["norms"],
+    "no_rope_kv": ["rope_kv"],
+    "no_attend": ["attend"],
+    "no_attention": ["rope_kv", "attend"],
+    "no_lm_head": ["lm_head"],
+    "linears_only": ["norms", "rope_kv", "attend"],
+    "no_linears": ["linears"],
+}
+
+
+def replay_ms(graph, reps: int = 50) -> float:
+    """Median ms of a replay of an already captured graph, over whatever its buffers hold."""
+    times = []
+    for _ in range(reps + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times[3:])
+
+
+@contextlib.contextmanager
+def patched(groups: list[str]):
+    with contextlib.ExitStack() as stack:
+        for group in groups:
+            for owner, name, replacement in PATCHES[group]:
+                stack.enter_context(mock.patch.object(owner, name, replacement))
+        yield
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("--model", default=f"{CONFIGS}/llama-3.1-8b")
+    parser.add_argument("--draft", default=f"{CONFIGS}/llama-3.1-8b-eagle3")
+    parser.add_argument("--context", type=int, default=256)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("ablate_decode.py needs a CUDA device (it times CUDA graphs)")
+    spec = {"method": "eagle3", "model": args.draft, "num_speculative_tokens": 3,
+            "simulate_acceptance": {"mean_acceptance_length": 2.93}}
+    llm = LLM(args.model, dtype="bfloat16", device="cuda", load_format="dummy", skip_tokenizer_init=True,
+              speculative_config=spec, log_stats_interval_s=0, max_num_seqs=1)
+    runner = llm.engine.runner
+    graphs = runner.graphs
+    result = {"model": args.model, "context": args.context, "timing": "median ms of a graph replay", "rows": {}}
+    with torch.inference_mode():
+        for q in (1, 4):
+            graphs.prepare_replay((1, q), args.context)
+            for variant, groups in VARIANTS.items():
+                with patched(groups):
+                    ms = graph_replay_ms(lambda: graphs._forward(1, q), reps=50)[0]
+                result["rows"].setdefault(variant, {})[f"q{q}"] = ms
+                full = result["rows"]["full"][f"q{q}"]
+                print(f"q={q} {variant:13} {ms:7.3f} ms  ({full - ms:+.3f} ms removed)", flush=True)
+        result["draft_loop_ms"] = replay_ms(runner.draft_graphs.graphs[1].graph)
+    print(f"EAGLE3 draft loop (catch-up + 2 chained steps) {result['draft_loop_ms']:.3f} ms")
+    write_result(args.out_dir, "ablate_decode", "ablate_decode", result)
+
+
+if __name__ == "__main__":
+    main()
