@@ -15,6 +15,13 @@ are all this is for):
     linears_only  no norms, no attention, no RoPE: the weight reads and the glue between them
     no_linears    every Linear returns an empty output: the rest of the chain alone
 
+and alternatives (same results, other launches):
+
+    attn_unsplit / attn_split64 / attn_split128   the attention's context not split, or split in
+                  pieces of at least 64 / 128 tokens (the engine's default: 32)
+    mma_<layer>   at one row, that layer's linears (qkv, o, gate_up, down, lm_head) on the
+                  tensor-core MMA instead of the GEMV
+
     python scripts/ablate_decode.py OUT_DIR [--model foretell/configs/llama-3.1-8b] [--context 256]
 
 Llama-3.1-8B shape with random bf16 weights (load_format dummy), batch 1, query lengths 1 and 4
@@ -38,10 +45,12 @@ sys.path.insert(0, ROOT)
 
 from bench_result import graph_replay_ms, write_result  # noqa: E402
 from foretell import LLM  # noqa: E402
+from foretell.layers import small_m_mma  # noqa: E402
 from foretell.layers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from foretell.layers.embedding import LMHead  # noqa: E402
 from foretell.layers.linear import Linear  # noqa: E402
 from foretell.layers.norm import RMSNorm  # noqa: E402
+from foretell.layers.small_m_dispatch import GemmKey  # noqa: E402
 
 CONFIGS = os.path.join(ROOT, "foretell", "configs")
 
@@ -66,6 +75,16 @@ def _linear_silu_mul_empty(self, gate_up):
     return gate_up.new_empty(*gate_up.shape[:-1], self.output_size)
 
 
+def _attend_with(**split):
+    def attend(self, query, kv_cache, metadata, scale):
+        from foretell.layers.attention.triton_kernels import paged_attention_triton
+
+        return paged_attention_triton(query, kv_cache, metadata.block_table, metadata.seq_lens,
+                                      metadata.query_start_loc, metadata.max_query_len, scale,
+                                      torch.empty_like(query), counters=self.split_counters, **split)
+    return attend
+
+
 def _lm_head_empty(self, hidden):
     return torch.empty(*hidden.shape[:-1], self.vocab_size, dtype=torch.float32, device=hidden.device)
 
@@ -75,6 +94,9 @@ PATCHES = {
     "rope_kv": [(TritonAttentionBackend, "rope_write_kv", _rope_kv_passthrough)],
     "attend": [(TritonAttentionBackend, "attend", _attend_empty)],
     "lm_head": [(LMHead, "forward", _lm_head_empty)],
+    "attn_unsplit": [(TritonAttentionBackend, "attend", _attend_with(num_splits=1))],
+    "attn_split64": [(TritonAttentionBackend, "attend", _attend_with(min_split_tokens=64))],
+    "attn_split128": [(TritonAttentionBackend, "attend", _attend_with(min_split_tokens=128))],
     "linears": [(Linear, "forward", _linear_empty), (Linear, "forward_silu_mul", _linear_silu_mul_empty),
                 (LMHead, "forward", _lm_head_empty)],
 }
@@ -87,7 +109,12 @@ VARIANTS = {
     "no_lm_head": ["lm_head"],
     "linears_only": ["norms", "rope_kv", "attend"],
     "no_linears": ["linears"],
+    "attn_unsplit": ["attn_unsplit"],
+    "attn_split64": ["attn_split64"],
+    "attn_split128": ["attn_split128"],
 }
+LLAMA_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+                "lm_head": (128256, 4096)}
 
 
 def replay_ms(graph, reps: int = 50) -> float:
@@ -137,6 +164,21 @@ def main() -> None:
                 result["rows"].setdefault(variant, {})[f"q{q}"] = ms
                 full = result["rows"]["full"][f"q{q}"]
                 print(f"q={q} {variant:13} {ms:7.3f} ms  ({full - ms:+.3f} ms removed)", flush=True)
+        graphs.prepare_replay((1, 1), args.context)
+        gemm = runner.small_m_gemm
+        for layer, (n, k) in LLAMA_SHAPES.items():  # one row: that layer's linears on the MMA
+            key = GemmKey(1, n, k, torch.bfloat16, False)
+            if gemm is None or key not in gemm.choices:
+                continue
+            kept = gemm.choices[key]
+            gemm.choices[key] = small_m_mma.pick_config(1, n, k, torch.device("cuda"))
+            try:
+                ms = graph_replay_ms(lambda: graphs._forward(1, 1), reps=50)[0]
+            finally:
+                gemm.choices[key] = kept
+            result["rows"][f"mma_{layer}"] = {"q1": ms}
+            print(f"q=1 mma_{layer:9} {ms:7.3f} ms  ({result['rows']['full']['q1'] - ms:+.3f} ms removed)",
+                  flush=True)
         result["draft_loop_ms"] = replay_ms(runner.draft_graphs.graphs[1].graph)
     print(f"EAGLE3 draft loop (catch-up + 2 chained steps) {result['draft_loop_ms']:.3f} ms")
     write_result(args.out_dir, "ablate_decode", "ablate_decode", result)

@@ -1,5 +1,6 @@
-"""Time the Triton GEMV (layers/small_m_gemm.py) against cuBLAS (F.linear) at the linear
-shapes of Llama-3.1-8B, for the few rows of decode (M = batch) and verify (M = batch x (k + 1)).
+"""Time the few-row Triton kernels (layers/small_m_kernels.py: the GEMV, the tensor-core MMA) against
+cuBLAS (F.linear) at the linear shapes of Llama-3.1-8B, for the few rows of decode (M = batch) and
+verify (M = batch x (k + 1)).
 
 Shapes (N, K): qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336, lm_head
 128256x4096. Each timed call runs the product over enough copies of the weight to exceed L2
@@ -10,7 +11,7 @@ configs (the ones the engine's dispatch times); "auto" is what the dispatch (Sma
 own event timer) would pick. The "decode step" lines add up one Llama-8B step at M = 1 and 4:
 32 x (qkv + o + gate_up + down) + lm_head.
 
-    python scripts/bench_small_m_gemm.py [OUT_DIR] [--dtype bf16] [--rows 1 2 4] [--quick]
+    python scripts/bench_small_m_gemm.py [OUT_DIR] [--dtype bf16] [--rows 1 2 4 8 16] [--quick]
 
 Prints a table and, given OUT_DIR, writes OUT_DIR/bench_small_m_gemm.json.
 """
@@ -40,7 +41,7 @@ STREAM_BYTES = 384 << 20  # well past the 50-60 MiB L2 of an H100/H200
 def bench_shape(name, n, k, rows, dtype, rep, gemm) -> list[dict]:
     from triton.testing import do_bench_cudagraph
 
-    from foretell.layers import small_m_gemm as sm
+    from foretell.layers import small_m_kernels as kernels
 
     size = torch.tensor([], dtype=dtype).element_size()
     copies = max(1, -(-STREAM_BYTES // (n * k * size)))
@@ -49,8 +50,8 @@ def bench_shape(name, n, k, rows, dtype, rep, gemm) -> list[dict]:
     for m in rows:
         x = torch.randn(m, k, device=DEVICE).to(dtype)
         paths = {"cublas": lambda: [F.linear(x, w) for w in weights]}
-        for config in sm.candidate_configs(m, n, k, DEVICE):
-            paths[config] = lambda c=config: [sm.small_m_linear(x, w, None, c) for w in weights]
+        for config in kernels.candidate_configs(m, n, k, dtype, DEVICE):
+            paths[config] = lambda c=config: [kernels.small_m_linear(x, w, None, c) for w in weights]
         us = {}
         for path, fn in paths.items():
             fn()  # compile
@@ -58,7 +59,7 @@ def bench_shape(name, n, k, rows, dtype, rep, gemm) -> list[dict]:
         expected = F.linear(x.float(), weights[0].float())
         configs = [p for p in paths if p != "cublas"]
         best = min(configs, key=us.get)
-        err = (sm.small_m_linear(x, weights[0], None, best).float() - expected).abs().max().item()
+        err = (kernels.small_m_linear(x, weights[0], None, best).float() - expected).abs().max().item()
         choice = gemm.choose(GemmKey(m, n, k, dtype, False), weights[0], None)
         moved = (n * k + m * k + m * n) * size
         results.append(dict(
@@ -88,14 +89,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", nargs="?", help="folder to write bench_small_m_gemm.json into")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    parser.add_argument("--rows", type=int, nargs="+", help="M values (default 1 2 4)")
+    parser.add_argument("--rows", type=int, nargs="+", help="M values (default 1 2 4 8 16)")
     parser.add_argument("--quick", action="store_true", help="M 1 and 4, shorter timing")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_small_m_gemm.py needs a CUDA device")
     import triton
 
-    rows = args.rows or ([1, 4] if args.quick else [1, 2, 4])
+    rows = args.rows or ([1, 4] if args.quick else [1, 2, 4, 8, 16])
     rep = 10 if args.quick else 50
     dtype = DTYPES[args.dtype]
     print(f"{torch.cuda.get_device_name()}  {args.dtype}  torch {torch.__version__}  "

@@ -32,7 +32,7 @@ CASES = [
     "moe gemv gate_up", "rope + kv write, Qwen3 norms", "rope + kv write, partial rotary", "route, Kimi-K2",
     "route, V2-Lite", "rope (q and k), gptj partial", "select experts, Kimi-K2", "router logits",
     "gqa attention, unsplit prefill", "gemv with pdl, Llama qkv", "gemv with pdl, silu_mul input, 4 rows, bias",
-    "rms norm + residual, pdl trigger",
+    "rms norm + residual, pdl trigger", "mma with pdl, split-K 4, Llama o", "mma with pdl, silu_mul input, bias",
 ]
 
 

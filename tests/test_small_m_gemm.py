@@ -28,6 +28,7 @@ from fixtures.triton_interpreter import HAS_CUDA, import_interpreted, interprete
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 sm = import_interpreted("foretell.layers.small_m_gemm")
+mma = import_interpreted("foretell.layers.small_m_mma")
 
 
 @pytest.fixture
@@ -132,7 +133,7 @@ class FakeKernels:
     def __init__(self, wrong: bool = False):
         self.wrong, self.last, self.runs = wrong, None, 0
 
-    def candidate_configs(self, m, n, k, device):
+    def candidate_configs(self, m, n, k, dtype, device):
         return ["split1", "splitK"]
 
     def small_m_linear(self, x, weight, bias, config, silu_mul=False):
@@ -251,8 +252,8 @@ def test_call_routes_rows_through_the_chosen_path(monkeypatch):
 
 
 def test_layers_run_the_interpreted_kernel_when_bound(monkeypatch):
-    """Linear, its fused subclasses and LMHead, bound in mode "on": the kernel's result for one
-    row (a batch-1 decode step), F.linear's for more."""
+    """Linear, its fused subclasses and LMHead, bound in mode "on": the GEMV's result for one row
+    (a batch-1 decode step), the MMA's for 2 to 4 rows (fp16), F.linear's for more."""
     monkeypatch.setattr(kernel_dispatch, "use_triton", lambda *tensors: True)
     dtype = torch.float16
     layers = [Linear(40, 24, bias=True, dtype=dtype, device=DEVICE), MergedLinear(40, [8, 12], dtype=dtype, device=DEVICE),
@@ -263,10 +264,11 @@ def test_layers_run_the_interpreted_kernel_when_bound(monkeypatch):
     x = torch.randn(1, 40).to(dtype).to(DEVICE)
     plain = [layer(x) for layer in layers]
     gemm = prepare_small_m_linears(torch.nn.ModuleList(layers), max_m=4, mode="on")
-    assert all(layer.small_m is gemm for layer in layers) and gemm.max_m == 1
-    calls = []
-    kernel = sm.small_m_linear
+    assert all(layer.small_m is gemm for layer in layers) and gemm.max_m == 4
+    calls, mma_calls = [], []
+    kernel, mma_kernel = sm.small_m_linear, mma.small_m_mma_linear
     monkeypatch.setattr(sm, "small_m_linear", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    monkeypatch.setattr(mma, "small_m_mma_linear", lambda *a, **kw: mma_calls.append(1) or mma_kernel(*a, **kw))
     for layer, expected in zip(layers, plain):
         got = layer(x)
         assert got.dtype == expected.dtype
@@ -278,8 +280,26 @@ def test_layers_run_the_interpreted_kernel_when_bound(monkeypatch):
     torch.testing.assert_close(down.forward_silu_mul(gate_up), expected, rtol=2e-3, atol=2e-3)
     assert len(calls) == len(layers) + 1
     three_rows = torch.randn(3, 40).to(dtype).to(DEVICE)
-    assert torch.equal(layers[1](three_rows), F.linear(three_rows, layers[1].weight))  # cuBLAS's path
-    assert len(calls) == len(layers) + 1
+    torch.testing.assert_close(layers[1](three_rows), F.linear(three_rows, layers[1].weight), rtol=2e-3, atol=2e-3)
+    assert len(calls) == len(layers) + 1 and len(mma_calls) == 1  # the tensor-core path
+    five_rows = torch.randn(5, 40).to(dtype).to(DEVICE)
+    assert torch.equal(layers[1](five_rows), F.linear(five_rows, layers[1].weight))  # past max_m: cuBLAS
+    assert len(mma_calls) == 1
+
+
+def test_kernel_defaults_by_rows_and_dtype():
+    """small_m_kernels' first candidate (mode "on"): the GEMV for one row, the MMA for 2-16 rows in
+    fp16 / bf16, nothing (cuBLAS) for several float32 rows."""
+    kernels = import_interpreted("foretell.layers.small_m_kernels")
+    cpu = torch.device("cpu")
+    assert isinstance(kernels.candidate_configs(1, 4096, 4096, torch.bfloat16, cpu)[0], sm.SmallMConfig)
+    assert isinstance(kernels.candidate_configs(1, 4096, 4096, torch.float32, cpu)[0], sm.SmallMConfig)
+    for m in (2, 4, 16):
+        configs = kernels.candidate_configs(m, 4096, 4096, torch.float16, cpu)
+        assert configs and all(isinstance(c, mma.MmaConfig) for c in configs)
+        assert kernels.candidate_configs(m, 4096, 4096, torch.float32, cpu) == []
+    gemm = SmallMGemm("on", 16, kernels=kernels)
+    assert gemm.choose(GemmKey(4, 24, 32, torch.float32, False), W, None) is None
 
 
 def test_prepare_warms_every_bucket_and_binds_once(monkeypatch):

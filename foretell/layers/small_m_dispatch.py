@@ -1,15 +1,17 @@
-"""When a linear layer's few-row matmul runs the Triton GEMV (layers/small_m_gemm.py) instead of
-cuBLAS (F.linear): always ("on", the default on CUDA), or decided by timing both once per shape.
+"""When a linear layer's few-row matmul runs a Triton kernel (layers/small_m_kernels.py: the GEMV for
+one row, the tensor-core MMA for 2 to 16) instead of cuBLAS (F.linear): always ("on", the default on
+CUDA), or decided by timing them once per shape.
 
 A SmallMGemm is bound to the model's Linear and LMHead layers by prepare_small_m_linears (the
 runner does it on CUDA before capturing its graphs); each layer then calls it instead of F.linear.
 It owns a decision per GemmKey (rows rounded up to a power of two, N, K, dtype, bias or not):
   - mode "off": no SmallMGemm is bound at all, every layer calls F.linear;
-  - mode "on" (the default): the kernel with its default tiles for single-row inputs (decode at
-    batch 1), cuBLAS for more rows. At M = 1 the GEMV read Llama-8B's weights faster than cuBLAS
-    on the H200, and only it overlaps the kernel before it, which timing one call alone cannot see;
+  - mode "on" (the default): the default kernel and tiles for up to 16 rows: the GEMV for one row
+    (decode at batch 1), the MMA for 2 to 16 (verify, small batches; fp16 / bf16, else cuBLAS).
+    On the H200 both read Llama-8B's weights faster than cuBLAS, and only they overlap the kernel
+    before them, which timing one call alone cannot see;
   - mode "auto": for up to MAX_M rows, at the first call of a key (or when warmed up front)
-    F.linear and each of the kernel's candidate configs run on random rows against the layer's own
+    F.linear and each of the kernels' candidate configs run on random rows against the layer's own
     weight, timed on the device (L2 flushed before each rep, as a decode step reads its weights
     from HBM); the kernel wins only if it compiles, gives the same result and beats cuBLAS by
     MIN_SPEEDUP. During CUDA-graph capture nothing is timed: a decided key keeps its choice, an
@@ -38,11 +40,10 @@ from foretell.layers.activation import silu_and_mul
 logger = logging.getLogger("foretell")
 
 MODES = SMALL_M_GEMM_MODES  # auto | on | off
-MAX_M = 4  # small_m_gemm.MAX_M, restated so that this module needs no triton
-# Mode "on" uses the kernel up to this many rows: on the H200 it read the weights faster than
-# cuBLAS at M = 1 (a Llama-8B step's linears 3.71 against 4.00 ms) but not at M = 2 or 4, where
-# every row of x is another pass of float32 FMAs (BENCHMARKS.md).
-ON_MAX_M = 1
+MAX_M = 16  # small_m_kernels.MAX_M, restated so that this module needs no triton
+# Mode "on" uses the kernels up to this many rows: on the H200 the GEMV read the weights faster than
+# cuBLAS at M = 1 (a Llama-8B step's linears 3.71 against 4.00 ms), the MMA at M = 4 (BENCHMARKS.md).
+ON_MAX_M = 16
 MIN_SPEEDUP = 1.03  # the kernel must beat cuBLAS by this factor: noise never flips a layer
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -99,7 +100,7 @@ def _agree(got: torch.Tensor, expected: torch.Tensor, x: torch.Tensor, weight: t
 class SmallMGemm:
     """Callable like F.linear(x, weight, bias); picks cuBLAS or the kernel per GemmKey.
 
-    kernels: the module with small_m_linear and candidate_configs (default small_m_gemm,
+    kernels: the module with small_m_linear and candidate_configs (default small_m_kernels,
     imported on first need); timer(fn, device) -> seconds; is_capturing() -> bool. Tests pass
     fakes for all three."""
 
@@ -126,9 +127,9 @@ class SmallMGemm:
     @property
     def kernels(self):
         if self._kernels is None:
-            from foretell.layers import small_m_gemm  # imports triton: CUDA only
+            from foretell.layers import small_m_kernels  # imports triton: CUDA only
 
-            self._kernels = small_m_gemm
+            self._kernels = small_m_kernels
         return self._kernels
 
     def applies(
@@ -163,8 +164,8 @@ class SmallMGemm:
         if key in self.choices:
             return self.choices[key]
         if self.mode == "on":
-            configs = self.kernels.candidate_configs(key.m_bucket, key.n, key.k, weight.device)
-            self.choices[key] = configs[0]
+            configs = self.kernels.candidate_configs(key.m_bucket, key.n, key.k, key.dtype, weight.device)
+            self.choices[key] = configs[0] if configs else None  # none: cuBLAS (float32 above one row)
         elif self.is_capturing():
             return None  # cannot time inside a capture; left undecided for a later eager call
         else:
@@ -178,7 +179,7 @@ class SmallMGemm:
         expected = F.linear(x, weight, bias)
         times = {"cublas": self.timer(lambda: F.linear(x, weight, bias), device)}
         best, best_time = None, times["cublas"] / MIN_SPEEDUP
-        for config in self.kernels.candidate_configs(key.m_bucket, key.n, key.k, device):
+        for config in self.kernels.candidate_configs(key.m_bucket, key.n, key.k, key.dtype, device):
             run = lambda config=config: self.kernels.small_m_linear(x, weight, bias, config)  # noqa: E731
             try:  # a config that fails to compile (or to launch) just loses to cuBLAS
                 if not _agree(run(), expected, x, weight):

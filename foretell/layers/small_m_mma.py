@@ -1,0 +1,242 @@
+"""A tensor-core linear for a few rows: y = x W^T (+ b) for x [M, K] with 1 <= M <= 16, W [N, K].
+
+A verify step at batch 1 (k + 1 = 4 tokens) or a decode step at a small batch reads every weight
+once for a handful of rows. The batch-1 GEMV (layers/small_m_gemm.py) pays one pass of float32
+FMAs per row and loses to cuBLAS from two rows on; this kernel puts the rows on tensor cores the
+"swapped" way round, so the weights are the big operand of the MMA:
+  - program (p, s) owns BLOCK_N = 64 rows of W (a Hopper wgmma tile of M = 64) and the s-th of
+    SPLIT slices of K; it multiplies [BLOCK_N, BLOCK_K] weight tiles by x^T tiles [BLOCK_K, 16]
+    (x's rows padded to 16 columns, masked), the tile loads pipelined by Triton (num_stages);
+  - programmatic dependent launch (layers/pdl.py), as the GEMV: the first weight tile is
+    requested before waiting for the kernel before it, and the next kernel may launch once this
+    program's reads are done;
+  - split-K for layers with few tiles (Llama's o and down projections have 64): each split stores
+    a float32 partial; the split that arrives last at the tile's counter (an atomic, acquire-
+    release) adds the partials up in split order, so the result does not depend on which finished
+    first, adds the bias, stores y and zeroes the counter for the next launch;
+  - `silu_mul`: x is a fused gate_up output [M, 2K] and each x tile is silu(gate) * up with
+    SiluAndMul's roundings, so an MLP's down projection needs no activation launch.
+
+Measured on the H200 at M = 4 against cuBLAS (scripts/bench_verify_gemm.py, us): qkv 15.8 / 16.3,
+o 11.9 / 13.5, gate_up 58.5 / 63.5, down 31.7 / 32.8, lm_head 245.8 / 256.7.
+
+fp16 and bf16 only (tensor-core inputs; float32 layers keep cuBLAS's exact products). Grids depend
+only on shapes, nothing syncs with the host, partials are a torch.empty of the launch, and the
+counters are allocated at the first (eager) launch, so a call can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from foretell.layers.attention.triton_varlen import SplitCounters
+from foretell.layers.pdl import launch_options, let_next_kernel_launch, pdl_enabled, wait_for_previous_kernel
+
+MAX_M = 16  # x's rows, padded to this many columns of the MMA
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+BLOCK_N = 64  # rows of W per program: one wgmma tile
+DEFAULT_SMEM_BYTES = 99 << 10  # when the device does not say (the interpreter)
+_COUNTERS = SplitCounters()  # one per process: launches run in stream order, each leaves its counters zero
+
+
+@dataclass(frozen=True)
+class MmaConfig:
+    block_k: int  # columns of W per pipelined tile
+    split: int  # slices of K, each its own program
+    num_stages: int  # tiles in flight per program
+    block_n: int = BLOCK_N
+    num_warps: int = 4
+
+    def __str__(self) -> str:  # for logs and benchmark tables
+        return f"mma BN{self.block_n} BK{self.block_k} split{self.split} s{self.num_stages} w{self.num_warps}"
+
+
+@functools.cache
+def _device_limits(device_index: int) -> tuple[int, int]:
+    """(multiprocessors, shared memory bytes a program may opt into) of a CUDA device."""
+    props = torch.cuda.get_device_properties(device_index)
+    smem = getattr(props, "shared_memory_per_block_optin", 0) or DEFAULT_SMEM_BYTES
+    return props.multi_processor_count, smem
+
+
+def device_limits(device: torch.device) -> tuple[int, int]:
+    if device.type != "cuda":
+        return 132, DEFAULT_SMEM_BYTES  # the interpreter: an H100-sized grid, any tile fits
+    return _device_limits(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _stages_that_fit(block_n: int, block_k: int, smem_bytes: int, wanted: int = 4) -> int:
+    """Pipeline depth whose shared memory fits: Triton keeps num_stages + 1 bf16 tiles of W and x^T."""
+    per_stage = (block_n + MAX_M) * block_k * 2
+    return max(1, min(wanted, smem_bytes // per_stage - 1))
+
+
+def pick_config(m: int, n: int, k: int, device: torch.device) -> MmaConfig:
+    """Tiles for an [m, k] x [n, k]^T product (H200 sweep at M = 1 and 4): layers with at most
+    half as many 64-row tiles as multiprocessors split K four ways (o, down: 64 tiles), the rest
+    run whole rows of K, in 256-wide tiles while they have fewer tiles than multiprocessors (qkv)."""
+    if not 1 <= m <= MAX_M or n < 1 or k < 1:
+        raise ValueError(f"small-M MMA needs 1 <= M <= {MAX_M}, N >= 1, K >= 1; got M={m}, N={n}, K={k}")
+    sms, smem = device_limits(device)
+    tiles = triton.cdiv(n, BLOCK_N)
+    split = 4 if 2 * tiles <= sms and k >= 4 * 128 else 1
+    block_k = 256 if split == 1 and tiles < sms else 128
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    return MmaConfig(block_k, split, _stages_that_fit(BLOCK_N, block_k, smem))
+
+
+def candidate_configs(m: int, n: int, k: int, device: torch.device) -> list[MmaConfig]:
+    """pick_config first, then the other split and tile widths (what a timing dispatch tries)."""
+    best = pick_config(m, n, k, device)
+    _, smem = device_limits(device)
+    others = [MmaConfig(block_k, split, _stages_that_fit(BLOCK_N, block_k, smem))
+              for block_k, split in ((128, 1), (256, 1), (128, 2), (128, 4)) if block_k <= max(16, k)]
+    return list(dict.fromkeys([best, *others]))
+
+
+@triton.jit
+def _load_x_tile(x_tile, k0, mask, K, SILU_MUL: tl.constexpr):
+    """x^T tile [BLOCK_K, BLOCK_M] at column k0; with SILU_MUL, silu(gate) * up of x = [gate, up]
+    rounded as SiluAndMul rounds (silu to the dtype, then the product)."""
+    x = tl.load(x_tile + k0, mask=mask, other=0.0)
+    if SILU_MUL:
+        dtype = x.dtype
+        gate = x.to(tl.float32)
+        up = tl.load(x_tile + K + k0, mask=mask, other=0.0).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        x = (silu * up).to(dtype)
+    return x
+
+
+@triton.jit
+def _mma_kernel(
+    x_ptr,  # [M, K] (or [M, 2K] with SILU_MUL), unit column stride
+    w_ptr,  # [N, K] contiguous
+    bias_ptr,  # [N] (unread without HAS_BIAS)
+    out_ptr,  # [M, N] contiguous, x's dtype
+    partial_ptr,  # [SPLIT, M, N] float32 (unused when SPLIT == 1)
+    counter_ptr,  # [>= cdiv(N, BLOCK_N)] int32, zero (unused when SPLIT == 1)
+    M,
+    N,
+    K,
+    stride_xm,
+    k_per_split,  # a multiple of BLOCK_K
+    HAS_BIAS: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    PDL: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = rows of W
+    col_ok = cols < N
+    rows = tl.arange(0, BLOCK_M)  # rows of x
+    row_ok = rows < M
+    k_start = split * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    lanes = k_start + tl.arange(0, BLOCK_K)
+    w_tile = w_ptr + cols[:, None].to(tl.int64) * K + lanes[None, :]  # [BLOCK_N, BLOCK_K]
+    x_tile = x_ptr + rows[None, :] * stride_xm + lanes[:, None]  # [BLOCK_K, BLOCK_M]
+    # No kernel of a step writes W: its first tile is requested before the wait (layers/pdl.py).
+    w = tl.load(w_tile, mask=col_ok[:, None] & (lanes < k_end)[None, :], other=0.0, eviction_policy="evict_first")
+    wait_for_previous_kernel(PDL)
+    x = _load_x_tile(x_tile, 0, (lanes < k_end)[:, None] & row_ok[None, :], K, SILU_MUL)
+    acc = tl.dot(w, x)  # [BLOCK_N, BLOCK_M] float32
+    for k0 in range(BLOCK_K, k_per_split, BLOCK_K):
+        k_ok = (lanes + k0) < k_end
+        w = tl.load(w_tile + k0, mask=col_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+        x = _load_x_tile(x_tile, k0, k_ok[:, None] & row_ok[None, :], K, SILU_MUL)
+        acc = tl.dot(w, x, acc)
+    let_next_kernel_launch(PDL)  # this program's reads of W are done
+
+    out_mask = col_ok[:, None] & row_ok[None, :]
+    offsets = rows[None, :] * N + cols[:, None]  # [BLOCK_N, BLOCK_M] into [M, N]
+    if SPLIT > 1:
+        tl.store(partial_ptr + split * M * N + offsets, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel")
+        if arrived == SPLIT - 1:  # the last split of this tile: every partial is visible now
+            acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            for s in range(SPLIT):  # split order: the same sum whichever split finished last
+                acc += tl.load(partial_ptr + s * M * N + offsets, mask=out_mask, other=0.0, cache_modifier=".cg")
+            _store_output(acc, bias_ptr, cols, col_ok, out_ptr, offsets, out_mask, HAS_BIAS)
+            tl.atomic_xchg(counter_ptr + tile, 0)  # ready for the next launch
+    else:
+        _store_output(acc, bias_ptr, cols, col_ok, out_ptr, offsets, out_mask, HAS_BIAS)
+
+
+@triton.jit
+def _store_output(acc, bias_ptr, cols, col_ok, out_ptr, offsets, out_mask, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool) -> None:
+    if x.dim() != 2 or weight.dim() != 2:
+        raise ValueError(f"x must be [M, K] and weight [N, K], got {list(x.shape)} and {list(weight.shape)}")
+    k = weight.shape[1]
+    if x.shape[1] != (2 * k if silu_mul else k):
+        expected = f"[M, 2K={2 * k}] (gate then up)" if silu_mul else f"[M, K={k}]"
+        raise ValueError(f"x must be {expected} for weight [N, K={k}], got {list(x.shape)}")
+    if x.dtype not in SUPPORTED_DTYPES or weight.dtype != x.dtype:
+        raise ValueError(
+            f"x and weight must share a dtype of {[str(d) for d in SUPPORTED_DTYPES]} (tensor-core inputs), "
+            f"got {x.dtype} and {weight.dtype}"
+        )
+    if not weight.is_contiguous():
+        raise ValueError(f"weight must be contiguous (row-major [N, K]), got strides {weight.stride()}")
+    if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != x.dtype or not bias.is_contiguous()):
+        raise ValueError(
+            f"bias must be a contiguous [{weight.shape[0]}] {x.dtype} tensor, got {list(bias.shape)} {bias.dtype}"
+        )
+    if x.device != weight.device or (bias is not None and bias.device != x.device):
+        raise ValueError(f"x, weight and bias must be on one device, got {x.device} and {weight.device}")
+    if not 1 <= x.shape[0] <= MAX_M or k < 1:
+        raise ValueError(f"small-M MMA takes 1 to {MAX_M} rows and K >= 1, got x {list(x.shape)}")
+
+
+def small_m_mma_linear(
+    x: torch.Tensor,  # [M, K] (or [M, 2K] with silu_mul), M <= MAX_M; any row stride
+    weight: torch.Tensor,  # [N, K], x's dtype (fp16 / bf16), contiguous
+    bias: torch.Tensor | None = None,  # [N], x's dtype
+    config: MmaConfig | None = None,  # None: pick_config's choice
+    silu_mul: bool = False,  # x is gate_up: compute F.linear(silu(gate) * up, ...)
+) -> torch.Tensor:  # [M, N] contiguous, x's dtype
+    """F.linear(x, weight, bias) for up to 16 rows on tensor cores, reading weight exactly once."""
+    _check_inputs(x, weight, bias, silu_mul)
+    m = x.shape[0]
+    n, k = weight.shape
+    config = config or pick_config(m, n, k, x.device)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    tiles = triton.cdiv(n, config.block_n)
+    k_per_split = triton.cdiv(triton.cdiv(k, config.split), config.block_k) * config.block_k
+    if config.split > 1:
+        partials = torch.empty((config.split, m, n), dtype=torch.float32, device=x.device)
+        counters = _COUNTERS.get(x.device, tiles)
+    else:
+        partials = counters = out  # unread
+    pdl = pdl_enabled(x)
+    _mma_kernel[(tiles, config.split)](
+        x, weight, bias if bias is not None else out, out, partials, counters, m, n, k, x.stride(0), k_per_split,
+        HAS_BIAS=bias is not None,
+        SILU_MUL=silu_mul,
+        PDL=pdl,
+        SPLIT=config.split,
+        BLOCK_M=MAX_M,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        **launch_options(pdl),
+    )
+    return out

@@ -1,0 +1,164 @@
+"""The tensor-core few-row linear (layers/small_m_mma.py) on a CUDA device: bf16 and fp16 at
+Llama-3.1-8B's linear shapes for 1 to 16 rows and every candidate config (split-K included) against
+a float64 product, with the fused SiLU-and-mul input and a bias; capture and replay in a CUDA graph
+(split counters left zero, results bit-identical); and a chain of dependent launches mixing it with
+the GEMV (programmatic dependent launch on Hopper: a missing wait would read a stale input).
+
+Every case draws fresh random inputs; a failure prints the seed that reproduces it.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+pytest.importorskip("triton")
+
+from fixtures.seeds import reports_seed  # noqa: E402
+from foretell.layers import small_m_gemm as sm  # noqa: E402
+from foretell.layers import small_m_mma as mma  # noqa: E402
+from foretell.layers.activation import SiluAndMul  # noqa: E402
+from foretell.layers.linear import Linear  # noqa: E402
+from foretell.layers.small_m_dispatch import GemmKey, prepare_small_m_linears  # noqa: E402
+
+DEVICE = torch.device("cuda")
+# Llama-3.1-8B: qkv_proj, o_proj, gate_up_proj, down_proj, lm_head.
+SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
+
+
+def _check(got, x, weight, bias):
+    """Within one rounding of the dtype of the exact product, plus float32 accumulation."""
+    assert not torch.isnan(got).any()
+    assert got.shape == (x.shape[0], weight.shape[0]) and got.dtype == x.dtype and got.is_contiguous()
+    b64 = None if bias is None else bias.double()
+    exact = F.linear(x.double(), weight.double(), b64)
+    magnitude = F.linear(x.double().abs(), weight.double().abs(), None if b64 is None else b64.abs())
+    bound = torch.finfo(x.dtype).eps * exact.abs() + x.shape[1] * 2.0**-23 * magnitude + 1e-30
+    err = (got.double() - exact).abs()
+    assert (err <= bound).all(), f"max err {err.max():.3g}, worst err/bound {(err / bound).max():.3g}"
+
+
+def _counters_zero():
+    return all(int(b.count_nonzero()) == 0 for b in mma._COUNTERS._buffers.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("m", [1, 2, 4, 16])
+def test_matches_float64_at_llama8b_shapes(dtype, shape, m):
+    seed = random.randrange(2**31)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    n, k = shape
+    x = torch.randn(m, k, generator=gen, device=DEVICE).to(dtype)
+    weight = (torch.randn(n, k, generator=gen, device=DEVICE) / k**0.5).to(dtype)
+    with torch.inference_mode(), reports_seed(seed):
+        for config in mma.candidate_configs(m, n, k, DEVICE):
+            _check(mma.small_m_mma_linear(x, weight, None, config), x, weight, None)
+            assert _counters_zero()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [4, 13])
+def test_silu_mul_input_and_bias(dtype, m):
+    seed = random.randrange(2**31)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    n, k = 4096 + 40, 14336 + 24  # down_proj-like, neither a multiple of the tiles
+    gate_up = torch.randn(m, 2 * k, generator=gen, device=DEVICE).to(dtype)
+    weight = (torch.randn(n, k, generator=gen, device=DEVICE) / k**0.5).to(dtype)
+    bias = torch.randn(n, generator=gen, device=DEVICE).to(dtype)
+    with torch.inference_mode(), reports_seed(seed):
+        activated = SiluAndMul()(gate_up)  # the Triton activation kernel: same roundings
+        for config in mma.candidate_configs(m, n, k, DEVICE):
+            _check(mma.small_m_mma_linear(gate_up, weight, bias, config, silu_mul=True), activated, weight, bias)
+
+
+def test_replays_in_a_cuda_graph_bit_identical():
+    seed = random.randrange(2**31)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    m, n, k = 4, 4096, 14336
+    x = torch.randn(m, k, generator=gen, device=DEVICE).to(torch.bfloat16)
+    weight = (torch.randn(n, k, generator=gen, device=DEVICE) / k**0.5).to(torch.bfloat16)
+    configs = mma.candidate_configs(m, n, k, DEVICE)
+    assert any(c.split > 1 for c in configs)
+
+    def step():
+        return [mma.small_m_mma_linear(x, weight, None, c) for c in configs]
+
+    with torch.inference_mode(), reports_seed(seed):
+        step()  # compiles, allocates the counters
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = step()
+        for _ in range(3):
+            x.copy_(torch.randn(m, k, generator=gen, device=DEVICE).to(torch.bfloat16))
+            graph.replay()
+            for got, want in zip(static_out, step()):
+                assert torch.equal(got, want)  # split partials summed in a fixed order
+            assert _counters_zero()
+
+
+@pytest.mark.parametrize("m", [1, 4])
+def test_a_chain_of_dependent_launches_waits_for_each_input(m):
+    """Nine linears alternating the MMA (split and whole-K) and the GEMV, each reading the one
+    before, a plain torch launch between some; captured once, replayed on new inputs, against
+    float64 (fp16: the MMA's inputs, values kept small)."""
+    seed = random.randrange(2**31)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    widths = [4096, 6144, 4096, 28672, 14336, 4096, 4096, 4096, 8192, 4096]  # a silu_mul step halves 28672
+    weights = [(torch.randn(widths[i + 1], widths[i] // (2 if widths[i] == 28672 else 1), generator=gen,
+                            device=DEVICE) / widths[i] ** 0.5).half() for i in range(len(widths) - 1)]
+    x = torch.randn(m, widths[0], generator=gen, device=DEVICE).half()
+
+    def chain(linear, h, ws):
+        for i, w in enumerate(ws):
+            h = linear(i, h, w, silu_mul=widths[i] == 28672)
+            if i % 3 == 1:
+                h = h * 0.5  # a plain launch between two kernels
+        return h
+
+    def kernel(i, h, w, silu_mul):
+        if i % 2 and m <= sm.MAX_M:
+            return sm.small_m_linear(h, w, None, None, silu_mul=silu_mul)
+        return mma.small_m_mma_linear(h, w, None, None, silu_mul=silu_mul)
+
+    def reference(i, h, w, silu_mul):
+        if silu_mul:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        return F.linear(h, w)
+
+    with torch.inference_mode(), reports_seed(seed):
+        chain(kernel, x, weights)  # compiles
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain(kernel, x, weights)
+        weights64 = [w.double() for w in weights]
+        for _ in range(3):
+            x.copy_(torch.randn(m, widths[0], generator=gen, device=DEVICE))
+            graph.replay()
+            expected = chain(reference, x.double(), weights64)
+            torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+
+
+def test_mode_on_runs_bf16_layers_of_2_to_16_rows_on_the_mma():
+    seed = random.randrange(2**31)
+    torch.manual_seed(seed)
+    layer = Linear(4096, 6144, dtype=torch.bfloat16, device=DEVICE)
+    layer.weight.data.normal_(std=0.02)
+    with torch.inference_mode(), reports_seed(seed):
+        gemm = prepare_small_m_linears(layer, max_m=16, mode="on")
+        for m in (1, 2, 4, 8, 16):
+            config = gemm.choices[GemmKey(m, 6144, 4096, torch.bfloat16, False)]
+            assert isinstance(config, sm.SmallMConfig if m == 1 else mma.MmaConfig)
+        for m in (3, 16):
+            x = torch.randn(m, 4096, device=DEVICE).to(torch.bfloat16)
+            _check(layer(x), x, layer.weight, None)
