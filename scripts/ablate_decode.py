@@ -19,8 +19,9 @@ and alternatives (same results, other launches):
 
     attn_unsplit / attn_split64 / attn_split128   the attention's context not split, or split in
                   pieces of at least 64 / 128 tokens (the engine's default: 32)
-    mma_<layer>   at one row, that layer's linears (qkv, o, gate_up, down, lm_head) on the
-                  tensor-core MMA instead of the GEMV
+    no_pdl_glue   norms, RoPE + KV write and attention launched plainly (no PDL)
+    <layer>_<kernel>  that layer's linears (qkv, o, gate_up, down, lm_head) on another kernel than
+                  the engine's choice: cublas, gemv, mma (its default tiles), mma_split1/2/4
 
     python scripts/ablate_decode.py OUT_DIR [--model foretell/configs/llama-3.1-8b] [--context 256]
 
@@ -45,7 +46,8 @@ sys.path.insert(0, ROOT)
 
 from bench_result import graph_replay_ms, write_result  # noqa: E402
 from foretell import LLM  # noqa: E402
-from foretell.layers import small_m_mma  # noqa: E402
+from foretell.layers import fused_kernels, small_m_gemm, small_m_mma  # noqa: E402
+from foretell.layers.attention import rope_kv_triton, triton_kernels  # noqa: E402
 from foretell.layers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from foretell.layers.embedding import LMHead  # noqa: E402
 from foretell.layers.linear import Linear  # noqa: E402
@@ -94,6 +96,8 @@ PATCHES = {
     "rope_kv": [(TritonAttentionBackend, "rope_write_kv", _rope_kv_passthrough)],
     "attend": [(TritonAttentionBackend, "attend", _attend_empty)],
     "lm_head": [(LMHead, "forward", _lm_head_empty)],
+    "no_pdl_glue": [(module, "pdl_enabled", lambda t: False) for module in (fused_kernels, rope_kv_triton,
+                                                                            triton_kernels)],
     "attn_unsplit": [(TritonAttentionBackend, "attend", _attend_with(num_splits=1))],
     "attn_split64": [(TritonAttentionBackend, "attend", _attend_with(min_split_tokens=64))],
     "attn_split128": [(TritonAttentionBackend, "attend", _attend_with(min_split_tokens=128))],
@@ -109,6 +113,7 @@ VARIANTS = {
     "no_lm_head": ["lm_head"],
     "linears_only": ["norms", "rope_kv", "attend"],
     "no_linears": ["linears"],
+    "no_pdl_glue": ["no_pdl_glue"],
     "attn_unsplit": ["attn_unsplit"],
     "attn_split64": ["attn_split64"],
     "attn_split128": ["attn_split128"],
@@ -128,6 +133,19 @@ def replay_ms(graph, reps: int = 50) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times[3:])
+
+
+def alternatives(current, m: int, n: int, k: int) -> dict:
+    """Other ways to run a layer's linears than the engine's choice `current`."""
+    device = torch.device("cuda")
+    mma = small_m_mma.pick_config(m, n, k, device)
+    other = {"cublas": None}
+    if m == 1:
+        other["gemv"] = small_m_gemm.pick_config(1, n, k)
+    other["mma"] = mma
+    for split in (1, 2, 4):
+        other[f"mma_split{split}"] = small_m_mma.MmaConfig(128, split, 4)
+    return {name: config for name, config in other.items() if config != current}
 
 
 @contextlib.contextmanager
@@ -164,21 +182,22 @@ def main() -> None:
                 result["rows"].setdefault(variant, {})[f"q{q}"] = ms
                 full = result["rows"]["full"][f"q{q}"]
                 print(f"q={q} {variant:13} {ms:7.3f} ms  ({full - ms:+.3f} ms removed)", flush=True)
-        graphs.prepare_replay((1, 1), args.context)
         gemm = runner.small_m_gemm
-        for layer, (n, k) in LLAMA_SHAPES.items():  # one row: that layer's linears on the MMA
-            key = GemmKey(1, n, k, torch.bfloat16, False)
-            if gemm is None or key not in gemm.choices:
-                continue
-            kept = gemm.choices[key]
-            gemm.choices[key] = small_m_mma.pick_config(1, n, k, torch.device("cuda"))
-            try:
-                ms = graph_replay_ms(lambda: graphs._forward(1, 1), reps=50)[0]
-            finally:
-                gemm.choices[key] = kept
-            result["rows"][f"mma_{layer}"] = {"q1": ms}
-            print(f"q=1 mma_{layer:9} {ms:7.3f} ms  ({result['rows']['full']['q1'] - ms:+.3f} ms removed)",
-                  flush=True)
+        for q in (1, 4):  # each layer's linears on another kernel (or cuBLAS), one layer kind at a time
+            graphs.prepare_replay((1, q), args.context)
+            full = result["rows"]["full"][f"q{q}"]
+            for layer, (n, k) in LLAMA_SHAPES.items():
+                key = GemmKey(q, n, k, torch.bfloat16, False)
+                if gemm is None or key not in gemm.choices:
+                    continue
+                for name, config in alternatives(gemm.choices[key], q, n, k).items():
+                    kept, gemm.choices[key] = gemm.choices[key], config
+                    try:
+                        ms = graph_replay_ms(lambda: graphs._forward(1, q), reps=50)[0]
+                    finally:
+                        gemm.choices[key] = kept
+                    result["rows"].setdefault(f"{layer}_{name}", {})[f"q{q}"] = ms
+                    print(f"q={q} {layer + '_' + name:13} {ms:7.3f} ms  ({full - ms:+.3f} ms removed)", flush=True)
         result["draft_loop_ms"] = replay_ms(runner.draft_graphs.graphs[1].graph)
     print(f"EAGLE3 draft loop (catch-up + 2 chained steps) {result['draft_loop_ms']:.3f} ms")
     write_result(args.out_dir, "ablate_decode", "ablate_decode", result)

@@ -288,12 +288,15 @@ def test_layers_run_the_interpreted_kernel_when_bound(monkeypatch):
 
 
 def test_kernel_defaults_by_rows_and_dtype():
-    """small_m_kernels' first candidate (mode "on"): the GEMV for one row, the MMA for 2-16 rows in
-    fp16 / bf16, nothing (cuBLAS) for several float32 rows."""
+    """small_m_kernels' first candidate (mode "on"): the GEMV for one row of K <= 4096, the MMA for
+    2-16 rows in fp16 / bf16, nothing (cuBLAS) for several float32 rows."""
     kernels = import_interpreted("foretell.layers.small_m_kernels")
     cpu = torch.device("cpu")
     assert isinstance(kernels.candidate_configs(1, 4096, 4096, torch.bfloat16, cpu)[0], sm.SmallMConfig)
     assert isinstance(kernels.candidate_configs(1, 4096, 4096, torch.float32, cpu)[0], sm.SmallMConfig)
+    # One row of a long K (a down projection): the MMA's pipelined tiles, in fp16 / bf16.
+    assert isinstance(kernels.candidate_configs(1, 4096, 14336, torch.bfloat16, cpu)[0], mma.MmaConfig)
+    assert isinstance(kernels.candidate_configs(1, 4096, 14336, torch.float32, cpu)[0], sm.SmallMConfig)
     for m in (2, 4, 16):
         configs = kernels.candidate_configs(m, 4096, 4096, torch.float16, cpu)
         assert configs and all(isinstance(c, mma.MmaConfig) for c in configs)

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from foretell.layers.pdl import let_next_kernel_launch, pdl_enabled
+from foretell.layers.pdl import join_dependent_chain, launch_options, pdl_enabled
 
 
 def _next_pow2(n: int) -> int:
@@ -71,10 +71,9 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    LAUNCH_DEPENDENTS: tl.constexpr,  # let a PDL-launched next kernel start now (layers/pdl.py)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (layers/pdl.py)
 ):
-    # The next kernel (a projection's GEMV) only reads its weights until this one completes.
-    let_next_kernel_launch(LAUNCH_DEPENDENTS)
+    join_dependent_chain(PDL)  # the next kernel (a projection's GEMV) streams weights meanwhile
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_H)
     col_ok = cols < hidden
@@ -131,6 +130,7 @@ def rms_norm_triton(
     block_h = _next_pow2(hidden)
     # Short rows (per-head norms) share a program so each program still moves a few KiB.
     block_rows = min(max(1, 4096 // block_h), _next_pow2(num_rows))
+    pdl = pdl_enabled(x)
     _rms_norm_kernel[(triton.cdiv(num_rows, block_rows),)](
         rows, res_rows, weight, out, residual_out,
         num_rows, hidden, eps,
@@ -139,8 +139,9 @@ def rms_norm_triton(
         HAS_RESIDUAL=residual is not None,
         BLOCK_ROWS=block_rows,
         BLOCK_H=block_h,
-        LAUNCH_DEPENDENTS=pdl_enabled(x),
+        PDL=pdl,
         num_warps=_num_warps(block_rows * block_h),
+        **launch_options(pdl),
     )
     return out, residual_out
 

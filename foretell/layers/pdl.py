@@ -16,6 +16,10 @@ Rules that keep a whole CUDA graph of such launches ordered:
   - a weight-streaming kernel calls it at the end of its work, not the start: its dependents would
     otherwise take multiprocessor slots while its own later programs still wait for them.
 
+Kernels that read their inputs at once (the norms, RoPE + KV write, the attention) are launched
+with PDL too and start with `join_dependent_chain`: wait, then release. So each starts as soon as
+the kernel before it lets it, and the GEMV after it streams its weights while it runs.
+
 Both instructions are no-ops when the launch did not ask for PDL. Triton's interpreter knows neither:
 kernels take a PDL constexpr, False there, on GPUs before Hopper, and with a Triton that lacks them.
 """
@@ -54,6 +58,15 @@ def wait_for_previous_kernel(PDL: tl.constexpr):
 @triton.jit
 def let_next_kernel_launch(PDL: tl.constexpr):
     if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def join_dependent_chain(PDL: tl.constexpr):
+    """The first step of a kernel whose every read may depend on the kernel before it: wait for
+    that kernel, then let the next one launch (which only reads weights until this one is done)."""
+    if PDL:
+        gdc_wait()
         gdc_launch_dependents()
 
 

@@ -1,10 +1,12 @@
 """The few-row kernels a SmallMGemm (layers/small_m_dispatch.py) chooses among, behind one entry point:
 
   - the FMA GEMV (layers/small_m_gemm.py, SmallMConfig): up to 4 rows, any float dtype; the
-    default for a single row (decode at batch 1), where it reads weights fastest;
+    default for a single row (decode at batch 1) where a program reads its rows of W in one tile
+    (K <= 4096), where it reads weights fastest;
   - the tensor-core MMA (layers/small_m_mma.py, MmaConfig): up to 16 rows in fp16 / bf16; the
     default from two rows on (a verify of k + 1 tokens, small batches), where the GEMV's per-row
-    FMA passes lose to cuBLAS and this kernel does not.
+    FMA passes lose to cuBLAS, and for one row of a long K (Llama's down projection, K = 14336:
+    its pipelined tiles beat the GEMV's serial ones, 0.11 ms a step in the Llama-8B decode graph).
 
 A config's type says which kernel runs it. This module imports triton: CUDA (or the interpreter
 tests) only.
@@ -26,7 +28,8 @@ def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype, device: torch.
     gemv = small_m_gemm.candidate_configs(m, n, k, device) if m <= small_m_gemm.MAX_M else []
     mma = small_m_mma.candidate_configs(m, n, k, device) if dtype in small_m_mma.SUPPORTED_DTYPES else []
     if m == 1:
-        return gemv + mma
+        long_k = k > small_m_gemm.MAX_BLOCK_K
+        return mma + gemv if long_k and mma else gemv + mma
     return mma  # the GEMV's per-row passes lose to cuBLAS from 2 rows on (BENCHMARKS.md)
 
 

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from foretell.layers.fused_kernels import ROPE_STYLES, _in_dtype, _next_pow2, _num_warps, _rope_heads
 from foretell.layers.norm import RMSNorm
+from foretell.layers.pdl import join_dependent_chain, launch_options, pdl_enabled
 
 
 @triton.jit
@@ -65,7 +66,9 @@ def _rope_write_kv_kernel(
     BLOCK_SIZE: tl.constexpr,  # cache block size
     INTERLEAVED: tl.constexpr,
     HAS_NORM: tl.constexpr,  # per-head RMSNorm of q and k before the rotation (Qwen3)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (layers/pdl.py)
 ):
+    join_dependent_chain(PDL)
     token = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     q_blocks = (NUM_Q_HEADS + BLOCK_HEADS - 1) // BLOCK_HEADS
@@ -147,6 +150,7 @@ def rope_write_kv_triton(
     block_heads = min(max(1, 1024 // max(half_p, _next_pow2(head_dim) // 2)), _next_pow2(max(num_q_heads, num_k_heads)))
     q_blocks, k_blocks = triton.cdiv(num_q_heads, block_heads), triton.cdiv(num_k_heads, block_heads)
     q_norm, k_norm = qk_norm if qk_norm is not None else (None, None)
+    pdl = pdl_enabled(query)
     _rope_write_kv_kernel[(num_tokens, q_blocks + 2 * k_blocks)](
         positions.contiguous(), cos_cache, sin_cache, query, key, value, q_out, k_cache, v_cache, slot_mapping,
         q_norm.weight if q_norm is not None else query, k_norm.weight if k_norm is not None else key,
@@ -164,6 +168,8 @@ def rope_write_kv_triton(
         BLOCK_SIZE=kv_cache.shape[2],
         INTERLEAVED=style == "gptj",
         HAS_NORM=qk_norm is not None,
+        PDL=pdl,
         num_warps=_num_warps(2 * block_heads * half_p),
+        **launch_options(pdl),
     )
     return q_out

@@ -41,7 +41,7 @@ from foretell.layers.attention.triton_varlen import (
     split_tile_range,
     store_attention,
 )
-from foretell.layers.pdl import let_next_kernel_launch, pdl_enabled
+from foretell.layers.pdl import join_dependent_chain, launch_options, pdl_enabled
 
 _LOG2E = 1.4426950408889634
 # A split of the context covers at least this many tokens (rounded up to whole tiles): a short
@@ -165,10 +165,9 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,  # several programs per query block and kv head share the context
     MIN_TILES: tl.constexpr,  # fewest tiles per split
     DOT_PRECISION: tl.constexpr,
-    LAUNCH_DEPENDENTS: tl.constexpr,  # let a PDL-launched next kernel start now (layers/pdl.py)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (layers/pdl.py)
 ):
-    # The next kernel (the o projection's GEMV) only reads its weights until this one completes.
-    let_next_kernel_launch(LAUNCH_DEPENDENTS)
+    join_dependent_chain(PDL)  # the next kernel (the o projection's GEMV) streams weights meanwhile
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -326,8 +325,9 @@ def paged_attention_triton(
         SPLIT=split,
         MIN_TILES=triton.cdiv(min_split_tokens, tile_n),
         DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
-        LAUNCH_DEPENDENTS=pdl_enabled(query),
+        PDL=pdl_enabled(query),
         num_warps=config["num_warps"],
+        **launch_options(pdl_enabled(query)),
     )
     return out
 
