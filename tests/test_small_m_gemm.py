@@ -136,6 +136,9 @@ class FakeKernels:
     def candidate_configs(self, m, n, k, dtype, device):
         return ["split1", "splitK"]
 
+    def default_config(self, m, n, k, dtype, device):
+        return "split1"
+
     def small_m_linear(self, x, weight, bias, config, silu_mul=False):
         self.last, self.runs = config, self.runs + 1
         y = F.linear(SiluAndMul()(x) if silu_mul else x, weight, bias)
@@ -287,20 +290,24 @@ def test_layers_run_the_interpreted_kernel_when_bound(monkeypatch):
     assert len(mma_calls) == 1
 
 
-def test_kernel_defaults_by_rows_and_dtype():
-    """small_m_kernels' first candidate (mode "on"): the GEMV for one row of K <= 4096, the MMA for
-    2-16 rows in fp16 / bf16, nothing (cuBLAS) for several float32 rows."""
+def test_kernel_defaults_by_rows_dtype_and_k():
+    """small_m_kernels.default_config (mode "on"): the GEMV for one row, the MMA for 2-16 rows in
+    fp16 / bf16, cuBLAS (None) for several float32 rows and for a K past one GEMV tile; mode
+    "auto" times the GEMV's configs up to 4 rows and the MMA's in fp16 / bf16."""
     kernels = import_interpreted("foretell.layers.small_m_kernels")
     cpu = torch.device("cpu")
-    assert isinstance(kernels.candidate_configs(1, 4096, 4096, torch.bfloat16, cpu)[0], sm.SmallMConfig)
-    assert isinstance(kernels.candidate_configs(1, 4096, 4096, torch.float32, cpu)[0], sm.SmallMConfig)
-    # One row of a long K (a down projection): the MMA's pipelined tiles, in fp16 / bf16.
-    assert isinstance(kernels.candidate_configs(1, 4096, 14336, torch.bfloat16, cpu)[0], mma.MmaConfig)
-    assert isinstance(kernels.candidate_configs(1, 4096, 14336, torch.float32, cpu)[0], sm.SmallMConfig)
+    for dtype in (torch.bfloat16, torch.float32):
+        assert isinstance(kernels.default_config(1, 4096, 4096, dtype, cpu), sm.SmallMConfig)
     for m in (2, 4, 16):
-        configs = kernels.candidate_configs(m, 4096, 4096, torch.float16, cpu)
-        assert configs and all(isinstance(c, mma.MmaConfig) for c in configs)
-        assert kernels.candidate_configs(m, 4096, 4096, torch.float32, cpu) == []
+        assert isinstance(kernels.default_config(m, 6144, 4096, torch.float16, cpu), mma.MmaConfig)
+        assert kernels.default_config(m, 6144, 4096, torch.float32, cpu) is None
+    for m in (1, 4):  # Llama's down projection
+        assert kernels.default_config(m, 4096, 14336, torch.bfloat16, cpu) is None
+    assert kernels.default_config(17, 4096, 4096, torch.bfloat16, cpu) is None
+    kinds = [type(c) for c in kernels.candidate_configs(4, 4096, 4096, torch.float16, cpu)]
+    assert sm.SmallMConfig in kinds and mma.MmaConfig in kinds
+    assert all(isinstance(c, sm.SmallMConfig) for c in kernels.candidate_configs(4, 4096, 4096, torch.float32, cpu))
+    assert all(isinstance(c, mma.MmaConfig) for c in kernels.candidate_configs(16, 4096, 4096, torch.float16, cpu))
     gemm = SmallMGemm("on", 16, kernels=kernels)
     assert gemm.choose(GemmKey(4, 24, 32, torch.float32, False), W, None) is None
 

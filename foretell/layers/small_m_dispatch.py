@@ -6,10 +6,10 @@ A SmallMGemm is bound to the model's Linear and LMHead layers by prepare_small_m
 runner does it on CUDA before capturing its graphs); each layer then calls it instead of F.linear.
 It owns a decision per GemmKey (rows rounded up to a power of two, N, K, dtype, bias or not):
   - mode "off": no SmallMGemm is bound at all, every layer calls F.linear;
-  - mode "on" (the default): the default kernel and tiles for up to 16 rows: the GEMV for one row
-    (decode at batch 1), the MMA for 2 to 16 (verify, small batches; fp16 / bf16, else cuBLAS).
-    On the H200 both read Llama-8B's weights faster than cuBLAS, and only they overlap the kernel
-    before them, which timing one call alone cannot see;
+  - mode "on" (the default): small_m_kernels.default_config, untimed, for up to 16 rows: the GEMV
+    for one row (decode at batch 1), the MMA for 2 to 16 (verify, small batches; fp16 / bf16),
+    cuBLAS for a K longer than one GEMV tile. Chosen by timing whole decode graphs on the H200:
+    only the kernels overlap the kernel before them, which timing one call alone cannot see;
   - mode "auto": for up to MAX_M rows, at the first call of a key (or when warmed up front)
     F.linear and each of the kernels' candidate configs run on random rows against the layer's own
     weight, timed on the device (L2 flushed before each rep, as a decode step reads its weights
@@ -164,8 +164,7 @@ class SmallMGemm:
         if key in self.choices:
             return self.choices[key]
         if self.mode == "on":
-            configs = self.kernels.candidate_configs(key.m_bucket, key.n, key.k, key.dtype, weight.device)
-            self.choices[key] = configs[0] if configs else None  # none: cuBLAS (float32 above one row)
+            self.choices[key] = self.kernels.default_config(key.m_bucket, key.n, key.k, key.dtype, weight.device)
         elif self.is_capturing():
             return None  # cannot time inside a capture; left undecided for a later eager call
         else:

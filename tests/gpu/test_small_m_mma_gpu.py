@@ -160,8 +160,9 @@ def test_mode_on_runs_bf16_layers_of_2_to_16_rows_on_the_mma():
             config = gemm.choices[GemmKey(m, 6144, 4096, torch.bfloat16, False)]
             assert isinstance(config, sm.SmallMConfig if m == 1 else mma.MmaConfig)
         down = Linear(14336, 4096, dtype=torch.bfloat16, device=DEVICE)
-        prepare_small_m_linears(down, max_m=1, mode="on", gemm=gemm)
-        assert isinstance(gemm.choices[GemmKey(1, 4096, 14336, torch.bfloat16, False)], mma.MmaConfig)
+        prepare_small_m_linears(down, max_m=4, mode="on", gemm=gemm)
+        assert gemm.choices[GemmKey(1, 4096, 14336, torch.bfloat16, False)] is None  # long K: cuBLAS
+        assert gemm.choices[GemmKey(4, 4096, 14336, torch.bfloat16, False)] is None
         for m in (3, 16):
             x = torch.randn(m, 4096, device=DEVICE).to(torch.bfloat16)
             _check(layer(x), x, layer.weight, None)
