@@ -10,11 +10,12 @@ waiting for the kernel before it:
     zeroed float32 buffer, then cast: not deterministic, fine for an experiment);
   - "swapped": W as the A operand (64 or 128 rows of W per program, a wgmma tile on Hopper) times
     x^T padded to 16 columns, split-K by float32 partials that the last-arriving split sums in a
-    fixed order (deterministic; a counter per tile, left zeroed). Each config runs as 8 back-to-back
+    fixed order (deterministic; a counter per tile, left zeroed);
+  - "tma": "swapped" with W's tiles loaded through a tensor descriptor (TMA on Hopper). Each config runs as 8 back-to-back
 products over distinct weights in one CUDA graph (weights streamed from HBM), us per product,
 against cuBLAS the same way, and is checked against a float32 product.
 
-    python scripts/bench_verify_gemm.py OUT_DIR [--rows 4] [--quick]
+    python scripts/bench_verify_gemm.py OUT_DIR [--rows 4] [--quick] [--shapes qkv o ...]
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -105,12 +107,52 @@ def _swapped_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, count_ptr, M, N, K, k_pe
             tl.atomic_xchg(count_ptr + pid_n, 0)
 
 
+@triton.jit
+def _swapped_tma_kernel(x_ptr, w_desc, out_ptr, partial_ptr, count_ptr, M, N, K, k_per_split,
+                        PDL: tl.constexpr, SPLIT: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """_swapped_kernel with W's tiles loaded through a tensor descriptor (TMA on Hopper)."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    row0 = pid_n * BLOCK_N
+    cols = row0 + tl.arange(0, BLOCK_N)
+    k_start = pid_s * k_per_split
+    lanes = tl.arange(0, BLOCK_K)
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    x_tile = x_ptr + rows[None, :] * K + (k_start + lanes)[:, None]  # [BLOCK_K, BLOCK_M]
+    w = w_desc.load([row0, k_start])
+    wait_for_previous_kernel(PDL)
+    x = tl.load(x_tile, mask=row_ok[None, :], other=0.0)
+    acc = tl.dot(w, x)
+    for k0 in range(BLOCK_K, k_per_split, BLOCK_K):
+        w = w_desc.load([row0, k_start + k0])
+        x = tl.load(x_tile + k0, mask=row_ok[None, :], other=0.0)
+        acc = tl.dot(w, x, acc)
+    let_next_kernel_launch(PDL)
+    out = out_ptr + rows[None, :] * N + cols[:, None]
+    if SPLIT == 1:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[None, :])
+    else:
+        parts = partial_ptr + rows[None, :] * N + cols[:, None]
+        tl.store(parts + pid_s * M * N, acc, mask=row_ok[None, :])
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == SPLIT - 1:
+            total = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            for s in range(SPLIT):
+                total += tl.load(parts + s * M * N, mask=row_ok[None, :], other=0.0, cache_modifier=".cg")
+            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=row_ok[None, :])
+            tl.atomic_xchg(count_ptr + pid_n, 0)
+
+
 class SwappedLinear:
     """Scratch (float32 partials, zeroed counters) for _swapped_kernel, reused by every call."""
 
     def __init__(self, max_elements: int, device):
         self.partials = torch.empty(max_elements, device=device, dtype=torch.float32)
         self.counts = torch.zeros(1 << 16, device=device, dtype=torch.int32)
+        self.descriptors = {}
 
     def __call__(self, x, w, block_n, block_k, warps, stages, split):
         m, k = x.shape
@@ -121,6 +163,20 @@ class SwappedLinear:
                                                PDL=pdl, SPLIT=split, BLOCK_M=16, BLOCK_N=block_n,
                                                BLOCK_K=block_k, num_warps=warps, num_stages=stages,
                                                **launch_options(pdl))
+        return out
+
+    def tma(self, x, w, block_n, block_k, warps, stages, split):
+        m, k = x.shape
+        n = w.shape[0]
+        pdl = pdl_enabled(x)
+        out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+        key = (w.data_ptr(), block_n, block_k)
+        if key not in self.descriptors:
+            self.descriptors[key] = TensorDescriptor.from_tensor(w, [block_n, block_k])
+        _swapped_tma_kernel[(n // block_n, split)](x, self.descriptors[key], out, self.partials, self.counts, m, n,
+                                                   k, k // split, PDL=pdl, SPLIT=split, BLOCK_M=16,
+                                                   BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+                                                   num_stages=stages, **launch_options(pdl))
         return out
 
 
@@ -146,6 +202,7 @@ def main() -> None:
     parser.add_argument("out_dir")
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help="fewer configs")
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), help="default: all five")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_verify_gemm.py needs a CUDA device")
@@ -153,11 +210,15 @@ def main() -> None:
     dot_configs = list(itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (3, 5), (1, 2)))
     swapped_configs = [c for c in itertools.product((64, 128), (64, 128, 256), (4, 8), (3, 4, 6), (1, 2, 4))
                        if c[0] * c[1] * 2 * c[3] <= 160 << 10]  # shared memory for the stages
-    if args.quick:
-        dot_configs = [c for c in dot_configs if c[0] == 64 and c[1] in (128, 256) and c[2] == 4 and c[3] == 3]
-        swapped_configs = [c for c in swapped_configs if c[2] == 4 and c[3] == 4]
+    tma_configs = []
+    if args.quick:  # 64-row tiles, split 4 for layers of few tiles (o, down), else none
+        dot_configs = []
+        swapped_configs = [(64, bk, warps, stages, None) for bk in (128, 256) for warps in (4, 8)
+                           for stages in (3, 4) if not (bk == 256 and stages == 4 and warps == 8)]
+        tma_configs = list(swapped_configs)
+    shapes = {name: SHAPES[name] for name in args.shapes} if args.shapes else SHAPES
     result = {"rows": args.rows, "timing": "median us per product, 8 back to back in a CUDA graph", "shapes": {}}
-    for name, (n, k) in SHAPES.items():
+    for name, (n, k) in shapes.items():
         count = 2 if name == "lm_head" else 8
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(count)]
         x = torch.randn(args.rows, k, device="cuda", dtype=torch.bfloat16)
@@ -166,7 +227,10 @@ def main() -> None:
         row = {"cublas": graph_us(lambda: [F.linear(x, w) for w in ws], count)}
         kernels = [("dot", c, lambda x, w, c: dot_linear(x, w, *c)) for c in dot_configs]
         kernels += [("swapped", c, lambda x, w, c: swapped(x, w, *c)) for c in swapped_configs]
+        kernels += [("tma", c, lambda x, w, c: swapped.tma(x, w, *c)) for c in tma_configs]
         for kind, (block_n, block_k, warps, stages, split), run in kernels:
+            if split is None:
+                split = 4 if 2 * (n // block_n) <= torch.cuda.get_device_properties(0).multi_processor_count else 1
             if n % block_n or k % (block_k * split):
                 continue
             config = (block_n, block_k, warps, stages, split)
