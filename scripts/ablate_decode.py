@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import statistics
 import sys
 from unittest import mock
 
@@ -44,7 +43,7 @@ import torch
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
-from bench_result import graph_replay_ms, write_result  # noqa: E402
+from bench_result import graph_replay_ms, replay_ms, write_result  # noqa: E402
 from foretell import LLM  # noqa: E402
 from foretell.layers import fused_kernels, small_m_gemm, small_m_mma  # noqa: E402
 from foretell.layers.attention import rope_kv_triton, triton_kernels  # noqa: E402
@@ -122,19 +121,6 @@ LLAMA_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096)
                 "lm_head": (128256, 4096)}
 
 
-def replay_ms(graph, reps: int = 50) -> float:
-    """Median ms of a replay of an already captured graph, over whatever its buffers hold."""
-    times = []
-    for _ in range(reps + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times[3:])
-
-
 def alternatives(current, m: int, n: int, k: int) -> dict:
     """Other ways to run a layer's linears than the engine's choice `current`."""
     device = torch.device("cuda")
@@ -198,7 +184,7 @@ def main() -> None:
                         gemm.choices[key] = kept
                     result["rows"].setdefault(f"{layer}_{name}", {})[f"q{q}"] = ms
                     print(f"q={q} {layer + '_' + name:13} {ms:7.3f} ms  ({full - ms:+.3f} ms removed)", flush=True)
-        result["draft_loop_ms"] = replay_ms(runner.draft_graphs.graphs[1].graph)
+        result["draft_loop_ms"] = replay_ms(runner.draft_graphs.graphs[1].graph, reps=50)
     print(f"EAGLE3 draft loop (catch-up + 2 chained steps) {result['draft_loop_ms']:.3f} ms")
     write_result(args.out_dir, "ablate_decode", "ablate_decode", result)
 

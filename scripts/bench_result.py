@@ -43,8 +43,6 @@ def write_result(out_dir: str, stem: str, benchmark: str, fields: dict) -> str:
 def graph_replay_ms(fn, reps: int = 20, warmup: int = 3):
     """(median ms of one replay, fn's output) for fn captured once in a CUDA graph: no launch cost,
     as in the engine's decode graphs. fn runs once eagerly first (compiles)."""
-    import statistics
-
     import torch
 
     fn()
@@ -52,6 +50,15 @@ def graph_replay_ms(fn, reps: int = 20, warmup: int = 3):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fn()
+    return replay_ms(graph, reps, warmup), out
+
+
+def replay_ms(graph, reps: int = 20, warmup: int = 3) -> float:
+    """Median ms of one replay of a captured CUDA graph, timed with events one replay at a time."""
+    import statistics
+
+    import torch
+
     times = []
     for _ in range(reps + warmup):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -60,4 +67,4 @@ def graph_replay_ms(fn, reps: int = 20, warmup: int = 3):
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times[warmup:]), out
+    return statistics.median(times[warmup:])

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fixtures.float64_linear import check_linear
 from fixtures.seeds import reports_seed  # noqa: E402
 from foretell.config import ModelConfig
 from foretell.layers import kernel_dispatch
@@ -42,18 +43,6 @@ def poisoned_empty(monkeypatch):
     monkeypatch.setattr(sm.torch, "empty", nan_empty)
 
 
-def _check(got, x, weight, bias):
-    """got within one rounding of the dtype of the exact product, plus float32 accumulation."""
-    assert not torch.isnan(got).any(), "kernel left poisoned elements"
-    assert got.shape == (x.shape[0], weight.shape[0]) and got.dtype == x.dtype and got.is_contiguous()
-    x64, w64 = x.double().cpu(), weight.double().cpu()
-    exact = F.linear(x64, w64, None if bias is None else bias.double().cpu())
-    magnitude = F.linear(x64.abs(), w64.abs(), None if bias is None else bias.double().cpu().abs())
-    bound = torch.finfo(x.dtype).eps * exact.abs() + x.shape[1] * 2.0**-23 * magnitude + 1e-30
-    err = (got.double().cpu() - exact).abs()
-    assert (err <= bound).all(), f"max err {err.max():.3g}, worst err/bound {(err / bound).max():.3g}"
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 def test_matches_float64_reference(dtype, m, poisoned_empty):
@@ -68,7 +57,7 @@ def test_matches_float64_reference(dtype, m, poisoned_empty):
         # default tiles (one tile of all K), several tiles of K, more rows of W per program
         for config in (None, sm.pick_config(m, n, k, block_k=256), sm.pick_config(m, n, k, block_n=4, block_k=512)):
             for b in (bias, None):
-                _check(sm.small_m_linear(x, weight, b, config), x, weight, b)
+                check_linear(sm.small_m_linear(x, weight, b, config), x, weight, b)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
@@ -84,13 +73,13 @@ def test_silu_mul_input_matches_the_activation_then_the_product(dtype, poisoned_
     activated = SiluAndMul()(gate_up.cpu()).to(DEVICE)  # [m, k], the torch path
     with reports_seed(seed):
         for config in (None, sm.pick_config(m, n, k, block_k=128)):
-            _check(sm.small_m_linear(gate_up, weight, None, config, silu_mul=True), activated, weight, None)
+            check_linear(sm.small_m_linear(gate_up, weight, None, config, silu_mul=True), activated, weight, None)
 
 
 def test_strided_rows_and_tiny_k(poisoned_empty):
     x = torch.randn(3, 40, dtype=torch.float32, device=DEVICE)[:, 5:12]  # row stride 40, K = 7
     weight = torch.randn(5, 7, device=DEVICE)
-    _check(sm.small_m_linear(x, weight), x, weight, None)
+    check_linear(sm.small_m_linear(x, weight), x, weight, None)
 
 
 def test_configs_fit_the_rows_and_keep_threads_busy():

@@ -12,8 +12,8 @@ import random
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+from fixtures.float64_linear import check_linear
 from fixtures.seeds import reports_seed  # noqa: E402
 from foretell.layers.activation import SiluAndMul
 
@@ -34,18 +34,6 @@ def poisoned_empty(monkeypatch):
     monkeypatch.setattr(mma.torch, "empty", nan_empty)
 
 
-def _check(got, x, weight, bias):
-    """got within one fp16 rounding of the exact product, plus float32 accumulation."""
-    assert not torch.isnan(got).any(), "kernel left poisoned elements"
-    assert got.shape == (x.shape[0], weight.shape[0]) and got.dtype == x.dtype and got.is_contiguous()
-    x64, w64 = x.double().cpu(), weight.double().cpu()
-    exact = F.linear(x64, w64, None if bias is None else bias.double().cpu())
-    magnitude = F.linear(x64.abs(), w64.abs(), None if bias is None else bias.double().cpu().abs())
-    bound = torch.finfo(x.dtype).eps * exact.abs() + x.shape[1] * 2.0**-23 * magnitude + 1e-30
-    err = (got.double().cpu() - exact).abs()
-    assert (err <= bound).all(), f"max err {err.max():.3g}, worst err/bound {(err / bound).max():.3g}"
-
-
 def _counters_zero():
     buffers = mma._COUNTERS._buffers.values()
     return all(int(b.count_nonzero()) == 0 for b in buffers)
@@ -64,7 +52,7 @@ def test_matches_float64_reference_for_each_split(m, poisoned_empty):
         for split, block_k in ((1, 64), (2, 64), (4, 32), (3, 128)):  # split 3 of 128: the last slice is empty
             config = mma.MmaConfig(block_k, split, num_stages=2)
             for b in (bias, None):
-                _check(mma.small_m_mma_linear(x, weight, b, config), x, weight, b)
+                check_linear(mma.small_m_mma_linear(x, weight, b, config), x, weight, b)
                 assert _counters_zero(), "a split launch left its counters set"
 
 
@@ -78,13 +66,13 @@ def test_silu_mul_input_matches_the_activation_then_the_product(poisoned_empty):
     activated = SiluAndMul()(gate_up.cpu()).to(DEVICE)  # [m, k], the torch path
     with reports_seed(seed):
         for config in (mma.MmaConfig(64, 1, 2), mma.MmaConfig(32, 2, 2)):
-            _check(mma.small_m_mma_linear(gate_up, weight, None, config, silu_mul=True), activated, weight, None)
+            check_linear(mma.small_m_mma_linear(gate_up, weight, None, config, silu_mul=True), activated, weight, None)
 
 
 def test_strided_rows_and_default_config(poisoned_empty):
     x = torch.randn(5, 200, dtype=torch.float16, device=DEVICE)[:, 30:130]  # row stride 200, K = 100
     weight = torch.randn(70, 100, dtype=torch.float16, device=DEVICE)
-    _check(mma.small_m_mma_linear(x, weight), x, weight, None)
+    check_linear(mma.small_m_mma_linear(x, weight), x, weight, None)
 
 
 def test_configs_split_few_tiles_and_fit_shared_memory():

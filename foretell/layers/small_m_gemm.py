@@ -83,6 +83,14 @@ def candidate_configs(m: int, n: int, k: int, device: torch.device) -> list[Smal
 
 
 @triton.jit
+def silu_mul_rounded(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up of float32 values with SiluAndMul's roundings in dtype (F.silu rounds, then
+    the product does); float32 out."""
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (silu * up).to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _accumulate(acc, w, x_ptr, stride_xm, M, cols, K, BLOCK_M: tl.constexpr, SILU_MUL: tl.constexpr):
     """acc [BLOCK_M, BLOCK_N] + x[:, cols] . w^T for the weight tile w [BLOCK_N, BLOCK_K]: one row
     of x at a time, each a [BLOCK_N, BLOCK_K] product summed over the tile's K lanes."""
@@ -91,11 +99,9 @@ def _accumulate(acc, w, x_ptr, stride_xm, M, cols, K, BLOCK_M: tl.constexpr, SIL
     for m in tl.static_range(BLOCK_M):
         mask = cols < tl.where(m < M, K, 0)  # padding rows (m >= M) read nothing
         x = tl.load(x_ptr + m * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_K]
-        if SILU_MUL:  # x holds gate then up; SiluAndMul's roundings: silu to the dtype, then the product
-            dtype = x_ptr.dtype.element_ty
+        if SILU_MUL:  # x holds gate then up
             up = tl.load(x_ptr + m * stride_xm + K + cols, mask=mask, other=0.0).to(tl.float32)
-            silu = (x / (1.0 + tl.exp(-x))).to(dtype).to(tl.float32)
-            x = (silu * up).to(dtype).to(tl.float32)
+            x = silu_mul_rounded(x, up, x_ptr.dtype.element_ty)
         y = tl.sum(w * x[None, :], axis=1)  # [BLOCK_N]
         acc = tl.where(rows == m, acc + y[None, :], acc)
     return acc
@@ -140,16 +146,26 @@ def _gemv_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & col_ok[None, :])
 
 
-def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool) -> None:
+def check_inputs(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    silu_mul: bool,
+    kernel: str = "small-M GEMM",  # how errors name the kernel
+    dtypes: tuple[torch.dtype, ...] = SUPPORTED_DTYPES,
+    max_m: int = MAX_M,
+) -> None:
+    """Raise a ValueError saying what is wrong unless the few-row kernel can run F.linear(x, weight,
+    bias) (x = [gate, up] of width 2K with silu_mul). Shared by small_m_mma.py."""
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"x must be [M, K] and weight [N, K], got {list(x.shape)} and {list(weight.shape)}")
     k = weight.shape[1]
     if x.shape[1] != (2 * k if silu_mul else k):
         expected = f"[M, 2K={2 * k}] (gate then up)" if silu_mul else f"[M, K={k}]"
         raise ValueError(f"x must be {expected} for weight [N, K={k}], got {list(x.shape)}")
-    if x.dtype not in SUPPORTED_DTYPES or weight.dtype != x.dtype:
+    if x.dtype not in dtypes or weight.dtype != x.dtype:
         raise ValueError(
-            f"x and weight must share a dtype of {[str(d) for d in SUPPORTED_DTYPES]}, got "
+            f"{kernel}: x and weight must share a dtype of {[str(d) for d in dtypes]}, got "
             f"{x.dtype} and {weight.dtype}"
         )
     if not weight.is_contiguous():
@@ -161,8 +177,8 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         )
     if x.device != weight.device or (bias is not None and bias.device != x.device):
         raise ValueError(f"x, weight and bias must be on one device, got {x.device} and {weight.device}")
-    if not 1 <= x.shape[0] <= MAX_M or k < 1:
-        raise ValueError(f"small-M GEMM takes 1 to {MAX_M} rows and K >= 1, got x {list(x.shape)}")
+    if not 1 <= x.shape[0] <= max_m or k < 1:
+        raise ValueError(f"{kernel} takes 1 to {max_m} rows and K >= 1, got x {list(x.shape)}")
 
 
 def small_m_linear(
@@ -173,7 +189,7 @@ def small_m_linear(
     silu_mul: bool = False,  # x is gate_up: compute F.linear(silu(gate) * up, ...)
 ) -> torch.Tensor:  # [M, N] contiguous, x's dtype
     """F.linear(x, weight, bias) for few rows, reading weight exactly once."""
-    _check_inputs(x, weight, bias, silu_mul)
+    check_inputs(x, weight, bias, silu_mul)
     m = x.shape[0]
     n, k = weight.shape
     if config is None:

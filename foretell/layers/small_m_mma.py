@@ -36,6 +36,7 @@ import triton.language as tl
 
 from foretell.layers.attention.triton_varlen import SplitCounters
 from foretell.layers.pdl import launch_options, let_next_kernel_launch, pdl_enabled, wait_for_previous_kernel
+from foretell.layers.small_m_gemm import check_inputs, silu_mul_rounded
 
 MAX_M = 16  # x's rows, padded to this many columns of the MMA
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
@@ -105,11 +106,8 @@ def _load_x_tile(x_tile, k0, mask, K, SILU_MUL: tl.constexpr):
     rounded as SiluAndMul rounds (silu to the dtype, then the product)."""
     x = tl.load(x_tile + k0, mask=mask, other=0.0)
     if SILU_MUL:
-        dtype = x.dtype
-        gate = x.to(tl.float32)
         up = tl.load(x_tile + K + k0, mask=mask, other=0.0).to(tl.float32)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        x = (silu * up).to(dtype)
+        x = silu_mul_rounded(x.to(tl.float32), up, x.dtype).to(x.dtype)
     return x
 
 
@@ -180,30 +178,6 @@ def _store_output(acc, bias_ptr, cols, col_ok, out_ptr, offsets, out_mask, HAS_B
     tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool) -> None:
-    if x.dim() != 2 or weight.dim() != 2:
-        raise ValueError(f"x must be [M, K] and weight [N, K], got {list(x.shape)} and {list(weight.shape)}")
-    k = weight.shape[1]
-    if x.shape[1] != (2 * k if silu_mul else k):
-        expected = f"[M, 2K={2 * k}] (gate then up)" if silu_mul else f"[M, K={k}]"
-        raise ValueError(f"x must be {expected} for weight [N, K={k}], got {list(x.shape)}")
-    if x.dtype not in SUPPORTED_DTYPES or weight.dtype != x.dtype:
-        raise ValueError(
-            f"x and weight must share a dtype of {[str(d) for d in SUPPORTED_DTYPES]} (tensor-core inputs), "
-            f"got {x.dtype} and {weight.dtype}"
-        )
-    if not weight.is_contiguous():
-        raise ValueError(f"weight must be contiguous (row-major [N, K]), got strides {weight.stride()}")
-    if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != x.dtype or not bias.is_contiguous()):
-        raise ValueError(
-            f"bias must be a contiguous [{weight.shape[0]}] {x.dtype} tensor, got {list(bias.shape)} {bias.dtype}"
-        )
-    if x.device != weight.device or (bias is not None and bias.device != x.device):
-        raise ValueError(f"x, weight and bias must be on one device, got {x.device} and {weight.device}")
-    if not 1 <= x.shape[0] <= MAX_M or k < 1:
-        raise ValueError(f"small-M MMA takes 1 to {MAX_M} rows and K >= 1, got x {list(x.shape)}")
-
-
 def small_m_mma_linear(
     x: torch.Tensor,  # [M, K] (or [M, 2K] with silu_mul), M <= MAX_M; any row stride
     weight: torch.Tensor,  # [N, K], x's dtype (fp16 / bf16), contiguous
@@ -212,7 +186,7 @@ def small_m_mma_linear(
     silu_mul: bool = False,  # x is gate_up: compute F.linear(silu(gate) * up, ...)
 ) -> torch.Tensor:  # [M, N] contiguous, x's dtype
     """F.linear(x, weight, bias) for up to 16 rows on tensor cores, reading weight exactly once."""
-    _check_inputs(x, weight, bias, silu_mul)
+    check_inputs(x, weight, bias, silu_mul, "small-M MMA (tensor-core inputs)", SUPPORTED_DTYPES, MAX_M)
     m = x.shape[0]
     n, k = weight.shape
     config = config or pick_config(m, n, k, x.device)

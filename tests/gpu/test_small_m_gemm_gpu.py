@@ -22,6 +22,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 pytest.importorskip("triton")
 
+from fixtures.float64_linear import check_linear  # noqa: E402
 from fixtures.seeds import reports_seed  # noqa: E402
 from foretell import LLM, SamplingParams  # noqa: E402
 from foretell.layers import small_m_gemm as sm  # noqa: E402
@@ -41,18 +42,6 @@ def _inputs(gen, m, n, k, dtype, bias=False):
     return x, weight, b
 
 
-def _check(got, x, weight, bias):
-    """Within one rounding of the dtype of the exact product, plus float32 accumulation."""
-    assert not torch.isnan(got).any()
-    assert got.shape == (x.shape[0], weight.shape[0]) and got.dtype == x.dtype and got.is_contiguous()
-    b64 = None if bias is None else bias.double()
-    exact = F.linear(x.double(), weight.double(), b64)
-    magnitude = F.linear(x.double().abs(), weight.double().abs(), None if b64 is None else b64.abs())
-    bound = torch.finfo(x.dtype).eps * exact.abs() + x.shape[1] * 2.0**-23 * magnitude + 1e-30
-    err = (got.double() - exact).abs()
-    assert (err <= bound).all(), f"max err {err.max():.3g}, worst err/bound {(err / bound).max():.3g}"
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("m", [1, 2, 4])
@@ -63,7 +52,7 @@ def test_matches_float64_at_llama8b_shapes(dtype, shape, m):
     x, weight, _ = _inputs(gen, m, n, k, dtype)
     with torch.inference_mode(), reports_seed(seed):
         for config in sm.candidate_configs(m, n, k, DEVICE):
-            _check(sm.small_m_linear(x, weight, None, config), x, weight, None)
+            check_linear(sm.small_m_linear(x, weight, None, config), x, weight, None)
         # The float32 path of the brief: cuBLAS in float32 of the same inputs, as a cross-check.
         expected = F.linear(x.float(), weight.float())
         torch.testing.assert_close(sm.small_m_linear(x, weight).float(), expected,
@@ -82,7 +71,7 @@ def test_silu_mul_input_at_the_down_projection(dtype, m):
     with torch.inference_mode(), reports_seed(seed):
         activated = SiluAndMul()(gate_up)  # the Triton activation kernel: same roundings
         for config in sm.candidate_configs(m, n, k, DEVICE):
-            _check(sm.small_m_linear(gate_up, weight, None, config, silu_mul=True), activated, weight, None)
+            check_linear(sm.small_m_linear(gate_up, weight, None, config, silu_mul=True), activated, weight, None)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -93,7 +82,7 @@ def test_bias_and_odd_rows(dtype, m):
     x, weight, bias = _inputs(gen, m, 1000, 4096 + 24, dtype, bias=True)
     with torch.inference_mode(), reports_seed(seed):
         for config in sm.candidate_configs(m, 1000, 4096 + 24, DEVICE):
-            _check(sm.small_m_linear(x, weight, bias, config), x, weight, bias)
+            check_linear(sm.small_m_linear(x, weight, bias, config), x, weight, bias)
 
 
 def test_launches_do_not_sync_and_replay_in_a_cuda_graph():

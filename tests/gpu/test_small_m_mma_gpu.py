@@ -21,6 +21,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 pytest.importorskip("triton")
 
+from fixtures.float64_linear import check_linear  # noqa: E402
 from fixtures.seeds import reports_seed  # noqa: E402
 from foretell.layers import small_m_gemm as sm  # noqa: E402
 from foretell.layers import small_m_mma as mma  # noqa: E402
@@ -31,18 +32,6 @@ from foretell.layers.small_m_dispatch import GemmKey, prepare_small_m_linears  #
 DEVICE = torch.device("cuda")
 # Llama-3.1-8B: qkv_proj, o_proj, gate_up_proj, down_proj, lm_head.
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
-
-
-def _check(got, x, weight, bias):
-    """Within one rounding of the dtype of the exact product, plus float32 accumulation."""
-    assert not torch.isnan(got).any()
-    assert got.shape == (x.shape[0], weight.shape[0]) and got.dtype == x.dtype and got.is_contiguous()
-    b64 = None if bias is None else bias.double()
-    exact = F.linear(x.double(), weight.double(), b64)
-    magnitude = F.linear(x.double().abs(), weight.double().abs(), None if b64 is None else b64.abs())
-    bound = torch.finfo(x.dtype).eps * exact.abs() + x.shape[1] * 2.0**-23 * magnitude + 1e-30
-    err = (got.double() - exact).abs()
-    assert (err <= bound).all(), f"max err {err.max():.3g}, worst err/bound {(err / bound).max():.3g}"
 
 
 def _counters_zero():
@@ -60,7 +49,7 @@ def test_matches_float64_at_llama8b_shapes(dtype, shape, m):
     weight = (torch.randn(n, k, generator=gen, device=DEVICE) / k**0.5).to(dtype)
     with torch.inference_mode(), reports_seed(seed):
         for config in mma.candidate_configs(m, n, k, DEVICE):
-            _check(mma.small_m_mma_linear(x, weight, None, config), x, weight, None)
+            check_linear(mma.small_m_mma_linear(x, weight, None, config), x, weight, None)
             assert _counters_zero()
 
 
@@ -76,7 +65,7 @@ def test_silu_mul_input_and_bias(dtype, m):
     with torch.inference_mode(), reports_seed(seed):
         activated = SiluAndMul()(gate_up)  # the Triton activation kernel: same roundings
         for config in mma.candidate_configs(m, n, k, DEVICE):
-            _check(mma.small_m_mma_linear(gate_up, weight, bias, config, silu_mul=True), activated, weight, bias)
+            check_linear(mma.small_m_mma_linear(gate_up, weight, bias, config, silu_mul=True), activated, weight, bias)
 
 
 def test_replays_in_a_cuda_graph_bit_identical():
@@ -165,4 +154,4 @@ def test_mode_on_runs_bf16_layers_of_2_to_16_rows_on_the_mma():
         assert gemm.choices[GemmKey(4, 4096, 14336, torch.bfloat16, False)] is None
         for m in (3, 16):
             x = torch.randn(m, 4096, device=DEVICE).to(torch.bfloat16)
-            _check(layer(x), x, layer.weight, None)
+            check_linear(layer(x), x, layer.weight, None)
