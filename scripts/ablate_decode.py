@@ -126,12 +126,22 @@ def alternatives(current, m: int, n: int, k: int) -> dict:
     device = torch.device("cuda")
     mma = small_m_mma.pick_config(m, n, k, device)
     other = {"cublas": None}
-    if m == 1:
+    if m == 1:  # the GEMV's default, then other tiles: rows of W per program x columns per tile
         other["gemv"] = small_m_gemm.pick_config(1, n, k)
+        whole = 1 << (k - 1).bit_length()
+        for rows, width in ((1, whole), (2, whole), (4, 2048), (1, 8192)):
+            warps = max(4, min(16, rows * width // (32 * 64)))  # about 64 weights a thread
+            other[f"gemv_{rows}x{width}"] = small_m_gemm.SmallMConfig(1, rows, min(width, whole), warps)
     other["mma"] = mma
     for split in (1, 2, 4):
         other[f"mma_split{split}"] = small_m_mma.MmaConfig(128, split, 4)
-    return {name: config for name, config in other.items() if config != current}
+    seen = [current]
+    kept = {}
+    for name, config in other.items():
+        if config not in seen:
+            seen.append(config)
+            kept[name] = config
+    return kept
 
 
 @contextlib.contextmanager
@@ -149,6 +159,8 @@ def main() -> None:
     parser.add_argument("--model", default=f"{CONFIGS}/llama-3.1-8b")
     parser.add_argument("--draft", default=f"{CONFIGS}/llama-3.1-8b-eagle3")
     parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--alternative-rows", type=int, nargs="*", default=[1, 4],
+                        help="query lengths whose layers are tried on other kernels (default 1 4)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("ablate_decode.py needs a CUDA device (it times CUDA graphs)")
@@ -169,7 +181,7 @@ def main() -> None:
                 full = result["rows"]["full"][f"q{q}"]
                 print(f"q={q} {variant:13} {ms:7.3f} ms  ({full - ms:+.3f} ms removed)", flush=True)
         gemm = runner.small_m_gemm
-        for q in (1, 4):  # each layer's linears on another kernel (or cuBLAS), one layer kind at a time
+        for q in args.alternative_rows:  # each layer's linears on another kernel (or cuBLAS), one kind at a time
             graphs.prepare_replay((1, q), args.context)
             full = result["rows"]["full"][f"q{q}"]
             for layer, (n, k) in LLAMA_SHAPES.items():

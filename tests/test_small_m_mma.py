@@ -49,7 +49,7 @@ def test_matches_float64_reference_for_each_split(m, poisoned_empty):
     weight = (torch.randn(n, k, generator=gen) / k**0.5).half().to(DEVICE)
     bias = torch.randn(n, generator=gen).half().to(DEVICE)
     with reports_seed(seed):
-        for split, block_k in ((1, 64), (2, 64), (4, 32), (3, 128)):  # split 3 of 128: the last slice is empty
+        for split, block_k in ((1, 64), (2, 64), (4, 32), (3, 128)):  # uneven slices, the last partly past K
             config = mma.MmaConfig(block_k, split, num_stages=2)
             for b in (bias, None):
                 check_linear(mma.small_m_mma_linear(x, weight, b, config), x, weight, b)
@@ -73,6 +73,9 @@ def test_strided_rows_and_default_config(poisoned_empty):
     x = torch.randn(5, 200, dtype=torch.float16, device=DEVICE)[:, 30:130]  # row stride 200, K = 100
     weight = torch.randn(70, 100, dtype=torch.float16, device=DEVICE)
     check_linear(mma.small_m_mma_linear(x, weight), x, weight, None)
+    # 8 slices of 16 over K = 100: slice 6 is partly past K, slice 7 wholly (it must still arrive).
+    check_linear(mma.small_m_mma_linear(x, weight, None, mma.MmaConfig(16, 8, 1)), x, weight, None)
+    assert _counters_zero()
 
 
 def test_configs_split_few_tiles_and_fit_shared_memory():

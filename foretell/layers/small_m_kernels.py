@@ -11,8 +11,9 @@ kernel, the graph re-timed):
     (a verify of k + 1 tokens, small batches: the GEMV's per-row FMA passes lose to cuBLAS there);
   - a longer K (Llama's down projection, 14336): cuBLAS at every M. The GEMV loops over K
     serially (0.16 ms a step slower at one row) and the MMA needs split-K, whose merge by the last
-    split delays the next kernel (0.06 ms slower at one row, 0.15 at four). This module imports triton: CUDA (or the interpreter
-tests) only.
+    split delays the next kernel (0.06 ms slower at one row, 0.15 at four).
+
+This module imports triton: CUDA (or the interpreter tests) only.
 """
 
 from __future__ import annotations

@@ -18,7 +18,9 @@ FMAs per row and loses to cuBLAS from two rows on; this kernel puts the rows on 
     SiluAndMul's roundings, so an MLP's down projection needs no activation launch.
 
 Measured on the H200 at M = 4 against cuBLAS (scripts/bench_verify_gemm.py, us): qkv 15.8 / 16.3,
-o 11.9 / 13.5, gate_up 58.5 / 63.5, down 31.7 / 32.8, lm_head 245.8 / 256.7.
+o 11.9 / 13.5, gate_up 58.5 / 63.5, down 31.7 / 32.8, lm_head 245.8 / 256.7. Inside the decode graph
+the split-K merge holds up the next kernel, so mode "on" leaves the down projection to cuBLAS
+(layers/small_m_kernels.py). Loading W through a tensor descriptor (TMA) measured no faster.
 
 fp16 and bf16 only (tensor-core inputs; float32 layers keep cuBLAS's exact products). Grids depend
 only on shapes, nothing syncs with the host, partials are a torch.empty of the launch, and the

@@ -276,6 +276,7 @@ def paged_attention_triton(
         )
     num_q_blocks = num_tokens // block_q + num_seqs
     split = num_splits > 1
+    pdl = pdl_enabled(query)
     if split:
         part_acc = torch.empty(
             (num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
@@ -325,9 +326,9 @@ def paged_attention_triton(
         SPLIT=split,
         MIN_TILES=triton.cdiv(min_split_tokens, tile_n),
         DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
-        PDL=pdl_enabled(query),
+        PDL=pdl,
         num_warps=config["num_warps"],
-        **launch_options(pdl_enabled(query)),
+        **launch_options(pdl),
     )
     return out
 
