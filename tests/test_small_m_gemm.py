@@ -88,9 +88,9 @@ def test_configs_fit_the_rows_and_keep_threads_busy():
         m, n, k = rng.randint(1, 4), rng.randint(1, 50000), rng.randint(1, 20000)
         config = sm.pick_config(m, n, k)
         assert config.block_m >= m and config.block_k <= sm.MAX_BLOCK_K and 1 <= config.num_warps <= 8
-        assert config.block_n * config.block_k <= 32 * 32 * config.num_warps  # 32 weights a thread
-    assert sm.pick_config(1, 6144, 4096).block_k == 4096  # Llama-8B qkv: one tile per program
-    assert sm.pick_config(1, 4096, 14336).block_k == 2048  # down: tiles of 2048
+        assert config.block_n * config.block_k <= 64 * 32 * config.num_warps  # up to 64 weights a thread
+    assert sm.pick_config(1, 6144, 4096) == sm.SmallMConfig(1, 2, 4096, 8)  # Llama-8B qkv: one tile per program
+    assert sm.pick_config(1, 4096, 14336) == sm.SmallMConfig(1, 4, 2048, 4)  # down: 4 rows, tiles of 2048
 
 
 def test_bad_inputs_raise_clear_errors():
@@ -281,7 +281,8 @@ def test_layers_run_the_interpreted_kernel_when_bound(monkeypatch):
 
 def test_kernel_defaults_by_rows_dtype_and_k():
     """small_m_kernels.default_config (mode "on"): the GEMV for one row, the MMA for 2-16 rows in
-    fp16 / bf16, cuBLAS (None) for several float32 rows and for a K past one GEMV tile; mode
+    fp16 / bf16, cuBLAS (None) for several float32 rows and for several rows of a K past one GEMV
+    tile; mode
     "auto" times the GEMV's configs up to 4 rows and the MMA's in fp16 / bf16."""
     kernels = import_interpreted("foretell.layers.small_m_kernels")
     cpu = torch.device("cpu")
@@ -290,8 +291,8 @@ def test_kernel_defaults_by_rows_dtype_and_k():
     for m in (2, 4, 16):
         assert isinstance(kernels.default_config(m, 6144, 4096, torch.float16, cpu), mma.MmaConfig)
         assert kernels.default_config(m, 6144, 4096, torch.float32, cpu) is None
-    for m in (1, 4):  # Llama's down projection
-        assert kernels.default_config(m, 4096, 14336, torch.bfloat16, cpu) is None
+    assert kernels.default_config(1, 4096, 14336, torch.bfloat16, cpu) == sm.SmallMConfig(1, 4, 2048, 4)  # down
+    assert kernels.default_config(4, 4096, 14336, torch.bfloat16, cpu) is None  # down, verify: cuBLAS
     assert kernels.default_config(17, 4096, 4096, torch.bfloat16, cpu) is None
     kinds = [type(c) for c in kernels.candidate_configs(4, 4096, 4096, torch.float16, cpu)]
     assert sm.SmallMConfig in kinds and mma.MmaConfig in kinds

@@ -7,8 +7,8 @@ runner does it on CUDA before capturing its graphs); each layer then calls it in
 It owns a decision per GemmKey (rows rounded up to a power of two, N, K, dtype, bias or not):
   - mode "off": no SmallMGemm is bound at all, every layer calls F.linear;
   - mode "on" (the default): small_m_kernels.default_config, untimed, for up to 16 rows: the GEMV
-    for one row (decode at batch 1), the MMA for 2 to 16 (verify, small batches; fp16 / bf16),
-    cuBLAS for a K longer than one GEMV tile. Chosen by timing whole decode graphs on the H200:
+    for one row (decode at batch 1), the MMA for 2 to 16 (verify, small batches; fp16 / bf16) up to
+    K = 4096, cuBLAS above. Chosen by timing whole decode graphs on the H200:
     only the kernels overlap the kernel before them, which timing one call alone cannot see;
   - mode "auto": for up to MAX_M rows, at the first call of a key (or when warmed up front)
     F.linear and each of the kernels' candidate configs run on random rows against the layer's own

@@ -61,17 +61,21 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def pick_config(m: int, n: int, k: int, block_n: int = 2, block_k: int | None = None) -> SmallMConfig:
-    """Tiles for an [m, k] x [n, k]^T product (H200 sweep at M = 1: two rows of W per program,
-    all of K up to 4096 per tile, else 2048; eight warps for the 4096-wide tiles)."""
+def pick_config(m: int, n: int, k: int, block_n: int | None = None, block_k: int | None = None) -> SmallMConfig:
+    """Tiles for an [m, k] x [n, k]^T product, from the H200 at M = 1 (scripts/ablate_decode.py, in
+    the Llama-8B decode graph): up to K = 4096 two rows of W per program over all of K in one tile,
+    eight warps; a longer K four rows over 2048-wide tiles, four warps (the down projection: 0.05 ms
+    a step faster than cuBLAS, 0.2 faster than two rows; whole-K tiles of 8192-16384 were far slower)."""
     if not 1 <= m <= MAX_M or n < 1 or k < 1:
         raise ValueError(f"small-M GEMM needs 1 <= M <= {MAX_M}, N >= 1, K >= 1; got M={m}, N={n}, K={k}")
     block_m = _next_pow2(m)
+    long_k = _next_pow2(k) > MAX_BLOCK_K
+    if block_n is None:
+        block_n = 4 if long_k else 2
     if block_k is None:
-        whole = _next_pow2(k)
-        block_k = whole if whole <= MAX_BLOCK_K else LONG_K_BLOCK
-    # 32 weights per thread per tile (BLOCK_N x BLOCK_K over the threads), up to 8 warps.
-    num_warps = max(1, min(8, block_n * block_k // (32 * 32)))
+        block_k = LONG_K_BLOCK if long_k else _next_pow2(k)
+    # Weights per thread per tile (BLOCK_N x BLOCK_K over the threads): 32, or 64 over a long K.
+    num_warps = max(1, min(8, block_n * block_k // (32 * (64 if long_k else 32))))
     return SmallMConfig(block_m, block_n, block_k, num_warps)
 
 

@@ -6,12 +6,13 @@
 A config's type says which kernel runs it. `default_config` is mode "on"'s choice, from the Llama-8B
 decode and verify graphs on the H200 (scripts/ablate_decode.py: each layer kind moved to another
 kernel, the graph re-timed):
-  - K up to 4096 (one GEMV tile: qkv, o, gate_up, lm_head): the GEMV for one row (decode at batch
-    1; 0.05-0.18 ms a step faster than the MMA or cuBLAS per layer kind), the MMA for 2 to 16 rows
-    (a verify of k + 1 tokens, small batches: the GEMV's per-row FMA passes lose to cuBLAS there);
-  - a longer K (Llama's down projection, 14336): cuBLAS at every M. The GEMV loops over K
-    serially (0.16 ms a step slower at one row) and the MMA needs split-K, whose merge by the last
-    split delays the next kernel (0.06 ms slower at one row, 0.15 at four).
+  - one row (decode at batch 1): the GEMV. For qkv, o, gate_up and lm_head 0.05-0.2 ms a step
+    faster than the MMA or cuBLAS per layer kind; for the down projection (K = 14336, four rows of
+    W per program over 2048-wide tiles) 0.05 ms faster than cuBLAS and 0.06 than the MMA;
+  - 2 to 16 rows (a verify of k + 1 tokens, small batches) in fp16 / bf16: the MMA, as long as K
+    fits one GEMV tile (4096); the GEMV's per-row FMA passes lose to cuBLAS there. A longer K goes
+    to cuBLAS: the MMA needs split-K for the down projection's 64 tiles, and its merge by the last
+    split delays the next kernel (0.13-0.15 ms a verify step slower than cuBLAS).
 
 This module imports triton: CUDA (or the interpreter tests) only.
 """
@@ -28,11 +29,11 @@ MAX_M = max(small_m_gemm.MAX_M, small_m_mma.MAX_M)
 
 def default_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device):
     """Mode "on"'s kernel config for an [m, k] x [n, k]^T product in dtype, or None for cuBLAS."""
-    if k > small_m_gemm.MAX_BLOCK_K or not 1 <= m <= MAX_M:
-        return None
     if m == 1:
         return small_m_gemm.pick_config(m, n, k)
-    return small_m_mma.pick_config(m, n, k, device) if dtype in small_m_mma.SUPPORTED_DTYPES else None
+    if k > small_m_gemm.MAX_BLOCK_K or m > MAX_M or dtype not in small_m_mma.SUPPORTED_DTYPES:
+        return None
+    return small_m_mma.pick_config(m, n, k, device)
 
 
 def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> list:

@@ -150,8 +150,8 @@ def test_mode_on_runs_bf16_layers_of_2_to_16_rows_on_the_mma():
             assert isinstance(config, sm.SmallMConfig if m == 1 else mma.MmaConfig)
         down = Linear(14336, 4096, dtype=torch.bfloat16, device=DEVICE)
         prepare_small_m_linears(down, max_m=4, mode="on", gemm=gemm)
-        assert gemm.choices[GemmKey(1, 4096, 14336, torch.bfloat16, False)] is None  # long K: cuBLAS
-        assert gemm.choices[GemmKey(4, 4096, 14336, torch.bfloat16, False)] is None
+        assert isinstance(gemm.choices[GemmKey(1, 4096, 14336, torch.bfloat16, False)], sm.SmallMConfig)
+        assert gemm.choices[GemmKey(4, 4096, 14336, torch.bfloat16, False)] is None  # long K, 4 rows: cuBLAS
         for m in (3, 16):
             x = torch.randn(m, 4096, device=DEVICE).to(torch.bfloat16)
             check_linear(layer(x), x, layer.weight, None)
