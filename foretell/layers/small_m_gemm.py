@@ -5,7 +5,8 @@ once, and a decode step is a chain of such reads with small kernels between them
 built for that chain:
   - program p owns BLOCK_N consecutive rows of W (output columns) over all of K, read in
     [BLOCK_N, BLOCK_K] tiles; BLOCK_K is all of K up to 4096, so most layers read their whole slice
-    in one request per program, and many programs (N / BLOCK_N, two rows each) keep HBM busy;
+    in one request per program, and many programs (N / BLOCK_N, two rows each) keep HBM busy; a
+    longer K (a down projection) takes four rows per program over 2048-wide tiles (pick_config);
   - programmatic dependent launch (layers/pdl.py): the program requests its first weight tile
     before it waits for the kernel before it, so the weights stream in while that kernel (a norm,
     the attention, the GEMV before) finishes; it lets the next kernel launch once its own reads are
@@ -14,11 +15,10 @@ built for that chain:
     4.39;
   - `silu_mul`: x is a fused gate_up output [M, 2K] and the kernel applies silu(gate) * up (with
     SiluAndMul's roundings) as it reads it, so an MLP's down projection needs no activation launch;
-  - for M > 1 the tile is reused for every row of x (rows of x one at a time: the tile's
-    registers do not grow with M);
   - up to MAX_M rows of x run one at a time against the same tile (its registers do not grow with
     M), but each row is another pass of float32 FMAs: slower than cuBLAS at M = 2 and 4 on the
-    H200, so the dispatch's default uses the kernel for one row only;
+    H200, so mode "on" uses this kernel for one row only (layers/small_m_kernels.py; more rows go
+    to the tensor-core layers/small_m_mma.py);
   - float32 products summed per tile, over the K lanes of a tile then across tiles: a fixed order,
     the same result on every call (not cuBLAS's order: results differ from F.linear by float32
     rounding of the sums).
@@ -26,7 +26,7 @@ built for that chain:
 Output: x's dtype. Grids depend only on shapes, nothing syncs with the host, and the output is a
 torch.empty of a shape fixed by (M, N), so a call can be captured in a CUDA graph.
 
-Whether a layer uses this or cuBLAS is decided by layers/small_m_dispatch.py; this module imports
+Whether a layer uses this, the MMA or cuBLAS is decided by layers/small_m_dispatch.py; this module imports
 triton and is imported only on CUDA (or by the interpreter tests, tests/test_small_m_gemm.py).
 """
 
