@@ -44,7 +44,9 @@ MAX_M = 16  # x's rows, padded to this many columns of the MMA
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 BLOCK_N = 64  # rows of W per program: one wgmma tile
 DEFAULT_SMEM_BYTES = 99 << 10  # when the device does not say (the interpreter)
-_COUNTERS = SplitCounters()  # one per process: launches run in stream order, each leaves its counters zero
+# One per process (launches run in stream order, each leaves its counters zero); a counter per
+# 64-row tile: 1 << 16 covers a vocabulary of 4M rows.
+_COUNTERS = SplitCounters(min_count=1 << 16)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,8 @@ class SplitCounters:
 
     MIN_COUNT = 1 << 20  # covers decode / verify batches of thousands of sequences
 
-    def __init__(self):
+    def __init__(self, min_count: int = MIN_COUNT):
+        self.min_count = min_count  # the first allocation's size, so later launches rarely grow it
         self._buffers: dict[torch.device, torch.Tensor] = {}
 
     def get(self, device: torch.device, count: int) -> torch.Tensor:  # [>= count] int32, zero
@@ -40,7 +41,7 @@ class SplitCounters:
                     f"{0 if counters is None else counters.numel()}; they cannot be allocated during "
                     "CUDA graph capture (run the same shapes eagerly first)"
                 )
-            counters = torch.zeros(max(count, self.MIN_COUNT), dtype=torch.int32, device=device)
+            counters = torch.zeros(max(count, self.min_count), dtype=torch.int32, device=device)
             self._buffers[device] = counters
         return counters
 
