@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fixtures.float64_linear import check_linear
+from fixtures.float64_linear import check_linear, poisoned_empty  # noqa: F401 (a fixture)
 from fixtures.seeds import reports_seed  # noqa: E402
 from foretell.config import ModelConfig
 from foretell.layers import kernel_dispatch
@@ -30,17 +30,6 @@ from fixtures.triton_interpreter import HAS_CUDA, import_interpreted, interprete
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 sm = import_interpreted("foretell.layers.small_m_gemm")
 mma = import_interpreted("foretell.layers.small_m_mma")
-
-
-@pytest.fixture
-def poisoned_empty(monkeypatch):
-    """torch.empty inside small_m_gemm returns NaN-filled tensors."""
-    empty = torch.empty
-
-    def nan_empty(*args, **kwargs):
-        return empty(*args, **kwargs).fill_(float("nan"))
-
-    monkeypatch.setattr(sm.torch, "empty", nan_empty)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from fixtures.float64_linear import check_linear
+from fixtures.float64_linear import check_linear, poisoned_empty  # noqa: F401 (a fixture)
 from fixtures.seeds import reports_seed  # noqa: E402
 from foretell.layers.activation import SiluAndMul
 
@@ -21,17 +21,6 @@ from fixtures.triton_interpreter import HAS_CUDA, import_interpreted, interprete
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 mma = import_interpreted("foretell.layers.small_m_mma")
-
-
-@pytest.fixture
-def poisoned_empty(monkeypatch):
-    """torch.empty inside small_m_mma returns NaN-filled tensors."""
-    empty = torch.empty
-
-    def nan_empty(*args, **kwargs):
-        return empty(*args, **kwargs).fill_(float("nan"))
-
-    monkeypatch.setattr(mma.torch, "empty", nan_empty)
 
 
 def _counters_zero():
