@@ -40,10 +40,10 @@ from foretell.layers.activation import silu_and_mul
 logger = logging.getLogger("foretell")
 
 MODES = SMALL_M_GEMM_MODES  # auto | on | off
-MAX_M = 16  # small_m_kernels.MAX_M, restated so that this module needs no triton
-# Mode "on" uses the kernels up to this many rows: on the H200 the GEMV made the Llama-8B decode graph
-# faster than cuBLAS at M = 1, the MMA its 4-token verify graph (4.41 against 4.59 ms; BENCHMARKS.md).
-ON_MAX_M = 16
+# Both modes use the kernels up to this many rows (small_m_kernels.MAX_M, restated so that this module
+# needs no triton): on the H200 the GEMV made the Llama-8B decode graph faster than cuBLAS at M = 1,
+# the MMA its 4-token verify graph (4.41 against 4.59 ms; BENCHMARKS.md).
+MAX_M = 16
 MIN_SPEEDUP = 1.03  # the kernel must beat cuBLAS by this factor: noise never flips a layer
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -116,8 +116,7 @@ class SmallMGemm:
         if mode not in ("auto", "on"):
             raise ValueError(f"SmallMGemm mode must be auto or on, got {mode!r} (off: bind none)")
         self.mode = mode
-        limit = ON_MAX_M if mode == "on" else MAX_M
-        self.max_m = m_bucket(max(1, min(max_m, limit)))  # a whole bucket: no key half-served
+        self.max_m = m_bucket(max(1, min(max_m, MAX_M)))  # a whole bucket: no key half-served
         self._kernels = kernels
         self.timer = timer or CudaEventTimer()
         self.is_capturing = is_capturing or torch.cuda.is_current_stream_capturing
