@@ -23,6 +23,7 @@ from foretell.layers import kernel_dispatch
 from foretell.layers.activation import SiluAndMul
 from foretell.layers.embedding import LMHead
 from foretell.layers.linear import Linear, MergedLinear, QKVLinear
+from foretell.layers.norm import RMSNorm
 from foretell.layers.small_m_dispatch import GemmKey, SmallMGemm, m_bucket, prepare_small_m_linears
 
 from fixtures.triton_interpreter import HAS_CUDA, import_interpreted, interpreter_mode  # noqa: F401
@@ -65,6 +66,35 @@ def test_silu_mul_input_matches_the_activation_then_the_product(dtype, poisoned_
             check_linear(sm.small_m_linear(gate_up, weight, None, config, silu_mul=True), activated, weight, None)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_fused_norm_and_residual_match_the_twins_then_the_product(dtype, poisoned_empty):
+    """norm_weight: x goes through RMSNorm (layers/norm.py, the twin's roundings) as it is read;
+    residual: the product rounded to the dtype, plus the residual (the twin's `residual + x`).
+    Over one tile of all K and over several tiles (the norm's sums then span the tiles)."""
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    m, n, k = rng.randint(1, 4), rng.randint(5, 40), rng.randint(300, 700)
+    stream = (torch.randn(m, k, generator=gen) * 4).to(dtype)
+    weight = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    residual = torch.randn(m, n, generator=gen).to(dtype)
+    norm = RMSNorm(k, eps=1e-5, dtype=dtype)
+    norm.weight.data = (1 + torch.randn(k, generator=gen) / 4).to(dtype)
+    normed, _ = norm(stream)  # [m, k], the torch path
+    args = [t.to(DEVICE) for t in (stream, weight, bias, residual, norm.weight)]
+    stream, weight, bias, residual, norm_weight = args
+    with reports_seed(seed):
+        for config in (None, sm.pick_config(m, n, k, block_k=128)):
+            got = sm.small_m_linear(stream, weight, bias, config, norm_weight=norm_weight, norm_eps=1e-5)
+            check_linear(got, normed.to(DEVICE), weight, bias)
+            plain = sm.small_m_linear(stream, weight, bias, config)
+            summed = sm.small_m_linear(stream, weight, bias, config, residual=residual)
+            assert torch.equal(summed, plain + residual)  # one rounding of the product, one of the sum
+        both = sm.small_m_linear(stream, weight, None, norm_weight=norm_weight, norm_eps=1e-5, residual=residual)
+        check_linear(both - residual, normed.to(DEVICE), weight, None)
+
+
 def test_strided_rows_and_tiny_k(poisoned_empty):
     x = torch.randn(3, 40, dtype=torch.float32, device=DEVICE)[:, 5:12]  # row stride 40, K = 7
     weight = torch.randn(5, 7, device=DEVICE)
@@ -100,6 +130,12 @@ def test_bad_inputs_raise_clear_errors():
         sm.small_m_linear(x, w, silu_mul=True)
     with pytest.raises(ValueError, match=r"\[M, K\]"):
         sm.small_m_linear(torch.zeros(8), w)
+    with pytest.raises(ValueError, match="norm_weight must be a \\[8\\]"):
+        sm.small_m_linear(x, w, norm_weight=torch.ones(4))
+    with pytest.raises(ValueError, match="not both"):
+        sm.small_m_linear(torch.zeros(2, 16), w, silu_mul=True, norm_weight=torch.ones(8))
+    with pytest.raises(ValueError, match=r"residual must be a \[2, 4\]"):
+        sm.small_m_linear(x, w, residual=torch.zeros(2, 5))
 
 
 # ---------------------------------------------------------------------- dispatch

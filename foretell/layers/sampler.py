@@ -9,6 +9,7 @@ after preemption.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -29,10 +30,14 @@ def row_seed(seed: int, sample_index: int, position: int) -> int:
 
 @dataclass
 class SamplingBatch:
-    temperature: torch.Tensor  # [rows] float32 (0 for greedy rows)
-    top_k: torch.Tensor  # [rows] int64 (vocab size when disabled)
-    top_p: torch.Tensor  # [rows] float32
-    min_p: torch.Tensor  # [rows] float32
+    """One row of sampling parameters per logits row. The per-row tensors are built on the device
+    at first use: an all-greedy batch (argmax) never copies them there."""
+
+    temperatures: list[float]  # per row, 0 for greedy rows
+    top_ks: list[int]  # per row, the vocabulary size when disabled
+    top_ps: list[float]
+    min_ps: list[float]
+    device: torch.device
     row_seeds: list[int | None]  # per row; None draws from the engine's generator
     all_greedy: bool
     any_greedy: bool
@@ -54,10 +59,11 @@ class SamplingBatch:
         top_ps = [p.top_p for p in params]
         min_ps = [p.min_p for p in params]
         return cls(
-            temperature=to_device(temps, torch.float32, device),
-            top_k=to_device(top_ks, torch.int64, device),
-            top_p=to_device(top_ps, torch.float32, device),
-            min_p=to_device(min_ps, torch.float32, device),
+            temperatures=temps,
+            top_ks=top_ks,
+            top_ps=top_ps,
+            min_ps=min_ps,
+            device=device,
             row_seeds=row_seeds,
             all_greedy=all(t == 0 for t in temps),
             any_greedy=any(t == 0 for t in temps),
@@ -66,6 +72,22 @@ class SamplingBatch:
             any_min_p=any(p > 0 for p in min_ps),
             max_num_logprobs=max((-1 if p.logprobs is None else p.logprobs) for p in params),
         )
+
+    @functools.cached_property
+    def temperature(self) -> torch.Tensor:  # [rows] float32
+        return to_device(self.temperatures, torch.float32, self.device)
+
+    @functools.cached_property
+    def top_k(self) -> torch.Tensor:  # [rows] int64
+        return to_device(self.top_ks, torch.int64, self.device)
+
+    @functools.cached_property
+    def top_p(self) -> torch.Tensor:  # [rows] float32
+        return to_device(self.top_ps, torch.float32, self.device)
+
+    @functools.cached_property
+    def min_p(self) -> torch.Tensor:  # [rows] float32
+        return to_device(self.min_ps, torch.float32, self.device)
 
     @property
     def greedy_rows(self) -> torch.Tensor:  # [rows] bool

@@ -6,6 +6,7 @@ of a sequence that samples, or its last 1 + k rows when it carries k drafts to v
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -21,10 +22,19 @@ class InputBatch:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     attn_metadata: AttentionMetadata
-    logits_rows: torch.Tensor  # [num_logits_rows] int64, rows of the forward to turn into logits
+    logits_row_ids: list[int]  # rows of the forward to turn into logits, ascending
     sampling_seq_index: list[int]  # scheduled indices of the sequences that sample, in order
     row_positions: list[int]  # per logits row: position of the token that row predicts
     query_start: list[int]  # per scheduled sequence: its first row
+
+    @property
+    def every_row_samples(self) -> bool:
+        """Whether the logits rows are all the rows (each listed once, in order): a decode step."""
+        return len(self.logits_row_ids) == self.input_ids.numel()
+
+    @functools.cached_property
+    def logits_rows(self) -> torch.Tensor:  # [num_logits_rows] int64 on the device, at first use
+        return to_device(self.logits_row_ids, torch.int64, self.input_ids.device)
 
 
 def cache_slot(block_ids: list[int], position: int, block_size: int) -> int:
@@ -94,7 +104,7 @@ def build_input_batch(
         input_ids=to_device(input_ids, torch.int64, device),
         positions=to_device(positions, torch.int64, device),
         attn_metadata=metadata,
-        logits_rows=to_device(logits_rows, torch.int64, device),
+        logits_row_ids=logits_rows,
         sampling_seq_index=sampling_seq_index,
         row_positions=row_positions,
         query_start=query_start,
@@ -120,7 +130,7 @@ def build_decode_batch(
         input_ids=input_ids,
         positions=to_device(positions, torch.int64, input_ids.device),
         attn_metadata=metadata,
-        logits_rows=to_device(rows, torch.int64, input_ids.device),
+        logits_row_ids=rows,
         sampling_seq_index=rows,
         row_positions=[p + 1 for p in positions],
         query_start=list(range(n + 1)),

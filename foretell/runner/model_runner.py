@@ -221,11 +221,12 @@ class ModelRunner:
     def target_forward(self, batch: InputBatch):
         """(hidden, aux, logits of the sampling rows): a graph replay when one fits."""
         key = self.graphs.bucket_for(batch) if self.graphs is not None else None
+        every_row = batch.every_row_samples  # no gather (a decode step)
         if key is not None:
             hidden, aux, logits = self.graphs.run(batch, key)
-            return hidden, aux, logits[batch.logits_rows]
+            return hidden, aux, logits if every_row else logits[batch.logits_rows]
         hidden, aux = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
-        return hidden, aux, self.model.compute_logits(hidden[batch.logits_rows])
+        return hidden, aux, self.model.compute_logits(hidden if every_row else hidden[batch.logits_rows])
 
     # ---- one step ------------------------------------------------------------------------
     @torch.inference_mode()
