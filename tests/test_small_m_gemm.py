@@ -16,14 +16,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fixtures.float64_linear import check_linear, poisoned_empty  # noqa: F401 (a fixture)
+from fixtures.float64_linear import check_linear, poisoned_empty, rms_normed64  # noqa: F401 (a fixture)
 from fixtures.seeds import reports_seed  # noqa: E402
 from foretell.config import ModelConfig
 from foretell.layers import kernel_dispatch
 from foretell.layers.activation import SiluAndMul
 from foretell.layers.embedding import LMHead
 from foretell.layers.linear import Linear, MergedLinear, QKVLinear
-from foretell.layers.norm import RMSNorm
 from foretell.layers.small_m_dispatch import GemmKey, SmallMGemm, m_bucket, prepare_small_m_linears
 
 from fixtures.triton_interpreter import HAS_CUDA, import_interpreted, interpreter_mode  # noqa: F401
@@ -67,32 +66,30 @@ def test_silu_mul_input_matches_the_activation_then_the_product(dtype, poisoned_
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_fused_norm_and_residual_match_the_twins_then_the_product(dtype, poisoned_empty):
-    """norm_weight: x goes through RMSNorm (layers/norm.py, the twin's roundings) as it is read;
-    residual: the product rounded to the dtype, plus the residual (the twin's `residual + x`).
-    Over one tile of all K and over several tiles (the norm's sums then span the tiles)."""
+def test_fused_norm_and_residual_match_float64(dtype, poisoned_empty):
+    """norm_weight: x goes through RMSNorm as it is read, unrounded (the product of the exact
+    float64 norm, within check_linear's bound); residual: the product rounded to the dtype, plus the
+    residual (the twin's `residual + x`). Over one tile of all K and over several tiles."""
     seed = random.randrange(2**31)
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     m, n, k = rng.randint(1, 4), rng.randint(5, 40), rng.randint(300, 700)
-    stream = (torch.randn(m, k, generator=gen) * 4).to(dtype)
-    weight = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
-    bias = torch.randn(n, generator=gen).to(dtype)
-    residual = torch.randn(m, n, generator=gen).to(dtype)
-    norm = RMSNorm(k, eps=1e-5, dtype=dtype)
-    norm.weight.data = (1 + torch.randn(k, generator=gen) / 4).to(dtype)
-    normed, _ = norm(stream)  # [m, k], the torch path
-    args = [t.to(DEVICE) for t in (stream, weight, bias, residual, norm.weight)]
-    stream, weight, bias, residual, norm_weight = args
+    stream = (torch.randn(m, k, generator=gen) * 4).to(dtype).to(DEVICE)
+    weight = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype).to(DEVICE)
+    bias = torch.randn(n, generator=gen).to(dtype).to(DEVICE)
+    residual = torch.randn(m, n, generator=gen).to(dtype).to(DEVICE)
+    norm_weight = (1 + torch.randn(k, generator=gen) / 4).to(dtype).to(DEVICE)
+    normed = rms_normed64(stream, norm_weight, 1e-5)
     with reports_seed(seed):
         for config in (None, sm.pick_config(m, n, k, block_k=128)):
             got = sm.small_m_linear(stream, weight, bias, config, norm_weight=norm_weight, norm_eps=1e-5)
-            check_linear(got, normed.to(DEVICE), weight, bias)
+            check_linear(got, normed, weight, bias, dtype)
             plain = sm.small_m_linear(stream, weight, bias, config)
             summed = sm.small_m_linear(stream, weight, bias, config, residual=residual)
             assert torch.equal(summed, plain + residual)  # one rounding of the product, one of the sum
         both = sm.small_m_linear(stream, weight, None, norm_weight=norm_weight, norm_eps=1e-5, residual=residual)
-        check_linear(both - residual, normed.to(DEVICE), weight, None)
+        unsummed = sm.small_m_linear(stream, weight, None, norm_weight=norm_weight, norm_eps=1e-5)
+        assert torch.equal(both, unsummed + residual)
 
 
 def test_strided_rows_and_tiny_k(poisoned_empty):

@@ -95,41 +95,16 @@ def silu_mul_rounded(gate, up, dtype: tl.constexpr):
 
 
 @triton.jit
-def _row_rstds(x_ptr, stride_xm, M, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """1 / sqrt(mean(x[m]^2) + eps) of each row of x [M, K], float32 [BLOCK_M] (RMSNorm's
-    factor; padding rows get rsqrt(eps), never used)."""
-    lanes = tl.arange(0, BLOCK_K)
-    rows = tl.arange(0, BLOCK_M)
-    sums = tl.zeros([BLOCK_M], tl.float32)
-    for m in tl.static_range(BLOCK_M):
-        row_sum = tl.sum(tl.zeros([BLOCK_K], tl.float32), axis=0)
-        for k0 in range(0, K, BLOCK_K):
-            mask = (k0 + lanes) < tl.where(m < M, K, 0)
-            x = tl.load(x_ptr + m * stride_xm + k0 + lanes, mask=mask, other=0.0).to(tl.float32)
-            row_sum += tl.sum(x * x, axis=0)
-        sums = tl.where(rows == m, row_sum, sums)
-    return tl.rsqrt(sums / K + eps)
-
-
-@triton.jit
-def rms_normed(x, rstd, weight, dtype: tl.constexpr):
-    """RMSNorm of float32 values x given the row's rstd, with the torch twin's roundings in dtype
-    (layers/norm.py: the normalised row, then its product with the weight); float32 out."""
-    normed = (x * rstd).to(dtype).to(tl.float32)
-    return (weight * normed).to(dtype).to(tl.float32)
-
-
-@triton.jit
 def _accumulate(
-    acc, w, x_ptr, stride_xm, M, cols, K, norm_weight_ptr, rstds,
+    acc, sumsq, w, x_ptr, stride_xm, M, cols, K, norm_weight_ptr,
     BLOCK_M: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr,
 ):
     """acc [BLOCK_M, BLOCK_N] + x[:, cols] . w^T for the weight tile w [BLOCK_N, BLOCK_K]: one row
     of x at a time, each a [BLOCK_N, BLOCK_K] product summed over the tile's K lanes. x is taken
-    through SiLU-and-mul (SILU_MUL) or RMSNorm with rstds [BLOCK_M] (NORM) as it is read."""
+    through SiLU-and-mul as it is read (SILU_MUL), or (NORM) scaled by the norm's weight, its
+    squares summed into sumsq [BLOCK_M] for the norm's scale."""
     w = w.to(tl.float32)
-    rows = tl.arange(0, BLOCK_M)[:, None]  # [BLOCK_M, 1]
-    dtype = x_ptr.dtype.element_ty
+    rows = tl.arange(0, BLOCK_M)
     if NORM:
         norm_weight = tl.load(norm_weight_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
     for m in tl.static_range(BLOCK_M):
@@ -137,13 +112,13 @@ def _accumulate(
         x = tl.load(x_ptr + m * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_K]
         if SILU_MUL:  # x holds gate then up
             up = tl.load(x_ptr + m * stride_xm + K + cols, mask=mask, other=0.0).to(tl.float32)
-            x = silu_mul_rounded(x, up, dtype)
+            x = silu_mul_rounded(x, up, x_ptr.dtype.element_ty)
         if NORM:
-            rstd = tl.sum(tl.where(tl.arange(0, BLOCK_M) == m, rstds, 0.0), axis=0)
-            x = rms_normed(x, rstd, norm_weight, dtype)
+            sumsq = tl.where(rows == m, sumsq + tl.sum(x * x, axis=0), sumsq)
+            x = x * norm_weight
         y = tl.sum(w * x[None, :], axis=1)  # [BLOCK_N]
-        acc = tl.where(rows == m, acc + y[None, :], acc)
-    return acc
+        acc = tl.where(rows[:, None] == m, acc + y[None, :], acc)
+    return acc, sumsq
 
 
 @triton.jit
@@ -162,7 +137,7 @@ def _gemv_kernel(
     eps,
     HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr,
-    NORM: tl.constexpr,  # x is RMSNorm-ed (norm_weight, eps) as it is read
+    NORM: tl.constexpr,  # x is RMSNorm-ed (norm_weight, eps), unrounded
     ADD_RESIDUAL: tl.constexpr,  # the rounded product plus residual, rounded again
     PDL: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -177,15 +152,16 @@ def _gemv_kernel(
     # the first tile is requested before the wait for the kernel before this one.
     w = tl.load(w_tile, mask=col_ok[:, None] & (lanes < K)[None, :], other=0.0, eviction_policy="evict_first")
     wait_for_previous_kernel(PDL)
-    rstds = tl.zeros([BLOCK_M], tl.float32)
-    if NORM:  # every program normalises the (few, cached) rows of x itself: no norm launch
-        rstds = _row_rstds(x_ptr, stride_xm, M, K, eps, BLOCK_M, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc = _accumulate(acc, w, x_ptr, stride_xm, M, lanes, K, norm_weight_ptr, rstds, BLOCK_M, SILU_MUL, NORM)
+    sumsq = tl.zeros([BLOCK_M], tl.float32)
+    acc, sumsq = _accumulate(acc, sumsq, w, x_ptr, stride_xm, M, lanes, K, norm_weight_ptr, BLOCK_M, SILU_MUL, NORM)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         w = tl.load(w_tile + k0, mask=col_ok[:, None] & ((k0 + lanes) < K)[None, :], other=0.0,
                     eviction_policy="evict_first")
-        acc = _accumulate(acc, w, x_ptr, stride_xm, M, k0 + lanes, K, norm_weight_ptr, rstds, BLOCK_M, SILU_MUL, NORM)
+        acc, sumsq = _accumulate(acc, sumsq, w, x_ptr, stride_xm, M, k0 + lanes, K, norm_weight_ptr, BLOCK_M,
+                                 SILU_MUL, NORM)
+    if NORM:  # RMSNorm's 1 / rms of each row, applied to the sum rather than to every element
+        acc = acc * tl.rsqrt(sumsq / K + eps)[:, None]
     let_next_kernel_launch(PDL)  # this program's reads of W are done
     rows = tl.arange(0, BLOCK_M)
     if HAS_BIAS:

@@ -23,13 +23,12 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 pytest.importorskip("triton")
 
-from fixtures.float64_linear import check_linear  # noqa: E402
+from fixtures.float64_linear import check_linear, rms_normed64  # noqa: E402
 from fixtures.seeds import reports_seed  # noqa: E402
 from foretell import LLM, SamplingParams  # noqa: E402
 from foretell.layers import small_m_gemm as sm  # noqa: E402
 from foretell.layers.activation import SiluAndMul  # noqa: E402
 from foretell.layers.linear import Linear  # noqa: E402
-from foretell.layers.norm import RMSNorm  # noqa: E402
 from foretell.layers.small_m_dispatch import GemmKey, SmallMGemm, prepare_small_m_linears  # noqa: E402
 
 DEVICE = torch.device("cuda")
@@ -90,21 +89,20 @@ def test_bias_and_odd_rows(dtype, m):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[2], SHAPES[4]], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_fused_norm_and_residual_at_llama8b_shapes(dtype, shape):
-    """The projections that read a norm (qkv, gate_up, lm_head): RMSNorm inside the GEMV equals
-    the norm kernel then the product; the residual add equals the product plus the residual."""
+    """The projections that read a norm (qkv, gate_up, lm_head): RMSNorm inside the GEMV against
+    the float64 norm and product; the residual add equals the product plus the residual."""
     seed = random.randrange(2**31)
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     n, k = shape
     stream, weight, _ = _inputs(gen, 1, n, k, dtype)
-    stream *= 5
-    norm = RMSNorm(k, 1e-5, dtype=dtype, device=DEVICE)
-    norm.weight.data = (1 + torch.randn(k, generator=gen, device=DEVICE) / 4).to(dtype)
+    stream = (stream.float() * 5).to(dtype)
+    norm_weight = (1 + torch.randn(k, generator=gen, device=DEVICE) / 4).to(dtype)
     residual = torch.randn(1, n, generator=gen, device=DEVICE).to(dtype)
     with torch.inference_mode(), reports_seed(seed):
-        normed, _ = norm(stream)  # the Triton norm kernel
+        normed = rms_normed64(stream, norm_weight, 1e-5)
         for config in sm.candidate_configs(1, n, k, DEVICE):
-            got = sm.small_m_linear(stream, weight, None, config, norm_weight=norm.weight, norm_eps=1e-5)
-            check_linear(got, normed, weight, None)
+            got = sm.small_m_linear(stream, weight, None, config, norm_weight=norm_weight, norm_eps=1e-5)
+            check_linear(got, normed, weight, None, dtype)
             summed = sm.small_m_linear(stream, weight, None, config, residual=residual)
             assert torch.equal(summed, sm.small_m_linear(stream, weight, None, config) + residual)
 
