@@ -7,7 +7,7 @@ replace a module's forward by an allocation of its output (no launch, garbage va
 are all this is for):
 
     full          the forward as the engine captures it
-    no_norms      RMSNorm (with its fused residual add) returns its input, no norm in the GEMV
+    no_norms      RMSNorm (with its fused residual add) returns its input
     no_rope_kv    the fused RoPE + KV-cache write returns the query unrotated, writes nothing
     no_attend     the paged attention returns an empty output
     no_attention  both of the above
@@ -20,8 +20,6 @@ and alternatives (same results, other launches):
     attn_unsplit / attn_split64 / attn_split128   the attention's context not split, or split in
                   pieces of at least 64 / 128 tokens (the engine's default: 32)
     no_pdl_glue   norms, RoPE + KV write and attention launched plainly (no PDL)
-    unfused_norms the (hidden, residual) form: each add + RMSNorm a launch of its own, not inside
-                  the GEMVs (DecoderLayer.forward_stream)
     <layer>_<kernel>  that layer's linears (qkv, o, gate_up, down, lm_head) on another kernel than
                   the engine's choice: cublas, gemv, mma (its default tiles), mma_split1/2/4
 
@@ -54,7 +52,6 @@ from foretell.layers.embedding import LMHead  # noqa: E402
 from foretell.layers.linear import Linear  # noqa: E402
 from foretell.layers.norm import RMSNorm  # noqa: E402
 from foretell.layers.small_m_dispatch import GemmKey  # noqa: E402
-from foretell.models.llama import DecoderLayer  # noqa: E402
 
 CONFIGS = os.path.join(ROOT, "foretell", "configs")
 
@@ -71,11 +68,11 @@ def _attend_empty(self, query, kv_cache, metadata, scale):
     return torch.empty_like(query)
 
 
-def _linear_empty(self, x, norm=None, residual=None):
+def _linear_empty(self, x):
     return x.new_empty(*x.shape[:-1], self.output_size)
 
 
-def _linear_silu_mul_empty(self, gate_up, residual=None):
+def _linear_silu_mul_empty(self, gate_up):
     return gate_up.new_empty(*gate_up.shape[:-1], self.output_size)
 
 
@@ -93,10 +90,8 @@ def _lm_head_empty(self, hidden):
     return torch.empty(*hidden.shape[:-1], self.vocab_size, dtype=torch.float32, device=hidden.device)
 
 
-UNFUSED_NORMS = (DecoderLayer, "fuses_norms", lambda self, hidden: False)
 PATCHES = {
-    "norms": [UNFUSED_NORMS, (RMSNorm, "forward", _norm_passthrough)],
-    "unfused_norms": [UNFUSED_NORMS],
+    "norms": [(RMSNorm, "forward", _norm_passthrough)],
     "rope_kv": [(TritonAttentionBackend, "rope_write_kv", _rope_kv_passthrough)],
     "attend": [(TritonAttentionBackend, "attend", _attend_empty)],
     "lm_head": [(LMHead, "forward", _lm_head_empty)],
@@ -118,7 +113,6 @@ VARIANTS = {
     "linears_only": ["norms", "rope_kv", "attend"],
     "no_linears": ["linears"],
     "no_pdl_glue": ["no_pdl_glue"],
-    "unfused_norms": ["unfused_norms"],
     "attn_unsplit": ["attn_unsplit"],
     "attn_split64": ["attn_split64"],
     "attn_split128": ["attn_split128"],

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fixtures.float64_linear import check_linear, poisoned_empty, rms_normed64  # noqa: F401 (a fixture)
+from fixtures.float64_linear import check_linear, poisoned_empty  # noqa: F401 (a fixture)
 from fixtures.seeds import reports_seed  # noqa: E402
 from foretell.config import ModelConfig
 from foretell.layers import kernel_dispatch
@@ -65,33 +65,6 @@ def test_silu_mul_input_matches_the_activation_then_the_product(dtype, poisoned_
             check_linear(sm.small_m_linear(gate_up, weight, None, config, silu_mul=True), activated, weight, None)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_fused_norm_and_residual_match_float64(dtype, poisoned_empty):
-    """norm_weight: x goes through RMSNorm as it is read, unrounded (the product of the exact
-    float64 norm, within check_linear's bound); residual: the product rounded to the dtype, plus the
-    residual (the twin's `residual + x`). Over one tile of all K and over several tiles."""
-    seed = random.randrange(2**31)
-    rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
-    m, n, k = rng.randint(1, 4), rng.randint(5, 40), rng.randint(300, 700)
-    stream = (torch.randn(m, k, generator=gen) * 4).to(dtype).to(DEVICE)
-    weight = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype).to(DEVICE)
-    bias = torch.randn(n, generator=gen).to(dtype).to(DEVICE)
-    residual = torch.randn(m, n, generator=gen).to(dtype).to(DEVICE)
-    norm_weight = (1 + torch.randn(k, generator=gen) / 4).to(dtype).to(DEVICE)
-    normed = rms_normed64(stream, norm_weight, 1e-5)
-    with reports_seed(seed):
-        for config in (None, sm.pick_config(m, n, k, block_k=128)):
-            got = sm.small_m_linear(stream, weight, bias, config, norm_weight=norm_weight, norm_eps=1e-5)
-            check_linear(got, normed, weight, bias, dtype)
-            plain = sm.small_m_linear(stream, weight, bias, config)
-            summed = sm.small_m_linear(stream, weight, bias, config, residual=residual)
-            assert torch.equal(summed, plain + residual)  # one rounding of the product, one of the sum
-        both = sm.small_m_linear(stream, weight, None, norm_weight=norm_weight, norm_eps=1e-5, residual=residual)
-        unsummed = sm.small_m_linear(stream, weight, None, norm_weight=norm_weight, norm_eps=1e-5)
-        assert torch.equal(both, unsummed + residual)
-
-
 def test_strided_rows_and_tiny_k(poisoned_empty):
     x = torch.randn(3, 40, dtype=torch.float32, device=DEVICE)[:, 5:12]  # row stride 40, K = 7
     weight = torch.randn(5, 7, device=DEVICE)
@@ -127,12 +100,6 @@ def test_bad_inputs_raise_clear_errors():
         sm.small_m_linear(x, w, silu_mul=True)
     with pytest.raises(ValueError, match=r"\[M, K\]"):
         sm.small_m_linear(torch.zeros(8), w)
-    with pytest.raises(ValueError, match="norm_weight must be a \\[8\\]"):
-        sm.small_m_linear(x, w, norm_weight=torch.ones(4))
-    with pytest.raises(ValueError, match="not both"):
-        sm.small_m_linear(torch.zeros(2, 16), w, silu_mul=True, norm_weight=torch.ones(8))
-    with pytest.raises(ValueError, match=r"residual must be a \[2, 4\]"):
-        sm.small_m_linear(x, w, residual=torch.zeros(2, 5))
 
 
 # ---------------------------------------------------------------------- dispatch

@@ -12,9 +12,7 @@ the parameter name, checkpoint key and file.
 A Linear computes F.linear, or, once prepare_small_m_linears (small_m_dispatch.py) has bound a
 SmallMGemm to it (on CUDA, before graph capture), lets that pick cuBLAS or the Triton GEMV for
 few-row inputs; `forward_silu_mul` is an MLP's down projection with its activation, which the GEMV
-applies as it reads its input. A Linear also takes the RMSNorm before it and the residual add after
-it (`forward(x, norm=..., residual=...)`): the GEMV fuses both, any other path runs them apart
-(`unfused_linear`).
+applies as it reads its input.
 """
 
 from __future__ import annotations
@@ -28,7 +26,6 @@ from torch import nn
 from foretell.layers.activation import silu_and_mul
 
 if TYPE_CHECKING:
-    from foretell.layers.norm import RMSNorm
     from foretell.layers.small_m_dispatch import SmallMGemm
 
 
@@ -96,23 +93,6 @@ def make_sharded_param(
     return param
 
 
-def unfused_linear(
-    x: torch.Tensor,  # [..., K] (silu_mul: [..., 2K])
-    weight: torch.Tensor,  # [N, K]
-    bias: torch.Tensor | None,  # [N]
-    *,
-    silu_mul: bool = False,
-    norm: "RMSNorm | None" = None,
-    residual: torch.Tensor | None = None,  # [..., N]
-) -> torch.Tensor:  # [..., N]
-    """What the GEMV's fusions compute, as separate torch ops (the twin of their roundings):
-    F.linear of x, silu_and_mul(x) or norm(x), then `+ residual` in x's dtype."""
-    if norm is not None:
-        x, _ = norm(x)
-    out = F.linear(silu_and_mul(x) if silu_mul else x, weight, bias)
-    return out if residual is None else out + residual
-
-
 class Linear(nn.Module):
     """y = x W^T (+ b), W [output_size, input_size], loaded whole from one checkpoint tensor."""
 
@@ -134,33 +114,16 @@ class Linear(nn.Module):
         self.weight = make_param((output_size, input_size), dtype, device)
         self.bias = make_param((output_size,), dtype, device) if bias else None
 
-    def forward(
-        self,
-        x: torch.Tensor,  # [..., input]
-        *,
-        norm: "RMSNorm | None" = None,  # compute self(norm(x)): x is the residual stream
-        residual: torch.Tensor | None = None,  # [..., output]: return self(x) + residual
-    ) -> torch.Tensor:  # [..., output]
-        """F.linear(x, W, b), of norm(x) when a norm is given, plus residual when one is; the GEMV
-        does all of it in one launch where it runs the layer (fuses_input_norm)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., input] -> [..., output]
         if self.small_m is not None:
-            return self.small_m(x, self.weight, self.bias, norm=norm, residual=residual)
-        return unfused_linear(x, self.weight, self.bias, norm=norm, residual=residual)
+            return self.small_m(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
-    def forward_silu_mul(
-        self,
-        gate_up: torch.Tensor,  # [..., 2 * input]
-        residual: torch.Tensor | None = None,  # [..., output]
-    ) -> torch.Tensor:  # [..., output]
-        """self(silu_and_mul(gate_up)) (+ residual): in one launch where the GEMV runs the layer."""
+    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:  # [..., 2 * input] -> [..., output]
+        """self(silu_and_mul(gate_up)): in one launch where the GEMV runs the layer."""
         if self.small_m is not None:
-            return self.small_m(gate_up, self.weight, self.bias, silu_mul=True, residual=residual)
-        return unfused_linear(gate_up, self.weight, self.bias, silu_mul=True, residual=residual)
-
-    def fuses_input_norm(self, x: torch.Tensor) -> bool:
-        """Whether self(x, norm=...) runs the norm inside the layer's kernel (the GEMV) rather than
-        as a launch of its own: a decoder then keeps its residual stream as one tensor."""
-        return self.small_m is not None and self.small_m.fuses_norm(x, self.weight, self.bias)
+            return self.small_m(gate_up, self.weight, self.bias, silu_mul=True)
+        return F.linear(silu_and_mul(gate_up), self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"

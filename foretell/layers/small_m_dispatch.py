@@ -16,9 +16,7 @@ It owns a decision per GemmKey (rows rounded up to a power of two, N, K, dtype, 
     from HBM); the kernel wins only if it compiles, gives the same result and beats cuBLAS by
     MIN_SPEEDUP. During CUDA-graph capture nothing is timed: a decided key keeps its choice, an
     undecided one gets cuBLAS.
-So the kernel can make a layer no slower than cuBLAS was when timed. Where the GEMV runs a layer it
-also takes the RMSNorm before it and the residual add after it (Linear.forward's norm and
-residual); elsewhere those run as launches of their own. Everything it does not
+So the kernel can make a layer no slower than cuBLAS was when timed. Everything it does not
 apply to (many rows, CPU tensors, autograd, odd dtypes or strides) goes to F.linear unasked.
 
 Importing this module never imports triton: the kernel module is loaded on the first decision
@@ -147,56 +145,18 @@ class SmallMGemm:
         return kernel_dispatch.use_triton(*tensors)
 
     def __call__(
-        self,
-        x: torch.Tensor,  # [..., K] (silu_mul: [..., 2K], gate then up)
-        weight: torch.Tensor,  # [N, K]
-        bias: torch.Tensor | None = None,  # [N]
-        silu_mul: bool = False,
-        norm: Any = None,  # an RMSNorm over K: compute F.linear(norm(x), ...)
-        residual: torch.Tensor | None = None,  # [..., N]: return F.linear(...) + residual
-    ) -> torch.Tensor:  # [..., N]
-        config = self.config_for(x, weight, bias, silu_mul)
-        fusing = norm is not None or residual is not None
-        if fusing and not self._fusable(config, x, weight, norm, residual):  # the norm, the product, the add
-            if norm is not None:
-                x, _ = norm(x)
-            out = self(x, weight, bias, silu_mul)
-            return out if residual is None else out + residual
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False
+    ) -> torch.Tensor:  # [..., K] (silu_mul: [..., 2K], gate then up) -> [..., N]
+        if not self.applies(x, weight, bias, silu_mul):
+            return F.linear(silu_and_mul(x) if silu_mul else x, weight, bias)
+        n, k = weight.shape
+        rows = x.reshape(-1, x.shape[-1])  # [M, K] or [M, 2K]
+        key = GemmKey(m_bucket(rows.shape[0]), n, k, x.dtype, bias is not None)
+        config = self.choose(key, weight, bias)
         if config is None:
             return F.linear(silu_and_mul(x) if silu_mul else x, weight, bias)
-        n = weight.shape[0]
-        rows = x.reshape(-1, x.shape[-1])  # [M, K] or [M, 2K]
-        fusions = {}
-        if norm is not None:
-            fusions.update(norm_weight=norm.weight, norm_eps=norm.eps)
-        if residual is not None:
-            fusions.update(residual=residual.reshape(-1, n))
-        out = self.kernels.small_m_linear(rows, weight, bias, config, silu_mul=silu_mul, **fusions)  # [M, N]
+        out = self.kernels.small_m_linear(rows, weight, bias, config, silu_mul=silu_mul)  # [M, N]
         return out.view(*x.shape[:-1], n)
-
-    def config_for(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool = False
-    ) -> Any:
-        """The kernel config that runs F.linear(x, weight, bias), or None for cuBLAS."""
-        if not self.applies(x, weight, bias, silu_mul):
-            return None
-        key = GemmKey(m_bucket(x.numel() // x.shape[-1]), *weight.shape, x.dtype, bias is not None)
-        return self.choose(key, weight, bias)
-
-    def fuses_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        """Whether F.linear(norm(x), ...) runs as one kernel for these rows (the GEMV's)."""
-        config = self.config_for(x, weight, bias)
-        return config is not None and self.kernels.fuses_norm_and_residual(config)
-
-    def _fusable(self, config, x, weight, norm, residual) -> bool:
-        if config is None or not self.kernels.fuses_norm_and_residual(config):
-            return False
-        norm_ok = norm is None or (norm.weight.shape == (x.shape[-1],) and norm.weight.dtype == x.dtype)
-        residual_ok = residual is None or (
-            residual.shape == (*x.shape[:-1], weight.shape[0]) and residual.dtype == x.dtype
-            and residual.stride(-1) == 1
-        )
-        return norm_ok and residual_ok
 
     def choose(self, key: GemmKey, weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
         """The kernel config for key, or None for cuBLAS; times the key once if undecided."""

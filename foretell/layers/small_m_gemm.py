@@ -95,30 +95,20 @@ def silu_mul_rounded(gate, up, dtype: tl.constexpr):
 
 
 @triton.jit
-def _accumulate(
-    acc, sumsq, w, x_ptr, stride_xm, M, cols, K, norm_weight_ptr,
-    BLOCK_M: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr,
-):
+def _accumulate(acc, w, x_ptr, stride_xm, M, cols, K, BLOCK_M: tl.constexpr, SILU_MUL: tl.constexpr):
     """acc [BLOCK_M, BLOCK_N] + x[:, cols] . w^T for the weight tile w [BLOCK_N, BLOCK_K]: one row
-    of x at a time, each a [BLOCK_N, BLOCK_K] product summed over the tile's K lanes. x is taken
-    through SiLU-and-mul as it is read (SILU_MUL), or (NORM) scaled by the norm's weight, its
-    squares summed into sumsq [BLOCK_M] for the norm's scale."""
+    of x at a time, each a [BLOCK_N, BLOCK_K] product summed over the tile's K lanes."""
     w = w.to(tl.float32)
-    rows = tl.arange(0, BLOCK_M)
-    if NORM:
-        norm_weight = tl.load(norm_weight_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+    rows = tl.arange(0, BLOCK_M)[:, None]  # [BLOCK_M, 1]
     for m in tl.static_range(BLOCK_M):
         mask = cols < tl.where(m < M, K, 0)  # padding rows (m >= M) read nothing
         x = tl.load(x_ptr + m * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_K]
         if SILU_MUL:  # x holds gate then up
             up = tl.load(x_ptr + m * stride_xm + K + cols, mask=mask, other=0.0).to(tl.float32)
             x = silu_mul_rounded(x, up, x_ptr.dtype.element_ty)
-        if NORM:
-            sumsq = tl.where(rows == m, sumsq + tl.sum(x * x, axis=0), sumsq)
-            x = x * norm_weight
         y = tl.sum(w * x[None, :], axis=1)  # [BLOCK_N]
-        acc = tl.where(rows[:, None] == m, acc + y[None, :], acc)
-    return acc, sumsq
+        acc = tl.where(rows == m, acc + y[None, :], acc)
+    return acc
 
 
 @triton.jit
@@ -126,19 +116,13 @@ def _gemv_kernel(
     x_ptr,  # [M, K] (or [M, 2K] with SILU_MUL), unit column stride
     w_ptr,  # [N, K] contiguous
     bias_ptr,  # [N] (unread without HAS_BIAS)
-    norm_weight_ptr,  # [K] (unread without NORM)
-    residual_ptr,  # [M, N], unit column stride (unread without ADD_RESIDUAL)
     out_ptr,  # [M, N] contiguous, x's dtype
     M,
     N,
     K,
     stride_xm,
-    stride_rm,
-    eps,
     HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr,
-    NORM: tl.constexpr,  # x is RMSNorm-ed (norm_weight, eps), unrounded
-    ADD_RESIDUAL: tl.constexpr,  # the rounded product plus residual, rounded again
     PDL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -153,25 +137,17 @@ def _gemv_kernel(
     w = tl.load(w_tile, mask=col_ok[:, None] & (lanes < K)[None, :], other=0.0, eviction_policy="evict_first")
     wait_for_previous_kernel(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    sumsq = tl.zeros([BLOCK_M], tl.float32)
-    acc, sumsq = _accumulate(acc, sumsq, w, x_ptr, stride_xm, M, lanes, K, norm_weight_ptr, BLOCK_M, SILU_MUL, NORM)
+    acc = _accumulate(acc, w, x_ptr, stride_xm, M, lanes, K, BLOCK_M, SILU_MUL)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         w = tl.load(w_tile + k0, mask=col_ok[:, None] & ((k0 + lanes) < K)[None, :], other=0.0,
                     eviction_policy="evict_first")
-        acc, sumsq = _accumulate(acc, sumsq, w, x_ptr, stride_xm, M, k0 + lanes, K, norm_weight_ptr, BLOCK_M,
-                                 SILU_MUL, NORM)
-    if NORM:  # RMSNorm's 1 / rms of each row, applied to the sum rather than to every element
-        acc = acc * tl.rsqrt(sumsq / K + eps)[:, None]
-    let_next_kernel_launch(PDL)  # this program's reads of W are done
+        acc = _accumulate(acc, w, x_ptr, stride_xm, M, k0 + lanes, K, BLOCK_M, SILU_MUL)
+    let_next_kernel_launch(PDL)  # this program's reads are done
     rows = tl.arange(0, BLOCK_M)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    mask = (rows < M)[:, None] & col_ok[None, :]
-    dtype = out_ptr.dtype.element_ty
-    if ADD_RESIDUAL:  # F.linear's output, then `+ residual` in the dtype (the twin's roundings)
-        residual = tl.load(residual_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0)
-        acc = acc.to(dtype).to(tl.float32) + residual.to(tl.float32)
-    tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(dtype), mask=mask)
+    out = out_ptr + rows[:, None] * N + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & col_ok[None, :])
 
 
 def check_inputs(
@@ -209,50 +185,15 @@ def check_inputs(
         raise ValueError(f"{kernel} takes 1 to {max_m} rows and K >= 1, got x {list(x.shape)}")
 
 
-def check_fusions(
-    x: torch.Tensor,  # [M, K]
-    weight: torch.Tensor,  # [N, K]
-    silu_mul: bool,
-    norm_weight: torch.Tensor | None,
-    residual: torch.Tensor | None,
-) -> None:
-    """Raise a ValueError saying what is wrong unless the GEMV can fuse RMSNorm(x; norm_weight)
-    before, and `+ residual` after, the product (check_inputs has passed)."""
-    n, k = weight.shape
-    if norm_weight is not None:
-        if silu_mul:
-            raise ValueError("the GEMV fuses either SiLU-and-mul or RMSNorm into its input, not both")
-        if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype or norm_weight.device != x.device:
-            raise ValueError(
-                f"norm_weight must be a [{k}] {x.dtype} tensor on {x.device}, got "
-                f"{list(norm_weight.shape)} {norm_weight.dtype} on {norm_weight.device}"
-            )
-    if residual is not None and (
-        residual.shape != (x.shape[0], n) or residual.dtype != x.dtype or residual.device != x.device
-        or residual.stride(1) != 1
-    ):
-        raise ValueError(
-            f"residual must be a [{x.shape[0]}, {n}] {x.dtype} tensor on {x.device} with unit column "
-            f"stride, got {list(residual.shape)} {residual.dtype} on {residual.device}, strides "
-            f"{residual.stride()}"
-        )
-
-
 def small_m_linear(
     x: torch.Tensor,  # [M, K] (or [M, 2K] with silu_mul), M <= MAX_M; any row stride
     weight: torch.Tensor,  # [N, K], x's dtype, contiguous
     bias: torch.Tensor | None = None,  # [N], x's dtype
     config: SmallMConfig | None = None,  # None: pick_config's choice
     silu_mul: bool = False,  # x is gate_up: compute F.linear(silu(gate) * up, ...)
-    norm_weight: torch.Tensor | None = None,  # [K]: compute F.linear(RMSNorm(x), ...)
-    norm_eps: float = 1e-6,
-    residual: torch.Tensor | None = None,  # [M, N]: return F.linear(...) + residual
 ) -> torch.Tensor:  # [M, N] contiguous, x's dtype
-    """F.linear(x, weight, bias) for few rows, reading weight exactly once; optionally of
-    silu_and_mul(x) or of RMSNorm(x) (layers/norm.py, weight norm_weight), optionally plus a
-    residual, each with its torch twin's roundings."""
+    """F.linear(x, weight, bias) for few rows, reading weight exactly once."""
     check_inputs(x, weight, bias, silu_mul)
-    check_fusions(x, weight, silu_mul, norm_weight, residual)
     m = x.shape[0]
     n, k = weight.shape
     if config is None:
@@ -263,17 +204,9 @@ def small_m_linear(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     pdl = pdl_enabled(x)
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
-        x, weight,
-        bias if bias is not None else out,
-        norm_weight if norm_weight is not None else out,
-        residual if residual is not None else out,
-        out, m, n, k, x.stride(0),
-        residual.stride(0) if residual is not None else 0,
-        float(norm_eps),
+        x, weight, bias if bias is not None else out, out, m, n, k, x.stride(0),
         HAS_BIAS=bias is not None,
         SILU_MUL=silu_mul,
-        NORM=norm_weight is not None,
-        ADD_RESIDUAL=residual is not None,
         PDL=pdl,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,

@@ -3,9 +3,6 @@
   - the FMA GEMV (layers/small_m_gemm.py, SmallMConfig): up to 4 rows, any float dtype;
   - the tensor-core MMA (layers/small_m_mma.py, MmaConfig): up to 16 rows in fp16 / bf16.
 
-Only the GEMV takes an RMSNorm into its input and a residual add into its output
-(fuses_norm_and_residual): the decode step's norms then need no launch of their own.
-
 A config's type says which kernel runs it. `default_config` is mode "on"'s choice, from the Llama-8B
 decode and verify graphs on the H200 (scripts/ablate_decode.py: each layer kind moved to another
 kernel, the graph re-timed):
@@ -47,22 +44,13 @@ def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype, device: torch.
     return gemv + mma
 
 
-def fuses_norm_and_residual(config) -> bool:
-    """Whether config's kernel can take RMSNorm into its input and a residual add into its output
-    (the GEMV; the MMA cannot)."""
-    return isinstance(config, small_m_gemm.SmallMConfig)
-
-
 def small_m_linear(
     x: torch.Tensor,  # [M, K] (or [M, 2K] with silu_mul)
     weight: torch.Tensor,  # [N, K]
     bias: torch.Tensor | None,  # [N]
     config,  # a SmallMConfig or an MmaConfig
     silu_mul: bool = False,
-    **fusions,  # the GEMV's norm_weight, norm_eps, residual (fuses_norm_and_residual)
 ) -> torch.Tensor:  # [M, N], x's dtype
     if isinstance(config, MmaConfig):
-        if fusions:
-            raise ValueError(f"the MMA fuses no norm or residual, got {sorted(fusions)}")
         return small_m_mma.small_m_mma_linear(x, weight, bias, config, silu_mul=silu_mul)
-    return small_m_gemm.small_m_linear(x, weight, bias, config, silu_mul=silu_mul, **fusions)
+    return small_m_gemm.small_m_linear(x, weight, bias, config, silu_mul=silu_mul)

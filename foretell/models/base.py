@@ -107,23 +107,6 @@ class PreNormDecoderLayer(torch.nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
-    def fuses_norms(self, hidden: torch.Tensor) -> bool:  # hidden [num_tokens, hidden_size]
-        """Whether forward_stream runs these rows with its norms inside the projections' kernels;
-        a layer that has no forward_stream says no."""
-        return False
-
-    def forward_stream(
-        self,
-        positions: torch.Tensor,  # [num_tokens]
-        stream: torch.Tensor,  # [num_tokens, hidden_size]: the residual stream entering the layer
-        metadata,
-    ) -> torch.Tensor:  # [num_tokens, hidden_size]: the stream leaving it
-        """forward with the stream as one tensor: each norm runs inside the projection that reads
-        it, each residual add inside the projection that ends its block (Linear.forward's norm and
-        residual). The same values as forward's (hidden, residual) sum, with two launches fewer
-        where the GEMV runs the projections."""
-        raise NotImplementedError(f"{type(self).__name__} has no fused-norm form (fuses_norms is False)")
-
 
 def run_decoder_stack(
     embed_tokens: "torch.nn.Module",
@@ -134,8 +117,7 @@ def run_decoder_stack(
     metadata,
     aux_layers: tuple[int, ...] = (),
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Embeddings -> pre-norm layers (residual add fused into the next norm, or, where every
-    layer fuses_norms, norms and adds fused into the projections) -> final norm.
+    """Embeddings -> pre-norm layers (residual add fused into the next norm) -> final norm.
 
     Returns the hidden states after the final norm [num_tokens, hidden] and the residual stream
     entering each layer in aux_layers (HF's hidden_states[i]). Every layer takes and returns
@@ -144,16 +126,10 @@ def run_decoder_stack(
     hidden = embed_tokens(input_ids)  # [num_tokens, hidden_size]
     residual = None
     captured: dict[int, torch.Tensor] = {}
-    if all(layer.fuses_norms(hidden) for layer in layers):  # the stream as one tensor
-        for i, layer in enumerate(layers):
-            if i in aux_layers:
-                captured[i] = hidden
-            hidden = layer.forward_stream(positions, hidden, metadata)
-    else:
-        for i, layer in enumerate(layers):
-            if i in aux_layers:
-                captured[i] = hidden if residual is None else residual + hidden
-            hidden, residual = layer(positions, hidden, residual, metadata)
+    for i, layer in enumerate(layers):
+        if i in aux_layers:
+            captured[i] = hidden if residual is None else residual + hidden
+        hidden, residual = layer(positions, hidden, residual, metadata)
     hidden, _ = norm(hidden, residual)
     return hidden, [captured[i] for i in aux_layers]
 

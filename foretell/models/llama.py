@@ -122,17 +122,15 @@ class DecoderAttention(nn.Module):
         positions: torch.Tensor,  # [num_tokens]
         hidden: torch.Tensor,  # [num_tokens, hidden_size]
         metadata: AttentionMetadata,
-        input_norm: RMSNorm | None = None,  # normalise hidden first (inside qkv_proj)
-        residual: torch.Tensor | None = None,  # [num_tokens, hidden_size], added to the output
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden, norm=input_norm))
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         qk_norm = (self.q_norm, self.k_norm) if self.q_norm is not None else None  # Qwen3
         out = self.attn.forward_rotary(positions, q, k, v, self.rotary_emb, metadata, qk_norm)  # [T, heads, head_dim]
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim), residual=residual)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
 class DecoderMLP(nn.Module):
@@ -143,20 +141,12 @@ class DecoderMLP(nn.Module):
         self.gate_up_proj = MergedLinear(dims.hidden_size, [size, size], switches.mlp_bias, **kw)
         self.down_proj = Linear(size, dims.hidden_size, switches.mlp_bias, **kw)
 
-    def forward(
-        self,
-        hidden: torch.Tensor,  # [n, hidden]
-        input_norm: RMSNorm | None = None,  # normalise hidden first (inside gate_up_proj)
-        residual: torch.Tensor | None = None,  # [n, hidden], added to the output
-    ) -> torch.Tensor:  # [n, hidden]
-        gate_up = self.gate_up_proj(hidden, norm=input_norm)
-        return self.down_proj.forward_silu_mul(gate_up, residual=residual)  # silu(gate) * up inside
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
+        return self.down_proj.forward_silu_mul(self.gate_up_proj(hidden))  # silu(gate) * up inside
 
 
 class DecoderLayer(PreNormDecoderLayer):
-    """Pre-norm attention + MLP block; the residual add is fused into the next norm, or, where the
-    GEMV runs qkv_proj and gate_up_proj (a batch-1 decode step), forward_stream fuses each norm into
-    the projection after it and each add into the projection before it.
+    """Pre-norm attention + MLP block; the residual add is fused into the next norm.
 
     Takes and returns (hidden, residual) whose sum is the residual stream; the first layer gets
     residual None and the stream in `hidden`.
@@ -175,13 +165,6 @@ class DecoderLayer(PreNormDecoderLayer):
         self.mlp = DecoderMLP(dims, switches, options)
         self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, **kw)
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, **kw)
-
-    def fuses_norms(self, hidden: torch.Tensor) -> bool:
-        return self.self_attn.qkv_proj.fuses_input_norm(hidden) and self.mlp.gate_up_proj.fuses_input_norm(hidden)
-
-    def forward_stream(self, positions: torch.Tensor, stream: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        stream = self.self_attn(positions, stream, metadata, input_norm=self.input_layernorm, residual=stream)
-        return self.mlp(stream, input_norm=self.post_attention_layernorm, residual=stream)
 
 
 class DecoderModel(nn.Module):
