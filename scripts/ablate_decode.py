@@ -8,9 +8,9 @@ are all this is for):
 
     full          the forward as the engine captures it
     no_norms      RMSNorm (with its fused residual add) returns its input
-    no_rope_kv    the fused RoPE + KV-cache write returns the query unrotated, writes nothing
-    no_attend     the paged attention returns an empty output
-    no_attention  both of the above
+    no_rope_kv    two launches (RoPE + KV write, attention), the first returning the query unrotated
+    no_attend     two launches, the paged attention returning an empty output
+    no_attention  RoPE, KV write and attention (one launch for decode/verify) return an empty output
     no_lm_head    the LM head returns empty logits
     linears_only  no norms, no attention, no RoPE: the weight reads and the glue between them
     no_linears    every Linear returns an empty output: the rest of the chain alone
@@ -20,6 +20,9 @@ and alternatives (same results, other launches):
     attn_unsplit / attn_split64 / attn_split128   the attention's context not split, or split in
                   pieces of at least 64 / 128 tokens (the engine's default: 32)
     no_pdl_glue   norms, RoPE + KV write and attention launched plainly (no PDL)
+    two_launch_rope  RoPE + KV write, then the attention: two launches (the engine fuses them for
+                  decode and verify: layers/attention/rope_attention_triton.py)
+    attn_*        (with the two launches)
     <layer>_<kernel>  that layer's linears (qkv, o, gate_up, down, lm_head) on another kernel than
                   the engine's choice: cublas, gemv, mma (its default tiles), mma_split1/2/4
 
@@ -46,7 +49,7 @@ sys.path.insert(0, ROOT)
 from bench_result import graph_replay_ms, replay_ms, write_result  # noqa: E402
 from foretell import LLM  # noqa: E402
 from foretell.layers import fused_kernels, small_m_gemm, small_m_mma  # noqa: E402
-from foretell.layers.attention import rope_kv_triton, triton_kernels  # noqa: E402
+from foretell.layers.attention import rope_attention_triton, rope_kv_triton, triton_kernels  # noqa: E402
 from foretell.layers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from foretell.layers.embedding import LMHead  # noqa: E402
 from foretell.layers.linear import Linear  # noqa: E402
@@ -60,8 +63,12 @@ def _norm_passthrough(self, x, residual=None):
     return x, x if residual is None else residual
 
 
-def _rope_kv_passthrough(self, positions, query, key, value, rotary_emb, kv_cache, slot_mapping, qk_norm=None):
+def _rope_kv_passthrough(positions, query, *args, **kwargs):
     return query
+
+
+def _rope_attend_empty(self, positions, query, *args, **kwargs):
+    return torch.empty_like(query)
 
 
 def _attend_empty(self, query, kv_cache, metadata, scale):
@@ -90,16 +97,19 @@ def _lm_head_empty(self, hidden):
     return torch.empty(*hidden.shape[:-1], self.vocab_size, dtype=torch.float32, device=hidden.device)
 
 
+TWO_LAUNCHES = (rope_attention_triton, "fits", lambda *args: False)  # RoPE + KV write, then the attention
 PATCHES = {
     "norms": [(RMSNorm, "forward", _norm_passthrough)],
-    "rope_kv": [(TritonAttentionBackend, "rope_write_kv", _rope_kv_passthrough)],
-    "attend": [(TritonAttentionBackend, "attend", _attend_empty)],
+    "two_launches": [TWO_LAUNCHES],
+    "rope_kv": [TWO_LAUNCHES, (rope_kv_triton, "rope_write_kv_triton", _rope_kv_passthrough)],
+    "attend": [TWO_LAUNCHES, (TritonAttentionBackend, "attend", _attend_empty)],
+    "attention": [(TritonAttentionBackend, "rope_attend", _rope_attend_empty)],
     "lm_head": [(LMHead, "forward", _lm_head_empty)],
     "no_pdl_glue": [(module, "pdl_enabled", lambda t: False) for module in (fused_kernels, rope_kv_triton,
-                                                                            triton_kernels)],
-    "attn_unsplit": [(TritonAttentionBackend, "attend", _attend_with(num_splits=1))],
-    "attn_split64": [(TritonAttentionBackend, "attend", _attend_with(min_split_tokens=64))],
-    "attn_split128": [(TritonAttentionBackend, "attend", _attend_with(min_split_tokens=128))],
+                                                                            triton_kernels, rope_attention_triton)],
+    "attn_unsplit": [TWO_LAUNCHES, (TritonAttentionBackend, "attend", _attend_with(num_splits=1))],
+    "attn_split64": [TWO_LAUNCHES, (TritonAttentionBackend, "attend", _attend_with(min_split_tokens=64))],
+    "attn_split128": [TWO_LAUNCHES, (TritonAttentionBackend, "attend", _attend_with(min_split_tokens=128))],
     "linears": [(Linear, "forward", _linear_empty), (Linear, "forward_silu_mul", _linear_silu_mul_empty),
                 (LMHead, "forward", _lm_head_empty)],
 }
@@ -108,11 +118,12 @@ VARIANTS = {
     "no_norms": ["norms"],
     "no_rope_kv": ["rope_kv"],
     "no_attend": ["attend"],
-    "no_attention": ["rope_kv", "attend"],
+    "no_attention": ["attention"],
     "no_lm_head": ["lm_head"],
-    "linears_only": ["norms", "rope_kv", "attend"],
+    "linears_only": ["norms", "attention"],
     "no_linears": ["linears"],
     "no_pdl_glue": ["no_pdl_glue"],
+    "two_launch_rope": ["two_launches"],
     "attn_unsplit": ["attn_unsplit"],
     "attn_split64": ["attn_split64"],
     "attn_split128": ["attn_split128"],

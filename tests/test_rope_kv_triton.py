@@ -111,24 +111,25 @@ def test_qwen3_qk_norm_before_the_rotation(dtype, case):
 
 @pytest.mark.parametrize("with_norm", [False, True])
 def test_forward_rotary_fuses_on_the_triton_backend(monkeypatch, with_norm):
-    """Attention.forward_rotary with the kernels on: the fused launch, and the same output and
-    cache as (q_norm / k_norm,) RoPE, then forward."""
+    """Attention.forward_rotary with the kernels on, for a prefill (decode and short verify steps
+    take one launch: tests/test_rope_attention_triton.py): RoPE + KV write in one launch, and the
+    same output and cache as (q_norm / k_norm,) RoPE, then forward."""
     monkeypatch.setattr(kernel_dispatch, "use_triton", lambda *tensors: True)
     calls = []
     kernel = rkv.rope_write_kv_triton
     monkeypatch.setattr(rkv, "rope_write_kv_triton", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     seed = random.randrange(2**31)
     dtype = torch.float16
-    query, key, value, positions, slots, cache = _inputs("llama_gqa", dtype, seed, 3)
-    slots[1] = 5  # no padded row: attention reads every token
+    n = 20  # more query tokens than one attention program holds
+    query, key, value, positions, _, cache = _inputs("llama_gqa", dtype, seed, n)
     rotary = RotaryEmbedding(128, 4096, 500000.0, CASES["llama_gqa"][4], device=DEVICE)
     qk_norm = _qk_norm(128, dtype, torch.Generator().manual_seed(seed)) if with_norm else None
     blocks = torch.arange(NUM_BLOCKS, dtype=torch.int32, device=DEVICE)[None, :]
     md = AttentionMetadata(
-        query_start_loc=torch.tensor([0, 3], dtype=torch.int32, device=DEVICE),
-        seq_lens=torch.tensor([3], dtype=torch.int32, device=DEVICE), block_table=blocks,
-        slot_mapping=torch.tensor([0, 1, 2], device=DEVICE), block_size=BLOCK_SIZE, max_query_len=3, max_seq_len=3,
-        query_start_loc_cpu=[0, 3], seq_lens_cpu=[3],
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor([n], dtype=torch.int32, device=DEVICE), block_table=blocks,
+        slot_mapping=torch.arange(n, device=DEVICE), block_size=BLOCK_SIZE, max_query_len=n, max_seq_len=n,
+        query_start_loc_cpu=[0, n], seq_lens_cpu=[n],
     )
     layers = []
     for _ in range(2):

@@ -156,6 +156,29 @@ def _in_dtype(v, dtype: tl.constexpr):
 
 
 @triton.jit
+def rms_norm_heads(x1, x2, rest, w1, w2, w_rest, eps, HEAD_DIM: tl.constexpr, dtype: tl.constexpr):
+    """RMSNorm.forward of heads held as their rotary pairs' halves x1, x2 [R, HALF_P] and the
+    channels past rotary_dim, rest [R, TAIL_P] (padding lanes 0), weights split alike: normalise
+    in float32, round, times the weight, round (float32 out, rounded to dtype)."""
+    squares = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1) + tl.sum(rest * rest, axis=1)
+    rstd = tl.rsqrt(squares / HEAD_DIM + eps)[:, None]  # [R, 1]
+    x1 = _in_dtype(_in_dtype(x1 * rstd, dtype) * w1, dtype)
+    x2 = _in_dtype(_in_dtype(x2 * rstd, dtype) * w2, dtype)
+    rest = _in_dtype(_in_dtype(rest * rstd, dtype) * w_rest, dtype)
+    return x1, x2, rest
+
+
+@triton.jit
+def rotate_pairs(x1, x2, cos, sin, dtype: tl.constexpr):
+    """The rotation of each pair (x1, x2) by the angle of (cos, sin), already rounded to dtype:
+    apply_rope_neox's / apply_rope_gptj's arithmetic, each product rounded to the dtype as torch
+    does; the sums are rounded by the caller's store (or cast)."""
+    o1 = _in_dtype(x1 * cos, dtype) - _in_dtype(x2 * sin, dtype)
+    o2 = _in_dtype(x2 * cos, dtype) + _in_dtype(x1 * sin, dtype)
+    return o1, o2
+
+
+@triton.jit
 def _rope_heads(
     x_ptr,
     dst_ptr,  # this token's first destination head (out rows, or a KV cache slot)
@@ -196,21 +219,12 @@ def _rope_heads(
         rest = tl.load(src + tail, mask=tail_mask, other=0.0).to(tl.float32)  # [BLOCK_HEADS, TAIL_P]
     else:
         rest = tl.zeros([BLOCK_HEADS, TAIL_P], dtype=tl.float32)
-    if HAS_NORM:  # RMSNorm.forward: normalise in float32, round, times the weight, round
-        squares = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1) + tl.sum(rest * rest, axis=1)
-        rstd = tl.rsqrt(squares / HEAD_DIM + eps)[:, None]  # [BLOCK_HEADS, 1]
+    if HAS_NORM:
         w1 = tl.load(norm_w_ptr + first, mask=dims < HALF, other=0.0).to(tl.float32)
         w2 = tl.load(norm_w_ptr + second, mask=dims < HALF, other=0.0).to(tl.float32)
-        x1 = _in_dtype(_in_dtype(x1 * rstd, dtype) * w1, dtype)
-        x2 = _in_dtype(_in_dtype(x2 * rstd, dtype) * w2, dtype)
         w_rest = tl.load(norm_w_ptr + tail, mask=tail < HEAD_DIM, other=0.0).to(tl.float32)
-        rest = _in_dtype(_in_dtype(rest * rstd, dtype) * w_rest, dtype)
-    cos = cos[None, :]
-    sin = sin[None, :]
-    # apply_rope_neox's / apply_rope_gptj's arithmetic, each product and sum rounded to the
-    # dtype as torch does.
-    o1 = _in_dtype(x1 * cos, dtype) - _in_dtype(x2 * sin, dtype)
-    o2 = _in_dtype(x2 * cos, dtype) + _in_dtype(x1 * sin, dtype)
+        x1, x2, rest = rms_norm_heads(x1, x2, rest, w1, w2, w_rest, eps, HEAD_DIM, dtype)
+    o1, o2 = rotate_pairs(x1, x2, cos[None, :], sin[None, :], dtype)
     tl.store(dst + first, o1.to(dtype), mask=mask)
     tl.store(dst + second, o2.to(dtype), mask=mask)
     if HEAD_DIM > 2 * HALF:  # the channels past rotary_dim pass through (normed when HAS_NORM)

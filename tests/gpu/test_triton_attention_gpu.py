@@ -222,3 +222,47 @@ def test_cuda_graph_capture_and_replay():
         expected = TorchAttentionBackend().attend(q2, cache_ref, md2, head_dim**-0.5)
         torch.testing.assert_close(static_out.float(), expected.float(), rtol=2e-2, atol=2e-2,
                                    msg=lambda m: f"replay {replay} (seed {seed}): {m}")
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 8, 64])
+@pytest.mark.parametrize("q_len", [1, 4])
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_rope_attention_in_one_launch_at_llama_shapes(num_splits, q_len, with_norm):
+    """RoPE + KV write + attention in one launch (rope_attention_triton.py), bf16, 8 kv heads x 4,
+    head_dim 128, long contexts split many ways (each split writes the new tokens of its tiles),
+    repeated 5 times to shake out races: the cache equals the two-launch path's bit for bit, the
+    output within bf16 tolerance of it, and every repeat is identical."""
+    from foretell.layers.attention.rope_attention_triton import rope_paged_attention_triton
+    from foretell.layers.attention.rope_kv_triton import rope_write_kv_triton
+    from foretell.layers.norm import RMSNorm
+    from foretell.layers.rotary import RotaryEmbedding
+
+    specs = [(8191 - q_len, q_len), (4095, q_len), (100, q_len), (63, q_len)]
+    seed = random.randrange(2**31)
+    query, key, value, cache, md = _batch(specs, 8, 4, 128, 16, torch.bfloat16, seed, extra_width=64)
+    positions = torch.cat([torch.arange(p, p + q, device=DEVICE) for p, q in specs])
+    rotary = RotaryEmbedding(128, 16384, 500000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, device=DEVICE)
+    qk_norm = None
+    if with_norm:
+        qk_norm = (RMSNorm(128, 1e-6, dtype=torch.bfloat16, device=DEVICE),
+                   RMSNorm(128, 1e-6, dtype=torch.bfloat16, device=DEVICE))
+        for norm in qk_norm:
+            norm.weight.data.normal_(1.0, 0.3)
+    rope = (rotary.cos_cache, rotary.sin_cache)
+    two_cache = cache.clone()
+    q = rope_write_kv_triton(positions, query, key, value, *rope, two_cache, md.slot_mapping, qk_norm=qk_norm)
+    expected = torch.full_like(q, float("nan"))
+    paged_attention_triton(q, two_cache, md.block_table, md.seq_lens, md.query_start_loc, md.max_query_len,
+                           128**-0.5, expected, num_splits=num_splits)
+    outs = []
+    for _ in range(5):
+        one_cache = cache.clone()
+        outs.append(rope_paged_attention_triton(
+            positions, query, key, value, *rope, one_cache, md.slot_mapping, md.block_table, md.seq_lens,
+            md.query_start_loc, md.max_query_len, 128**-0.5, qk_norm=qk_norm, num_splits=num_splits))
+        torch.testing.assert_close(one_cache, two_cache, rtol=0, atol=0, equal_nan=True,
+                                   msg=lambda m: f"cache (seed {seed}): {m}")
+    torch.testing.assert_close(outs[0].float(), expected.float(), rtol=2e-2, atol=2e-2,
+                               msg=lambda m: f"attention (seed {seed}): {m}")
+    assert all(torch.equal(o, outs[0]) for o in outs), f"launches differ (seed {seed})"

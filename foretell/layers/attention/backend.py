@@ -21,7 +21,8 @@ class AttentionBackend(Protocol):
     #: Whether a forward using it can be captured in a CUDA graph and replayed for other
     #: lengths (true when it reads no host-side lengths).
     graph_safe: bool
-    #: Whether it has `rope_write_kv` (RoPE and the KV write in one launch).
+    #: Whether it has `rope_attend`: RoPE (after Qwen3's q_norm / k_norm), the KV write and the
+    #: attention in one or two launches (TritonAttentionBackend.rope_attend).
     fuses_rope: bool
 
     def write_kv(

@@ -67,17 +67,16 @@ class Attention(nn.Module):
         metadata: AttentionMetadata,
         qk_norm: tuple[RMSNorm, RMSNorm] | None = None,  # (q_norm, k_norm) per head, before RoPE
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """(q_norm / k_norm,) RoPE on query and key, then forward: one launch for all of it and
-        the KV write when the backend fuses them (the cache and norms in the query's dtype), else
-        the modules one after the other."""
+        """(q_norm / k_norm,) RoPE on query and key, then forward: the backend's rope_attend when it
+        has one (the cache and norms in the query's dtype: one launch for decode, two for prefill),
+        else the modules one after the other."""
         if self.kv_cache is None:
             raise RuntimeError("attention layer has no KV cache bound; the runner must bind one")
         norms_fit = qk_norm is None or all(n.weight.dtype == query.dtype for n in qk_norm)
         if (self.backend.fuses_rope and norms_fit and self.kv_cache.dtype == query.dtype
                 and rotary_emb.fusable(positions, query, key)):
-            query = self.backend.rope_write_kv(positions, query, key, value, rotary_emb, self.kv_cache,
-                                               metadata.slot_mapping, qk_norm)
-            return self.backend.attend(query, self.kv_cache, metadata, self.scale)
+            return self.backend.rope_attend(positions, query, key, value, rotary_emb, self.kv_cache, metadata,
+                                            self.scale, qk_norm)
         if qk_norm is not None:
             (query, _), (key, _) = qk_norm[0](query), qk_norm[1](key)
         query, key = rotary_emb(positions, query, key)

@@ -34,23 +34,34 @@ class TritonAttentionBackend:
     ) -> None:
         write_kv_triton(key, value, kv_cache, slot_mapping)
 
-    def rope_write_kv(
+    def rope_attend(
         self,
         positions: torch.Tensor,  # [num_tokens]
-        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim], before RoPE
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], before RoPE
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         rotary_emb: RotaryEmbedding,
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], query's dtype
-        slot_mapping: torch.Tensor,  # [num_tokens] int64; -1 marks padded rows
+        metadata: AttentionMetadata,
+        scale: float,
         qk_norm: tuple[RMSNorm, RMSNorm] | None = None,  # (q_norm, k_norm), applied before RoPE
-    ) -> torch.Tensor:  # rotated query
-        """(q_norm / k_norm,) rotary_emb(positions, query, key), then write_kv of the rotated key:
-        one launch."""
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """(q_norm / k_norm,) rotary_emb(positions, query, key), write_kv of the rotated key, then
+        attend: one launch for decode and short verify steps (rope_attention_triton.fits), else
+        RoPE + KV write in one and the attention in a second."""
+        from foretell.layers.attention import rope_attention_triton
         from foretell.layers.attention.rope_kv_triton import rope_write_kv_triton
 
-        return rope_write_kv_triton(positions, query, key, value, rotary_emb.cos_cache, rotary_emb.sin_cache,
-                                    kv_cache, slot_mapping, style=rotary_emb.style, qk_norm=qk_norm)
+        self._check_block_size(kv_cache, metadata)
+        if rope_attention_triton.fits(query, metadata.max_query_len, rotary_emb.rotary_dim, kv_cache):
+            return rope_attention_triton.rope_paged_attention_triton(
+                positions, query, key, value, rotary_emb.cos_cache, rotary_emb.sin_cache, kv_cache,
+                metadata.slot_mapping, metadata.block_table, metadata.seq_lens, metadata.query_start_loc,
+                metadata.max_query_len, scale, style=rotary_emb.style, qk_norm=qk_norm, counters=self.split_counters,
+            )
+        query = rope_write_kv_triton(positions, query, key, value, rotary_emb.cos_cache, rotary_emb.sin_cache,
+                                     kv_cache, metadata.slot_mapping, style=rotary_emb.style, qk_norm=qk_norm)
+        return self.attend(query, kv_cache, metadata, scale)
 
     def attend(
         self,
@@ -59,11 +70,7 @@ class TritonAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        if kv_cache.shape[2] != metadata.block_size:
-            raise ValueError(
-                f"metadata is paged with block_size {metadata.block_size} but the cache has "
-                f"blocks of {kv_cache.shape[2]}; derive it with AttentionMetadata.with_block_size"
-            )
+        self._check_block_size(kv_cache, metadata)
         out = torch.empty_like(query)
         return paged_attention_triton(
             query,
@@ -76,3 +83,11 @@ class TritonAttentionBackend:
             out,
             counters=self.split_counters,
         )
+
+    @staticmethod
+    def _check_block_size(kv_cache: torch.Tensor, metadata: AttentionMetadata) -> None:
+        if kv_cache.shape[2] != metadata.block_size:
+            raise ValueError(
+                f"metadata is paged with block_size {metadata.block_size} but the cache has "
+                f"blocks of {kv_cache.shape[2]}; derive it with AttentionMetadata.with_block_size"
+            )
