@@ -78,6 +78,22 @@ def kernel_events(prof) -> list[tuple[str, float]]:
             if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
+def between_steps(prof, after: int = 16) -> list[dict]:
+    """The device's work from the end of one step's LM head (its longest kernel) to the next step's
+    graph: each operation's start (us after the LM head ended) and length, in order. The time a
+    step takes beyond its graph's kernels goes here (copies, sampling, launch latency)."""
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+    if len(events) < 3:
+        return []
+    longest = max(e.time_range.elapsed_us() for e in events)
+    heads = [i for i, e in enumerate(events) if e.time_range.elapsed_us() > 0.8 * longest]
+    i = heads[len(heads) // 2]  # a step in the middle of the profile
+    end = events[i].time_range.end
+    return [{"op": e.name[:80], "start_us": round(e.time_range.start - end, 2),
+             "us": round(e.time_range.elapsed_us(), 2)} for e in events[i + 1:i + 1 + after]]
+
+
 def profile_target(folder: str, steps: int, enforce_eager: bool, ops: list[str] | None = None) -> dict:
     """Kernel time by category of `steps` decode steps, and their wall time per step measured
     without the profiler (with graphs: the replay, so wall minus kernels is the launch gaps)."""
@@ -108,6 +124,7 @@ def profile_target(folder: str, steps: int, enforce_eager: bool, ops: list[str] 
         ops.append(averages.table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=40,
                                   max_shapes_column_width=90))
     result = dict(summarize(kernel_events(prof), steps), wall_us_per_step=wall_us, enforce_eager=enforce_eager)
+    result["between_steps"] = between_steps(prof)
     del llm, engine
     torch.cuda.empty_cache()
     return result
@@ -120,6 +137,9 @@ def print_table(name: str, result: dict) -> None:
         print(f"  {row['category']:12} {row['us_per_step']:8.1f} us  {100 * row['share']:5.1f}%")
     for row in result["top_kernels"][:14]:
         print(f"    {row['us_per_step']:8.1f} us  {row['kernel'][:90]}")
+    print("  after the LM head (start us, length us):")
+    for row in result.get("between_steps", []):
+        print(f"    {row['start_us']:8.2f} {row['us']:7.2f}  {row['op']}")
 
 
 def main() -> None:

@@ -230,8 +230,11 @@ def test_cuda_graph_capture_and_replay():
 def test_rope_attention_in_one_launch_at_llama_shapes(num_splits, q_len, with_norm):
     """RoPE + KV write + attention in one launch (rope_attention_triton.py), bf16, 8 kv heads x 4,
     head_dim 128, long contexts split many ways (each split writes the new tokens of its tiles),
-    repeated 5 times to shake out races: the cache equals the two-launch path's bit for bit, the
-    output within bf16 tolerance of it, and every repeat is identical."""
+    repeated 5 times to shake out races: the cache and the output within bf16 rounding of the
+    two-launch path's, and every repeat identical. (Not bit for bit on a GPU: the compiler fuses
+    RoPE's products with their sums differently in the two kernels, as in _check_rope of
+    test_fused_kernels_gpu.py; Triton's interpreter keeps every rounding and the CPU test
+    checks the cache bit for bit.)"""
     from foretell.layers.attention.rope_attention_triton import rope_paged_attention_triton
     from foretell.layers.attention.rope_kv_triton import rope_write_kv_triton
     from foretell.layers.norm import RMSNorm
@@ -261,8 +264,9 @@ def test_rope_attention_in_one_launch_at_llama_shapes(num_splits, q_len, with_no
         outs.append(rope_paged_attention_triton(
             positions, query, key, value, *rope, one_cache, md.slot_mapping, md.block_table, md.seq_lens,
             md.query_start_loc, md.max_query_len, 128**-0.5, qk_norm=qk_norm, num_splits=num_splits))
-        torch.testing.assert_close(one_cache, two_cache, rtol=0, atol=0, equal_nan=True,
+        torch.testing.assert_close(one_cache, two_cache, rtol=2e-2, atol=2e-2, equal_nan=True,
                                    msg=lambda m: f"cache (seed {seed}): {m}")
+        assert (one_cache != two_cache).logical_and(~two_cache.isnan()).float().mean() < 1e-3
     torch.testing.assert_close(outs[0].float(), expected.float(), rtol=2e-2, atol=2e-2,
                                msg=lambda m: f"attention (seed {seed}): {m}")
     assert all(torch.equal(o, outs[0]) for o in outs), f"launches differ (seed {seed})"
