@@ -17,8 +17,10 @@ tokens: `fits`); a longer chunk (prefill) has blocks reading keys another block 
 the two launches. Partial rotary (rotary_dim < head_dim) also runs them.
 
 Rounding follows the two-launch path: q and k are rotated by fused_kernels.rotate_pairs (and
-normed by rms_norm_heads), so the cache holds the same values bit for bit; the scores' sums run in
-another order (two products of half width), so outputs agree within float32 rounding. Twin:
+normed by rms_norm_heads), so the cache holds the same values (bit for bit in Triton's
+interpreter; on a GPU the compiler may fuse a product with its sum in one kernel and not the
+other: within a rounding); the scores' sums run in another order (two products of half width), so
+outputs agree within float32 rounding. Twin:
 rope_write_kv_triton then paged_attention_triton (and through them the torch path);
 tests/test_rope_attention_triton.py holds them together in Triton's interpreter.
 """
