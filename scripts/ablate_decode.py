@@ -23,8 +23,6 @@ and alternatives (same results, other launches):
     two_launch_rope  RoPE + KV write, then the attention: two launches (the engine fuses them for
                   decode and verify: layers/attention/rope_attention_triton.py)
     attn_*        (with the two launches)
-    early_release the GEMV and the MMA let the next kernel launch right after their wait, not
-                  after their reads of W
     <layer>_<kernel>  that layer's linears (qkv, o, gate_up, down, lm_head) on another kernel than
                   the engine's choice: cublas, gemv, mma (its default tiles), mma_split1/2/4
 
@@ -109,7 +107,6 @@ PATCHES = {
     "lm_head": [(LMHead, "forward", _lm_head_empty)],
     "no_pdl_glue": [(module, "pdl_enabled", lambda t: False) for module in (fused_kernels, rope_kv_triton,
                                                                             triton_kernels, rope_attention_triton)],
-    "early_release": [(small_m_gemm, "RELEASE_AFTER_WAIT", True), (small_m_mma, "RELEASE_AFTER_WAIT", True)],
     "attn_unsplit": [TWO_LAUNCHES, (TritonAttentionBackend, "attend", _attend_with(num_splits=1))],
     "attn_split64": [TWO_LAUNCHES, (TritonAttentionBackend, "attend", _attend_with(min_split_tokens=64))],
     "attn_split128": [TWO_LAUNCHES, (TritonAttentionBackend, "attend", _attend_with(min_split_tokens=128))],
@@ -127,7 +124,6 @@ VARIANTS = {
     "no_linears": ["linears"],
     "no_pdl_glue": ["no_pdl_glue"],
     "two_launch_rope": ["two_launches"],
-    "early_release": ["early_release"],
     "attn_unsplit": ["attn_unsplit"],
     "attn_split64": ["attn_split64"],
     "attn_split128": ["attn_split128"],

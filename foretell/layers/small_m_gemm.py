@@ -40,8 +40,6 @@ import triton.language as tl
 
 from foretell.layers.pdl import launch_options, let_next_kernel_launch, pdl_enabled, wait_for_previous_kernel
 
-RELEASE_AFTER_WAIT = False  # scripts/ablate_decode.py's early_release variants set it
-
 MAX_M = 4
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_BLOCK_K = 4096  # a whole row of W per request up to this K; above it, tiles of LONG_K_BLOCK
@@ -126,7 +124,6 @@ def _gemv_kernel(
     HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr,
     PDL: tl.constexpr,
-    EARLY_RELEASE: tl.constexpr,  # let the next kernel launch right after the wait (experiment)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -139,16 +136,13 @@ def _gemv_kernel(
     # the first tile is requested before the wait for the kernel before this one.
     w = tl.load(w_tile, mask=col_ok[:, None] & (lanes < K)[None, :], other=0.0, eviction_policy="evict_first")
     wait_for_previous_kernel(PDL)
-    if EARLY_RELEASE:
-        let_next_kernel_launch(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc = _accumulate(acc, w, x_ptr, stride_xm, M, lanes, K, BLOCK_M, SILU_MUL)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         w = tl.load(w_tile + k0, mask=col_ok[:, None] & ((k0 + lanes) < K)[None, :], other=0.0,
                     eviction_policy="evict_first")
         acc = _accumulate(acc, w, x_ptr, stride_xm, M, k0 + lanes, K, BLOCK_M, SILU_MUL)
-    if not EARLY_RELEASE:
-        let_next_kernel_launch(PDL)  # this program's reads are done
+    let_next_kernel_launch(PDL)  # this program's reads are done
     rows = tl.arange(0, BLOCK_M)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -214,7 +208,6 @@ def small_m_linear(
         HAS_BIAS=bias is not None,
         SILU_MUL=silu_mul,
         PDL=pdl,
-        EARLY_RELEASE=RELEASE_AFTER_WAIT,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,

@@ -40,8 +40,6 @@ from foretell.layers.attention.triton_varlen import SplitCounters
 from foretell.layers.pdl import launch_options, let_next_kernel_launch, pdl_enabled, wait_for_previous_kernel
 from foretell.layers.small_m_gemm import check_inputs, silu_mul_rounded
 
-RELEASE_AFTER_WAIT = False  # scripts/ablate_decode.py's early_release variants set it
-
 MAX_M = 16  # x's rows, padded to this many columns of the MMA
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 BLOCK_N = 64  # rows of W per program: one wgmma tile
@@ -133,7 +131,6 @@ def _mma_kernel(
     HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr,
     PDL: tl.constexpr,
-    EARLY_RELEASE: tl.constexpr,  # let the next kernel launch right after the wait (experiment)
     SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -153,8 +150,6 @@ def _mma_kernel(
     # No kernel of a step writes W: its first tile is requested before the wait (layers/pdl.py).
     w = tl.load(w_tile, mask=col_ok[:, None] & (lanes < k_end)[None, :], other=0.0, eviction_policy="evict_first")
     wait_for_previous_kernel(PDL)
-    if EARLY_RELEASE:
-        let_next_kernel_launch(PDL)
     x = _load_x_tile(x_tile, 0, (lanes < k_end)[:, None] & row_ok[None, :], K, SILU_MUL)
     acc = tl.dot(w, x)  # [BLOCK_N, BLOCK_M] float32
     for k0 in range(BLOCK_K, k_per_split, BLOCK_K):
@@ -162,8 +157,7 @@ def _mma_kernel(
         w = tl.load(w_tile + k0, mask=col_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
         x = _load_x_tile(x_tile, k0, k_ok[:, None] & row_ok[None, :], K, SILU_MUL)
         acc = tl.dot(w, x, acc)
-    if not EARLY_RELEASE:
-        let_next_kernel_launch(PDL)  # this program's reads of W are done
+    let_next_kernel_launch(PDL)  # this program's reads of W are done
 
     out_mask = col_ok[:, None] & row_ok[None, :]
     offsets = rows[None, :] * N + cols[:, None]  # [BLOCK_N, BLOCK_M] into [M, N]
@@ -215,7 +209,6 @@ def small_m_mma_linear(
         HAS_BIAS=bias is not None,
         SILU_MUL=silu_mul,
         PDL=pdl,
-        EARLY_RELEASE=RELEASE_AFTER_WAIT,
         SPLIT=config.split,
         BLOCK_M=MAX_M,
         BLOCK_N=config.block_n,
