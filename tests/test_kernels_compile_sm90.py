@@ -33,7 +33,7 @@ CASES = [
     "route, V2-Lite", "rope (q and k), gptj partial", "select experts, Kimi-K2", "router logits",
     "gqa attention, unsplit prefill", "gemv with pdl, Llama qkv", "gemv with pdl, silu_mul input, 4 rows, bias",
     "rms norm + residual, pdl trigger", "mma with pdl, split-K 4, Llama o", "mma with pdl, silu_mul input, bias",
-    "rope + gqa attention, split decode, Llama", "rope + gqa attention, verify, Qwen3 norms",
+    "rope + gqa attention, split decode, Llama", "rope + gqa attention, verify, Qwen3 norms", "graph inputs unpack",
 ]
 
 

@@ -3,9 +3,10 @@
 A batch where every sequence feeds the same number of rows q (1 for decode, 1 + k to verify k
 drafts) runs as the replay of a graph captured for (batch bucket, q): the smallest captured
 bucket B >= num_seqs, padded with dummy sequences whose rows write no KV (slot -1). Inputs live in
-persistent buffers that each step overwrites; outputs (final hidden states, the aux hidden states
-EAGLE3 reads, and the logits of every row) are static tensors of the graph, sliced to the live
-rows after replay. Any other batch (prefill chunks, mixed query lengths) runs eagerly.
+persistent buffers that each step overwrites (in one copy and one launch: runner/graph_inputs.py);
+outputs (final hidden states, the aux hidden states EAGLE3 reads, the logits of every row and
+their argmax, which greedy sampling takes without a launch of its own) are static tensors of the
+graph, sliced to the live rows after replay. Any other batch (prefill chunks, mixed query lengths) runs eagerly.
 
 Off CUDA (a graph-safe backend on the CPU, i.e. Triton's interpreter in tests) nothing is
 captured: run() executes the same forward on the same static buffers, so this path is tested
@@ -21,6 +22,9 @@ import torch
 from torch import nn
 
 from foretell.layers.attention.metadata import AttentionMetadata
+from foretell.layers.sampler import argmax_rows
+from foretell.runner import graph_inputs
+from foretell.runner.graph_inputs import GraphInputBuffers
 from foretell.runner.input_batch import InputBatch
 
 logger = logging.getLogger("foretell")
@@ -39,6 +43,7 @@ class CapturedForward:
     hidden: torch.Tensor  # [B * q, hidden]
     aux: list[torch.Tensor]  # each [B * q, hidden]
     logits: torch.Tensor  # [B * q, vocab] float32
+    greedy: torch.Tensor  # [B * q] int64: each row's argmax, what greedy sampling picks
 
 
 class CudaGraphRunner:
@@ -67,6 +72,10 @@ class CudaGraphRunner:
         self.query_start_loc = torch.zeros(self.buckets[-1] + 1, **i32)
         self.seq_lens = torch.ones(self.buckets[-1], **i32)
         self.block_table = torch.zeros(self.buckets[-1], max_blocks_per_seq, **i32)
+        self.buffers = GraphInputBuffers(self.input_ids, self.positions, self.slot_mapping, self.query_start_loc,
+                                         self.seq_lens, self.block_table)
+        # A packed step (graph_inputs.pack) of the largest bucket and query length.
+        self.staging = torch.zeros(3 * max_rows + 2 * self.buckets[-1] + 1 + self.block_table.numel(), **i64)
         self.graphs: dict[tuple[int, int], CapturedForward] = {}
         self.pool = None
 
@@ -88,7 +97,8 @@ class CudaGraphRunner:
     def _forward(self, bucket: int, q: int):
         rows = bucket * q
         hidden, aux = self.model(self.input_ids[:rows], self.positions[:rows], self._metadata(bucket, q))
-        return hidden, aux, self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden)
+        return hidden, aux, logits, argmax_rows(logits)
 
     @property
     def captures(self) -> bool:
@@ -107,10 +117,10 @@ class CudaGraphRunner:
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
-                    hidden, aux, logits = self._forward(bucket, q)
+                    hidden, aux, logits, greedy = self._forward(bucket, q)
                 if self.pool is None:
                     self.pool = graph.pool()
-                self.graphs[(bucket, q)] = CapturedForward(graph, hidden, list(aux), logits)
+                self.graphs[(bucket, q)] = CapturedForward(graph, hidden, list(aux), logits, greedy)
         torch.cuda.synchronize(self.device)
         logger.info("captured %d CUDA graphs (buckets %s, query lengths %s)",
                     len(self.graphs), self.buckets, self.query_lens)
@@ -143,37 +153,31 @@ class CudaGraphRunner:
 
     # ---- replay ----------------------------------------------------------------------------
     def bucket_for(self, batch: InputBatch) -> tuple[int, int] | None:
-        meta = batch.attn_metadata
-        q = meta.max_query_len
-        num_seqs = meta.num_seqs
-        if q not in self.query_lens or meta.num_tokens != q * num_seqs:
+        q = batch.max_query_len
+        num_seqs = batch.num_seqs
+        if q not in self.query_lens or batch.num_tokens != q * num_seqs:
             return None
-        if num_seqs > self.buckets[-1] or meta.block_table.shape[1] > self.block_table.shape[1]:
+        if num_seqs > self.buckets[-1] or batch.block_table_width > self.block_table.shape[1]:
             return None
         bucket = next(b for b in self.buckets if b >= num_seqs)
         return bucket, q
 
-    def run(self, batch: InputBatch, key: tuple[int, int]):
-        """Replay for a batch bucket_for() accepted: (hidden, aux, logits) of the live rows."""
-        bucket, q = key
-        meta = batch.attn_metadata
-        n, rows = meta.num_seqs, meta.num_tokens
-        self.input_ids[:rows].copy_(batch.input_ids, non_blocking=True)
-        self.positions[:rows].copy_(batch.positions, non_blocking=True)
-        self.slot_mapping[:rows].copy_(meta.slot_mapping, non_blocking=True)
-        self.query_start_loc[: n + 1].copy_(meta.query_start_loc, non_blocking=True)
-        self.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
-        width = meta.block_table.shape[1]
-        self.block_table[:n, :width].copy_(meta.block_table, non_blocking=True)
-        if n < bucket:
-            self._reset_padding(n, bucket, q)
-        captured = self.replay(key)
-        return captured.hidden[:rows], [a[:rows] for a in captured.aux], captured.logits[:rows]
+    def run(self, batch: InputBatch, key: tuple[int, int]) -> CapturedForward:
+        """Replay for a batch bucket_for() accepted; the graph's static outputs (rows past
+        batch.num_tokens are padding). Its inputs arrive in one copy and one launch
+        (runner/graph_inputs.py)."""
+        host, layout = graph_inputs.pack(batch, *key)
+        staging = self.staging[: layout.size]
+        staging.copy_(host, non_blocking=True)
+        tokens = staging[layout.ids_offset :] if layout.ids_on_host else batch.token_ids
+        graph_inputs.unpack(staging, tokens, self.buffers, layout)
+        return self.replay(key)
 
     def replay(self, key: tuple[int, int]) -> CapturedForward:
         """Run graph `key` on whatever the input buffers hold now."""
         if not self.captures:
-            self.graphs[key] = CapturedForward(None, *self._forward(*key))
+            hidden, aux, logits, greedy = self._forward(*key)
+            self.graphs[key] = CapturedForward(None, hidden, list(aux), logits, greedy)
         else:
             self.graphs[key].graph.replay()
         return self.graphs[key]

@@ -84,7 +84,7 @@ class LaunchedDecode:
     def queue(cls, seqs: list[Sequence], batch: InputBatch, token_ids: torch.Tensor) -> "LaunchedDecode":
         """Queue the copy of the tokens `batch` sampled to the host; waits for nothing."""
         positions = [p - 1 for p in batch.row_positions]  # a row predicts its position + 1
-        block_size = batch.attn_metadata.block_size
+        block_size = batch.block_size
         slots = [cache_slot(seq.block_ids, p, block_size) for seq, p in zip(seqs, positions)]
         return cls(seqs, positions, slots, token_ids, HostCopy.queue(token_ids))
 
@@ -114,14 +114,18 @@ class LaunchedDecode:
 
 def launch_decode(runner, seqs: list[Sequence], batch: InputBatch) -> LaunchedDecode:
     """Forward and sampling of a plain decode batch; the copy of its tokens to the host is
-    queued, nothing is waited for."""
-    _, _, logits = runner.target_forward(batch)
+    queued, nothing is waited for. A greedy batch on a CUDA graph takes the graph's own argmax."""
     seeds = [
         None if seq.sampling_params.seed is None else row_seed(seq.sampling_params.seed, seq.index, pos)
         for seq, pos in zip(seqs, batch.row_positions)
     ]
     sampling = SamplingBatch.build([seq.sampling_params for seq in seqs], seeds, runner.vocab_size, runner.device)
-    token_ids = runner.sampler(logits, sampling).token_ids  # [num_seqs] int64
+    key = runner.graphs.bucket_for(batch) if runner.graphs is not None else None
+    if key is not None and sampling.all_greedy:
+        token_ids = runner.graphs.run(batch, key).greedy[: len(seqs)]  # [num_seqs] int64, until the next replay
+    else:
+        _, _, logits = runner.target_forward(batch)
+        token_ids = runner.sampler(logits, sampling).token_ids  # [num_seqs] int64
     return LaunchedDecode.queue(seqs, batch, token_ids)
 
 

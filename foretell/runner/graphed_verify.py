@@ -20,7 +20,6 @@ import torch
 
 from foretell.engine.scheduler import ScheduledSequence
 from foretell.engine.sequence import Sequence
-from foretell.layers.sampler import argmax_rows
 from foretell.runner.decode_ahead import HostCopy
 from foretell.runner.input_batch import build_block_table
 from foretell.runner.sequence_result import SequenceResult
@@ -100,8 +99,7 @@ def _verify_on_device(runner, key: tuple[int, int], n: int, limits: list[int | N
     graph, all on the device. Returns (accepted [n], next_token [n], drafts [n, k])."""
     bucket, q = key
     k = q - 1
-    logits = runner.graphs.graphs[key].logits[: n * q]  # [n * q, vocab]
-    target = argmax_rows(logits).view(n, q)  # the target's greedy token after each row
+    target = runner.graphs.graphs[key].greedy[: n * q].view(n, q)  # the target's greedy token after each row
     if runner.simulated is not None:
         accepted = runner.simulated.accepted_counts(n, runner.device)
     else:

@@ -1,7 +1,11 @@
-"""The tensors of one target forward, built once per step from the scheduler's decision.
+"""The inputs of one target forward, built once per step from the scheduler's decision.
 
 Also records, per scheduled sequence, which rows of the forward feed the sampler: the last row
 of a sequence that samples, or its last 1 + k rows when it carries k drafts to verify.
+
+The batch holds its values as host lists and builds the device tensors (input ids, positions,
+AttentionMetadata) at first use: a step that replays a CUDA graph never builds them, it packs the
+lists into the graph's buffers with one copy (runner/graph_inputs.py).
 """
 
 from __future__ import annotations
@@ -19,22 +23,66 @@ from foretell.layers.attention.metadata import AttentionMetadata
 
 @dataclass
 class InputBatch:
-    input_ids: torch.Tensor  # [num_tokens] int64
-    positions: torch.Tensor  # [num_tokens] int64
-    attn_metadata: AttentionMetadata
+    token_ids: list[int] | torch.Tensor  # [num_tokens]: host ids, or int64 on the device (decode ahead)
+    position_list: list[int]  # [num_tokens]
+    slot_list: list[int]  # [num_tokens]: the flat cache slot each row's K/V goes to
+    block_ids: list[list[int]]  # per sequence: its cache blocks
+    query_start: list[int]  # [num_seqs + 1]: sequence i owns rows query_start[i]:query_start[i + 1]
+    seq_lens: list[int]  # per sequence: context length after this step's writes
+    block_size: int
+    device: torch.device
     logits_row_ids: list[int]  # rows of the forward to turn into logits, ascending
     sampling_seq_index: list[int]  # scheduled indices of the sequences that sample, in order
     row_positions: list[int]  # per logits row: position of the token that row predicts
-    query_start: list[int]  # per scheduled sequence: its first row
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start[-1]
+
+    @property
+    def max_query_len(self) -> int:
+        return max(b - a for a, b in zip(self.query_start, self.query_start[1:]))
+
+    @property
+    def block_table_width(self) -> int:
+        return max((len(b) for b in self.block_ids), default=1) or 1
 
     @property
     def every_row_samples(self) -> bool:
         """Whether the logits rows are all the rows (each listed once, in order): a decode step."""
-        return len(self.logits_row_ids) == self.input_ids.numel()
+        return len(self.logits_row_ids) == self.num_tokens
 
     @functools.cached_property
-    def logits_rows(self) -> torch.Tensor:  # [num_logits_rows] int64 on the device, at first use
-        return to_device(self.logits_row_ids, torch.int64, self.input_ids.device)
+    def input_ids(self) -> torch.Tensor:  # [num_tokens] int64 on the device
+        if isinstance(self.token_ids, torch.Tensor):
+            return self.token_ids
+        return to_device(self.token_ids, torch.int64, self.device)
+
+    @functools.cached_property
+    def positions(self) -> torch.Tensor:  # [num_tokens] int64 on the device
+        return to_device(self.position_list, torch.int64, self.device)
+
+    @functools.cached_property
+    def logits_rows(self) -> torch.Tensor:  # [num_logits_rows] int64 on the device
+        return to_device(self.logits_row_ids, torch.int64, self.device)
+
+    @functools.cached_property
+    def attn_metadata(self) -> AttentionMetadata:
+        return AttentionMetadata(
+            query_start_loc=to_device(self.query_start, torch.int32, self.device),
+            seq_lens=to_device(self.seq_lens, torch.int32, self.device),
+            block_table=build_block_table(self.block_ids, self.device),
+            slot_mapping=to_device(self.slot_list, torch.int64, self.device),
+            block_size=self.block_size,
+            max_query_len=self.max_query_len,
+            max_seq_len=max(self.seq_lens),
+            query_start_loc_cpu=self.query_start,
+            seq_lens_cpu=self.seq_lens,
+        )
 
 
 def cache_slot(block_ids: list[int], position: int, block_size: int) -> int:
@@ -42,31 +90,15 @@ def cache_slot(block_ids: list[int], position: int, block_size: int) -> int:
     return block_ids[position // block_size] * block_size + position % block_size
 
 
+def padded_block_rows(block_ids: list[list[int]], width: int | None = None) -> list[list[int]]:
+    """Each sequence's blocks padded with block 0 to `width` (default: the longest)."""
+    width = width or max((len(b) for b in block_ids), default=1) or 1
+    return [b + [0] * (width - len(b)) for b in block_ids]
+
+
 def build_block_table(block_ids: list[list[int]], device: torch.device) -> torch.Tensor:
-    width = max((len(b) for b in block_ids), default=1) or 1
-    rows = [b + [0] * (width - len(b)) for b in block_ids]
-    return to_device(rows, torch.int32, device).view(len(block_ids), width)
-
-
-def _attention_metadata(
-    query_start: list[int],
-    seq_lens: list[int],
-    block_ids: list[list[int]],
-    slots: list[int],
-    block_size: int,
-    device: torch.device,
-) -> AttentionMetadata:
-    return AttentionMetadata(
-        query_start_loc=to_device(query_start, torch.int32, device),
-        seq_lens=to_device(seq_lens, torch.int32, device),
-        block_table=build_block_table(block_ids, device),
-        slot_mapping=to_device(slots, torch.int64, device),
-        block_size=block_size,
-        max_query_len=max(b - a for a, b in zip(query_start, query_start[1:])),
-        max_seq_len=max(seq_lens),
-        query_start_loc_cpu=query_start,
-        seq_lens_cpu=seq_lens,
-    )
+    rows = padded_block_rows(block_ids)
+    return to_device(rows, torch.int32, device).view(len(block_ids), len(rows[0]) if rows else 1)
 
 
 def build_input_batch(
@@ -97,17 +129,18 @@ def build_input_batch(
             for r in range(n - k - 1, n):
                 logits_rows.append(row0 + r)
                 row_positions.append(start + r + 1)
-    metadata = _attention_metadata(
-        query_start, seq_lens, [s.seq.block_ids for s in scheduled], slots, block_size, device
-    )
     return InputBatch(
-        input_ids=to_device(input_ids, torch.int64, device),
-        positions=to_device(positions, torch.int64, device),
-        attn_metadata=metadata,
+        token_ids=input_ids,
+        position_list=positions,
+        slot_list=slots,
+        block_ids=[list(s.seq.block_ids) for s in scheduled],  # as they are now
+        query_start=query_start,
+        seq_lens=seq_lens,
+        block_size=block_size,
+        device=device,
         logits_row_ids=logits_rows,
         sampling_seq_index=sampling_seq_index,
         row_positions=row_positions,
-        query_start=query_start,
     )
 
 
@@ -120,18 +153,17 @@ def build_decode_batch(
     """A decode step (one row per sequence, every one sampling) whose input tokens are already on
     the device: what runner/decode_ahead.py launches before the host has read them."""
     n = len(seqs)
-    slots = [cache_slot(seq.block_ids, p, block_size) for seq, p in zip(seqs, positions)]
     rows = list(range(n))
-    metadata = _attention_metadata(
-        list(range(n + 1)), [p + 1 for p in positions], [s.block_ids for s in seqs], slots,
-        block_size, input_ids.device,
-    )
     return InputBatch(
-        input_ids=input_ids,
-        positions=to_device(positions, torch.int64, input_ids.device),
-        attn_metadata=metadata,
+        token_ids=input_ids,
+        position_list=positions,
+        slot_list=[cache_slot(seq.block_ids, p, block_size) for seq, p in zip(seqs, positions)],
+        block_ids=[list(s.block_ids) for s in seqs],
+        query_start=list(range(n + 1)),
+        seq_lens=[p + 1 for p in positions],
+        block_size=block_size,
+        device=input_ids.device,
         logits_row_ids=rows,
         sampling_seq_index=rows,
         row_positions=[p + 1 for p in positions],
-        query_start=list(range(n + 1)),
     )

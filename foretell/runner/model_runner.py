@@ -223,8 +223,9 @@ class ModelRunner:
         key = self.graphs.bucket_for(batch) if self.graphs is not None else None
         every_row = batch.every_row_samples  # no gather (a decode step)
         if key is not None:
-            hidden, aux, logits = self.graphs.run(batch, key)
-            return hidden, aux, logits if every_row else logits[batch.logits_rows]
+            captured, rows = self.graphs.run(batch, key), batch.num_tokens
+            logits = captured.logits[:rows]
+            return captured.hidden[:rows], [a[:rows] for a in captured.aux], logits if every_row else logits[batch.logits_rows]
         hidden, aux = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
         return hidden, aux, self.model.compute_logits(hidden if every_row else hidden[batch.logits_rows])
 

@@ -1,0 +1,112 @@
+"""A CUDA graph's inputs for one step in one host-to-device copy and one launch.
+
+A graph reads its inputs from persistent buffers (runner/cuda_graph.py): input ids, positions,
+slot mapping (int64), query starts, sequence lengths and the block table (int32). Filling them
+with a copy each (after building each as a device tensor) queued about a dozen tiny operations
+between two decode steps, each a few microseconds of the device's time at batch 1 (about 44 us a
+step on an H200, scripts/profile_decode.py). Here the host packs every value into one pinned int64
+array, one copy moves it to a device staging buffer, and one kernel scatters it into the buffers
+(with the dtype casts); input ids already on the device (a decode step queued ahead) are read from
+there instead.
+
+Packed layout for a graph of `bucket` sequences x `q` rows (rows = bucket * q), `n` live sequences
+of block tables `width` wide:
+    positions [rows] (padding rows 0) | slots [rows] (padding -1) | seq_lens [bucket] (padding q)
+    | query starts [bucket + 1] | block table [n * width] | input ids [n * q] (when on the host)
+Padding sequences (n..bucket-1) get q rows each at positions 0, context q, and write no KV; their
+block-table rows keep whatever they held (valid block ids, read, never written).
+
+The kernel (Triton, CUDA only) and unpack_torch (its twin, what the CPU runs) write the same
+values; tests/test_graph_inputs.py holds them together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from foretell.runner.input_batch import InputBatch, padded_block_rows
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    bucket: int
+    q: int
+    num_seqs: int  # live sequences
+    width: int  # block-table columns written
+    ids_on_host: bool  # input ids packed at the end (else read from the batch's device tensor)
+
+    @property
+    def rows(self) -> int:
+        return self.bucket * self.q
+
+    @property
+    def live_rows(self) -> int:
+        return self.num_seqs * self.q
+
+    @property
+    def table_offset(self) -> int:
+        return 2 * self.rows + 2 * self.bucket + 1
+
+    @property
+    def ids_offset(self) -> int:
+        return self.table_offset + self.num_seqs * self.width
+
+    @property
+    def size(self) -> int:
+        return self.ids_offset + (self.live_rows if self.ids_on_host else 0)
+
+
+@dataclass
+class GraphInputBuffers:
+    """The persistent input buffers of a CudaGraphRunner (views of its tensors)."""
+
+    input_ids: torch.Tensor  # [max_rows] int64
+    positions: torch.Tensor  # [max_rows] int64
+    slot_mapping: torch.Tensor  # [max_rows] int64
+    query_start_loc: torch.Tensor  # [max_bucket + 1] int32
+    seq_lens: torch.Tensor  # [max_bucket] int32
+    block_table: torch.Tensor  # [max_bucket, max_blocks] int32
+
+
+def pack(batch: InputBatch, bucket: int, q: int) -> tuple[torch.Tensor, PackedLayout]:
+    """The batch's inputs for graph (bucket, q), padded to the bucket, as one int64 host array
+    (pinned when the batch is on CUDA) and its layout."""
+    n = batch.num_seqs
+    pad = bucket - n
+    layout = PackedLayout(bucket, q, n, batch.block_table_width, not isinstance(batch.token_ids, torch.Tensor))
+    values = list(batch.position_list) + [0] * (pad * q)
+    values += list(batch.slot_list) + [-1] * (pad * q)
+    values += list(batch.seq_lens) + [q] * pad
+    values += list(batch.query_start) + list(range(batch.num_tokens + q, batch.num_tokens + pad * q + 1, q))
+    for row in padded_block_rows(batch.block_ids, layout.width):
+        values += row
+    if layout.ids_on_host:
+        values += batch.token_ids
+    host = torch.tensor(values, dtype=torch.int64)
+    if batch.device.type == "cuda":
+        host = host.pin_memory()
+    return host, layout
+
+
+def unpack(staging: torch.Tensor, tokens: torch.Tensor, buffers: GraphInputBuffers, layout: PackedLayout) -> None:
+    """Scatter staging [layout.size] (int64, on the buffers' device) and tokens [live_rows] into
+    the buffers: the Triton kernel on CUDA, unpack_torch elsewhere."""
+    if staging.is_cuda:
+        from foretell.runner.graph_inputs_triton import unpack_triton  # imports triton: CUDA only
+
+        unpack_triton(staging, tokens, buffers, layout)
+    else:
+        unpack_torch(staging, tokens, buffers, layout)
+
+
+def unpack_torch(staging: torch.Tensor, tokens: torch.Tensor, buffers: GraphInputBuffers, layout: PackedLayout) -> None:
+    rows, bucket, n, width = layout.rows, layout.bucket, layout.num_seqs, layout.width
+    buffers.positions[:rows].copy_(staging[:rows])
+    buffers.slot_mapping[:rows].copy_(staging[rows : 2 * rows])
+    buffers.seq_lens[:bucket].copy_(staging[2 * rows : 2 * rows + bucket])
+    buffers.query_start_loc[: bucket + 1].copy_(staging[2 * rows + bucket : layout.table_offset])
+    table = staging[layout.table_offset : layout.ids_offset].view(n, width)
+    buffers.block_table[:n, :width].copy_(table)
+    buffers.input_ids[: layout.live_rows].copy_(tokens)
