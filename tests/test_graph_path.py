@@ -155,3 +155,35 @@ def test_verify_ahead_under_preemption(qwen3_checkpoint, eagle3_head):
     assert got == expected
     assert s["num_preemptions"] > 0 and llm.engine.runner.ahead_used > 0
     assert s["num_free_kv_blocks"] == s["num_kv_blocks"]
+
+
+def test_decode_ahead_on_graphs_takes_the_graphs_argmax(qwen3_checkpoint, monkeypatch):
+    """Plain decode one step ahead on the graph path: a greedy step takes the graph's own argmax,
+    its tokens reach the host from the next step's input buffer (or directly, when no step
+    follows on the graph); batches shrink as requests end, sampled and greedy requests mix.
+    Tokens equal the plain engine's (greedy) and the same engine's without decode ahead (seeded)."""
+    from foretell.runner import cuda_graph
+
+    downloads = []
+    original = cuda_graph.CudaGraphRunner.download_input_ids
+    monkeypatch.setattr(cuda_graph.CudaGraphRunner, "download_input_ids",
+                        lambda self, rows: downloads.append(rows) or original(self, rows))
+    greedy = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (6, 11, 3)]
+    sampled = SamplingParams(temperature=0.9, max_tokens=7, seed=3, ignore_eos=True)
+    params = greedy + [sampled]
+    prompts = PROMPTS + ["The dog"]
+    got = {}
+    for mode in ("on", "off"):
+        llm = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=64, max_num_seqs=4, attention_backend="triton",
+                  async_scheduling=mode, block_size=4)
+        got[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        stats = llm.get_stats()
+        assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+        if mode == "on":
+            assert llm.engine.runner.graphs is not None and llm.engine.runner.ahead_used > 0
+            greedy_only = llm.generate(PROMPTS[:2], greedy[:2], use_tqdm=False)
+    assert got["on"] == got["off"]
+    plain = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=64)
+    expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS[:2], greedy[:2], use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in greedy_only] == expected
+    assert downloads  # greedy batches on the graph read their tokens back from the next step's inputs

@@ -76,6 +76,7 @@ class CudaGraphRunner:
                                          self.seq_lens, self.block_table)
         # A packed step (graph_inputs.pack) of the largest bucket and query length.
         self.staging = torch.zeros(3 * max_rows + 2 * self.buckets[-1] + 1 + self.block_table.numel(), **i64)
+        self.side = graph_inputs.SideStream(device)
         self.graphs: dict[tuple[int, int], CapturedForward] = {}
         self.pool = None
 
@@ -138,6 +139,7 @@ class CudaGraphRunner:
         if not q <= context_len <= self.max_model_len or blocks > self.block_table.shape[1]:
             raise ValueError(f"context_len {context_len} must be in [{q}, {self.max_model_len}] "
                              f"and fit {self.block_table.shape[1]} blocks of {self.block_size}")
+        self.side.before_input_write()
         self._reset_padding(0, bucket, q)
         self.seq_lens[:bucket] = context_len
         self.block_table[:bucket, :blocks] = torch.arange(blocks, dtype=torch.int32, device=self.device)
@@ -168,10 +170,17 @@ class CudaGraphRunner:
         (runner/graph_inputs.py)."""
         host, layout = graph_inputs.pack(batch, *key)
         staging = self.staging[: layout.size]
-        staging.copy_(host, non_blocking=True)
+        self.side.upload(staging, host)
         tokens = staging[layout.ids_offset :] if layout.ids_on_host else batch.token_ids
+        self.side.before_input_write()
         graph_inputs.unpack(staging, tokens, self.buffers, layout)
+        self.side.after_input_write()
         return self.replay(key)
+
+    def download_input_ids(self, rows: int) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
+        """The input ids of the step last unpacked (its first `rows`), copied to the host beside
+        the graphs: (host tensor, ready event) (runner/graph_inputs.SideStream)."""
+        return self.side.download(self.input_ids[:rows])
 
     def replay(self, key: tuple[int, int]) -> CapturedForward:
         """Run graph `key` on whatever the input buffers hold now."""
@@ -197,6 +206,7 @@ class CudaGraphRunner:
         (the scheduler may have added blocks since the buffers were written). Query starts and
         the padding sequences stay as they are."""
         rows = num_seqs * q
+        self.side.before_input_write()
         self.block_table[:num_seqs, : block_table.shape[1]].copy_(block_table, non_blocking=True)
         start = self.positions[:rows].view(num_seqs, q)[:, 0] + accepted + 1  # [num_seqs]
         positions = start[:, None] + torch.arange(q, device=self.device)  # [num_seqs, q]

@@ -78,25 +78,40 @@ class LaunchedDecode:
     positions: list[int]  # per sequence: the position of the step's input token
     slots: list[int]  # per sequence: the cache slot the step wrote its K/V to
     token_ids: torch.Tensor  # [num_seqs] int64 on the device: what the step sampled
-    copy: HostCopy  # of token_ids
+    copy: HostCopy | None  # of token_ids; None: a graph's argmax, copied once the next step is queued
+    graphed: bool  # token_ids is a CUDA graph's argmax output (the next replay overwrites it)
 
     @classmethod
-    def queue(cls, seqs: list[Sequence], batch: InputBatch, token_ids: torch.Tensor) -> "LaunchedDecode":
-        """Queue the copy of the tokens `batch` sampled to the host; waits for nothing."""
+    def queue(
+        cls, seqs: list[Sequence], batch: InputBatch, token_ids: torch.Tensor, graphed: bool = False
+    ) -> "LaunchedDecode":
+        """Queue the copy of the tokens `batch` sampled to the host (a graph's: later, in finish);
+        waits for nothing."""
         positions = [p - 1 for p in batch.row_positions]  # a row predicts its position + 1
         block_size = batch.block_size
         slots = [cache_slot(seq.block_ids, p, block_size) for seq, p in zip(seqs, positions)]
-        return cls(seqs, positions, slots, token_ids, HostCopy.queue(token_ids))
+        copy = None if graphed else HostCopy.queue(token_ids)
+        return cls(seqs, positions, slots, token_ids, copy, graphed)
 
     def finish(self, runner) -> list[SequenceResult]:
         """Queue the step after this one for the same sequences when it can be, then wait for
-        this step's tokens (only: not for the one just queued) while the GPU runs the next."""
+        this step's tokens (only: not for the one just queued) while the GPU runs the next.
+
+        A graph's tokens are read from the next step's input buffer (the copy runs beside the
+        graphs: CudaGraphRunner.download_input_ids) when that step went to the same graph, else
+        copied now, before anything else can overwrite them."""
         block_size = runner.cache_plan.block_size
         positions = next_positions(self, block_size, runner.max_model_len)
+        following = None
         if positions is not None:
             batch = build_decode_batch(self.seqs, positions, self.token_ids, block_size)
-            runner.launched = launch_decode(runner, self.seqs, batch)
+            following = runner.launched = launch_decode(runner, self.seqs, batch)
             runner.ahead_launched += 1
+        if self.copy is None:
+            if following is not None and following.graphed:  # the graph's inputs hold our tokens
+                self.copy = HostCopy(*runner.graphs.download_input_ids(len(self.seqs)))
+            else:
+                self.copy = HostCopy.queue(self.token_ids)
         return [SequenceResult(new_token_ids=[token]) for token in self.copy.read()]
 
     def matches(self, scheduled: list[ScheduledSequence], block_size: int) -> bool:
@@ -123,9 +138,9 @@ def launch_decode(runner, seqs: list[Sequence], batch: InputBatch) -> LaunchedDe
     key = runner.graphs.bucket_for(batch) if runner.graphs is not None else None
     if key is not None and sampling.all_greedy:
         token_ids = runner.graphs.run(batch, key).greedy[: len(seqs)]  # [num_seqs] int64, until the next replay
-    else:
-        _, _, logits = runner.target_forward(batch)
-        token_ids = runner.sampler(logits, sampling).token_ids  # [num_seqs] int64
+        return LaunchedDecode.queue(seqs, batch, token_ids, graphed=True)
+    _, _, logits = runner.target_forward(batch)
+    token_ids = runner.sampler(logits, sampling).token_ids  # [num_seqs] int64
     return LaunchedDecode.queue(seqs, batch, token_ids)
 
 

@@ -90,6 +90,62 @@ def pack(batch: InputBatch, bucket: int, q: int) -> tuple[torch.Tensor, PackedLa
     return host, layout
 
 
+class SideStream:
+    """The copies between host and graph buffers, off the stream the graphs run on.
+
+    Between two decode steps the stream would otherwise run: the copy of the tokens to the host,
+    the copy of the next step's packed inputs to the device, the unpack, each after the one before
+    (each DMA start costs the device about 7 us after the kernel or copy before it on an H200). The
+    packed inputs of a step do not depend on the step before, and the tokens can be read from the
+    next step's input buffer once it is filled, so both copies run here, ordered by events:
+      - upload: waits for the last unpack (which read the staging buffer), then copies; the main
+        stream waits for it before its unpack (long done by then);
+      - download: waits for the last unpack (which wrote the input buffers), then copies to the
+        host; the main stream waits for it before the next write of the input buffers.
+    Off CUDA everything runs in order on the one stream and no event is made."""
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.inputs_written: "torch.cuda.Event | None" = None  # after the last unpack
+        self.inputs_read: "torch.cuda.Event | None" = None  # after the last download of the inputs
+
+    def upload(self, staging: torch.Tensor, host: torch.Tensor) -> None:
+        if self.stream is None:
+            staging.copy_(host)
+            return
+        with torch.cuda.stream(self.stream):
+            if self.inputs_written is not None:
+                self.stream.wait_event(self.inputs_written)
+            staging.copy_(host, non_blocking=True)
+            uploaded = torch.cuda.Event()
+            uploaded.record()
+        torch.cuda.current_stream().wait_event(uploaded)
+
+    def before_input_write(self) -> None:
+        """Order a write of the input buffers (on the current stream) after their downloads."""
+        if self.inputs_read is not None:
+            torch.cuda.current_stream().wait_event(self.inputs_read)
+            self.inputs_read = None
+
+    def after_input_write(self) -> None:
+        if self.stream is not None:
+            self.inputs_written = torch.cuda.Event()
+            self.inputs_written.record()
+
+    def download(self, source: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
+        """(pinned host copy of source (a view of the input buffers), its ready event), queued
+        after the last input write; without a side stream, source itself and no event."""
+        if self.stream is None:
+            return source.clone(), None
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(self.inputs_written)
+            host = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
+            host.copy_(source, non_blocking=True)
+            self.inputs_read = torch.cuda.Event()
+            self.inputs_read.record()
+        return host, self.inputs_read
+
+
 def unpack(staging: torch.Tensor, tokens: torch.Tensor, buffers: GraphInputBuffers, layout: PackedLayout) -> None:
     """Scatter staging [layout.size] (int64, on the buffers' device) and tokens [live_rows] into
     the buffers: the Triton kernel on CUDA, unpack_torch elsewhere."""
