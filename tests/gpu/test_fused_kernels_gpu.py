@@ -69,7 +69,7 @@ def _check(got, expected, dtype, exact):
 
 def _check_rope(got, x, cos, sin, rotary_dim, style="neox"):
     """x1 cos - x2 sin and x2 cos + x1 sin against float64: within two roundings of the terms'
-    magnitude (|x1 cos| + |x2 sin|). The torch path rounds each product to the dtype and the
+    magnitude (|x1 cos| + |x2 sin|), or of the dtype's subnormal step. The torch path rounds each product to the dtype and the
     kernel fuses them, so near-cancelling elements differ by a rounding of the terms, not of
     the (small) result; a wrong index or frequency is off by the terms themselves."""
     assert not torch.isnan(got).any(), "kernel left poisoned elements"
@@ -86,7 +86,10 @@ def _check_rope(got, x, cos, sin, rotary_dim, style="neox"):
     exact = torch.cat((pair(x1 * c - x2 * s, x2 * c + x1 * s), tail), dim=-1)
     terms = torch.cat((pair((x1 * c).abs() + (x2 * s).abs(), (x2 * c).abs() + (x1 * s).abs()), tail.abs()), -1)
     error = (got.double() - exact).abs()
-    bound = 2 * torch.finfo(x.dtype).eps * terms + 1e-30
+    # Plus four of the dtype's subnormal steps: a product that small (fp16 below 6e-5) is rounded
+    # to a fixed step, not relative to its size.
+    info = torch.finfo(x.dtype)
+    bound = 2 * info.eps * terms + 4 * info.smallest_normal * info.eps
     worst = (error / bound).max().item()
     assert worst <= 1.0, f"error {worst:.2f}x the bound (2 eps of the terms' magnitude)"
     assert torch.equal(got[..., rotary_dim:], x[..., rotary_dim:]), "the unrotated tail changed"
