@@ -172,7 +172,8 @@ def test_forward_rotary_takes_one_launch_for_decode(monkeypatch, kind):
     calls = []
     for module, name in ((fused, "rope_paged_attention_triton"), (rkv, "rope_write_kv_triton")):
         kernel = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, kernel=kernel, name=name, **kw: calls.append(name) or kernel(*a, **kw))
+        monkeypatch.setattr(module, name,
+                            lambda *a, kernel=kernel, name=name, **kw: calls.append(name) or kernel(*a, **kw))
     seed = random.randrange(2**31)
     step = Step(BATCHES[kind], 4, 64, torch.float16, seed)
     layer = Attention(8, 64, 2, step.batch.scale, TritonAttentionBackend())

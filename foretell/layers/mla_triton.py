@@ -35,6 +35,7 @@ from foretell.layers.attention.triton_kernels import (
     _unit_last_stride,
 )
 from foretell.layers.attention.triton_varlen import (
+    context_tile,
     locate_query_block,
     online_softmax_step,
     split_statistics,
@@ -178,14 +179,9 @@ def _mla_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, RANK_P], dtype=tl.float32)
     table_row = block_table_ptr + seq.to(tl.int64) * stride_table_seq
-    cols = tl.arange(0, TILE_N)
     for tile in range(tile_lo, tile_hi):
-        key_pos = tile * TILE_N + cols
-        key_valid = key_pos < kv_end
-        block_ids = tl.load(table_row + key_pos // BLOCK_SIZE, mask=key_valid, other=0)
-        token_offsets = (
-            block_ids.to(tl.int64) * stride_cache_block + (key_pos % BLOCK_SIZE) * stride_cache_slot
-        )
+        key_pos, key_valid, token_offsets = context_tile(table_row, tile, kv_end, stride_cache_block,
+                                                         stride_cache_slot, BLOCK_SIZE, TILE_N)
         latent = tl.load(
             cache_ptr + token_offsets[:, None] + r[None, :],
             mask=key_valid[:, None] & r_valid[None, :], other=0.0,

@@ -6,7 +6,8 @@ bucket B >= num_seqs, padded with dummy sequences whose rows write no KV (slot -
 persistent buffers that each step overwrites (in one copy and one launch: runner/graph_inputs.py);
 outputs (final hidden states, the aux hidden states EAGLE3 reads, the logits of every row and
 their argmax, which greedy sampling takes without a launch of its own) are static tensors of the
-graph, sliced to the live rows after replay. Any other batch (prefill chunks, mixed query lengths) runs eagerly.
+graph, sliced to the live rows after replay. Any other batch (prefill chunks, mixed query lengths)
+runs eagerly.
 
 Off CUDA (a graph-safe backend on the CPU, i.e. Triton's interpreter in tests) nothing is
 captured: run() executes the same forward on the same static buffers, so this path is tested

@@ -99,7 +99,7 @@ def _verify_on_device(runner, key: tuple[int, int], n: int, limits: list[int | N
     graph, all on the device. Returns (accepted [n], next_token [n], drafts [n, k])."""
     bucket, q = key
     k = q - 1
-    target = runner.graphs.graphs[key].greedy[: n * q].view(n, q)  # the target's greedy token after each row
+    target = runner.graphs.graphs[key].greedy[: n * q].view(n, q)  # the target's greedy token per row
     if runner.simulated is not None:
         accepted = runner.simulated.accepted_counts(n, runner.device)
     else:

@@ -224,8 +224,8 @@ class ModelRunner:
         every_row = batch.every_row_samples  # no gather (a decode step)
         if key is not None:
             captured, rows = self.graphs.run(batch, key), batch.num_tokens
-            logits = captured.logits[:rows]
-            return captured.hidden[:rows], [a[:rows] for a in captured.aux], logits if every_row else logits[batch.logits_rows]
+            logits = captured.logits[:rows] if every_row else captured.logits[:rows][batch.logits_rows]
+            return captured.hidden[:rows], [a[:rows] for a in captured.aux], logits
         hidden, aux = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
         return hidden, aux, self.model.compute_logits(hidden if every_row else hidden[batch.logits_rows])
 

@@ -40,6 +40,7 @@ from foretell.layers.attention.triton_kernels import (
 )
 from foretell.layers.attention.triton_varlen import (
     SplitCounters,
+    context_tile,
     online_softmax_step,
     split_tile_range,
     store_attention,
@@ -176,9 +177,9 @@ def _rope_paged_attention_kernel(
     slot = tl.load(slot_mapping_ptr + token_index, mask=tokens < q_len, other=-1)
     mine = (tokens < q_len) & (token_tile >= tile_lo) & (token_tile < tile_hi) & (slot >= 0)
     position = tl.load(positions_ptr + token_index, mask=mine, other=0).to(tl.int64)
-    new_k1, new_k2 = _rotated_halves(key_ptr, token_index * stride_k_token + kv_head * stride_k_head, mine, position,
-                             cos_ptr, sin_ptr, stride_cos, k_norm_ptr, k_eps, HEAD_DIM, HALF, HALF_P,
-                             INTERLEAVED, HAS_NORM, dtype)
+    new_k1, new_k2 = _rotated_halves(key_ptr, token_index * stride_k_token + kv_head * stride_k_head, mine,
+                                     position, cos_ptr, sin_ptr, stride_cos, k_norm_ptr, k_eps, HEAD_DIM, HALF,
+                                     HALF_P, INTERLEAVED, HAS_NORM, dtype)
     slot_offset = (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_slot + head_offset
     half_mask = mine[:, None] & (halves < HALF)[None, :]
     tl.store(k_cache_ptr + slot_offset[:, None] + first[None, :], new_k1.to(dtype), mask=half_mask)
@@ -207,12 +208,9 @@ def _rope_paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
     table_row = block_table_ptr + seq.to(tl.int64) * stride_table_seq
-    cols = tl.arange(0, TILE_N)
     for tile in range(tile_lo, tile_hi):
-        key_pos = tile * TILE_N + cols
-        key_valid = key_pos < kv_end
-        block_ids = tl.load(table_row + key_pos // BLOCK_SIZE, mask=key_valid, other=0)
-        key_offsets = block_ids.to(tl.int64) * stride_cache_block + (key_pos % BLOCK_SIZE) * stride_cache_slot
+        key_pos, key_valid, key_offsets = context_tile(table_row, tile, kv_end, stride_cache_block, stride_cache_slot,
+                                                       BLOCK_SIZE, TILE_N)
         key_offsets += head_offset
         pair_mask = key_valid[:, None] & (halves < HALF)[None, :]
         k1 = tl.load(k_cache_ptr + key_offsets[:, None] + first[None, :], mask=pair_mask, other=0.0)

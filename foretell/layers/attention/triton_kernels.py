@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from foretell.layers.attention.triton_varlen import (
+    context_tile,
     locate_query_block,
     online_softmax_step,
     SplitCounters,
@@ -207,16 +208,10 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
     table_row = block_table_ptr + seq.to(tl.int64) * stride_table_seq
     head_offset = kv_head.to(tl.int64) * stride_cache_head
-    cols = tl.arange(0, TILE_N)
     for tile in range(tile_lo, tile_hi):
-        key_pos = tile * TILE_N + cols
-        key_valid = key_pos < kv_end
-        block_ids = tl.load(table_row + key_pos // BLOCK_SIZE, mask=key_valid, other=0)
-        token_offsets = (
-            block_ids.to(tl.int64) * stride_cache_block
-            + (key_pos % BLOCK_SIZE) * stride_cache_slot
-            + head_offset
-        )
+        key_pos, key_valid, token_offsets = context_tile(table_row, tile, kv_end, stride_cache_block,
+                                                         stride_cache_slot, BLOCK_SIZE, TILE_N)
+        token_offsets += head_offset
         kv_mask = key_valid[:, None] & dim_valid[None, :]
         k = tl.load(k_cache_ptr + token_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + token_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)

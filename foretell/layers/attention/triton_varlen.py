@@ -87,6 +87,17 @@ def split_tile_range(prefix_len, q_len, local_block, split, num_splits, BLOCK_Q:
 
 
 @triton.jit
+def context_tile(table_row, tile, kv_end, stride_cache_block, stride_cache_slot,
+                 BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):
+    """A sequence's keys tile * TILE_N onwards in the paged cache, table_row its block-table row:
+    (positions [TILE_N], valid = before kv_end [TILE_N], each key's slot offset [TILE_N] int64)."""
+    key_pos = tile * TILE_N + tl.arange(0, TILE_N)
+    key_valid = key_pos < kv_end
+    block_ids = tl.load(table_row + key_pos // BLOCK_SIZE, mask=key_valid, other=0)
+    return key_pos, key_valid, block_ids.to(tl.int64) * stride_cache_block + (key_pos % BLOCK_SIZE) * stride_cache_slot
+
+
+@triton.jit
 def online_softmax_step(scores, m_i, l_i):
     """One tile of base-2 online softmax: scores [M, N] (masked keys -inf) against the running max
     m_i and sum l_i [M] -> (probabilities [M, N], rescale of the old accumulator [M], new max,
