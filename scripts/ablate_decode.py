@@ -27,6 +27,7 @@ and alternatives (same results, other launches):
                   the engine's choice: cublas, gemv, mma (its default tiles), mma_split1/2/4
 
     python scripts/ablate_decode.py OUT_DIR [--model foretell/configs/llama-3.1-8b] [--context 256]
+        [--variants full no_attention ...] [--alternative-rows 1 4]
 
 Llama-3.1-8B shape with random bf16 weights (load_format dummy), batch 1, query lengths 1 and 4
 (the EAGLE3 k = 3 verify), plus the EAGLE3 draft loop graph as the engine captured it.
@@ -172,7 +173,10 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--alternative-rows", type=int, nargs="*", default=[1, 4],
                         help="query lengths whose layers are tried on other kernels (default 1 4)")
+    parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS), metavar="VARIANT",
+                        help="which of the variants above to time (default all; full always runs first)")
     args = parser.parse_args()
+    variants = ["full"] + [v for v in args.variants if v != "full"]
     if not torch.cuda.is_available():
         sys.exit("ablate_decode.py needs a CUDA device (it times CUDA graphs)")
     spec = {"method": "eagle3", "model": args.draft, "num_speculative_tokens": 3,
@@ -185,8 +189,8 @@ def main() -> None:
     with torch.inference_mode():
         for q in (1, 4):
             graphs.prepare_replay((1, q), args.context)
-            for variant, groups in VARIANTS.items():
-                with patched(groups):
+            for variant in variants:
+                with patched(VARIANTS[variant]):
                     ms = graph_replay_ms(lambda: graphs._forward(1, q), reps=50)[0]
                 result["rows"].setdefault(variant, {})[f"q{q}"] = ms
                 full = result["rows"]["full"][f"q{q}"]
