@@ -155,7 +155,7 @@ def launch_next_verify(runner, launched: LaunchedVerify) -> LaunchedVerify:
     """Queue the verify step after `launched` (can_verify_next() said it may be): its inputs
     are computed on the device from `launched`'s outputs; its host-side expectations are filled
     in by expect() once `launched` is read."""
-    n, (bucket, q) = len(launched.seqs), launched.key
+    n, q = len(launched.seqs), launched.key[1]
     table = build_block_table([seq.block_ids for seq in launched.seqs], runner.device)
     runner.graphs.advance_verify(n, q, launched.accepted, launched.next_token, launched.drafts, table)
     runner.graphs.replay(launched.key)
