@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 pytest.importorskip("triton")
 
-from fixtures.float64_linear import check_linear  # noqa: E402
+from fixtures.float64_linear import LLAMA8B_SHAPES, check_dependent_chain, check_linear  # noqa: E402
 from fixtures.seeds import reports_seed  # noqa: E402
 from foretell import LLM, SamplingParams  # noqa: E402
 from foretell.layers import small_m_gemm as sm  # noqa: E402
@@ -31,8 +31,6 @@ from foretell.layers.linear import Linear  # noqa: E402
 from foretell.layers.small_m_dispatch import GemmKey, SmallMGemm, prepare_small_m_linears  # noqa: E402
 
 DEVICE = torch.device("cuda")
-# Llama-3.1-8B: qkv_proj, o_proj, gate_up_proj, down_proj, lm_head.
-SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
 
 
 def _inputs(gen, m, n, k, dtype, bias=False):
@@ -43,7 +41,7 @@ def _inputs(gen, m, n, k, dtype, bias=False):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("shape", LLAMA8B_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("m", [1, 2, 4])
 def test_matches_float64_at_llama8b_shapes(dtype, shape, m):
     seed = random.randrange(2**31)
@@ -65,7 +63,7 @@ def test_matches_float64_at_llama8b_shapes(dtype, shape, m):
 def test_silu_mul_input_at_the_down_projection(dtype, m):
     seed = random.randrange(2**31)
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    n, k = SHAPES[3]  # down_proj [4096, 14336], input gate_up [m, 28672]
+    n, k = LLAMA8B_SHAPES[3]  # down_proj [4096, 14336], input gate_up [m, 28672]
     gate_up, weight, _ = _inputs(gen, m, n, 2 * k, dtype)
     weight = weight[:, :k].contiguous()
     with torch.inference_mode(), reports_seed(seed):
@@ -120,51 +118,21 @@ def test_launches_do_not_sync_and_replay_in_a_cuda_graph():
 
 @pytest.mark.parametrize("m", [1, 4])
 def test_a_chain_of_dependent_launches_waits_for_each_input(m):
-    """Eight GEMVs, each reading the one before (with a torch op between some, launched plainly),
-    captured once and replayed on new inputs: with PDL each launch may start before the one
-    before it ends, so a missing wait would read a stale input. Float32 against float64."""
+    """Eight GEMVs, each reading the one before (a torch op between some), replayed in a CUDA graph:
+    float32 against float64 (fixtures/float64_linear.check_dependent_chain)."""
     seed = random.randrange(2**31)
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    widths = [4096, 6144, 4096, 28672, 14336, 4096, 4096, 4096, 8192]  # a silu_mul step halves 28672
-    weights = [(torch.randn(widths[i + 1], widths[i] // (2 if widths[i] == 28672 else 1), generator=gen,
-                            device=DEVICE) / widths[i] ** 0.5) for i in range(len(widths) - 1)]
-    x = torch.randn(m, widths[0], generator=gen, device=DEVICE)
-
-    def chain(linear, h, ws):
-        for i, w in enumerate(ws):
-            h = linear(h, w, silu_mul=widths[i] == 28672)
-            if i % 3 == 1:
-                h = h * 2.0  # a plain launch between two GEMVs
-        return h
-
-    def gemv(h, w, silu_mul):
-        return sm.small_m_linear(h, w, None, None, silu_mul=silu_mul)
-
-    def reference(h, w, silu_mul):
-        if silu_mul:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        return F.linear(h, w)
-
-    with torch.inference_mode(), reports_seed(seed):
-        chain(gemv, x, weights)  # compiles
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = chain(gemv, x, weights)
-        weights64 = [w.double() for w in weights]
-        for _ in range(3):
-            x.copy_(torch.randn(m, widths[0], generator=gen, device=DEVICE) * 3)
-            graph.replay()
-            expected = chain(reference, x.double(), weights64)
-            torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+    with reports_seed(seed):
+        check_dependent_chain(lambda i, h, w, silu_mul: sm.small_m_linear(h, w, None, None, silu_mul=silu_mul),
+                              m, torch.float32, gen, [4096, 6144, 4096, 28672, 14336, 4096, 4096, 4096, 8192],
+                              plain_scale=2.0, input_scale=3.0, rtol=1e-4)
 
 
 def test_dispatch_times_real_layers_and_keeps_choices_in_capture():
     seed = random.randrange(2**31)
     torch.manual_seed(seed)
     layers = torch.nn.ModuleList(
-        [Linear(k, n, dtype=torch.bfloat16, device=DEVICE) for n, k in SHAPES[:2]]
+        [Linear(k, n, dtype=torch.bfloat16, device=DEVICE) for n, k in LLAMA8B_SHAPES[:2]]
     )
     for p in layers.parameters():
         p.data.normal_(std=0.02)

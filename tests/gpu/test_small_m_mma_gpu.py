@@ -13,7 +13,6 @@ import random
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 pytestmark = pytest.mark.gpu
 
@@ -21,7 +20,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 pytest.importorskip("triton")
 
-from fixtures.float64_linear import check_linear  # noqa: E402
+from fixtures.float64_linear import LLAMA8B_SHAPES, check_dependent_chain, check_linear  # noqa: E402
 from fixtures.seeds import reports_seed  # noqa: E402
 from foretell.layers import small_m_gemm as sm  # noqa: E402
 from foretell.layers import small_m_mma as mma  # noqa: E402
@@ -30,8 +29,6 @@ from foretell.layers.linear import Linear  # noqa: E402
 from foretell.layers.small_m_dispatch import GemmKey, prepare_small_m_linears  # noqa: E402
 
 DEVICE = torch.device("cuda")
-# Llama-3.1-8B: qkv_proj, o_proj, gate_up_proj, down_proj, lm_head.
-SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
 
 
 def _counters_zero():
@@ -39,7 +36,7 @@ def _counters_zero():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("shape", LLAMA8B_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("m", [1, 2, 4, 16])
 def test_matches_float64_at_llama8b_shapes(dtype, shape, m):
     seed = random.randrange(2**31)
@@ -97,45 +94,20 @@ def test_replays_in_a_cuda_graph_bit_identical():
 @pytest.mark.parametrize("m", [1, 4])
 def test_a_chain_of_dependent_launches_waits_for_each_input(m):
     """Nine linears alternating the MMA (split and whole-K) and the GEMV, each reading the one
-    before, a plain torch launch between some; captured once, replayed on new inputs, against
-    float64 (fp16: the MMA's inputs, values kept small)."""
+    before (a torch op between some), replayed in a CUDA graph: fp16 (the MMA's inputs, values kept
+    small) against float64 (fixtures/float64_linear.check_dependent_chain)."""
     seed = random.randrange(2**31)
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    widths = [4096, 6144, 4096, 28672, 14336, 4096, 4096, 4096, 8192, 4096]  # a silu_mul step halves 28672
-    weights = [(torch.randn(widths[i + 1], widths[i] // (2 if widths[i] == 28672 else 1), generator=gen,
-                            device=DEVICE) / widths[i] ** 0.5).half() for i in range(len(widths) - 1)]
-    x = torch.randn(m, widths[0], generator=gen, device=DEVICE).half()
-
-    def chain(linear, h, ws):
-        for i, w in enumerate(ws):
-            h = linear(i, h, w, silu_mul=widths[i] == 28672)
-            if i % 3 == 1:
-                h = h * 0.5  # a plain launch between two kernels
-        return h
 
     def kernel(i, h, w, silu_mul):
         if i % 2 and m <= sm.MAX_M:
             return sm.small_m_linear(h, w, None, None, silu_mul=silu_mul)
         return mma.small_m_mma_linear(h, w, None, None, silu_mul=silu_mul)
 
-    def reference(i, h, w, silu_mul):
-        if silu_mul:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        return F.linear(h, w)
-
-    with torch.inference_mode(), reports_seed(seed):
-        chain(kernel, x, weights)  # compiles
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = chain(kernel, x, weights)
-        weights64 = [w.double() for w in weights]
-        for _ in range(3):
-            x.copy_(torch.randn(m, widths[0], generator=gen, device=DEVICE))
-            graph.replay()
-            expected = chain(reference, x.double(), weights64)
-            torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+    with reports_seed(seed):
+        check_dependent_chain(kernel, m, torch.float16, gen,
+                              [4096, 6144, 4096, 28672, 14336, 4096, 4096, 4096, 8192, 4096],
+                              plain_scale=0.5, input_scale=1.0, rtol=2e-2)
 
 
 def test_mode_on_runs_bf16_layers_of_2_to_16_rows_on_the_mma():
