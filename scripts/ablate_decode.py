@@ -141,7 +141,7 @@ def alternatives(current, m: int, n: int, k: int) -> dict:
     if m == 1:  # the GEMV's default, then other tiles: rows of W per program x columns per tile
         other["gemv"] = small_m_gemm.pick_config(1, n, k)
         whole = 1 << (k - 1).bit_length()
-        for rows, width in ((1, whole), (2, whole), (4, whole), (4, 2048), (1, 8192)):
+        for rows, width in ((1, whole), (2, whole), (4, whole), (8, whole), (4, 2048), (1, 8192)):
             warps = max(4, min(16, rows * width // (32 * 64)))  # about 64 weights a thread
             other[f"gemv_{rows}x{width}"] = small_m_gemm.SmallMConfig(1, rows, min(width, whole), warps)
     other["mma"] = mma

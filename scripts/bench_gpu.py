@@ -78,21 +78,28 @@ def make_llm(model: str, spec: dict | None = None, **kw) -> LLM:
 
 def decode_tok_s(llm: LLM, batch: int, prompt_len: int = 128, new_tokens: int = 128) -> dict:
     """Decode throughput from the requests' own timestamps: tokens after the first, over the time
-    from the last first token to the last finish (prefill excluded without a second run)."""
+    from the last first token to the last finish (prefill excluded without a second run). With a
+    drafter, the timed run's own acceptance too (the warm-up runs drew theirs before it)."""
     prompts = [{"prompt_token_ids": [(7 * i + j) % 1000 + 1 for j in range(prompt_len)]} for i in range(batch)]
     full = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     # Warm-up with the measured run itself: every shape it meets (the last steps verify fewer
     # drafts, so no draft runs past max_tokens, and take the eager path) is compiled before the clock.
     for _ in range(2):  # simulated acceptance ends requests at different steps: two runs meet more shapes
         llm.generate(prompts, full, use_tqdm=False)
-    steps0 = llm.engine.metrics.num_steps
+    steps0, before = llm.engine.metrics.num_steps, dict(llm.get_stats())
     outs = llm.generate(prompts, full, use_tqdm=False)
     steps = llm.engine.metrics.num_steps - steps0
     first = max(o.metrics.first_token_time for o in outs)
     last = max(o.metrics.finished_time for o in outs)
     decode_s = max(last - first, 1e-9)
-    return {"batch": batch, "tok_s": batch * (new_tokens - 1) / decode_s,
-            "ms_per_step": 1000 * decode_s / max(steps - 1, 1), "steps": steps}
+    out = {"batch": batch, "tok_s": batch * (new_tokens - 1) / decode_s,
+           "ms_per_step": 1000 * decode_s / max(steps - 1, 1), "steps": steps,
+           "tokens_per_step": batch * (new_tokens - 1) / max(steps - 1, 1)}  # after the prefill step
+    spec = llm.engine.config.speculative
+    if spec is not None:
+        counters = spec_counters(before, llm.get_stats(), spec.num_speculative_tokens)
+        out["mean_acceptance_length"] = counters["mean_acceptance_length"]
+    return out
 
 
 def decode_sync_tok_s(llm: LLM, batch: int, **kw) -> dict:
@@ -238,18 +245,9 @@ def llama_eagle3(batches, mean_length=2.93):
     out["draft_loop_graph_ms_b1"] = event_ms(loop.replay)
     out["draft_step_ms_b1"] = out["draft_loop_graph_ms_b1"] / 3
     out["draft_over_decode"] = out["draft_step_ms_b1"] / out["decode_graph_ms_b1"]
-    out["spec"] = []
-    for b in batches:
-        before = dict(llm.get_stats())
-        r = decode_tok_s(llm, b)
-        r["mean_acceptance_length"] = spec_counters(before, llm.get_stats(), 3)["mean_acceptance_length"]
-        out["spec"].append(r)
-    out["spec_sync"] = []  # verify steps not queued ahead (the synchronous engine)
-    for b in (batches[0], batches[-1]):
-        before = dict(llm.get_stats())
-        r = decode_sync_tok_s(llm, b)
-        r["mean_acceptance_length"] = spec_counters(before, llm.get_stats(), 3)["mean_acceptance_length"]
-        out["spec_sync"].append(r)
+    out["spec"] = [decode_tok_s(llm, b) for b in batches]
+    # verify steps not queued ahead (the synchronous engine)
+    out["spec_sync"] = [decode_sync_tok_s(llm, b) for b in (batches[0], batches[-1])]
     out["synthetic_acceptance"] = llm.get_stats().get("synthetic_acceptance", False)
     free(llm)
     return out

@@ -2,9 +2,11 @@
 weights; eager, and with CUDA graphs where the profiler sees the replay's kernels), kernel time
 summed by category, next to the measured wall time per step.
 
-    python scripts/profile_decode.py OUT_DIR [--steps 8] [--ops]
+    python scripts/profile_decode.py OUT_DIR [--steps 8] [--ops] [--only llama]
 
-Llama-3.1-8B and the DeepSeek-V2-Lite shape, 128-token prompt, batch 1. Categories come from the
+Llama-3.1-8B and the DeepSeek-V2-Lite shape, 128-token prompt, batch 1; and Llama-3.1-8B's graphed
+EAGLE3 verify step (k = 3, simulated mean acceptance length 2.93), whose listing after the LM head
+runs through the verification and the draft loop to the next verify. Categories come from the
 kernel names (GEMM, attention, norm, RoPE, activation, MoE, copies/casts, other); the table gives
 the share of GPU time and microseconds per step, and the JSON keeps the 25 costliest kernels too.
 The sum is kernel time only; wall minus kernel time is host time and launch gaps. In the graphs on
@@ -94,16 +96,19 @@ def between_steps(prof, after: int = 16) -> list[dict]:
              "us": round(e.time_range.elapsed_us(), 2)} for e in events[i + 1:i + 1 + after]]
 
 
-def profile_target(folder: str, steps: int, enforce_eager: bool, ops: list[str] | None = None) -> dict:
-    """Kernel time by category of `steps` decode steps, and their wall time per step measured
-    without the profiler (with graphs: the replay, so wall minus kernels is the launch gaps)."""
+def profile_target(folder: str, steps: int, enforce_eager: bool, ops: list[str] | None = None,
+                   spec: dict | None = None) -> dict:
+    """Kernel time by category of `steps` decode steps (verify steps with `spec`), and their wall
+    time per step measured without the profiler (with graphs: the replay, so wall minus kernels
+    is the launch gaps)."""
     from torch.profiler import ProfilerActivity, profile
 
     llm = LLM(folder, dtype="bfloat16", device="cuda", load_format="dummy", skip_tokenizer_init=True,
-              enforce_eager=enforce_eager, max_num_seqs=1, kv_cache_memory_bytes=4 << 30)
+              enforce_eager=enforce_eager, max_num_seqs=1, kv_cache_memory_bytes=4 << 30,
+              speculative_config=spec)
     engine = llm.engine
     prompt = {"prompt_token_ids": [(7 * j) % 1000 + 1 for j in range(128)]}
-    engine.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=3 * steps + 8, ignore_eos=True))
+    engine.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=12 * steps + 32, ignore_eos=True))
     engine.step()  # prefill
     for _ in range(3):  # first decode steps (allocator, lazy init, Triton compiles)
         engine.step()
@@ -124,7 +129,8 @@ def profile_target(folder: str, steps: int, enforce_eager: bool, ops: list[str] 
         ops.append(averages.table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=40,
                                   max_shapes_column_width=90))
     result = dict(summarize(kernel_events(prof), steps), wall_us_per_step=wall_us, enforce_eager=enforce_eager)
-    result["between_steps"] = between_steps(prof)
+    # A verify step runs the draft loop (three draft steps of about a dozen launches) after its LM head.
+    result["between_steps"] = between_steps(prof, after=16 if spec is None else 60)
     del llm, engine
     torch.cuda.empty_cache()
     return result
@@ -153,14 +159,18 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("profile_decode.py needs a CUDA device")
     results = {}
-    targets = (("llama-3.1-8b", f"{CONFIGS}/llama-3.1-8b"), ("deepseek-v2-lite", f"{CONFIGS}/deepseek-v2-lite"))
-    for (model, folder), eager in itertools.product(targets, (True, False)):
-        if args.only and args.only not in model:
-            continue
+    eagle3 = {"method": "eagle3", "model": f"{CONFIGS}/llama-3.1-8b-eagle3", "num_speculative_tokens": 3,
+              "simulate_acceptance": {"mean_acceptance_length": 2.93}}
+    targets = (("llama-3.1-8b", f"{CONFIGS}/llama-3.1-8b", None),
+               ("deepseek-v2-lite", f"{CONFIGS}/deepseek-v2-lite", None),
+               ("llama-3.1-8b eagle3", f"{CONFIGS}/llama-3.1-8b", eagle3))
+    for (model, folder, spec), eager in itertools.product(targets, (True, False)):
+        if (args.only and args.only not in model) or (spec is not None and eager):
+            continue  # speculation: the graphed verify step only
         name = f"{model} {'eager' if eager else 'graphs'}"
         ops = [] if args.ops and eager else None
         try:
-            results[name] = profile_target(folder, args.steps, eager, ops)
+            results[name] = profile_target(folder, args.steps, eager, ops, spec)
             if ops:
                 with open(os.path.join(args.out_dir, "profile_ops.txt"), "a") as f:
                     f.write(f"== {name}\n{ops[0]}\n")

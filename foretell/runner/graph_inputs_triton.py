@@ -11,7 +11,10 @@ from foretell.runner.graph_inputs import GraphInputBuffers, PackedLayout
 BLOCK = 1024  # elements of each segment per program
 
 
-@triton.jit
+# The sizes change from step to step. Triton would compile a variant for each new combination of
+# them being 1, a multiple of 16 or neither: in a timed EAGLE3 run at batch 16 on the H200 one such
+# compile stalled a step 140-250 ms when the batch first shrank to 13 (scripts/probe_spec_steps.py).
+@triton.jit(do_not_specialize=["rows", "live_rows", "bucket", "table_cells", "width", "table_offset"])
 def _unpack_kernel(
     staging_ptr,  # [size] int64, the packed step
     tokens_ptr,  # [live_rows] int64

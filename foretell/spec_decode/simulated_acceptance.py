@@ -6,9 +6,20 @@ acceptance at each position: P(accepted >= j) = r_j, non-increasing), or
 1 + sum_j a^j = L). The drafter and the verify forward run exactly as usual; only the accept
 decision is drawn, so the generated text is synthetic. Nothing turns this on but the explicit
 key, and get_stats() and the log line say the acceptance is simulated.
+
+A step's accepted count is the number of rates above one uniform draw u (so P(accepted >= j) =
+r_j). The draws are low-discrepancy, not independent: the i-th sequence of the engine's t-th
+verify step draws u = frac(offset + t * a + i * b), a = (sqrt(5) - 1) / 2, b = sqrt(2) - 1, offset
+from the seed. A sequence keeping its place in the batch walks the golden-ratio sequence, the most
+evenly spread there is, and the sequences of one step are spread over [0, 1) too. So the rates are
+met within about 1 / (number of draws) rather than 1 / sqrt(number of draws), and a benchmark's
+realized mean acceptance length is the one asked for even over a short run: independent draws over
+one 128-token request at batch 1 realized 2.54 to 3.07 for 2.93 asked.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -44,28 +55,43 @@ def rates_from_config(spec: dict, k: int) -> list[float]:
     raise ValueError(f"simulate_acceptance needs 'rates' or 'mean_acceptance_length', got {sorted(spec)}")
 
 
+STEP_STRIDE = (math.sqrt(5.0) - 1.0) / 2.0  # a, between a sequence's consecutive steps
+ROW_STRIDE = math.sqrt(2.0) - 1.0  # b, between the sequences of one step
+
+
 class SimulatedAcceptance:
     def __init__(self, rates: list[float], seed: int):
         self.rates = rates
-        self.seed = seed
-        self.generator = torch.Generator().manual_seed(seed)
-        self._device_draws: tuple[torch.Generator, torch.Tensor] | None = None
+        self.offset = math.fmod(seed * math.pi, 1.0)  # where the draws start
+        self.num_steps = 0  # verify steps drawn for so far (both paths share the count)
+        self._device_rates: torch.Tensor | None = None
+
+    def _next_start(self) -> float:
+        """frac(offset + t * a) for this step t, and count the step."""
+        start = math.fmod(self.offset + self.num_steps * STEP_STRIDE, 1.0)
+        self.num_steps += 1
+        return start
+
+    def uniforms(self, num_seqs: int) -> list[float]:
+        """One verify step's draws in [0, 1), one per sequence, on the host."""
+        start = self._next_start()
+        return [math.fmod(start + i * ROW_STRIDE, 1.0) for i in range(num_seqs)]
 
     def accepted_counts(self, num_seqs: int, device: torch.device) -> torch.Tensor:
         """[num_seqs] int64 draws on the device, with no host sync (the graphed path)."""
-        if self._device_draws is None:
-            generator = torch.Generator(device=device).manual_seed(self.seed)
-            self._device_draws = (generator, torch.tensor(self.rates, device=device))
-        generator, rates = self._device_draws
-        uniform = torch.rand(num_seqs, 1, device=device, generator=generator)
-        return (uniform < rates[None, :]).sum(dim=1)
+        if self._device_rates is None:
+            self._device_rates = torch.tensor(self.rates, dtype=torch.float64, device=device)
+        start = self._next_start()
+        row = torch.arange(num_seqs, dtype=torch.float64, device=device)  # [num_seqs]
+        uniform = torch.remainder(row * ROW_STRIDE + start, 1.0)
+        return (uniform[:, None] < self._device_rates[None, :]).sum(dim=1)
 
     def apply(
         self, verify: VerifyResult, logits: torch.Tensor, draft_token_ids: list[list[int]]
     ) -> VerifyResult:
         """Redraw how many drafts each sequence accepts; the token after them is the target's
         greedy choice at that row of the verify forward."""
-        uniform = torch.rand(len(draft_token_ids), generator=self.generator).tolist()
+        uniform = self.uniforms(len(draft_token_ids))
         accepted = [
             min(len(d), sum(u < r for r in self.rates)) for u, d in zip(uniform, draft_token_ids)
         ]
