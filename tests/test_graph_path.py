@@ -41,6 +41,8 @@ def test_graph_path_matches_plain_greedy(qwen3_checkpoint, qwen3_tied_checkpoint
         {"method": "draft_model", "model": qwen3_checkpoint, "num_speculative_tokens": 2},
         {"method": "draft_model", "model": qwen3_tied_checkpoint, "num_speculative_tokens": 3},
         {"method": "eagle3", "model": eagle3_head, "num_speculative_tokens": 2},
+        # The draft's own cache paged in smaller blocks: the loop's block table is subdivided.
+        {"method": "eagle3", "model": eagle3_head, "num_speculative_tokens": 3, "draft_block_size": 2},
     ]
     for config in configs:
         before = len(calls)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from foretell.layers.attention.metadata import AttentionMetadata
+from foretell.layers.attention.metadata import AttentionMetadata, subdivide_block_table
 from foretell.layers.sampler import argmax_rows
 from foretell.runner.cuda_graph import CudaGraphRunner
 from foretell.spec_decode.draft_loop import DraftLoopProposer
@@ -29,32 +29,32 @@ from foretell.spec_decode.draft_loop import DraftLoopProposer
 def device_metadata(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
+    block_table: torch.Tensor,  # [num_seqs, max_blocks] in the target's blocks
     positions: torch.Tensor,  # [rows]
     seq_of_row: torch.Tensor,  # [rows]
     live_rows: torch.Tensor,  # [rows] bool
     block_size: int,
+    draft_block_table: torch.Tensor,  # block_table in blocks of the draft's size (with_block_size)
     draft_block_size: int,
     max_query_len: int,
     max_seq_len: int,
 ) -> AttentionMetadata:
-    """Metadata computed on the device (capturable); host copies are placeholders that only
-    the torch backend would read, and it never runs inside a graph."""
+    """Metadata computed on the device (capturable), for the draft's cache; host copies are
+    placeholders that only the torch backend would read, and it never runs inside a graph."""
     blocks = block_table[seq_of_row, positions // block_size].to(torch.int64)
     slots = torch.where(live_rows, blocks * block_size + positions % block_size, -1)
     num_seqs = seq_lens.shape[0]
-    metadata = AttentionMetadata(
+    return AttentionMetadata(
         query_start_loc=query_start_loc,
         seq_lens=seq_lens,
-        block_table=block_table,
-        slot_mapping=slots,
-        block_size=block_size,
+        block_table=draft_block_table,
+        slot_mapping=slots,  # flat token slots: the same in either block size
+        block_size=draft_block_size,
         max_query_len=max_query_len,
         max_seq_len=max_seq_len,
         query_start_loc_cpu=[i * max_query_len for i in range(num_seqs + 1)],
         seq_lens_cpu=[max_query_len] * num_seqs,
     )
-    return metadata.with_block_size(draft_block_size)
 
 
 @dataclass
@@ -79,44 +79,50 @@ class DraftGraphRunner:
         i32 = dict(dtype=torch.int32, device=device)
         self.catch_up_starts = torch.arange(max_bucket + 1, **i32) * self.rows_per_seq
         self.single_starts = torch.arange(max_bucket + 1, **i32)
+        # Constants of the loop, made once (each would be a launch in every replay): the
+        # sequence of each row, each sequence's first catch-up row, each catch-up row's offset.
+        self.seq_ids = torch.arange(max_bucket, device=device)  # [max_bucket]
+        self.catch_up_seq = self.seq_ids.repeat_interleave(self.rows_per_seq)  # [max_bucket * rows_per_seq]
+        self.catch_up_first_row = self.seq_ids * self.rows_per_seq  # [max_bucket]
+        self.offsets = torch.arange(k + 2, device=device)  # position offsets p0 + 0 .. p0 + k + 1
         self.graphs: dict[int, CapturedDraft] = {}
 
     def _loop(self, bucket: int) -> torch.Tensor:
         k, t, p = self.k, self.target, self.proposer
         q = k + 1
-        device = t.device
         rows = bucket * q
-        seq_ids = torch.arange(bucket, device=device)
+        n = self.rows_per_seq
+        seq_ids, offset = self.seq_ids[:bucket], self.offsets
         live = seq_ids < self.num_live  # [bucket]
+        catch_up_seq = self.catch_up_seq[: bucket * n]  # [bucket * n]
         tokens = t.input_ids[:rows].view(bucket, q)
         p0 = t.positions[:rows].view(bucket, q)[:, 0]
         a = self.accepted[:bucket]
         x = self.next_token[:bucket]
-        n = self.rows_per_seq
-        offset = torch.arange(q + 1, device=device)  # position offsets p0 + 0 .. p0 + q
         at_position = torch.cat([tokens, x[:, None]], dim=1)
         at_position = torch.where(offset[None, :] <= a[:, None], at_position, x[:, None])
         fed = at_position[:, self.shift : self.shift + n]  # [bucket, n] token fed at each row
         positions = (p0[:, None] + offset[None, :n]).flatten()
         table = t.block_table[:bucket]
-        meta = device_metadata(
-            self.catch_up_starts[: bucket + 1], (p0 + n).to(torch.int32), table, positions,
-            seq_ids.repeat_interleave(n), live.repeat_interleave(n),
-            t.block_size, p.draft_block_size, n, t.max_model_len,
-        )
+        # The draft's view of the block table, once for the catch-up and every chained step.
+        draft_table = subdivide_block_table(table, t.block_size, p.draft_block_size)
+
+        def metadata(starts, seq_lens, row_positions, row_seq, row_live, rows_per_seq):
+            return device_metadata(starts, seq_lens.to(torch.int32), table, row_positions, row_seq, row_live,
+                                   t.block_size, draft_table, p.draft_block_size, rows_per_seq, t.max_model_len)
+
+        meta = metadata(self.catch_up_starts[: bucket + 1], p0 + n, positions, catch_up_seq,
+                        catch_up_seq < self.num_live, n)
         aux = [a_[:rows] for a_ in t.graphs[(bucket, q)].aux]
         hidden = t.graphs[(bucket, q)].hidden[:rows]
-        last = seq_ids * n + a + 1 - self.shift  # the row that sees x: it drafts token 1
+        next_row = a + (1 - self.shift)  # per sequence: the catch-up row that sees x, drafting token 1
+        last = self.catch_up_first_row[:bucket] + next_row
         logits, state = p.padded_catch_up(fed.flatten(), positions, meta, hidden, aux, last)
         drafts = [p.to_target_ids(argmax_rows(logits))]
         for j in range(1, k):
             # Draft j sits at position p0 + a + 1 + j; its row is row_offset from there.
-            row_pos = p0 + a + 1 + j - self.shift
-            meta = device_metadata(
-                self.single_starts[: bucket + 1], (row_pos + 1).to(torch.int32), table, row_pos,
-                seq_ids, live,
-                t.block_size, p.draft_block_size, 1, t.max_model_len,
-            )
+            row_pos = p0 + next_row + j
+            meta = metadata(self.single_starts[: bucket + 1], row_pos + 1, row_pos, seq_ids, live, 1)
             logits, state = p.chain_step(drafts[-1], row_pos, meta, state)
             drafts.append(p.to_target_ids(argmax_rows(logits)))
         return torch.stack(drafts, dim=1)  # [bucket, k]

@@ -45,15 +45,7 @@ class AttentionMetadata:
         """
         if block_size == self.block_size:
             return self
-        if self.block_size % block_size != 0:
-            raise ValueError(
-                f"draft block size {block_size} must divide the target block size "
-                f"{self.block_size}"
-            )
-        ratio = self.block_size // block_size
-        sub = torch.arange(ratio, device=self.block_table.device, dtype=self.block_table.dtype)
-        # [num_seqs, max_blocks, ratio] -> [num_seqs, max_blocks * ratio]
-        table = (self.block_table.unsqueeze(-1) * ratio + sub).flatten(1)
+        table = subdivide_block_table(self.block_table, self.block_size, block_size)
         return AttentionMetadata(
             query_start_loc=self.query_start_loc,
             seq_lens=self.seq_lens,
@@ -65,3 +57,16 @@ class AttentionMetadata:
             query_start_loc_cpu=self.query_start_loc_cpu,
             seq_lens_cpu=self.seq_lens_cpu,
         )
+
+
+def subdivide_block_table(block_table: torch.Tensor, block_size: int, new_block_size: int) -> torch.Tensor:
+    """A block table [num_seqs, max_blocks] of block_size-token blocks seen in blocks of
+    new_block_size (which divides it): [num_seqs, max_blocks * r], r = block_size / new_block_size,
+    block b becoming blocks b*r .. b*r + r - 1."""
+    if new_block_size == block_size:
+        return block_table
+    if block_size % new_block_size != 0:
+        raise ValueError(f"draft block size {new_block_size} must divide the target block size {block_size}")
+    ratio = block_size // new_block_size
+    sub = torch.arange(ratio, device=block_table.device, dtype=block_table.dtype)
+    return (block_table.unsqueeze(-1) * ratio + sub).flatten(1)  # [num_seqs, max_blocks, ratio] flattened
