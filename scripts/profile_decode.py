@@ -80,6 +80,23 @@ def kernel_events(prof) -> list[tuple[str, float]]:
             if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
+def one_step_timeline(prof) -> list[dict]:
+    """Every device operation from the end of one step's LM head (its longest kernel) to the end
+    of the next one's, in order: start (us after that LM head ended), length, name."""
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+    if len(events) < 3:
+        return []
+    longest = max(e.time_range.elapsed_us() for e in events)
+    heads = [i for i, e in enumerate(events) if e.time_range.elapsed_us() > 0.8 * longest]
+    if len(heads) < 3:
+        return []
+    first, second = heads[len(heads) // 2 - 1], heads[len(heads) // 2]
+    end = events[first].time_range.end
+    return [{"op": e.name[:100], "start_us": round(e.time_range.start - end, 2),
+             "us": round(e.time_range.elapsed_us(), 2)} for e in events[first + 1:second + 1]]
+
+
 def between_steps(prof, after: int = 16) -> list[dict]:
     """The device's work from the end of one step's LM head (its longest kernel) to the next step's
     graph: each operation's start (us after the LM head ended) and length, in order. The time a
@@ -131,6 +148,7 @@ def profile_target(folder: str, steps: int, enforce_eager: bool, ops: list[str] 
     result = dict(summarize(kernel_events(prof), steps), wall_us_per_step=wall_us, enforce_eager=enforce_eager)
     # A verify step runs the draft loop (three draft steps of about a dozen launches) after its LM head.
     result["between_steps"] = between_steps(prof, after=16 if spec is None else 60)
+    result["step_timeline"] = one_step_timeline(prof)
     del llm, engine
     torch.cuda.empty_cache()
     return result

@@ -34,6 +34,8 @@ CASES = [
     "gqa attention, unsplit prefill", "gemv with pdl, Llama qkv", "gemv with pdl, silu_mul input, 4 rows, bias",
     "rms norm + residual, pdl trigger", "mma with pdl, split-K 4, Llama o", "mma with pdl, silu_mul input, bias",
     "rope + gqa attention, split decode, Llama", "rope + gqa attention, verify, Qwen3 norms", "graph inputs unpack",
+    "verify step: accept, simulated, capped", "verify step: accept, greedy", "verify step: draft catch-up inputs",
+    "verify step: chained draft inputs", "verify step: next verify inputs",
 ]
 
 

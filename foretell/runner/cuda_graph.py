@@ -27,6 +27,7 @@ from foretell.layers.sampler import argmax_rows
 from foretell.runner import graph_inputs
 from foretell.runner.graph_inputs import GraphInputBuffers
 from foretell.runner.input_batch import InputBatch
+from foretell.spec_decode.step_inputs import advance_verify_inputs
 
 logger = logging.getLogger("foretell")
 
@@ -195,7 +196,6 @@ class CudaGraphRunner:
     def advance_verify(
         self,
         num_seqs: int,
-        q: int,
         accepted: torch.Tensor,  # [num_seqs] int64: drafts the step in the buffers accepted
         next_token: torch.Tensor,  # [num_seqs] int64: the target's token after them
         drafts: torch.Tensor,  # [num_seqs, q - 1] int64: the drafts to verify next
@@ -206,14 +206,7 @@ class CudaGraphRunner:
         (p0 -> p0 + accepted + 1) and feeds [next_token, drafts] over its current block table
         (the scheduler may have added blocks since the buffers were written). Query starts and
         the padding sequences stay as they are."""
-        rows = num_seqs * q
         self.side.before_input_write()
         self.block_table[:num_seqs, : block_table.shape[1]].copy_(block_table, non_blocking=True)
-        start = self.positions[:rows].view(num_seqs, q)[:, 0] + accepted + 1  # [num_seqs]
-        positions = start[:, None] + torch.arange(q, device=self.device)  # [num_seqs, q]
-        blocks = self.block_table[:num_seqs].gather(1, (positions // self.block_size).to(torch.int64))
-        slots = blocks.to(torch.int64) * self.block_size + positions % self.block_size
-        self.input_ids[:rows].copy_(torch.cat([next_token[:, None], drafts], dim=1).flatten())
-        self.positions[:rows].copy_(positions.flatten())
-        self.slot_mapping[:rows].copy_(slots.flatten())
-        self.seq_lens[:num_seqs].copy_(start + q)
+        advance_verify_inputs(self.input_ids, self.positions, self.slot_mapping, self.seq_lens,
+                              self.block_table[:num_seqs], accepted, next_token, drafts, self.block_size)

@@ -96,20 +96,18 @@ class LaunchedVerify:
 
 def _verify_on_device(runner, key: tuple[int, int], n: int, limits: list[int | None]):
     """After the target graph `key` ran: greedy verification, the next token and the draft-loop
-    graph, all on the device. Returns (accepted [n], next_token [n], drafts [n, k])."""
+    graph, all on the device. Returns (accepted [n], next_token [n], drafts [n, k]), views of
+    static buffers that the next step overwrites (in stream order, after this step used them)."""
     bucket, q = key
     k = q - 1
-    target = runner.graphs.graphs[key].greedy[: n * q].view(n, q)  # the target's greedy token per row
-    if runner.simulated is not None:
-        accepted = runner.simulated.accepted_counts(n, runner.device)
-    else:
-        drafts_in = runner.graphs.input_ids[: n * q].view(n, q)[:, 1:]
-        accepted = (target[:, :k] == drafts_in).to(torch.int64).cumprod(dim=1).sum(dim=1)
+    greedy = runner.graphs.graphs[key].greedy[: n * q].view(n, q)  # the target's greedy token per row
+    drafts_in = runner.graphs.input_ids[: n * q].view(n, q)[:, 1:]
+    caps = None
     if any(limit is not None for limit in limits):  # near max_tokens: the rows stay, acceptance is capped
-        cap = torch.tensor([k if limit is None else limit for limit in limits], device=accepted.device)
-        accepted = torch.minimum(accepted, cap)
-    next_token = target.gather(1, accepted[:, None]).squeeze(1)
-    drafts = runner.draft_graphs.run(bucket, n, accepted, next_token)  # [n, k]
+        caps = torch.tensor([k if limit is None else limit for limit in limits], device=greedy.device)
+    simulated = runner.simulated.device_step(runner.device) if runner.simulated is not None else None
+    accepted, next_token = runner.draft_graphs.accept(greedy, drafts_in, caps, simulated)
+    drafts = runner.draft_graphs.run(bucket, n)  # [n, k]
     return accepted, next_token, drafts
 
 
@@ -155,9 +153,9 @@ def launch_next_verify(runner, launched: LaunchedVerify) -> LaunchedVerify:
     """Queue the verify step after `launched` (can_verify_next() said it may be): its inputs
     are computed on the device from `launched`'s outputs; its host-side expectations are filled
     in by expect() once `launched` is read."""
-    n, q = len(launched.seqs), launched.key[1]
+    n = len(launched.seqs)
     table = build_block_table([seq.block_ids for seq in launched.seqs], runner.device)
-    runner.graphs.advance_verify(n, q, launched.accepted, launched.next_token, launched.drafts, table)
+    runner.graphs.advance_verify(n, launched.accepted, launched.next_token, launched.drafts, table)
     runner.graphs.replay(launched.key)
     limits = [None] * n
     accepted, next_token, drafts = _verify_on_device(runner, launched.key, n, limits)

@@ -24,31 +24,26 @@ from foretell.layers.attention.metadata import AttentionMetadata, subdivide_bloc
 from foretell.layers.sampler import argmax_rows
 from foretell.runner.cuda_graph import CudaGraphRunner
 from foretell.spec_decode.draft_loop import DraftLoopProposer
+from foretell.spec_decode.step_inputs import accept_drafts, catch_up_inputs, chain_step_inputs
 
 
 def device_metadata(
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,  # [num_seqs, max_blocks] in the target's blocks
-    positions: torch.Tensor,  # [rows]
-    seq_of_row: torch.Tensor,  # [rows]
-    live_rows: torch.Tensor,  # [rows] bool
-    block_size: int,
-    draft_block_table: torch.Tensor,  # block_table in blocks of the draft's size (with_block_size)
+    query_start_loc: torch.Tensor,  # [B + 1] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    draft_block_table: torch.Tensor,  # [B, W'] int32: the blocks in the draft's block size
+    slots: torch.Tensor,  # [rows] int64 flat token slots (the same in either block size)
     draft_block_size: int,
     max_query_len: int,
     max_seq_len: int,
 ) -> AttentionMetadata:
-    """Metadata computed on the device (capturable), for the draft's cache; host copies are
-    placeholders that only the torch backend would read, and it never runs inside a graph."""
-    blocks = block_table[seq_of_row, positions // block_size].to(torch.int64)
-    slots = torch.where(live_rows, blocks * block_size + positions % block_size, -1)
+    """Metadata of tensors computed on the device (capturable), for the draft's cache; host
+    copies are placeholders that only the torch backend would read, and it never runs inside a graph."""
     num_seqs = seq_lens.shape[0]
     return AttentionMetadata(
         query_start_loc=query_start_loc,
         seq_lens=seq_lens,
         block_table=draft_block_table,
-        slot_mapping=slots,  # flat token slots: the same in either block size
+        slot_mapping=slots,
         block_size=draft_block_size,
         max_query_len=max_query_len,
         max_seq_len=max_seq_len,
@@ -79,12 +74,6 @@ class DraftGraphRunner:
         i32 = dict(dtype=torch.int32, device=device)
         self.catch_up_starts = torch.arange(max_bucket + 1, **i32) * self.rows_per_seq
         self.single_starts = torch.arange(max_bucket + 1, **i32)
-        # Constants of the loop, made once (each would be a launch in every replay): the
-        # sequence of each row, each sequence's first catch-up row, each catch-up row's offset.
-        self.seq_ids = torch.arange(max_bucket, device=device)  # [max_bucket]
-        self.catch_up_seq = self.seq_ids.repeat_interleave(self.rows_per_seq)  # [max_bucket * rows_per_seq]
-        self.catch_up_first_row = self.seq_ids * self.rows_per_seq  # [max_bucket]
-        self.offsets = torch.arange(k + 2, device=device)  # position offsets p0 + 0 .. p0 + k + 1
         self.graphs: dict[int, CapturedDraft] = {}
 
     def _loop(self, bucket: int) -> torch.Tensor:
@@ -92,38 +81,28 @@ class DraftGraphRunner:
         q = k + 1
         rows = bucket * q
         n = self.rows_per_seq
-        seq_ids, offset = self.seq_ids[:bucket], self.offsets
-        live = seq_ids < self.num_live  # [bucket]
-        catch_up_seq = self.catch_up_seq[: bucket * n]  # [bucket * n]
-        tokens = t.input_ids[:rows].view(bucket, q)
-        p0 = t.positions[:rows].view(bucket, q)[:, 0]
-        a = self.accepted[:bucket]
-        x = self.next_token[:bucket]
-        at_position = torch.cat([tokens, x[:, None]], dim=1)
-        at_position = torch.where(offset[None, :] <= a[:, None], at_position, x[:, None])
-        fed = at_position[:, self.shift : self.shift + n]  # [bucket, n] token fed at each row
-        positions = (p0[:, None] + offset[None, :n]).flatten()
         table = t.block_table[:bucket]
         # The draft's view of the block table, once for the catch-up and every chained step.
         draft_table = subdivide_block_table(table, t.block_size, p.draft_block_size)
 
-        def metadata(starts, seq_lens, row_positions, row_seq, row_live, rows_per_seq):
-            return device_metadata(starts, seq_lens.to(torch.int32), table, row_positions, row_seq, row_live,
-                                   t.block_size, draft_table, p.draft_block_size, rows_per_seq, t.max_model_len)
+        def metadata(starts, seq_lens, slots, rows_per_seq):
+            return device_metadata(starts, seq_lens, draft_table, slots, p.draft_block_size, rows_per_seq,
+                                   t.max_model_len)
 
-        meta = metadata(self.catch_up_starts[: bucket + 1], p0 + n, positions, catch_up_seq,
-                        catch_up_seq < self.num_live, n)
+        catch_up = catch_up_inputs(
+            t.input_ids[:rows].view(bucket, q), t.positions[:rows].view(bucket, q)[:, 0], self.accepted[:bucket],
+            self.next_token[:bucket], self.num_live, table, t.block_size, n, self.shift,
+        )
+        meta = metadata(self.catch_up_starts[: bucket + 1], catch_up.seq_lens, catch_up.slots, n)
         aux = [a_[:rows] for a_ in t.graphs[(bucket, q)].aux]
         hidden = t.graphs[(bucket, q)].hidden[:rows]
-        next_row = a + (1 - self.shift)  # per sequence: the catch-up row that sees x, drafting token 1
-        last = self.catch_up_first_row[:bucket] + next_row
-        logits, state = p.padded_catch_up(fed.flatten(), positions, meta, hidden, aux, last)
+        logits, state = p.padded_catch_up(catch_up.tokens, catch_up.positions, meta, hidden, aux,
+                                          catch_up.last_rows)
         drafts = [p.to_target_ids(argmax_rows(logits))]
         for j in range(1, k):
-            # Draft j sits at position p0 + a + 1 + j; its row is row_offset from there.
-            row_pos = p0 + next_row + j
-            meta = metadata(self.single_starts[: bucket + 1], row_pos + 1, row_pos, seq_ids, live, 1)
-            logits, state = p.chain_step(drafts[-1], row_pos, meta, state)
+            step = chain_step_inputs(catch_up.first_draft_pos, j, self.num_live, table, t.block_size)
+            meta = metadata(self.single_starts[: bucket + 1], step.seq_lens, step.slots, 1)
+            logits, state = p.chain_step(drafts[-1], step.positions, meta, state)
             drafts.append(p.to_target_ids(argmax_rows(logits)))
         return torch.stack(drafts, dim=1)  # [bucket, k]
 
@@ -143,11 +122,21 @@ class DraftGraphRunner:
             self.graphs[bucket] = CapturedDraft(graph, drafts)
         torch.cuda.synchronize(self.target.device)
 
-    def run(self, bucket: int, num_seqs: int, accepted: torch.Tensor, next_token: torch.Tensor) -> torch.Tensor:
-        """Replay after the target's (bucket, k + 1) graph; returns drafts [num_seqs, k]."""
-        self.accepted[:num_seqs].copy_(accepted)
-        self.next_token[:num_seqs].copy_(next_token)
-        self.num_live.fill_(num_seqs)
+    def accept(
+        self,
+        greedy: torch.Tensor,  # [B, q] int64: the target's greedy tokens of the verify step
+        drafts: torch.Tensor,  # [B, k] int64: the drafts it verified
+        caps: torch.Tensor | None,  # [B] int64: most drafts each may accept, or None
+        simulated: tuple[float, torch.Tensor] | None,  # drawn counts instead (simulated_acceptance.py)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy verification into the loop's input buffers: (accepted [B], next token [B]), views
+        of those buffers, valid until the next step's accept."""
+        num_seqs = greedy.shape[0]
+        accept_drafts(greedy, drafts, caps, simulated, self.accepted, self.next_token, self.num_live)
+        return self.accepted[:num_seqs], self.next_token[:num_seqs]
+
+    def run(self, bucket: int, num_seqs: int) -> torch.Tensor:
+        """Replay after the target's (bucket, k + 1) graph and accept(); returns drafts [num_seqs, k]."""
         if not self.target.captures:
             return self._loop(bucket)[:num_seqs]
         captured = self.graphs[bucket]

@@ -77,14 +77,16 @@ class SimulatedAcceptance:
         start = self._next_start()
         return [math.fmod(start + i * ROW_STRIDE, 1.0) for i in range(num_seqs)]
 
-    def accepted_counts(self, num_seqs: int, device: torch.device) -> torch.Tensor:
-        """[num_seqs] int64 draws on the device, with no host sync (the graphed path)."""
+    def device_step(self, device: torch.device) -> tuple[float, torch.Tensor]:
+        """This verify step's draws for the graphed path, as (start, rates [k] float64 on device):
+        sequence i draws frac(start + i * b) (simulated_counts; one launch in step_inputs.py)."""
         if self._device_rates is None:
             self._device_rates = torch.tensor(self.rates, dtype=torch.float64, device=device)
-        start = self._next_start()
-        row = torch.arange(num_seqs, dtype=torch.float64, device=device)  # [num_seqs]
-        uniform = torch.remainder(row * ROW_STRIDE + start, 1.0)
-        return (uniform[:, None] < self._device_rates[None, :]).sum(dim=1)
+        return self._next_start(), self._device_rates
+
+    def accepted_counts(self, num_seqs: int, device: torch.device) -> torch.Tensor:
+        """[num_seqs] int64 draws on the device, with no host sync."""
+        return simulated_counts(*self.device_step(device), num_seqs)
 
     def apply(
         self, verify: VerifyResult, logits: torch.Tensor, draft_token_ids: list[list[int]]
@@ -104,3 +106,10 @@ class SimulatedAcceptance:
         return VerifyResult(
             accepted, outputs, emitted, torch.tensor(flat, dtype=torch.int64).to(logits.device)
         )
+
+
+def simulated_counts(start: float, rates: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """[num_seqs] int64 accepted counts of one step: rates [k] float64, draws frac(start + i * b)."""
+    row = torch.arange(num_seqs, dtype=torch.float64, device=rates.device)  # [num_seqs]
+    uniform = torch.remainder(row * ROW_STRIDE + start, 1.0)
+    return (uniform[:, None] < rates[None, :]).sum(dim=1)
