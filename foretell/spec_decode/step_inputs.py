@@ -3,10 +3,11 @@
 Between the target's verify graph and the draft layers, and between the draft loop and the next
 verify graph, a step computes small integer tensors: how many drafts each sequence accepted and
 its next token; the tokens, positions and KV slots of the draft's catch-up rows and of each
-chained draft step; the next verify step's inputs. As torch ops that was about 60 launches of
-1-2 us each, 150-180 us of a 5.2 ms Llama-8B EAGLE3 step on the H200 (scripts/profile_decode.py,
-eleventh session). Here each piece is one Triton kernel on CUDA (spec_decode/step_inputs_triton.py)
-and the torch twin below elsewhere; tests hold them together (tests/test_step_inputs.py).
+chained draft step; the next verify step's inputs. As torch ops that was most of the 90 small
+launches (131 us) of a 5.2 ms Llama-8B EAGLE3 step on the H200; with one Triton kernel per piece
+on CUDA (spec_decode/step_inputs_triton.py) 26 small launches (50 us) are left and the step runs
+0.05 ms beyond its two graphs, not 0.12-0.15 (scripts/profile_decode.py, BENCHMARKS.md). Elsewhere
+the torch twins below run; tests hold them together (tests/test_step_inputs.py).
 
 Shapes: B sequences (a graph bucket), q = k + 1 verify rows each, n catch-up rows each. A
 sequence is live when its index is below num_live (a 0-d device tensor); padding sequences write
