@@ -80,37 +80,42 @@ def kernel_events(prof) -> list[tuple[str, float]]:
             if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
-def one_step_timeline(prof) -> list[dict]:
-    """Every device operation from the end of one step's LM head (its longest kernel) to the end
-    of the next one's, in order: start (us after that LM head ended), length, name."""
+def _device_ops_after_lm_heads(prof) -> tuple[list, list[int]]:
+    """(every device operation of the profile by start time, the indices of the steps' LM heads:
+    the operations within 80% of the longest one's length)."""
     events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                     key=lambda e: e.time_range.start)
     if len(events) < 3:
-        return []
+        return events, []
     longest = max(e.time_range.elapsed_us() for e in events)
-    heads = [i for i, e in enumerate(events) if e.time_range.elapsed_us() > 0.8 * longest]
+    return events, [i for i, e in enumerate(events) if e.time_range.elapsed_us() > 0.8 * longest]
+
+
+def _listing(events, head: int, stop: int, width: int) -> list[dict]:
+    """Operations head + 1 .. stop - 1: name, start (us after the LM head `head` ended), length."""
+    end = events[head].time_range.end
+    return [{"op": e.name[:width], "start_us": round(e.time_range.start - end, 2),
+             "us": round(e.time_range.elapsed_us(), 2)} for e in events[head + 1:stop]]
+
+
+def one_step_timeline(prof) -> list[dict]:
+    """Every device operation from the end of one step's LM head to the end of the next one's."""
+    events, heads = _device_ops_after_lm_heads(prof)
     if len(heads) < 3:
         return []
     first, second = heads[len(heads) // 2 - 1], heads[len(heads) // 2]
-    end = events[first].time_range.end
-    return [{"op": e.name[:100], "start_us": round(e.time_range.start - end, 2),
-             "us": round(e.time_range.elapsed_us(), 2)} for e in events[first + 1:second + 1]]
+    return _listing(events, first, second + 1, 100)
 
 
 def between_steps(prof, after: int = 16) -> list[dict]:
-    """The device's work from the end of one step's LM head (its longest kernel) to the next step's
-    graph: each operation's start (us after the LM head ended) and length, in order. The time a
-    step takes beyond its graph's kernels goes here (copies, sampling, launch latency)."""
-    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                    key=lambda e: e.time_range.start)
-    if len(events) < 3:
+    """The device's work from the end of one step's LM head to the next step's graph (its first
+    `after` operations). The time a step takes beyond its graph's kernels goes here (copies,
+    sampling, launch latency)."""
+    events, heads = _device_ops_after_lm_heads(prof)
+    if not heads:
         return []
-    longest = max(e.time_range.elapsed_us() for e in events)
-    heads = [i for i, e in enumerate(events) if e.time_range.elapsed_us() > 0.8 * longest]
     i = heads[len(heads) // 2]  # a step in the middle of the profile
-    end = events[i].time_range.end
-    return [{"op": e.name[:80], "start_us": round(e.time_range.start - end, 2),
-             "us": round(e.time_range.elapsed_us(), 2)} for e in events[i + 1:i + 1 + after]]
+    return _listing(events, i, i + 1 + after, 80)
 
 
 def profile_target(folder: str, steps: int, enforce_eager: bool, ops: list[str] | None = None,

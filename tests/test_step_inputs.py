@@ -69,7 +69,8 @@ def test_simulated_accept_draws_the_twins_counts(interpreter_mode, num_seqs):
     for accept in (step_inputs.accept_drafts_torch, kernels.accept_drafts_triton):
         draws.num_steps = 5
         accepted, next_token = torch.zeros(num_seqs, dtype=torch.int64, device=DEVICE), torch.zeros_like(greedy[:, 0])
-        accept(greedy, drafts, None, draws.device_step(DEVICE), accepted, next_token, torch.zeros((), dtype=torch.int64))
+        num_live = torch.zeros((), dtype=torch.int64, device=DEVICE)
+        accept(greedy, drafts, None, draws.device_step(DEVICE), accepted, next_token, num_live)
         outs.append((accepted.tolist(), next_token.tolist()))
     assert outs[0] == outs[1]
     draws.num_steps = 5
