@@ -82,8 +82,8 @@ def decode_tok_s(llm: LLM, batch: int, prompt_len: int = 128, new_tokens: int = 
     drafter, the timed run's own acceptance too (the warm-up runs drew theirs before it)."""
     prompts = [{"prompt_token_ids": [(7 * i + j) % 1000 + 1 for j in range(prompt_len)]} for i in range(batch)]
     full = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    # Warm-up with the measured run itself: every shape it meets (the last steps verify fewer
-    # drafts, so no draft runs past max_tokens, and take the eager path) is compiled before the clock.
+    # Warm-up with the measured run itself: every shape it meets (batches shrinking as requests end
+    # at different steps) is compiled before the clock.
     for _ in range(2):  # simulated acceptance ends requests at different steps: two runs meet more shapes
         llm.generate(prompts, full, use_tqdm=False)
     steps0, before = llm.engine.metrics.num_steps, dict(llm.get_stats())
