@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from foretell.spec_decode.simulated_acceptance import simulated_counts
+
 
 @dataclass
 class CatchUpInputs:
@@ -66,8 +68,6 @@ def accept_drafts(
 
 
 def accept_drafts_torch(greedy, drafts, caps, simulated, accepted_out, next_token_out, num_live_out) -> None:
-    from foretell.spec_decode.simulated_acceptance import simulated_counts
-
     num_seqs, k = drafts.shape
     if simulated is not None:
         accepted = simulated_counts(simulated[0], simulated[1], num_seqs)
