@@ -23,6 +23,8 @@ and alternatives (same results, other launches):
     two_launch_rope  RoPE + KV write, then the attention: two launches (the engine fuses them for
                   decode and verify: layers/attention/rope_attention_triton.py)
     attn_*        (with the two launches)
+    mlp_silu_in   the MLP's activation applied by the down projection as it reads its input (the
+                  engine applies it in gate_up's epilogue: MergedLinear.forward_gated)
     <layer>_<kernel>  that layer's linears (qkv, o, gate_up, down, lm_head) on another kernel than
                   the engine's choice: cublas, gemv, mma (its default tiles), mma_split1/2/4
 
@@ -53,9 +55,10 @@ from foretell.layers import fused_kernels, small_m_gemm, small_m_mma  # noqa: E4
 from foretell.layers.attention import rope_attention_triton, rope_kv_triton, triton_kernels  # noqa: E402
 from foretell.layers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from foretell.layers.embedding import LMHead  # noqa: E402
-from foretell.layers.linear import Linear  # noqa: E402
+from foretell.layers.linear import Linear, MergedLinear  # noqa: E402
 from foretell.layers.norm import RMSNorm  # noqa: E402
 from foretell.layers.small_m_dispatch import GemmKey  # noqa: E402
+from foretell.models.llama import DecoderMLP  # noqa: E402
 
 CONFIGS = os.path.join(ROOT, "foretell", "configs")
 
@@ -82,6 +85,14 @@ def _linear_empty(self, x):
 
 def _linear_silu_mul_empty(self, gate_up):
     return gate_up.new_empty(*gate_up.shape[:-1], self.output_size)
+
+
+def _gated_empty(self, x):
+    return x.new_empty(*x.shape[:-1], self.output_size // 2)
+
+
+def _mlp_silu_in_down(self, hidden):  # the activation read by the down projection (before the gated epilogue)
+    return self.down_proj.forward_silu_mul(self.gate_up_proj(hidden))
 
 
 def _attend_with(**split):
@@ -112,7 +123,8 @@ PATCHES = {
     "attn_split64": [TWO_LAUNCHES, (TritonAttentionBackend, "attend", _attend_with(min_split_tokens=64))],
     "attn_split128": [TWO_LAUNCHES, (TritonAttentionBackend, "attend", _attend_with(min_split_tokens=128))],
     "linears": [(Linear, "forward", _linear_empty), (Linear, "forward_silu_mul", _linear_silu_mul_empty),
-                (LMHead, "forward", _lm_head_empty)],
+                (MergedLinear, "forward_gated", _gated_empty), (LMHead, "forward", _lm_head_empty)],
+    "mlp_silu_in": [(DecoderMLP, "forward", _mlp_silu_in_down)],
 }
 VARIANTS = {
     "full": [],
@@ -128,6 +140,7 @@ VARIANTS = {
     "attn_unsplit": ["attn_unsplit"],
     "attn_split64": ["attn_split64"],
     "attn_split128": ["attn_split128"],
+    "mlp_silu_in": ["mlp_silu_in"],
 }
 LLAMA_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
                 "lm_head": (128256, 4096)}
@@ -173,6 +186,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--alternative-rows", type=int, nargs="*", default=[1, 4],
                         help="query lengths whose layers are tried on other kernels (default 1 4)")
+    parser.add_argument("--alternative-layers", nargs="*", default=list(LLAMA_SHAPES), choices=list(LLAMA_SHAPES),
+                        help="which layers' linears are tried on other kernels (default all)")
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS), metavar="VARIANT",
                         help="which of the variants above to time (default all; full always runs first)")
     args = parser.parse_args()
@@ -200,6 +215,8 @@ def main() -> None:
             graphs.prepare_replay((1, q), args.context)
             full = result["rows"]["full"][f"q{q}"]
             for layer, (n, k) in LLAMA_SHAPES.items():
+                if layer not in args.alternative_layers:
+                    continue
                 key = GemmKey(q, n, k, torch.bfloat16, False)
                 if gemm is None or key not in gemm.choices:
                     continue

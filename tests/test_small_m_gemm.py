@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fixtures.float64_linear import check_linear, poisoned_empty  # noqa: F401 (a fixture)
+from fixtures.float64_linear import check_gated, check_linear, poisoned_empty  # noqa: F401 (a fixture)
 from fixtures.seeds import reports_seed  # noqa: E402
 from foretell.config import ModelConfig
 from foretell.layers import kernel_dispatch
@@ -65,6 +65,25 @@ def test_silu_mul_input_matches_the_activation_then_the_product(dtype, poisoned_
             check_linear(sm.small_m_linear(gate_up, weight, None, config, silu_mul=True), activated, weight, None)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_gated_output_is_the_activation_of_the_product(dtype, poisoned_empty):
+    """gated=True: W is [gate; up] (2I rows); each program pairs gate row j with up row I + j and
+    writes silu(gate) * up [M, I], bias included."""
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    m, inter, k = rng.randint(1, 4), rng.randint(5, 40), rng.randint(300, 700)
+    x = torch.randn(m, k, generator=gen).to(dtype).to(DEVICE)
+    weight = (torch.randn(2 * inter, k, generator=gen) * 3 / k**0.5).to(dtype).to(DEVICE)
+    bias = torch.randn(2 * inter, generator=gen).to(dtype).to(DEVICE)
+    with reports_seed(seed):
+        for config in (None, sm.pick_config(m, 2 * inter, k, block_n=4, block_k=128)):
+            for b in (bias, None):
+                product = sm.small_m_linear(x, weight, b, config)
+                check_linear(product, x, weight, b)
+                check_gated(sm.small_m_linear(x, weight, b, config, gated=True), product)
+
+
 def test_strided_rows_and_tiny_k(poisoned_empty):
     x = torch.randn(3, 40, dtype=torch.float32, device=DEVICE)[:, 5:12]  # row stride 40, K = 7
     weight = torch.randn(5, 7, device=DEVICE)
@@ -98,6 +117,10 @@ def test_bad_inputs_raise_clear_errors():
         sm.small_m_linear(torch.zeros(5, 8), w)
     with pytest.raises(ValueError, match="2K=16"):  # silu_mul wants gate then up
         sm.small_m_linear(x, w, silu_mul=True)
+    with pytest.raises(ValueError, match="even number of rows"):  # gated wants [gate; up]
+        sm.small_m_linear(x, torch.zeros(5, 8), gated=True)
+    with pytest.raises(ValueError, match="even block_n"):
+        sm.small_m_linear(x, w, None, sm.SmallMConfig(2, 1, 8, 1), gated=True)
     with pytest.raises(ValueError, match=r"\[M, K\]"):
         sm.small_m_linear(torch.zeros(8), w)
 
@@ -117,9 +140,10 @@ class FakeKernels:
     def default_config(self, m, n, k, dtype, device):
         return "split1"
 
-    def small_m_linear(self, x, weight, bias, config, silu_mul=False):
+    def small_m_linear(self, x, weight, bias, config, silu_mul=False, gated=False):
         self.last, self.runs = config, self.runs + 1
         y = F.linear(SiluAndMul()(x) if silu_mul else x, weight, bias)
+        y = SiluAndMul()(y) if gated else y
         return y + 1 if self.wrong else y
 
 
@@ -229,6 +253,11 @@ def test_call_routes_rows_through_the_chosen_path(monkeypatch):
     wide = torch.randn(5, 64)  # too many rows with silu_mul: activation, then F.linear
     torch.testing.assert_close(gemm(wide, W, B, silu_mul=True), F.linear(SiluAndMul()(wide), W, B))
     assert kernels.runs == runs
+    x = torch.randn(3, 32)  # gated (a decided key): W as [gate; up], the activation of the product
+    torch.testing.assert_close(gemm(x, W, B, gated=True), SiluAndMul()(F.linear(x, W, B)))
+    assert kernels.runs == runs + 1 and kernels.last == "split1"
+    torch.testing.assert_close(gemm(wide[:, :32], W, B, gated=True), SiluAndMul()(F.linear(wide[:, :32], W, B)))
+    assert kernels.runs == runs + 1  # too many rows: F.linear, then the activation
     assert [m_bucket(m) for m in (1, 2, 3, 5, 9, 16)] == [1, 2, 4, 8, 16, 16]
 
 
@@ -327,3 +356,30 @@ def test_cli_flag_reaches_the_model_config():
     assert build_engine_config("m", **kwargs).model.small_m_gemm == "auto"
     kwargs = engine_kwargs_from_args(parser.parse_args(["--model", "m"]))
     assert build_engine_config("m", **kwargs).model.small_m_gemm == "on"
+
+
+def test_gated_projection_runs_the_activation_in_the_kernel(monkeypatch):
+    """MergedLinear.forward_gated (an MLP's gate_up): silu_and_mul(F.linear(x)), from the GEMV's
+    epilogue for one row, the MMA's for three (fp16), torch's unbound; two unequal parts refuse."""
+    monkeypatch.setattr(kernel_dispatch, "use_triton", lambda *tensors: True)
+    dtype = torch.float16
+    gate_up = MergedLinear(40, [12, 12], bias=True, dtype=dtype, device=DEVICE)
+    for p in gate_up.parameters():
+        p.data.normal_()
+    rows = [torch.randn(m, 40).to(dtype).to(DEVICE) for m in (1, 3)]
+    unbound = [gate_up.forward_gated(x) for x in rows]
+    for x, got in zip(rows, unbound):
+        expected = SiluAndMul()(F.linear(x.cpu().float(), gate_up.weight.cpu().float(), gate_up.bias.cpu().float()))
+        torch.testing.assert_close(got.float().cpu(), expected, rtol=2e-3, atol=2e-3)
+    prepare_small_m_linears(gate_up, max_m=4, mode="on")
+    launches = []
+    for module, name in ((sm, "small_m_linear"), (mma, "small_m_mma_linear")):
+        kernel = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, kernel=kernel, **kw: launches.append(kw) or kernel(*a, **kw))
+    for x, expected in zip(rows, unbound):
+        got = gate_up.forward_gated(x)
+        assert got.shape == (x.shape[0], 12)
+        torch.testing.assert_close(got, expected, rtol=2e-3, atol=2e-3)
+    assert [kw.get("gated") for kw in launches] == [True, True]
+    with pytest.raises(ValueError, match="two equal parts"):
+        MergedLinear(40, [8, 12], dtype=dtype, device=DEVICE).forward_gated(rows[0])

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from fixtures.float64_linear import check_linear, poisoned_empty  # noqa: F401 (a fixture)
+from fixtures.float64_linear import check_gated, check_linear, poisoned_empty  # noqa: F401 (a fixture)
 from fixtures.seeds import reports_seed  # noqa: E402
 from foretell.layers.activation import SiluAndMul
 
@@ -58,6 +58,24 @@ def test_silu_mul_input_matches_the_activation_then_the_product(poisoned_empty):
             check_linear(mma.small_m_mma_linear(gate_up, weight, None, config, silu_mul=True), activated, weight, None)
 
 
+def test_gated_output_is_the_activation_of_the_product(poisoned_empty):
+    """gated=True (W = [gate; up]): each 64-row tile holds 32 (gate j, up j) pairs; unsplit and
+    split-K (the activation taken by the split that merges)."""
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    m, inter, k = rng.randint(1, 16), rng.randint(40, 90), rng.randint(100, 300)
+    x = torch.randn(m, k, generator=gen).half().to(DEVICE)
+    weight = (torch.randn(2 * inter, k, generator=gen) * 3 / k**0.5).half().to(DEVICE)
+    bias = torch.randn(2 * inter, generator=gen).half().to(DEVICE)
+    with reports_seed(seed):
+        for config in (mma.MmaConfig(64, 1, 2), mma.MmaConfig(32, 3, 2)):
+            product = mma.small_m_mma_linear(x, weight, bias, config)
+            check_linear(product, x, weight, bias)
+            check_gated(mma.small_m_mma_linear(x, weight, bias, config, gated=True), product)
+            assert _counters_zero()
+
+
 def test_strided_rows_and_default_config(poisoned_empty):
     x = torch.randn(5, 200, dtype=torch.float16, device=DEVICE)[:, 30:130]  # row stride 200, K = 100
     weight = torch.randn(70, 100, dtype=torch.float16, device=DEVICE)
@@ -100,5 +118,7 @@ def test_bad_inputs_raise_clear_errors():
         mma.small_m_mma_linear(torch.zeros(17, 8).half(), w)
     with pytest.raises(ValueError, match="2K=16"):
         mma.small_m_mma_linear(x, w, silu_mul=True)
+    with pytest.raises(ValueError, match="even number of rows"):
+        mma.small_m_mma_linear(x, torch.zeros(5, 8).half(), gated=True)
     with pytest.raises(ValueError, match="1 <= M <= 16"):
         mma.pick_config(0, 4, 8, torch.device("cpu"))

@@ -152,6 +152,15 @@ class MergedLinear(Linear):
         self.weight = make_sharded_param((input_size,), sizes, dtype, device)
         self.bias = make_sharded_param((), sizes, dtype, device) if bias else None
 
+    def forward_gated(self, x: torch.Tensor) -> torch.Tensor:  # [..., input] -> [..., output // 2]
+        """silu_and_mul(self(x)) for a [gate; up] projection (two equal parts): where the few-row
+        kernels run the layer, the activation is their epilogue (no gate_up tensor, no launch)."""
+        if len(self.output_sizes) != 2 or self.output_sizes[0] != self.output_sizes[1]:
+            raise ValueError(f"forward_gated needs two equal parts (gate, up), this has {list(self.output_sizes)}")
+        if self.small_m is not None:
+            return self.small_m(x, self.weight, self.bias, gated=True)
+        return silu_and_mul(F.linear(x, self.weight, self.bias))
+
 
 class QKVLinear(Linear):
     """The q, k and v projections fused into one matmul; shard ids "q", "k", "v".

@@ -265,7 +265,7 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
-        return self.down_proj.forward_silu_mul(self.gate_up_proj(x))  # silu(gate) * up inside
+        return self.down_proj(self.gate_up_proj.forward_gated(x))  # silu(gate) * up: gate_up's epilogue
 
 
 class Router(nn.Module):

@@ -97,6 +97,12 @@ def _agree(got: torch.Tensor, expected: torch.Tensor, x: torch.Tensor, weight: t
     return bool(((got.float() - expected.float()).abs() <= tolerance).all())
 
 
+def _linear_torch(x, weight, bias, silu_mul: bool, gated: bool) -> torch.Tensor:
+    """What SmallMGemm computes, in torch: the reference and the path of everything it leaves."""
+    y = F.linear(silu_and_mul(x) if silu_mul else x, weight, bias)
+    return silu_and_mul(y) if gated else y
+
+
 class SmallMGemm:
     """Callable like F.linear(x, weight, bias); picks cuBLAS or the kernel per GemmKey.
 
@@ -145,18 +151,25 @@ class SmallMGemm:
         return kernel_dispatch.use_triton(*tensors)
 
     def __call__(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False
-    ) -> torch.Tensor:  # [..., K] (silu_mul: [..., 2K], gate then up) -> [..., N]
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        silu_mul: bool = False,
+        gated: bool = False,
+    ) -> torch.Tensor:  # [..., K] (silu_mul: [..., 2K], gate then up) -> [..., N] (gated: [..., N // 2])
+        """F.linear(x, weight, bias); silu_mul: of silu_and_mul(x); gated (weight [gate; up]):
+        silu_and_mul of the product, in the kernel's epilogue."""
         if not self.applies(x, weight, bias, silu_mul):
-            return F.linear(silu_and_mul(x) if silu_mul else x, weight, bias)
+            return _linear_torch(x, weight, bias, silu_mul, gated)
         n, k = weight.shape
         rows = x.reshape(-1, x.shape[-1])  # [M, K] or [M, 2K]
         key = GemmKey(m_bucket(rows.shape[0]), n, k, x.dtype, bias is not None)
         config = self.choose(key, weight, bias)
         if config is None:
-            return F.linear(silu_and_mul(x) if silu_mul else x, weight, bias)
-        out = self.kernels.small_m_linear(rows, weight, bias, config, silu_mul=silu_mul)  # [M, N]
-        return out.view(*x.shape[:-1], n)
+            return _linear_torch(x, weight, bias, silu_mul, gated)
+        out = self.kernels.small_m_linear(rows, weight, bias, config, silu_mul=silu_mul, gated=gated)  # [M, N]
+        return out.view(*x.shape[:-1], out.shape[-1])
 
     def choose(self, key: GemmKey, weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
         """The kernel config for key, or None for cuBLAS; times the key once if undecided."""

@@ -95,6 +95,19 @@ def silu_mul_rounded(gate, up, dtype: tl.constexpr):
 
 
 @triton.jit
+def program_rows_of_w(program, N, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
+    """(rows of W [BLOCK_N], which exist) for a program owning BLOCK_N output columns. GATED (W is
+    [gate; up], N = 2I): BLOCK_N // 2 activations j, as interleaved pairs of rows (j, I + j), so
+    one program holds both halves of each silu(gate) * up it writes."""
+    lanes = tl.arange(0, BLOCK_N)
+    if GATED:
+        acts = program * (BLOCK_N // 2) + lanes // 2
+        return tl.where(lanes % 2 == 0, acts, N // 2 + acts), acts < N // 2
+    rows = program * BLOCK_N + lanes
+    return rows, rows < N
+
+
+@triton.jit
 def _accumulate(acc, w, x_ptr, stride_xm, M, cols, K, BLOCK_M: tl.constexpr, SILU_MUL: tl.constexpr):
     """acc [BLOCK_M, BLOCK_N] + x[:, cols] . w^T for the weight tile w [BLOCK_N, BLOCK_K]: one row
     of x at a time, each a [BLOCK_N, BLOCK_K] product summed over the tile's K lanes."""
@@ -123,13 +136,13 @@ def _gemv_kernel(
     stride_xm,
     HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr,
+    GATED: tl.constexpr,  # W is [gate; up] (N = 2I rows): out [M, I] = silu(x gate^T) * (x up^T)
     PDL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = rows of W
-    col_ok = cols < N
+    cols, col_ok = program_rows_of_w(tl.program_id(0), N, BLOCK_N, GATED)  # output columns = rows of W
     lanes = tl.arange(0, BLOCK_K)
     w_tile = w_ptr + cols[:, None].to(tl.int64) * K + lanes[None, :]  # [BLOCK_N, BLOCK_K] at k = 0
     # W is streamed once per call: let it leave the cache first. No kernel of a step writes it, so
@@ -146,8 +159,15 @@ def _gemv_kernel(
     rows = tl.arange(0, BLOCK_M)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + rows[:, None] * N + cols[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & col_ok[None, :])
+    dtype = out_ptr.dtype.element_ty
+    if GATED:  # columns hold (gate j, up j) pairs: one activation per pair
+        gate, up = tl.split(tl.reshape(acc.to(dtype).to(tl.float32), [BLOCK_M, BLOCK_N // 2, 2]))
+        acts = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        out = out_ptr + rows[:, None] * (N // 2) + acts[None, :]
+        tl.store(out, silu_mul_rounded(gate, up, dtype).to(dtype), mask=(rows < M)[:, None] & (acts < N // 2)[None, :])
+    else:
+        out = out_ptr + rows[:, None] * N + cols[None, :]
+        tl.store(out, acc.to(dtype), mask=(rows < M)[:, None] & col_ok[None, :])
 
 
 def check_inputs(
@@ -158,11 +178,15 @@ def check_inputs(
     kernel: str = "small-M GEMM",  # how errors name the kernel
     dtypes: tuple[torch.dtype, ...] = SUPPORTED_DTYPES,
     max_m: int = MAX_M,
+    gated: bool = False,
 ) -> None:
     """Raise a ValueError saying what is wrong unless the few-row kernel can run F.linear(x, weight,
-    bias) (x = [gate, up] of width 2K with silu_mul). Shared by small_m_mma.py."""
+    bias) (x = [gate, up] of width 2K with silu_mul; weight = [gate; up] of 2I rows when gated).
+    Shared by small_m_mma.py."""
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"x must be [M, K] and weight [N, K], got {list(x.shape)} and {list(weight.shape)}")
+    if gated and weight.shape[0] % 2:
+        raise ValueError(f"a gated weight is [gate; up] with an even number of rows, got {list(weight.shape)}")
     k = weight.shape[1]
     if x.shape[1] != (2 * k if silu_mul else k):
         expected = f"[M, 2K={2 * k}] (gate then up)" if silu_mul else f"[M, K={k}]"
@@ -191,22 +215,26 @@ def small_m_linear(
     bias: torch.Tensor | None = None,  # [N], x's dtype
     config: SmallMConfig | None = None,  # None: pick_config's choice
     silu_mul: bool = False,  # x is gate_up: compute F.linear(silu(gate) * up, ...)
-) -> torch.Tensor:  # [M, N] contiguous, x's dtype
+    gated: bool = False,  # weight is [gate; up]: return silu(gate) * up of F.linear's output
+) -> torch.Tensor:  # [M, N] contiguous, x's dtype ([M, N // 2] when gated)
     """F.linear(x, weight, bias) for few rows, reading weight exactly once."""
-    check_inputs(x, weight, bias, silu_mul)
+    check_inputs(x, weight, bias, silu_mul, gated=gated)
     m = x.shape[0]
     n, k = weight.shape
     if config is None:
         config = pick_config(m, n, k)
     if config.block_m < m:
         raise ValueError(f"config {config} has block_m {config.block_m} < M={m}")
+    if gated and config.block_n % 2:
+        raise ValueError(f"config {config}: a gated product needs an even block_n (gate, up pairs)")
     x = x if x.stride(1) == 1 else x.contiguous()
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n // 2 if gated else n), dtype=x.dtype, device=x.device)
     pdl = pdl_enabled(x)
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x, weight, bias if bias is not None else out, out, m, n, k, x.stride(0),
         HAS_BIAS=bias is not None,
         SILU_MUL=silu_mul,
+        GATED=gated,
         PDL=pdl,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,

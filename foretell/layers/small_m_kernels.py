@@ -50,7 +50,8 @@ def small_m_linear(
     bias: torch.Tensor | None,  # [N]
     config,  # a SmallMConfig or an MmaConfig
     silu_mul: bool = False,
+    gated: bool = False,  # weight [gate; up]: silu(gate) * up of the product, [M, N // 2]
 ) -> torch.Tensor:  # [M, N], x's dtype
     if isinstance(config, MmaConfig):
-        return small_m_mma.small_m_mma_linear(x, weight, bias, config, silu_mul=silu_mul)
-    return small_m_gemm.small_m_linear(x, weight, bias, config, silu_mul=silu_mul)
+        return small_m_mma.small_m_mma_linear(x, weight, bias, config, silu_mul=silu_mul, gated=gated)
+    return small_m_gemm.small_m_linear(x, weight, bias, config, silu_mul=silu_mul, gated=gated)

@@ -38,7 +38,7 @@ import triton.language as tl
 
 from foretell.layers.attention.triton_varlen import SplitCounters
 from foretell.layers.pdl import launch_options, let_next_kernel_launch, pdl_enabled, wait_for_previous_kernel
-from foretell.layers.small_m_gemm import check_inputs, silu_mul_rounded
+from foretell.layers.small_m_gemm import check_inputs, program_rows_of_w, silu_mul_rounded
 
 MAX_M = 16  # x's rows, padded to this many columns of the MMA
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
@@ -130,6 +130,7 @@ def _mma_kernel(
     k_per_split,  # a multiple of BLOCK_K
     HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr,
+    GATED: tl.constexpr,  # W is [gate; up] (N = 2I rows): out [M, I] = silu(x gate^T) * (x up^T)
     PDL: tl.constexpr,
     SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -138,8 +139,7 @@ def _mma_kernel(
 ):
     tile = tl.program_id(0)
     split = tl.program_id(1)
-    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = rows of W
-    col_ok = cols < N
+    cols, col_ok = program_rows_of_w(tile, N, BLOCK_N, GATED)  # output columns = rows of W
     rows = tl.arange(0, BLOCK_M)  # rows of x
     row_ok = rows < M
     k_start = split * k_per_split
@@ -160,7 +160,7 @@ def _mma_kernel(
     let_next_kernel_launch(PDL)  # this program's reads of W are done
 
     out_mask = col_ok[:, None] & row_ok[None, :]
-    offsets = rows[None, :] * N + cols[:, None]  # [BLOCK_N, BLOCK_M] into [M, N]
+    offsets = rows[None, :] * N + tile * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]  # [BLOCK_N, BLOCK_M] partials
     if SPLIT > 1:
         tl.store(partial_ptr + split * M * N + offsets, acc, mask=out_mask)
         tl.debug_barrier()  # every thread's partial is written before the release below
@@ -169,17 +169,28 @@ def _mma_kernel(
             acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
             for s in range(SPLIT):  # split order: the same sum whichever split finished last
                 acc += tl.load(partial_ptr + s * M * N + offsets, mask=out_mask, other=0.0, cache_modifier=".cg")
-            _store_output(acc, bias_ptr, cols, col_ok, out_ptr, offsets, out_mask, HAS_BIAS)
+            _store_output(acc, bias_ptr, cols, col_ok, out_ptr, rows, row_ok, tile, N, HAS_BIAS, GATED, BLOCK_N, BLOCK_M)
             tl.atomic_xchg(counter_ptr + tile, 0)  # ready for the next launch
     else:
-        _store_output(acc, bias_ptr, cols, col_ok, out_ptr, offsets, out_mask, HAS_BIAS)
+        _store_output(acc, bias_ptr, cols, col_ok, out_ptr, rows, row_ok, tile, N, HAS_BIAS, GATED, BLOCK_N, BLOCK_M)
 
 
 @triton.jit
-def _store_output(acc, bias_ptr, cols, col_ok, out_ptr, offsets, out_mask, HAS_BIAS: tl.constexpr):
+def _store_output(acc, bias_ptr, cols, col_ok, out_ptr, rows, row_ok, tile, N,
+                  HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Store acc [BLOCK_N, BLOCK_M] (rows of W x rows of x) as out[rows, cols] (+ bias); GATED: rows
+    of W are (gate j, up j) pairs, and out [M, N // 2] takes silu(gate) * up per pair."""
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
-    tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    dtype = out_ptr.dtype.element_ty
+    if GATED:
+        pairs = tl.permute(tl.reshape(acc.to(dtype).to(tl.float32), [BLOCK_N // 2, 2, BLOCK_M]), (0, 2, 1))
+        gate, up = tl.split(pairs)  # [BLOCK_N // 2, BLOCK_M] each
+        acts = tile * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        mask = (acts < N // 2)[:, None] & row_ok[None, :]
+        tl.store(out_ptr + rows[None, :] * (N // 2) + acts[:, None], silu_mul_rounded(gate, up, dtype).to(dtype), mask=mask)
+    else:
+        tl.store(out_ptr + rows[None, :] * N + cols[:, None], acc.to(dtype), mask=col_ok[:, None] & row_ok[None, :])
 
 
 def small_m_mma_linear(
@@ -188,14 +199,17 @@ def small_m_mma_linear(
     bias: torch.Tensor | None = None,  # [N], x's dtype
     config: MmaConfig | None = None,  # None: pick_config's choice
     silu_mul: bool = False,  # x is gate_up: compute F.linear(silu(gate) * up, ...)
-) -> torch.Tensor:  # [M, N] contiguous, x's dtype
+    gated: bool = False,  # weight is [gate; up]: return silu(gate) * up of F.linear's output
+) -> torch.Tensor:  # [M, N] contiguous, x's dtype ([M, N // 2] when gated)
     """F.linear(x, weight, bias) for up to 16 rows on tensor cores, reading weight exactly once."""
-    check_inputs(x, weight, bias, silu_mul, "small-M MMA (tensor-core inputs)", SUPPORTED_DTYPES, MAX_M)
+    check_inputs(x, weight, bias, silu_mul, "small-M MMA (tensor-core inputs)", SUPPORTED_DTYPES, MAX_M, gated)
     m = x.shape[0]
     n, k = weight.shape
     config = config or pick_config(m, n, k, x.device)
+    if gated and config.block_n % 2:
+        raise ValueError(f"config {config}: a gated product needs an even block_n (gate, up pairs)")
     x = x if x.stride(1) == 1 else x.contiguous()
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n // 2 if gated else n), dtype=x.dtype, device=x.device)
     tiles = triton.cdiv(n, config.block_n)
     k_per_split = triton.cdiv(triton.cdiv(k, config.split), config.block_k) * config.block_k
     if config.split > 1:
@@ -208,6 +222,7 @@ def small_m_mma_linear(
         x, weight, bias if bias is not None else out, out, partials, counters, m, n, k, x.stride(0), k_per_split,
         HAS_BIAS=bias is not None,
         SILU_MUL=silu_mul,
+        GATED=gated,
         PDL=pdl,
         SPLIT=config.split,
         BLOCK_M=MAX_M,

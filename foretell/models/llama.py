@@ -142,7 +142,7 @@ class DecoderMLP(nn.Module):
         self.down_proj = Linear(size, dims.hidden_size, switches.mlp_bias, **kw)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
-        return self.down_proj.forward_silu_mul(self.gate_up_proj(hidden))  # silu(gate) * up inside
+        return self.down_proj(self.gate_up_proj.forward_gated(hidden))  # silu(gate) * up: gate_up's epilogue
 
 
 class DecoderLayer(PreNormDecoderLayer):

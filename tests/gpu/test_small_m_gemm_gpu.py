@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 pytest.importorskip("triton")
 
-from fixtures.float64_linear import LLAMA8B_SHAPES, check_dependent_chain, check_linear  # noqa: E402
+from fixtures.float64_linear import LLAMA8B_SHAPES, check_dependent_chain, check_gated, check_linear  # noqa: E402
 from fixtures.seeds import reports_seed  # noqa: E402
 from foretell import LLM, SamplingParams  # noqa: E402
 from foretell.layers import small_m_gemm as sm  # noqa: E402
@@ -70,6 +70,22 @@ def test_silu_mul_input_at_the_down_projection(dtype, m):
         activated = SiluAndMul()(gate_up)  # the Triton activation kernel: same roundings
         for config in sm.candidate_configs(m, n, k, DEVICE):
             check_linear(sm.small_m_linear(gate_up, weight, None, config, silu_mul=True), activated, weight, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 4])
+def test_gated_output_at_the_gate_up_projection(dtype, m):
+    """gate_up [28672, 4096] with the activation as the epilogue: [m, 14336]."""
+    seed = random.randrange(2**31)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    n, k = LLAMA8B_SHAPES[2]
+    x, weight, bias = _inputs(gen, m, n, k, dtype, bias=True)
+    with torch.inference_mode(), reports_seed(seed):
+        for config in sm.candidate_configs(m, n, k, DEVICE):
+            for b in (None, bias):
+                product = sm.small_m_linear(x, weight, b, config)
+                check_linear(product, x, weight, b)
+                check_gated(sm.small_m_linear(x, weight, b, config, gated=True), product)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 pytest.importorskip("triton")
 
-from fixtures.float64_linear import LLAMA8B_SHAPES, check_dependent_chain, check_linear  # noqa: E402
+from fixtures.float64_linear import LLAMA8B_SHAPES, check_dependent_chain, check_gated, check_linear  # noqa: E402
 from fixtures.seeds import reports_seed  # noqa: E402
 from foretell.layers import small_m_gemm as sm  # noqa: E402
 from foretell.layers import small_m_mma as mma  # noqa: E402
@@ -63,6 +63,25 @@ def test_silu_mul_input_and_bias(dtype, m):
         activated = SiluAndMul()(gate_up)  # the Triton activation kernel: same roundings
         for config in mma.candidate_configs(m, n, k, DEVICE):
             check_linear(mma.small_m_mma_linear(gate_up, weight, bias, config, silu_mul=True), activated, weight, bias)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [4, 13])
+def test_gated_output_and_bias(dtype, m):
+    """A gate_up-like [gate; up] weight (neither half a multiple of the tiles) with the activation
+    as the epilogue, for every candidate config (split-K: the merging split applies it)."""
+    seed = random.randrange(2**31)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    n, k = 2 * (14336 + 20), 4096 + 24
+    x = torch.randn(m, k, generator=gen, device=DEVICE).to(dtype)
+    weight = (torch.randn(n, k, generator=gen, device=DEVICE) / k**0.5).to(dtype)
+    bias = torch.randn(n, generator=gen, device=DEVICE).to(dtype)
+    with torch.inference_mode(), reports_seed(seed):
+        for config in mma.candidate_configs(m, n, k, DEVICE):
+            product = mma.small_m_mma_linear(x, weight, bias, config)
+            check_linear(product, x, weight, bias)
+            check_gated(mma.small_m_mma_linear(x, weight, bias, config, gated=True), product)
+            assert _counters_zero()
 
 
 def test_replays_in_a_cuda_graph_bit_identical():
