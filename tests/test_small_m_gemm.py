@@ -68,7 +68,7 @@ def test_silu_mul_input_matches_the_activation_then_the_product(dtype, poisoned_
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_gated_output_is_the_activation_of_the_product(dtype, poisoned_empty):
     """gated=True: W is [gate; up] (2I rows); each program pairs gate row j with up row I + j and
-    writes silu(gate) * up [M, I], bias included."""
+    writes silu(gate) * up [M, I], bias included. float32_out: the plain product's values in float32."""
     seed = random.randrange(2**31)
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -82,6 +82,8 @@ def test_gated_output_is_the_activation_of_the_product(dtype, poisoned_empty):
                 product = sm.small_m_linear(x, weight, b, config)
                 check_linear(product, x, weight, b)
                 check_gated(sm.small_m_linear(x, weight, b, config, gated=True), product)
+                # float32_out: the same rounded values, stored as float32 (LMHead's logits)
+                assert torch.equal(sm.small_m_linear(x, weight, b, config, float32_out=True), product.float())
 
 
 def test_strided_rows_and_tiny_k(poisoned_empty):
@@ -140,10 +142,11 @@ class FakeKernels:
     def default_config(self, m, n, k, dtype, device):
         return "split1"
 
-    def small_m_linear(self, x, weight, bias, config, silu_mul=False, gated=False):
+    def small_m_linear(self, x, weight, bias, config, silu_mul=False, gated=False, float32_out=False):
         self.last, self.runs = config, self.runs + 1
         y = F.linear(SiluAndMul()(x) if silu_mul else x, weight, bias)
         y = SiluAndMul()(y) if gated else y
+        y = y.float() if float32_out else y
         return y + 1 if self.wrong else y
 
 
@@ -299,9 +302,7 @@ def test_layers_run_the_interpreted_kernel_when_bound(monkeypatch):
 
 def test_kernel_defaults_by_rows_dtype_and_k():
     """small_m_kernels.default_config (mode "on"): the GEMV for one row, the MMA for 2-16 rows in
-    fp16 / bf16, cuBLAS (None) for several float32 rows and for several rows of a K past one GEMV
-    tile; mode
-    "auto" times the GEMV's configs up to 4 rows and the MMA's in fp16 / bf16."""
+    fp16 / bf16 (split-K for a long K), cuBLAS (None) for several float32 rows; mode "auto" times the GEMV's configs up to 4 rows and the MMA's in fp16 / bf16."""
     kernels = import_interpreted("foretell.layers.small_m_kernels")
     cpu = torch.device("cpu")
     for dtype in (torch.bfloat16, torch.float32):
@@ -310,7 +311,7 @@ def test_kernel_defaults_by_rows_dtype_and_k():
         assert isinstance(kernels.default_config(m, 6144, 4096, torch.float16, cpu), mma.MmaConfig)
         assert kernels.default_config(m, 6144, 4096, torch.float32, cpu) is None
     assert kernels.default_config(1, 4096, 14336, torch.bfloat16, cpu) == sm.SmallMConfig(1, 4, 2048, 4)  # down
-    assert kernels.default_config(4, 4096, 14336, torch.bfloat16, cpu) is None  # down, verify: cuBLAS
+    assert kernels.default_config(4, 4096, 14336, torch.bfloat16, cpu).split == 4  # down, verify: split-K MMA
     assert kernels.default_config(17, 4096, 4096, torch.bfloat16, cpu) is None
     kinds = [type(c) for c in kernels.candidate_configs(4, 4096, 4096, torch.float16, cpu)]
     assert sm.SmallMConfig in kinds and mma.MmaConfig in kinds

@@ -60,7 +60,8 @@ def test_silu_mul_input_matches_the_activation_then_the_product(poisoned_empty):
 
 def test_gated_output_is_the_activation_of_the_product(poisoned_empty):
     """gated=True (W = [gate; up]): each 64-row tile holds 32 (gate j, up j) pairs; unsplit and
-    split-K (the activation taken by the split that merges)."""
+    split-K (the activation taken by the split that merges). float32_out: the product's values in
+    float32."""
     seed = random.randrange(2**31)
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -73,6 +74,7 @@ def test_gated_output_is_the_activation_of_the_product(poisoned_empty):
             product = mma.small_m_mma_linear(x, weight, bias, config)
             check_linear(product, x, weight, bias)
             check_gated(mma.small_m_mma_linear(x, weight, bias, config, gated=True), product)
+            assert torch.equal(mma.small_m_mma_linear(x, weight, bias, config, float32_out=True), product.float())
             assert _counters_zero()
 
 
@@ -90,6 +92,7 @@ def test_configs_split_few_tiles_and_fit_shared_memory():
     # Llama-8B on an H100-sized grid (the H200 sweep): o / down split 4 ways, qkv whole rows of 256.
     assert mma.pick_config(4, 4096, 4096, cpu).split == 4
     assert mma.pick_config(4, 4096, 14336, cpu).split == 4
+    assert mma.pick_config(4, 6144, 8192, cpu).split == 2  # an EAGLE3 head's qkv: 96 tiles, a long K
     qkv = mma.pick_config(4, 6144, 4096, cpu)
     assert (qkv.split, qkv.block_k) == (1, 256)
     assert mma.pick_config(4, 28672, 4096, cpu) == mma.MmaConfig(128, 1, 3)  # gate_up

@@ -68,8 +68,8 @@ class LMHead(nn.Module):
             self.weight = make_param((vocab_size, hidden_size), dtype, device)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] f32
-        if self.small_m is not None:
-            return self.small_m(hidden, self.weight).float()
+        if self.small_m is not None:  # the kernels store float32 themselves (no cast launch)
+            return self.small_m(hidden, self.weight, float32_out=True)
         return F.linear(hidden, self.weight).float()
 
     def extra_repr(self) -> str:

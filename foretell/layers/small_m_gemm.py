@@ -159,15 +159,17 @@ def _gemv_kernel(
     rows = tl.arange(0, BLOCK_M)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    dtype = out_ptr.dtype.element_ty
+    dtype = x_ptr.dtype.element_ty  # results round to x's dtype (a float32 out holds them as they are)
+    out_dtype = out_ptr.dtype.element_ty
     if GATED:  # columns hold (gate j, up j) pairs: one activation per pair
         gate, up = tl.split(tl.reshape(acc.to(dtype).to(tl.float32), [BLOCK_M, BLOCK_N // 2, 2]))
         acts = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         out = out_ptr + rows[:, None] * (N // 2) + acts[None, :]
-        tl.store(out, silu_mul_rounded(gate, up, dtype).to(dtype), mask=(rows < M)[:, None] & (acts < N // 2)[None, :])
+        tl.store(out, silu_mul_rounded(gate, up, dtype).to(out_dtype),
+                 mask=(rows < M)[:, None] & (acts < N // 2)[None, :])
     else:
         out = out_ptr + rows[:, None] * N + cols[None, :]
-        tl.store(out, acc.to(dtype), mask=(rows < M)[:, None] & col_ok[None, :])
+        tl.store(out, acc.to(dtype).to(out_dtype), mask=(rows < M)[:, None] & col_ok[None, :])
 
 
 def check_inputs(
@@ -216,7 +218,8 @@ def small_m_linear(
     config: SmallMConfig | None = None,  # None: pick_config's choice
     silu_mul: bool = False,  # x is gate_up: compute F.linear(silu(gate) * up, ...)
     gated: bool = False,  # weight is [gate; up]: return silu(gate) * up of F.linear's output
-) -> torch.Tensor:  # [M, N] contiguous, x's dtype ([M, N // 2] when gated)
+    float32_out: bool = False,  # the same values (rounded to x's dtype) in a float32 tensor
+) -> torch.Tensor:  # [M, N] contiguous, x's dtype ([M, N // 2] when gated; float32 if asked)
     """F.linear(x, weight, bias) for few rows, reading weight exactly once."""
     check_inputs(x, weight, bias, silu_mul, gated=gated)
     m = x.shape[0]
@@ -228,7 +231,7 @@ def small_m_linear(
     if gated and config.block_n % 2:
         raise ValueError(f"config {config}: a gated product needs an even block_n (gate, up pairs)")
     x = x if x.stride(1) == 1 else x.contiguous()
-    out = torch.empty((m, n // 2 if gated else n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n // 2 if gated else n), dtype=torch.float32 if float32_out else x.dtype, device=x.device)
     pdl = pdl_enabled(x)
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x, weight, bias if bias is not None else out, out, m, n, k, x.stride(0),

@@ -9,10 +9,10 @@ kernel, the graph re-timed):
   - one row (decode at batch 1): the GEMV. For qkv, o, gate_up and lm_head 0.05-0.2 ms a step
     faster than the MMA or cuBLAS per layer kind; for the down projection (K = 14336, four rows of
     W per program over 2048-wide tiles) 0.05 ms faster than cuBLAS and 0.06 than the MMA;
-  - 2 to 16 rows (a verify of k + 1 tokens, small batches) in fp16 / bf16: the MMA, as long as K
-    fits one GEMV tile (4096); the GEMV's per-row FMA passes lose to cuBLAS there. A longer K goes
-    to cuBLAS: the MMA needs split-K for the down projection's 64 tiles, and its merge by the last
-    split delays the next kernel (0.13-0.15 ms a verify step slower than cuBLAS).
+  - 2 to 16 rows (a verify of k + 1 tokens, small batches) in fp16 / bf16: the MMA; the GEMV's
+    per-row FMA passes lose to cuBLAS there. The down projection (K = 14336, split-K 4) too: with
+    its activation moved into gate_up's epilogue it reads a plain input, and the 4-token verify
+    graph ran 0.017 ms faster than with cuBLAS (0.13-0.15 ms slower while it applied the activation).
 
 This module imports triton: CUDA (or the interpreter tests) only.
 """
@@ -31,7 +31,7 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.dev
     """Mode "on"'s kernel config for an [m, k] x [n, k]^T product in dtype, or None for cuBLAS."""
     if m == 1:
         return small_m_gemm.pick_config(m, n, k)
-    if k > small_m_gemm.MAX_BLOCK_K or m > MAX_M or dtype not in small_m_mma.SUPPORTED_DTYPES:
+    if m > MAX_M or dtype not in small_m_mma.SUPPORTED_DTYPES:
         return None
     return small_m_mma.pick_config(m, n, k, device)
 
@@ -51,7 +51,7 @@ def small_m_linear(
     config,  # a SmallMConfig or an MmaConfig
     silu_mul: bool = False,
     gated: bool = False,  # weight [gate; up]: silu(gate) * up of the product, [M, N // 2]
-) -> torch.Tensor:  # [M, N], x's dtype
-    if isinstance(config, MmaConfig):
-        return small_m_mma.small_m_mma_linear(x, weight, bias, config, silu_mul=silu_mul, gated=gated)
-    return small_m_gemm.small_m_linear(x, weight, bias, config, silu_mul=silu_mul, gated=gated)
+    float32_out: bool = False,  # the values rounded to x's dtype, stored as float32
+) -> torch.Tensor:  # [M, N], x's dtype (or float32)
+    kernel = small_m_mma.small_m_mma_linear if isinstance(config, MmaConfig) else small_m_gemm.small_m_linear
+    return kernel(x, weight, bias, config, silu_mul=silu_mul, gated=gated, float32_out=float32_out)

@@ -84,12 +84,16 @@ def _stages_that_fit(block_n: int, block_k: int, smem_bytes: int, wanted: int = 
 def pick_config(m: int, n: int, k: int, device: torch.device) -> MmaConfig:
     """Tiles for an [m, k] x [n, k]^T product (H200 sweep at M = 1 and 4): layers with at most
     half as many 64-row tiles as multiprocessors split K four ways (o, down: 64 tiles), the rest
-    run whole rows of K, in 256-wide tiles while they have fewer tiles than multiprocessors (qkv)."""
+    run whole rows of K, in 256-wide tiles while they have fewer tiles than multiprocessors (qkv);
+    a K of 8192 or more with fewer tiles than multiprocessors (an EAGLE3 head's qkv) splits in two."""
     if not 1 <= m <= MAX_M or n < 1 or k < 1:
         raise ValueError(f"small-M MMA needs 1 <= M <= {MAX_M}, N >= 1, K >= 1; got M={m}, N={n}, K={k}")
     sms, smem = device_limits(device)
     tiles = triton.cdiv(n, BLOCK_N)
-    split = 4 if 2 * tiles <= sms and k >= 4 * 128 else 1
+    if 2 * tiles <= sms and k >= 4 * 128:
+        split = 4
+    else:
+        split = 2 if tiles < sms and k >= 8192 else 1
     block_k = 256 if split == 1 and tiles < sms else 128
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     return MmaConfig(block_k, split, _stages_that_fit(BLOCK_N, block_k, smem))
@@ -169,28 +173,34 @@ def _mma_kernel(
             acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
             for s in range(SPLIT):  # split order: the same sum whichever split finished last
                 acc += tl.load(partial_ptr + s * M * N + offsets, mask=out_mask, other=0.0, cache_modifier=".cg")
-            _store_output(acc, bias_ptr, cols, col_ok, out_ptr, rows, row_ok, tile, N, HAS_BIAS, GATED, BLOCK_N, BLOCK_M)
+            _store_output(acc, bias_ptr, cols, col_ok, out_ptr, rows, row_ok, tile, N, HAS_BIAS, GATED, BLOCK_N, BLOCK_M,
+                          x_ptr.dtype.element_ty)
             tl.atomic_xchg(counter_ptr + tile, 0)  # ready for the next launch
     else:
-        _store_output(acc, bias_ptr, cols, col_ok, out_ptr, rows, row_ok, tile, N, HAS_BIAS, GATED, BLOCK_N, BLOCK_M)
+        _store_output(acc, bias_ptr, cols, col_ok, out_ptr, rows, row_ok, tile, N, HAS_BIAS, GATED, BLOCK_N, BLOCK_M,
+                          x_ptr.dtype.element_ty)
 
 
 @triton.jit
 def _store_output(acc, bias_ptr, cols, col_ok, out_ptr, rows, row_ok, tile, N,
-                  HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Store acc [BLOCK_N, BLOCK_M] (rows of W x rows of x) as out[rows, cols] (+ bias); GATED: rows
-    of W are (gate j, up j) pairs, and out [M, N // 2] takes silu(gate) * up per pair."""
+                  HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                  dtype: tl.constexpr):
+    """Store acc [BLOCK_N, BLOCK_M] (rows of W x rows of x) as out[rows, cols] (+ bias), rounded to
+    dtype (x's); GATED: rows of W are (gate j, up j) pairs, and out [M, N // 2] takes silu(gate) * up
+    per pair."""
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
-    dtype = out_ptr.dtype.element_ty
+    out_dtype = out_ptr.dtype.element_ty  # results round to dtype (a float32 out holds them as they are)
     if GATED:
         pairs = tl.permute(tl.reshape(acc.to(dtype).to(tl.float32), [BLOCK_N // 2, 2, BLOCK_M]), (0, 2, 1))
         gate, up = tl.split(pairs)  # [BLOCK_N // 2, BLOCK_M] each
         acts = tile * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         mask = (acts < N // 2)[:, None] & row_ok[None, :]
-        tl.store(out_ptr + rows[None, :] * (N // 2) + acts[:, None], silu_mul_rounded(gate, up, dtype).to(dtype), mask=mask)
+        tl.store(out_ptr + rows[None, :] * (N // 2) + acts[:, None], silu_mul_rounded(gate, up, dtype).to(out_dtype),
+                 mask=mask)
     else:
-        tl.store(out_ptr + rows[None, :] * N + cols[:, None], acc.to(dtype), mask=col_ok[:, None] & row_ok[None, :])
+        tl.store(out_ptr + rows[None, :] * N + cols[:, None], acc.to(dtype).to(out_dtype),
+                 mask=col_ok[:, None] & row_ok[None, :])
 
 
 def small_m_mma_linear(
@@ -200,7 +210,8 @@ def small_m_mma_linear(
     config: MmaConfig | None = None,  # None: pick_config's choice
     silu_mul: bool = False,  # x is gate_up: compute F.linear(silu(gate) * up, ...)
     gated: bool = False,  # weight is [gate; up]: return silu(gate) * up of F.linear's output
-) -> torch.Tensor:  # [M, N] contiguous, x's dtype ([M, N // 2] when gated)
+    float32_out: bool = False,  # the same values (rounded to x's dtype) in a float32 tensor
+) -> torch.Tensor:  # [M, N] contiguous, x's dtype ([M, N // 2] when gated; float32 if asked)
     """F.linear(x, weight, bias) for up to 16 rows on tensor cores, reading weight exactly once."""
     check_inputs(x, weight, bias, silu_mul, "small-M MMA (tensor-core inputs)", SUPPORTED_DTYPES, MAX_M, gated)
     m = x.shape[0]
@@ -209,7 +220,7 @@ def small_m_mma_linear(
     if gated and config.block_n % 2:
         raise ValueError(f"config {config}: a gated product needs an even block_n (gate, up pairs)")
     x = x if x.stride(1) == 1 else x.contiguous()
-    out = torch.empty((m, n // 2 if gated else n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n // 2 if gated else n), dtype=torch.float32 if float32_out else x.dtype, device=x.device)
     tiles = triton.cdiv(n, config.block_n)
     k_per_split = triton.cdiv(triton.cdiv(k, config.split), config.block_k) * config.block_k
     if config.split > 1:

@@ -75,7 +75,8 @@ def test_silu_mul_input_at_the_down_projection(dtype, m):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 4])
 def test_gated_output_at_the_gate_up_projection(dtype, m):
-    """gate_up [28672, 4096] with the activation as the epilogue: [m, 14336]."""
+    """gate_up [28672, 4096] with the activation as the epilogue: [m, 14336]; and the product
+    stored as float32 (LMHead's logits) holding the same values."""
     seed = random.randrange(2**31)
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     n, k = LLAMA8B_SHAPES[2]
@@ -86,6 +87,7 @@ def test_gated_output_at_the_gate_up_projection(dtype, m):
                 product = sm.small_m_linear(x, weight, b, config)
                 check_linear(product, x, weight, b)
                 check_gated(sm.small_m_linear(x, weight, b, config, gated=True), product)
+                assert torch.equal(sm.small_m_linear(x, weight, b, config, float32_out=True), product.float())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

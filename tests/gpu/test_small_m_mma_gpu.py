@@ -81,6 +81,7 @@ def test_gated_output_and_bias(dtype, m):
             product = mma.small_m_mma_linear(x, weight, bias, config)
             check_linear(product, x, weight, bias)
             check_gated(mma.small_m_mma_linear(x, weight, bias, config, gated=True), product)
+            assert torch.equal(mma.small_m_mma_linear(x, weight, bias, config, float32_out=True), product.float())
             assert _counters_zero()
 
 
