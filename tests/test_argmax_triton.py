@@ -1,7 +1,7 @@
 """The chunked Triton argmax (layers/argmax_triton.py) against torch.argmax, in Triton's
 interpreter on CPU tensors (the real kernels on a CUDA machine): vocabularies of one chunk, several
 chunks and a ragged last chunk; ties inside a chunk and across chunks (the first column wins, as
-torch's); -inf and NaN entries; strided rows; bad input.
+torch's); -inf and NaN entries; strided rows; the id map; bad input.
 """
 
 from __future__ import annotations
@@ -54,6 +54,22 @@ def test_strided_rows_and_empty_batch():
     rows = base[:, 4 : 4 + CHUNK + 100]  # row stride != vocab
     assert kernels.argmax_triton(rows.to(DEVICE)).cpu().tolist() == rows.argmax(dim=-1).tolist()
     assert kernels.argmax_triton(torch.empty(0, 10, device=DEVICE)).shape == (0,)
+
+
+def test_id_map_is_applied_to_the_argmax():
+    """id_map (EAGLE3's d2t as target ids): the pick launch writes id_map[argmax]."""
+    seed = random.randrange(2**31)
+    gen = torch.Generator().manual_seed(seed)
+    vocab = 2 * CHUNK + 37
+    logits = torch.randn(3, vocab, generator=gen)
+    id_map = torch.randperm(5 * vocab, generator=gen)[:vocab]  # a draft vocabulary inside a larger one
+    with reports_seed(seed):
+        expected = id_map[logits.argmax(dim=-1)].tolist()
+        assert kernels.argmax_triton(logits.to(DEVICE), id_map.to(DEVICE)).cpu().tolist() == expected
+        assert argmax_rows(logits, id_map).tolist() == expected  # the torch path (CPU)
+    for bad in (id_map[:-1], id_map.int(), torch.stack([id_map, id_map], 1)[:, 0]):
+        with pytest.raises(ValueError, match=r"id_map must be a contiguous \[8229\] int64"):
+            kernels.argmax_triton(logits.to(DEVICE), bad.to(DEVICE))
 
 
 @pytest.mark.parametrize("bad", [torch.randn(10), torch.randn(2, 0), torch.randn(4, 3).t()])

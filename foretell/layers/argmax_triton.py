@@ -47,8 +47,10 @@ def _pick_chunk_kernel(
     chunk_max_ptr,  # [rows, num_chunks] float32
     chunk_arg_ptr,  # [rows, num_chunks] int32
     out_ptr,  # [rows] int64 out
+    id_map_ptr,  # [vocab] int64 (read with HAS_MAP)
     num_chunks,
     CHUNKS_P: tl.constexpr,
+    HAS_MAP: tl.constexpr,  # write id_map[argmax] (an EAGLE3 draft id's target id)
 ):
     row = tl.program_id(0).to(tl.int64)
     chunks = tl.arange(0, CHUNKS_P)
@@ -56,15 +58,25 @@ def _pick_chunk_kernel(
     best = tl.load(chunk_max_ptr + row * num_chunks + chunks, mask=valid, other=float("-inf"))
     top = tl.max(best, axis=0)
     first_chunk = tl.min(tl.where(valid & (best == top), chunks, CHUNKS_P), axis=0)
-    tl.store(out_ptr + row, tl.load(chunk_arg_ptr + row * num_chunks + first_chunk).to(tl.int64))
+    column = tl.load(chunk_arg_ptr + row * num_chunks + first_chunk).to(tl.int64)
+    if HAS_MAP:
+        column = tl.load(id_map_ptr + column)
+    tl.store(out_ptr + row, column)
 
 
-def argmax_triton(logits: torch.Tensor) -> torch.Tensor:
-    """logits [rows, vocab] (unit stride on vocab) -> [rows] int64, as torch.argmax(dim=-1)."""
+def argmax_triton(logits: torch.Tensor, id_map: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [rows, vocab] (unit stride on vocab) -> [rows] int64, as torch.argmax(dim=-1), or
+    id_map[argmax] with id_map [vocab] int64 (one launch fewer than indexing afterwards)."""
     if logits.dim() != 2 or logits.shape[-1] == 0 or logits.stride(-1) != 1:
         raise ValueError(
             f"argmax_triton needs logits [rows, vocab > 0] with a unit last stride; got shape "
             f"{tuple(logits.shape)}, stride {logits.stride()}"
+        )
+    if id_map is not None and (id_map.shape != logits.shape[-1:] or id_map.dtype != torch.int64
+                               or not id_map.is_contiguous() or id_map.device != logits.device):
+        raise ValueError(
+            f"id_map must be a contiguous [{logits.shape[-1]}] int64 tensor on {logits.device}, got "
+            f"{list(id_map.shape)} {id_map.dtype} on {id_map.device}"
         )
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
@@ -77,6 +89,7 @@ def argmax_triton(logits: torch.Tensor) -> torch.Tensor:
         logits, chunk_max, chunk_arg, vocab, num_chunks, logits.stride(0), CHUNK=CHUNK, num_warps=8
     )
     _pick_chunk_kernel[(rows,)](
-        chunk_max, chunk_arg, out, num_chunks, CHUNKS_P=max(2, triton.next_power_of_2(num_chunks)), num_warps=1
+        chunk_max, chunk_arg, out, id_map if id_map is not None else out, num_chunks,
+        CHUNKS_P=max(2, triton.next_power_of_2(num_chunks)), HAS_MAP=id_map is not None, num_warps=1,
     )
     return out

@@ -83,8 +83,8 @@ class Eagle3LayerBase(nn.Module):
         residual = normed_g if self.norm_before_residual else g
         embeds, _ = self.input_layernorm(embeds)
         x = torch.cat([embeds, normed_g], dim=-1)  # [n, 2H], embedding first
-        h = residual + self.self_attn(positions, x, metadata)
-        normed_h, _ = self.post_attention_layernorm(h)
+        # h = residual + attention, the add fused into the norm (one launch on CUDA)
+        normed_h, h = self.post_attention_layernorm(self.self_attn(positions, x, metadata), residual)
         return h + self.mlp(normed_h)
 
 

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import torch
 
 from foretell.layers.attention.metadata import AttentionMetadata, subdivide_block_table
-from foretell.layers.sampler import argmax_rows
 from foretell.runner.cuda_graph import CudaGraphRunner
 from foretell.spec_decode.draft_loop import DraftLoopProposer
 from foretell.spec_decode.step_inputs import accept_drafts, catch_up_inputs, chain_step_inputs
@@ -98,12 +97,12 @@ class DraftGraphRunner:
         hidden = t.graphs[(bucket, q)].hidden[:rows]
         logits, state = p.padded_catch_up(catch_up.tokens, catch_up.positions, meta, hidden, aux,
                                           catch_up.last_rows)
-        drafts = [p.to_target_ids(argmax_rows(logits))]
+        drafts = [p.greedy_target_ids(logits)]
         for j in range(1, k):
             step = chain_step_inputs(catch_up.first_draft_pos, j, self.num_live, table, t.block_size)
             meta = metadata(self.single_starts[: bucket + 1], step.seq_lens, step.slots, 1)
             logits, state = p.chain_step(drafts[-1], step.positions, meta, state)
-            drafts.append(p.to_target_ids(argmax_rows(logits)))
+            drafts.append(p.greedy_target_ids(logits))
         return torch.stack(drafts, dim=1)  # [bucket, k]
 
     @torch.inference_mode()

@@ -78,8 +78,15 @@ class DraftLoopProposer(Proposer):
         subclass that implements it sets graph_capable (spec_decode/draft_graph.py)."""
         raise NotImplementedError
 
+    # [draft_vocab] int64 target id of each draft id, for a drafter with a smaller vocabulary (EAGLE3's d2t)
+    target_id_map: torch.Tensor | None = None
+
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids  # identity unless the drafter has a smaller vocabulary (EAGLE3 d2t)
+        return draft_ids if self.target_id_map is None else self.target_id_map[draft_ids]
+
+    def greedy_target_ids(self, logits: torch.Tensor) -> torch.Tensor:  # [n, draft_vocab] -> [n] target ids
+        """Greedy drafts: each row's argmax, mapped to target ids by the argmax's own last launch."""
+        return argmax_rows(logits, self.target_id_map)
 
     def to_target_probs(self, probs: torch.Tensor) -> torch.Tensor:
         if probs.shape[-1] == self.target_vocab_size:
@@ -133,7 +140,7 @@ class DraftLoopProposer(Proposer):
         ]
         sb = SamplingBatch.build(params, seeds, logits.shape[-1], self.device)
         if sb.all_greedy:
-            return self.to_target_ids(argmax_rows(logits)), None
+            return self.greedy_target_ids(logits), None
         q = processed_probs(logits, sb)  # [n, draft_vocab]
         draft_ids = sample_from_probs(q, self.noise.exponential(seeds, q.shape[-1]))
         return self.to_target_ids(draft_ids), self.to_target_probs(q)

@@ -131,7 +131,7 @@ class Eagle3Proposer(DraftLoopProposer):
                 f"outside the target vocabulary [0, {self.target_vocab})"
             )
         self.head = head.eval()
-        self._target_ids = target_ids
+        self.target_id_map = target_ids
 
     def kv_layers(self) -> list[nn.Module]:
         return self.head.attention_layers()
@@ -143,12 +143,9 @@ class Eagle3Proposer(DraftLoopProposer):
     def draft_dtype(self) -> torch.dtype:
         return self.options.dtype
 
-    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return self._target_ids[draft_ids]
-
     def to_target_probs(self, probs: torch.Tensor) -> torch.Tensor:  # [n, Vd] -> [n, Vt]
         out = probs.new_zeros(probs.shape[0], self.target_vocab)
-        return out.index_copy_(1, self._target_ids, probs)
+        return out.index_copy_(1, self.target_id_map, probs)
 
     def catch_up(self, batch: DraftBatch, last_rows: list[int]):
         input_ids, starts, counts = catch_up_rows(batch, include_next=False)
