@@ -146,11 +146,17 @@ LLAMA_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096)
                 "lm_head": (128256, 4096)}
 
 
-def alternatives(current, m: int, n: int, k: int) -> dict:
-    """Other ways to run a layer's linears than the engine's choice `current`."""
+def alternatives(current, m: int, n: int, k: int, mma_sweep: bool = False) -> dict:
+    """Other ways to run a layer's linears than the engine's choice `current` (mma_sweep: every
+    MMA tile width x split x pipeline depth as well)."""
     device = torch.device("cuda")
     mma = small_m_mma.pick_config(m, n, k, device)
     other = {"cublas": None}
+    if mma_sweep:
+        for block_k in (64, 128, 256):
+            for split in (1, 2, 4, 8):
+                for stages in (2, 3, 4):
+                    other[f"mma_bk{block_k}_split{split}_s{stages}"] = small_m_mma.MmaConfig(block_k, split, stages)
     if m == 1:  # the GEMV's default, then other tiles: rows of W per program x columns per tile
         other["gemv"] = small_m_gemm.pick_config(1, n, k)
         whole = 1 << (k - 1).bit_length()
@@ -188,6 +194,8 @@ def main() -> None:
                         help="query lengths whose layers are tried on other kernels (default 1 4)")
     parser.add_argument("--alternative-layers", nargs="*", default=list(LLAMA_SHAPES), choices=list(LLAMA_SHAPES),
                         help="which layers' linears are tried on other kernels (default all)")
+    parser.add_argument("--mma-sweep", action="store_true",
+                        help="at query lengths above 1, also try a grid of MMA tiles, splits and depths")
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS), metavar="VARIANT",
                         help="which of the variants above to time (default all; full always runs first)")
     args = parser.parse_args()
@@ -220,7 +228,7 @@ def main() -> None:
                 key = GemmKey(q, n, k, torch.bfloat16, False)
                 if gemm is None or key not in gemm.choices:
                     continue
-                for name, config in alternatives(gemm.choices[key], q, n, k).items():
+                for name, config in alternatives(gemm.choices[key], q, n, k, args.mma_sweep and q > 1).items():
                     kept, gemm.choices[key] = gemm.choices[key], config
                     try:
                         ms = graph_replay_ms(lambda: graphs._forward(1, q), reps=50)[0]

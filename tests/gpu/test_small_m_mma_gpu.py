@@ -143,7 +143,7 @@ def test_mode_on_runs_bf16_layers_of_2_to_16_rows_on_the_mma():
         down = Linear(14336, 4096, dtype=torch.bfloat16, device=DEVICE)
         prepare_small_m_linears(down, max_m=4, mode="on", gemm=gemm)
         assert isinstance(gemm.choices[GemmKey(1, 4096, 14336, torch.bfloat16, False)], sm.SmallMConfig)
-        assert gemm.choices[GemmKey(4, 4096, 14336, torch.bfloat16, False)] is None  # long K, 4 rows: cuBLAS
+        assert gemm.choices[GemmKey(4, 4096, 14336, torch.bfloat16, False)].split == 4  # long K, 4 rows: split-K
         for m in (3, 16):
             x = torch.randn(m, 4096, device=DEVICE).to(torch.bfloat16)
             check_linear(layer(x), x, layer.weight, None)
