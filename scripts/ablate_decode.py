@@ -23,8 +23,8 @@ and alternatives (same results, other launches):
     two_launch_rope  RoPE + KV write, then the attention: two launches (the engine fuses them for
                   decode and verify: layers/attention/rope_attention_triton.py)
     attn_*        (with the two launches)
-    mlp_silu_in   the MLP's activation applied by the down projection as it reads its input (the
-                  engine applies it in gate_up's epilogue: MergedLinear.forward_gated)
+    norm_warps4 / norm_warps8   the norms (with their residual add) on 4 / 8 warps (the engine's: 16
+                  for a 4096-wide row)
     <layer>_<kernel>  that layer's linears (qkv, o, gate_up, down, lm_head) on another kernel than
                   the engine's choice: cublas, gemv, mma (its default tiles), mma_split1/2/4
 
@@ -58,7 +58,6 @@ from foretell.layers.embedding import LMHead  # noqa: E402
 from foretell.layers.linear import Linear, MergedLinear  # noqa: E402
 from foretell.layers.norm import RMSNorm  # noqa: E402
 from foretell.layers.small_m_dispatch import GemmKey  # noqa: E402
-from foretell.models.llama import DecoderMLP  # noqa: E402
 
 CONFIGS = os.path.join(ROOT, "foretell", "configs")
 
@@ -83,16 +82,13 @@ def _linear_empty(self, x):
     return x.new_empty(*x.shape[:-1], self.output_size)
 
 
-def _linear_silu_mul_empty(self, gate_up):
-    return gate_up.new_empty(*gate_up.shape[:-1], self.output_size)
-
-
 def _gated_empty(self, x):
     return x.new_empty(*x.shape[:-1], self.output_size // 2)
 
 
-def _mlp_silu_in_down(self, hidden):  # the activation read by the down projection (before the gated epilogue)
-    return self.down_proj.forward_silu_mul(self.gate_up_proj(hidden))
+def _warps_at_most(cap: int):
+    engine_warps = fused_kernels._num_warps
+    return lambda tile_elements: min(cap, engine_warps(tile_elements))
 
 
 def _attend_with(**split):
@@ -122,9 +118,10 @@ PATCHES = {
     "attn_unsplit": [TWO_LAUNCHES, (TritonAttentionBackend, "attend", _attend_with(num_splits=1))],
     "attn_split64": [TWO_LAUNCHES, (TritonAttentionBackend, "attend", _attend_with(min_split_tokens=64))],
     "attn_split128": [TWO_LAUNCHES, (TritonAttentionBackend, "attend", _attend_with(min_split_tokens=128))],
-    "linears": [(Linear, "forward", _linear_empty), (Linear, "forward_silu_mul", _linear_silu_mul_empty),
-                (MergedLinear, "forward_gated", _gated_empty), (LMHead, "forward", _lm_head_empty)],
-    "mlp_silu_in": [(DecoderMLP, "forward", _mlp_silu_in_down)],
+    "linears": [(Linear, "forward", _linear_empty), (MergedLinear, "forward_gated", _gated_empty),
+                (LMHead, "forward", _lm_head_empty)],
+    "norm_warps4": [(fused_kernels, "_num_warps", _warps_at_most(4))],
+    "norm_warps8": [(fused_kernels, "_num_warps", _warps_at_most(8))],
 }
 VARIANTS = {
     "full": [],
@@ -140,7 +137,8 @@ VARIANTS = {
     "attn_unsplit": ["attn_unsplit"],
     "attn_split64": ["attn_split64"],
     "attn_split128": ["attn_split128"],
-    "mlp_silu_in": ["mlp_silu_in"],
+    "norm_warps4": ["norm_warps4"],
+    "norm_warps8": ["norm_warps8"],
 }
 LLAMA_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
                 "lm_head": (128256, 4096)}

@@ -50,22 +50,6 @@ def test_matches_float64_reference(dtype, m, poisoned_empty):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_silu_mul_input_matches_the_activation_then_the_product(dtype, poisoned_empty):
-    """silu_mul=True: x is gate_up [M, 2K]; the kernel must equal F.linear(SiluAndMul(x)) with the
-    activation's roundings (silu rounded to the dtype, then the product)."""
-    seed = random.randrange(2**31)
-    rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
-    m, n, k = rng.randint(1, 4), rng.randint(5, 40), rng.randint(300, 700)
-    gate_up = (torch.randn(m, 2 * k, generator=gen) * 3).to(dtype).to(DEVICE)
-    weight = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype).to(DEVICE)
-    activated = SiluAndMul()(gate_up.cpu()).to(DEVICE)  # [m, k], the torch path
-    with reports_seed(seed):
-        for config in (None, sm.pick_config(m, n, k, block_k=128)):
-            check_linear(sm.small_m_linear(gate_up, weight, None, config, silu_mul=True), activated, weight, None)
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_gated_output_is_the_activation_of_the_product(dtype, poisoned_empty):
     """gated=True: W is [gate; up] (2I rows); each program pairs gate row j with up row I + j and
     writes silu(gate) * up [M, I], bias included. float32_out: the plain product's values in float32."""
@@ -117,8 +101,6 @@ def test_bad_inputs_raise_clear_errors():
         sm.small_m_linear(x, w, torch.zeros(3))
     with pytest.raises(ValueError, match="1 to 4 rows"):
         sm.small_m_linear(torch.zeros(5, 8), w)
-    with pytest.raises(ValueError, match="2K=16"):  # silu_mul wants gate then up
-        sm.small_m_linear(x, w, silu_mul=True)
     with pytest.raises(ValueError, match="even number of rows"):  # gated wants [gate; up]
         sm.small_m_linear(x, torch.zeros(5, 8), gated=True)
     with pytest.raises(ValueError, match="even block_n"):
@@ -142,9 +124,9 @@ class FakeKernels:
     def default_config(self, m, n, k, dtype, device):
         return "split1"
 
-    def small_m_linear(self, x, weight, bias, config, silu_mul=False, gated=False, float32_out=False):
+    def small_m_linear(self, x, weight, bias, config, gated=False, float32_out=False):
         self.last, self.runs = config, self.runs + 1
-        y = F.linear(SiluAndMul()(x) if silu_mul else x, weight, bias)
+        y = F.linear(x, weight, bias)
         y = SiluAndMul()(y) if gated else y
         y = y.float() if float32_out else y
         return y + 1 if self.wrong else y
@@ -217,7 +199,7 @@ def test_agreement_check_takes_rounding_not_errors(dtype):
 def test_a_kernel_that_fails_to_compile_loses_to_cublas():
     gemm, kernels, timer = _gemm({"cublas": 10.0, "split1": 1.0, "splitK": 1.0})
 
-    def broken(x, weight, bias, config, silu_mul=False):
+    def broken(x, weight, bias, config, **options):
         raise RuntimeError("triton compile error")
 
     kernels.small_m_linear = broken
@@ -248,19 +230,19 @@ def test_call_routes_rows_through_the_chosen_path(monkeypatch):
     monkeypatch.setattr(kernel_dispatch, "use_triton", lambda *tensors: True)
     torch.testing.assert_close(gemm(x, W, B), F.linear(x, W, B))
     assert kernels.last == "split1" and GemmKey(4, 24, 32, torch.float32, True) in gemm.choices
-    gate_up = torch.randn(3, 64)  # silu_mul: [M, 2K], the same key as [M, K]
-    torch.testing.assert_close(gemm(gate_up, W, B, silu_mul=True), F.linear(SiluAndMul()(gate_up), W, B))
     runs = kernels.runs
     for too_many in (torch.randn(5, 32), torch.randn(3, 32).double()):  # rows, dtype: F.linear
         gemm(too_many, W.to(too_many.dtype), B.to(too_many.dtype))
-    wide = torch.randn(5, 64)  # too many rows with silu_mul: activation, then F.linear
-    torch.testing.assert_close(gemm(wide, W, B, silu_mul=True), F.linear(SiluAndMul()(wide), W, B))
     assert kernels.runs == runs
     x = torch.randn(3, 32)  # gated (a decided key): W as [gate; up], the activation of the product
     torch.testing.assert_close(gemm(x, W, B, gated=True), SiluAndMul()(F.linear(x, W, B)))
     assert kernels.runs == runs + 1 and kernels.last == "split1"
-    torch.testing.assert_close(gemm(wide[:, :32], W, B, gated=True), SiluAndMul()(F.linear(wide[:, :32], W, B)))
-    assert kernels.runs == runs + 1  # too many rows: F.linear, then the activation
+    logits = gemm(x, W, B, float32_out=True)  # float32_out: the kernel's float32 store
+    assert logits.dtype == torch.float32 and kernels.runs == runs + 2
+    wide = torch.randn(5, 32)  # too many rows: F.linear, then the activation
+    torch.testing.assert_close(gemm(wide, W, B, gated=True), SiluAndMul()(F.linear(wide, W, B)))
+    assert gemm(wide.half(), W.half(), B.half(), float32_out=True).dtype == torch.float32
+    assert kernels.runs == runs + 2
     assert [m_bucket(m) for m in (1, 2, 3, 5, 9, 16)] == [1, 2, 4, 8, 16, 16]
 
 
@@ -287,14 +269,9 @@ def test_layers_run_the_interpreted_kernel_when_bound(monkeypatch):
         assert got.dtype == expected.dtype
         torch.testing.assert_close(got, expected, rtol=2e-3, atol=2e-3)
     assert len(calls) == len(layers)
-    down = layers[0]  # an MLP's down projection: x as gate_up, the activation inside the kernel
-    gate_up = torch.randn(1, 80).to(dtype).to(DEVICE)
-    expected = F.linear(SiluAndMul()(gate_up.cpu()).to(DEVICE), down.weight, down.bias)
-    torch.testing.assert_close(down.forward_silu_mul(gate_up), expected, rtol=2e-3, atol=2e-3)
-    assert len(calls) == len(layers) + 1
     three_rows = torch.randn(3, 40).to(dtype).to(DEVICE)
     torch.testing.assert_close(layers[1](three_rows), F.linear(three_rows, layers[1].weight), rtol=2e-3, atol=2e-3)
-    assert len(calls) == len(layers) + 1 and len(mma_calls) == 1  # the tensor-core path
+    assert len(calls) == len(layers) and len(mma_calls) == 1  # the tensor-core path
     five_rows = torch.randn(5, 40).to(dtype).to(DEVICE)
     assert torch.equal(layers[1](five_rows), F.linear(five_rows, layers[1].weight))  # past max_m: cuBLAS
     assert len(mma_calls) == 1

@@ -15,7 +15,6 @@ import torch
 
 from fixtures.float64_linear import check_gated, check_linear, poisoned_empty  # noqa: F401 (a fixture)
 from fixtures.seeds import reports_seed  # noqa: E402
-from foretell.layers.activation import SiluAndMul
 
 from fixtures.triton_interpreter import HAS_CUDA, import_interpreted, interpreter_mode  # noqa: F401
 
@@ -43,19 +42,6 @@ def test_matches_float64_reference_for_each_split(m, poisoned_empty):
             for b in (bias, None):
                 check_linear(mma.small_m_mma_linear(x, weight, b, config), x, weight, b)
                 assert _counters_zero(), "a split launch left its counters set"
-
-
-def test_silu_mul_input_matches_the_activation_then_the_product(poisoned_empty):
-    seed = random.randrange(2**31)
-    rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
-    m, n, k = rng.randint(1, 16), rng.randint(30, 100), rng.randint(100, 300)
-    gate_up = (torch.randn(m, 2 * k, generator=gen) * 3).half().to(DEVICE)
-    weight = (torch.randn(n, k, generator=gen) / k**0.5).half().to(DEVICE)
-    activated = SiluAndMul()(gate_up.cpu()).to(DEVICE)  # [m, k], the torch path
-    with reports_seed(seed):
-        for config in (mma.MmaConfig(64, 1, 2), mma.MmaConfig(32, 2, 2)):
-            check_linear(mma.small_m_mma_linear(gate_up, weight, None, config, silu_mul=True), activated, weight, None)
 
 
 def test_gated_output_is_the_activation_of_the_product(poisoned_empty):
@@ -119,8 +105,6 @@ def test_bad_inputs_raise_clear_errors():
         mma.small_m_mma_linear(x, w, torch.zeros(3).half())
     with pytest.raises(ValueError, match="1 to 16 rows"):
         mma.small_m_mma_linear(torch.zeros(17, 8).half(), w)
-    with pytest.raises(ValueError, match="2K=16"):
-        mma.small_m_mma_linear(x, w, silu_mul=True)
     with pytest.raises(ValueError, match="even number of rows"):
         mma.small_m_mma_linear(x, torch.zeros(5, 8).half(), gated=True)
     with pytest.raises(ValueError, match="1 <= M <= 16"):

@@ -11,8 +11,8 @@ the parameter name, checkpoint key and file.
 
 A Linear computes F.linear, or, once prepare_small_m_linears (small_m_dispatch.py) has bound a
 SmallMGemm to it (on CUDA, before graph capture), lets that pick cuBLAS or the Triton GEMV for
-few-row inputs; `forward_silu_mul` is an MLP's down projection with its activation, which the GEMV
-applies as it reads its input.
+few-row inputs; `MergedLinear.forward_gated` is an MLP's gate_up projection with its activation,
+which those kernels apply as their epilogue.
 """
 
 from __future__ import annotations
@@ -118,12 +118,6 @@ class Linear(nn.Module):
         if self.small_m is not None:
             return self.small_m(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
-
-    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:  # [..., 2 * input] -> [..., output]
-        """self(silu_and_mul(gate_up)): in one launch where the GEMV runs the layer."""
-        if self.small_m is not None:
-            return self.small_m(gate_up, self.weight, self.bias, silu_mul=True)
-        return F.linear(silu_and_mul(gate_up), self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"

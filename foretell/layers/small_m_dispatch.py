@@ -97,9 +97,9 @@ def _agree(got: torch.Tensor, expected: torch.Tensor, x: torch.Tensor, weight: t
     return bool(((got.float() - expected.float()).abs() <= tolerance).all())
 
 
-def _linear_torch(x, weight, bias, silu_mul: bool, gated: bool, float32_out: bool) -> torch.Tensor:
+def _linear_torch(x, weight, bias, gated: bool, float32_out: bool) -> torch.Tensor:
     """What SmallMGemm computes, in torch: the reference and the path of everything it leaves."""
-    y = F.linear(silu_and_mul(x) if silu_mul else x, weight, bias)
+    y = F.linear(x, weight, bias)
     y = silu_and_mul(y) if gated else y
     return y.float() if float32_out else y
 
@@ -139,9 +139,9 @@ class SmallMGemm:
         return self._kernels
 
     def applies(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool = False
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> bool:
-        k = weight.shape[-1] * (2 if silu_mul else 1)  # x's width
+        k = weight.shape[-1]
         if x.dim() == 0 or x.shape[-1] != k or k == 0 or not 1 <= x.numel() // k <= self.max_m:
             return False
         if x.dtype not in KERNEL_DTYPES or weight.dtype != x.dtype or not weight.is_contiguous():
@@ -156,23 +156,21 @@ class SmallMGemm:
         x: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
-        silu_mul: bool = False,
         gated: bool = False,
         float32_out: bool = False,
-    ) -> torch.Tensor:  # [..., K] (silu_mul: [..., 2K], gate then up) -> [..., N] (gated: [..., N // 2])
-        """F.linear(x, weight, bias); silu_mul: of silu_and_mul(x); gated (weight [gate; up]):
-        silu_and_mul of the product, in the kernel's epilogue; float32_out: the result (rounded to
-        x's dtype) as float32, stored so by the kernel (no cast launch)."""
-        if not self.applies(x, weight, bias, silu_mul):
-            return _linear_torch(x, weight, bias, silu_mul, gated, float32_out)
+    ) -> torch.Tensor:  # [..., K] -> [..., N] (gated: [..., N // 2])
+        """F.linear(x, weight, bias); gated (weight [gate; up]): silu_and_mul of the product, in
+        the kernel's epilogue; float32_out: the result (rounded to x's dtype) as float32, stored so
+        by the kernel (no cast launch)."""
+        if not self.applies(x, weight, bias):
+            return _linear_torch(x, weight, bias, gated, float32_out)
         n, k = weight.shape
-        rows = x.reshape(-1, x.shape[-1])  # [M, K] or [M, 2K]
+        rows = x.reshape(-1, x.shape[-1])  # [M, K]
         key = GemmKey(m_bucket(rows.shape[0]), n, k, x.dtype, bias is not None)
         config = self.choose(key, weight, bias)
         if config is None:
-            return _linear_torch(x, weight, bias, silu_mul, gated, float32_out)
-        out = self.kernels.small_m_linear(rows, weight, bias, config, silu_mul=silu_mul, gated=gated,
-                                          float32_out=float32_out)  # [M, N]
+            return _linear_torch(x, weight, bias, gated, float32_out)
+        out = self.kernels.small_m_linear(rows, weight, bias, config, gated=gated, float32_out=float32_out)  # [M, N]
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def choose(self, key: GemmKey, weight: torch.Tensor, bias: torch.Tensor | None) -> Any:

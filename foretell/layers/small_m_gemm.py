@@ -13,8 +13,11 @@ built for that chain:
     done. Measured on the H200 (scripts/bench_pdl_chain.py): a Llama-8B layer's four GEMVs 106 us
     against cuBLAS's 122, and the 32-layer chain with stand-in norms and attention 4.00 ms against
     4.39;
-  - `silu_mul`: x is a fused gate_up output [M, 2K] and the kernel applies silu(gate) * up (with
-    SiluAndMul's roundings) as it reads it, so an MLP's down projection needs no activation launch;
+  - `gated`: W is an MLP's [gate; up] and the kernel stores silu(gate) * up (with SiluAndMul's
+    roundings): each program owns pairs of rows (gate j, up j), so the activation is its epilogue,
+    and the down projection reads a plain input (0.07 ms a Llama-8B decode step faster on the H200
+    than the activation applied by the down projection as it read gate_up; `float32_out` stores the
+    rounded results as float32 (LMHead's logits: no cast launch);
   - up to MAX_M rows of x run one at a time against the same tile (its registers do not grow with
     M), but each row is another pass of float32 FMAs: slower than cuBLAS at M = 2 and 4 on the
     H200, so mode "on" uses this kernel for one row only (layers/small_m_kernels.py; more rows go
@@ -23,7 +26,7 @@ built for that chain:
     the same result on every call (not cuBLAS's order: results differ from F.linear by float32
     rounding of the sums).
 
-Output: x's dtype. Grids depend only on shapes, nothing syncs with the host, and the output is a
+Output: x's dtype (or float32). Grids depend only on shapes, nothing syncs with the host, and the output is a
 torch.empty of a shape fixed by (M, N), so a call can be captured in a CUDA graph.
 
 Whether a layer uses this, the MMA or cuBLAS is decided by layers/small_m_dispatch.py; this module imports
@@ -108,7 +111,7 @@ def program_rows_of_w(program, N, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
 
 
 @triton.jit
-def _accumulate(acc, w, x_ptr, stride_xm, M, cols, K, BLOCK_M: tl.constexpr, SILU_MUL: tl.constexpr):
+def _accumulate(acc, w, x_ptr, stride_xm, M, cols, K, BLOCK_M: tl.constexpr):
     """acc [BLOCK_M, BLOCK_N] + x[:, cols] . w^T for the weight tile w [BLOCK_N, BLOCK_K]: one row
     of x at a time, each a [BLOCK_N, BLOCK_K] product summed over the tile's K lanes."""
     w = w.to(tl.float32)
@@ -116,9 +119,6 @@ def _accumulate(acc, w, x_ptr, stride_xm, M, cols, K, BLOCK_M: tl.constexpr, SIL
     for m in tl.static_range(BLOCK_M):
         mask = cols < tl.where(m < M, K, 0)  # padding rows (m >= M) read nothing
         x = tl.load(x_ptr + m * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_K]
-        if SILU_MUL:  # x holds gate then up
-            up = tl.load(x_ptr + m * stride_xm + K + cols, mask=mask, other=0.0).to(tl.float32)
-            x = silu_mul_rounded(x, up, x_ptr.dtype.element_ty)
         y = tl.sum(w * x[None, :], axis=1)  # [BLOCK_N]
         acc = tl.where(rows == m, acc + y[None, :], acc)
     return acc
@@ -126,7 +126,7 @@ def _accumulate(acc, w, x_ptr, stride_xm, M, cols, K, BLOCK_M: tl.constexpr, SIL
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr,  # [M, K] (or [M, 2K] with SILU_MUL), unit column stride
+    x_ptr,  # [M, K], unit column stride
     w_ptr,  # [N, K] contiguous
     bias_ptr,  # [N] (unread without HAS_BIAS)
     out_ptr,  # [M, N] contiguous, x's dtype
@@ -135,7 +135,6 @@ def _gemv_kernel(
     K,
     stride_xm,
     HAS_BIAS: tl.constexpr,
-    SILU_MUL: tl.constexpr,
     GATED: tl.constexpr,  # W is [gate; up] (N = 2I rows): out [M, I] = silu(x gate^T) * (x up^T)
     PDL: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -150,11 +149,11 @@ def _gemv_kernel(
     w = tl.load(w_tile, mask=col_ok[:, None] & (lanes < K)[None, :], other=0.0, eviction_policy="evict_first")
     wait_for_previous_kernel(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc = _accumulate(acc, w, x_ptr, stride_xm, M, lanes, K, BLOCK_M, SILU_MUL)
+    acc = _accumulate(acc, w, x_ptr, stride_xm, M, lanes, K, BLOCK_M)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         w = tl.load(w_tile + k0, mask=col_ok[:, None] & ((k0 + lanes) < K)[None, :], other=0.0,
                     eviction_policy="evict_first")
-        acc = _accumulate(acc, w, x_ptr, stride_xm, M, k0 + lanes, K, BLOCK_M, SILU_MUL)
+        acc = _accumulate(acc, w, x_ptr, stride_xm, M, k0 + lanes, K, BLOCK_M)
     let_next_kernel_launch(PDL)  # this program's reads are done
     rows = tl.arange(0, BLOCK_M)
     if HAS_BIAS:
@@ -176,23 +175,21 @@ def check_inputs(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    silu_mul: bool,
     kernel: str = "small-M GEMM",  # how errors name the kernel
     dtypes: tuple[torch.dtype, ...] = SUPPORTED_DTYPES,
     max_m: int = MAX_M,
     gated: bool = False,
 ) -> None:
     """Raise a ValueError saying what is wrong unless the few-row kernel can run F.linear(x, weight,
-    bias) (x = [gate, up] of width 2K with silu_mul; weight = [gate; up] of 2I rows when gated).
+    bias) (weight = [gate; up] of 2I rows when gated).
     Shared by small_m_mma.py."""
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"x must be [M, K] and weight [N, K], got {list(x.shape)} and {list(weight.shape)}")
     if gated and weight.shape[0] % 2:
         raise ValueError(f"a gated weight is [gate; up] with an even number of rows, got {list(weight.shape)}")
     k = weight.shape[1]
-    if x.shape[1] != (2 * k if silu_mul else k):
-        expected = f"[M, 2K={2 * k}] (gate then up)" if silu_mul else f"[M, K={k}]"
-        raise ValueError(f"x must be {expected} for weight [N, K={k}], got {list(x.shape)}")
+    if x.shape[1] != k:
+        raise ValueError(f"x must be [M, K={k}] for weight [N, K={k}], got {list(x.shape)}")
     if x.dtype not in dtypes or weight.dtype != x.dtype:
         raise ValueError(
             f"{kernel}: x and weight must share a dtype of {[str(d) for d in dtypes]}, got "
@@ -212,16 +209,15 @@ def check_inputs(
 
 
 def small_m_linear(
-    x: torch.Tensor,  # [M, K] (or [M, 2K] with silu_mul), M <= MAX_M; any row stride
+    x: torch.Tensor,  # [M, K], M <= MAX_M; any row stride
     weight: torch.Tensor,  # [N, K], x's dtype, contiguous
     bias: torch.Tensor | None = None,  # [N], x's dtype
     config: SmallMConfig | None = None,  # None: pick_config's choice
-    silu_mul: bool = False,  # x is gate_up: compute F.linear(silu(gate) * up, ...)
     gated: bool = False,  # weight is [gate; up]: return silu(gate) * up of F.linear's output
     float32_out: bool = False,  # the same values (rounded to x's dtype) in a float32 tensor
 ) -> torch.Tensor:  # [M, N] contiguous, x's dtype ([M, N // 2] when gated; float32 if asked)
     """F.linear(x, weight, bias) for few rows, reading weight exactly once."""
-    check_inputs(x, weight, bias, silu_mul, gated=gated)
+    check_inputs(x, weight, bias, gated=gated)
     m = x.shape[0]
     n, k = weight.shape
     if config is None:
@@ -236,7 +232,6 @@ def small_m_linear(
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x, weight, bias if bias is not None else out, out, m, n, k, x.stride(0),
         HAS_BIAS=bias is not None,
-        SILU_MUL=silu_mul,
         GATED=gated,
         PDL=pdl,
         BLOCK_M=config.block_m,

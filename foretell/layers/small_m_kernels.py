@@ -45,13 +45,12 @@ def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype, device: torch.
 
 
 def small_m_linear(
-    x: torch.Tensor,  # [M, K] (or [M, 2K] with silu_mul)
+    x: torch.Tensor,  # [M, K]
     weight: torch.Tensor,  # [N, K]
     bias: torch.Tensor | None,  # [N]
     config,  # a SmallMConfig or an MmaConfig
-    silu_mul: bool = False,
     gated: bool = False,  # weight [gate; up]: silu(gate) * up of the product, [M, N // 2]
     float32_out: bool = False,  # the values rounded to x's dtype, stored as float32
 ) -> torch.Tensor:  # [M, N], x's dtype (or float32)
     kernel = small_m_mma.small_m_mma_linear if isinstance(config, MmaConfig) else small_m_gemm.small_m_linear
-    return kernel(x, weight, bias, config, silu_mul=silu_mul, gated=gated, float32_out=float32_out)
+    return kernel(x, weight, bias, config, gated=gated, float32_out=float32_out)

@@ -14,13 +14,13 @@ FMAs per row and loses to cuBLAS from two rows on; this kernel puts the rows on 
     a float32 partial; the split that arrives last at the tile's counter (an atomic, acquire-
     release) adds the partials up in split order, so the result does not depend on which finished
     first, adds the bias, stores y and zeroes the counter for the next launch;
-  - `silu_mul`: x is a fused gate_up output [M, 2K] and each x tile is silu(gate) * up with
-    SiluAndMul's roundings, so an MLP's down projection needs no activation launch.
+  - `gated` (W = [gate; up]): each tile's rows are (gate j, up j) pairs and its epilogue stores
+    silu(gate) * up, as the GEMV's; `float32_out` stores the rounded results as float32.
 
 Measured on the H200 at M = 4 against cuBLAS (scripts/bench_verify_gemm.py, us): qkv 15.8 / 16.3,
-o 11.9 / 13.5, gate_up 58.5 / 63.5, down 31.7 / 32.8, lm_head 245.8 / 256.7. Inside the decode graph
-the split-K merge holds up the next kernel, so mode "on" leaves the down projection to cuBLAS
-(layers/small_m_kernels.py). Loading W through a tensor descriptor (TMA) measured no faster.
+o 11.9 / 13.5, gate_up 58.5 / 63.5, down 31.7 / 32.8, lm_head 245.8 / 256.7 (mode "on"'s choices are
+made in the verify graph: layers/small_m_kernels.py). Loading W through a tensor descriptor (TMA)
+measured no faster.
 
 fp16 and bf16 only (tensor-core inputs; float32 layers keep cuBLAS's exact products). Grids depend
 only on shapes, nothing syncs with the host, partials are a torch.empty of the launch, and the
@@ -109,19 +109,8 @@ def candidate_configs(m: int, n: int, k: int, device: torch.device) -> list[MmaC
 
 
 @triton.jit
-def _load_x_tile(x_tile, k0, mask, K, SILU_MUL: tl.constexpr):
-    """x^T tile [BLOCK_K, BLOCK_M] at column k0; with SILU_MUL, silu(gate) * up of x = [gate, up]
-    rounded as SiluAndMul rounds (silu to the dtype, then the product)."""
-    x = tl.load(x_tile + k0, mask=mask, other=0.0)
-    if SILU_MUL:
-        up = tl.load(x_tile + K + k0, mask=mask, other=0.0).to(tl.float32)
-        x = silu_mul_rounded(x.to(tl.float32), up, x.dtype).to(x.dtype)
-    return x
-
-
-@triton.jit
 def _mma_kernel(
-    x_ptr,  # [M, K] (or [M, 2K] with SILU_MUL), unit column stride
+    x_ptr,  # [M, K], unit column stride
     w_ptr,  # [N, K] contiguous
     bias_ptr,  # [N] (unread without HAS_BIAS)
     out_ptr,  # [M, N] contiguous, x's dtype
@@ -133,7 +122,6 @@ def _mma_kernel(
     stride_xm,
     k_per_split,  # a multiple of BLOCK_K
     HAS_BIAS: tl.constexpr,
-    SILU_MUL: tl.constexpr,
     GATED: tl.constexpr,  # W is [gate; up] (N = 2I rows): out [M, I] = silu(x gate^T) * (x up^T)
     PDL: tl.constexpr,
     SPLIT: tl.constexpr,
@@ -154,12 +142,12 @@ def _mma_kernel(
     # No kernel of a step writes W: its first tile is requested before the wait (layers/pdl.py).
     w = tl.load(w_tile, mask=col_ok[:, None] & (lanes < k_end)[None, :], other=0.0, eviction_policy="evict_first")
     wait_for_previous_kernel(PDL)
-    x = _load_x_tile(x_tile, 0, (lanes < k_end)[:, None] & row_ok[None, :], K, SILU_MUL)
+    x = tl.load(x_tile, mask=(lanes < k_end)[:, None] & row_ok[None, :], other=0.0)
     acc = tl.dot(w, x)  # [BLOCK_N, BLOCK_M] float32
     for k0 in range(BLOCK_K, k_per_split, BLOCK_K):
         k_ok = (lanes + k0) < k_end
         w = tl.load(w_tile + k0, mask=col_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
-        x = _load_x_tile(x_tile, k0, k_ok[:, None] & row_ok[None, :], K, SILU_MUL)
+        x = tl.load(x_tile + k0, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
         acc = tl.dot(w, x, acc)
     let_next_kernel_launch(PDL)  # this program's reads of W are done
 
@@ -204,16 +192,15 @@ def _store_output(acc, bias_ptr, cols, col_ok, out_ptr, rows, row_ok, tile, N,
 
 
 def small_m_mma_linear(
-    x: torch.Tensor,  # [M, K] (or [M, 2K] with silu_mul), M <= MAX_M; any row stride
+    x: torch.Tensor,  # [M, K], M <= MAX_M; any row stride
     weight: torch.Tensor,  # [N, K], x's dtype (fp16 / bf16), contiguous
     bias: torch.Tensor | None = None,  # [N], x's dtype
     config: MmaConfig | None = None,  # None: pick_config's choice
-    silu_mul: bool = False,  # x is gate_up: compute F.linear(silu(gate) * up, ...)
     gated: bool = False,  # weight is [gate; up]: return silu(gate) * up of F.linear's output
     float32_out: bool = False,  # the same values (rounded to x's dtype) in a float32 tensor
 ) -> torch.Tensor:  # [M, N] contiguous, x's dtype ([M, N // 2] when gated; float32 if asked)
     """F.linear(x, weight, bias) for up to 16 rows on tensor cores, reading weight exactly once."""
-    check_inputs(x, weight, bias, silu_mul, "small-M MMA (tensor-core inputs)", SUPPORTED_DTYPES, MAX_M, gated)
+    check_inputs(x, weight, bias, "small-M MMA (tensor-core inputs)", SUPPORTED_DTYPES, MAX_M, gated)
     m = x.shape[0]
     n, k = weight.shape
     config = config or pick_config(m, n, k, x.device)
@@ -232,7 +219,6 @@ def small_m_mma_linear(
     _mma_kernel[(tiles, config.split)](
         x, weight, bias if bias is not None else out, out, partials, counters, m, n, k, x.stride(0), k_per_split,
         HAS_BIAS=bias is not None,
-        SILU_MUL=silu_mul,
         GATED=gated,
         PDL=pdl,
         SPLIT=config.split,

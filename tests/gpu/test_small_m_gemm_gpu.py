@@ -1,5 +1,5 @@
 """The GEMV (layers/small_m_gemm.py) on a CUDA device, bf16 and fp16 at Llama-3.1-8B's linear
-shapes, against a float64 product (also with the fused SiLU-and-mul input); no host sync in a
+shapes, against a float64 product (also the gated SiLU-and-mul epilogue, float32 output); no host sync in a
 launch; capture and replay in a CUDA graph; a chain of dependent launches (programmatic dependent
 launch on Hopper: each must wait for its input) against a float64 chain; the dispatch
 (layers/small_m_dispatch.py) timing real layers; and whole models whose greedy tokens do not change
@@ -26,7 +26,6 @@ from fixtures.float64_linear import LLAMA8B_SHAPES, check_dependent_chain, check
 from fixtures.seeds import reports_seed  # noqa: E402
 from foretell import LLM, SamplingParams  # noqa: E402
 from foretell.layers import small_m_gemm as sm  # noqa: E402
-from foretell.layers.activation import SiluAndMul  # noqa: E402
 from foretell.layers.linear import Linear  # noqa: E402
 from foretell.layers.small_m_dispatch import GemmKey, SmallMGemm, prepare_small_m_linears  # noqa: E402
 
@@ -56,20 +55,6 @@ def test_matches_float64_at_llama8b_shapes(dtype, shape, m):
         torch.testing.assert_close(sm.small_m_linear(x, weight).float(), expected,
                                    rtol=2 * torch.finfo(dtype).eps, atol=1e-3)
         del expected
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [1, 4])
-def test_silu_mul_input_at_the_down_projection(dtype, m):
-    seed = random.randrange(2**31)
-    gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    n, k = LLAMA8B_SHAPES[3]  # down_proj [4096, 14336], input gate_up [m, 28672]
-    gate_up, weight, _ = _inputs(gen, m, n, 2 * k, dtype)
-    weight = weight[:, :k].contiguous()
-    with torch.inference_mode(), reports_seed(seed):
-        activated = SiluAndMul()(gate_up)  # the Triton activation kernel: same roundings
-        for config in sm.candidate_configs(m, n, k, DEVICE):
-            check_linear(sm.small_m_linear(gate_up, weight, None, config, silu_mul=True), activated, weight, None)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -136,13 +121,13 @@ def test_launches_do_not_sync_and_replay_in_a_cuda_graph():
 
 @pytest.mark.parametrize("m", [1, 4])
 def test_a_chain_of_dependent_launches_waits_for_each_input(m):
-    """Eight GEMVs, each reading the one before (a torch op between some), replayed in a CUDA graph:
+    """Seven GEMVs (one gated: an MLP's gate_up), each reading the one before (a torch op between some), replayed in a CUDA graph:
     float32 against float64 (fixtures/float64_linear.check_dependent_chain)."""
     seed = random.randrange(2**31)
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     with reports_seed(seed):
-        check_dependent_chain(lambda i, h, w, silu_mul: sm.small_m_linear(h, w, None, None, silu_mul=silu_mul),
-                              m, torch.float32, gen, [4096, 6144, 4096, 28672, 14336, 4096, 4096, 4096, 8192],
+        check_dependent_chain(lambda i, h, w, gated: sm.small_m_linear(h, w, None, None, gated=gated),
+                              m, torch.float32, gen, [4096, 6144, 4096, 14336, 4096, 4096, 4096, 8192],
                               plain_scale=2.0, input_scale=3.0, rtol=1e-4)
 
 
