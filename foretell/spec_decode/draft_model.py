@@ -91,7 +91,7 @@ class DraftModelProposer(DraftLoopProposer):
 
     def padded_catch_up(self, input_ids, positions, metadata, hidden, aux, last_rows):
         out, _ = self.model(input_ids, positions, metadata)
-        return self.model.compute_logits(out[last_rows]), None
+        return self.model.compute_logits(out.index_select(0, last_rows)), None
 
     def chain_step(self, tokens, positions, metadata, state):
         hidden, _ = self.model(tokens, positions, metadata)

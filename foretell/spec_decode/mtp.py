@@ -117,7 +117,7 @@ class MTPProposer(DraftLoopProposer):
         pred = rows - (rows % metadata.max_query_len != 0).to(torch.int64)
         for layer in range(1, self.mtp.num_layers):
             previous = self.mtp.step(layer, positions, input_ids, previous[pred], metadata)
-        state = out[last_rows]
+        state = out.index_select(0, last_rows)
         return self.mtp.compute_logits(0, state), (state, 1)
 
     def _catch_up_layer(self, layer, previous, input_ids, positions, metadata):
