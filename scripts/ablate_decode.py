@@ -23,8 +23,6 @@ and alternatives (same results, other launches):
     two_launch_rope  RoPE + KV write, then the attention: two launches (the engine fuses them for
                   decode and verify: layers/attention/rope_attention_triton.py)
     attn_*        (with the two launches)
-    norms_unfolded  every norm its own launch (the engine folds a layer's norms into the qkv and
-                  gate_up MMA for 2-16 rows: layers/norm_fold_triton.py)
     norm_warps4 / norm_warps8   the norms (with their residual add) on 4 / 8 warps (the engine's: 16
                   for a 4096-wide row)
     <layer>_<kernel>  that layer's linears (qkv, o, gate_up, down, lm_head) on another kernel than
@@ -59,7 +57,7 @@ from foretell.layers.attention.triton_backend import TritonAttentionBackend  # n
 from foretell.layers.embedding import LMHead  # noqa: E402
 from foretell.layers.linear import Linear, MergedLinear  # noqa: E402
 from foretell.layers.norm import RMSNorm  # noqa: E402
-from foretell.layers.small_m_dispatch import GemmKey, SmallMGemm  # noqa: E402
+from foretell.layers.small_m_dispatch import GemmKey  # noqa: E402
 
 CONFIGS = os.path.join(ROOT, "foretell", "configs")
 
@@ -122,7 +120,6 @@ PATCHES = {
     "attn_split128": [TWO_LAUNCHES, (TritonAttentionBackend, "attend", _attend_with(min_split_tokens=128))],
     "linears": [(Linear, "forward", _linear_empty), (MergedLinear, "forward_gated", _gated_empty),
                 (LMHead, "forward", _lm_head_empty)],
-    "norms_unfolded": [(SmallMGemm, "normed", lambda *args, **kwargs: None)],
     "norm_warps4": [(fused_kernels, "_num_warps", _warps_at_most(4))],
     "norm_warps8": [(fused_kernels, "_num_warps", _warps_at_most(8))],
 }
@@ -140,7 +137,6 @@ VARIANTS = {
     "attn_unsplit": ["attn_unsplit"],
     "attn_split64": ["attn_split64"],
     "attn_split128": ["attn_split128"],
-    "norms_unfolded": ["norms_unfolded"],
     "norm_warps4": ["norm_warps4"],
     "norm_warps8": ["norm_warps8"],
 }

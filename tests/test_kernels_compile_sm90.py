@@ -34,7 +34,6 @@ CASES = [
     "gqa attention, unsplit prefill", "gemv with pdl, Llama qkv", "gemv with pdl, 4 rows, bias",
     "rms norm + residual, pdl trigger", "mma with pdl, split-K 4, Llama o", "mma with pdl, bias",
     "gemv with pdl, gated output (gate_up), bias", "mma with pdl, gated output (gate_up), split-K 2",
-    "mma with pdl, folded norm + residual, gated, Llama gate_up",
     "rope + gqa attention, split decode, Llama", "rope + gqa attention, verify, Qwen3 norms", "graph inputs unpack",
     "verify step: accept, simulated, capped", "verify step: accept, greedy", "verify step: draft catch-up inputs",
     "verify step: chained draft inputs", "verify step: next verify inputs",

@@ -23,7 +23,6 @@ from foretell.layers import kernel_dispatch
 from foretell.layers.activation import SiluAndMul
 from foretell.layers.embedding import LMHead
 from foretell.layers.linear import Linear, MergedLinear, QKVLinear
-from foretell.layers.norm import RMSNorm, norm_then_project
 from foretell.layers.small_m_dispatch import GemmKey, SmallMGemm, m_bucket, prepare_small_m_linears
 
 from fixtures.triton_interpreter import HAS_CUDA, import_interpreted, interpreter_mode  # noqa: F401
@@ -362,36 +361,3 @@ def test_gated_projection_runs_the_activation_in_the_kernel(monkeypatch):
     assert [kw.get("gated") for kw in launches] == [True, True]
     with pytest.raises(ValueError, match="two equal parts"):
         MergedLinear(40, [8, 12], dtype=dtype, device=DEVICE).forward_gated(rows[0])
-
-
-def test_norm_then_project_folds_the_norm_where_the_mma_runs(monkeypatch):
-    """norm_then_project (a decoder layer's norm and qkv / gate_up): the bound MMA folds the norm for
-    2 to 16 rows (one launch), the GEMV's row and unbound layers take the norm then the projection;
-    every path equals the torch twin's, new residual included."""
-    monkeypatch.setattr(kernel_dispatch, "use_triton", lambda *tensors: True)
-    dtype = torch.float16
-    norm = RMSNorm(40, 1e-5, dtype=dtype, device=DEVICE)
-    norm.weight.data.uniform_(0.5, 1.5)
-    qkv = QKVLinear(40, 8, 2, 1, dtype=dtype, device=DEVICE)
-    gate_up = MergedLinear(40, [12, 12], dtype=dtype, device=DEVICE)
-    for p in [*qkv.parameters(), *gate_up.parameters()]:
-        p.data.normal_()
-    cases = [(torch.randn(m, 40).to(dtype).to(DEVICE), r) for m in (1, 3) for r in (torch.randn(m, 40).to(dtype).to(DEVICE), None)]
-
-    def twin(layer, gated, x, residual):
-        with monkeypatch.context() as patch:
-            patch.setattr(kernel_dispatch, "use_triton", lambda *tensors: False)
-            normed, new_residual = norm(x.cpu(), None if residual is None else residual.cpu())
-            out = F.linear(normed.float(), layer.weight.cpu().float())
-            return (SiluAndMul()(out) if gated else out), new_residual
-
-    expected = [twin(layer, gated, x, r) for layer, gated in ((qkv, False), (gate_up, True)) for x, r in cases]
-    prepare_small_m_linears(torch.nn.ModuleList([qkv, gate_up]), max_m=4, mode="on")
-    folds = []
-    fold = mma.small_m_mma_normed_linear
-    monkeypatch.setattr(mma, "small_m_mma_normed_linear", lambda *a, **kw: folds.append(a[0].shape[0]) or fold(*a, **kw))
-    got = [norm_then_project(norm, layer, x, r, gated) for layer, gated in ((qkv, False), (gate_up, True)) for x, r in cases]
-    for (out, new_residual), (want, want_residual) in zip(got, expected):
-        torch.testing.assert_close(out.float().cpu(), want, rtol=5e-3, atol=5e-3)
-        assert torch.equal(new_residual.cpu(), want_residual)
-    assert folds == [3, 3, 3, 3]  # the 3-row calls only

@@ -15,7 +15,6 @@ import torch
 
 from fixtures.float64_linear import check_gated, check_linear, poisoned_empty  # noqa: F401 (a fixture)
 from fixtures.seeds import reports_seed  # noqa: E402
-from foretell.layers.norm import RMSNorm
 
 from fixtures.triton_interpreter import HAS_CUDA, import_interpreted, interpreter_mode  # noqa: F401
 
@@ -63,37 +62,6 @@ def test_gated_output_is_the_activation_of_the_product(poisoned_empty):
             check_gated(mma.small_m_mma_linear(x, weight, bias, config, gated=True), product)
             assert torch.equal(mma.small_m_mma_linear(x, weight, bias, config, float32_out=True), product.float())
             assert _counters_zero()
-
-
-@pytest.mark.parametrize("has_residual", [True, False])
-def test_folded_norm_matches_the_norm_then_the_product(has_residual, poisoned_empty):
-    """small_m_mma_normed_linear: RMSNorm(x, residual) folded into the loads equals the RMSNorm twin
-    then the product (float64 reference on the twin's normed input), plain and gated, unsplit and
-    split-K; the new residual is the twin's bit for bit (x itself without a residual)."""
-    seed = random.randrange(2**31)
-    rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
-    m, n, k = rng.randint(1, 16), 2 * rng.randint(33, 75), rng.randint(100, 300)  # n even: gated too
-    x = torch.randn(m, k, generator=gen).half().to(DEVICE)
-    residual = torch.randn(m, k, generator=gen).half().to(DEVICE) if has_residual else None
-    norm = RMSNorm(k, 1e-5, dtype=torch.float16)
-    norm.weight.data.copy_(torch.rand(k, generator=gen) + 0.5)
-    weight = (torch.randn(n, k, generator=gen) / k**0.5).half().to(DEVICE)
-    bias = torch.randn(n, generator=gen).half().to(DEVICE)
-    normed, new_residual = norm(x.cpu(), None if residual is None else residual.cpu())  # the torch twin
-    norm_weight = norm.weight.data.to(DEVICE)
-    with reports_seed(seed):
-        for config in (mma.MmaConfig(64, 1, 2), mma.MmaConfig(32, 3, 2)):
-            y, got_residual = mma.small_m_mma_normed_linear(x, residual, norm_weight, 1e-5, weight, bias, config)
-            check_linear(y, normed.to(DEVICE), weight, bias)
-            assert torch.equal(got_residual.cpu(), new_residual)
-            act, _ = mma.small_m_mma_normed_linear(x, residual, norm_weight, 1e-5, weight, bias, config, gated=True)
-            check_gated(act, mma.small_m_mma_linear(normed.to(DEVICE), weight, bias, config))
-            assert _counters_zero()
-    with pytest.raises(ValueError, match=r"norm weight must be a contiguous \[%d\]" % k):
-        mma.small_m_mma_normed_linear(x, residual, norm_weight[:-1], 1e-5, weight)
-    with pytest.raises(ValueError, match="residual must be a contiguous"):
-        mma.small_m_mma_normed_linear(x, x[:, :-1].contiguous(), norm_weight, 1e-5, weight)
 
 
 def test_strided_rows_and_default_config(poisoned_empty):

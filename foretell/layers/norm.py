@@ -5,9 +5,7 @@ the weight in that dtype. The residual variant adds in the input dtype first (HF
 `residual + hidden`), so stacking layers with it gives bit-identical residual streams.
 
 On CUDA (when kernel_dispatch.use_triton allows) one Triton kernel does the add and the norm with
-the same roundings; the torch code here is its twin and what the CPU runs. `norm_then_project` is a
-norm followed by a projection (a decoder layer's qkv or gate_up): where the few-row tensor-core
-kernel runs that projection it folds the norm into its loads (layers/norm_fold_triton.py).
+the same roundings; the torch code here is its twin and what the CPU runs.
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ import torch
 from torch import nn
 
 from foretell.layers import kernel_dispatch
-from foretell.layers.linear import Linear, make_param
+from foretell.layers.linear import make_param
 
 
 class RMSNorm(nn.Module):
@@ -65,21 +63,3 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"
-
-
-def norm_then_project(
-    norm: RMSNorm,
-    linear: Linear,
-    x: torch.Tensor,  # [n, hidden] the stream's last output
-    residual: torch.Tensor | None,  # [n, hidden], None entering the first layer
-    gated: bool = False,  # linear is a [gate; up] MergedLinear: its forward_gated
-) -> tuple[torch.Tensor, torch.Tensor]:  # (projection of the normed x, new residual)
-    """normed, residual = norm(x, residual), then linear(normed) (or linear.forward_gated(normed)):
-    one launch where the bound few-row kernel can fold the norm (a verify of a few tokens)."""
-    if linear.small_m is not None:
-        folded = linear.small_m.normed(x, residual, norm.weight, norm.eps, linear.weight, linear.bias, gated)
-        if folded is not None:
-            return folded
-    normed, residual = norm(x, residual)
-    return (linear.forward_gated(normed) if gated else linear(normed)), residual
-

@@ -173,29 +173,6 @@ class SmallMGemm:
         out = self.kernels.small_m_linear(rows, weight, bias, config, gated=gated, float32_out=float32_out)  # [M, N]
         return out.view(*x.shape[:-1], out.shape[-1])
 
-    def normed(
-        self,
-        x: torch.Tensor,  # [M, K] the hidden states before the norm
-        residual: torch.Tensor | None,  # [M, K], or None
-        norm_weight: torch.Tensor,  # [K]
-        eps: float,
-        weight: torch.Tensor,  # [N, K]
-        bias: torch.Tensor | None,
-        gated: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(y, new residual) of RMSNorm then this linear, the norm folded into the kernel's loads, or
-        None where the kernel chosen for this key cannot fold it (one row: the GEMV; cuBLAS; float32)."""
-        if x.dim() != 2 or not self.applies(x, weight, bias):
-            return None
-        if norm_weight.dtype != x.dtype or (residual is not None and (residual.dtype != x.dtype or residual.shape != x.shape)):
-            return None
-        n, k = weight.shape
-        config = self.choose(GemmKey(m_bucket(x.shape[0]), n, k, x.dtype, bias is not None), weight, bias)
-        if config is None or not self.kernels.folds_norm(config, k):
-            return None
-        residual = residual if residual is None or residual.is_contiguous() else residual.contiguous()
-        return self.kernels.small_m_normed_linear(x, residual, norm_weight, eps, weight, bias, config, gated)
-
     def choose(self, key: GemmKey, weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
         """The kernel config for key, or None for cuBLAS; times the key once if undecided."""
         if key in self.choices:

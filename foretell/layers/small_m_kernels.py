@@ -54,24 +54,3 @@ def small_m_linear(
 ) -> torch.Tensor:  # [M, N], x's dtype (or float32)
     kernel = small_m_mma.small_m_mma_linear if isinstance(config, MmaConfig) else small_m_gemm.small_m_linear
     return kernel(x, weight, bias, config, gated=gated, float32_out=float32_out)
-
-
-MAX_FOLDED_NORM_K = 8192  # a folded norm reads each row whole: [K_P] per row and program
-
-
-def folds_norm(config, k: int) -> bool:
-    """Whether the kernel of `config` can fold an RMSNorm of width k into its loads (the MMA can)."""
-    return isinstance(config, MmaConfig) and k <= MAX_FOLDED_NORM_K
-
-
-def small_m_normed_linear(
-    x: torch.Tensor,  # [M, K] before the norm
-    residual: torch.Tensor | None,  # [M, K]
-    norm_weight: torch.Tensor,  # [K]
-    eps: float,
-    weight: torch.Tensor,  # [N, K]
-    bias: torch.Tensor | None,
-    config,  # an MmaConfig (folds_norm)
-    gated: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:  # (y, new residual)
-    return small_m_mma.small_m_mma_normed_linear(x, residual, norm_weight, eps, weight, bias, config, gated)

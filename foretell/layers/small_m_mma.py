@@ -37,7 +37,6 @@ import triton
 import triton.language as tl
 
 from foretell.layers.attention.triton_varlen import SplitCounters
-from foretell.layers.norm_fold_triton import normed_x_tile, rows_rstd
 from foretell.layers.pdl import launch_options, let_next_kernel_launch, pdl_enabled, wait_for_previous_kernel
 from foretell.layers.small_m_gemm import check_inputs, program_rows_of_w, silu_mul_rounded
 
@@ -117,21 +116,13 @@ def _mma_kernel(
     out_ptr,  # [M, N] contiguous, x's dtype
     partial_ptr,  # [SPLIT, M, N] float32 (unused when SPLIT == 1)
     counter_ptr,  # [>= cdiv(N, BLOCK_N)] int32, zero (unused when SPLIT == 1)
-    res_ptr,  # [M, K] contiguous residual added before the folded norm (NORM and HAS_RESIDUAL)
-    norm_w_ptr,  # [K] the folded norm's weight (NORM)
-    res_out_ptr,  # [M, K] contiguous: x + residual, the new residual (NORM and HAS_RESIDUAL)
     M,
     N,
     K,
     stride_xm,
     k_per_split,  # a multiple of BLOCK_K
-    eps,  # the folded norm's (NORM)
     HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr,  # W is [gate; up] (N = 2I rows): out [M, I] = silu(x gate^T) * (x up^T)
-    NORM: tl.constexpr,  # y = RMSNorm(x, residual) W^T (layers/norm_fold_triton.py)
-    HAS_RESIDUAL: tl.constexpr,
-    NORM_ROWS: tl.constexpr,  # a power of two >= M (NORM)
-    K_P: tl.constexpr,  # a power of two >= K (NORM)
     PDL: tl.constexpr,
     SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -148,20 +139,15 @@ def _mma_kernel(
     lanes = k_start + tl.arange(0, BLOCK_K)
     w_tile = w_ptr + cols[:, None].to(tl.int64) * K + lanes[None, :]  # [BLOCK_N, BLOCK_K]
     x_tile = x_ptr + rows[None, :] * stride_xm + lanes[:, None]  # [BLOCK_K, BLOCK_M]
-    res_tile = res_ptr + rows[None, :] * K + lanes[:, None]  # the same tile of the residual
     # No kernel of a step writes W: its first tile is requested before the wait (layers/pdl.py).
     w = tl.load(w_tile, mask=col_ok[:, None] & (lanes < k_end)[None, :], other=0.0, eviction_policy="evict_first")
     wait_for_previous_kernel(PDL)
-    rstd = tl.zeros([BLOCK_M], tl.float32)
-    if NORM:  # every split needs its rows' whole hidden states for 1 / rms
-        rstd = rows_rstd(x_ptr, res_ptr, res_out_ptr, stride_xm, M, K, eps, (tile == 0) & (split == 0),
-                         HAS_RESIDUAL, NORM_ROWS, K_P, BLOCK_M)
-    x = _x_tile(x_tile, res_tile, norm_w_ptr, lanes, lanes < k_end, row_ok, rstd, NORM, HAS_RESIDUAL)
+    x = tl.load(x_tile, mask=(lanes < k_end)[:, None] & row_ok[None, :], other=0.0)
     acc = tl.dot(w, x)  # [BLOCK_N, BLOCK_M] float32
     for k0 in range(BLOCK_K, k_per_split, BLOCK_K):
         k_ok = (lanes + k0) < k_end
         w = tl.load(w_tile + k0, mask=col_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
-        x = _x_tile(x_tile + k0, res_tile + k0, norm_w_ptr, lanes + k0, k_ok, row_ok, rstd, NORM, HAS_RESIDUAL)
+        x = tl.load(x_tile + k0, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
         acc = tl.dot(w, x, acc)
     let_next_kernel_launch(PDL)  # this program's reads of W are done
 
@@ -181,14 +167,6 @@ def _mma_kernel(
     else:
         _store_output(acc, bias_ptr, cols, col_ok, out_ptr, rows, row_ok, tile, N, HAS_BIAS, GATED, BLOCK_N, BLOCK_M,
                           x_ptr.dtype.element_ty)
-
-
-@triton.jit
-def _x_tile(x_tile, res_tile, norm_w_ptr, lanes, k_ok, row_ok, rstd, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """x^T's tile [BLOCK_K, BLOCK_M] as the MMA takes it: x itself, or RMSNorm(x, residual) (NORM)."""
-    if NORM:
-        return normed_x_tile(x_tile, res_tile, norm_w_ptr, lanes, k_ok, row_ok, rstd, HAS_RESIDUAL)
-    return tl.load(x_tile, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
 
 
 @triton.jit
@@ -223,46 +201,6 @@ def small_m_mma_linear(
 ) -> torch.Tensor:  # [M, N] contiguous, x's dtype ([M, N // 2] when gated; float32 if asked)
     """F.linear(x, weight, bias) for up to 16 rows on tensor cores, reading weight exactly once."""
     check_inputs(x, weight, bias, "small-M MMA (tensor-core inputs)", SUPPORTED_DTYPES, MAX_M, gated)
-    return _launch(x, weight, bias, config, gated, float32_out, None)
-
-
-@dataclass(frozen=True)
-class FoldedNorm:
-    """An RMSNorm (with its residual add) folded into the linear's input: RMSNorm.forward's operands."""
-
-    weight: torch.Tensor  # [K], x's dtype
-    eps: float
-    residual: torch.Tensor | None  # [M, K] contiguous, x's dtype; None: no add (the first layer)
-    residual_out: torch.Tensor  # [M, K] contiguous: where x + residual goes (unwritten without a residual)
-
-
-def small_m_mma_normed_linear(
-    x: torch.Tensor,  # [M, K] the hidden states before the norm, M <= MAX_M
-    residual: torch.Tensor | None,  # [M, K] x's dtype, or None (RMSNorm without the add)
-    norm_weight: torch.Tensor,  # [K] x's dtype
-    eps: float,
-    weight: torch.Tensor,  # [N, K] contiguous
-    bias: torch.Tensor | None = None,  # [N]
-    config: MmaConfig | None = None,
-    gated: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:  # (y [M, N] or [M, N // 2], new residual [M, K])
-    """normed, new_residual = RMSNorm(x, residual); (F.linear(normed, weight, bias), new_residual), the
-    norm folded into the linear's loads (layers/norm_fold_triton.py): one launch."""
-    check_inputs(x, weight, bias, "small-M MMA (tensor-core inputs)", SUPPORTED_DTYPES, MAX_M, gated)
-    k = x.shape[1]
-    if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype or not norm_weight.is_contiguous():
-        raise ValueError(f"norm weight must be a contiguous [{k}] {x.dtype} tensor, got "
-                         f"{list(norm_weight.shape)} {norm_weight.dtype}")
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous()):
-        raise ValueError(f"residual must be a contiguous {list(x.shape)} {x.dtype} tensor, got "
-                         f"{list(residual.shape)} {residual.dtype}")
-    residual_out = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else x
-    folded = FoldedNorm(norm_weight, eps, residual, residual_out)
-    return _launch(x, weight, bias, config, gated, False, folded), residual_out
-
-
-def _launch(x, weight, bias, config: MmaConfig | None, gated: bool, float32_out: bool,
-            norm: FoldedNorm | None) -> torch.Tensor:
     m = x.shape[0]
     n, k = weight.shape
     config = config or pick_config(m, n, k, x.device)
@@ -277,19 +215,11 @@ def _launch(x, weight, bias, config: MmaConfig | None, gated: bool, float32_out:
         counters = _COUNTERS.get(x.device, tiles)
     else:
         partials = counters = out  # unread
-    has_residual = norm is not None and norm.residual is not None
     pdl = pdl_enabled(x)
     _mma_kernel[(tiles, config.split)](
-        x, weight, bias if bias is not None else out, out, partials, counters,
-        norm.residual if has_residual else x, norm.weight if norm is not None else x,
-        norm.residual_out if has_residual else x,
-        m, n, k, x.stride(0), k_per_split, norm.eps if norm is not None else 0.0,
+        x, weight, bias if bias is not None else out, out, partials, counters, m, n, k, x.stride(0), k_per_split,
         HAS_BIAS=bias is not None,
         GATED=gated,
-        NORM=norm is not None,
-        HAS_RESIDUAL=has_residual,
-        NORM_ROWS=triton.next_power_of_2(m) if norm is not None else 1,
-        K_P=triton.next_power_of_2(k) if norm is not None else 1,
         PDL=pdl,
         SPLIT=config.split,
         BLOCK_M=MAX_M,

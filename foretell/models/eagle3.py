@@ -23,7 +23,7 @@ from foretell.layers.attention.layer import Attention
 from foretell.layers.attention.metadata import AttentionMetadata
 from foretell.layers.embedding import LMHead, VocabEmbedding
 from foretell.layers.linear import Linear, QKVLinear, make_param
-from foretell.layers.norm import RMSNorm, norm_then_project
+from foretell.layers.norm import RMSNorm
 from foretell.layers.rotary import RotaryEmbedding, rope_parameters_from_config
 from foretell.models.base import HFConfig, ModelOptions, WeightRule, WeightRules
 from foretell.models.llama import DecoderDims, DecoderMLP, DecoderSwitches
@@ -83,10 +83,9 @@ class Eagle3LayerBase(nn.Module):
         residual = normed_g if self.norm_before_residual else g
         embeds, _ = self.input_layernorm(embeds)
         x = torch.cat([embeds, normed_g], dim=-1)  # [n, 2H], embedding first
-        # h = residual + attention, the add fused into the norm, the norm into gate_up where it can be
-        act, h = norm_then_project(self.post_attention_layernorm, self.mlp.gate_up_proj,
-                                   self.self_attn(positions, x, metadata), residual, gated=True)
-        return h + self.mlp.down_proj(act)
+        # h = residual + attention, the add fused into the norm (one launch on CUDA)
+        normed_h, h = self.post_attention_layernorm(self.self_attn(positions, x, metadata), residual)
+        return h + self.mlp(normed_h)
 
 
 class Eagle3Layer(Eagle3LayerBase):

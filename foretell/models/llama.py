@@ -27,7 +27,7 @@ from foretell.layers.attention.layer import Attention
 from foretell.layers.attention.metadata import AttentionMetadata
 from foretell.layers.embedding import VocabEmbedding
 from foretell.layers.linear import Linear, MergedLinear, QKVLinear
-from foretell.layers.norm import RMSNorm, norm_then_project
+from foretell.layers.norm import RMSNorm
 from foretell.layers.rotary import RotaryEmbedding, rope_parameters_from_config
 from foretell.models.base import (
     CausalLM,
@@ -123,16 +123,8 @@ class DecoderAttention(nn.Module):
         hidden: torch.Tensor,  # [num_tokens, hidden_size]
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
-        return self.forward_qkv(positions, self.qkv_proj(hidden), metadata)
-
-    def forward_qkv(
-        self,
-        positions: torch.Tensor,  # [num_tokens]
-        qkv: torch.Tensor,  # [num_tokens, q_size + 2 * kv_size] the qkv projection's output
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # [num_tokens, hidden_size]
-        num_tokens = qkv.shape[0]
-        q, k, v = self.qkv_proj.split(qkv)
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -154,25 +146,11 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(PreNormDecoderLayer):
-    """Pre-norm attention + MLP block; the residual add is fused into the next norm, and each norm
-    into the projection after it where the few-row tensor-core kernel runs that (norm_then_project).
+    """Pre-norm attention + MLP block; the residual add is fused into the next norm.
 
     Takes and returns (hidden, residual) whose sum is the residual stream; the first layer gets
     residual None and the stream in `hidden`.
     """
-
-    def forward(
-        self,
-        positions: torch.Tensor,  # [num_tokens]
-        hidden: torch.Tensor,  # [num_tokens, hidden_size]
-        residual: torch.Tensor | None,  # [num_tokens, hidden_size]; None entering the first layer
-        metadata: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        qkv, residual = norm_then_project(self.input_layernorm, self.self_attn.qkv_proj, hidden, residual)
-        hidden = self.self_attn.forward_qkv(positions, qkv, metadata)
-        act, residual = norm_then_project(self.post_attention_layernorm, self.mlp.gate_up_proj, hidden, residual,
-                                          gated=True)
-        return self.mlp.down_proj(act), residual
 
     def __init__(
         self,

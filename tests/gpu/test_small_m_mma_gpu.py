@@ -25,7 +25,6 @@ from fixtures.seeds import reports_seed  # noqa: E402
 from foretell.layers import small_m_gemm as sm  # noqa: E402
 from foretell.layers import small_m_mma as mma  # noqa: E402
 from foretell.layers.linear import Linear  # noqa: E402
-from foretell.layers.norm import RMSNorm  # noqa: E402
 from foretell.layers.small_m_dispatch import GemmKey, prepare_small_m_linears  # noqa: E402
 
 DEVICE = torch.device("cuda")
@@ -83,33 +82,6 @@ def test_gated_output_and_bias(dtype, m):
             check_gated(mma.small_m_mma_linear(x, weight, bias, config, gated=True), product)
             assert torch.equal(mma.small_m_mma_linear(x, weight, bias, config, float32_out=True), product.float())
             assert _counters_zero()
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [4, 13])
-def test_folded_norm_at_the_llama8b_qkv_and_gate_up(dtype, m):
-    """RMSNorm + residual folded into the MMA's loads at Llama-8B's qkv and gated gate_up: against the
-    norm kernel then a float64 product; the new residual bit for bit; the split-K configs too."""
-    seed = random.randrange(2**31)
-    gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    k = 4096
-    x = torch.randn(m, k, generator=gen, device=DEVICE).to(dtype)
-    residual = torch.randn(m, k, generator=gen, device=DEVICE).to(dtype)
-    norm = RMSNorm(k, 1e-5, dtype=dtype, device=DEVICE)
-    norm.weight.data.copy_(torch.rand(k, generator=gen, device=DEVICE) + 0.5)
-    with torch.inference_mode(), reports_seed(seed):
-        normed, new_residual = norm(x, residual)  # the fused norm kernel
-        for n, gated in ((6144, False), (28672, True)):
-            weight = (torch.randn(n, k, generator=gen, device=DEVICE) / k**0.5).to(dtype)
-            for config in mma.candidate_configs(m, n, k, DEVICE):
-                y, got_residual = mma.small_m_mma_normed_linear(x, residual, norm.weight, 1e-5, weight, None, config,
-                                                                gated)
-                assert torch.equal(got_residual, new_residual)
-                if gated:
-                    check_gated(y, mma.small_m_mma_linear(normed, weight, None, config))
-                else:
-                    check_linear(y, normed, weight, None)
-                assert _counters_zero()
 
 
 def test_replays_in_a_cuda_graph_bit_identical():
