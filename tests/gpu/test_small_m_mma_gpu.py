@@ -34,6 +34,13 @@ def _counters_zero():
     return all(int(b.count_nonzero()) == 0 for b in mma._COUNTERS._buffers.values())
 
 
+def _random_linear(gen, m, n, k, dtype):
+    """x [m, k], weight [n, k] (scaled by 1 / sqrt(k)) and bias [n], fresh random on the device."""
+    x = torch.randn(m, k, generator=gen, device=DEVICE).to(dtype)
+    weight = (torch.randn(n, k, generator=gen, device=DEVICE) / k**0.5).to(dtype)
+    return x, weight, torch.randn(n, generator=gen, device=DEVICE).to(dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", LLAMA8B_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("m", [1, 2, 4, 16])
@@ -41,8 +48,7 @@ def test_matches_float64_at_llama8b_shapes(dtype, shape, m):
     seed = random.randrange(2**31)
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     n, k = shape
-    x = torch.randn(m, k, generator=gen, device=DEVICE).to(dtype)
-    weight = (torch.randn(n, k, generator=gen, device=DEVICE) / k**0.5).to(dtype)
+    x, weight, _ = _random_linear(gen, m, n, k, dtype)
     with torch.inference_mode(), reports_seed(seed):
         for config in mma.candidate_configs(m, n, k, DEVICE):
             check_linear(mma.small_m_mma_linear(x, weight, None, config), x, weight, None)
@@ -55,9 +61,7 @@ def test_long_k_and_bias(dtype, m):
     seed = random.randrange(2**31)
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     n, k = 4096 + 40, 14336 + 24  # down_proj-like, neither a multiple of the tiles
-    x = torch.randn(m, k, generator=gen, device=DEVICE).to(dtype)
-    weight = (torch.randn(n, k, generator=gen, device=DEVICE) / k**0.5).to(dtype)
-    bias = torch.randn(n, generator=gen, device=DEVICE).to(dtype)
+    x, weight, bias = _random_linear(gen, m, n, k, dtype)
     with torch.inference_mode(), reports_seed(seed):
         for config in mma.candidate_configs(m, n, k, DEVICE):
             check_linear(mma.small_m_mma_linear(x, weight, bias, config), x, weight, bias)
@@ -72,9 +76,7 @@ def test_gated_output_and_bias(dtype, m):
     seed = random.randrange(2**31)
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     n, k = 2 * (14336 + 20), 4096 + 24
-    x = torch.randn(m, k, generator=gen, device=DEVICE).to(dtype)
-    weight = (torch.randn(n, k, generator=gen, device=DEVICE) / k**0.5).to(dtype)
-    bias = torch.randn(n, generator=gen, device=DEVICE).to(dtype)
+    x, weight, bias = _random_linear(gen, m, n, k, dtype)
     with torch.inference_mode(), reports_seed(seed):
         for config in mma.candidate_configs(m, n, k, DEVICE):
             product = mma.small_m_mma_linear(x, weight, bias, config)
