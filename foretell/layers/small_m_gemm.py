@@ -16,7 +16,7 @@ built for that chain:
   - `gated`: W is an MLP's [gate; up] and the kernel stores silu(gate) * up (with SiluAndMul's
     roundings): each program owns pairs of rows (gate j, up j), so the activation is its epilogue,
     and the down projection reads a plain input (0.07 ms a Llama-8B decode step faster on the H200
-    than the activation applied by the down projection as it read gate_up; `float32_out` stores the
+    than the activation applied by the down projection as it read gate_up); `float32_out` stores the
     rounded results as float32 (LMHead's logits: no cast launch);
   - up to MAX_M rows of x run one at a time against the same tile (its registers do not grow with
     M), but each row is another pass of float32 FMAs: slower than cuBLAS at M = 2 and 4 on the
@@ -26,8 +26,8 @@ built for that chain:
     the same result on every call (not cuBLAS's order: results differ from F.linear by float32
     rounding of the sums).
 
-Output: x's dtype (or float32). Grids depend only on shapes, nothing syncs with the host, and the output is a
-torch.empty of a shape fixed by (M, N), so a call can be captured in a CUDA graph.
+Output: x's dtype (or float32). Grids depend only on shapes, nothing syncs with the host, and the
+output is a torch.empty of a shape fixed by (M, N), so a call can be captured in a CUDA graph.
 
 Whether a layer uses this, the MMA or cuBLAS is decided by layers/small_m_dispatch.py; this module imports
 triton and is imported only on CUDA (or by the interpreter tests, tests/test_small_m_gemm.py).
@@ -129,7 +129,7 @@ def _gemv_kernel(
     x_ptr,  # [M, K], unit column stride
     w_ptr,  # [N, K] contiguous
     bias_ptr,  # [N] (unread without HAS_BIAS)
-    out_ptr,  # [M, N] contiguous, x's dtype
+    out_ptr,  # [M, N] contiguous ([M, N // 2] with GATED), x's dtype or float32
     M,
     N,
     K,
@@ -181,8 +181,7 @@ def check_inputs(
     gated: bool = False,
 ) -> None:
     """Raise a ValueError saying what is wrong unless the few-row kernel can run F.linear(x, weight,
-    bias) (weight = [gate; up] of 2I rows when gated).
-    Shared by small_m_mma.py."""
+    bias) (weight = [gate; up] of 2I rows when gated). Shared by small_m_mma.py."""
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"x must be [M, K] and weight [N, K], got {list(x.shape)} and {list(weight.shape)}")
     if gated and weight.shape[0] % 2:

@@ -113,7 +113,7 @@ def _mma_kernel(
     x_ptr,  # [M, K], unit column stride
     w_ptr,  # [N, K] contiguous
     bias_ptr,  # [N] (unread without HAS_BIAS)
-    out_ptr,  # [M, N] contiguous, x's dtype
+    out_ptr,  # [M, N] contiguous ([M, N // 2] with GATED), x's dtype or float32
     partial_ptr,  # [SPLIT, M, N] float32 (unused when SPLIT == 1)
     counter_ptr,  # [>= cdiv(N, BLOCK_N)] int32, zero (unused when SPLIT == 1)
     M,
@@ -161,12 +161,12 @@ def _mma_kernel(
             acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
             for s in range(SPLIT):  # split order: the same sum whichever split finished last
                 acc += tl.load(partial_ptr + s * M * N + offsets, mask=out_mask, other=0.0, cache_modifier=".cg")
-            _store_output(acc, bias_ptr, cols, col_ok, out_ptr, rows, row_ok, tile, N, HAS_BIAS, GATED, BLOCK_N, BLOCK_M,
-                          x_ptr.dtype.element_ty)
+            _store_output(acc, bias_ptr, cols, col_ok, out_ptr, rows, row_ok, tile, N,
+                          HAS_BIAS, GATED, BLOCK_N, BLOCK_M, x_ptr.dtype.element_ty)
             tl.atomic_xchg(counter_ptr + tile, 0)  # ready for the next launch
     else:
-        _store_output(acc, bias_ptr, cols, col_ok, out_ptr, rows, row_ok, tile, N, HAS_BIAS, GATED, BLOCK_N, BLOCK_M,
-                          x_ptr.dtype.element_ty)
+        _store_output(acc, bias_ptr, cols, col_ok, out_ptr, rows, row_ok, tile, N,
+                      HAS_BIAS, GATED, BLOCK_N, BLOCK_M, x_ptr.dtype.element_ty)
 
 
 @triton.jit
