@@ -161,6 +161,19 @@ def alternatives(current, m: int, n: int, k: int, mma_sweep: bool = False) -> di
         for rows, width in ((1, whole), (2, whole), (4, whole), (8, whole), (4, 2048), (1, 8192)):
             warps = max(4, min(16, rows * width // (32 * 64)))  # about 64 weights a thread
             other[f"gemv_{rows}x{width}"] = small_m_gemm.SmallMConfig(1, rows, min(width, whole), warps)
+    if 1 < m <= small_m_gemm.MAX_M:  # the GEMV's rows at once: its default tiles, then narrower ones
+        other["gemv"] = small_m_gemm.pick_config(m, n, k)
+        for rows, width in ((1, 4096), (4, 1024), (2, 2048), (4, 2048)):
+            width = min(width, 1 << (k - 1).bit_length())
+            other[f"gemv_{rows}x{width}"] = small_m_gemm.SmallMConfig(small_m_gemm.pick_config(m, n, k).block_m,
+                                                                      rows, width, max(4, min(8, rows * width // 1024)))
+    if mma_sweep or m > 1:  # narrower and wider MMA tiles than the default 64 rows of W
+        _, smem = small_m_mma.device_limits(device)
+        for block_n, block_k, split, warps in ((16, 256, 1, 4), (16, 256, 2, 4), (32, 256, 1, 4), (32, 256, 2, 4),
+                                               (32, 128, 4, 4), (128, 128, 1, 8), (128, 128, 2, 8)):
+            stages = small_m_mma._stages_that_fit(block_n, block_k, smem)
+            other[f"mma_bn{block_n}_bk{block_k}_split{split}_w{warps}"] = small_m_mma.MmaConfig(
+                block_k, split, stages, block_n, warps)
     other["mma"] = mma
     for split in (1, 2, 4):
         other[f"mma_split{split}"] = small_m_mma.MmaConfig(128, split, 4)

@@ -84,6 +84,11 @@ def test_draft_logits_match_reference(qwen3_checkpoint, head_fixture, request):
     g = head.combine([a[:T] for a in aux])
     h = head(tokens, positions, g, meta)
     torch.testing.assert_close(head.compute_logits(h), ref_logits, atol=2e-4, rtol=2e-4)
+    # step(): the layer past its attention on the kept rows only; the cache is rewritten alike.
+    kept = torch.tensor([T - 1, 2])
+    logits, h_kept = head.step(tokens, positions, g, meta, kept)
+    torch.testing.assert_close(logits, ref_logits[kept], atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(h_kept, h[kept], atol=1e-5, rtol=1e-5)
     # One chained step: the previous h, the next token, the next position.
     nxt = torch.tensor([77])
     meta2 = catch_up_metadata([T], [1], table, bs, proposer.draft_block_size)

@@ -112,16 +112,18 @@ def program_rows_of_w(program, N, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
 
 @triton.jit
 def _accumulate(acc, w, x_ptr, stride_xm, M, cols, K, BLOCK_M: tl.constexpr):
-    """acc [BLOCK_M, BLOCK_N] + x[:, cols] . w^T for the weight tile w [BLOCK_N, BLOCK_K]: one row
-    of x at a time, each a [BLOCK_N, BLOCK_K] product summed over the tile's K lanes."""
+    """acc [BLOCK_M, BLOCK_N] + x[:, cols] . w^T for the weight tile w [BLOCK_N, BLOCK_K], the
+    products summed over the tile's K lanes. One row: a [BLOCK_N, BLOCK_K] product; more rows: one
+    [BLOCK_M, BLOCK_N, BLOCK_K] product, so the sum across the program's threads runs once a tile
+    for every row together."""
     w = w.to(tl.float32)
-    rows = tl.arange(0, BLOCK_M)[:, None]  # [BLOCK_M, 1]
-    for m in tl.static_range(BLOCK_M):
-        mask = cols < tl.where(m < M, K, 0)  # padding rows (m >= M) read nothing
-        x = tl.load(x_ptr + m * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_K]
-        y = tl.sum(w * x[None, :], axis=1)  # [BLOCK_N]
-        acc = tl.where(rows == m, acc + y[None, :], acc)
-    return acc
+    if BLOCK_M == 1:
+        x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)  # [BLOCK_K]
+        return acc + tl.sum(w * x[None, :], axis=1)[None, :]
+    rows = tl.arange(0, BLOCK_M)
+    mask = (rows < M)[:, None] & (cols < K)[None, :]  # padding rows (m >= M) read nothing
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    return acc + tl.sum(w[None, :, :] * x[:, None, :], axis=2)  # [BLOCK_M, BLOCK_N]
 
 
 @triton.jit

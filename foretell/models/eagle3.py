@@ -12,6 +12,11 @@ One draft step (rows pair the target's features at position t with the token at 
   h = g + o_proj(attention(x))          (residual = hidden_norm(g) with norm_before_residual)
   h = h + mlp(post_attention_layernorm(h))
   logits = lm_head(norm(h)) over the draft vocabulary; the next step gets h (before the norm)
+
+The drafter (spec_decode/eagle3.py) runs `step`: the last add is fused into the final norm, and a
+catch-up over several rows per sequence keeps only its drafting rows after the attention (`keep_rows`:
+every row's keys and values are cached by then, and only those rows' h are read), so the o
+projection, the MLP and the LM head run on one row per sequence.
 """
 
 from __future__ import annotations
@@ -78,14 +83,24 @@ class Eagle3LayerBase(nn.Module):
         self.input_layernorm = RMSNorm(hidden, eps, **kw)
         self.post_attention_layernorm = RMSNorm(hidden, eps, **kw)
 
-    def forward(self, positions, embeds, g, metadata):  # embeds, g [n, H] -> h [n, H]
+    def forward(
+        self,
+        positions: torch.Tensor,  # [n]
+        embeds: torch.Tensor,  # [n, H]
+        g: torch.Tensor,  # [n, H]
+        metadata: AttentionMetadata,
+        keep_rows: torch.Tensor | None = None,  # [m] int64: the rows whose output is wanted; None: all
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (mlp_out, h_attn) [m, H]: h = h_attn + mlp_out
         normed_g, _ = self.hidden_norm(g)
         residual = normed_g if self.norm_before_residual else g
         embeds, _ = self.input_layernorm(embeds)
         x = torch.cat([embeds, normed_g], dim=-1)  # [n, 2H], embedding first
-        # h = residual + attention, the add fused into the norm (one launch on CUDA)
-        normed_h, h = self.post_attention_layernorm(self.self_attn(positions, x, metadata), residual)
-        return h + self.mlp(normed_h)
+        attn = self.self_attn(positions, x, metadata)  # every row's keys and values are cached now
+        if keep_rows is not None:
+            attn, residual = attn.index_select(0, keep_rows), residual.index_select(0, keep_rows)
+        # h_attn = residual + attention, the add fused into the norm (one launch on CUDA)
+        normed_h, h_attn = self.post_attention_layernorm(attn, residual)
+        return self.mlp(normed_h), h_attn
 
 
 class Eagle3Layer(Eagle3LayerBase):
@@ -148,6 +163,10 @@ class Eagle3Head(nn.Module):
     def combine(self, aux: list[torch.Tensor]) -> torch.Tensor:  # 3 x [n, Ht] -> [n, H]
         return self.fc(torch.cat(aux, dim=-1))
 
+    def _layer(self, input_ids, positions, g, metadata, keep_rows=None):  # -> (mlp_out, h_attn) [m, H]
+        embed = self.embed_tokens or self.shared_embed
+        return self.midlayer(positions, embed(input_ids).to(g.dtype), g, metadata, keep_rows)
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [n] target token ids
@@ -155,8 +174,22 @@ class Eagle3Head(nn.Module):
         g: torch.Tensor,  # [n, H]
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [n, H], before the final norm
-        embed = self.embed_tokens or self.shared_embed
-        return self.midlayer(positions, embed(input_ids).to(g.dtype), g, metadata)
+        mlp_out, h_attn = self._layer(input_ids, positions, g, metadata)
+        return h_attn + mlp_out
+
+    def step(
+        self,
+        input_ids: torch.Tensor,  # [n] target token ids
+        positions: torch.Tensor,  # [n]
+        g: torch.Tensor,  # [n, H]
+        metadata: AttentionMetadata,
+        keep_rows: torch.Tensor | None = None,  # [m] int64: the rows to draft from; None: all
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (logits [m, draft_vocab] float32, h [m, H])
+        """compute_logits(forward(...)[keep_rows]) and those rows of h, the last add in the final
+        norm's launch and the layer past its attention on the kept rows only."""
+        mlp_out, h_attn = self._layer(input_ids, positions, g, metadata, keep_rows)
+        normed, h = self.norm(mlp_out, h_attn)
+        return (self.lm_head or self.shared_lm_head)(normed), h
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:  # [n, draft_vocab] float32
         normed, _ = self.norm(h)

@@ -154,20 +154,16 @@ class Eagle3Proposer(DraftLoopProposer):
         )
         metadata = catch_up_metadata(starts, counts, batch.block_table, batch.block_size, self.draft_block_size)
         g = self.head.combine(batch.aux_hidden_states)
-        h = self.head(input_ids, positions, g, metadata)  # [rows, H]
-        if not last_rows:
+        if not last_rows:  # nothing drafts: the forward only caches the rows' keys and values
+            self.head(input_ids, positions, g, metadata)
             return None, None
-        ends = to_device(metadata.query_start_loc_cpu[1:], torch.int64, self.device) - 1
-        state = h[ends[last_rows]]
-        return self.head.compute_logits(state), state
+        ends = [metadata.query_start_loc_cpu[i + 1] - 1 for i in last_rows]
+        return self.head.step(input_ids, positions, g, metadata, to_device(ends, torch.int64, self.device))
 
     graph_capable = True
 
     def padded_catch_up(self, input_ids, positions, metadata, hidden, aux, last_rows):
-        h = self.head(input_ids, positions, self.head.combine(aux), metadata)
-        state = h.index_select(0, last_rows)  # one small gather (advanced indexing launches a slower one)
-        return self.head.compute_logits(state), state
+        return self.head.step(input_ids, positions, self.head.combine(aux), metadata, last_rows)
 
     def chain_step(self, tokens, positions, metadata, state):
-        h = self.head(tokens, positions, state, metadata)
-        return self.head.compute_logits(h), h
+        return self.head.step(tokens, positions, state, metadata)
