@@ -13,6 +13,7 @@ One draft step (rows pair the target's features at position t with the token at 
   h = h + mlp(post_attention_layernorm(h))
   logits = lm_head(norm(h)) over the draft vocabulary; the next step gets h (before the norm)
 
+On CUDA the first line (gather, two norms, concatenation) is one launch (layers/eagle3_input_triton.py).
 The drafter (spec_decode/eagle3.py) runs `step`: the last add is fused into the final norm, and a
 catch-up over several rows per sequence keeps only its drafting rows after the attention (`keep_rows`:
 every row's keys and values are cached by then, and only those rows' h are read), so the o
@@ -24,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from foretell.layers import kernel_dispatch
 from foretell.layers.attention.layer import Attention
 from foretell.layers.attention.metadata import AttentionMetadata
 from foretell.layers.embedding import LMHead, VocabEmbedding
@@ -83,18 +85,36 @@ class Eagle3LayerBase(nn.Module):
         self.input_layernorm = RMSNorm(hidden, eps, **kw)
         self.post_attention_layernorm = RMSNorm(hidden, eps, **kw)
 
+    def layer_input(
+        self, input_ids: torch.Tensor, embedding: nn.Module, g: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (x [n, 2H], residual [n, H])
+        """x = [input_layernorm(embedding(input_ids)) ; hidden_norm(g)], embedding first (one launch
+        on CUDA: layers/eagle3_input_triton.py), and the residual the attention's output is added to."""
+        weight = getattr(embedding, "weight", None)
+        norms = (self.input_layernorm, self.hidden_norm)
+        if (isinstance(embedding, VocabEmbedding) and weight.dtype == g.dtype
+                and all(n.weight.dtype == g.dtype for n in norms) and kernel_dispatch.use_triton(input_ids, weight, g)):
+            from foretell.layers.eagle3_input_triton import eagle3_input_triton  # imports triton: CUDA only
+
+            x = eagle3_input_triton(input_ids, weight, g, self.input_layernorm.weight, self.input_layernorm.eps,
+                                    self.hidden_norm.weight, self.hidden_norm.eps)
+            normed_g = x[:, g.shape[1]:]
+        else:
+            embeds, _ = self.input_layernorm(embedding(input_ids).to(g.dtype))
+            normed_g, _ = self.hidden_norm(g)
+            x = torch.cat([embeds, normed_g], dim=-1)
+        return x, normed_g if self.norm_before_residual else g
+
     def forward(
         self,
         positions: torch.Tensor,  # [n]
-        embeds: torch.Tensor,  # [n, H]
+        input_ids: torch.Tensor,  # [n] token ids
+        embedding: nn.Module,  # the token embedding (the head's own or the target's)
         g: torch.Tensor,  # [n, H]
         metadata: AttentionMetadata,
         keep_rows: torch.Tensor | None = None,  # [m] int64: the rows whose output is wanted; None: all
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (mlp_out, h_attn) [m, H]: h = h_attn + mlp_out
-        normed_g, _ = self.hidden_norm(g)
-        residual = normed_g if self.norm_before_residual else g
-        embeds, _ = self.input_layernorm(embeds)
-        x = torch.cat([embeds, normed_g], dim=-1)  # [n, 2H], embedding first
+        x, residual = self.layer_input(input_ids, embedding, g)
         attn = self.self_attn(positions, x, metadata)  # every row's keys and values are cached now
         if keep_rows is not None:
             attn, residual = attn.index_select(0, keep_rows), residual.index_select(0, keep_rows)
@@ -164,8 +184,7 @@ class Eagle3Head(nn.Module):
         return self.fc(torch.cat(aux, dim=-1))
 
     def _layer(self, input_ids, positions, g, metadata, keep_rows=None):  # -> (mlp_out, h_attn) [m, H]
-        embed = self.embed_tokens or self.shared_embed
-        return self.midlayer(positions, embed(input_ids).to(g.dtype), g, metadata, keep_rows)
+        return self.midlayer(positions, input_ids, self.embed_tokens or self.shared_embed, g, metadata, keep_rows)
 
     def forward(
         self,
