@@ -81,3 +81,19 @@ def test_bad_input_is_refused(bad):
 def test_argmax_rows_dispatch_keeps_torch_semantics_on_cpu():
     logits = torch.randn(3, 20000)
     assert argmax_rows(logits).tolist() == logits.argmax(dim=-1).tolist()
+
+
+def test_out_takes_a_strided_column():
+    """`out` (a column of a [rows, k] drafts buffer, say) is written in place, nothing else."""
+    logits = torch.randn(3, CHUNK + 7)
+    expected = logits.argmax(dim=-1).tolist()
+    drafts = torch.full((3, 4), -5, dtype=torch.int64, device=DEVICE)
+    got = kernels.argmax_triton(logits.to(DEVICE), out=drafts[:, 2])
+    assert got.data_ptr() == drafts[:, 2].data_ptr()
+    assert drafts[:, 2].cpu().tolist() == expected and (drafts[:, [0, 1, 3]] == -5).all()
+    host = torch.zeros(3, 2, dtype=torch.int64)
+    assert argmax_rows(logits, out=host[:, 1]).tolist() == expected and host[:, 1].tolist() == expected
+    with pytest.raises(ValueError, match=r"out must be a \[3\] int64"):
+        kernels.argmax_triton(logits.to(DEVICE), out=drafts[:2, 0])
+    with pytest.raises(ValueError, match=r"out must be a \[3\] int64"):
+        kernels.argmax_triton(logits.to(DEVICE), out=drafts[:, 0].int())

@@ -55,3 +55,23 @@ def test_prepare_replay_describes_the_graphs_own_query_length():
 def test_prepare_replay_refuses_bad_keys_and_lengths(key, context_len, match):
     with pytest.raises(ValueError, match=match):
         make_runner(RecordingModel()).prepare_replay(key, context_len)
+
+
+def test_advance_verify_uploads_the_block_table_only_when_blocks_change():
+    """A verify step queued ahead takes the sequences' block ids; the table is copied to the
+    device only when they differ from what the buffers hold (a copy on the stream costs the
+    device several microseconds a step)."""
+    runner = make_runner(RecordingModel())
+    runner.prepare_replay((2, 4), 12)
+    accepted, next_token = torch.tensor([1, 3]), torch.tensor([7, 8])
+    drafts = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    runner.advance_verify(2, accepted, next_token, drafts, [[5, 6, 7], [1, 2, 3]])
+    assert runner.block_table[:2, :3].tolist() == [[5, 6, 7], [1, 2, 3]]
+    runner.block_table[0, 0] = 99  # a marker: the same ids again leave the buffer alone
+    runner.advance_verify(2, accepted, next_token, drafts, [[5, 6, 7], [1, 2, 3]])
+    assert runner.block_table[0, 0] == 99
+    runner.advance_verify(2, accepted, next_token, drafts, [[5, 6, 7, 9], [1, 2, 3]])  # a block added
+    assert runner.block_table[:2, :4].tolist()[0] == [5, 6, 7, 9] and runner.block_table[1, :3].tolist() == [1, 2, 3]
+    runner.prepare_replay((2, 4), 12)  # rewrites the table: the next advance uploads again
+    runner.advance_verify(2, accepted, next_token, drafts, [[5, 6, 7, 9], [1, 2, 3]])
+    assert runner.block_table[0, :4].tolist() == [5, 6, 7, 9]

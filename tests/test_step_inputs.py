@@ -121,6 +121,7 @@ def test_advance_verify_matches_twin_and_definition(interpreter_mode, num_seqs, 
     accepted = torch.tensor([rng.randrange(q) for _ in range(num_seqs)], device=DEVICE)
     next_token = torch.tensor([rng.randrange(1000) for _ in range(num_seqs)], device=DEVICE)
     drafts = torch.tensor([[rng.randrange(1000) for _ in range(q - 1)] for _ in range(num_seqs)], device=DEVICE)
+    drafts = drafts.t().contiguous().t()  # [B, q - 1] as the draft loop returns it: one row per step
     table = _table(rng, num_seqs)
     buffers = []
     for advance in (step_inputs.advance_verify_inputs_torch, kernels.advance_verify_inputs_triton):

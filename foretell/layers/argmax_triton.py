@@ -46,9 +46,10 @@ def _chunk_argmax_kernel(
 def _pick_chunk_kernel(
     chunk_max_ptr,  # [rows, num_chunks] float32
     chunk_arg_ptr,  # [rows, num_chunks] int32
-    out_ptr,  # [rows] int64 out
+    out_ptr,  # [rows] int64 out, rows stride_out apart
     id_map_ptr,  # [vocab] int64 (read with HAS_MAP)
     num_chunks,
+    stride_out,
     CHUNKS_P: tl.constexpr,
     HAS_MAP: tl.constexpr,  # write id_map[argmax] (an EAGLE3 draft id's target id)
 ):
@@ -61,12 +62,15 @@ def _pick_chunk_kernel(
     column = tl.load(chunk_arg_ptr + row * num_chunks + first_chunk).to(tl.int64)
     if HAS_MAP:
         column = tl.load(id_map_ptr + column)
-    tl.store(out_ptr + row, column)
+    tl.store(out_ptr + row * stride_out, column)
 
 
-def argmax_triton(logits: torch.Tensor, id_map: torch.Tensor | None = None) -> torch.Tensor:
+def argmax_triton(
+    logits: torch.Tensor, id_map: torch.Tensor | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """logits [rows, vocab] (unit stride on vocab) -> [rows] int64, as torch.argmax(dim=-1), or
-    id_map[argmax] with id_map [vocab] int64 (one launch fewer than indexing afterwards)."""
+    id_map[argmax] with id_map [vocab] int64 (one launch fewer than indexing afterwards); written
+    into `out` ([rows] int64, any stride: a column of a drafts buffer, say) when given."""
     if logits.dim() != 2 or logits.shape[-1] == 0 or logits.stride(-1) != 1:
         raise ValueError(
             f"argmax_triton needs logits [rows, vocab > 0] with a unit last stride; got shape "
@@ -79,7 +83,11 @@ def argmax_triton(logits: torch.Tensor, id_map: torch.Tensor | None = None) -> t
             f"{list(id_map.shape)} {id_map.dtype} on {id_map.device}"
         )
     rows, vocab = logits.shape
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if out is None:
+        out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    elif out.shape != (rows,) or out.dtype != torch.int64 or out.device != logits.device:
+        raise ValueError(f"out must be a [{rows}] int64 tensor on {logits.device}, got "
+                         f"{list(out.shape)} {out.dtype} on {out.device}")
     if rows == 0:
         return out
     num_chunks = triton.cdiv(vocab, CHUNK)
@@ -89,7 +97,7 @@ def argmax_triton(logits: torch.Tensor, id_map: torch.Tensor | None = None) -> t
         logits, chunk_max, chunk_arg, vocab, num_chunks, logits.stride(0), CHUNK=CHUNK, num_warps=8
     )
     _pick_chunk_kernel[(rows,)](
-        chunk_max, chunk_arg, out, id_map if id_map is not None else out, num_chunks,
+        chunk_max, chunk_arg, out, id_map if id_map is not None else out, num_chunks, out.stride(0),
         CHUNKS_P=max(2, triton.next_power_of_2(num_chunks)), HAS_MAP=id_map is not None, num_warps=1,
     )
     return out

@@ -189,15 +189,19 @@ def compute_logprobs(
 TRITON_ARGMAX_MIN_VOCAB = 8192
 
 
-def argmax_rows(logits: torch.Tensor, id_map: torch.Tensor | None = None) -> torch.Tensor:
+def argmax_rows(
+    logits: torch.Tensor, id_map: torch.Tensor | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """logits [rows, vocab] -> [rows] int64: the first column holding each row's maximum, or
-    id_map[that column] (id_map [vocab] int64: a draft vocabulary's target ids)."""
+    id_map[that column] (id_map [vocab] int64: a draft vocabulary's target ids); written into
+    `out` ([rows] int64, any stride) when given, and returned."""
     if logits.dim() == 2 and logits.shape[-1] >= TRITON_ARGMAX_MIN_VOCAB and use_triton(logits):
         from foretell.layers.argmax_triton import argmax_triton  # imports triton
 
-        return argmax_triton(logits if logits.stride(-1) == 1 else logits.contiguous(), id_map)
+        return argmax_triton(logits if logits.stride(-1) == 1 else logits.contiguous(), id_map, out)
     columns = logits.argmax(dim=-1)
-    return columns if id_map is None else id_map[columns]
+    ids = columns if id_map is None else id_map[columns]
+    return ids if out is None else out.copy_(ids)
 
 
 class Sampler:

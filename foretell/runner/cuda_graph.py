@@ -26,7 +26,7 @@ from foretell.layers.attention.metadata import AttentionMetadata
 from foretell.layers.sampler import argmax_rows
 from foretell.runner import graph_inputs
 from foretell.runner.graph_inputs import GraphInputBuffers
-from foretell.runner.input_batch import InputBatch
+from foretell.runner.input_batch import InputBatch, build_block_table
 from foretell.spec_decode.step_inputs import advance_verify_inputs
 
 logger = logging.getLogger("foretell")
@@ -79,6 +79,7 @@ class CudaGraphRunner:
         # A packed step (graph_inputs.pack) of the largest bucket and query length.
         self.staging = torch.zeros(3 * max_rows + 2 * self.buckets[-1] + 1 + self.block_table.numel(), **i64)
         self.side = graph_inputs.SideStream(device)
+        self.table_rows: tuple | None = None  # the block ids block_table's first rows hold, when known
         self.graphs: dict[tuple[int, int], CapturedForward] = {}
         self.pool = None
 
@@ -143,6 +144,7 @@ class CudaGraphRunner:
                              f"and fit {self.block_table.shape[1]} blocks of {self.block_size}")
         self.side.before_input_write()
         self._reset_padding(0, bucket, q)
+        self.table_rows = None
         self.seq_lens[:bucket] = context_len
         self.block_table[:bucket, :blocks] = torch.arange(blocks, dtype=torch.int32, device=self.device)
 
@@ -177,6 +179,7 @@ class CudaGraphRunner:
         self.side.before_input_write()
         graph_inputs.unpack(staging, tokens, self.buffers, layout)
         self.side.after_input_write()
+        self.table_rows = tuple(map(tuple, batch.block_ids))
         return self.replay(key)
 
     def download_input_ids(self, rows: int) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
@@ -199,14 +202,19 @@ class CudaGraphRunner:
         accepted: torch.Tensor,  # [num_seqs] int64: drafts the step in the buffers accepted
         next_token: torch.Tensor,  # [num_seqs] int64: the target's token after them
         drafts: torch.Tensor,  # [num_seqs, q - 1] int64: the drafts to verify next
-        block_table: torch.Tensor,  # [num_seqs, width] int32: the sequences' blocks now
+        block_ids: list[list[int]],  # each sequence's cache blocks now
     ) -> None:
         """Turn the buffers of a verify step (q rows per sequence) into those of the next one,
         on the device: each sequence moves past its accepted drafts and its next token
         (p0 -> p0 + accepted + 1) and feeds [next_token, drafts] over its current block table
-        (the scheduler may have added blocks since the buffers were written). Query starts and
-        the padding sequences stay as they are."""
+        (uploaded only when the scheduler added blocks since the buffers were written: a copy on
+        the stream costs the device several microseconds). Query starts and the padding sequences
+        stay as they are."""
         self.side.before_input_write()
-        self.block_table[:num_seqs, : block_table.shape[1]].copy_(block_table, non_blocking=True)
+        rows = tuple(map(tuple, block_ids))
+        if rows != self.table_rows:
+            table = build_block_table(block_ids, self.device)  # [num_seqs, width]
+            self.block_table[:num_seqs, : table.shape[1]].copy_(table, non_blocking=True)
+            self.table_rows = rows
         advance_verify_inputs(self.input_ids, self.positions, self.slot_mapping, self.seq_lens,
                               self.block_table[:num_seqs], accepted, next_token, drafts, self.block_size)

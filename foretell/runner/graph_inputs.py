@@ -102,12 +102,16 @@ class SideStream:
         stream waits for it before its unpack (long done by then);
       - download: waits for the last unpack (which wrote the input buffers), then copies to the
         host; the main stream waits for it before the next write of the input buffers.
+    A graphed verify step's results (spec_decode's accepted counts, next tokens and drafts: static
+    buffers) leave the same way (download_outputs), so the next step's bookkeeping follows the draft
+    loop on the main stream without a concatenation and a DMA between them.
     Off CUDA everything runs in order on the one stream and no event is made."""
 
     def __init__(self, device: torch.device):
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.inputs_written: "torch.cuda.Event | None" = None  # after the last unpack
         self.inputs_read: "torch.cuda.Event | None" = None  # after the last download of the inputs
+        self.outputs_read: "torch.cuda.Event | None" = None  # after the last download_outputs
 
     def upload(self, staging: torch.Tensor, host: torch.Tensor) -> None:
         if self.stream is None:
@@ -144,6 +148,31 @@ class SideStream:
             self.inputs_read = torch.cuda.Event()
             self.inputs_read.record()
         return host, self.inputs_read
+
+
+    def download_outputs(self, outputs: list[torch.Tensor]) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
+        """(pinned host copy of the outputs concatenated (1-D tensors the current stream wrote), its
+        ready event), made here once the current stream's work so far is done; the current stream
+        waits for it before it next writes them (before_output_write). Off CUDA: the concatenation
+        and no event."""
+        if self.stream is None:
+            return torch.cat(outputs), None
+        written = torch.cuda.Event()
+        written.record()
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(written)
+            packed = torch.cat(outputs)
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            self.outputs_read = torch.cuda.Event()
+            self.outputs_read.record()
+        return host, self.outputs_read
+
+    def before_output_write(self) -> None:
+        """Order a write of the downloaded outputs (on the current stream) after their download."""
+        if self.outputs_read is not None:
+            torch.cuda.current_stream().wait_event(self.outputs_read)
+            self.outputs_read = None
 
 
 def unpack(staging: torch.Tensor, tokens: torch.Tensor, buffers: GraphInputBuffers, layout: PackedLayout) -> None:

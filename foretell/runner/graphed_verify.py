@@ -21,7 +21,6 @@ import torch
 from foretell.engine.scheduler import ScheduledSequence
 from foretell.engine.sequence import Sequence
 from foretell.runner.decode_ahead import HostCopy
-from foretell.runner.input_batch import build_block_table
 from foretell.runner.sequence_result import SequenceResult
 
 
@@ -106,13 +105,14 @@ def _verify_on_device(runner, key: tuple[int, int], n: int, limits: list[int | N
     if any(limit is not None for limit in limits):  # near max_tokens: the rows stay, acceptance is capped
         caps = torch.tensor([k if limit is None else limit for limit in limits], device=greedy.device)
     simulated = runner.simulated.device_step(runner.device) if runner.simulated is not None else None
+    runner.graphs.side.before_output_write()  # the last step's results have left for the host
     accepted, next_token = runner.draft_graphs.accept(greedy, drafts_in, caps, simulated)
     drafts = runner.draft_graphs.run(bucket, n)  # [n, k]
     return accepted, next_token, drafts
 
 
-def _launched(seqs, key, accepted, next_token, drafts, starts, draft_ids, limits) -> LaunchedVerify:
-    copy = HostCopy.queue(torch.cat([accepted, next_token, drafts.flatten()]))
+def _launched(runner, seqs, key, accepted, next_token, drafts, starts, draft_ids, limits) -> LaunchedVerify:
+    copy = HostCopy(*runner.graphs.side.download_outputs([accepted, next_token, drafts.flatten()]))
     return LaunchedVerify(seqs, key, accepted, next_token, drafts, copy, starts, draft_ids, limits)
 
 
@@ -124,7 +124,7 @@ def launch_graphed_verify(runner, sched, batch) -> LaunchedVerify:
     limits = [item.accept_limit for item in items]
     accepted, next_token, drafts = _verify_on_device(runner, key, len(items), limits)
     return _launched(
-        [item.seq for item in items], key, accepted, next_token, drafts,
+        runner, [item.seq for item in items], key, accepted, next_token, drafts,
         [item.seq.num_computed_tokens for item in items], [item.draft_token_ids for item in items], limits,
     )
 
@@ -154,9 +154,9 @@ def launch_next_verify(runner, launched: LaunchedVerify) -> LaunchedVerify:
     are computed on the device from `launched`'s outputs; its host-side expectations are filled
     in by expect() once `launched` is read."""
     n = len(launched.seqs)
-    table = build_block_table([seq.block_ids for seq in launched.seqs], runner.device)
-    runner.graphs.advance_verify(n, launched.accepted, launched.next_token, launched.drafts, table)
+    block_ids = [seq.block_ids for seq in launched.seqs]
+    runner.graphs.advance_verify(n, launched.accepted, launched.next_token, launched.drafts, block_ids)
     runner.graphs.replay(launched.key)
     limits = [None] * n
     accepted, next_token, drafts = _verify_on_device(runner, launched.key, n, limits)
-    return _launched(launched.seqs, launched.key, accepted, next_token, drafts, [], [], limits)
+    return _launched(runner, launched.seqs, launched.key, accepted, next_token, drafts, [], [], limits)

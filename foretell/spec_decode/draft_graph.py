@@ -97,13 +97,14 @@ class DraftGraphRunner:
         hidden = t.graphs[(bucket, q)].hidden[:rows]
         logits, state = p.padded_catch_up(catch_up.tokens, catch_up.positions, meta, hidden, aux,
                                           catch_up.last_rows)
-        drafts = [p.greedy_target_ids(logits)]
+        by_step = torch.empty((k, bucket), dtype=torch.int64, device=t.device)  # each step's argmax writes a row
+        p.greedy_target_ids(logits, by_step[0])
         for j in range(1, k):
             step = chain_step_inputs(catch_up.first_draft_pos, j, self.num_live, table, t.block_size)
             meta = metadata(self.single_starts[: bucket + 1], step.seq_lens, step.slots, 1)
-            logits, state = p.chain_step(drafts[-1], step.positions, meta, state)
-            drafts.append(p.greedy_target_ids(logits))
-        return torch.stack(drafts, dim=1)  # [bucket, k]
+            logits, state = p.chain_step(by_step[j - 1], step.positions, meta, state)
+            p.greedy_target_ids(logits, by_step[j])
+        return by_step.t()  # [bucket, k], strided
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -84,9 +84,10 @@ class DraftLoopProposer(Proposer):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.target_id_map is None else self.target_id_map[draft_ids]
 
-    def greedy_target_ids(self, logits: torch.Tensor) -> torch.Tensor:  # [n, draft_vocab] -> [n] target ids
-        """Greedy drafts: each row's argmax, mapped to target ids by the argmax's own last launch."""
-        return argmax_rows(logits, self.target_id_map)
+    def greedy_target_ids(self, logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Greedy drafts: each row's argmax (logits [n, draft_vocab]), mapped to target ids by the
+        argmax's own last launch: [n] int64, written into `out` (any stride) when given."""
+        return argmax_rows(logits, self.target_id_map, out)
 
     def to_target_probs(self, probs: torch.Tensor) -> torch.Tensor:
         if probs.shape[-1] == self.target_vocab_size:

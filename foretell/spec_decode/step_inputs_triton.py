@@ -185,10 +185,11 @@ def _advance_kernel(
     table_ptr,  # [B, W] int32 at (stride_table, 1)
     accepted_ptr,  # [B] int64
     next_token_ptr,  # [B] int64
-    drafts_ptr,  # [B, q - 1] int64 at (stride_drafts, 1)
+    drafts_ptr,  # [B, q - 1] int64 at (stride_drafts, stride_draft_step)
     num_seqs,
     stride_table,
     stride_drafts,
+    stride_draft_step,
     block_size,
     Q: tl.constexpr,
     Q_P: tl.constexpr,
@@ -198,7 +199,7 @@ def _advance_kernel(
     in_rows = r < Q
     start = tl.load(positions_ptr + seq * Q) + tl.load(accepted_ptr + seq) + 1
     is_draft = in_rows & (r > 0)
-    drafted = tl.load(drafts_ptr + seq * stride_drafts + r - 1, mask=is_draft, other=0)
+    drafted = tl.load(drafts_ptr + seq * stride_drafts + (r - 1) * stride_draft_step, mask=is_draft, other=0)
     token = tl.where(r == 0, tl.load(next_token_ptr + seq), drafted)
     pos = start + r
     rows = seq * Q + r
@@ -211,8 +212,8 @@ def _advance_kernel(
 def advance_verify_inputs_triton(input_ids, positions, slot_mapping, seq_lens, table, accepted, next_token, drafts,
                                  block_size) -> None:
     num_seqs, q = drafts.shape[0], drafts.shape[1] + 1
-    assert table.stride(1) == 1 and drafts.stride(1) == 1
+    assert table.stride(1) == 1
     _advance_kernel[(num_seqs,)](
         input_ids, positions, slot_mapping, seq_lens, table, accepted, next_token, drafts,
-        num_seqs, table.stride(0), drafts.stride(0), block_size, Q=q, Q_P=triton.next_power_of_2(q),
+        num_seqs, table.stride(0), drafts.stride(0), drafts.stride(1), block_size, Q=q, Q_P=triton.next_power_of_2(q),
     )
