@@ -101,6 +101,37 @@ def _norm_reference(norm, x, residual):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 4, 64])
+def test_eagle3_input_at_llama8b_size(dtype, rows):
+    """layers/eagle3_input_triton.py: [input_layernorm(embed[ids]) ; hidden_norm(g)] against the
+    draft layer's torch path (a 128256-row embedding, hidden 4096), and replayed in a CUDA graph."""
+    from foretell.layers.eagle3_input_triton import eagle3_input_triton
+
+    seed = random.randrange(2**31)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    hidden, vocab = 4096, 128256
+    embedding = _rand(gen, vocab, hidden, dtype=dtype, scale=0.02)
+    norms = [RMSNorm(hidden, eps, dtype=dtype, device=DEVICE) for eps in (1e-5, 1e-6)]
+    with torch.no_grad():
+        for norm in norms:
+            norm.weight.copy_(1 + 0.1 * _rand(gen, hidden, dtype=dtype))
+    ids = torch.randint(0, vocab, (rows,), generator=gen, device=DEVICE)
+    g = _rand(gen, rows, hidden, dtype=dtype, scale=4.0)
+    args = (ids, embedding, g, norms[0].weight, norms[0].eps, norms[1].weight, norms[1].eps)
+    expected = torch.cat([norms[0]._norm(embedding[ids]), norms[1]._norm(g)], dim=-1)
+    with reports_seed(seed):
+        _check(eagle3_input_triton(*args), expected, dtype, exact=False)
+        eagle3_input_triton(*args)  # compiled before the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = eagle3_input_triton(*args)
+        ids.copy_(torch.randint(0, vocab, (rows,), generator=gen, device=DEVICE))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(captured, torch.cat([norms[0]._norm(embedding[ids]), norms[1]._norm(g)], dim=-1), dtype, exact=False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens", [1, 7, 64, 1000])
 @pytest.mark.parametrize("hidden", [4096, 4096 + 64, 7168])
 def test_rms_norm(dtype, num_tokens, hidden):
