@@ -89,10 +89,14 @@ def test_catch_up_and_chain_steps_match_twin_and_definition(interpreter_mode, nu
     next_token = torch.tensor([rng.randrange(1000) for _ in range(num_seqs)], device=DEVICE)
     live = torch.tensor(num_live, device=DEVICE)
     table = _table(rng, num_seqs)
-    args = (tokens, first_pos, accepted, next_token, live, table, block_size, n, shift)
+    steps = q - 1  # chained single-row steps after the catch-up
+    args = (tokens, first_pos, accepted, next_token, live, table, block_size, n, shift, steps)
     twin, kernel = step_inputs.catch_up_inputs_torch(*args), kernels.catch_up_inputs_triton(*args)
-    for field in ("tokens", "positions", "slots", "seq_lens", "last_rows", "first_draft_pos"):
+    for field in ("tokens", "positions", "slots", "seq_lens", "last_rows"):
         assert torch.equal(getattr(twin, field), getattr(kernel, field)), field
+    for field in ("positions", "seq_lens", "slots"):
+        assert torch.equal(getattr(twin.chained, field), getattr(kernel.chained, field)), field
+        assert getattr(twin.chained, field).shape == (steps, num_seqs)
     for b in range(num_seqs):
         p0, a, x = int(first_pos[b]), int(accepted[b]), int(next_token[b])
         at_position = tokens[b].tolist()[: a + 1] + [x] * (q + 1)  # t, d_1 .. d_a, then x
@@ -101,15 +105,11 @@ def test_catch_up_and_chain_steps_match_twin_and_definition(interpreter_mode, nu
             assert twin.tokens[row] == at_position[r + shift] and twin.positions[row] == p0 + r
             assert twin.slots[row] == (_slot(table, b, p0 + r, block_size) if b < num_live else -1)
         assert twin.seq_lens[b] == p0 + n and twin.last_rows[b] == b * n + a + 1 - shift
-    for j in (1, 2):
-        steps = [f(twin.first_draft_pos, j, live, table, block_size)
-                 for f in (step_inputs.chain_step_inputs_torch, kernels.chain_step_inputs_triton)]
-        for field in ("positions", "seq_lens", "slots"):
-            assert torch.equal(getattr(steps[0], field), getattr(steps[1], field)), (j, field)
-        for b in range(num_seqs):
-            pos = int(first_pos[b]) + int(accepted[b]) + 1 - shift + j
-            assert steps[0].positions[b] == pos and steps[0].seq_lens[b] == pos + 1
-            assert steps[0].slots[b] == (_slot(table, b, pos, block_size) if b < num_live else -1)
+        for j in range(1, steps + 1):
+            step = twin.chain_step(j)
+            pos = p0 + a + 1 - shift + j
+            assert step.positions[b] == pos and step.seq_lens[b] == pos + 1
+            assert step.slots[b] == (_slot(table, b, pos, block_size) if b < num_live else -1)
 
 
 @pytest.mark.parametrize("num_seqs,q,block_size", [(1, 4, 16), (6, 4, 4), (3, 2, 8)])

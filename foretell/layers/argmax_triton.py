@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from foretell.layers.pdl import join_dependent_chain, launch_options, pdl_enabled
+
 CHUNK = 4096  # columns per program in the first kernel
 
 
@@ -29,7 +31,9 @@ def _chunk_argmax_kernel(
     num_chunks,
     stride_row,
     CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    join_dependent_chain(PDL)  # the logits come from the kernel before
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -52,7 +56,9 @@ def _pick_chunk_kernel(
     stride_out,
     CHUNKS_P: tl.constexpr,
     HAS_MAP: tl.constexpr,  # write id_map[argmax] (an EAGLE3 draft id's target id)
+    PDL: tl.constexpr,
 ):
+    join_dependent_chain(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunks = tl.arange(0, CHUNKS_P)
     valid = chunks < num_chunks
@@ -91,13 +97,16 @@ def argmax_triton(
     if rows == 0:
         return out
     num_chunks = triton.cdiv(vocab, CHUNK)
+    pdl = pdl_enabled(logits)  # each launch starts behind the kernel before it (layers/pdl.py)
     chunk_max = torch.empty(rows, num_chunks, dtype=torch.float32, device=logits.device)
     chunk_arg = torch.empty(rows, num_chunks, dtype=torch.int32, device=logits.device)
     _chunk_argmax_kernel[(rows, num_chunks)](
-        logits, chunk_max, chunk_arg, vocab, num_chunks, logits.stride(0), CHUNK=CHUNK, num_warps=8
+        logits, chunk_max, chunk_arg, vocab, num_chunks, logits.stride(0), CHUNK=CHUNK, PDL=pdl, num_warps=8,
+        **launch_options(pdl),
     )
     _pick_chunk_kernel[(rows,)](
         chunk_max, chunk_arg, out, id_map if id_map is not None else out, num_chunks, out.stride(0),
-        CHUNKS_P=max(2, triton.next_power_of_2(num_chunks)), HAS_MAP=id_map is not None, num_warps=1,
+        CHUNKS_P=max(2, triton.next_power_of_2(num_chunks)), HAS_MAP=id_map is not None, PDL=pdl, num_warps=1,
+        **launch_options(pdl),
     )
     return out

@@ -23,7 +23,7 @@ import torch
 from foretell.layers.attention.metadata import AttentionMetadata, subdivide_block_table
 from foretell.runner.cuda_graph import CudaGraphRunner
 from foretell.spec_decode.draft_loop import DraftLoopProposer
-from foretell.spec_decode.step_inputs import accept_drafts, catch_up_inputs, chain_step_inputs
+from foretell.spec_decode.step_inputs import accept_drafts, catch_up_inputs
 
 
 def device_metadata(
@@ -90,7 +90,7 @@ class DraftGraphRunner:
 
         catch_up = catch_up_inputs(
             t.input_ids[:rows].view(bucket, q), t.positions[:rows].view(bucket, q)[:, 0], self.accepted[:bucket],
-            self.next_token[:bucket], self.num_live, table, t.block_size, n, self.shift,
+            self.next_token[:bucket], self.num_live, table, t.block_size, n, self.shift, k - 1,
         )
         meta = metadata(self.catch_up_starts[: bucket + 1], catch_up.seq_lens, catch_up.slots, n)
         aux = [a_[:rows] for a_ in t.graphs[(bucket, q)].aux]
@@ -100,7 +100,7 @@ class DraftGraphRunner:
         by_step = torch.empty((k, bucket), dtype=torch.int64, device=t.device)  # each step's argmax writes a row
         p.greedy_target_ids(logits, by_step[0])
         for j in range(1, k):
-            step = chain_step_inputs(catch_up.first_draft_pos, j, self.num_live, table, t.block_size)
+            step = catch_up.chain_step(j)
             meta = metadata(self.single_starts[: bucket + 1], step.seq_lens, step.slots, 1)
             logits, state = p.chain_step(by_step[j - 1], step.positions, meta, state)
             p.greedy_target_ids(logits, by_step[j])

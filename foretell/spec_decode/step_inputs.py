@@ -25,20 +25,24 @@ from foretell.spec_decode.simulated_acceptance import simulated_counts
 
 
 @dataclass
+class ChainStepInputs:
+    positions: torch.Tensor  # [B] int64 ([S, B]: every chained step's, step j in row j - 1)
+    seq_lens: torch.Tensor  # [B] int32
+    slots: torch.Tensor  # [B] int64, -1 for padding sequences
+
+
+@dataclass
 class CatchUpInputs:
     tokens: torch.Tensor  # [B * n] int64: the token fed at each catch-up row
     positions: torch.Tensor  # [B * n] int64
     slots: torch.Tensor  # [B * n] int64, -1 for padding sequences
     seq_lens: torch.Tensor  # [B] int32: context after the catch-up rows
     last_rows: torch.Tensor  # [B] int64: the row (of all B * n) that drafts token 1
-    first_draft_pos: torch.Tensor  # [B] int64: where chained step j's row sits, less j
+    chained: ChainStepInputs  # [S, B] each: the inputs of chained steps 1 .. S (S may be 0)
 
-
-@dataclass
-class ChainStepInputs:
-    positions: torch.Tensor  # [B] int64
-    seq_lens: torch.Tensor  # [B] int32
-    slots: torch.Tensor  # [B] int64, -1 for padding sequences
+    def chain_step(self, j: int) -> ChainStepInputs:
+        """The single-row step that feeds draft j (1 <= j <= S): its row sits j past draft 1's."""
+        return ChainStepInputs(self.chained.positions[j - 1], self.chained.seq_lens[j - 1], self.chained.slots[j - 1])
 
 
 def _slots(table: torch.Tensor, positions: torch.Tensor, live: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -90,20 +94,22 @@ def catch_up_inputs(
     block_size: int,
     rows_per_seq: int,  # n
     shift: int,  # 1 when row r reads the token at p0 + r + 1 (EAGLE3, MTP), 0 for a draft LM
+    chained_steps: int,  # S: the single-row steps after the catch-up (k - 1)
 ) -> CatchUpInputs:
     """The catch-up over positions p0 .. p0 + n - 1, whose tokens are [t, d_1 .. d_a, x] (x also
-    past them). Row a + 1 - shift sees x and drafts token 1."""
+    past them). Row a + 1 - shift sees x and drafts token 1; chained step j's row sits j past it
+    (its inputs come from the same launch: no launch between two draft steps)."""
     if tokens.is_cuda:
         from foretell.spec_decode.step_inputs_triton import catch_up_inputs_triton  # imports triton: CUDA only
 
         return catch_up_inputs_triton(tokens, first_pos, accepted, next_token, num_live, table, block_size,
-                                      rows_per_seq, shift)
+                                      rows_per_seq, shift, chained_steps)
     return catch_up_inputs_torch(tokens, first_pos, accepted, next_token, num_live, table, block_size,
-                                 rows_per_seq, shift)
+                                 rows_per_seq, shift, chained_steps)
 
 
 def catch_up_inputs_torch(tokens, first_pos, accepted, next_token, num_live, table, block_size, rows_per_seq,
-                          shift) -> CatchUpInputs:
+                          shift, chained_steps) -> CatchUpInputs:
     num_seqs, q = tokens.shape
     n = rows_per_seq
     offset = torch.arange(q + 1, device=tokens.device)  # position offsets p0 + 0 .. p0 + q
@@ -112,35 +118,16 @@ def catch_up_inputs_torch(tokens, first_pos, accepted, next_token, num_live, tab
     positions = first_pos[:, None] + offset[None, :n]  # [B, n]
     live = torch.arange(num_seqs, device=tokens.device) < num_live
     next_row = accepted + (1 - shift)
+    chained = first_pos[:, None] + next_row[:, None] + torch.arange(1, chained_steps + 1, device=tokens.device)  # [B, S]
     return CatchUpInputs(
         tokens=at_position[:, shift : shift + n].flatten(),
         positions=positions.flatten(),
         slots=_slots(table, positions, live, block_size).flatten(),
         seq_lens=(first_pos + n).to(torch.int32),
         last_rows=torch.arange(num_seqs, device=tokens.device) * n + next_row,
-        first_draft_pos=first_pos + next_row,
+        chained=ChainStepInputs(chained.t().contiguous(), (chained + 1).t().to(torch.int32).contiguous(),
+                                _slots(table, chained, live, block_size).t().contiguous()),
     )
-
-
-def chain_step_inputs(
-    first_draft_pos: torch.Tensor,  # [B] int64 (CatchUpInputs.first_draft_pos)
-    step: int,  # j >= 1: the row of draft j sits at first_draft_pos + j
-    num_live: torch.Tensor,  # 0-d int64
-    table: torch.Tensor,  # [B, W] int32
-    block_size: int,
-) -> ChainStepInputs:
-    if first_draft_pos.is_cuda:
-        from foretell.spec_decode.step_inputs_triton import chain_step_inputs_triton  # imports triton: CUDA only
-
-        return chain_step_inputs_triton(first_draft_pos, step, num_live, table, block_size)
-    return chain_step_inputs_torch(first_draft_pos, step, num_live, table, block_size)
-
-
-def chain_step_inputs_torch(first_draft_pos, step, num_live, table, block_size) -> ChainStepInputs:
-    positions = first_draft_pos + step
-    live = torch.arange(positions.shape[0], device=positions.device) < num_live
-    return ChainStepInputs(positions, (positions + 1).to(torch.int32),
-                           _slots(table, positions[:, None], live, block_size).squeeze(1))
 
 
 def advance_verify_inputs(

@@ -9,10 +9,19 @@ import torch
 import triton
 import triton.language as tl
 
+from foretell.layers.pdl import join_dependent_chain, launch_options, pdl_enabled
 from foretell.spec_decode.simulated_acceptance import ROW_STRIDE
 from foretell.spec_decode.step_inputs import CatchUpInputs, ChainStepInputs
 
 BLOCK_SEQS = 64  # sequences per program (the graph buckets go up to max_num_seqs)
+
+
+def _pdl(t: torch.Tensor) -> dict:
+    """PDL's constexpr and launch option (layers/pdl.py): each of these launches right behind the
+    kernel before it and waits for it first, so the chain of small launches between two graphs'
+    weight streams pays less of each launch's latency."""
+    pdl = pdl_enabled(t)
+    return {"PDL": pdl, **launch_options(pdl)}
 
 
 @triton.jit
@@ -40,7 +49,9 @@ def _accept_kernel(
     HAS_CAPS: tl.constexpr,
     SIMULATED: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    join_dependent_chain(PDL)  # every read may depend on the kernel before
     seqs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     live = seqs < num_seqs
     j = tl.arange(0, K_P)  # [K_P] draft index
@@ -72,7 +83,7 @@ def accept_drafts_triton(greedy, drafts, caps, simulated, accepted_out, next_tok
         greedy, drafts, caps if caps is not None else greedy, rates, accepted_out, next_token_out, num_live_out,
         num_seqs, drafts.stride(0), float(start), ROW_STRIDE,
         K=k, K_P=triton.next_power_of_2(k), HAS_CAPS=caps is not None, SIMULATED=simulated is not None,
-        BLOCK=BLOCK_SEQS,
+        BLOCK=BLOCK_SEQS, **_pdl(greedy),
     )
 
 
@@ -89,7 +100,9 @@ def _catch_up_kernel(
     slots_ptr,  # [B * n] int64 out
     seq_lens_ptr,  # [B] int32 out
     last_rows_ptr,  # [B] int64 out
-    first_draft_pos_ptr,  # [B] int64 out
+    chained_positions_ptr,  # [S, B] int64 out
+    chained_seq_lens_ptr,  # [S, B] int32 out
+    chained_slots_ptr,  # [S, B] int64 out
     num_seqs,
     stride_tokens,
     stride_first_pos,
@@ -99,14 +112,19 @@ def _catch_up_kernel(
     N: tl.constexpr,
     N_P: tl.constexpr,
     SHIFT: tl.constexpr,
+    STEPS: tl.constexpr,
+    STEPS_P: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    join_dependent_chain(PDL)  # every read may depend on the kernel before
     seq = tl.program_id(0)
     p0 = tl.load(first_pos_ptr + seq * stride_first_pos)
     a = tl.load(accepted_ptr + seq)
     x = tl.load(next_token_ptr + seq)
+    live = seq < tl.load(num_live_ptr)
     r = tl.arange(0, N_P)  # catch-up rows
     in_rows = r < N
-    writes_kv = r < tl.where(seq < tl.load(num_live_ptr), N, 0)  # padding sequences write none
+    writes_kv = r < tl.where(live, N, 0)  # padding sequences write none
     o = r + SHIFT  # the position offset whose token row r feeds
     from_step = in_rows & (o < Q) & (o <= a)  # tokens t, d_1 .. d_a of the verify step; x after them
     fed = tl.where(from_step, tl.load(tokens_ptr + seq * stride_tokens + o, mask=from_step, other=0), x)
@@ -118,60 +136,35 @@ def _catch_up_kernel(
     tl.store(seq_lens_ptr + seq, (p0 + N).to(tl.int32))
     next_row = a + 1 - SHIFT
     tl.store(last_rows_ptr + seq, seq * N + next_row)
-    tl.store(first_draft_pos_ptr + seq, p0 + next_row)
+    # Chained step j (1..STEPS) feeds one row at draft 1's position + j.
+    j = tl.arange(0, STEPS_P)
+    in_steps = j < STEPS
+    step_pos = p0 + next_row + 1 + j
+    step_out = j * num_seqs + seq
+    tl.store(chained_positions_ptr + step_out, step_pos, mask=in_steps)
+    tl.store(chained_seq_lens_ptr + step_out, (step_pos + 1).to(tl.int32), mask=in_steps)
+    tl.store(chained_slots_ptr + step_out, _slot(table_ptr, stride_table, seq, step_pos, block_size, j < tl.where(live, STEPS, 0)),
+             mask=in_steps)
 
 
 def catch_up_inputs_triton(tokens, first_pos, accepted, next_token, num_live, table, block_size, rows_per_seq,
-                           shift) -> CatchUpInputs:
+                           shift, chained_steps) -> CatchUpInputs:
     num_seqs, q = tokens.shape
     n = rows_per_seq
     i64 = dict(dtype=torch.int64, device=tokens.device)
+    i32 = dict(dtype=torch.int32, device=tokens.device)
+    chained = ChainStepInputs(torch.empty((chained_steps, num_seqs), **i64), torch.empty((chained_steps, num_seqs), **i32),
+                              torch.empty((chained_steps, num_seqs), **i64))
     out = CatchUpInputs(torch.empty(num_seqs * n, **i64), torch.empty(num_seqs * n, **i64),
-                        torch.empty(num_seqs * n, **i64), torch.empty(num_seqs, dtype=torch.int32, device=tokens.device),
-                        torch.empty(num_seqs, **i64), torch.empty(num_seqs, **i64))
+                        torch.empty(num_seqs * n, **i64), torch.empty(num_seqs, **i32), torch.empty(num_seqs, **i64),
+                        chained)
     assert tokens.stride(1) == 1 and table.stride(1) == 1
     _catch_up_kernel[(num_seqs,)](
         tokens, first_pos, accepted, next_token, num_live, table, out.tokens, out.positions, out.slots,
-        out.seq_lens, out.last_rows, out.first_draft_pos,
+        out.seq_lens, out.last_rows, chained.positions, chained.seq_lens, chained.slots,
         num_seqs, tokens.stride(0), first_pos.stride(0), table.stride(0), block_size,
-        Q=q, N=n, N_P=triton.next_power_of_2(n), SHIFT=shift,
-    )
-    return out
-
-
-@triton.jit(do_not_specialize=["num_seqs"])
-def _chain_step_kernel(
-    first_draft_pos_ptr,  # [B] int64
-    num_live_ptr,  # 0-d int64
-    table_ptr,  # [B, W] int32 at (stride_table, 1)
-    positions_ptr,  # [B] int64 out
-    seq_lens_ptr,  # [B] int32 out
-    slots_ptr,  # [B] int64 out
-    num_seqs,
-    stride_table,
-    block_size,
-    STEP: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    seqs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    in_batch = seqs < num_seqs
-    pos = tl.load(first_draft_pos_ptr + seqs, mask=in_batch, other=0) + STEP
-    live = in_batch & (seqs < tl.load(num_live_ptr))
-    tl.store(positions_ptr + seqs, pos, mask=in_batch)
-    tl.store(seq_lens_ptr + seqs, (pos + 1).to(tl.int32), mask=in_batch)
-    tl.store(slots_ptr + seqs, _slot(table_ptr, stride_table, seqs, pos, block_size, live), mask=in_batch)
-
-
-def chain_step_inputs_triton(first_draft_pos, step, num_live, table, block_size) -> ChainStepInputs:
-    num_seqs = first_draft_pos.shape[0]
-    i64 = dict(dtype=torch.int64, device=first_draft_pos.device)
-    out = ChainStepInputs(torch.empty(num_seqs, **i64), torch.empty(num_seqs, dtype=torch.int32,
-                                                                    device=first_draft_pos.device),
-                          torch.empty(num_seqs, **i64))
-    assert first_draft_pos.is_contiguous() and table.stride(1) == 1
-    _chain_step_kernel[(triton.cdiv(num_seqs, BLOCK_SEQS),)](
-        first_draft_pos, num_live, table, out.positions, out.seq_lens, out.slots, num_seqs, table.stride(0),
-        block_size, STEP=step, BLOCK=BLOCK_SEQS,
+        Q=q, N=n, N_P=triton.next_power_of_2(n), SHIFT=shift, STEPS=chained_steps,
+        STEPS_P=triton.next_power_of_2(max(chained_steps, 1)), **_pdl(tokens),
     )
     return out
 
@@ -193,7 +186,9 @@ def _advance_kernel(
     block_size,
     Q: tl.constexpr,
     Q_P: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    join_dependent_chain(PDL)  # every read may depend on the kernel before
     seq = tl.program_id(0)
     r = tl.arange(0, Q_P)
     in_rows = r < Q
@@ -216,4 +211,5 @@ def advance_verify_inputs_triton(input_ids, positions, slot_mapping, seq_lens, t
     _advance_kernel[(num_seqs,)](
         input_ids, positions, slot_mapping, seq_lens, table, accepted, next_token, drafts,
         num_seqs, table.stride(0), drafts.stride(0), drafts.stride(1), block_size, Q=q, Q_P=triton.next_power_of_2(q),
+        **_pdl(input_ids),
     )
