@@ -72,9 +72,11 @@ def test_the_draft_layer_runs_the_kernel_where_triton_runs(eagle3_head, qwen3_ch
               speculative_config={"method": "eagle3", "model": eagle3_head, "num_speculative_tokens": 2})
     head = llm.engine.runner.proposer.head
     layer, embedding = head.midlayer, head.embed_tokens or head.shared_embed
-    ids = torch.tensor([3, 17, 5])
-    g = torch.randn(3, head.hidden_size)
+    device = head.fc.weight.device  # the GPU on a CUDA machine
+    ids = torch.tensor([3, 17, 5], device=device)
+    g = torch.randn(3, head.hidden_size, device=device)
     with torch.no_grad():
+        monkeypatch.setattr(kernel_dispatch, "use_triton", lambda *t: False)
         twin_x, twin_residual = layer.layer_input(ids, embedding, g)
         calls, kernel = [], ei.eagle3_input_triton
         monkeypatch.setattr(kernel_dispatch, "use_triton", lambda *t: True)
