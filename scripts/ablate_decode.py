@@ -163,12 +163,6 @@ def alternatives(current, m: int, n: int, k: int, mma_sweep: bool = False) -> di
         for rows, width in ((1, whole), (2, whole), (4, whole), (8, whole), (4, 2048), (1, 8192)):
             warps = max(4, min(16, rows * width // (32 * 64)))  # about 64 weights a thread
             other[f"gemv_{rows}x{width}"] = small_m_gemm.SmallMConfig(1, rows, min(width, whole), warps)
-    if 1 < m <= small_m_gemm.MAX_M:  # the GEMV's rows at once: its default tiles, then narrower ones
-        other["gemv"] = small_m_gemm.pick_config(m, n, k)
-        for rows, width in ((1, 4096), (4, 1024), (2, 2048), (4, 2048)):
-            width = min(width, 1 << (k - 1).bit_length())
-            other[f"gemv_{rows}x{width}"] = small_m_gemm.SmallMConfig(small_m_gemm.pick_config(m, n, k).block_m,
-                                                                      rows, width, max(4, min(8, rows * width // 1024)))
     if m > 1:  # more of each program's slice requested before its PDL wait (first_k), at the default split and twice it
         _, smem = small_m_mma.device_limits(device)
         for split in (mma.split, 2 * mma.split):
