@@ -241,6 +241,10 @@ def main() -> None:
                     kept, gemm.choices[key] = gemm.choices[key], config
                     try:
                         ms = graph_replay_ms(lambda: graphs._forward(1, q), reps=50)[0]
+                    except Exception as err:  # a config this device cannot run (shared memory, say): next
+                        print(f"q={q} {layer + '_' + name:13} failed: {str(err).splitlines()[0][:200]}", flush=True)
+                        torch.cuda.synchronize()
+                        continue
                     finally:
                         gemm.choices[key] = kept
                     result["rows"].setdefault(f"{layer}_{name}", {})[f"q{q}"] = ms

@@ -67,9 +67,10 @@ def test_id_map_is_applied_to_the_argmax():
         expected = id_map[logits.argmax(dim=-1)].tolist()
         assert kernels.argmax_triton(logits.to(DEVICE), id_map.to(DEVICE)).cpu().tolist() == expected
         assert argmax_rows(logits, id_map).tolist() == expected  # the torch path (CPU)
-    for bad in (id_map[:-1], id_map.int(), torch.stack([id_map, id_map], 1)[:, 0]):
+    on_device = id_map.to(DEVICE)  # the bad maps made there (a copy to a GPU would make them contiguous)
+    for bad in (on_device[:-1], on_device.int(), torch.stack([on_device, on_device], 1)[:, 0]):
         with pytest.raises(ValueError, match=r"id_map must be a contiguous \[8229\] int64"):
-            kernels.argmax_triton(logits.to(DEVICE), bad.to(DEVICE))
+            kernels.argmax_triton(logits.to(DEVICE), bad)
 
 
 @pytest.mark.parametrize("bad", [torch.randn(10), torch.randn(2, 0), torch.randn(4, 3).t()])
