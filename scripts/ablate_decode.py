@@ -26,9 +26,7 @@ and alternatives (same results, other launches):
     norm_warps4 / norm_warps8   the norms (with their residual add) on 4 / 8 warps (the engine's: 16
                   for a 4096-wide row)
     <layer>_<kernel>  that layer's linears (qkv, o, gate_up, down, lm_head) on another kernel than
-                  the engine's choice: cublas, gemv (and other tiles), mma (its default tiles),
-                  mma_split1/2/4, and above one row mma_split<s>_first<f> (f columns of W requested
-                  before the PDL wait)
+                  the engine's choice: cublas, gemv, mma (its default tiles), mma_split1/2/4
 
     python scripts/ablate_decode.py OUT_DIR [--model foretell/configs/llama-3.1-8b] [--context 256]
         [--variants full no_attention ...] [--alternative-rows 1 4]
@@ -152,26 +150,23 @@ def alternatives(current, m: int, n: int, k: int, mma_sweep: bool = False) -> di
     device = torch.device("cuda")
     mma = small_m_mma.pick_config(m, n, k, device)
     other = {"cublas": None}
-    if mma_sweep:
+    if mma_sweep:  # tile widths x splits x depths, then narrower and wider tiles than 64 rows of W
         for block_k in (64, 128, 256):
             for split in (1, 2, 4, 8):
                 for stages in (2, 3, 4):
                     other[f"mma_bk{block_k}_split{split}_s{stages}"] = small_m_mma.MmaConfig(block_k, split, stages)
+        _, smem = small_m_mma.device_limits(device)
+        for block_n, block_k, split, warps in ((16, 256, 1, 4), (16, 256, 2, 4), (32, 256, 1, 4), (32, 256, 2, 4),
+                                               (32, 128, 4, 4), (128, 128, 1, 8), (128, 128, 2, 8)):
+            stages = small_m_mma._stages_that_fit(block_n, block_k, smem)
+            other[f"mma_bn{block_n}_bk{block_k}_split{split}_w{warps}"] = small_m_mma.MmaConfig(
+                block_k, split, stages, block_n, warps)
     if m == 1:  # the GEMV's default, then other tiles: rows of W per program x columns per tile
         other["gemv"] = small_m_gemm.pick_config(1, n, k)
         whole = 1 << (k - 1).bit_length()
         for rows, width in ((1, whole), (2, whole), (4, whole), (8, whole), (4, 2048), (1, 8192)):
             warps = max(4, min(16, rows * width // (32 * 64)))  # about 64 weights a thread
             other[f"gemv_{rows}x{width}"] = small_m_gemm.SmallMConfig(1, rows, min(width, whole), warps)
-    if m > 1:  # more of each program's slice requested before its PDL wait (first_k), at the default split and twice it
-        _, smem = small_m_mma.device_limits(device)
-        for split in (mma.split, 2 * mma.split):
-            block_k = mma.block_k if split == mma.split else 128
-            for first_k in (256, 512, 1024):
-                warps = 4 if first_k <= 256 else 8
-                other[f"mma_split{split}_first{first_k}"] = small_m_mma.MmaConfig(
-                    block_k, split, small_m_mma._stages_that_fit(small_m_mma.BLOCK_N, block_k, smem),
-                    num_warps=warps, first_k=first_k)
     other["mma"] = mma
     for split in (1, 2, 4):
         other[f"mma_split{split}"] = small_m_mma.MmaConfig(128, split, 4)

@@ -37,10 +37,8 @@ def test_matches_float64_reference_for_each_split(m, poisoned_empty):
     weight = (torch.randn(n, k, generator=gen) / k**0.5).half().to(DEVICE)
     bias = torch.randn(n, generator=gen).half().to(DEVICE)
     with reports_seed(seed):
-        # Uneven slices, the last partly past K; a first request of 2-8 tiles before the PDL wait
-        # (first_k), and one wider than a slice (cut to the slice).
-        for split, block_k, first_k in ((1, 64, 0), (2, 64, 128), (4, 32, 64), (3, 128, 0), (2, 32, 256), (4, 32, 1024)):
-            config = mma.MmaConfig(block_k, split, num_stages=2, first_k=first_k)
+        for split, block_k in ((1, 64), (2, 64), (4, 32), (3, 128)):  # uneven slices, the last partly past K
+            config = mma.MmaConfig(block_k, split, num_stages=2)
             for b in (bias, None):
                 check_linear(mma.small_m_mma_linear(x, weight, b, config), x, weight, b)
                 assert _counters_zero(), "a split launch left its counters set"
@@ -111,5 +109,3 @@ def test_bad_inputs_raise_clear_errors():
         mma.small_m_mma_linear(x, torch.zeros(5, 8).half(), gated=True)
     with pytest.raises(ValueError, match="1 <= M <= 16"):
         mma.pick_config(0, 4, 8, torch.device("cpu"))
-    with pytest.raises(ValueError, match="first_k must be a power-of-two multiple of block_k"):
-        mma.small_m_mma_linear(x, w, config=mma.MmaConfig(16, 1, 1, first_k=48))

@@ -56,11 +56,9 @@ class MmaConfig:
     num_stages: int  # tiles in flight per program
     block_n: int = BLOCK_N
     num_warps: int = 4
-    first_k: int = 0  # columns of W each program requests before its PDL wait (a multiple of block_k); 0: block_k
 
     def __str__(self) -> str:  # for logs and benchmark tables
-        first = f" first{self.first_k}" if self.first_k else ""
-        return f"mma BN{self.block_n} BK{self.block_k} split{self.split} s{self.num_stages} w{self.num_warps}{first}"
+        return f"mma BN{self.block_n} BK{self.block_k} split{self.split} s{self.num_stages} w{self.num_warps}"
 
 
 @functools.cache
@@ -130,7 +128,6 @@ def _mma_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    FIRST_K: tl.constexpr,  # columns of the program's slice requested before the wait (a multiple of BLOCK_K)
 ):
     tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -139,19 +136,15 @@ def _mma_kernel(
     row_ok = rows < M
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    # No kernel of a step writes W: its first FIRST_K columns are requested before the wait
-    # (layers/pdl.py), so they stream in while the kernel before (the attention, a norm) finishes.
-    first = k_start + tl.arange(0, FIRST_K)
-    w_first = tl.load(w_ptr + cols[:, None].to(tl.int64) * K + first[None, :],
-                      mask=col_ok[:, None] & (first < k_end)[None, :], other=0.0, eviction_policy="evict_first")
-    wait_for_previous_kernel(PDL)
-    x_first = tl.load(x_ptr + rows[None, :] * stride_xm + first[:, None],
-                      mask=(first < k_end)[:, None] & row_ok[None, :], other=0.0)
-    acc = tl.dot(w_first, x_first)  # [BLOCK_N, BLOCK_M] float32
     lanes = k_start + tl.arange(0, BLOCK_K)
     w_tile = w_ptr + cols[:, None].to(tl.int64) * K + lanes[None, :]  # [BLOCK_N, BLOCK_K]
     x_tile = x_ptr + rows[None, :] * stride_xm + lanes[:, None]  # [BLOCK_K, BLOCK_M]
-    for k0 in range(FIRST_K, k_per_split, BLOCK_K):
+    # No kernel of a step writes W: its first tile is requested before the wait (layers/pdl.py).
+    w = tl.load(w_tile, mask=col_ok[:, None] & (lanes < k_end)[None, :], other=0.0, eviction_policy="evict_first")
+    wait_for_previous_kernel(PDL)
+    x = tl.load(x_tile, mask=(lanes < k_end)[:, None] & row_ok[None, :], other=0.0)
+    acc = tl.dot(w, x)  # [BLOCK_N, BLOCK_M] float32
+    for k0 in range(BLOCK_K, k_per_split, BLOCK_K):
         k_ok = (lanes + k0) < k_end
         w = tl.load(w_tile + k0, mask=col_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
         x = tl.load(x_tile + k0, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
@@ -217,11 +210,6 @@ def small_m_mma_linear(
     out = torch.empty((m, n // 2 if gated else n), dtype=torch.float32 if float32_out else x.dtype, device=x.device)
     tiles = triton.cdiv(n, config.block_n)
     k_per_split = triton.cdiv(triton.cdiv(k, config.split), config.block_k) * config.block_k
-    first_k = config.first_k or config.block_k
-    if first_k % config.block_k or first_k & (first_k - 1):
-        raise ValueError(f"config {config}: first_k must be a power-of-two multiple of block_k")
-    while first_k > k_per_split:  # a short slice: request all of it (k_per_split is a multiple of block_k)
-        first_k //= 2
     if config.split > 1:
         partials = torch.empty((config.split, m, n), dtype=torch.float32, device=x.device)
         counters = _COUNTERS.get(x.device, tiles)
@@ -237,7 +225,6 @@ def small_m_mma_linear(
         BLOCK_M=MAX_M,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
-        FIRST_K=first_k,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **launch_options(pdl),
