@@ -110,6 +110,30 @@ def test_per_head_norm_on_a_qkv_view(dtype):
             _assert_written_and_close(normed, norm._norm(view), dtype, exact=False)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_writes_the_new_residual_into_a_strided_column_block(dtype):
+    """run_decoder_stack's aux states: a layer's input norm writes the stream into a column block
+    [tokens, hidden] of a [tokens, aux, hidden] buffer (row stride aux * hidden), nothing else."""
+    seed = random.randrange(2**31)
+    gen = torch.Generator().manual_seed(seed)
+    hidden = 96
+    norm = RMSNorm(hidden, eps=1e-6, dtype=dtype, device=DEVICE)
+    with torch.no_grad():
+        norm.weight.copy_(_rand(gen, hidden, dtype=dtype))
+    x, residual = _rand(gen, 5, hidden, dtype=dtype), _rand(gen, 5, hidden, dtype=dtype, scale=3.0)
+    streams = _poisoned((5, 3, hidden), dtype)
+    with reports_seed(seed):
+        normed, new_residual = fk.rms_norm_triton(x, norm.weight, norm.eps, residual, residual_out=streams[:, 1])
+        assert new_residual.data_ptr() == streams[:, 1].data_ptr()
+        _assert_written_and_close(streams[:, 1].contiguous(), residual + x, dtype, exact=True)
+        assert torch.isnan(streams[:, 0]).all() and torch.isnan(streams[:, 2]).all()
+        _assert_written_and_close(normed, norm._norm(residual + x), dtype, exact=False)
+        twin_streams = torch.zeros(5, 3, hidden, dtype=dtype, device=DEVICE)  # the torch path does the same
+        _, twin_residual = norm(x, residual, residual_out=twin_streams[:, 1])
+        assert twin_residual.data_ptr() == twin_streams[:, 1].data_ptr()
+        assert torch.equal(twin_streams[:, 1], residual + x)
+
+
 def test_rms_norm_rejects_mismatched_inputs():
     x = torch.zeros(2, 8)
     with pytest.raises(ValueError, match="weight"):
@@ -118,6 +142,8 @@ def test_rms_norm_rejects_mismatched_inputs():
         fk.rms_norm_triton(x, torch.ones(8), 1e-6, torch.zeros(2, 8, dtype=torch.float16))
     with pytest.raises(ValueError, match="contiguous"):
         fk.rms_norm_triton(x, torch.ones(8), 1e-6, out=torch.zeros(8, 2).t())
+    with pytest.raises(ValueError, match="residual_out must be"):
+        fk.rms_norm_triton(x, torch.ones(8), 1e-6, torch.zeros(2, 8), residual_out=torch.zeros(2, 3, 8)[:, 0, :4])
 
 
 # ---------------------------------------------------------------------- RoPE

@@ -14,7 +14,7 @@ import torch
 
 from fixtures import PagedRunner
 from foretell.layers.attention.torch_backend import TorchAttentionBackend
-from foretell.models.base import HFConfig, ModelOptions
+from foretell.models.base import HFConfig, ModelOptions, side_by_side
 from foretell.models.registry import resolve_model_class
 from foretell.runner import model_loading
 
@@ -116,6 +116,20 @@ def test_aux_hidden_states_match_hf(request, family):
         # the returned hidden is after the final norm: HF's last hidden state
         rows = runner.split(hidden, chunks)[seq_index]
         torch.testing.assert_close(rows, out.hidden_states[-1][0], rtol=0, atol=ATOL)
+
+
+def test_aux_states_sit_side_by_side_for_the_eagle3_fc():
+    """run_decoder_stack's aux states are column blocks of one buffer: side_by_side joins them (and
+    row slices of them) without a copy; anything else is concatenated."""
+    streams = torch.randn(5, 3, 4)
+    parts = [streams[:, j] for j in range(3)]
+    joined = side_by_side(parts)
+    assert joined.data_ptr() == streams.data_ptr() and torch.equal(joined, torch.cat(parts, dim=-1))
+    rows = side_by_side([p[1:4] for p in parts])
+    assert rows.data_ptr() == streams[1].data_ptr() and torch.equal(rows, torch.cat(parts, dim=-1)[1:4])
+    for others in ([parts[1], parts[0], parts[2]], [parts[0], parts[0], parts[2]], [p.clone() for p in parts]):
+        out = side_by_side(others)
+        assert torch.equal(out, torch.cat(others, dim=-1)) and out.data_ptr() != streams.data_ptr()
 
 
 def test_aux_layer_out_of_range_is_rejected(qwen3_checkpoint):

@@ -67,6 +67,7 @@ def _rms_norm_kernel(
     stride_x_head,
     stride_r_token,
     stride_r_head,
+    stride_ro_row,  # residual_out's row stride (hidden when contiguous)
     NUM_HEADS: tl.constexpr,  # rows per token: heads of a per-head norm, else 1
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
@@ -88,7 +89,7 @@ def _rms_norm_kernel(
         r_offsets = (token * stride_r_token + head * stride_r_head)[:, None] + cols[None, :]
         residual = tl.load(residual_ptr + r_offsets, mask=mask, other=0.0).to(tl.float32)
         summed = (residual + x).to(dtype)  # torch's `residual + x`, rounded to the dtype
-        tl.store(residual_out_ptr + out_offsets, summed, mask=mask)
+        tl.store(residual_out_ptr + rows[:, None] * stride_ro_row + cols[None, :], summed, mask=mask)
         x = summed.to(tl.float32)
     variance = tl.sum(x * x, axis=1) / hidden  # [BLOCK_ROWS]; padding columns hold 0
     normed = (x * tl.rsqrt(variance + eps)[:, None]).to(dtype).to(tl.float32)
@@ -108,10 +109,11 @@ def rms_norm_triton(
     eps: float,
     residual: torch.Tensor | None = None,  # x's shape and dtype
     out: torch.Tensor | None = None,  # contiguous, x's shape: where to write normed
-    residual_out: torch.Tensor | None = None,  # the same for new_residual
+    residual_out: torch.Tensor | None = None,  # the same for new_residual; a 2-D one may have any row stride
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(normed, new_residual) as RMSNorm.forward returns them, x's shape: normed contiguous,
-    new_residual contiguous too, or x itself when there is no residual (as in the torch path)."""
+    new_residual contiguous (or residual_out), or x itself when there is no residual (as in the
+    torch path)."""
     hidden = x.shape[-1]
     if weight.shape != (hidden,) or weight.dtype != x.dtype:
         raise ValueError(f"weight must be [{hidden}] {x.dtype}, got {list(weight.shape)} {weight.dtype}")
@@ -121,7 +123,13 @@ def rms_norm_triton(
             f"{list(residual.shape)} {residual.dtype}"
         )
     out = _output(out, x.shape, x)
-    residual_out = _output(residual_out, x.shape, x) if residual is not None else x
+    if residual is None:
+        residual_out = x
+    elif residual_out is None or residual_out.dim() != 2 or residual_out.stride(-1) != 1:
+        residual_out = _output(residual_out, x.shape, x)
+    elif residual_out.shape != x.shape or residual_out.dtype != x.dtype:
+        raise ValueError(f"residual_out must be a {list(x.shape)} {x.dtype} tensor, got "
+                         f"{list(residual_out.shape)} {residual_out.dtype}")
     if x.numel() == 0:
         return out, residual_out
     rows = _as_token_head_rows(x)  # [tokens, heads, hidden]
@@ -135,6 +143,7 @@ def rms_norm_triton(
         rows, res_rows, weight, out, residual_out,
         num_rows, hidden, eps,
         rows.stride(0), rows.stride(1), res_rows.stride(0), res_rows.stride(1),
+        residual_out.stride(0) if residual is not None and residual_out.dim() == 2 else hidden,
         NUM_HEADS=rows.shape[1],
         HAS_RESIDUAL=residual is not None,
         BLOCK_ROWS=block_rows,

@@ -43,16 +43,20 @@ class RMSNorm(nn.Module):
         self,
         x: torch.Tensor,  # [..., hidden_size]
         residual: torch.Tensor | None = None,  # [..., hidden_size]
+        residual_out: torch.Tensor | None = None,  # [tokens, hidden_size], any row stride: where new_residual goes
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (normed, new_residual): new_residual is x + residual (or x), normed its norm.
+        """Returns (normed, new_residual): new_residual is x + residual (or x), normed its norm;
+        with residual_out (and a residual) new_residual is written there and returned.
 
         x may be a per-head view [tokens, heads, head_dim] (Qwen3's q_norm/k_norm)."""
         if self._fused(x, residual):
             from foretell.layers import fused_kernels  # imports triton: CUDA only
 
-            return fused_kernels.rms_norm_triton(x, self.weight, self.eps, residual)
+            return fused_kernels.rms_norm_triton(x, self.weight, self.eps, residual, residual_out=residual_out)
         if residual is not None:
             x = residual + x
+            if residual_out is not None:
+                x = residual_out.copy_(x)
         return self._norm(x), x
 
     def _fused(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:

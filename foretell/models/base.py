@@ -101,8 +101,11 @@ class PreNormDecoderLayer(torch.nn.Module):
         hidden: torch.Tensor,  # [num_tokens, hidden_size]
         residual: torch.Tensor | None,  # [num_tokens, hidden_size]; None entering the first layer
         metadata,
+        stream_out: torch.Tensor | None = None,  # [num_tokens, hidden_size]: gets the stream entering it
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = self.input_layernorm(hidden, residual)
+        """(mlp output, residual), whose sum is the stream after the layer; with stream_out (and a
+        residual) the input norm's launch also writes the stream entering the layer there."""
+        hidden, residual = self.input_layernorm(hidden, residual, residual_out=stream_out)
         hidden = self.self_attn(positions, hidden, metadata)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
@@ -121,17 +124,36 @@ def run_decoder_stack(
 
     Returns the hidden states after the final norm [num_tokens, hidden] and the residual stream
     entering each layer in aux_layers (HF's hidden_states[i]). Every layer takes and returns
-    (hidden, residual) whose sum is the stream; the first gets residual None.
+    (hidden, residual) whose sum is the stream; the first gets residual None. The aux states are
+    column blocks of one [num_tokens, len(aux_layers) * hidden] buffer, in aux_layers' order, each
+    written by its layer's input norm (no add of its own), so EAGLE3's fc reads them without a
+    concatenation (side_by_side).
     """
     hidden = embed_tokens(input_ids)  # [num_tokens, hidden_size]
     residual = None
-    captured: dict[int, torch.Tensor] = {}
+    column = {layer: j for j, layer in reversed(list(enumerate(aux_layers)))}  # a layer named twice: its first
+    streams = hidden.new_empty(hidden.shape[0], len(aux_layers), hidden.shape[1])  # [num_tokens, aux, hidden]
     for i, layer in enumerate(layers):
-        if i in aux_layers:
-            captured[i] = hidden if residual is None else residual + hidden
-        hidden, residual = layer(positions, hidden, residual, metadata)
+        stream_out = streams[:, column[i]] if i in column else None
+        if stream_out is not None and residual is None:  # the first layer: the stream is the embedding
+            stream_out.copy_(hidden)
+        hidden, residual = layer(positions, hidden, residual, metadata, stream_out=stream_out)
     hidden, _ = norm(hidden, residual)
-    return hidden, [captured[i] for i in aux_layers]
+    return hidden, [streams[:, column[i]] for i in aux_layers]
+
+
+def side_by_side(parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat(parts, dim=-1) for [n, w_i] tensors, without a copy when they already sit side by
+    side in one buffer (run_decoder_stack's aux states, or rows sliced from them)."""
+    first = parts[0]
+    width = sum(p.shape[-1] for p in parts)
+    offset = first.storage_offset()
+    for p in parts:
+        if (p.dim() != 2 or p.shape[0] != first.shape[0] or p.stride() != (width, 1) or p.storage_offset() != offset
+                or p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
+            return torch.cat(parts, dim=-1)
+        offset += p.shape[1]
+    return first.as_strided((first.shape[0], width), (width, 1))
 
 
 class CausalLM(torch.nn.Module):

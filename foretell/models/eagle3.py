@@ -32,7 +32,7 @@ from foretell.layers.embedding import LMHead, VocabEmbedding
 from foretell.layers.linear import Linear, QKVLinear, make_param
 from foretell.layers.norm import RMSNorm
 from foretell.layers.rotary import RotaryEmbedding, rope_parameters_from_config
-from foretell.models.base import HFConfig, ModelOptions, WeightRule, WeightRules
+from foretell.models.base import HFConfig, ModelOptions, WeightRule, WeightRules, side_by_side
 from foretell.models.llama import DecoderDims, DecoderMLP, DecoderSwitches
 
 HEAD_LAYER = r"^(?:midlayer|layers\.0)\."  # the draft layer in either published format
@@ -189,7 +189,7 @@ class Eagle3Head(nn.Module):
         return [self.midlayer.self_attn.attn]
 
     def combine(self, aux: list[torch.Tensor]) -> torch.Tensor:  # 3 x [n, Ht] -> [n, H]
-        return self.fc(torch.cat(aux, dim=-1))
+        return self.fc(side_by_side(aux))  # no copy when the aux states share the target's buffer
 
     def _layer(self, input_ids, positions, g, metadata, keep_rows=None):  # -> (mlp_out, h_attn) [m, H]
         return self.midlayer(positions, input_ids, self.embed_tokens or self.shared_embed, g, metadata, keep_rows)
