@@ -13,11 +13,11 @@ One draft step (rows pair the target's features at position t with the token at 
   h = h + mlp(post_attention_layernorm(h))
   logits = lm_head(norm(h)) over the draft vocabulary; the next step gets h (before the norm)
 
-On CUDA the x line (embedding gather, two norms, concatenation) is one launch (layers/eagle3_input_triton.py).
+On CUDA the first line (gather, two norms, concatenation) is one launch (layers/eagle3_input_triton.py).
 The drafter (spec_decode/eagle3.py) runs `step`: the last add is fused into the final norm, and a
 catch-up over several rows per sequence keeps only its drafting rows after the attention (`keep_rows`:
 every row's keys and values are cached by then, and only those rows' h are read), so the o
-projection (for the MLA layer: after it), the MLP and the LM head run on one row per sequence.
+projection, the MLP and the LM head run on one row per sequence.
 """
 
 from __future__ import annotations
@@ -66,14 +66,13 @@ class Eagle3Attention(nn.Module):
         self.rotary_emb = rotary
         self.attn = Attention(dims.num_heads, dims.head_dim, dims.num_kv_heads, dims.head_dim**-0.5, options.attention_backend)
 
-    def forward(self, positions, x, metadata, keep_rows=None):  # x [n, 2H] -> [n, H] ([m, H]: keep_rows [m])
+    def forward(self, positions, x, metadata):  # x [n, 2H] -> [n, H]
         n = x.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        out = self.attn.forward_rotary(positions, q, k, v, self.rotary_emb, metadata).reshape(n, -1)
-        return self.o_proj(out if keep_rows is None else out.index_select(0, keep_rows))
+        return self.o_proj(self.attn.forward_rotary(positions, q, k, v, self.rotary_emb, metadata).reshape(n, -1))
 
 
 class Eagle3LayerBase(nn.Module):
@@ -106,10 +105,6 @@ class Eagle3LayerBase(nn.Module):
             x = torch.cat([embeds, normed_g], dim=-1)
         return x, normed_g if self.norm_before_residual else g
 
-    def attend(self, positions, x, metadata, keep_rows):  # x [n, 2H] -> [m, H], the kept rows
-        out = self.self_attn(positions, x, metadata)
-        return out if keep_rows is None else out.index_select(0, keep_rows)
-
     def forward(
         self,
         positions: torch.Tensor,  # [n]
@@ -120,9 +115,9 @@ class Eagle3LayerBase(nn.Module):
         keep_rows: torch.Tensor | None = None,  # [m] int64: the rows whose output is wanted; None: all
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (mlp_out, h_attn) [m, H]: h = h_attn + mlp_out
         x, residual = self.layer_input(input_ids, embedding, g)
-        attn = self.attend(positions, x, metadata, keep_rows)  # every row's keys and values are cached now
+        attn = self.self_attn(positions, x, metadata)  # every row's keys and values are cached now
         if keep_rows is not None:
-            residual = residual.index_select(0, keep_rows)
+            attn, residual = attn.index_select(0, keep_rows), residual.index_select(0, keep_rows)
         # h_attn = residual + attention, the add fused into the norm (one launch on CUDA)
         normed_h, h_attn = self.post_attention_layernorm(attn, residual)
         return self.mlp(normed_h), h_attn
@@ -136,9 +131,6 @@ class Eagle3Layer(Eagle3LayerBase):
         self.self_attn = Eagle3Attention(dims, rotary, options, bias)
         self.mlp = DecoderMLP(dims, DecoderSwitches(mlp_bias=bool(config.get("mlp_bias", False))), options)
         self.add_norms(config, dims.hidden_size, dims.rms_norm_eps, **kw)
-
-    def attend(self, positions, x, metadata, keep_rows):  # the rows kept before o_proj: it runs on them only
-        return self.self_attn(positions, x, metadata, keep_rows)
 
 
 class Eagle3Head(nn.Module):
