@@ -13,11 +13,13 @@ One draft step (rows pair the target's features at position t with the token at 
   h = h + mlp(post_attention_layernorm(h))
   logits = lm_head(norm(h)) over the draft vocabulary; the next step gets h (before the norm)
 
-On CUDA the first line (gather, two norms, concatenation) is one launch (layers/eagle3_input_triton.py).
-The drafter (spec_decode/eagle3.py) runs `step`: the last add is fused into the final norm, and a
-catch-up over several rows per sequence keeps only its drafting rows after the attention (`keep_rows`:
-every row's keys and values are cached by then, and only those rows' h are read), so the o
-projection, the MLP and the LM head run on one row per sequence.
+On CUDA the x line (embedding gather, two norms, concatenation) is one launch
+(layers/eagle3_input_triton.py). The drafter (spec_decode/eagle3.py) runs `step`: the last add is
+fused into the final norm, and a catch-up over several rows per sequence keeps only its drafting
+rows after the attention block (`keep_rows`: every row's keys and values are cached by then, and
+only those rows' h are read), so the MLP and the LM head run on one row per sequence. (The o
+projection stays on every row: a gather before it breaks the launch chain that lets it stream its
+weights during the attention, and it ran 1.6 us slower on the H200.)
 """
 
 from __future__ import annotations
