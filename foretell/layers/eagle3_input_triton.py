@@ -78,8 +78,9 @@ def eagle3_input_triton(
     if input_ids.shape != (n,) or input_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"input_ids must be [{n}] int32 or int64 (one per row of g), got "
                          f"{list(input_ids.shape)} {input_ids.dtype}")
-    for name, t, shape in (("embedding", embedding, (embedding.shape[0], hidden)), ("embed_norm", embed_norm, (hidden,)),
-                           ("hidden_norm", hidden_norm, (hidden,))):
+    expected = (("embedding", embedding, (embedding.shape[0], hidden)), ("embed_norm", embed_norm, (hidden,)),
+                ("hidden_norm", hidden_norm, (hidden,)))
+    for name, t, shape in expected:
         if t.shape != shape or t.dtype != g.dtype or t.stride(-1) != 1:
             raise ValueError(f"{name} must be {list(shape)} {g.dtype} with unit last stride, got "
                              f"{list(t.shape)} {t.dtype}")

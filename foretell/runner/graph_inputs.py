@@ -149,7 +149,6 @@ class SideStream:
             self.inputs_read.record()
         return host, self.inputs_read
 
-
     def download_outputs(self, outputs: list[torch.Tensor]) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
         """(pinned host copy of the outputs concatenated (1-D tensors the current stream wrote), its
         ready event), made here once the current stream's work so far is done; the current stream

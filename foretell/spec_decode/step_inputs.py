@@ -118,7 +118,8 @@ def catch_up_inputs_torch(tokens, first_pos, accepted, next_token, num_live, tab
     positions = first_pos[:, None] + offset[None, :n]  # [B, n]
     live = torch.arange(num_seqs, device=tokens.device) < num_live
     next_row = accepted + (1 - shift)
-    chained = first_pos[:, None] + next_row[:, None] + torch.arange(1, chained_steps + 1, device=tokens.device)  # [B, S]
+    steps = torch.arange(1, chained_steps + 1, device=tokens.device)
+    chained = first_pos[:, None] + next_row[:, None] + steps  # [B, S]: chained step j's position
     return CatchUpInputs(
         tokens=at_position[:, shift : shift + n].flatten(),
         positions=positions.flatten(),

@@ -143,8 +143,8 @@ def _catch_up_kernel(
     step_out = j * num_seqs + seq
     tl.store(chained_positions_ptr + step_out, step_pos, mask=in_steps)
     tl.store(chained_seq_lens_ptr + step_out, (step_pos + 1).to(tl.int32), mask=in_steps)
-    tl.store(chained_slots_ptr + step_out, _slot(table_ptr, stride_table, seq, step_pos, block_size, j < tl.where(live, STEPS, 0)),
-             mask=in_steps)
+    step_slots = _slot(table_ptr, stride_table, seq, step_pos, block_size, j < tl.where(live, STEPS, 0))
+    tl.store(chained_slots_ptr + step_out, step_slots, mask=in_steps)
 
 
 def catch_up_inputs_triton(tokens, first_pos, accepted, next_token, num_live, table, block_size, rows_per_seq,
@@ -153,8 +153,8 @@ def catch_up_inputs_triton(tokens, first_pos, accepted, next_token, num_live, ta
     n = rows_per_seq
     i64 = dict(dtype=torch.int64, device=tokens.device)
     i32 = dict(dtype=torch.int32, device=tokens.device)
-    chained = ChainStepInputs(torch.empty((chained_steps, num_seqs), **i64), torch.empty((chained_steps, num_seqs), **i32),
-                              torch.empty((chained_steps, num_seqs), **i64))
+    steps = (chained_steps, num_seqs)
+    chained = ChainStepInputs(torch.empty(steps, **i64), torch.empty(steps, **i32), torch.empty(steps, **i64))
     out = CatchUpInputs(torch.empty(num_seqs * n, **i64), torch.empty(num_seqs * n, **i64),
                         torch.empty(num_seqs * n, **i64), torch.empty(num_seqs, **i32), torch.empty(num_seqs, **i64),
                         chained)
