@@ -274,7 +274,11 @@ def test_gptj_style_dispatches_interleaved(monkeypatch):
     assert styles == ["gptj"]
     monkeypatch.setattr(kernel_dispatch, "use_triton", lambda *tensors: False)
     expected_q, expected_k = rotary(positions, q[..., 8:], k_pe)
-    assert torch.equal(got_q, expected_q) and torch.equal(got_k, expected_k)
+    for got, expected in ((got_q, expected_q), (got_k, expected_k)):
+        if HAS_CUDA:  # the GPU contracts RoPE's products into FMAs: a rounding either way (tests/gpu)
+            torch.testing.assert_close(got, expected, **NEAR[torch.float16])
+        else:
+            assert torch.equal(got, expected)
 
 
 def test_rope_refuses_an_unknown_style():
