@@ -11,7 +11,9 @@ kernel names (GEMM, attention, norm, RoPE, activation, MoE, copies/casts, other)
 the share of GPU time and microseconds per step, and the JSON keeps the 25 costliest kernels too.
 The sum is kernel time only; wall minus kernel time is host time and launch gaps. In the graphs on
 Hopper the batch-1 GEMVs start early (programmatic dependent launch, layers/pdl.py) and are timed
-from then, so kernel times overlap and their sum can exceed the wall time. --ops adds, for
+from then, so kernel times overlap and their sum can exceed the wall time. Each target's JSON
+also keeps one step's whole device timeline (LM head to LM head) and where in it the device sat
+idle (`step_idle`: graph boundaries and copies show up there). --ops adds, for
 each eager profile, the torch ops with their input shapes by device time (which call a kernel
 belongs to), into OUT_DIR/profile_ops.txt.
 """
@@ -107,6 +109,23 @@ def one_step_timeline(prof) -> list[dict]:
     return _listing(events, first, second + 1, 100)
 
 
+def idle_gaps(timeline: list[dict], most: int = 12) -> dict:
+    """Where the device sits idle within a step's timeline (one_step_timeline's rows): the time
+    between the end of everything started so far and the next operation's start, in all and the
+    longest gaps with the operations around them (graph boundaries and copies show up here; time
+    inside short kernels does not)."""
+    busy_until, last, gaps = None, None, []
+    for row in timeline:
+        start, end = row["start_us"], row["start_us"] + row["us"]
+        if busy_until is not None and start > busy_until:
+            gaps.append({"us": round(start - busy_until, 2), "after": last["op"][:40], "before": row["op"][:40],
+                         "at_us": round(busy_until, 2)})
+        if busy_until is None or end > busy_until:
+            busy_until, last = end, row
+    longest = sorted(gaps, key=lambda g: -g["us"])[:most]
+    return {"idle_us": round(sum(g["us"] for g in gaps), 2), "gaps": len(gaps), "longest": longest}
+
+
 def between_steps(prof, after: int = 16) -> list[dict]:
     """The device's work from the end of one step's LM head to the next step's graph (its first
     `after` operations). The time a step takes beyond its graph's kernels goes here (copies,
@@ -154,6 +173,7 @@ def profile_target(folder: str, steps: int, enforce_eager: bool, ops: list[str] 
     # A verify step runs the draft loop (three draft steps of about a dozen launches) after its LM head.
     result["between_steps"] = between_steps(prof, after=16 if spec is None else 60)
     result["step_timeline"] = one_step_timeline(prof)
+    result["step_idle"] = idle_gaps(result["step_timeline"])
     del llm, engine
     torch.cuda.empty_cache()
     return result
@@ -169,6 +189,11 @@ def print_table(name: str, result: dict) -> None:
     print("  after the LM head (start us, length us):")
     for row in result.get("between_steps", []):
         print(f"    {row['start_us']:8.2f} {row['us']:7.2f}  {row['op']}")
+    idle = result.get("step_idle")
+    if idle and result.get("step_timeline"):
+        print(f"  device idle in one step: {idle['idle_us']:.1f} us in {idle['gaps']} gaps; the longest:")
+        for gap in idle["longest"][:6]:
+            print(f"    {gap['us']:6.2f} us at {gap['at_us']:8.2f}: {gap['after']} -> {gap['before']}")
 
 
 def main() -> None:

@@ -455,3 +455,23 @@ def test_percentile_summary_math():
     assert s["itl_ms"]["p50"] == pytest.approx(300.0)
     assert s["total_token_throughput"] == pytest.approx(3.0)
     assert not math.isnan(s["e2el_ms"]["std"])
+
+
+def test_profile_decode_finds_the_idle_gaps_of_a_step_timeline(monkeypatch):
+    """scripts/profile_decode.py's idle_gaps: time between the end of everything started so far and
+    the next operation (overlapped launches, as PDL makes them, are not gaps)."""
+    import importlib.util
+
+    scripts = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+    monkeypatch.syspath_prepend(scripts)  # its sibling bench_result.py
+    spec = importlib.util.spec_from_file_location("profile_decode", os.path.join(scripts, "profile_decode.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    timeline = [{"op": "lm_head", "start_us": 0.0, "us": 10.0}, {"op": "gemv", "start_us": 5.0, "us": 20.0},
+                {"op": "norm", "start_us": 8.0, "us": 2.0},  # inside the gemv: no gap
+                {"op": "argmax", "start_us": 27.5, "us": 1.0}, {"op": "accept", "start_us": 32.0, "us": 1.0}]
+    idle = module.idle_gaps(timeline)
+    assert idle["idle_us"] == 6.0 and idle["gaps"] == 2
+    assert idle["longest"][0] == {"us": 3.5, "after": "argmax", "before": "accept", "at_us": 28.5}
+    assert idle["longest"][1]["after"] == "gemv" and idle["longest"][1]["us"] == 2.5
+    assert module.idle_gaps([]) == {"idle_us": 0, "gaps": 0, "longest": []}
