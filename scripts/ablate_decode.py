@@ -29,7 +29,10 @@ and alternatives (same results, other launches):
                   the engine's choice: cublas, gemv, mma (its default tiles), mma_split1/2/4
 
     python scripts/ablate_decode.py OUT_DIR [--model foretell/configs/llama-3.1-8b] [--context 256]
-        [--variants full no_attention ...] [--alternative-rows 1 4]
+        [--variants full no_attention ...] [--alternative-rows 1 4] [--draft-alternatives]
+
+--draft-alternatives does the same for the EAGLE3 head's own linears (fc, qkv at 4 and 1 rows, its
+LM head), timing the draft loop captured afresh ("draft_loop" columns).
 
 Llama-3.1-8B shape with random bf16 weights (load_format dummy), batch 1, query lengths 1 and 4
 (the EAGLE3 k = 3 verify), plus the EAGLE3 draft loop graph as the engine captured it.
@@ -142,6 +145,10 @@ VARIANTS = {
 }
 LLAMA_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
                 "lm_head": (128256, 4096)}
+# The Llama-8B EAGLE3 head's own linears (rows, N, K): the catch-up's 4-row fc and qkv, a chained
+# step's 1-row qkv, the 32000-word LM head (its o, gate_up and down share the target's shapes).
+EAGLE3_DRAFT_SHAPES = {"draft_fc": (4, 4096, 12288), "draft_qkv4": (4, 6144, 8192), "draft_qkv1": (1, 6144, 8192),
+                       "draft_lm_head": (1, 32000, 4096)}
 
 
 def alternatives(current, m: int, n: int, k: int, mma_sweep: bool = False) -> dict:
@@ -200,6 +207,8 @@ def main() -> None:
                         help="which layers' linears are tried on other kernels (default all)")
     parser.add_argument("--mma-sweep", action="store_true",
                         help="at query lengths above 1, also try a grid of MMA tiles, splits and depths")
+    parser.add_argument("--draft-alternatives", action="store_true",
+                        help="also re-time the EAGLE3 draft loop with each of the head's own linears on other kernels")
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS), metavar="VARIANT",
                         help="which of the variants above to time (default all; full always runs first)")
     args = parser.parse_args()
@@ -225,28 +234,41 @@ def main() -> None:
         gemm = runner.small_m_gemm
         for q in args.alternative_rows:  # each layer's linears on another kernel (or cuBLAS), one kind at a time
             graphs.prepare_replay((1, q), args.context)
-            full = result["rows"]["full"][f"q{q}"]
             for layer, (n, k) in LLAMA_SHAPES.items():
-                if layer not in args.alternative_layers:
-                    continue
-                key = GemmKey(q, n, k, torch.bfloat16, False)
-                if gemm is None or key not in gemm.choices:
-                    continue
-                for name, config in alternatives(gemm.choices[key], q, n, k, args.mma_sweep and q > 1).items():
-                    kept, gemm.choices[key] = gemm.choices[key], config
-                    try:
-                        ms = graph_replay_ms(lambda: graphs._forward(1, q), reps=50)[0]
-                    except Exception as err:  # a config this device cannot run (shared memory, say): next
-                        print(f"q={q} {layer + '_' + name:13} failed: {str(err).splitlines()[0][:200]}", flush=True)
-                        torch.cuda.synchronize()
-                        continue
-                    finally:
-                        gemm.choices[key] = kept
-                    result["rows"].setdefault(f"{layer}_{name}", {})[f"q{q}"] = ms
-                    print(f"q={q} {layer + '_' + name:13} {ms:7.3f} ms  ({full - ms:+.3f} ms removed)", flush=True)
+                if layer in args.alternative_layers:
+                    time_alternatives(gemm, GemmKey(q, n, k, torch.bfloat16, False), layer, f"q{q}", result,
+                                      lambda: graphs._forward(1, q), args.mma_sweep and q > 1)
+        graphs.prepare_replay((1, 4), args.context)  # the state a draft loop after a 4-token verify reads
         result["draft_loop_ms"] = replay_ms(runner.draft_graphs.graphs[1].graph, reps=50)
+        if args.draft_alternatives:  # the draft's own shapes, the loop captured afresh for each
+            loop = lambda: runner.draft_graphs._loop(1)  # noqa: E731
+            result["rows"]["full"]["draft_loop"] = graph_replay_ms(loop, reps=50)[0]
+            for name, (m, n, k) in EAGLE3_DRAFT_SHAPES.items():
+                time_alternatives(gemm, GemmKey(m, n, k, torch.bfloat16, False), name, "draft_loop", result, loop,
+                                  args.mma_sweep and m > 1)
     print(f"EAGLE3 draft loop (catch-up + 2 chained steps) {result['draft_loop_ms']:.3f} ms")
     write_result(args.out_dir, "ablate_decode", "ablate_decode", result)
+
+
+def time_alternatives(gemm, key: GemmKey, layer: str, column: str, result: dict, forward, mma_sweep: bool) -> None:
+    """Re-time `forward` (captured afresh) with the linears of `key` on each alternative kernel in
+    turn, into result["rows"][f"{layer}_{name}"][column] (against result["rows"]["full"][column])."""
+    if gemm is None or key not in gemm.choices:
+        print(f"{column} {layer}: no few-row kernel choice for {key}", flush=True)
+        return
+    full = result["rows"]["full"][column]
+    for name, config in alternatives(gemm.choices[key], key.m_bucket, key.n, key.k, mma_sweep).items():
+        kept, gemm.choices[key] = gemm.choices[key], config
+        try:
+            ms = graph_replay_ms(forward, reps=50)[0]
+        except Exception as err:  # a config this device cannot run (shared memory, say): next
+            print(f"{column} {layer + '_' + name:13} failed: {str(err).splitlines()[0][:200]}", flush=True)
+            torch.cuda.synchronize()
+            continue
+        finally:
+            gemm.choices[key] = kept
+        result["rows"].setdefault(f"{layer}_{name}", {})[column] = ms
+        print(f"{column} {layer + '_' + name:13} {ms:7.3f} ms  ({full - ms:+.3f} ms removed)", flush=True)
 
 
 if __name__ == "__main__":
