@@ -53,8 +53,9 @@ def test_matches_the_layers_torch_path(dtype, hidden, poisoned_empty):  # noqa: 
     rows = random.Random(seed).randint(1, 6)
     embedding, (embed_norm, hidden_norm), ids, g = _case(dtype, hidden, rows, seed)
     wide_g = torch.cat([g, g], dim=1)[:, :hidden]  # a row stride past the width: read as strided
+    strided_ids = torch.stack([ids, ids], dim=1)[:, 0]  # a column of a drafts buffer, say
     with reports_seed(seed), torch.no_grad():
-        x = ei.eagle3_input_triton(ids, embedding.weight, wide_g, embed_norm.weight, embed_norm.eps,
+        x = ei.eagle3_input_triton(strided_ids, embedding.weight, wide_g, embed_norm.weight, embed_norm.eps,
                                    hidden_norm.weight, hidden_norm.eps)
         expected = torch.cat([embed_norm(embedding(ids))[0], hidden_norm(g)[0]], dim=-1)
         assert not torch.isnan(x).any(), "kernel left poisoned elements"

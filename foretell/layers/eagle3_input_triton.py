@@ -88,6 +88,7 @@ def eagle3_input_triton(
     if n == 0:
         return x
     g = g if g.stride(1) == 1 else g.contiguous()
+    input_ids = input_ids.contiguous()  # the kernel reads ids_ptr + row (a no-op for the loop's rows)
     block_h = _next_pow2(hidden)
     pdl = pdl_enabled(g)
     _eagle3_input_kernel[(n,)](
