@@ -79,7 +79,7 @@ class CudaGraphRunner:
         # A packed step (graph_inputs.pack) of the largest bucket and query length.
         self.staging = torch.zeros(3 * max_rows + 2 * self.buckets[-1] + 1 + self.block_table.numel(), **i64)
         self.side = graph_inputs.SideStream(device)
-        self.table_rows: tuple | None = None  # the block ids block_table's first rows hold, when known
+        self.table_rows: tuple | None = None  # the block ids advance_verify last uploaded, while they stand
         self.graphs: dict[tuple[int, int], CapturedForward] = {}
         self.pool = None
 
@@ -179,7 +179,7 @@ class CudaGraphRunner:
         self.side.before_input_write()
         graph_inputs.unpack(staging, tokens, self.buffers, layout)
         self.side.after_input_write()
-        self.table_rows = tuple(map(tuple, batch.block_ids))
+        self.table_rows = None  # recorded only by advance_verify: no per-step host work on this path
         return self.replay(key)
 
     def download_input_ids(self, rows: int) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
