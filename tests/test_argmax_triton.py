@@ -1,7 +1,8 @@
 """The chunked Triton argmax (layers/argmax_triton.py) against torch.argmax, in Triton's
 interpreter on CPU tensors (the real kernels on a CUDA machine): vocabularies of one chunk, several
-chunks and a ragged last chunk; ties inside a chunk and across chunks (the first column wins, as
-torch's); -inf and NaN entries; strided rows; the id map; bad input.
+chunks and a ragged last chunk; the maximum in the first or the last chunk; ties inside a chunk and
+across chunks (the first column wins, as torch's); -inf and NaN entries; strided rows; the id map;
+strided `out`; bad input.
 """
 
 from __future__ import annotations
@@ -98,3 +99,46 @@ def test_out_takes_a_strided_column():
         kernels.argmax_triton(logits.to(DEVICE), out=drafts[:2, 0])
     with pytest.raises(ValueError, match=r"out must be a \[3\] int64"):
         kernels.argmax_triton(logits.to(DEVICE), out=drafts[:, 0].int())
+
+
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_max_in_the_first_or_last_chunk(where):
+    vocab = 4 * CHUNK + 9  # a ragged last chunk
+    logits = torch.randn(3, vocab)
+    columns = [3, CHUNK - 1, 0] if where == "first" else [vocab - 1, 4 * CHUNK, 4 * CHUNK + 5]
+    logits[torch.arange(3), columns] = 100.0
+    assert kernels.argmax_triton(logits.to(DEVICE)).cpu().tolist() == columns == logits.argmax(dim=-1).tolist()
+
+
+def test_ties_across_chunks_take_the_first_chunk():
+    vocab = 5 * CHUNK
+    logits = torch.randn(3, vocab)
+    logits[0, [4 * CHUNK + 1, 2 * CHUNK + 7, CHUNK + 2]] = 9.0  # the first chunk holding it is not the last stored
+    logits[1, [5, 4 * CHUNK + 3]] = 9.0
+    logits[2, [2 * CHUNK + 8, 2 * CHUNK + 6, 3 * CHUNK]] = float("nan")  # NaN ties with NaN
+    assert kernels.argmax_triton(logits.to(DEVICE)).cpu().tolist() == [CHUNK + 2, 5, 2 * CHUNK + 6]
+
+
+def test_single_chunk_vocab():
+    for vocab in (1, 2, 37, CHUNK):
+        logits = torch.randn(3, vocab)
+        assert kernels.argmax_triton(logits.to(DEVICE)).cpu().tolist() == logits.argmax(dim=-1).tolist()
+    id_map = torch.tensor([7, 11, 13], dtype=torch.int64)
+    logits = torch.tensor([[0.0, 2.0, 1.0], [5.0, 5.0, 1.0]])
+    assert kernels.argmax_triton(logits.to(DEVICE), id_map.to(DEVICE)).cpu().tolist() == [11, 7]
+
+
+def test_id_map_and_strided_out_with_several_chunks():
+    seed = random.randrange(2**31)
+    gen = torch.Generator().manual_seed(seed)
+    vocab = 4 * CHUNK + 100
+    logits = torch.randn(3, vocab, generator=gen)
+    logits[1, [CHUNK + 1, 3 * CHUNK]] = 50.0  # a tie across chunks: the map takes the first column
+    id_map = torch.randperm(vocab, generator=gen)
+    drafts = torch.full((3, 5), -5, dtype=torch.int64, device=DEVICE)
+    with reports_seed(seed):
+        expected = id_map[logits.argmax(dim=-1)].tolist()
+        got = kernels.argmax_triton(logits.to(DEVICE), id_map.to(DEVICE), out=drafts[:, 3])
+        assert got.data_ptr() == drafts[:, 3].data_ptr() and drafts[:, 3].cpu().tolist() == expected
+        assert (drafts[:, [0, 1, 2, 4]] == -5).all()
+        assert expected[1] == id_map[CHUNK + 1].item()
