@@ -16,12 +16,9 @@ Rules that keep a whole CUDA graph of such launches ordered:
   - a weight-streaming kernel calls it at the end of its work, not the start: its dependents would
     otherwise take multiprocessor slots while its own later programs still wait for them.
 
-Kernels that read their inputs at once (the norms, RoPE + KV write) are launched with PDL too and
-start with `join_dependent_chain`: wait, then release. So each starts as soon as the kernel before
-it lets it, and the GEMV after it streams its weights while it runs. The decode / verify attention
-(attention/rope_attention_triton.py) reads, before its wait, the step's metadata and the context's
-KV cache: data written before the graph ran, or (a draft loop's earlier steps) by kernels at least
-two launches back, which have completed once the kernel before this one started (it waited for them).
+Kernels that read their inputs at once (the norms, RoPE + KV write, the attention) are launched
+with PDL too and start with `join_dependent_chain`: wait, then release. So each starts as soon as
+the kernel before it lets it, and the GEMV after it streams its weights while it runs.
 
 Both instructions are no-ops when the launch did not ask for PDL. Triton's interpreter knows neither:
 kernels take a PDL constexpr, False there, on GPUs before Hopper, and with a Triton that lacks them.

@@ -8,23 +8,19 @@ attention's programs do the first one's work themselves:
     attends with, in registers, and keeps them as their two rotary halves; a score is the sum of
     the halves' two products against the keys read the same way (a head's channels in any order
     give the same dot product);
-  - the write of this step's keys and values: the last split of each (sequence, kv head) takes
-    this step's tokens. It rotates their keys (after k_norm) in registers, writes them and the
-    values to the cache for later steps, and attends to them from the registers as one more
-    tile (causally), so no program of the launch reads a slot the launch writes.
-The context (the keys before this step's first token) was written by earlier steps, so each
-program loads its metadata and its first context tile before it waits for the q/k/v projection
-(programmatic dependent launch, layers/pdl.py): the paged reads (block table, then keys) leave the
-chain of dependent kernels, and after the wait only q, k and v are read.
-The one launch needs each sequence's queries in one query block (decode, and verify of up to 16
-tokens: `fits`); a longer chunk (prefill) runs the two launches, as does partial rotary
-(rotary_dim < head_dim).
+  - the write of this step's keys and values: a program first writes, for its kv head, the new
+    tokens that fall in its own share of the context (rotated, after k_norm), then waits for its
+    threads (a block barrier makes the writes visible to the block) and attends as usual. Tokens
+    in another split's share are that program's to write; none is read before its writer wrote it.
+The second needs each sequence's queries in one query block (decode, and verify of up to 16
+tokens: `fits`); a longer chunk (prefill) has blocks reading keys another block writes, and runs
+the two launches. Partial rotary (rotary_dim < head_dim) also runs them.
 
 Rounding follows the two-launch path: q and k are rotated by fused_kernels.rotate_pairs (and
 normed by rms_norm_heads), so the cache holds the same values (bit for bit in Triton's
 interpreter; on a GPU the compiler may fuse a product with its sum in one kernel and not the
-other: within a rounding); the scores' sums run in another order (two products of half width, this step's
-keys last), so outputs agree within float32 rounding. Twin:
+other: within a rounding); the scores' sums run in another order (two products of half width), so
+outputs agree within float32 rounding. Twin:
 rope_write_kv_triton then paged_attention_triton (and through them the torch path);
 tests/test_rope_attention_triton.py holds them together in Triton's interpreter.
 """
@@ -46,6 +42,7 @@ from foretell.layers.attention.triton_varlen import (
     SplitCounters,
     context_tile,
     online_softmax_step,
+    split_tile_range,
     store_attention,
 )
 from foretell.layers.fused_kernels import _in_dtype, rms_norm_heads, rotate_pairs
@@ -99,48 +96,6 @@ def _pair_channels(halves, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
 
 
 @triton.jit
-def _context_split(prefix_len, split, num_splits, TILE_N: tl.constexpr, MIN_TILES: tl.constexpr):
-    """(tile_lo, tile_hi, active): this split's share of the context's TILE_N-token tiles (the
-    keys before this step's tokens), in pieces of at least MIN_TILES tiles, and how many splits
-    run (at least one: the last also takes this step's tokens, even with no context)."""
-    num_tiles = tl.cdiv(prefix_len, TILE_N)
-    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), MIN_TILES)
-    tile_lo = split * tiles_per_split
-    active = tl.maximum(tl.cdiv(num_tiles, tiles_per_split), 1)
-    return tile_lo, tl.minimum(tile_lo + tiles_per_split, num_tiles), active
-
-
-@triton.jit
-def _context_keys(k_cache_ptr, v_cache_ptr, table_row, tile, tile_hi, prefix_len, head_offset, first, second,
-                  halves, dims, stride_cache_block, stride_cache_slot, HALF: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):
-    """A context tile's keys as their two rotary halves [TILE_N, HALF_P], values [TILE_N, HEAD_DIM_P]
-    and which exist [TILE_N] (before prefix_len, and the tile before tile_hi: else none)."""
-    end = tl.where(tile < tile_hi, prefix_len, 0)
-    _, key_valid, key_offsets = context_tile(table_row, tile, end, stride_cache_block, stride_cache_slot,
-                                             BLOCK_SIZE, TILE_N)
-    key_offsets += head_offset
-    pair_mask = key_valid[:, None] & (halves < HALF)[None, :]
-    k1 = tl.load(k_cache_ptr + key_offsets[:, None] + first[None, :], mask=pair_mask, other=0.0)
-    k2 = tl.load(k_cache_ptr + key_offsets[:, None] + second[None, :], mask=pair_mask, other=0.0)
-    v = tl.load(v_cache_ptr + key_offsets[:, None] + dims[None, :],
-                mask=key_valid[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
-    return k1, k2, v, key_valid
-
-
-@triton.jit
-def _attend_keys(q1, q2, k1, k2, v, visible, scale_log2, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
-    """One online-softmax step of the query rows (halves q1, q2 [M, HALF_P]) over keys (halves k1,
-    k2 [N, HALF_P]) and values v [N, D] where visible [M, N] (or [1, N]): the new (m_i, l_i, acc)."""
-    scores = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
-    scores += tl.dot(q2, tl.trans(k2), input_precision=DOT_PRECISION)
-    scores = tl.where(visible, scores * scale_log2, float("-inf"))
-    p, alpha, m_i, l_i = online_softmax_step(scores, m_i, l_i)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_i, l_i, acc
-
-
-@triton.jit
 def _rope_paged_attention_kernel(
     query_ptr,  # [num_tokens, num_heads, head_dim], before RoPE
     key_ptr,  # [num_tokens, num_kv_heads, head_dim], before RoPE
@@ -180,7 +135,6 @@ def _rope_paged_attention_kernel(
     GROUP: tl.constexpr,
     GROUP_P: tl.constexpr,
     BLOCK_Q: tl.constexpr,  # >= every sequence's query length: one query block per sequence
-    NEW_N: tl.constexpr,  # max(16, BLOCK_Q): this step's keys as one tile (tl.dot's smallest)
     BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_P: tl.constexpr,
@@ -195,27 +149,48 @@ def _rope_paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    join_dependent_chain(PDL)  # the o projection's GEMV streams weights meanwhile
     seq = tl.program_id(0)  # one query block per sequence
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    prefix_len = tl.load(seq_lens_ptr + seq) - q_len  # context before this step's first query token
+    if q_len == 0:
+        return
+    kv_end, tile_lo, tile_hi, active = split_tile_range(
+        prefix_len, q_len, 0, split, num_splits, BLOCK_Q, TILE_N, MIN_TILES
+    )
+    if split >= active:
+        return
     dtype = k_cache_ptr.dtype.element_ty
     halves = tl.arange(0, HALF_P)
     first, second = _pair_channels(halves, HALF, INTERLEAVED)
     dims = tl.arange(0, HEAD_DIM_P)
     head_offset = kv_head.to(tl.int64) * stride_cache_head
 
-    # Before the wait (layers/pdl.py) only what no kernel of this step writes: the step's
-    # metadata and the context's keys and values (earlier steps wrote them), so the first context
-    # tile streams in while the q/k/v projection finishes.
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    prefix_len = tl.load(seq_lens_ptr + seq) - q_len  # context before this step's first query token
-    tile_lo, tile_hi, active = _context_split(prefix_len, split, num_splits, TILE_N, MIN_TILES)
-    table_row = block_table_ptr + seq.to(tl.int64) * stride_table_seq
-    k1, k2, v, key_valid = _context_keys(k_cache_ptr, v_cache_ptr, table_row, tile_lo, tile_hi, prefix_len,
-                                         head_offset, first, second, halves, dims, stride_cache_block,
-                                         stride_cache_slot, HALF, HEAD_DIM, BLOCK_SIZE, TILE_N)
+    # This step's keys and values in this split's tiles: rotated into the cache first.
+    tokens = tl.arange(0, BLOCK_Q)
+    token_index = (q_start + tokens).to(tl.int64)
+    token_tile = (prefix_len + tokens) // TILE_N
+    slot = tl.load(slot_mapping_ptr + token_index, mask=tokens < q_len, other=-1)
+    mine = (tokens < q_len) & (token_tile >= tile_lo) & (token_tile < tile_hi) & (slot >= 0)
+    position = tl.load(positions_ptr + token_index, mask=mine, other=0).to(tl.int64)
+    new_k1, new_k2 = _rotated_halves(key_ptr, token_index * stride_k_token + kv_head * stride_k_head, mine,
+                                     position, cos_ptr, sin_ptr, stride_cos, k_norm_ptr, k_eps, HEAD_DIM, HALF,
+                                     HALF_P, INTERLEAVED, HAS_NORM, dtype)
+    slot_offset = (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_slot + head_offset
+    half_mask = mine[:, None] & (halves < HALF)[None, :]
+    tl.store(k_cache_ptr + slot_offset[:, None] + first[None, :], new_k1.to(dtype), mask=half_mask)
+    tl.store(k_cache_ptr + slot_offset[:, None] + second[None, :], new_k2.to(dtype), mask=half_mask)
+    value_mask = mine[:, None] & (dims < HEAD_DIM)[None, :]
+    new_v = tl.load(value_ptr + (token_index * stride_v_token + kv_head * stride_v_head)[:, None] + dims[None, :],
+                    mask=value_mask)
+    tl.store(v_cache_ptr + slot_offset[:, None] + dims[None, :], new_v, mask=value_mask)
+    tl.debug_barrier()  # the block's writes are visible to the block's reads below
+
+    # The query rows (token, head of the group), rotated the same way.
     rows = tl.arange(0, BLOCK_M)
     row_token = rows // GROUP_P
     row_head = rows % GROUP_P
@@ -224,13 +199,6 @@ def _rope_paged_attention_kernel(
     head = kv_head * GROUP + row_head
     row_index = (q_start + row_token).to(tl.int64)
     row_position = tl.load(positions_ptr + row_index, mask=row_valid, other=0).to(tl.int64)
-    join_dependent_chain(PDL)  # the o projection's GEMV streams weights meanwhile
-    if q_len == 0:
-        return
-    if split >= active:
-        return
-
-    # The query rows (token, head of the group), rotated at their positions.
     q1, q2 = _rotated_halves(query_ptr, row_index * stride_q_token + head * stride_q_head, row_valid, row_position,
                              cos_ptr, sin_ptr, stride_cos, q_norm_ptr, q_eps, HEAD_DIM, HALF, HALF_P,
                              INTERLEAVED, HAS_NORM, dtype)
@@ -239,39 +207,22 @@ def _rope_paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
-    # The context: every key lies before every query row, so it is visible to all of them.
-    m_i, l_i, acc = _attend_keys(q1, q2, k1, k2, v, key_valid[None, :], scale_log2, m_i, l_i, acc, DOT_PRECISION)
-    for tile in range(tile_lo + 1, tile_hi):
-        k1, k2, v, key_valid = _context_keys(k_cache_ptr, v_cache_ptr, table_row, tile, tile_hi, prefix_len,
-                                             head_offset, first, second, halves, dims, stride_cache_block,
-                                             stride_cache_slot, HALF, HEAD_DIM, BLOCK_SIZE, TILE_N)
-        m_i, l_i, acc = _attend_keys(q1, q2, k1, k2, v, key_valid[None, :], scale_log2, m_i, l_i, acc,
-                                     DOT_PRECISION)
-
-    # This step's own tokens, on the last split: rotated in registers, written to the cache for
-    # later steps and attended from the registers (causally), so no program reads them back here.
-    if split == active - 1:
-        tokens = tl.arange(0, NEW_N)
-        token_index = (q_start + tokens).to(tl.int64)
-        new_valid = tokens < q_len
-        slot = tl.load(slot_mapping_ptr + token_index, mask=new_valid, other=-1)
-        position = tl.load(positions_ptr + token_index, mask=new_valid, other=0).to(tl.int64)
-        new_k1, new_k2 = _rotated_halves(key_ptr, token_index * stride_k_token + kv_head * stride_k_head, new_valid,
-                                         position, cos_ptr, sin_ptr, stride_cos, k_norm_ptr, k_eps, HEAD_DIM, HALF,
-                                         HALF_P, INTERLEAVED, HAS_NORM, dtype)
-        new_k1, new_k2 = new_k1.to(dtype), new_k2.to(dtype)
-        value_mask = new_valid[:, None] & (dims < HEAD_DIM)[None, :]
-        new_v = tl.load(value_ptr + (token_index * stride_v_token + kv_head * stride_v_head)[:, None]
-                        + dims[None, :], mask=value_mask, other=0.0)
-        written = slot >= 0  # padding (slot -1) writes nothing
-        slot_offset = (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_slot + head_offset
-        half_mask = written[:, None] & (halves < HALF)[None, :]
-        tl.store(k_cache_ptr + slot_offset[:, None] + first[None, :], new_k1, mask=half_mask)
-        tl.store(k_cache_ptr + slot_offset[:, None] + second[None, :], new_k2, mask=half_mask)
-        tl.store(v_cache_ptr + slot_offset[:, None] + dims[None, :], new_v, mask=written[:, None] & value_mask)
-        visible = ((prefix_len + tokens)[None, :] <= row_pos[:, None]) & new_valid[None, :]
-        m_i, l_i, acc = _attend_keys(q1, q2, new_k1, new_k2, new_v, visible, scale_log2, m_i, l_i, acc,
-                                     DOT_PRECISION)
+    table_row = block_table_ptr + seq.to(tl.int64) * stride_table_seq
+    for tile in range(tile_lo, tile_hi):
+        key_pos, key_valid, key_offsets = context_tile(table_row, tile, kv_end, stride_cache_block, stride_cache_slot,
+                                                       BLOCK_SIZE, TILE_N)
+        key_offsets += head_offset
+        pair_mask = key_valid[:, None] & (halves < HALF)[None, :]
+        k1 = tl.load(k_cache_ptr + key_offsets[:, None] + first[None, :], mask=pair_mask, other=0.0)
+        k2 = tl.load(k_cache_ptr + key_offsets[:, None] + second[None, :], mask=pair_mask, other=0.0)
+        v = tl.load(v_cache_ptr + key_offsets[:, None] + dims[None, :],
+                    mask=key_valid[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
+        scores = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
+        scores += tl.dot(q2, tl.trans(k2), input_precision=DOT_PRECISION)
+        visible = (key_pos[None, :] <= row_pos[:, None]) & key_valid[None, :]
+        scores = tl.where(visible, scores * scale_log2, float("-inf"))
+        p, alpha, m_i, l_i = online_softmax_step(scores, m_i, l_i)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
 
     part_base = (row_index * (GROUP * tl.num_programs(1)) + head) * num_splits
     out_offsets = row_index[:, None] * stride_out_token + head[:, None] * stride_out_head + dims[None, :]
@@ -368,7 +319,6 @@ def rope_paged_attention_triton(
         GROUP=group,
         GROUP_P=triton.next_power_of_2(group),
         BLOCK_Q=config["BLOCK_Q"],
-        NEW_N=max(16, config["BLOCK_Q"]),
         BLOCK_M=config["BLOCK_M"],
         HEAD_DIM=head_dim,
         HEAD_DIM_P=max(16, triton.next_power_of_2(head_dim)),
