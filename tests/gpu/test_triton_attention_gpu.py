@@ -229,7 +229,7 @@ def test_cuda_graph_capture_and_replay():
 @pytest.mark.parametrize("with_norm", [False, True])
 def test_rope_attention_in_one_launch_at_llama_shapes(num_splits, q_len, with_norm):
     """RoPE + KV write + attention in one launch (rope_attention_triton.py), bf16, 8 kv heads x 4,
-    head_dim 128, long contexts split many ways (the last split writes and attends the new tokens),
+    head_dim 128, long contexts split many ways (each split writes the new tokens of its tiles),
     repeated 5 times to shake out races: the cache and the output within bf16 rounding of the
     two-launch path's, and every repeat identical. (Not bit for bit on a GPU: the compiler fuses
     RoPE's products with their sums differently in the two kernels, as in _check_rope of
