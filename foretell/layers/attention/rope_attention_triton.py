@@ -49,6 +49,14 @@ from foretell.layers.fused_kernels import _in_dtype, rms_norm_heads, rotate_pair
 from foretell.layers.norm import RMSNorm
 from foretell.layers.pdl import join_dependent_chain, launch_options, pdl_enabled
 
+# Launch shape at batch 1 (scripts/bench_attention_chain.py: 32 launches in a PDL chain on an H200,
+# Llama-8B heads, us a launch at context 256 / 1024, q = 1): the engine's earlier 64 splits and 4
+# warps 8.07 / 13.30; 16 splits 7.84 / 11.98; 8 warps 7.64 / 12.30; 8 splits and 8 warps 7.40 / 10.81.
+# Idle splits still launch and wait, and the last program merges every piece that holds keys, so
+# more splits than this cost more than they save; 16-bit tiles take 8 warps (float32 keeps 4).
+MAX_SPLITS = 16
+WARPS_16_BIT = 8
+
 
 @triton.jit
 def _rotated_halves(
@@ -292,7 +300,8 @@ def rope_paged_attention_triton(
     if num_splits is None:
         num_splits = _choose_num_splits(query.device, active_programs=num_seqs * num_kv_heads,
                                         max_context=block_table.shape[1] * block_size,
-                                        max_query_len=max_query_len, tile_n=config["TILE_N"])
+                                        max_query_len=max_query_len, tile_n=config["TILE_N"],
+                                        max_splits=MAX_SPLITS)
     split = num_splits > 1
     if split:
         part_acc = torch.empty((num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
@@ -332,7 +341,7 @@ def rope_paged_attention_triton(
         HAS_NORM=qk_norm is not None,
         DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
         PDL=pdl,
-        num_warps=config["num_warps"],
+        num_warps=WARPS_16_BIT if kv_cache.dtype.itemsize == 2 else config["num_warps"],
         **launch_options(pdl),
     )
     return out

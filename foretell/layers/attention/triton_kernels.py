@@ -357,15 +357,16 @@ def _choose_num_splits(
     max_context: int,
     max_query_len: int,
     tile_n: int,
+    max_splits: int = 64,
 ) -> int:
-    """Split the context when decode/verify would leave most SMs idle. Shapes only, so the
-    choice is the same in eager mode and in a captured CUDA graph."""
+    """Split the context when decode/verify would leave most SMs idle, into at most max_splits
+    pieces. Shapes only, so the choice is the same in eager mode and in a captured CUDA graph."""
     if max_query_len > 16 or device.type != "cuda":
         return 1
     wanted = triton.cdiv(2 * _multiprocessor_count(device.index or 0), active_programs)
     # Keep at least a couple of tiles per split over the longest context the table can hold.
     cap = max(1, max_context // (2 * tile_n))
-    splits = min(wanted, cap, 64)
+    splits = min(wanted, cap, max_splits)
     return 1 if splits <= 1 else triton.next_power_of_2(splits)
 
 
