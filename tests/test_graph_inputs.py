@@ -77,3 +77,19 @@ def test_unpack_fills_the_graph_buffers(n, bucket, q, ids_on_device):
         unpack(staging, tokens, got, layout)
         for name in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_table"):
             assert torch.equal(getattr(got, name), getattr(expected, name)), f"{unpack.__name__} {name} (seed {seed})"
+
+
+def test_download_outputs_flattens_views_of_static_buffers():
+    """A verify step's results leave as one host copy: accepted [n], next token [n] and the drafts,
+    a transposed [n, k] view of the draft loop's [k, bucket] buffer, flattened row by row. The
+    flattening copy is the side stream's own (on CUDA), so no temporary of the graph stream is
+    freed while the side stream still reads it."""
+    side = graph_inputs.SideStream(DEVICE)
+    by_step = torch.arange(12, device=DEVICE).view(3, 4)  # [k, bucket]: draft j of sequence i at (j, i)
+    drafts = by_step.t()[:2]  # [n = 2, k = 3], strided
+    accepted = torch.tensor([1, 3], device=DEVICE)
+    next_token = torch.tensor([7, 9], device=DEVICE)
+    host, ready = side.download_outputs([accepted, next_token, drafts])
+    if ready is not None:
+        ready.synchronize()
+    assert host.tolist() == [1, 3, 7, 9, 0, 4, 8, 1, 5, 9]

@@ -150,17 +150,19 @@ class SideStream:
         return host, self.inputs_read
 
     def download_outputs(self, outputs: list[torch.Tensor]) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
-        """(pinned host copy of the outputs concatenated (1-D tensors the current stream wrote), its
-        ready event), made here once the current stream's work so far is done; the current stream
-        waits for it before it next writes them (before_output_write). Off CUDA: the concatenation
-        and no event."""
+        """(pinned host copy of the outputs flattened and concatenated, its ready event), made here
+        once the current stream's work so far is done; the current stream waits for it before it
+        next writes them (before_output_write). The outputs must be views of buffers that outlive
+        the copy (the graphs' static buffers): any flattening copy is made here, on this stream, so
+        no temporary of the current stream is freed (and reused) while this stream still reads it.
+        Off CUDA: the concatenation and no event."""
         if self.stream is None:
-            return torch.cat(outputs), None
+            return torch.cat([out.reshape(-1) for out in outputs]), None
         written = torch.cuda.Event()
         written.record()
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(written)
-            packed = torch.cat(outputs)
+            packed = torch.cat([out.reshape(-1) for out in outputs])
             host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
             host.copy_(packed, non_blocking=True)
             self.outputs_read = torch.cuda.Event()

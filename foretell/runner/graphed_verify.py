@@ -112,7 +112,7 @@ def _verify_on_device(runner, key: tuple[int, int], n: int, limits: list[int | N
 
 
 def _launched(runner, seqs, key, accepted, next_token, drafts, starts, draft_ids, limits) -> LaunchedVerify:
-    copy = HostCopy(*runner.graphs.side.download_outputs([accepted, next_token, drafts.flatten()]))
+    copy = HostCopy(*runner.graphs.side.download_outputs([accepted, next_token, drafts]))
     return LaunchedVerify(seqs, key, accepted, next_token, drafts, copy, starts, draft_ids, limits)
 
 
