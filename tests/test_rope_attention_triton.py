@@ -3,8 +3,9 @@
 (rope_write_kv_triton, then paged_attention_triton) and the torch path (RotaryEmbedding, write_kv_torch,
 TorchAttentionBackend), in Triton's interpreter on CPU tensors (the real kernel on CUDA).
 
-The cache must equal the two-launch path's bit for bit (same roundings); outputs agree within the
-dtype's tolerance (the scores sum in another order). Contexts over several tiles, split several
+The cache must equal the two-launch path's bit for bit (same roundings; within one rounding on a
+GPU, whose compiler may fuse a product with its sum in one kernel and not the other); outputs agree
+within the dtype's tolerance (the scores sum in another order). Contexts over several tiles, split several
 ways (each split writes the new tokens of its tiles), both pairings, Qwen3's q_norm / k_norm,
 strided q/k/v views of a fused projection, a padded sequence (slot -1: nothing written).
 """
@@ -104,7 +105,11 @@ def _check(step: Step, dtype, seed, **split):
         got = step.run_fused(cache, **split)
         two_cache = step.batch.cache.clone()
         two = step.run_two_launches(two_cache, **split)
-        torch.testing.assert_close(cache, two_cache, rtol=0, atol=0, equal_nan=True)  # same writes, same values
+        # Same writes, same values; on a GPU the compiler may fuse RoPE's products with their sums
+        # differently in the two kernels (test_fused_kernels_gpu.py's _check_rope): one rounding.
+        exact = DEVICE.type == "cpu"
+        torch.testing.assert_close(cache, two_cache, rtol=0 if exact else NORM_TOLERANCE[dtype]["rtol"],
+                                   atol=0 if exact else NORM_TOLERANCE[dtype]["atol"], equal_nan=True)
         live = step.live_rows()
         assert not got[live].isnan().any(), "rows left unwritten or NaN read"
         tolerance = NORM_TOLERANCE[dtype] if step.qk_norm is not None else dict(rtol=TOLERANCE[dtype],
