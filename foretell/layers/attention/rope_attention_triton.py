@@ -50,10 +50,11 @@ from foretell.layers.norm import RMSNorm
 from foretell.layers.pdl import join_dependent_chain, launch_options, pdl_enabled
 
 # Launch shape at batch 1 (scripts/bench_attention_chain.py: 32 launches in a PDL chain on an H200,
-# Llama-8B heads, us a launch at context 256 / 1024, q = 1): the engine's earlier 64 splits and 4
-# warps 8.07 / 13.30; 16 splits 7.84 / 11.98; 8 warps 7.64 / 12.30; 8 splits and 8 warps 7.40 / 10.81.
-# Idle splits still launch and wait, and the last program merges every piece that holds keys, so
-# more splits than this cost more than they save; 16-bit tiles take 8 warps (float32 keeps 4).
+# Llama-8B heads, us a launch at context 256 / 1024 / 4096, q = 1): 64 splits on 4 warps (the
+# engine before) 8.03 / 12.96 / 34.02; 16 splits on 8 warps 7.51 / 11.44 / 18.26; 8 splits on 8
+# warps 7.37 / 10.88 / 22.39. Idle splits still launch and wait, and the last program merges every
+# piece that holds keys one after another, so more pieces cost more than they save; 16 keep long
+# contexts fast. 16-bit tiles take 8 warps; float32 keeps _launch_config's (its tiles spill).
 MAX_SPLITS = 16
 WARPS_16_BIT = 8
 
