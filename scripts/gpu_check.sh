@@ -14,6 +14,8 @@ stage gpu_tests
 stage bench_attention
 python3 scripts/bench_fused.py "$out" --quick 2>&1 | tail -20
 stage bench_fused
+python3 scripts/bench_attention_chain.py "$out" --contexts 256 1024 2>&1 | tail -20
+stage bench_attention_chain
 python3 scripts/bench_mla_moe.py "$out" --quick 2>&1 | tail -30
 stage bench_mla_moe
 python3 scripts/bench_small_m_gemm.py "$out" --quick 2>&1 | tail -16
