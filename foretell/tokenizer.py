@@ -14,9 +14,13 @@ from foretell.sampling_params import SamplingParams
 
 
 class Tokenizer:
-    def __init__(self, folder: str):
+    def __init__(self, folder: str, revision: str | None = None, download_dir: str | None = None):
+        """folder: a local folder or a Hugging Face Hub id (resolved by model_source.py)."""
         from transformers import AutoTokenizer
 
+        from foretell.model_source import resolve_model_path
+
+        folder = resolve_model_path(folder, revision, download_dir, what="tokenizer")
         try:
             self.hf = AutoTokenizer.from_pretrained(folder, local_files_only=True)
         except Exception as e:  # transformers raises several types for a missing/bad tokenizer
@@ -85,9 +89,15 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
 
-    def add(self, new_token_ids: list[int]) -> str | None:
-        """Append tokens; returns the stop string hit (text is then cut), else None."""
-        for token in new_token_ids:
+    def add(self, new_token_ids: list[int]) -> tuple[str | None, int]:
+        """Append tokens one at a time until one completes a stop string.
+
+        Returns (the stop string hit or None, how many of new_token_ids were taken). After a hit
+        the text is cut at the stop string and the tokens after the one that completed it are not
+        taken: a verify step may accept several tokens at once, and the caller drops the untaken
+        ones so the output is what one-token-a-step decoding would have produced.
+        """
+        for taken, token in enumerate(new_token_ids, start=1):
             self.token_ids.append(token)
             prefix = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
             full = self._decode(self.token_ids[self._prefix_offset :])
@@ -99,8 +109,8 @@ class IncrementalDetokenizer:
             self._read_offset = len(self.token_ids)
             hit = self._check_stop(start)
             if hit is not None:
-                return hit
-        return None
+                return hit, taken
+        return None, len(new_token_ids)
 
     def _check_stop(self, new_text_start: int) -> str | None:
         if not self._max_stop_len:

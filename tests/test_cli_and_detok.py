@@ -47,7 +47,22 @@ def test_stop_string_spanning_tokens(qwen3_checkpoint):
     detok = IncrementalDetokenizer(tokenizer, SamplingParams(stop=["book."]))
     hit = None
     for token in ids:
-        hit = detok.add([token])
+        hit, taken = detok.add([token])
+        assert taken == 1
         if hit:
             break
     assert hit == "book." and detok.text == "the cat reads the "
+
+
+def test_stop_string_inside_a_run_of_tokens_takes_only_those_before_it(qwen3_checkpoint):
+    """A verify step hands several tokens at once: only those up to the stop are taken."""
+    tokenizer = Tokenizer(qwen3_checkpoint)
+    ids = tokenizer.encode("the cat reads the book. the dog runs")
+    one_by_one = IncrementalDetokenizer(tokenizer, SamplingParams(stop=["book."]))
+    for n, token in enumerate(ids, start=1):
+        if one_by_one.add([token])[0]:
+            break
+    at_once = IncrementalDetokenizer(tokenizer, SamplingParams(stop=["book."]))
+    hit, taken = at_once.add(ids)
+    assert hit == "book." and taken == n < len(ids)
+    assert at_once.text == one_by_one.text == "the cat reads the "

@@ -100,6 +100,13 @@ class Engine:
                 f"prompt is {len(token_ids)} tokens, but max_model_len is {self.max_model_len}: "
                 f"shorten the prompt or raise --max-model-len"
             )
+        if params.max_tokens is not None and len(token_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens is {params.max_tokens} and the prompt is {len(token_ids)} tokens: "
+                f"together {len(token_ids) + params.max_tokens}, past max_model_len "
+                f"{self.max_model_len}; ask for at most {self.max_model_len - len(token_ids)} "
+                f"tokens (or leave max_tokens unset: up to max_model_len)"
+            )
         seqs = [
             Sequence(
                 next(self._seq_ids), request_id, i, token_ids, params, self.eos_token_ids
@@ -183,15 +190,13 @@ class Engine:
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
                 request.metrics.num_cached_prompt_tokens = seq.num_cached_prompt_tokens
+            detok = request.detokenizers[seq.index]
+            if detok is not None:
+                appended = self._apply_stop_strings(seq, detok, appended)
             self.metrics.generation_tokens_total += len(appended)
             logprobs = result.logprobs[: len(appended)]
             seq.logprobs.extend(logprobs)
             seq.cumulative_logprob += sum(lp.logprob for lp in logprobs)
-            detok = request.detokenizers[seq.index]
-            stop = detok.add(appended) if detok is not None else None
-            if stop is not None and not seq.is_finished:
-                seq.stop_reason = stop
-                self.scheduler.finish(seq, "stop")
             if seq.is_finished:
                 self.runner.forget(seq.seq_id)
             else:
@@ -210,6 +215,24 @@ class Engine:
             self.block_manager.usage,
         )
         return outputs
+
+    def _apply_stop_strings(
+        self, seq: Sequence, detok: IncrementalDetokenizer, appended: list[int]
+    ) -> list[int]:
+        """Detokenize this step's tokens; on a stop string, drop the tokens after the one that
+        completed it (a verify step may have accepted several past it) and finish the sequence.
+        Returns the tokens kept."""
+        stop, taken = detok.add(appended)
+        if stop is None:
+            return appended
+        if taken < len(appended):
+            del seq.token_ids[len(seq.token_ids) - (len(appended) - taken) :]
+        seq.stop_reason = stop
+        if seq.is_finished:  # an EOS / stop id / max_tokens after the stop string: the string won
+            seq.finish_reason = "stop"
+        else:
+            self.scheduler.finish(seq, "stop")
+        return appended[:taken]
 
     def _make_output(self, request: Request) -> RequestOutput:
         completions = []
