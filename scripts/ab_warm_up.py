@@ -4,7 +4,7 @@ import sys, time
 sys.path.insert(0, ".")
 from foretell import LLM, SamplingParams
 from foretell.defaults import member_path
-from foretell.training.recipe_measure import gsm8k_test_prompts
+from foretell.bench.datasets import gsm8k_test_prompts
 
 prompts = gsm8k_test_prompts(12)
 params = SamplingParams(temperature=0, max_tokens=128)

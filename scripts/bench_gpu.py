@@ -166,7 +166,7 @@ def default_family():
     """The shipped default models (bf16, batch 1, GSM8K test prompts, greedy, k=3): tok/s of each
     drafter against plain decoding in the same process, and acceptance."""
     from foretell.defaults import member_path
-    from foretell.training.recipe_measure import gsm8k_test_prompts
+    from foretell.bench.datasets import gsm8k_test_prompts
 
     prompts = gsm8k_test_prompts(12)
     params = SamplingParams(temperature=0, max_tokens=128)

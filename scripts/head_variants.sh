@@ -11,7 +11,7 @@ for spec in "$@"; do
   name=${spec%%:*}; sets=${spec#*:}
   rm -rf "/tmp/v_$name" "/tmp/w_$name"; cp -r foretell/default_models "/tmp/v_$name"
   # shellcheck disable=SC2086
-  python3 scripts/train_default_models.py --out "/tmp/v_$name" --work "/tmp/w_$name" --family qwen3 --reuse-lms \
+  python3 recipes/default_models/train.py --out "/tmp/v_$name" --work "/tmp/w_$name" --family qwen3 --reuse-lms \
     $sets > "/tmp/v_$name.log" 2>&1 &
   pids+=($!)
 done

@@ -59,6 +59,11 @@ def _gsm8k(records: list[dict]) -> list[Prompt]:
     ]
 
 
+def gsm8k_test_prompts(count: int) -> list[str]:
+    """The first `count` GSM8K test questions as "Question: ...\nAnswer:" prompts."""
+    return [p.text for p in _gsm8k(read_jsonl(data_path("gsm8k_test.jsonl"))[:count])]
+
+
 def _mt_bench(records: list[dict]) -> list[Prompt]:
     # The first turn only: the second turn needs the model's answer to the first.
     return [Prompt(text=r["turns"][0], source=f"mt_bench:{r['question_id']}") for r in records]

@@ -1,5 +1,4 @@
-"""Training EAGLE3 draft heads (`foretell train-eagle3`) and the recipe pieces behind the default
-model family.
+"""Training EAGLE3 draft heads (`foretell train-eagle3`).
 
   data.py        records from JSONL / JSON / text files -> token sequences with a loss mask
   regenerate.py  the target writes the responses itself, through foretell's LLM
@@ -11,10 +10,6 @@ model family.
   checkpoint.py  export in the standard head layout; training state for --resume
   trainer.py     the training loop
   cli.py         the `foretell train-eagle3` command
-  pieces of scripts/train_default_models.py (the default family's recipe):
-  bpe.py, corpus.py        the tokenizer and the corpus (stdlib source + GSM8K train)
-  pretrain.py              the shared pretraining loop; the Qwen3-layout LMs
-  deepseek_pretrain.py     the DeepSeek-V3-layout LM trained jointly with one MTP layer
-  recipe_measure.py        acceptance of every drafter on GSM8K test prompts, teacher-forced too
-  recipe_cards.py          the model cards (README.md) written from what was measured
+
+The default model family's recipe (tokenizer, corpus, pretraining, cards) is in recipes/.
 """

@@ -14,10 +14,10 @@ import torch
 from fixtures import deepseek as ds
 from fixtures.checkpoints import CONFIG_VOCAB_SIZE, ENDOFTEXT_ID, TOKENIZER_FILES
 from foretell import LLM, SamplingParams
-from foretell.training.deepseek_pretrain import (
+from recipes.default_models.deepseek_pretrain import (
     DeepseekWithMTP, deepseek_v3_config, pretrain_deepseek_mtp, save_deepseek_mtp,
 )
-from foretell.training.pretrain import PretrainOptions
+from recipes.default_models.pretrain import PretrainOptions
 
 
 def tiny_config() -> dict:

@@ -8,7 +8,7 @@ import os
 DATA_AND_LICENSE = (
     "Trained from scratch on the Python standard library's source (Python Software Foundation License) "
     "and GSM8K train (MIT, github.com/openai/grade-school-math). Rebuild with "
-    "`python scripts/train_default_models.py` (see its docstring).")
+    "`python -m recipes.default_models.train` (see its docstring).")
 
 
 def write_card(folder: str, title: str, body: list[str]) -> None:

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from foretell.training.pretrain import PretrainOptions, train_on_stream
+from recipes.default_models.pretrain import PretrainOptions, train_on_stream
 
 
 def deepseek_v3_config(vocab_size: int, hidden: int, layers: int, dense_layers: int, heads: int,

@@ -13,12 +13,7 @@ import time
 
 import torch
 
-
-def gsm8k_test_prompts(count: int) -> list[str]:
-    from foretell.bench.datasets import data_path, read_jsonl
-
-    questions = [r["question"] for r in read_jsonl(data_path("gsm8k_test.jsonl"))[:count]]
-    return [f"Question: {q}\nAnswer:" for q in questions]
+from foretell.bench.datasets import gsm8k_test_prompts
 
 
 def measure_methods(target_dir: str, methods: dict[str, dict | None], prompts: list[str], max_tokens: int,

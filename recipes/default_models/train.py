@@ -1,7 +1,7 @@
 """Train foretell's default model family (issue 8, part 2) from public data, on one GPU.
 
-  python scripts/train_default_models.py            # full recipe: one H200, about 13 minutes
-  python scripts/train_default_models.py --smoke    # tiny sizes on the CPU, a couple of minutes
+  python -m recipes.default_models.train            # full recipe: one H200, about 13 minutes
+  python -m recipes.default_models.train --smoke    # tiny sizes on the CPU, a couple of minutes
 
 Corpus: the Python standard library's source on this machine + GSM8K train (corpus.py). Steps:
   1. a byte-level BPE tokenizer with a ChatML chat template (bpe.py), shared by every member
@@ -14,7 +14,7 @@ Corpus: the Python standard library's source on this machine + GSM8K train (corp
      deepseek-target: a DeepSeek-V3-layout LM (MLA + MoE) trained jointly with one MTP layer
                       (deepseek_pretrain.py: DeepSeek-V3's MTP loss, aux-loss-free balancing)
      deepseek-eagle3: an EAGLE3 head for it, trained like qwen3-eagle3
-  4. measurement on GSM8K test prompts (greedy, k=3; recipe_measure.py): online acceptance of
+  4. measurement on GSM8K test prompts (greedy, k=3; measure.py): online acceptance of
      every drafter (EAGLE3, draft model, MTP, n-gram) and the trainer's teacher-forced
      acceptance of each head on the same prompts (the fidelity check)
 Each member is a plain HF folder with a README card under --out (default foretell/default_models);
@@ -38,13 +38,14 @@ import time
 import numpy as np
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
-from foretell.training import bpe, corpus, recipe_cards as cards  # noqa: E402
-from foretell.training.deepseek_pretrain import deepseek_v3_config, pretrain_deepseek_mtp, save_deepseek_mtp  # noqa: E402
-from foretell.training.pretrain import PretrainOptions, pretrain_causal_lm, qwen3_config, save_lm  # noqa: E402
-from foretell.training.recipe_measure import free_memory, gsm8k_test_prompts, measure_methods, teacher_forced  # noqa: E402
+from recipes.default_models import bpe, corpus, cards  # noqa: E402
+from recipes.default_models.deepseek_pretrain import deepseek_v3_config, pretrain_deepseek_mtp, save_deepseek_mtp  # noqa: E402
+from recipes.default_models.pretrain import PretrainOptions, pretrain_causal_lm, qwen3_config, save_lm  # noqa: E402
+from foretell.bench.datasets import gsm8k_test_prompts  # noqa: E402
+from recipes.default_models.measure import free_memory, measure_methods, teacher_forced  # noqa: E402
 from foretell.training.trainer import TrainConfig, train_eagle3  # noqa: E402
 
 log = logging.getLogger("recipe")
