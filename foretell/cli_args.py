@@ -11,7 +11,11 @@ from typing import Any
 def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True) -> None:
     g = parser.add_argument_group("model")
     g.add_argument("--model", required=model_required, help="local Hugging Face model folder")
-    g.add_argument("--tokenizer", help="tokenizer folder (default: the model folder)")
+    g.add_argument("--tokenizer", help="tokenizer folder or Hub id (default: the model's)")
+    g.add_argument("--revision", help="branch, tag or commit of a Hub model id (default: main)")
+    g.add_argument("--tokenizer-revision", help="branch, tag or commit of the tokenizer's Hub id")
+    g.add_argument("--download-dir",
+                   help="Hugging Face Hub cache for Hub ids (default: HF_HUB_CACHE or HF_HOME/hub)")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "pt", "dummy"])
@@ -42,7 +46,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
     sp.add_argument("--speculative-config", help="JSON with the keys of SpeculativeConfig")
     sp.add_argument("--method", choices=["eagle3", "mtp", "draft_model", "ngram", "none"],
                     help="none: no speculation (also with the default models)")
-    sp.add_argument("--draft-model", help="EAGLE3 head or draft LM folder")
+    sp.add_argument("--draft-model", help="EAGLE3 head or draft LM: folder or Hub id")
     sp.add_argument("--default-family", choices=["qwen3", "deepseek"], default="qwen3",
                     help="with no --model: the shipped Qwen3-layout target, or the DeepSeek-V3-layout "
                          "(MLA + MoE) one with its MTP layer (--method mtp) and EAGLE3 head")
@@ -83,6 +87,7 @@ def speculative_config_from_args(args: argparse.Namespace) -> dict[str, Any] | N
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     names = [
+        "revision", "tokenizer_revision", "download_dir",
         "tokenizer", "dtype", "device", "load_format", "max_model_len", "seed", "attention_backend",
         "enforce_eager", "small_m_gemm", "warm_up", "num_cpu_threads", "skip_tokenizer_init", "block_size", "kv_cache_memory_bytes", "gpu_memory_utilization",
         "num_kv_blocks", "enable_prefix_caching", "max_num_seqs", "max_num_batched_tokens",

@@ -27,6 +27,11 @@ class ModelConfig:
     load_format: str = "auto"  # auto | safetensors | pt | dummy
     max_model_len: int | None = None
     seed: int = 0
+    # Hub ids (model_source.py): the branch, tag or commit of the model and of the tokenizer, and
+    # the Hub cache folder (None: HF_HUB_CACHE / HF_HOME, the Hub library's own default).
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None
     attention_backend: str = "auto"  # auto | torch | triton
     enforce_eager: bool = False
     # torch's intra-op threads on CPU; None leaves torch's default. Small models on few cores
@@ -68,7 +73,9 @@ class ModelConfig:
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        from foretell.device_util import checked_device
+
+        return checked_device(self.device)
 
     def resolve_dtype(self, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
         """auto: the checkpoint's torch_dtype, except half precision on CPU becomes float32."""
@@ -139,6 +146,7 @@ class SpeculativeConfig:
     draft_block_size: int | None = None  # None: the target's block size
     # Synthetic acceptance for benchmarks: per-position rates or a mean acceptance length.
     simulate_acceptance: dict[str, Any] | None = None
+    revision: str | None = None  # of a draft model given as a Hub id
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -211,10 +219,15 @@ def build_engine_config(model: str, **kwargs: Any) -> EngineConfig:
         else:
             known = sorted(f.name for cls in groups.values() for f in fields(cls) if f.name != "model")
             raise TypeError(f"unknown engine option {key!r}; known options: {', '.join(known)}")
+    from foretell.model_source import resolve_engine_sources
+
+    model_config = ModelConfig(model=model, **values["model"])
+    speculative_config = SpeculativeConfig.from_any(speculative)
+    resolve_engine_sources(model_config, speculative_config)  # Hub ids -> local snapshot folders
     return EngineConfig(
-        model=ModelConfig(model=model, **values["model"]),
+        model=model_config,
         cache=CacheConfig(**values["cache"]),
         scheduler=SchedulerConfig(**values["scheduler"]),
-        speculative=SpeculativeConfig.from_any(speculative),
+        speculative=speculative_config,
         log_stats_interval_s=log_interval,
     )

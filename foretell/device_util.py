@@ -1,4 +1,5 @@
-"""Moving small host lists to the device without stalling it.
+"""Devices: checking that an asked-for device exists, and moving small host lists to it without
+stalling it.
 
 torch.tensor(values, device="cuda") copies from pageable memory, which waits for every kernel
 already queued; building the tensor on the host, pinning it and copying asynchronously does not.
@@ -14,3 +15,24 @@ def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if torch.device(device).type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def checked_device(name: str) -> torch.device:
+    """torch.device(name), with a clear error when it names a device this machine lacks."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}") from e
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"--device {name} was asked for, but this machine has no CUDA GPU "
+                f"(torch.cuda.is_available() is False): use --device cpu or auto"
+            )
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ValueError(
+                f"--device {name} was asked for, but this machine has {count} CUDA GPU(s) "
+                f"(cuda:0 to cuda:{count - 1})"
+            )
+    return device
