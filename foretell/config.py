@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # annotations only: the config imports no torch (device_util.py holds its use)
+    import torch
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPE_NAMES = ("bfloat16", "float16", "float32")
 SPECULATIVE_METHODS = ("eagle3", "mtp", "draft_model", "ngram")
 SMALL_M_GEMM_MODES = ("auto", "on", "off")
 ASYNC_SCHEDULING_MODES = ("auto", "on", "off")
@@ -53,7 +54,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.warm_up not in ("auto", "on", "off"):
             raise ValueError(f"warm_up must be auto, on or off, got {self.warm_up!r}")
-        if self.dtype != "auto" and self.dtype not in DTYPES:
+        if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
         if self.load_format not in ("auto", "safetensors", "pt", "dummy"):
             raise ValueError(
@@ -71,20 +72,15 @@ class ModelConfig:
             raise ValueError(f"small_m_gemm must be auto, on or off, got {self.small_m_gemm!r}")
 
     def resolve_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        from foretell.device_util import checked_device
+        from foretell.device_util import resolve_device
 
-        return checked_device(self.device)
+        return resolve_device(self.device)
 
     def resolve_dtype(self, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
         """auto: the checkpoint's torch_dtype, except half precision on CPU becomes float32."""
-        if self.dtype != "auto":
-            return DTYPES[self.dtype]
-        dtype = DTYPES.get(checkpoint_dtype or "", torch.float32 if device.type == "cpu" else torch.bfloat16)
-        if device.type == "cpu" and dtype != torch.float32:
-            return torch.float32
-        return dtype
+        from foretell.device_util import resolve_dtype
+
+        return resolve_dtype(self.dtype, checkpoint_dtype, device)
 
 
 @dataclass

@@ -36,3 +36,25 @@ def checked_device(name: str) -> torch.device:
                 f"(cuda:0 to cuda:{count - 1})"
             )
     return device
+
+
+# dtype names a config may give -> torch dtypes (config.py keeps only the names, not torch)
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_device(name: str) -> torch.device:
+    """auto: the first CUDA GPU when there is one, else the CPU; otherwise the named device."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return checked_device(name)
+
+
+def resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
+    """auto: the checkpoint's torch_dtype, except half precision on CPU becomes float32."""
+    if name != "auto":
+        return TORCH_DTYPES[name]
+    default = torch.float32 if device.type == "cpu" else torch.bfloat16
+    dtype = TORCH_DTYPES.get(checkpoint_dtype or "", default)
+    if device.type == "cpu" and dtype != torch.float32:
+        return torch.float32
+    return dtype

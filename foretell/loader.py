@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from foretell.layers.linear import default_weight_loader
-from foretell.models.base import WeightRules
+from foretell.weight_rules import WeightRules
 
 LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
 DUMMY_STD = 0.02

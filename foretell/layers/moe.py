@@ -35,7 +35,7 @@ from torch import nn
 
 from foretell.layers.kernel_dispatch import use_triton
 from foretell.layers.linear import Linear, MergedLinear, check_shape, make_param
-from foretell.models.base import WeightRule
+from foretell.weight_rules import WeightRule
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 SCORING_FUNCS = ("softmax", "sigmoid")

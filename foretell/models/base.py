@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from foretell.layers.attention.backend import AttentionBackend
+from foretell.weight_rules import WeightRule, WeightRules  # noqa: F401 (models import them from here)
 
 
 @dataclass(frozen=True)
@@ -209,30 +209,3 @@ class CausalLM(torch.nn.Module):
 
     def get_output_embeddings(self) -> torch.nn.Module:
         return self.lm_head
-
-
-@dataclass(frozen=True)
-class WeightRule:
-    """Maps checkpoint tensor names onto a (fused) parameter.
-
-    `pattern` is a regex searched in the checkpoint name; the match is replaced by `replacement`
-    to get the parameter name, and `shard` (a value, or a function of the match) is passed to the
-    parameter's weight_loader to say which slice the tensor fills.
-    """
-
-    pattern: str
-    replacement: str
-    shard: Any | Callable[[re.Match], Any] = None
-
-    def apply(self, name: str) -> tuple[str, Any] | None:
-        match = re.search(self.pattern, name)
-        if match is None:
-            return None
-        shard = self.shard(match) if callable(self.shard) else self.shard
-        return name[: match.start()] + match.expand(self.replacement) + name[match.end() :], shard
-
-
-@dataclass
-class WeightRules:
-    fused: list[WeightRule] = field(default_factory=list)
-    ignored: list[str] = field(default_factory=list)  # regexes of checkpoint keys to skip

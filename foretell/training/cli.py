@@ -9,8 +9,10 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-from foretell.training.trainer import TrainConfig, train_eagle3
+if TYPE_CHECKING:  # the trainer (torch) loads only when the command runs, not for --help
+    from foretell.training.trainer import TrainConfig
 
 
 def add_train_parser(sub) -> None:
@@ -64,10 +66,14 @@ def add_train_parser(sub) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    from foretell.training.trainer import TrainConfig
+
     fields = TrainConfig.__dataclass_fields__
     return TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
 
 
 def run_train(args: argparse.Namespace) -> int:
+    from foretell.training.trainer import train_eagle3
+
     train_eagle3(config_from_args(args))
     return 0
