@@ -198,9 +198,10 @@ def _download(repo_id: str, revision: str | None, download_dir: str | None, what
             f"(a private repo needs a login: `hf auth login` or HF_TOKEN)"
         ) from e
     except LocalEntryNotFoundError as e:  # the Hub could not be reached and nothing is cached
+        reason = f" ({type(e.__cause__).__name__}: {e.__cause__})" if e.__cause__ else ""
         raise ValueError(
             f"{what} {at} is neither a local folder nor in the Hugging Face Hub cache "
-            f"({cache_dir}), and the Hub could not be reached to download it: check the "
+            f"({cache_dir}), and the Hub could not be reached to download it{reason}: check the "
             f"connection, or give a local folder"
         ) from e
     except HfHubHTTPError as e:

@@ -234,8 +234,8 @@ class FakeHub:
     """snapshot_download over a dict of repos: local_files_only looks in the cache folder only;
     otherwise it "downloads" the files the patterns allow into the same layout."""
 
-    def __init__(self, repos: dict[str, str], cache: str):
-        self.repos, self.cache, self.calls = repos, cache, []
+    def __init__(self, repos: dict[str, str], cache: str, unreachable: bool = False):
+        self.repos, self.cache, self.calls, self.unreachable = repos, cache, [], unreachable
 
     def __call__(self, repo_id, *, revision=None, cache_dir=None, local_files_only=False,
                  allow_patterns=None, ignore_patterns=None, **_):
@@ -249,6 +249,11 @@ class FakeHub:
             if not os.path.isdir(snapshot):
                 raise LocalEntryNotFoundError("not cached")
             return snapshot
+        if self.unreachable:
+            try:
+                raise httpx2.ConnectError("Name or service not known")
+            except httpx2.ConnectError as e:
+                raise LocalEntryNotFoundError("cannot reach the Hub") from e
         if repo_id not in self.repos:
             response = httpx2.Response(404, request=httpx2.Request("GET", "https://huggingface.co"))
             raise RepositoryNotFoundError("404 Repository Not Found", response=response)
@@ -306,3 +311,11 @@ def test_downloaded_repo_without_a_model_is_a_clear_error(tokenizer_dir, tmp_pat
     assert os.path.isfile(os.path.join(resolve_model_path("Org/Tok", download_dir=cache,
                                                           what="tokenizer"), "tokenizer.json"))
 
+
+def test_hub_unreachable_and_not_cached_is_a_clear_error(tmp_path, online, monkeypatch):
+    cache = str(tmp_path / "hub")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", FakeHub({}, cache, unreachable=True))
+    with pytest.raises(ValueError, match=r"model Org/Name is neither a local folder nor in the "
+                                         r"Hugging Face Hub cache .* could not be reached to "
+                                         r"download it \(ConnectError: Name or service not known\)"):
+        resolve_model_path("Org/Name", download_dir=cache)
