@@ -146,10 +146,16 @@ def _resolve_hub_id(repo_id: str, revision: str | None, download_dir: str | None
 
 def _cached_snapshot(repo_id: str, revision: str | None, download_dir: str | None, what: str,
                      need_weights: bool) -> str | None:
-    """The cached snapshot of the revision, or None when the cache has none."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    """The cached snapshot of the revision, or None when the cache has none.
 
+    A snapshot the library calls incomplete (its cached file listing names files that are not
+    there, a README or example code, say) is still returned: missing_files() decides whether
+    what foretell loads is there.
+    """
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import IncompleteSnapshotError, LocalEntryNotFoundError
+
+    partial = None
     for weights in (SAFETENSORS_PATTERNS, PT_PATTERNS):
         try:
             return snapshot_download(
@@ -157,10 +163,13 @@ def _cached_snapshot(repo_id: str, revision: str | None, download_dir: str | Non
                 allow_patterns=patterns_for(what, need_weights, weights),
                 ignore_patterns=IGNORE_PATTERNS,
             )
-        except LocalEntryNotFoundError:  # also an incomplete snapshot (IncompleteSnapshotError)
-            if what == "tokenizer" or not need_weights:
-                return None
-    return None
+        except IncompleteSnapshotError as e:
+            partial = e.snapshot_path
+        except LocalEntryNotFoundError:  # no snapshot of this revision at all
+            return None
+        if what == "tokenizer" or not need_weights:
+            break
+    return partial
 
 
 def _download(repo_id: str, revision: str | None, download_dir: str | None, what: str,

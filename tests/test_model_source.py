@@ -9,6 +9,7 @@ exercised with snapshot_download replaced by a fake that fills the same layout.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 
@@ -17,7 +18,9 @@ import huggingface_hub
 import pytest
 import torch
 from huggingface_hub import constants
-from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
+from huggingface_hub.errors import (
+    IncompleteSnapshotError, LocalEntryNotFoundError, RepositoryNotFoundError,
+)
 
 from foretell import LLM, SamplingParams
 from foretell.cli import main
@@ -170,6 +173,34 @@ def test_an_incomplete_cached_snapshot_offline_names_what_it_lacks(qwen3_checkpo
     assert resolve_model_path("Org/Name", download_dir=cache, need_weights=False) == snapshot
 
 
+def write_tree_listing(cache: str, repo_id: str, commit: str, names: list[str]) -> None:
+    """The file listing snapshot_download keeps per commit (trees/<commit>.json), by which
+    huggingface_hub calls a cached snapshot incomplete."""
+    repo = os.path.join(cache, "models--" + repo_id.replace("/", "--"))
+    os.makedirs(os.path.join(repo, "trees"), exist_ok=True)
+    files = {name: {"size": 1, "blob_id": "0" * 40} for name in names}
+    with open(os.path.join(repo, "trees", f"{commit}.json"), "w") as f:
+        json.dump({"format_version": 1, "files": files}, f)
+
+
+def test_a_snapshot_the_library_calls_incomplete_loads_when_it_has_what_foretell_needs(
+        qwen3_checkpoint, tmp_path, offline):
+    cache = str(tmp_path / "hub")
+    snapshot = put_in_hub_cache(cache, "Org/Name", qwen3_checkpoint, COMMIT_A)
+    names = sorted(os.listdir(snapshot))
+    write_tree_listing(cache, "Org/Name", COMMIT_A, names + ["modeling_extra.py"])
+    with pytest.raises(IncompleteSnapshotError):  # the library's own verdict
+        huggingface_hub.snapshot_download("Org/Name", cache_dir=cache, local_files_only=True)
+    assert resolve_model_path("Org/Name", download_dir=cache) == snapshot
+
+    partial = put_in_hub_cache(cache, "Org/Part", qwen3_checkpoint, COMMIT_A, only=("config.json",))
+    write_tree_listing(cache, "Org/Part", COMMIT_A, names)
+    with pytest.raises(ValueError, match=r"Org/Part: the Hugging Face Hub cache holds .* but it "
+                                         r"lacks weights"):
+        resolve_model_path("Org/Part", download_dir=cache)
+    assert resolve_model_path("Org/Part", download_dir=cache, need_weights=False) == partial
+
+
 @pytest.mark.parametrize("path", ["/nonexistent", "/no/such/model", "./no_such_model", "../nope",
                                   "a/b/c", "~/no_such_model_here"])
 def test_a_missing_local_path_does_not_exist(path):
@@ -274,7 +305,7 @@ def test_download_when_online_and_not_cached(qwen3_checkpoint, tmp_path, online,
     monkeypatch.setattr(huggingface_hub, "snapshot_download", hub)
 
     folder = resolve_model_path("Org/Name", download_dir=cache)
-    assert [c["local_files_only"] for c in hub.calls] == [True, True, False]
+    assert [c["local_files_only"] for c in hub.calls] == [True, False]
     assert "*.safetensors" in hub.calls[-1]["allow"] and "*.bin" not in hub.calls[-1]["allow"]
     fetched = sorted(os.listdir(folder))
     assert "model.safetensors" in fetched and "config.json" in fetched
