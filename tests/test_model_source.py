@@ -236,6 +236,14 @@ def test_cli_missing_tokenizer_and_draft(qwen3_checkpoint, capsys):
     assert "draft model folder /no/head does not exist" in capsys.readouterr().err
 
 
+def test_cli_hub_id_from_the_cache(qwen3_checkpoint, tmp_path, offline, capsys):
+    cache = str(tmp_path / "hub")
+    put_in_hub_cache(cache, "Org/Name", qwen3_checkpoint, COMMIT_A)
+    assert main(["generate", "--model", "Org/Name", "--download-dir", cache, "--prompt", "Hello",
+                 "--max-tokens", "4", "--num-kv-blocks", "32"]) == 0
+    assert "Hello" in capsys.readouterr().out
+
+
 def test_cli_hub_id_not_cached_offline(tmp_path, offline, capsys):
     assert main(["generate", "--model", "Org/Missing", "--download-dir", str(tmp_path),
                  "--revision", "v1", "--prompt", "hi"]) == 2
