@@ -7,21 +7,35 @@ import argparse
 import json
 from typing import Any
 
+from foretell.defaults import default_num_speculative_tokens
 
-def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True) -> None:
+
+def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True,
+                    model_positional: bool = True) -> None:
+    """The engine flags; with model_positional, the model folder may also come first without
+    --model (`foretell serve DIR`, as vLLM takes it)."""
+    if model_positional:
+        parser.add_argument("model_positional", nargs="?", metavar="MODEL",
+                            help="the model folder (same as --model)")
     g = parser.add_argument_group("model")
-    g.add_argument("--model", required=model_required, help="local Hugging Face model folder")
+    g.add_argument("--model", required=model_required,
+                   help="Hugging Face model folder, or Hub id such as Qwen/Qwen3-8B "
+                        "(default: the shipped default family)")
     g.add_argument("--tokenizer", help="tokenizer folder or Hub id (default: the model's)")
     g.add_argument("--revision", help="branch, tag or commit of a Hub model id (default: main)")
     g.add_argument("--tokenizer-revision", help="branch, tag or commit of the tokenizer's Hub id")
     g.add_argument("--download-dir",
                    help="Hugging Face Hub cache for Hub ids (default: HF_HUB_CACHE or HF_HOME/hub)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="weights and activations (auto: the checkpoint's; float32 on CPU)")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "pt", "dummy"])
-    g.add_argument("--max-model-len", type=int)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "pt", "dummy"],
+                   help="dummy: random weights from config.json alone (benchmarks at real sizes)")
+    g.add_argument("--max-model-len", type=int,
+                   help="longest prompt + output in tokens (default: the model's context length)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the engine's random draws")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="attention kernels (auto: Triton on CUDA, torch elsewhere)")
     g.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
     g.add_argument("--small-m-gemm", default="on", choices=["auto", "on", "off"],
                    help="few-row matmuls on CUDA: on = the Triton GEMV for batch-1 decode (7%% faster "
@@ -31,15 +45,19 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
                    help="dummy requests at start-up so no kernel compiles during serving (auto: on CUDA)")
     g.add_argument("--skip-tokenizer-init", action="store_true", help="token-id prompts only")
     c = parser.add_argument_group("KV cache")
-    c.add_argument("--block-size", type=int, default=16)
+    c.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     c.add_argument("--kv-cache-memory-bytes", type=int, help="KV cache budget (target + draft)")
-    c.add_argument("--gpu-memory-utilization", type=float, default=0.90)
+    c.add_argument("--gpu-memory-utilization", type=float, default=0.90,
+                   help="share of the GPU's memory for weights, activations and the KV cache")
     c.add_argument("--num-kv-blocks", type=int, help="exact number of target KV blocks")
-    c.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    c.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="do not reuse the KV blocks of a shared prompt prefix")
     s = parser.add_argument_group("scheduler")
-    s.add_argument("--max-num-seqs", type=int, default=128)
-    s.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    s.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    s.add_argument("--max-num-seqs", type=int, default=128, help="sequences in one step at most")
+    s.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="tokens in one step at most (longer prefills are chunked)")
+    s.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
+                   help="prefill each prompt in one step")
     s.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
                    help="queue the next decode step before reading this one's tokens (auto: on CUDA)")
     sp = parser.add_argument_group("speculative decoding")
@@ -50,11 +68,27 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
     sp.add_argument("--default-family", choices=["qwen3", "deepseek"], default="qwen3",
                     help="with no --model: the shipped Qwen3-layout target, or the DeepSeek-V3-layout "
                          "(MLA + MoE) one with its MTP layer (--method mtp) and EAGLE3 head")
-    sp.add_argument("--num-speculative-tokens", type=int)
+    sp.add_argument("--num-speculative-tokens", type=int,
+                    help="k, draft tokens per step (default: 1 for mtp, 3 for the others)")
     sp.add_argument("--eagle3-aux-layer-ids", help="comma-separated, read as inputs of layers i")
-    sp.add_argument("--prompt-lookup-min", type=int)
-    sp.add_argument("--prompt-lookup-max", type=int)
-    sp.add_argument("--draft-block-size", type=int)
+    sp.add_argument("--prompt-lookup-min", type=int, help="ngram: shortest n-gram to look up (2)")
+    sp.add_argument("--prompt-lookup-max", type=int, help="ngram: longest n-gram to look up (5)")
+    sp.add_argument("--draft-block-size", type=int,
+                    help="KV block size of the draft's cache (default: --block-size)")
+
+
+def take_model_positional(args: argparse.Namespace) -> None:
+    """`foretell serve DIR` means `foretell serve --model DIR`; both, naming different folders,
+    is a mistake."""
+    positional = getattr(args, "model_positional", None)
+    if positional is None:
+        return
+    if args.model is not None and args.model != positional:
+        raise ValueError(
+            f"the model is given twice: {positional!r} as the first argument and {args.model!r} "
+            f"as --model; give one of them"
+        )
+    args.model = positional
 
 
 def speculative_config_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -82,6 +116,8 @@ def speculative_config_from_args(args: argparse.Namespace) -> dict[str, Any] | N
                 f"--eagle3-aux-layer-ids must be comma-separated integers, got {args.eagle3_aux_layer_ids!r}"
             )
     config.update({k: v for k, v in flags.items() if v is not None})
+    if config.get("method") and "num_speculative_tokens" not in config:
+        config["num_speculative_tokens"] = default_num_speculative_tokens(config["method"])
     return config or None
 
 

@@ -16,10 +16,44 @@ FAMILIES = {
 }
 MEMBERS = FAMILIES["qwen3"]
 DEFAULT_NUM_SPECULATIVE_TOKENS = 3
+# MTP drafts with the target's own next-token layer, trained to predict one token ahead: reused
+# for a second draft its acceptance falls quickly (README, "MLA + MoE targets and MTP"), so k=1.
+NUM_SPECULATIVE_TOKENS_BY_METHOD = {"mtp": 1}
+
+
+def default_num_speculative_tokens(method: str | None) -> int:
+    """k when neither --num-speculative-tokens nor the speculative config gives one."""
+    return NUM_SPECULATIVE_TOKENS_BY_METHOD.get(method, DEFAULT_NUM_SPECULATIVE_TOKENS)
 
 
 def member_path(name: str, family: str = "qwen3") -> str:
+    if family not in FAMILIES:
+        raise ValueError(f"unknown default family {family!r}; choose from {', '.join(FAMILIES)}")
     return os.path.join(DEFAULT_MODELS_DIR, FAMILIES[family][name])
+
+
+def default_target(family: str = "qwen3") -> str:
+    """The family's target folder; a clear error when the default models are not installed."""
+    target = member_path("target", family)
+    if not os.path.isdir(target):
+        raise ValueError(
+            f"no model given and no default model is installed at {target}: pass a model "
+            f"folder (--model DIR, or LLM(model=DIR))"
+        )
+    return target
+
+
+def default_speculative_config(family: str = "qwen3", method: str | None = "eagle3",
+                               num_speculative_tokens: int | None = None) -> dict | None:
+    """The speculative_config of a default-family member: method eagle3 / draft_model take the
+    family's head or draft LM, mtp the target's own layers, ngram nothing; None / "none": off."""
+    if method in (None, "none"):
+        return None
+    config: dict = {"method": method,
+                    "num_speculative_tokens": num_speculative_tokens or default_num_speculative_tokens(method)}
+    if method in ("eagle3", "draft_model"):
+        config["model"] = member_path(method, family)
+    return config
 
 
 def fill_default_models(args: argparse.Namespace) -> None:
@@ -27,12 +61,7 @@ def fill_default_models(args: argparse.Namespace) -> None:
     if args.model:
         return
     family = getattr(args, "default_family", "qwen3")
-    target = member_path("target", family)
-    if not os.path.isdir(target):
-        raise ValueError(
-            f"no --model given and no default model is installed at {target}: pass --model DIR"
-        )
-    args.model = target
+    args.model = default_target(family)
     if hasattr(args, "served_model_name") and not args.served_model_name:  # `foretell serve`
         args.served_model_name = FAMILIES[family]["target"]  # clients say "qwen3-target", not a path
     if args.speculative_config is None and args.method is None:
@@ -40,4 +69,4 @@ def fill_default_models(args: argparse.Namespace) -> None:
     if args.method in ("eagle3", "draft_model") and not args.draft_model:
         args.draft_model = member_path(args.method, family)
     if args.method not in (None, "none") and args.num_speculative_tokens is None:
-        args.num_speculative_tokens = DEFAULT_NUM_SPECULATIVE_TOKENS
+        args.num_speculative_tokens = default_num_speculative_tokens(args.method)

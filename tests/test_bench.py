@@ -125,9 +125,15 @@ def test_bench_cli_errors_before_loading(tmp_path, capsys, extra, message):
     assert message in capsys.readouterr().err
 
 
-def test_bench_needs_model(capsys):
+def test_bench_without_model_or_default_models(capsys, tmp_path, monkeypatch):
+    """No --model: the default family (tests/test_cli_first_hour.py); when it is not installed,
+    a clear error that names --model."""
+    from foretell import defaults
+
+    monkeypatch.setattr(defaults, "DEFAULT_MODELS_DIR", str(tmp_path / "none"))
     assert main(["bench", "--no-progress"]) == 2
-    assert "--model" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no default model is installed" in err and "--model" in err
 
 
 def test_speculative_configs_pass_extra_keys_through():

@@ -49,7 +49,7 @@ def test_default_family_flag_picks_the_deepseek_members(family):
     assert args.model == str(family / "deepseek-target") and args.draft_model == str(family / "deepseek-eagle3")
     args = parse("--default-family", "deepseek", "--method", "mtp")
     defaults.fill_default_models(args)
-    assert args.method == "mtp" and args.draft_model is None and args.num_speculative_tokens == 3
+    assert args.method == "mtp" and args.draft_model is None and args.num_speculative_tokens == 1
     args = parse("--default-family", "deepseek", "--method", "draft_model")  # the shared-tokenizer draft LM
     defaults.fill_default_models(args)
     assert args.draft_model == str(family / "qwen3-draft")
@@ -78,5 +78,5 @@ def test_serve_without_model_names_the_member(family):
 
 def test_missing_default_models_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr(defaults, "DEFAULT_MODELS_DIR", str(tmp_path / "nothing"))
-    with pytest.raises(ValueError, match="no --model given"):
+    with pytest.raises(ValueError, match="no model given and no default model is installed"):
         defaults.fill_default_models(parse())

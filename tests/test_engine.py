@@ -175,7 +175,8 @@ def test_bad_requests_leave_nothing_behind(qwen3_checkpoint):
 
 def test_max_model_len_ends_generation(qwen3_checkpoint):
     llm = LLM(qwen3_checkpoint, num_kv_blocks=16, max_model_len=12)
-    out = llm.generate({"prompt_token_ids": [1, 2, 3, 4]}, greedy(100), use_tqdm=False)[0]
+    up_to_the_end = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": [1, 2, 3, 4]}, up_to_the_end, use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 8 and out.outputs[0].finish_reason == "length"
     assert all_blocks_free(llm)
 

@@ -16,12 +16,35 @@ length, per position, accepted-count distribution), draft and verify step times,
 speedup over no speculation measured in the same run, against the speedup predicted from the
 measured acceptance and costs. Example:
 
-  foretell bench --model Qwen3-8B --methods eagle3 --draft-model EAGLE3-Qwen3-8B \\
+  foretell bench Qwen3-8B --methods eagle3 --draft-model EAGLE3-Qwen3-8B \\
       --k 1,2,3,5 --batch-sizes 1,8 --dataset mt_bench --num-prompts 32 --max-tokens 256 \\
       --output-json bench.json --plot-dir plots/
 
+With no model folder (first argument or --model) it runs the shipped default family
+(--default-family): its target, against its EAGLE3 head unless --method / --methods say otherwise
+(eagle3 and draft_model then use the family's head and draft LM).
+
 `foretell bench serve --help` for the load generator against an OpenAI-compatible server.
 """
+
+
+class ModeOrModel(argparse._SubParsersAction):
+    """The first argument of `foretell bench`: `serve` picks the load generator (a sub-parser of
+    its own); anything else is the model folder of the offline sweep (`foretell bench DIR`, like
+    `--model DIR`), whose remaining flags the bench parser reads."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.choices = None  # argparse checks the first value against choices: any name is fine
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if values[0] in self._name_parser_map:
+            return super().__call__(parser, namespace, values, option_string)
+        setattr(namespace, self.dest, None)
+        namespace.model_positional = values[0]
+        _, unknown = parser.parse_known_args(values[1:], namespace)
+        if unknown:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
 
 
 def add_dataset_args(g, default_dataset: str) -> None:
@@ -30,11 +53,11 @@ def add_dataset_args(g, default_dataset: str) -> None:
         help="gsm8k | mt_bench | humaneval | random, or the path of a .jsonl file (one prompt per "
         "line: a string or an object with prompt / text / question / prompt_token_ids)",
     )
-    g.add_argument("--num-prompts", type=int, default=16)
+    g.add_argument("--num-prompts", type=int, default=16, help="how many prompts of the dataset")
     g.add_argument("--input-len", type=int, default=128, help="prompt length of --dataset random")
     g.add_argument("--max-tokens", "--output-len", dest="max_tokens", type=int, default=128,
                    help="tokens to generate per request")
-    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     g.add_argument("--ignore-eos", action="store_true",
                    help="always generate --max-tokens tokens (fixed output lengths)")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
@@ -45,7 +68,7 @@ def add_bench_parser(sub) -> None:
         "bench", help="benchmark speculative configurations (or a server: bench serve)",
         description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_engine_args(p, model_required=False)
+    add_engine_args(p, model_required=False, model_positional=False)  # MODEL: see ModeOrModel
     g = p.add_argument_group("sweep")
     g.add_argument("--methods", help="comma-separated methods to sweep (default: --method)")
     g.add_argument("--k", help="comma-separated num_speculative_tokens values, e.g. 1,2,3 "
@@ -56,13 +79,16 @@ def add_bench_parser(sub) -> None:
                    help="draft folder for one method when sweeping several (repeatable)")
     add_dataset_args(g, "gsm8k")
     g.add_argument("--chat", action="store_true", help="wrap text prompts in the chat template")
-    g.add_argument("--no-warmup", dest="warmup", action="store_false")
+    g.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="measure from the first request (kernels may compile inside the runs)")
     g.add_argument("--compare", action="append", choices=["hf"], default=[],
                    help="hf: also run transformers' generate (assisted for draft_model)")
     g.add_argument("--output-json", help="write the full report here")
     g.add_argument("--plot-dir", help="write PNG plots here")
     p.set_defaults(func=run_bench_command)
-    modes = p.add_subparsers(dest="bench_mode", metavar="{serve}")
+    modes = p.add_subparsers(dest="bench_mode", metavar="MODEL | serve", action=ModeOrModel,
+                             help="the model folder to sweep (same as --model), or `serve`: the "
+                                  "load generator against a running server")
     add_serve_parser(modes)
 
 
@@ -72,8 +98,9 @@ def add_serve_parser(modes) -> None:
         description="Send streaming requests to an OpenAI-compatible server and report TTFT, "
         "TPOT, ITL and latency percentiles, throughput, and acceptance read from /metrics.",
     )
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--api", choices=["completions", "chat"], default="completions")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (default: %(default)s)")
+    p.add_argument("--api", choices=["completions", "chat"], default="completions",
+                   help="which OpenAI endpoint to load")
     p.add_argument("--endpoint",
                    help="request path (default: /v1/completions or /v1/chat/completions)")
     p.add_argument("--model", dest="served_model",
@@ -83,12 +110,13 @@ def add_serve_parser(modes) -> None:
     p.add_argument("--request-rate", type=float, default=math.inf,
                    help="requests per second, Poisson arrivals (default inf: all at once)")
     p.add_argument("--max-concurrency", type=int, help="requests in flight at most")
-    p.add_argument("--seed", dest="serve_seed", type=int, default=0)
+    p.add_argument("--seed", dest="serve_seed", type=int, default=0,
+                   help="seed of the prompt sample and the Poisson arrival times")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--metrics-url",
                    help="Prometheus endpoint (default: BASE_URL/metrics; '' to skip)")
-    p.add_argument("--percentiles", default="50,90,99")
-    p.add_argument("--output-json", dest="serve_output_json")
+    p.add_argument("--percentiles", default="50,90,99", help="latency percentiles to report")
+    p.add_argument("--output-json", dest="serve_output_json", help="write the full report here")
     add_dataset_args(p, "mt_bench")
     p.set_defaults(func=run_serve_command)
 
@@ -99,8 +127,14 @@ def build_bench_settings(args: argparse.Namespace):
         DRAFT_MODEL_METHODS, parse_int_list, parse_methods, speculative_configs,
     )
 
-    if not args.model:
-        raise ValueError("foretell bench needs --model DIR (or run `foretell bench serve ...`)")
+    default_members: dict[str, str] = {}
+    if not args.model:  # the shipped default family, drafting with its own members
+        from foretell.defaults import default_target, member_path
+
+        args.model = default_target(args.default_family)
+        if args.methods is None and args.method is None and args.speculative_config is None:
+            args.method = "eagle3"
+        default_members = {m: member_path(m, args.default_family) for m in DRAFT_MODEL_METHODS}
     spec = speculative_config_from_args(args) or {}
     method = spec.pop("method", None)
     draft = spec.pop("model", None)
@@ -111,6 +145,9 @@ def build_bench_settings(args: argparse.Namespace):
     ks = parse_int_list(args.k, "--k") if args.k else [single_k or 3]
     batch_sizes = parse_int_list(args.batch_sizes, "--batch-sizes")
     method_models = {m: draft for m in methods if draft and m in DRAFT_MODEL_METHODS}
+    for m in methods:
+        if m in default_members and m not in method_models:
+            method_models[m] = default_members[m]
     for item in args.method_model or []:
         name, sep, folder = item.partition("=")
         if not sep or not folder or name not in methods:

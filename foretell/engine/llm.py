@@ -8,11 +8,10 @@ from typing import Any
 from tqdm import tqdm
 
 from foretell.config import build_engine_config
+from foretell.defaults import default_speculative_config, default_target
 from foretell.engine.engine import Engine
 from foretell.engine.outputs import RequestOutput
 from foretell.sampling_params import SamplingParams
-
-
 
 
 class LLM:
@@ -20,12 +19,37 @@ class LLM:
 
     Any field of ModelConfig, CacheConfig or SchedulerConfig is accepted as a keyword
     (block_size=16, max_num_seqs=..., max_num_batched_tokens=..., num_kv_blocks=..., ...).
+    With no model, the shipped default family: its Qwen3-layout target drafting with its EAGLE3
+    head (k=3) unless speculative_config says otherwise; LLM.default(...) picks another member.
     """
 
-    def __init__(self, model: str, speculative_config: Any = None, **kwargs: Any):
+    def __init__(self, model: str | None = None, speculative_config: Any = None, **kwargs: Any):
+        if model is None:
+            model = default_target("qwen3")
+            if speculative_config is None:
+                speculative_config = default_speculative_config("qwen3", "eagle3")
         config = build_engine_config(model, speculative_config=speculative_config, **kwargs)
         self.engine = Engine(config)
         self._ids = itertools.count()
+
+    @classmethod
+    def default(
+        cls,
+        family: str = "qwen3",
+        method: str | None = "eagle3",
+        num_speculative_tokens: int | None = None,
+        **kwargs: Any,
+    ) -> "LLM":
+        """The shipped default family (foretell/default_models): family "qwen3" (Qwen3-layout
+        target) or "deepseek" (DeepSeek-V3-layout MLA + MoE target); method "eagle3" (the
+        family's head), "draft_model" (the small draft LM), "mtp" (deepseek's own MTP layer),
+        "ngram", or None for no speculation. k defaults to 1 for mtp, 3 otherwise."""
+        if method == "mtp" and family != "deepseek":
+            raise ValueError('method "mtp" needs the deepseek family (its target has the MTP layer): '
+                             'LLM.default(family="deepseek", method="mtp")')
+        return cls(default_target(family),
+                   speculative_config=default_speculative_config(family, method, num_speculative_tokens),
+                   **kwargs)
 
     @property
     def tokenizer(self):

@@ -14,29 +14,33 @@ def add_eval_parser(sub) -> None:
         "eval", help="accuracy on a benchmark task, with speculative decoding statistics",
         description="Evaluate a model on a task shipped with foretell. With speculative flags, "
         "the questions also run without speculation and the report says whether greedy "
-        "accuracy (and every output) is identical, as it must be.",
+        "accuracy (and every output) is identical, as it must be. With no model folder (after "
+        "TASK, or --model) it runs the shipped default family with its EAGLE3 head "
+        "(--method none: without speculation).",
     )
-    p.add_argument("task", choices=TASKS)
-    add_engine_args(p)
+    p.add_argument("task", choices=TASKS, help="the task: " + ", ".join(TASKS))
+    add_engine_args(p, model_required=False)
     g = p.add_argument_group("evaluation")
-    g.add_argument("--num-fewshot", type=int, default=5)
+    g.add_argument("--num-fewshot", type=int, default=5, help="worked examples before each question")
     g.add_argument("--fewshot-seed", type=int, default=1234, help="which train examples are shots")
     g.add_argument("--limit", type=int, help="evaluate the first N test questions only")
-    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--max-tokens", type=int, default=256, help="tokens per answer at most")
     g.add_argument("--chat", action="store_true", help="send each prompt through the chat template")
     g.add_argument("--skip-greedy-check", dest="check_greedy", action="store_false",
                    help="with speculation, do not rerun without it")
     g.add_argument("--output-json", help="write the report here")
     g.add_argument("--log-samples", action="store_true",
                    help="include every completion in the JSON")
-    g.add_argument("--no-progress", dest="progress", action="store_false")
+    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.set_defaults(func=run_eval_command)
 
 
 def run_eval_command(args: argparse.Namespace) -> int:
     from foretell.bench.report import write_json
+    from foretell.defaults import fill_default_models
     from foretell.eval.gsm8k import format_report, run_gsm8k
 
+    fill_default_models(args)
     report = run_gsm8k(
         args.model, engine_kwargs_from_args(args), speculative_config_from_args(args),
         num_fewshot=args.num_fewshot, limit=args.limit, max_tokens=args.max_tokens,

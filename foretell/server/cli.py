@@ -21,9 +21,12 @@ def add_serve_parser(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     add_engine_args(p, model_required=False)
     g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: all interfaces)")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--served-model-name", help="the name clients pass as `model` (default: --model)")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default: %(default)s; 0.0.0.0: all interfaces)")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    g.add_argument("--served-model-name",
+                   help="the name clients pass as `model` (default: the model folder; with the "
+                        "default family qwen3-target or deepseek-target)")
     g.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                    help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV})")
     g.add_argument("--max-queued-requests", type=int,
@@ -38,7 +41,8 @@ def add_serve_parser(subparsers) -> None:
     g.add_argument("--no-access-log", dest="access_log", action="store_false",
                    help="do not log every HTTP request")
     g.add_argument("--uvicorn-log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's own log level (default: %(default)s)")
     p.set_defaults(func=run_serve)
 
 
@@ -55,7 +59,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from foretell.config import build_engine_config
     from foretell.server.api import build_app
     from foretell.server.async_engine import AsyncEngine
-    from foretell.server.launcher import serve_forever
+    from foretell.server.launcher import engine_factory_that_logs, serve_forever
 
     from foretell.defaults import fill_default_models
 
@@ -63,8 +67,9 @@ def run_serve(args: argparse.Namespace) -> int:
     check_server_args(args)
     kwargs = engine_kwargs_from_args(args)
     config = build_engine_config(args.model, log_stats_interval_s=args.log_stats_interval_s, **kwargs)
-    async_engine = AsyncEngine(config)
-    app = build_app(async_engine, args.served_model_name or args.model, args.api_key or None,
+    served_name = args.served_model_name or args.model
+    async_engine = AsyncEngine(config, engine_factory=engine_factory_that_logs(config, served_name))
+    app = build_app(async_engine, served_name, args.api_key or None,
                     args.max_queued_requests, args.max_request_bytes)
     return serve_forever(
         app, async_engine, host=args.host, port=args.port, log_level=args.uvicorn_log_level,

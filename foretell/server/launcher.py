@@ -13,12 +13,45 @@ import signal
 import socket
 import threading
 import time
+from typing import TYPE_CHECKING, Callable
 
 import uvicorn
 
 from foretell.server.async_engine import AsyncEngine
 
+if TYPE_CHECKING:
+    from foretell.config import EngineConfig
+    from foretell.engine.engine import Engine
+
 logger = logging.getLogger("foretell.server")
+
+
+def describe_loaded_engine(engine: "Engine", served_model_name: str) -> str:
+    """One line: what the server runs (model, drafter, dtype, device), for the start-up log."""
+    config = engine.config
+    spec = config.speculative
+    if spec is None:
+        drafter = "no speculation"
+    else:
+        source = f" {spec.model}" if spec.model else ""
+        drafter = f"{spec.method}{source}, k={spec.num_speculative_tokens}"
+    runner = engine.runner
+    dtype = str(runner.dtype).replace("torch.", "")
+    return (f"loaded model {config.model.model} (served as {served_model_name!r}), drafter: "
+            f"{drafter}, dtype {dtype}, device {runner.device}, max_model_len {engine.max_model_len}")
+
+
+def engine_factory_that_logs(config: "EngineConfig", served_model_name: str) -> Callable[[], "Engine"]:
+    """Engine(config), logging describe_loaded_engine once it has loaded (in the engine thread)."""
+
+    def build() -> "Engine":
+        from foretell.engine.engine import Engine
+
+        engine = Engine(config)
+        logger.info("%s", describe_loaded_engine(engine, served_model_name))
+        return engine
+
+    return build
 
 
 class GracefulServer(uvicorn.Server):
