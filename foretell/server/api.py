@@ -30,6 +30,7 @@ from foretell.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     ErrorResponse,
+    HealthResponse,
     ModelCard,
     ModelList,
 )
@@ -153,6 +154,7 @@ def build_app(
         async_engine.start()
         yield
         await async_engine.stop()
+        ctx.close()
 
     app = FastAPI(title="foretell", summary="OpenAI-compatible LLM server", lifespan=lifespan)
     app.state.async_engine = async_engine
@@ -186,11 +188,12 @@ def build_app(
         return error_response(APIError(500, f"internal server error: {type(exc).__name__}",
                                        "internal_server_error"))
 
-    @app.get("/health", responses={503: {"model": ErrorResponse}})
-    async def health() -> Response:
-        """200 once the model is loaded and the KV cache allocated, 503 before (or when dying)."""
+    @app.get("/health", response_model=HealthResponse, responses={503: {"model": ErrorResponse}})
+    async def health():
+        """200 `{"status": "ok"}` once the model is loaded and the KV cache allocated, 503 before
+        (or when dying)."""
         if async_engine.is_ready and async_engine.is_alive and not async_engine.draining:
-            return Response(status_code=200)
+            return JSONResponse({"status": "ok"})
         reason = async_engine.not_ready_reason()
         return error_response(APIError(503, reason, "service_unavailable", code="not_ready"))
 

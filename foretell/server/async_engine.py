@@ -141,6 +141,11 @@ class AsyncEngine:
         self._thread.start()
 
     @property
+    def event_loop(self) -> asyncio.AbstractEventLoop | None:
+        """The loop that owns the streams (set by start())."""
+        return self._loop
+
+    @property
     def is_ready(self) -> bool:
         return self._ready.is_set() and not self._stopped.is_set()
 
@@ -190,13 +195,15 @@ class AsyncEngine:
         done: asyncio.Future = self._loop.create_future()
         self._send(("add", prompts, done))
         try:
-            await done
+            refusal = await done
         except asyncio.CancelledError:
             self.abort(stream)  # the add still runs in the engine thread: undo it there
             raise
-        except BaseException:
+        if refusal is not None:
             self._forget(stream)
-            raise
+            # A fresh exception, bound to no local: the frames its traceback holds (with the
+            # prompts) form no reference cycle, so they are freed with the response.
+            raise refusal[0](refusal[1])
         return stream
 
     def abort(self, stream: OutputStream) -> None:
@@ -306,22 +313,23 @@ class AsyncEngine:
                 return False
 
     def _add(self, prompts: list[PromptSpec], done: asyncio.Future) -> None:
+        """Add the prompts, all or none; resolves `done` with None, or with the (exception
+        type, message) of the refusal (a message, not the exception: see add)."""
         added: list[str] = []
+        refusal = None
         try:
             for spec in prompts:
                 self.engine.add_request(spec.request_id, spec.prompt, spec.params)
                 added.append(spec.request_id)
+        except ValueError as e:
+            refusal = (ValueError, f"prompt {len(added)}: {e}" if len(prompts) > 1 else str(e))
         except BaseException as e:
+            logger.error("add_request failed: %s", "".join(traceback.format_exception(e)))
+            refusal = (RequestFailedError, f"the engine could not add the request: {e!r}")
+        if refusal is not None:
             for request_id in added:
                 self.engine.abort_request(request_id)
-            if isinstance(e, ValueError) and len(prompts) > 1:
-                e = ValueError(f"prompt {len(added)}: {e}")
-            elif not isinstance(e, ValueError):
-                logger.error("add_request failed: %s", "".join(traceback.format_exception(e)))
-                e = RequestFailedError(f"the engine could not add the request: {e!r}")
-            self._loop.call_soon_threadsafe(_resolve, done, e)
-            return
-        self._loop.call_soon_threadsafe(_resolve, done, None)
+        self._loop.call_soon_threadsafe(_resolve, done, refusal)
 
     def _abort(self, request_id: str) -> RequestOutput | None:
         try:
@@ -344,10 +352,6 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(self._dispatch, items)
 
 
-def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is None:
-        future.set_result(None)
-    else:
-        future.set_exception(error)
+def _resolve(future: asyncio.Future, result: Any) -> None:
+    if not future.done():
+        future.set_result(result)

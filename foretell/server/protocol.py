@@ -167,6 +167,10 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class HealthResponse(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"

@@ -4,6 +4,11 @@ final outputs into an OpenAI response (streams: see streaming.py).
 One API call becomes one engine request per prompt (each with n sequences); choice index
 i * n + j is prompt i's j-th sample, as OpenAI numbers them. A client that hangs up before its
 non-streaming response is ready has its requests aborted.
+
+Tokenization never runs on the event loop: a prompt (or chat) longer in characters than
+max_model_len tokens could possibly span is refused before it is tokenized, and the rest is
+tokenized on the context's one tokenizer thread (the fast tokenizer releases the GIL), so a
+megabyte prompt stalls no other stream.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ import asyncio
 import re
 import time
 import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -37,6 +44,40 @@ class ServingContext:
     model_name: str
     max_queued_requests: int | None = None
     _token_strings: dict[int, str] = field(default_factory=dict)
+    # One thread for the front tokenizer's heavy work (encode, chat templates, echo decodes):
+    # off the event loop, and never two encodes racing on one tokenizer.
+    _tokenizer_thread: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="foretell-tokenizer"))
+    chars_per_token_bound: int = 0  # 0: measured from the tokenizer's vocabulary
+
+    def __post_init__(self) -> None:
+        if not self.chars_per_token_bound:
+            self.chars_per_token_bound = longest_token_chars(self.engine.tokenizer)
+
+    def close(self) -> None:
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+
+    async def on_tokenizer_thread(self, fn: Callable, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
+
+    def check_ready(self) -> None:
+        """503 before any work on a request the engine could not take anyway."""
+        if self.engine.draining:
+            raise APIError(503, "the server is shutting down", "service_unavailable", code="shutting_down")
+        if not self.engine.is_ready or self.engine.max_model_len is None:
+            raise APIError(503, self.engine.not_ready_reason(), "service_unavailable", code="not_ready")
+
+    def check_prompt_chars(self, num_chars: int, what: str, param: str) -> None:
+        """400 at once for text that cannot fit max_model_len tokens, before tokenizing it: no
+        token of this tokenizer stands for more than chars_per_token_bound characters."""
+        max_model_len = self.engine.max_model_len
+        limit = max_model_len * self.chars_per_token_bound
+        if num_chars > limit:
+            raise APIError(
+                400, f"{what} is {num_chars} characters: more than {max_model_len} tokens "
+                f"(max_model_len) of this tokenizer can hold (at most {self.chars_per_token_bound} "
+                f"characters a token, so at most {limit} characters); shorten it",
+                param=param, code="prompt_too_long")
 
     def check_model(self, requested: str | None) -> None:
         if requested is not None and requested not in (self.model_name, self.engine.config.model.model):
@@ -52,8 +93,7 @@ class ServingContext:
 
     async def submit(self, prompts: list[PromptSpec], param: str) -> OutputStream:
         engine = self.engine
-        if engine.draining:
-            raise APIError(503, "the server is shutting down", "service_unavailable", code="shutting_down")
+        self.check_ready()
         if self.max_queued_requests is not None and (
             engine.num_queued_requests + len(prompts) > self.max_queued_requests
         ):
@@ -68,6 +108,14 @@ class ServingContext:
             raise APIError(503, str(e), "service_unavailable", code="not_ready") from None
         except RequestFailedError as e:
             raise APIError(500, str(e), "internal_server_error") from None
+
+
+def longest_token_chars(tokenizer) -> int:
+    """The most characters one token's vocabulary string has. Byte-level BPE spells each byte as
+    one character and sentencepiece each character as itself, so no token decodes to more
+    characters than this (a normalizer that merges characters aside)."""
+    vocab = tokenizer.hf.get_vocab()
+    return max(1, max((len(token) for token in vocab), default=1))
 
 
 def sampling_params(req: SamplingRequestFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -115,7 +163,7 @@ def finite(x: float) -> float:
 # ---------------------------------------------------------------------------------- completion
 
 
-def completion_prompts(req: CompletionRequest, ctx: ServingContext, request_id: str) -> tuple[list[PromptSpec], list[str]]:
+async def completion_prompts(req: CompletionRequest, ctx: ServingContext, request_id: str) -> tuple[list[PromptSpec], list[str]]:
     """Engine prompts of a completion request, and each prompt's text (for echo)."""
     raw = req.prompt
     if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
@@ -131,21 +179,37 @@ def completion_prompts(req: CompletionRequest, ctx: ServingContext, request_id: 
     params = sampling_params(req, req.max_tokens, req.logprobs)
     if scores_prompt:
         params = replace(params, prompt_logprobs=req.logprobs)
-    specs, texts = [], []
+    ctx.check_ready()
+    max_model_len = ctx.engine.max_model_len
     for i, item in enumerate(raw):
         if isinstance(item, str):
             if not item:
                 raise APIError(400, f"prompt {i} is an empty string", param="prompt")
-            token_ids = ctx.engine.tokenizer.encode(item)
-            if not token_ids:
-                raise APIError(400, f"prompt {i} encodes to no tokens", param="prompt")
-            text = item
-        else:
-            token_ids = list(item)
-            text = ctx.engine.tokenizer.decode(token_ids, skip_special_tokens=False) if req.echo else ""
+            ctx.check_prompt_chars(len(item), f"prompt {i}", "prompt")
+        elif len(item) >= max_model_len:
+            raise APIError(400, f"prompt {i} is {len(item)} tokens, but max_model_len is "
+                           f"{max_model_len}: shorten the prompt", param="prompt", code="prompt_too_long")
+    tokenized = await ctx.on_tokenizer_thread(tokenize_prompts, ctx.engine.tokenizer, raw, req.echo)
+    specs, texts = [], []
+    for i, (token_ids, text) in enumerate(tokenized):
+        if not token_ids:
+            raise APIError(400, f"prompt {i} encodes to no tokens", param="prompt")
         specs.append(PromptSpec(f"{request_id}-{i}", {"prompt": text or None, "prompt_token_ids": token_ids}, params))
         texts.append(text)
     return specs, texts
+
+
+def tokenize_prompts(tokenizer, prompts: list, decode_ids: bool) -> list[tuple[list[int], str]]:
+    """On the tokenizer thread: (token ids, text) of each prompt; token-id prompts get their
+    text only when asked (echo)."""
+    out = []
+    for item in prompts:
+        if isinstance(item, str):
+            out.append((tokenizer.encode(item), item))
+        else:
+            text = tokenizer.decode(item, skip_special_tokens=False) if decode_ids else ""
+            out.append((list(item), text))
+    return out
 
 
 def completion_logprobs(ctx: ServingContext, logprobs: list[Logprob], offset: int) -> dict[str, Any]:
@@ -192,7 +256,7 @@ def echo_logprobs(ctx: ServingContext, out, completion: dict | None) -> dict:
 async def create_completion(req: CompletionRequest, ctx: ServingContext, raw: Request):
     ctx.check_model(req.model)
     request_id = new_id("cmpl")
-    specs, prompt_texts = completion_prompts(req, ctx, request_id)
+    specs, prompt_texts = await completion_prompts(req, ctx, request_id)
     stream = await ctx.submit(specs, "prompt")
     index_of = {spec.request_id: i for i, spec in enumerate(specs)}
     base = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": ctx.model_name}
@@ -235,14 +299,25 @@ async def create_completion(req: CompletionRequest, ctx: ServingContext, raw: Re
 # ---------------------------------------------------------------------------------------- chat
 
 
-def chat_prompt(req: ChatCompletionRequest, ctx: ServingContext) -> list[int]:
+async def chat_prompt(req: ChatCompletionRequest, ctx: ServingContext) -> list[int]:
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    ctx.check_ready()
+    ctx.check_prompt_chars(sum(len(m["content"]) for m in messages), "the messages' content", "messages")
+    return await ctx.on_tokenizer_thread(render_chat, ctx.engine.tokenizer, messages, req.add_generation_prompt)
+
+
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    """On the tokenizer thread: the chat template's token ids, or a 400 naming the failure."""
+    code = None
     try:
-        return ctx.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
-    except ValueError as e:
-        raise APIError(400, str(e), param="messages", code="no_chat_template") from None
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    except ValueError as e:  # the tokenizer has no chat template
+        message, code = str(e), "no_chat_template"
     except Exception as e:  # a template can raise anything (jinja2 errors, raise_exception(...))
-        raise APIError(400, f"the chat template failed on these messages: {e}", param="messages") from None
+        message = f"the chat template failed on these messages: {e}"
+    # Raised outside the except blocks, so the error carries no template traceback (whose frames
+    # hold the messages) and no reference cycle keeps them alive after the response.
+    raise APIError(400, message, param="messages", code=code)
 
 
 def chat_logprobs(ctx: ServingContext, logprobs: list[Logprob], num_top: int) -> dict[str, Any]:
@@ -265,7 +340,7 @@ async def create_chat_completion(req: ChatCompletionRequest, ctx: ServingContext
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(req, max_tokens, num_top if req.logprobs else None)
     request_id = new_id("chatcmpl")
-    prompt = {"prompt_token_ids": chat_prompt(req, ctx)}
+    prompt = {"prompt_token_ids": await chat_prompt(req, ctx)}
     stream = await ctx.submit([PromptSpec(request_id, prompt, params)], "messages")
     base = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": ctx.model_name}
 
