@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# Set up (CPU torch, the package and its test extras) and run the CPU test suite.
+# Set up (CPU torch, the package and its pinned test extras: pyproject.toml) and run the CPU test
+# suite. No -x: one failure must not hide the rest. --durations lists the slowest tests, the ones
+# to mark @pytest.mark.slow (`bash scripts/test.sh -m 'not gpu and not slow'` then skips them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# torch first, on its own: 2.13.0 resolves to the CPU build from the machine's local wheel index
+# (pip's find-links), not the CUDA build from PyPI.
 python3 -m pip install -q torch==2.13.0
 python3 -m pip install -q -e ".[server,bench,test]"
-python3 -m pytest -q -x "$@"
+python3 -m pytest -q --durations=25 "$@"
