@@ -17,8 +17,9 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from foretell.server.async_engine import AsyncEngine
@@ -40,9 +41,16 @@ logger = logging.getLogger("foretell.server")
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable"}
+# What the OpenAPI document promises, kept to what the handlers below really answer.
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 404, 503)
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 500, 503)
 }
+# With `stream: true`, Server-Sent Events; before OpenAPI 3.2 a stream's schema is that of one
+# event, and each event's data is one JSON chunk, the last one `[DONE]`.
+STREAM_RESPONSE: dict[int | str, dict[str, Any]] = {200: {"content": {"text/event-stream": {"schema": {
+    "type": "object", "required": ["data"],
+    "properties": {"data": {"type": "string", "description": "a JSON chunk, or [DONE] last"}},
+}}}}}
 
 
 def error_response(error: APIError) -> JSONResponse:
@@ -197,25 +205,45 @@ def build_app(
         reason = async_engine.not_ready_reason()
         return error_response(APIError(503, reason, "service_unavailable", code="not_ready"))
 
-    @app.get("/metrics", response_class=Response)
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus_metrics() -> Response:
+        """Prometheus text exposition format."""
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
-    @app.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
+    @app.get("/v1/models", response_model=ModelList, responses={401: {"model": ErrorResponse}})
     async def list_models() -> ModelList:
         card = ModelCard(id=served_model_name, root=async_engine.config.model.model,
                          max_model_len=async_engine.max_model_len)
         return ModelList(data=[card])
 
-    @app.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES)
+    @app.post("/v1/completions", response_model=CompletionResponse,
+              responses={**ERROR_RESPONSES, **STREAM_RESPONSE})
     async def completions(body: CompletionRequest, raw_request: Request):
         """OpenAI completions; `stream: true` answers with Server-Sent Events."""
         return await create_completion(body, ctx, raw_request)
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERROR_RESPONSES)
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses={**ERROR_RESPONSES, **STREAM_RESPONSE})
     async def chat_completions(body: ChatCompletionRequest, raw_request: Request):
         """OpenAI chat completions through the tokenizer's chat template."""
         return await create_chat_completion(body, ctx, raw_request)
 
+    app.openapi = lambda: openapi_without_422(app)
     return app
+
+
+def openapi_without_422(app: FastAPI) -> dict[str, Any]:
+    """FastAPI documents a 422 for every route with a body, but schema violations are answered
+    400 here (as OpenAI does): drop the 422s and their schemas so the document tells the truth."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, summary=app.summary,
+                             description=app.description, routes=app.routes)
+        for path in schema.get("paths", {}).values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        schemas = schema.get("components", {}).get("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema

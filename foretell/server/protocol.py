@@ -5,6 +5,9 @@ Requests are checked here as far as a schema can say (types, ranges, required fi
 OpenAPI document tells clients and fuzzers the truth; what needs the model (prompt length, token
 ids in range, a chat template) is checked when the request reaches the engine. Unknown fields are
 ignored, as OpenAI-compatible servers do, so clients that send extra options still work.
+Types are strict, as OpenAI's are: a boolean must be a JSON boolean (`"stream": "yes"` and
+`"echo": 0` are refused), an integer a JSON integer (not true, 1.5 or "1"), a number a JSON
+integer or float (not false or "0.5"), a string a JSON string.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(min_
 
 class OpenAIBaseModel(BaseModel):
     # NaN and Infinity are valid for Python's JSON parser but never a valid sampling parameter.
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
 class StreamOptions(OpenAIBaseModel):

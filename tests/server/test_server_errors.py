@@ -62,6 +62,28 @@ BAD_REQUESTS = [
     ("chat-max-tokens-negative", CHAT, {"messages": USER, "max_completion_tokens": -5}, 400, "greater than",
      "max_completion_tokens"),
     ("chat-unknown-model", CHAT, {"messages": USER, "model": "nope"}, 404, "does not exist", "model"),
+    # strict types, as OpenAI: no truthy strings or numbers for booleans, no bools for numbers
+    ("stream-string", C, {"prompt": "x", "stream": "yes"}, 400, "valid boolean", "stream"),
+    ("echo-zero", C, {"prompt": "x", "echo": 0}, 400, "valid boolean", "echo"),
+    ("ignore-eos-string", C, {"prompt": "x", "ignore_eos": "false"}, 400, "valid boolean", "ignore_eos"),
+    ("presence-penalty-false", C, {"prompt": "x", "presence_penalty": False}, 400, "valid number",
+     "presence_penalty"),
+    ("temperature-string", C, {"prompt": "x", "temperature": "0.5"}, 400, "valid number", "temperature"),
+    ("n-true", C, {"prompt": "x", "n": True}, 400, "valid integer", "n"),
+    ("max-tokens-float", C, {"prompt": "x", "max_tokens": 10.0}, 400, "valid integer", "max_tokens"),
+    ("max-tokens-numeric-string", C, {"prompt": "x", "max_tokens": "10"}, 400, "valid integer", "max_tokens"),
+    ("seed-float", C, {"prompt": "x", "seed": 1.5}, 400, "valid integer", "seed"),
+    ("stop-token-ids-bool", C, {"prompt": "x", "stop_token_ids": [True]}, 400, "valid integer", "stop_token_ids"),
+    ("prompt-token-bool", C, {"prompt": [1, True]}, 400, "token ids", "prompt"),
+    ("logit-bias-bool", C, {"prompt": "x", "logit_bias": {"1": True}}, 400, "valid number", "logit_bias"),
+    ("include-usage-string", C, {"prompt": "x", "stream": True, "stream_options": {"include_usage": "true"}},
+     400, "valid boolean", "stream_options"),
+    ("user-number", C, {"prompt": "x", "user": 5}, 400, "valid string", "user"),
+    ("chat-logprobs-one", CHAT, {"messages": USER, "logprobs": 1}, 400, "valid boolean", "logprobs"),
+    ("chat-add-generation-prompt-string", CHAT, {"messages": USER, "add_generation_prompt": "no"}, 400,
+     "valid boolean", "add_generation_prompt"),
+    ("chat-name-number", CHAT, {"messages": [{"role": "user", "content": "x", "name": 3}]}, 400, "name",
+     "messages"),
 ]
 
 
@@ -152,7 +174,12 @@ def test_api_key(qwen3_checkpoint, server_factory):
 
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, settings  # noqa: E402
-from schemathesis.checks import not_a_server_error  # noqa: E402
+from schemathesis.checks import (  # noqa: E402
+    content_type_conformance,
+    not_a_server_error,
+    response_schema_conformance,
+    status_code_conformance,
+)
 
 
 @pytest.fixture(scope="module")
@@ -175,4 +202,5 @@ schema = schemathesis.pytest.from_fixture("fuzz_schema")
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 def test_fuzzed_requests_never_get_a_5xx(case):
     response = case.call(timeout=60)
-    case.validate_response(response, checks=[not_a_server_error])
+    case.validate_response(response, checks=[not_a_server_error, status_code_conformance,
+                                             content_type_conformance, response_schema_conformance])

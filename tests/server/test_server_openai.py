@@ -36,7 +36,9 @@ def offline_greedy(qwen3_checkpoint):
 def test_models_health_and_metrics(server):
     models = client_for(server).models.list()
     assert [m.id for m in models.data] == [MODEL_NAME]
-    assert requests.get(server.url + "/health", timeout=5).status_code == 200
+    health = requests.get(server.url + "/health", timeout=5)
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+    assert health.headers["content-type"] == "application/json"
     client_for(server).completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2)
     text = requests.get(server.url + "/metrics", timeout=5).text
     for name in ["foretell:num_requests_running", "foretell:num_requests_waiting",
@@ -161,3 +163,39 @@ def test_echo(server):
     result = client_for(server).completions.create(model=MODEL_NAME, prompt="The cat", max_tokens=3,
                                                    echo=True, temperature=0)
     assert result.choices[0].text.startswith("The cat")
+
+
+def test_every_answer_is_what_the_openapi_document_says(server):
+    """Status codes and content types of real answers (JSON, streams, errors, probes) are the
+    ones documented for their endpoint, JSON bodies match the documented schema, and no 422
+    (FastAPI's default, never sent here) is promised."""
+    jsonschema = pytest.importorskip("jsonschema")
+    doc = requests.get(server.url + "/openapi.json", timeout=5).json()
+    components = doc["components"]["schemas"]
+    assert "HTTPValidationError" not in components
+
+    def check(method: str, path: str, response: requests.Response) -> None:
+        documented = doc["paths"][path][method]["responses"]
+        assert "422" not in documented
+        assert str(response.status_code) in documented, (path, response.status_code)
+        media_type = response.headers["content-type"].split(";")[0]
+        content = documented[str(response.status_code)].get("content", {})
+        assert media_type in content, (path, response.status_code, media_type)
+        if media_type == "application/json":
+            schema = {**content[media_type]["schema"], "components": {"schemas": components}}
+            jsonschema.validate(response.json(), schema)  # $refs resolve in the merged components
+
+    check("get", "/health", requests.get(server.url + "/health", timeout=5))
+    check("get", "/metrics", requests.get(server.url + "/metrics", timeout=5))
+    check("get", "/v1/models", requests.get(server.url + "/v1/models", timeout=5))
+    for path, body in [
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "logprobs": 2}),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "stream": True}),
+        ("/v1/completions", {"prompt": "hi", "stream": "yes"}),
+        ("/v1/completions", {"prompt": "hi", "model": "nope"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                  "logprobs": True, "top_logprobs": 1}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                  "stream": True}),
+    ]:
+        check("post", path, requests.post(server.url + path, json=body, timeout=30))
