@@ -14,6 +14,7 @@ from typing import Any
 
 from foretell.bench.datasets import Prompt, load_prompts, ordinary_vocab
 from foretell.bench.sweep import add_comparisons, release, run_closed_loop, summarize
+from foretell.progress import progress_bar
 
 REPORT_SCHEMA_VERSION = 1
 WARMUP_MAX_TOKENS = 16
@@ -70,8 +71,6 @@ def check_settings(s: BenchSettings) -> None:
 
 
 def run_bench(s: BenchSettings) -> dict[str, Any]:
-    from tqdm import tqdm
-
     from foretell import LLM, SamplingParams, __version__
 
     check_settings(s)
@@ -114,11 +113,11 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
 
     configs: list[dict[str, Any] | None] = [None] + list(s.speculative_configs)
     total = len(configs) * sum(len(requests_for(b)) for b in s.batch_sizes)
-    bar = tqdm(total=total, desc="bench", unit="req", disable=not s.progress)
     rows: list[dict[str, Any]] = []
     outputs: dict[tuple[str, int, int], list[list[int]]] = {}
     baselines: dict[int, dict[str, Any]] = {}
-    try:
+    # Loading each configuration logs (cache size, max_model_len): those lines print above the bar.
+    with progress_bar(total, "bench", s.progress, unit="req") as bar:
         for config in configs:
             method = config["method"] if config else "none"
             k = config["num_speculative_tokens"] if config else 0
@@ -148,8 +147,6 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
                 outputs[(method, k, batch_size)] = run.outputs
             release(llm)
             llm = None
-    finally:
-        bar.close()
 
     report: dict[str, Any] = {
         "schema_version": REPORT_SCHEMA_VERSION,

@@ -34,7 +34,12 @@ def _spec_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
     return [r for r in report["results"] if r["k"]]
 
 
-def plot_acceptance(report: dict[str, Any], path: str) -> None:
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+
+
+def acceptance_figure(report: dict[str, Any]):
+    """One line per (method, k), each with its own colour and marker (k=1 and k=3 of one method
+    must not look alike)."""
     # Acceptance does not depend on the batch size: pool the counts of all batch sizes.
     pooled: dict[tuple[str, int], list[int]] = {}
     drafts: dict[tuple[str, int], int] = defaultdict(int)
@@ -44,19 +49,20 @@ def plot_acceptance(report: dict[str, Any], path: str) -> None:
         pooled[key] = [a + b for a, b in zip(counts, r["accepted_per_position"])]
         drafts[key] += r["num_drafts"]
     fig, (ax,) = _figure()
-    colors = _method_colors(report)
-    styles = ["-", "--", ":", "-."]
-    ks = sorted({k for _, k in pooled})
-    for (method, k), counts in sorted(pooled.items()):
+    for i, ((method, k), counts) in enumerate(sorted(pooled.items())):
         rates = [c / drafts[(method, k)] if drafts[(method, k)] else 0.0 for c in counts]
-        ax.plot(range(1, k + 1), rates, marker="o", color=colors[method],
-                linestyle=styles[ks.index(k) % len(styles)], label=f"{method} k={k}")
+        ax.plot(range(1, k + 1), rates, marker=MARKERS[i % len(MARKERS)], color=f"C{i % 10}",
+                label=f"{method} k={k}")
     ax.set(xlabel="draft position", ylabel="acceptance (accepted / drafts)", ylim=(0, 1.05),
            title="Acceptance per position")
     ax.xaxis.get_major_locator().set_params(integer=True)
     if pooled:
         ax.legend(fontsize="small")
-    fig.savefig(path, dpi=110)
+    return fig
+
+
+def plot_acceptance(report: dict[str, Any], path: str) -> None:
+    acceptance_figure(report).savefig(path, dpi=110)
 
 
 def _against_k(report: dict[str, Any], path: str, field: str, ylabel: str, title: str) -> None:
@@ -82,7 +88,14 @@ def _against_k(report: dict[str, Any], path: str, field: str, ylabel: str, title
     fig.savefig(path, dpi=110)
 
 
-def plot_predicted(report: dict[str, Any], path: str) -> None:
+PREDICTION_NOTE = (
+    "acceptance model: L / (1 + k c), L = mean acceptance length,\n"
+    "  k c = draft step time / verify step time\n"
+    "step model: tokens per step x decode step / (verify + draft step)"
+)
+
+
+def predicted_figure(report: dict[str, Any]):
     fig, (ax,) = _figure()
     rows = [r for r in _spec_rows(report) if r.get("speedup") is not None]
     top = 1.0
@@ -99,7 +112,7 @@ def plot_predicted(report: dict[str, Any], path: str) -> None:
             top = max(top, x, r["speedup"])
     for method in sorted({r["method"] for r in rows}):
         color = colors[method]
-        ax.scatter([], [], marker="o", color=color, label=f"{method}: L / (1 + k c)")
+        ax.scatter([], [], marker="o", color=color, label=f"{method}: acceptance model")
         ax.scatter([], [], marker="s", color="none", edgecolors=color,
                    label=f"{method}: step model")
     ax.plot([0, top * 1.1], [0, top * 1.1], color="gray", linestyle="--",
@@ -107,7 +120,12 @@ def plot_predicted(report: dict[str, Any], path: str) -> None:
     ax.set(xlabel="predicted speedup", ylabel="measured speedup", xlim=(0, top * 1.1),
            ylim=(0, top * 1.1), title="Measured vs predicted speedup")
     ax.legend(fontsize="x-small")
-    fig.savefig(path, dpi=110)
+    fig.supxlabel(PREDICTION_NOTE, fontsize="x-small", ha="left", x=0.02)
+    return fig
+
+
+def plot_predicted(report: dict[str, Any], path: str) -> None:
+    predicted_figure(report).savefig(path, dpi=110)
 
 
 def write_plots(report: dict[str, Any], plot_dir: str) -> list[str]:

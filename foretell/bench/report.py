@@ -37,6 +37,14 @@ SWEEP_HEADERS = (
 )
 
 
+SWEEP_NOTE = (
+    "predicted = L / (1 + k c): L the mean acceptance length (tokens per verify step), k c the "
+    "draft step time over the verify step time (draft/verify);\n"
+    "pred. (step) = tokens per sequence step x plain decode step / (verify step + draft step); "
+    "per position: the share of drafts whose i-th token was accepted"
+)
+
+
 def sweep_table(report: dict[str, Any]) -> str:
     rows = []
     for r in report["results"]:
@@ -70,7 +78,7 @@ def sweep_summary(report: dict[str, Any]) -> str:
         f"{d['name']} ({d['num_prompts']} prompts, mean {d['mean_prompt_tokens']:.0f} tokens), "
         f"max_tokens {d['max_tokens']}, temperature {d['temperature']}"
     )
-    parts = [head, "", sweep_table(report)]
+    parts = [head, "", sweep_table(report), "", SWEEP_NOTE]
     if "hf_comparison" in report:
         parts += ["", "Hugging Face transformers, same prompts and token counts:", "",
                   hf_table(report["hf_comparison"])]

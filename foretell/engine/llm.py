@@ -5,12 +5,11 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from tqdm import tqdm
-
 from foretell.config import build_engine_config
 from foretell.defaults import default_speculative_config, default_target
 from foretell.engine.engine import Engine
 from foretell.engine.outputs import RequestOutput
+from foretell.progress import progress_bar
 from foretell.sampling_params import SamplingParams
 
 
@@ -108,19 +107,17 @@ class LLM:
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         wanted = set(ids)
         finished: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm or len(ids) < 2)
         try:
-            while len(finished) < len(ids):
-                for out in self.engine.step():
-                    if out.finished and out.request_id in wanted:
-                        finished[out.request_id] = out
-                        bar.update(1)
+            with progress_bar(len(ids), "generate", use_tqdm and len(ids) >= 2) as bar:
+                while len(finished) < len(ids):
+                    for out in self.engine.step():
+                        if out.finished and out.request_id in wanted:
+                            finished[out.request_id] = out
+                            bar.update(1)
         except BaseException:
             for request_id in wanted - set(finished):
                 self.engine.abort_request(request_id)
             raise
-        finally:
-            bar.close()
         return [finished[i] for i in ids]
 
     def get_stats(self) -> dict:

@@ -66,7 +66,7 @@ def add_train_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the eval split, batch order, head init and regeneration")
     p.add_argument("--log-every", type=int, default=10, help="log the losses every S steps")
     p.add_argument("--no-progress", dest="progress", action="store_false",
-                   help="no progress bars (training and --regenerate)")
+                   help="no progress bars (training, --regenerate, loading the target)")
     p.set_defaults(func=run_train)
 
 
@@ -78,7 +78,17 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    from transformers.utils import logging as hf_logging
+
     from foretell.training.trainer import train_eagle3
 
-    train_eagle3(config_from_args(args))
+    # --no-progress silences transformers' bars too (loading the target's weights), for this run.
+    hf_bars = hf_logging.is_progress_bar_enabled()
+    if not args.progress:
+        hf_logging.disable_progress_bar()
+    try:
+        train_eagle3(config_from_args(args))
+    finally:
+        if hf_bars:
+            hf_logging.enable_progress_bar()
     return 0

@@ -12,10 +12,12 @@ import hashlib
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import torch
 
+from foretell.progress import progress_bar
 from foretell.training.data import Example, ExampleBuilder, Record
 
 log = logging.getLogger(__name__)
@@ -29,6 +31,7 @@ class RegenerateOptions:
     device: str = "auto"
     dtype: str = "auto"
     max_num_seqs: int = 256
+    progress: bool = True  # a bar of finished samples and generated tokens (--no-progress: none)
     # A fixed KV budget on GPUs (not a share of what is free), so that the trainer and any other
     # process on the same GPU keep theirs whenever they start.
     gpu_kv_cache_bytes: int = 4 << 30
@@ -76,20 +79,52 @@ def generate(target: str, prompts: list[list[int]], options: RegenerateOptions, 
     if options.device != "cpu" and torch.cuda.is_available():
         kwargs["kv_cache_memory_bytes"] = options.gpu_kv_cache_bytes
     llm = LLM(target, **kwargs)
+    room = llm.engine.max_model_len  # prompt + response must fit the engine's context as well
     params = [
-        SamplingParams(temperature=options.temperature, max_tokens=min(options.max_tokens, max_len - len(p)),
+        SamplingParams(temperature=options.temperature,
+                       max_tokens=max(1, min(options.max_tokens, max_len - len(p), room - len(p))),
                        seed=None if options.temperature == 0 else options.seed + i)
         for i, p in enumerate(prompts)
     ]
     log.info("regenerating %d responses with the target (temperature %s, up to %d tokens)",
              len(prompts), options.temperature, options.max_tokens)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    result = [list(o.outputs[0].token_ids) for o in outs]
-    del llm, outs
+    result = run_with_progress(llm.engine, prompts, params, options.progress)
+    del llm
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return result
+
+
+def run_with_progress(engine, prompts: list[list[int]], params: list, progress: bool) -> list[list[int]]:
+    """Drive the engine step by step: the bar counts finished samples and, since a batch of
+    samples tends to finish together, shows the tokens generated so far as they come."""
+    ids = [f"regenerate-{i}" for i in range(len(prompts))]
+    index = {request_id: i for i, request_id in enumerate(ids)}
+    outputs: list[list[int] | None] = [None] * len(prompts)
+    tokens_before = engine.metrics.generation_tokens_total
+    try:
+        for request_id, prompt, p in zip(ids, prompts, params):
+            engine.add_request(request_id, {"prompt_token_ids": prompt}, p)
+        with progress_bar(len(prompts), "regenerate", progress, unit="sample") as bar:
+            start = time.perf_counter()
+            while any(o is None for o in outputs):
+                finished = 0
+                for out in engine.step():
+                    if out.finished and out.request_id in index:
+                        outputs[index[out.request_id]] = list(out.outputs[0].token_ids)
+                        finished += 1
+                tokens = engine.metrics.generation_tokens_total - tokens_before
+                elapsed = time.perf_counter() - start
+                bar.set_postfix_str(f"{tokens} tokens, {tokens / max(elapsed, 1e-9):.0f} tok/s",
+                                    refresh=False)
+                bar.update(finished)  # redraws at most every 0.1 s, finished or not
+    except BaseException:
+        for request_id, out in zip(ids, outputs):
+            if out is None:
+                engine.abort_request(request_id)
+        raise
+    return outputs
 
 
 def _cache_key(target: str, prompts: list[list[int]], options: RegenerateOptions, max_len: int) -> str:

@@ -130,7 +130,7 @@ def load_examples(cfg: TrainConfig, device: torch.device):
     records = read_records(cfg.data, cfg.chat)
     if cfg.regenerate:
         options = RegenerateOptions(cfg.regen_temperature, cfg.regen_max_tokens, cfg.seed, str(device),
-                                    cfg.dtype, cfg.regen_max_num_seqs)
+                                    cfg.dtype, cfg.regen_max_num_seqs, progress=cfg.progress)
         examples = regenerate_examples(cfg.target, records, builder, options,
                                        os.path.join(cfg.out, "regenerated.jsonl"))
         if not examples:
