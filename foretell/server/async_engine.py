@@ -26,6 +26,7 @@ from typing import Any
 from foretell.config import EngineConfig
 from foretell.engine.engine import Engine
 from foretell.engine.outputs import RequestOutput
+from foretell.runner.jit_counter import jit_compile_counter
 from foretell.sampling_params import SamplingParams
 from foretell.tokenizer import Tokenizer
 
@@ -251,6 +252,7 @@ class AsyncEngine:
 
     # ---- the engine thread --------------------------------------------------------------
     def _run(self) -> None:
+        jit_compile_counter()  # before the first kernel compiles: count from start-up
         try:
             self.engine = self._engine_factory()
             self.max_model_len = self.engine.max_model_len

@@ -7,6 +7,8 @@ no double bookkeeping, no drift); the latency histograms are observed when a req
 Exposed names (counters get Prometheus' `_total` suffix, histograms `_bucket/_sum/_count`):
   foretell:num_requests_running, foretell:num_requests_waiting, foretell:kv_cache_usage_perc,
   foretell:num_preemptions_total, foretell:prompt_tokens_total, foretell:generation_tokens_total,
+  foretell:jit_compiles_total (Triton kernel compilations in the server process since start-up,
+  warm-up included: one that grows while serving is a latency spike some request paid),
   foretell:request_success_total{finished_reason}, foretell:time_to_first_token_seconds,
   foretell:time_per_output_token_seconds, foretell:e2e_request_latency_seconds,
   foretell:spec_decode_num_drafts_total, foretell:spec_decode_num_draft_tokens_total,
@@ -65,6 +67,8 @@ class EngineStatsCollector(Collector):
         yield counter("prompt_tokens", "Prompt tokens received.", stats.get("prompt_tokens_total", 0))
         yield counter("generation_tokens", "Tokens generated.",
                       stats.get("generation_tokens_total", 0))
+        yield counter("jit_compiles", "Triton kernel compilations in this process since start-up.",
+                      stats.get("jit_compiles", 0))
         if "num_drafts" not in stats:
             return  # no speculative decoding configured
         yield counter("spec_decode_num_drafts", "Verify steps that carried drafts.",

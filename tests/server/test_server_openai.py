@@ -44,7 +44,7 @@ def test_models_health_and_metrics(server):
     for name in ["foretell:num_requests_running", "foretell:num_requests_waiting",
                  "foretell:kv_cache_usage_perc", "foretell:prompt_tokens_total",
                  "foretell:generation_tokens_total", "foretell:time_to_first_token_seconds_bucket",
-                 "foretell:time_per_output_token_seconds_bucket"]:
+                 "foretell:time_per_output_token_seconds_bucket", "foretell:jit_compiles_total"]:
         assert name in text, name
 
 
@@ -199,3 +199,23 @@ def test_every_answer_is_what_the_openapi_document_says(server):
                                   "stream": True}),
     ]:
         check("post", path, requests.post(server.url + path, json=body, timeout=30))
+
+
+def test_jit_compiles_metric_follows_the_triton_hook(server):
+    """foretell:jit_compiles_total is the count of the hook Triton calls after each compilation
+    (none on the CPU, where the interpreter compiles nothing: one is simulated here)."""
+    from foretell.runner.jit_counter import jit_compile_counter
+
+    def metric() -> float:
+        for line in requests.get(server.url + "/metrics", timeout=5).text.splitlines():
+            if line.startswith("foretell:jit_compiles_total{"):
+                return float(line.rsplit(" ", 1)[1])
+        raise AssertionError("no foretell:jit_compiles_total")
+
+    client_for(server).completions.create(model=MODEL_NAME, prompt="hi", max_tokens=1)
+    before = metric()
+    assert before == jit_compile_counter().count
+    jit_compile_counter()(key="k", repr="r", fn=None, compile={}, is_manual_warmup=False,
+                          already_compiled=False)
+    client_for(server).completions.create(model=MODEL_NAME, prompt="hi", max_tokens=1)  # new stats
+    assert metric() == before + 1
