@@ -9,7 +9,7 @@ Exposed names (counters get Prometheus' `_total` suffix, histograms `_bucket/_su
   foretell:num_preemptions_total, foretell:prompt_tokens_total, foretell:generation_tokens_total,
   foretell:jit_compiles_total (Triton kernel compilations in the server process since start-up,
   warm-up included: one that grows while serving is a latency spike some request paid),
-  foretell:request_success_total{finished_reason}, foretell:time_to_first_token_seconds,
+  foretell:request_success_total{finished_reason: stop, length, abort, error}, foretell:time_to_first_token_seconds,
   foretell:time_per_output_token_seconds, foretell:e2e_request_latency_seconds,
   foretell:spec_decode_num_drafts_total, foretell:spec_decode_num_draft_tokens_total,
   foretell:spec_decode_num_accepted_tokens_total,
@@ -116,7 +116,7 @@ class ServerMetrics:
     def observe_finished(self, output: RequestOutput) -> None:
         """Called once per finished engine request (on the event loop)."""
         reasons = {c.finish_reason for c in output.outputs}
-        reason = "abort" if "abort" in reasons else ("length" if "length" in reasons else "stop")
+        reason = next((r for r in ("error", "abort", "length") if r in reasons), "stop")
         self.request_success.labels(self.model_name, reason).inc()
         m = output.metrics
         if m is None or m.first_token_time is None:

@@ -32,7 +32,7 @@ from foretell.server.async_engine import AsyncEngine, EngineDeadError, OutputStr
 from foretell.server.async_engine import RequestFailedError
 from foretell.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from foretell.server.protocol import SamplingRequestFields, usage
-from foretell.server.streaming import Delta, sse_response
+from foretell.server.streaming import Delta, request_failure, sse_response
 
 GREEDY_EPS = 1e-5  # temperatures below this sample greedily (dividing logits by ~0 overflows)
 LOGPROB_FLOOR = -9999.0  # stands in for -inf / NaN, which JSON cannot carry
@@ -390,6 +390,9 @@ async def collect_finals(ctx: ServingContext, stream: OutputStream, raw: Request
     async def collect() -> None:
         while not stream.finished:
             for out in await stream.next_outputs():
+                failure = request_failure(out)
+                if failure is not None:  # this request alone failed in the engine
+                    raise RequestFailedError(failure)
                 if out.finished:
                     finals[out.request_id] = out
 

@@ -4,6 +4,7 @@ cumulative outputs, in OpenAI's chunk format, ending with `data: [DONE]`.
 While a stop string could still be completing, the last (longest stop - 1) characters of a
 choice are held back, so a client never sees text that the stop string later cuts. However the
 response ends (finished, client gone, error), its engine requests are aborted if still running.
+A request the engine failed (alone, inside a step) ends its stream with an error event.
 """
 
 from __future__ import annotations
@@ -53,6 +54,13 @@ class ChoiceProgress:
         return Delta(first, text, offset, logprobs or None, c.finish_reason, c.stop_reason)
 
 
+def request_failure(out: RequestOutput) -> str | None:
+    """What went wrong when the engine failed this request inside a step (its output is then
+    final, with finish_reason "error"); None for a request that did not fail. Other requests of
+    that step go on: only this request's response ends with the error."""
+    return getattr(out, "error", None)  # RequestOutput.error: see foretell/engine/outputs.py
+
+
 def holdback(req: SamplingRequestFields) -> int:
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     return max((len(s) for s in stops), default=1) - 1
@@ -81,6 +89,9 @@ def sse_response(
         try:
             while not stream.finished:
                 for out in await stream.next_outputs():
+                    failure = request_failure(out)
+                    if failure is not None:  # this request alone failed in the engine
+                        raise RequestFailedError(failure)
                     latest[out.request_id] = out
                     for c in out.outputs:
                         delta = progress.setdefault((out.request_id, c.index), ChoiceProgress()).advance(

@@ -261,3 +261,66 @@ def test_async_scheduling_server_streams_aborts_and_leaks_nothing(qwen3_checkpoi
     stats = wait_until_idle(srv, timeout=10)
     assert stats["num_requests_running"] == 0 and stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
     assert srv.server.async_engine.engine.runner.ahead_used > 0  # steps were taken from the queue
+
+
+def test_a_request_failing_in_the_engine_ends_only_its_own_response(qwen3_checkpoint):
+    """The engine fails one request inside a step (its final output has finish_reason "error"
+    and RequestOutput.error): that request's stream ends with an error event and its
+    non-streaming twin gets a 500 naming the failure, while concurrent requests finish whole."""
+    import dataclasses
+
+    def poisoning(config):
+        engine = Engine(config)
+        real_step = engine.step
+
+        def step():
+            outputs = real_step()
+            for i, out in enumerate(outputs):
+                if out.prompt == "poison" and not out.finished and out.outputs[0].token_ids:
+                    engine.abort_request(out.request_id)  # what the engine does: free it
+                    failed = dataclasses.replace(out, finished=True, outputs=[
+                        dataclasses.replace(c, finish_reason="error") for c in out.outputs])
+                    failed.error = "request failed inside an engine step: injected failure"
+                    outputs[i] = failed
+            return outputs
+
+        engine.step = step
+        return engine
+
+    srv, async_engine = _manual_server(qwen3_checkpoint, poisoning)
+    try:
+        assert async_engine.wait_ready(30)
+
+        async def stream(client, prompt: str) -> tuple[int, str | None]:
+            chunks = await client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=30,
+                                                     stream=True, stream_options={"include_usage": True},
+                                                     extra_body={"ignore_eos": True})
+            tokens, finish = None, None
+            async for chunk in chunks:
+                if chunk.choices:
+                    finish = chunk.choices[0].finish_reason or finish
+                if chunk.usage is not None:
+                    tokens = chunk.usage.completion_tokens
+            return tokens, finish
+
+        async def whole(client, prompt: str):
+            return await client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=30,
+                                                   extra_body={"ignore_eos": True})
+
+        async def run_all():
+            async with openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0,
+                                          timeout=120) as client:
+                return await asyncio.gather(
+                    stream(client, "The cat"), stream(client, "poison"), whole(client, "poison"),
+                    whole(client, "def add(x):"), stream(client, "x y z"), return_exceptions=True)
+
+        results = asyncio.run(run_all())
+        assert results[0] == (30, "length") and results[4] == (30, "length")
+        assert results[3].choices[0].finish_reason == "length" and results[3].usage.completion_tokens == 30
+        assert isinstance(results[1], openai.APIError) and "injected failure" in str(results[1])
+        assert isinstance(results[2], openai.InternalServerError) and "injected failure" in str(results[2])
+        assert wait_until_idle(srv)["kv_cache_usage"] == 0.0
+        assert requests.get(srv.url + "/health", timeout=5).json() == {"status": "ok"}
+        assert metric_value(srv, 'foretell:request_success_total{finished_reason="error"') == 2.0
+    finally:
+        srv.stop()
