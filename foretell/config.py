@@ -41,7 +41,7 @@ class ModelConfig:
     # No tokenizer: prompts must be token ids and outputs carry no text (benchmarks with
     # --load-format dummy from a bare config.json).
     skip_tokenizer_init: bool = False
-    # Few-row matmuls on CUDA with graphs (layers/small_m_dispatch.py): on: the Triton GEMV for
+    # Few-row matmuls on CUDA with graphs (ops/gemm/dispatch.py): on: the Triton GEMV for
     # single-row inputs (batch-1 decode), which streams its weights while the kernel before it
     # finishes (Llama-8B decode graph 4.31 against 4.63 ms with cuBLAS on the H200; BENCHMARKS.md);
     # auto: times cuBLAS against the GEMV once per shape up to 4 rows and keeps the faster; off:

@@ -1,7 +1,7 @@
 """What each kind of kernel costs inside a captured batch-1 decode (and verify) forward: capture the
 target's forward again with one kind of kernel taken out, and time the replay against the full one.
 
-With programmatic dependent launch (layers/pdl.py) kernels overlap, so a profiler's per-kernel
+With programmatic dependent launch (ops/common/pdl.py) kernels overlap, so a profiler's per-kernel
 times no longer add up to the step; taking a kernel out and timing the graph does. The variants
 replace a module's forward by an allocation of its output (no launch, garbage values: the timings
 are all this is for):
@@ -21,7 +21,7 @@ and alternatives (same results, other launches):
                   pieces of at least 64 / 128 tokens (the engine's default: 32)
     no_pdl_glue   norms, RoPE + KV write and attention launched plainly (no PDL)
     two_launch_rope  RoPE + KV write, then the attention: two launches (the engine fuses them for
-                  decode and verify: layers/attention/rope_attention_triton.py)
+                  decode and verify: ops/attention/triton_rope_paged.py)
     attn_*        (with the two launches)
     norm_warps4 / norm_warps8   the norms (with their residual add) on 4 / 8 warps (the engine's: 16
                   for a 4096-wide row)
@@ -54,13 +54,14 @@ sys.path.insert(0, ROOT)
 
 from bench_result import graph_replay_ms, replay_ms, write_result  # noqa: E402
 from foretell import LLM  # noqa: E402
-from foretell.layers import fused_kernels, small_m_gemm, small_m_mma  # noqa: E402
-from foretell.layers.attention import rope_attention_triton, rope_kv_triton, triton_kernels  # noqa: E402
+from foretell.ops.attention import triton_paged, triton_rope_kv, triton_rope_paged  # noqa: E402
+from foretell.ops.gemm import triton_gemv, triton_mma  # noqa: E402
+from foretell.ops.pointwise import triton_paged as pointwise_kernels  # noqa: E402
 from foretell.layers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from foretell.layers.embedding import LMHead  # noqa: E402
 from foretell.layers.linear import Linear, MergedLinear  # noqa: E402
 from foretell.layers.norm import RMSNorm  # noqa: E402
-from foretell.layers.small_m_dispatch import GemmKey  # noqa: E402
+from foretell.ops.gemm.dispatch import GemmKey  # noqa: E402
 
 CONFIGS = os.path.join(ROOT, "foretell", "configs")
 
@@ -90,13 +91,13 @@ def _gated_empty(self, x):
 
 
 def _warps_at_most(cap: int):
-    engine_warps = fused_kernels._num_warps
+    engine_warps = pointwise_kernels._num_warps
     return lambda tile_elements: min(cap, engine_warps(tile_elements))
 
 
 def _attend_with(**split):
     def attend(self, query, kv_cache, metadata, scale):
-        from foretell.layers.attention.triton_kernels import paged_attention_triton
+        from foretell.ops.attention.triton_paged import paged_attention_triton
 
         return paged_attention_triton(query, kv_cache, metadata.block_table, metadata.seq_lens,
                                       metadata.query_start_loc, metadata.max_query_len, scale,
@@ -108,23 +109,23 @@ def _lm_head_empty(self, hidden):
     return torch.empty(*hidden.shape[:-1], self.vocab_size, dtype=torch.float32, device=hidden.device)
 
 
-TWO_LAUNCHES = (rope_attention_triton, "fits", lambda *args: False)  # RoPE + KV write, then the attention
+TWO_LAUNCHES = (triton_rope_paged, "fits", lambda *args: False)  # RoPE + KV write, then the attention
 PATCHES = {
     "norms": [(RMSNorm, "forward", _norm_passthrough)],
     "two_launches": [TWO_LAUNCHES],
-    "rope_kv": [TWO_LAUNCHES, (rope_kv_triton, "rope_write_kv_triton", _rope_kv_passthrough)],
+    "rope_kv": [TWO_LAUNCHES, (triton_rope_kv, "rope_write_kv_triton", _rope_kv_passthrough)],
     "attend": [TWO_LAUNCHES, (TritonAttentionBackend, "attend", _attend_empty)],
     "attention": [(TritonAttentionBackend, "rope_attend", _rope_attend_empty)],
     "lm_head": [(LMHead, "forward", _lm_head_empty)],
-    "no_pdl_glue": [(module, "pdl_enabled", lambda t: False) for module in (fused_kernels, rope_kv_triton,
-                                                                            triton_kernels, rope_attention_triton)],
+    "no_pdl_glue": [(module, "pdl_enabled", lambda t: False) for module in (pointwise_kernels, triton_rope_kv,
+                                                                            triton_paged, triton_rope_paged)],
     "attn_unsplit": [TWO_LAUNCHES, (TritonAttentionBackend, "attend", _attend_with(num_splits=1))],
     "attn_split64": [TWO_LAUNCHES, (TritonAttentionBackend, "attend", _attend_with(min_split_tokens=64))],
     "attn_split128": [TWO_LAUNCHES, (TritonAttentionBackend, "attend", _attend_with(min_split_tokens=128))],
     "linears": [(Linear, "forward", _linear_empty), (MergedLinear, "forward_gated", _gated_empty),
                 (LMHead, "forward", _lm_head_empty)],
-    "norm_warps4": [(fused_kernels, "_num_warps", _warps_at_most(4))],
-    "norm_warps8": [(fused_kernels, "_num_warps", _warps_at_most(8))],
+    "norm_warps4": [(pointwise_kernels, "_num_warps", _warps_at_most(4))],
+    "norm_warps8": [(pointwise_kernels, "_num_warps", _warps_at_most(8))],
 }
 VARIANTS = {
     "full": [],
@@ -155,28 +156,28 @@ def alternatives(current, m: int, n: int, k: int, mma_sweep: bool = False) -> di
     """Other ways to run a layer's linears than the engine's choice `current` (mma_sweep: every
     MMA tile width x split x pipeline depth as well)."""
     device = torch.device("cuda")
-    mma = small_m_mma.pick_config(m, n, k, device)
+    mma = triton_mma.pick_config(m, n, k, device)
     other = {"cublas": None}
     if mma_sweep:  # tile widths x splits x depths, then narrower and wider tiles than 64 rows of W
         for block_k in (64, 128, 256):
             for split in (1, 2, 4, 8):
                 for stages in (2, 3, 4):
-                    other[f"mma_bk{block_k}_split{split}_s{stages}"] = small_m_mma.MmaConfig(block_k, split, stages)
-        _, smem = small_m_mma.device_limits(device)
+                    other[f"mma_bk{block_k}_split{split}_s{stages}"] = triton_mma.MmaConfig(block_k, split, stages)
+        _, smem = triton_mma.device_limits(device)
         for block_n, block_k, split, warps in ((16, 256, 1, 4), (16, 256, 2, 4), (32, 256, 1, 4), (32, 256, 2, 4),
                                                (32, 128, 4, 4), (128, 128, 1, 8), (128, 128, 2, 8)):
-            stages = small_m_mma._stages_that_fit(block_n, block_k, smem)
-            other[f"mma_bn{block_n}_bk{block_k}_split{split}_w{warps}"] = small_m_mma.MmaConfig(
+            stages = triton_mma._stages_that_fit(block_n, block_k, smem)
+            other[f"mma_bn{block_n}_bk{block_k}_split{split}_w{warps}"] = triton_mma.MmaConfig(
                 block_k, split, stages, block_n, warps)
     if m == 1:  # the GEMV's default, then other tiles: rows of W per program x columns per tile
-        other["gemv"] = small_m_gemm.pick_config(1, n, k)
+        other["gemv"] = triton_gemv.pick_config(1, n, k)
         whole = 1 << (k - 1).bit_length()
         for rows, width in ((1, whole), (2, whole), (4, whole), (8, whole), (4, 2048), (1, 8192)):
             warps = max(4, min(16, rows * width // (32 * 64)))  # about 64 weights a thread
-            other[f"gemv_{rows}x{width}"] = small_m_gemm.SmallMConfig(1, rows, min(width, whole), warps)
+            other[f"gemv_{rows}x{width}"] = triton_gemv.SmallMConfig(1, rows, min(width, whole), warps)
     other["mma"] = mma
     for split in (1, 2, 4):
-        other[f"mma_split{split}"] = small_m_mma.MmaConfig(128, split, 4)
+        other[f"mma_split{split}"] = triton_mma.MmaConfig(128, split, 4)
     seen = [current]
     kept = {}
     for name, config in other.items():

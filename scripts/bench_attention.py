@@ -26,7 +26,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench_result import write_result  # noqa: E402
-from foretell.layers.attention.metadata import AttentionMetadata  # noqa: E402
+from foretell.ops.attention.metadata import AttentionMetadata  # noqa: E402
 from foretell.layers.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
@@ -98,7 +98,7 @@ def bench_case(kind: str, batch: int, context: int, q_len: int, dtype: torch.dty
     import triton
     from triton.testing import do_bench, do_bench_cudagraph
 
-    from foretell.layers.attention.triton_kernels import (
+    from foretell.ops.attention.triton_paged import (
         _choose_num_splits,
         _launch_config,
         paged_attention_triton,

@@ -1,6 +1,6 @@
 """What one decode / verify attention launch costs on the critical path of a batch-1 step.
 
-The one-launch RoPE + attention (layers/attention/rope_attention_triton.py) sits between the qkv
+The one-launch RoPE + attention (ops/attention/triton_rope_paged.py) sits between the qkv
 and o projections of every layer; in the engine's graphs it spans about 9.5 us a layer at batch 1.
 Here 32 launches (one cache per layer, Llama-3.1-8B shapes: 32 query heads, 8 kv heads, head_dim
 128, block 16) run back to back in a CUDA graph, each launched with PDL like the engine's, so a
@@ -28,8 +28,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench_result import graph_replay_ms, write_result  # noqa: E402
-from foretell.layers.attention import rope_attention_triton as rope_attention  # noqa: E402
-from foretell.layers.attention.triton_varlen import SplitCounters  # noqa: E402
+from foretell.ops.attention import triton_rope_paged as rope_attention  # noqa: E402
+from foretell.ops.common.split_counters import SplitCounters  # noqa: E402
 from foretell.layers.norm import RMSNorm  # noqa: E402
 from foretell.layers.rotary import RotaryEmbedding  # noqa: E402
 

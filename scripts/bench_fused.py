@@ -1,4 +1,4 @@
-"""Time the fused Triton kernels (layers/fused_kernels.py) against the torch paths they replace.
+"""Time the fused Triton kernels (ops/pointwise/triton_kernels.py) against the torch paths they replace.
 
 Llama-3.1-8B / Qwen3-8B shapes (hidden 4096, 32 query / 8 kv heads, head_dim 128, intermediate
 14336 / 12288), q and k as strided views into the fused qkv output as the model makes them:
@@ -49,7 +49,7 @@ DEVICE = torch.device("cuda")
 
 def build_ops(batch: int, dtype: torch.dtype):
     """name -> (torch_fn, fused_fn), each returning its outputs as a tuple."""
-    from foretell.layers import fused_kernels as fk
+    from foretell.ops.pointwise import triton_kernels as fk
 
     def rand(*shape):
         return torch.randn(*shape, device=DEVICE).to(dtype)

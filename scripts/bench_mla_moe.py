@@ -38,9 +38,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench_result import write_result  # noqa: E402
-from foretell.layers.attention.metadata import AttentionMetadata
-from foretell.layers.mla import TorchMLABackend
-from foretell.layers.moe import experts_forward_torch
+from foretell.ops.attention.metadata import AttentionMetadata
+from foretell.ops.mla.reference import TorchMLABackend
+from foretell.ops.moe.reference import experts_forward_torch
 
 RANK, ROPE, NOPE, V_DIM, BLOCK_SIZE = 512, 64, 128, 128, 16
 MLA_MODELS = {"V2-Lite": 16, "V3": 128}  # query heads
@@ -93,7 +93,7 @@ def mla_case(heads: int, batch: int, context: int, q_len: int):
 def bench_mla(model: str, batch: int, context: int, q_len: int, rep: int, sweep: bool) -> dict:
     from triton.testing import do_bench, do_bench_cudagraph
 
-    from foretell.layers.mla_triton import (
+    from foretell.ops.mla.triton_attention import (
         TritonMLABackend,
         mla_attention_triton,
         mla_launch_config,
@@ -169,7 +169,7 @@ def bench_moe(num_tokens: int, rep: int, sweep: bool) -> dict:
     """The grouped path (align, two grouped GEMMs, combine), forced at every token count."""
     from triton.testing import do_bench, do_bench_cudagraph
 
-    from foretell.layers.moe_triton import fused_experts_triton, moe_launch_config
+    from foretell.ops.moe.triton_experts import fused_experts_triton, moe_launch_config
 
     x, gate_up, down, weights, ids = moe_case(num_tokens)
     used, num_bytes = expert_bytes(ids)
@@ -215,8 +215,8 @@ def bench_moe_gemv(num_tokens: int, rep: int, sweep: bool) -> dict:
     each kernel's configs with the other kernel at its default, then the two best together."""
     from triton.testing import do_bench, do_bench_cudagraph
 
-    from foretell.layers.moe_gemv_triton import gemv_launch_config
-    from foretell.layers.moe_triton import fused_experts_triton
+    from foretell.ops.moe.triton_gemv import gemv_launch_config
+    from foretell.ops.moe.triton_experts import fused_experts_triton
 
     x, gate_up, down, weights, ids = moe_case(num_tokens)
     used, num_bytes = expert_bytes(ids)

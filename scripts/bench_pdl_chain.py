@@ -3,7 +3,7 @@
 A Llama-3.1-8B decode step at batch 1 is 32 layers of four weight-bound GEMVs (qkv, o, gate_up,
 down) with small latency-bound kernels between them (norms, RoPE + KV write, attention), then the
 lm_head. cuBLAS reads the weights at about 3.8 TB/s, but each kernel ramps up and drains on its own,
-and the small kernels leave HBM idle. With PDL (Hopper's griddepcontrol, layers/pdl.py) a kernel
+and the small kernels leave HBM idle. With PDL (Hopper's griddepcontrol, ops/common/pdl.py) a kernel
 may start while the one before it still runs: it issues what does not depend on that kernel (loads
 or an L2 prefetch of its own weights) and waits (`gdc_wait`) before it touches the activations.
 
@@ -18,7 +18,7 @@ it in a CUDA graph per variant and times the replays:
   triton_byshape_*            two rows of W x all of K per program (2048 wide above K = 4096)
 With --single, each shape alone too (8 GEMVs over distinct weights back to back in one graph), over
 tile shapes, against cuBLAS. Variants with the same tiles must give the same output (PDL only moves
-launches earlier): "same_as_triton" checks it. What the engine took from this: layers/small_m_gemm.py;
+launches earlier): "same_as_triton" checks it. What the engine took from this: ops/gemm/triton_gemv.py;
 the numbers: BENCHMARKS.md (seventh session).
 
     python scripts/bench_pdl_chain.py OUT_DIR [--layers 32] [--single]

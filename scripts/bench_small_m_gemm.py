@@ -1,4 +1,4 @@
-"""Time the few-row Triton kernels (layers/small_m_kernels.py: the GEMV, the tensor-core MMA) against
+"""Time the few-row Triton kernels (ops/gemm/triton_kernels.py: the GEMV, the tensor-core MMA) against
 cuBLAS (F.linear) at the linear shapes of Llama-3.1-8B, for the few rows of decode (M = batch) and
 verify (M = batch x (k + 1)).
 
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench_result import write_result  # noqa: E402
-from foretell.layers.small_m_dispatch import GemmKey, SmallMGemm  # noqa: E402
+from foretell.ops.gemm.dispatch import GemmKey, SmallMGemm  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336), "lm_head": (128256, 4096)}
@@ -41,7 +41,7 @@ STREAM_BYTES = 384 << 20  # well past the 50-60 MiB L2 of an H100/H200
 def bench_shape(name, n, k, rows, dtype, rep, gemm) -> list[dict]:
     from triton.testing import do_bench_cudagraph
 
-    from foretell.layers import small_m_kernels as kernels
+    from foretell.ops.gemm import triton_kernels as kernels
 
     size = torch.tensor([], dtype=dtype).element_size()
     copies = max(1, -(-STREAM_BYTES // (n * k * size)))

@@ -1,7 +1,7 @@
 """Experiment for the verify step's linears: can a tensor-core kernel with programmatic dependent
 launch beat cuBLAS on a few rows (a verify of k + 1 = 4 tokens at batch 1)?
 
-The batch-1 GEMV (layers/small_m_gemm.py) wins at one row but loses from two rows on, so a verify
+The batch-1 GEMV (ops/gemm/triton_gemv.py) wins at one row but loses from two rows on, so a verify
 step still runs cuBLAS (4.74 ms for Llama-8B against 4.35 for a decode step on the H200). This
 script sweeps two tl.dot kernels over tile shapes, each program loading its first weight tile before
 waiting for the kernel before it:
@@ -34,7 +34,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench_result import graph_replay_ms, write_result  # noqa: E402
-from foretell.layers.pdl import launch_options, let_next_kernel_launch, pdl_enabled, wait_for_previous_kernel  # noqa: E402
+from foretell.ops.common.pdl import launch_options, let_next_kernel_launch, pdl_enabled, wait_for_previous_kernel  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}

@@ -10,7 +10,7 @@ runs through the verification and the draft loop to the next verify. Categories 
 kernel names (GEMM, attention, norm, RoPE, activation, MoE, copies/casts, other); the table gives
 the share of GPU time and microseconds per step, and the JSON keeps the 25 costliest kernels too.
 The sum is kernel time only; wall minus kernel time is host time and launch gaps. In the graphs on
-Hopper the batch-1 GEMVs start early (programmatic dependent launch, layers/pdl.py) and are timed
+Hopper the batch-1 GEMVs start early (programmatic dependent launch, ops/common/pdl.py) and are timed
 from then, so kernel times overlap and their sum can exceed the wall time. Each target's JSON
 also keeps one step's whole device timeline (LM head to LM head) and where in it the device sat
 idle (`step_idle`: graph boundaries and copies show up there). --ops adds, for

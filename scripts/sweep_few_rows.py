@@ -3,13 +3,13 @@ runs a decode? A sweep at the Llama-3.1-8B shapes, against the engine's choices.
 
 Candidates at M = 4 (bf16, weights streamed past L2, each call in a CUDA graph as in
 scripts/bench_small_m_gemm.py):
-  - mma:    layers/small_m_mma.py with its default tiles (the engine's choice), and with 16 or 32
+  - mma:    ops/gemm/triton_mma.py with its default tiles (the engine's choice), and with 16 or 32
             rows of W per program (mma.sync tiles instead of a 64-row wgmma: more programs);
   - regdot: tensor cores fed like the GEMV: W tiles loaded straight to registers, the next tile
             requested before the current one is multiplied (no shared-memory pipeline);
   - lanes:  a CUDA-core GEMV that keeps a float32 accumulator per (row of x, row of W, K lane) and
             reduces across lanes once at the end (the engine's GEMV reduces every tile, per row);
-  - gemv:   layers/small_m_gemm.py at M = 4 (its per-row passes);
+  - gemv:   ops/gemm/triton_gemv.py at M = 4 (its per-row passes);
 and the engine's 1-row GEMV at M = 1: the time to match.
 
     python scripts/sweep_few_rows.py OUT_DIR [--rows 4] [--quick] [--families regdot mma lanes] [--shapes ...]
@@ -33,8 +33,8 @@ import triton.language as tl
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench_result import write_result  # noqa: E402
-from foretell.layers import small_m_gemm, small_m_mma  # noqa: E402
-from foretell.layers.pdl import launch_options, let_next_kernel_launch, pdl_enabled, wait_for_previous_kernel  # noqa: E402
+from foretell.ops.gemm import triton_gemv, triton_mma  # noqa: E402
+from foretell.ops.common.pdl import launch_options, let_next_kernel_launch, pdl_enabled, wait_for_previous_kernel  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336), "lm_head": (128256, 4096)}
@@ -117,8 +117,8 @@ def lanes_linear(x, w, block_n, block_k, warps):
 def candidates(m: int, n: int, k: int, device, quick: bool, families: list[str]) -> dict:
     """name -> fn(x, w)."""
     paths = {"cublas": lambda x, w: F.linear(x, w)}
-    mma = small_m_mma.pick_config(m, n, k, device)
-    paths[f"engine {mma}"] = lambda x, w: small_m_mma.small_m_mma_linear(x, w, None, mma)
+    mma = triton_mma.pick_config(m, n, k, device)
+    paths[f"engine {mma}"] = lambda x, w: triton_mma.small_m_mma_linear(x, w, None, mma)
     if "regdot" in families:
         for block_n, block_k, warps in itertools.product((16, 32, 64), (256, 512, 1024, 2048), (4, 8, 16)):
             if block_n * block_k * 2 > 1024 * 32 * warps or block_n * block_k < 32 * 32 * warps:
@@ -130,8 +130,8 @@ def candidates(m: int, n: int, k: int, device, quick: bool, families: list[str])
     for block_n, block_k, warps, stages in itertools.product((16, 32), (256, 512), (2, 4), (3, 4)):
         if quick and (warps, stages) != (4, 3):
             continue
-        config = small_m_mma.MmaConfig(block_k, mma.split, stages, block_n, warps)
-        paths[str(config)] = lambda x, w, c=config: small_m_mma.small_m_mma_linear(x, w, None, c)
+        config = triton_mma.MmaConfig(block_k, mma.split, stages, block_n, warps)
+        paths[str(config)] = lambda x, w, c=config: triton_mma.small_m_mma_linear(x, w, None, c)
     if "lanes" not in families:
         return paths
     for block_n, block_k, warps in itertools.product((4, 8, 16), (256, 512, 1024, 2048), (4, 8)):
@@ -140,8 +140,8 @@ def candidates(m: int, n: int, k: int, device, quick: bool, families: list[str])
         paths[f"lanes BN{block_n} BK{block_k} w{warps}"] = (
             lambda x, w, c=(block_n, block_k, warps): lanes_linear(x, w, *c))
     for block_n in (2, 4, 8):
-        config = small_m_gemm.pick_config(m, n, k, block_n=block_n)
-        paths[f"gemv {config}"] = lambda x, w, c=config: small_m_gemm.small_m_linear(x, w, None, c)
+        config = triton_gemv.pick_config(m, n, k, block_n=block_n)
+        paths[f"gemv {config}"] = lambda x, w, c=config: triton_gemv.small_m_linear(x, w, None, c)
     return paths
 
 
@@ -164,8 +164,8 @@ def main() -> None:
         copies = max(1, -(-STREAM_BYTES // (n * k * 2)))
         weights = [(torch.randn(n, k, device=device) / k**0.5).to(dtype) for _ in range(copies)]
         x1 = torch.randn(1, k, device=device).to(dtype)
-        gemv1 = small_m_gemm.pick_config(1, n, k)
-        row = {"gemv M=1": do_bench_cudagraph(lambda: [small_m_gemm.small_m_linear(x1, w, None, gemv1) for w in weights],
+        gemv1 = triton_gemv.pick_config(1, n, k)
+        row = {"gemv M=1": do_bench_cudagraph(lambda: [triton_gemv.small_m_linear(x1, w, None, gemv1) for w in weights],
                                               rep=30, return_mode="median") * 1e3 / copies}
         x = torch.randn(args.rows, k, device=device).to(dtype)
         expected = F.linear(x.float(), weights[0].float())

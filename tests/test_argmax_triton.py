@@ -1,4 +1,4 @@
-"""The chunked Triton argmax (layers/argmax_triton.py) against torch.argmax, in Triton's
+"""The chunked Triton argmax (ops/sampling/triton_argmax.py) against torch.argmax, in Triton's
 interpreter on CPU tensors (the real kernels on a CUDA machine): vocabularies of one chunk, several
 chunks and a ragged last chunk; the maximum in the first or the last chunk; ties inside a chunk and
 across chunks (the first column wins, as torch's); -inf and NaN entries; strided rows; the id map;
@@ -17,7 +17,7 @@ from fixtures.triton_interpreter import HAS_CUDA, import_interpreted, interprete
 from foretell.layers.sampler import argmax_rows
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
-kernels = import_interpreted("foretell.layers.argmax_triton")
+kernels = import_interpreted("foretell.ops.sampling.triton_argmax")
 CHUNK = kernels.CHUNK
 
 

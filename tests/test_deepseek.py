@@ -20,8 +20,8 @@ from fixtures import deepseek as ds
 from fixtures.checkpoints import make_variant
 from foretell import LLM, SamplingParams
 from foretell.layers.attention.torch_backend import TorchAttentionBackend
-from foretell.layers.mla import absorbed_attention, expanded_attention
-from foretell.layers.moe import RouterConfig, experts_forward_torch, select_experts
+from foretell.ops.mla.reference import absorbed_attention, expanded_attention
+from foretell.ops.moe.reference import RouterConfig, experts_forward_torch, select_experts
 from foretell.layers.rotary import RotaryEmbedding, apply_rope_gptj, yarn_softmax_scale_factor
 from foretell.loader import CheckpointError
 from foretell.models.base import HFConfig, ModelOptions

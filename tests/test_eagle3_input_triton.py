@@ -17,12 +17,12 @@ import torch
 from fixtures.float64_linear import poisoned_empty  # noqa: F401 (a fixture)
 from fixtures.seeds import reports_seed
 from fixtures.triton_interpreter import HAS_CUDA, import_interpreted, interpreter_mode  # noqa: F401
-from foretell.layers import kernel_dispatch
+from foretell.ops.common import kernel_choice
 from foretell.layers.embedding import VocabEmbedding
 from foretell.layers.norm import RMSNorm
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
-ei = import_interpreted("foretell.layers.eagle3_input_triton")
+ei = import_interpreted("foretell.ops.pointwise.triton_eagle3_input")
 
 NEAR = {torch.float16: dict(rtol=4e-3, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-5),
         torch.float32: dict(rtol=1e-6, atol=1e-7)}
@@ -64,10 +64,10 @@ def test_matches_the_layers_torch_path(dtype, hidden, poisoned_empty):  # noqa: 
 
 
 def test_the_draft_layer_runs_the_kernel_where_triton_runs(eagle3_head, qwen3_checkpoint, monkeypatch):
-    """Eagle3LayerBase.layer_input takes the kernel when kernel_dispatch allows it (here: the
+    """Eagle3LayerBase.layer_input takes the kernel when kernel_choice allows it (here: the
     interpreter, patched in) and its twin otherwise: the same x and residual either way."""
     from foretell import LLM
-    from foretell.layers import eagle3_input_triton
+    from foretell.ops.pointwise import triton_eagle3_input
 
     llm = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=16,
               speculative_config={"method": "eagle3", "model": eagle3_head, "num_speculative_tokens": 2})
@@ -77,10 +77,10 @@ def test_the_draft_layer_runs_the_kernel_where_triton_runs(eagle3_head, qwen3_ch
     ids = torch.tensor([3, 17, 5], device=device)
     g = torch.randn(3, head.hidden_size, device=device)
     with torch.no_grad():
-        monkeypatch.setattr(kernel_dispatch, "use_triton", lambda *t: False)
+        monkeypatch.setattr(kernel_choice, "use_triton", lambda *t: False)
         twin_x, twin_residual = layer.layer_input(ids, embedding, g)
         calls, kernel = [], ei.eagle3_input_triton
-        monkeypatch.setattr(kernel_dispatch, "use_triton", lambda *t: True)
+        monkeypatch.setattr(kernel_choice, "use_triton", lambda *t: True)
         monkeypatch.setattr(eagle3_input_triton, "eagle3_input_triton", lambda *args: calls.append(1) or kernel(*args))
         x, residual = layer.layer_input(ids, embedding, g)
     assert calls == [1]

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from fixtures.seeds import reports_seed  # noqa: E402
-from foretell.layers import kernel_dispatch
+from foretell.ops.common import kernel_choice
 from foretell.layers.activation import SiluAndMul
 from foretell.layers.norm import RMSNorm
 from foretell.layers.rotary import RotaryEmbedding
@@ -28,7 +28,7 @@ from foretell.layers.rotary import RotaryEmbedding
 from fixtures.triton_interpreter import HAS_CUDA, import_interpreted, interpreter_mode  # noqa: F401
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
-fk = import_interpreted("foretell.layers.fused_kernels")
+fk = import_interpreted("foretell.ops.pointwise.triton_kernels")
 
 
 DTYPES = [torch.float16, torch.float32]
@@ -219,20 +219,20 @@ def test_silu_and_mul_on_a_strided_view():
 
 
 def test_layers_use_the_torch_path_off_cuda_and_under_autograd():
-    assert not kernel_dispatch.use_triton(torch.zeros(2))
+    assert not kernel_choice.use_triton(torch.zeros(2))
     if HAS_CUDA:
         x = torch.zeros(2, device="cuda", requires_grad=True)
-        assert kernel_dispatch.use_triton(x.detach())
-        assert not kernel_dispatch.use_triton(x)
-        assert not kernel_dispatch.use_triton(x.detach(), torch.zeros(2))
+        assert kernel_choice.use_triton(x.detach())
+        assert not kernel_choice.use_triton(x)
+        assert not kernel_choice.use_triton(x.detach(), torch.zeros(2))
         with torch.no_grad():
-            assert kernel_dispatch.use_triton(x)
+            assert kernel_choice.use_triton(x)
 
 
 def test_layers_dispatch_to_the_kernels(monkeypatch):
     """With use_triton forced on (interpreter on the CPU), each layer's result is its kernel's,
     and matches the layer's torch path."""
-    monkeypatch.setattr(kernel_dispatch, "use_triton", lambda *tensors: True)
+    monkeypatch.setattr(kernel_choice, "use_triton", lambda *tensors: True)
     seed = random.randrange(2**31)
     gen = torch.Generator().manual_seed(seed)
     dtype = torch.float16
@@ -250,7 +250,7 @@ def test_layers_dispatch_to_the_kernels(monkeypatch):
     with reports_seed(seed):
         fused = (norm(x, residual), rotary(positions, q, k), SiluAndMul()(gate_up))
         assert calls == ["rms_norm_triton", "rope_triton", "silu_and_mul_triton"]
-        monkeypatch.setattr(kernel_dispatch, "use_triton", lambda *tensors: False)
+        monkeypatch.setattr(kernel_choice, "use_triton", lambda *tensors: False)
         plain = (norm(x, residual), rotary(positions, q, k), SiluAndMul()(gate_up))
         assert len(calls) == 3
         for got, expected in zip(
@@ -262,7 +262,7 @@ def test_layers_dispatch_to_the_kernels(monkeypatch):
 def test_gptj_style_dispatches_interleaved(monkeypatch):
     """DeepSeek's interleaved RoPE goes to the kernel with style="gptj", rotating MLA's q_pe and
     its single shared k_pe (views into the projections) as the torch path does."""
-    monkeypatch.setattr(kernel_dispatch, "use_triton", lambda *tensors: True)
+    monkeypatch.setattr(kernel_choice, "use_triton", lambda *tensors: True)
     styles = []
     kernel = fk.rope_triton
     monkeypatch.setattr(fk, "rope_triton", lambda *a, **kw: styles.append(kw["style"]) or kernel(*a, **kw))
@@ -272,7 +272,7 @@ def test_gptj_style_dispatches_interleaved(monkeypatch):
     positions = torch.tensor([1, 30], device=DEVICE)
     got_q, got_k = rotary(positions, q[..., 8:], k_pe)
     assert styles == ["gptj"]
-    monkeypatch.setattr(kernel_dispatch, "use_triton", lambda *tensors: False)
+    monkeypatch.setattr(kernel_choice, "use_triton", lambda *tensors: False)
     expected_q, expected_k = rotary(positions, q[..., 8:], k_pe)
     for got, expected in ((got_q, expected_q), (got_k, expected_k)):
         if HAS_CUDA:  # the GPU contracts RoPE's products into FMAs: a rounding either way (tests/gpu)

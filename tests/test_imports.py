@@ -60,11 +60,8 @@ HEAVY_FOR_HELP = (
 # (importer, imported) edges that close a circle today. Each is the import that should go.
 KNOWN_CIRCLE_EDGES = {
     # A Triton file takes its argument types from the module that dispatches to it, which imports
-    # the kernels lazily. Goes when the kernels move into ops/<operation>/ with their types below
-    # both (issue 31, "Kernels out of layers/").
-    ("foretell.layers.mla_triton", "foretell.layers.mla"): "kernels <-> dispatcher (ops/ move)",
-    ("foretell.layers.mla_fused_triton", "foretell.layers.mla"): "kernels <-> dispatcher (ops/ move)",
-    ("foretell.layers.moe_router_triton", "foretell.layers.moe"): "kernels <-> dispatcher (ops/ move)",
+    # the kernels lazily. Goes when these kernels move into ops/step/ with their types below both
+    # (issue 31, "Kernels out of layers/").
     ("foretell.runner.graph_inputs_triton", "foretell.runner.graph_inputs"):
         "kernels <-> dispatcher (ops/step move)",
     ("foretell.spec_decode.step_inputs_triton", "foretell.spec_decode.step_inputs"):

@@ -20,8 +20,10 @@ import random
 import pytest
 import torch
 
-from foretell.layers.attention.metadata import AttentionMetadata
-from foretell.layers.mla import MLAAttention, MLADims, split_kv_b
+from foretell.ops.attention.metadata import AttentionMetadata
+from foretell.layers.mla import MLAAttention, MLADims
+from foretell.ops.mla import reference
+from foretell.ops.mla.reference import split_kv_b
 from foretell.layers.norm import RMSNorm
 from foretell.layers.rotary import RotaryEmbedding
 
@@ -30,8 +32,8 @@ if torch.cuda.is_available():
 
 from fixtures.triton_interpreter import import_interpreted, interpreter_mode  # noqa: E402, F401
 
-fused = import_interpreted("foretell.layers.mla_fused_triton")
-mla_triton = import_interpreted("foretell.layers.mla_triton")
+fused = import_interpreted("foretell.ops.mla.triton_fused")
+mla_triton = import_interpreted("foretell.ops.mla.triton_attention")
 
 SMALL = dict(num_heads=4, nope=16, rope=8, rank=32, v=16)
 V2_LITE = dict(num_heads=16, nope=128, rope=64, rank=512, v=128)
@@ -90,7 +92,7 @@ def check_latent_write(num_tokens, dtype, rotary_name, dims=SMALL, block_size=8,
     slots[list(pad_rows)] = -1
     cache = torch.full((num_blocks, block_size, rank + rope), float("nan"), dtype=dtype)
     want = cache.clone()
-    fused.latent_write_torch(kv_a, positions, norm, rope_emb, want, slots)
+    reference.latent_write_torch(kv_a, positions, norm, rope_emb, want, slots)
     fused.latent_write_triton(kv_a, positions, norm, rope_emb, cache, slots)
     assert torch.equal(cache.isnan(), want.isnan()), f"written slots differ (seed {seed})"
     assert (~cache.isnan()).flatten(0, 1).any(-1).sum() == int((slots >= 0).sum()), f"seed {seed}"
@@ -134,7 +136,7 @@ def check_absorb_query(num_tokens, dtype, rotary_name, dims=SMALL):
     q = fused_out[:, : heads * (nope + rope)].view(num_tokens, heads, nope + rope)  # strided view
     positions = torch.randint(0, 4096, (num_tokens,), generator=gen)
     rope_emb = rotary(rotary_name, rope)
-    want = fused.absorb_query_torch(q, w_uk, positions, rope_emb)
+    want = reference.absorb_query_torch(q, w_uk, positions, rope_emb)
     out = torch.full((num_tokens, heads, rank + rope), float("nan"), dtype=dtype)
     got = fused.absorb_query_triton(q, w_uk, positions, rope_emb, out=out)
     assert got is out and not out.isnan().any(), f"unwritten q_abs entries (seed {seed})"
@@ -156,7 +158,7 @@ def check_project_values(num_tokens, dtype, dims=SMALL):
     heads, rank, v = dims["num_heads"], dims["rank"], dims["v"]
     _, w_uv = split_kv_b(kv_b_weight(dims, dtype, gen), heads, dims["nope"], v)
     o_lat = torch.randn(num_tokens, heads, rank, generator=gen).to(dtype)
-    want = fused.project_values_torch(o_lat, w_uv)
+    want = reference.project_values_torch(o_lat, w_uv)
     out = torch.full((num_tokens, heads, v), float("nan"), dtype=dtype)
     assert fused.project_values_triton(o_lat, w_uv, out=out) is out
     assert_close(out, want, dtype, "value projection", seed)
@@ -186,10 +188,10 @@ def test_odd_widths_and_tile_overrides():
     rope_emb = rotary("gptj", 8)
     cfg = {"BLOCK_T": 16, "BLOCK_N": 16, "BLOCK_K": 16}
     assert_close(fused.absorb_query_triton(q, w_uk, positions, rope_emb, config=cfg),
-                 fused.absorb_query_torch(q, w_uk, positions, rope_emb), torch.float16, "tiles", seed)
+                 reference.absorb_query_torch(q, w_uk, positions, rope_emb), torch.float16, "tiles", seed)
     o_lat = torch.randn(20, 4, 32, generator=gen).half()
     assert_close(fused.project_values_triton(o_lat, w_uv, config=cfg),
-                 fused.project_values_torch(o_lat, w_uv), torch.float16, "tiles", seed)
+                 reference.project_values_torch(o_lat, w_uv), torch.float16, "tiles", seed)
 
 
 # ------------------------------------------------------------------- the whole MLA forward

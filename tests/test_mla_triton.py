@@ -14,16 +14,16 @@ import random
 import pytest
 import torch
 
-from foretell.layers.attention.metadata import AttentionMetadata
+from foretell.ops.attention.metadata import AttentionMetadata
 from foretell.layers.attention.torch_backend import causal_attention, gather_context
-from foretell.layers.mla import TorchMLABackend
+from foretell.ops.mla.reference import TorchMLABackend
 
 if torch.cuda.is_available():
     pytest.skip("on a GPU the kernels are tested in tests/gpu/test_mla_moe_gpu.py", allow_module_level=True)
 
 from fixtures.triton_interpreter import import_interpreted, interpreter_mode  # noqa: E402, F401
 
-mla_triton = import_interpreted("foretell.layers.mla_triton")
+mla_triton = import_interpreted("foretell.ops.mla.triton_attention")
 
 
 TOLERANCE = {torch.float16: 5e-3, torch.float32: 1e-4}
@@ -208,12 +208,12 @@ def test_deepseek_triton_backend_matches_torch(checkpoint_root, tokenizer_dir, m
     attending through the same kernels; tokens equal the torch backend's."""
     from fixtures import deepseek as ds
 
-    from foretell.layers import moe
+    from foretell.ops.moe import dispatch as moe_dispatch
 
-    moe_triton = import_interpreted("foretell.layers.moe_triton")
+    moe_triton = import_interpreted("foretell.ops.moe.triton_experts")
     folder = ds.checkpoint(checkpoint_root, tokenizer_dir, "v3")
     _, want = _greedy(folder, attention_backend="torch")
-    monkeypatch.setattr(moe, "use_triton", lambda *tensors: True)
+    monkeypatch.setattr(moe_dispatch, "use_triton", lambda *tensors: True)
     calls = []
     fused = moe_triton.fused_experts_triton
     monkeypatch.setattr(moe_triton, "fused_experts_triton", lambda *a, **kw: calls.append(1) or fused(*a, **kw))
@@ -232,15 +232,16 @@ def test_v2_lite_every_fused_kernel_matches_torch(checkpoint_root, tokenizer_dir
     routing kernel and the fused experts; tokens equal the all-torch path's."""
     from fixtures import deepseek as ds
 
-    from foretell.layers import kernel_dispatch, moe
+    from foretell.ops.common import kernel_choice
+    from foretell.ops.moe import dispatch as moe_dispatch
 
-    import_interpreted("foretell.layers.fused_kernels")
-    router = import_interpreted("foretell.layers.moe_router_triton")
-    import_interpreted("foretell.layers.moe_triton")
+    import_interpreted("foretell.ops.pointwise.triton_kernels")
+    router = import_interpreted("foretell.ops.moe.triton_router")
+    import_interpreted("foretell.ops.moe.triton_experts")
     folder = ds.checkpoint(checkpoint_root, tokenizer_dir, "v2_lite")
     _, want = _greedy(folder, attention_backend="torch")
-    monkeypatch.setattr(kernel_dispatch, "use_triton", lambda *tensors: True)
-    monkeypatch.setattr(moe, "use_triton", lambda *tensors: True)
+    monkeypatch.setattr(kernel_choice, "use_triton", lambda *tensors: True)
+    monkeypatch.setattr(moe_dispatch, "use_triton", lambda *tensors: True)
     rope_styles, routed = [], []
     write, route = mla_triton.latent_write_triton, router.route_triton
     # RoPE runs inside the fused MLA kernels: the latent write rotates k_pe with the layer's style.

@@ -20,13 +20,14 @@ import torch
 from fixtures import routing
 from fixtures.routing import CASES
 from fixtures.seeds import reports_seed
-from foretell.layers import moe
-from foretell.layers.moe import Router, RouterConfig, select_experts
+from foretell.layers.moe import Router
+from foretell.ops.moe import dispatch as moe_dispatch
+from foretell.ops.moe.reference import RouterConfig, select_experts
 
 from fixtures.triton_interpreter import HAS_CUDA, import_interpreted, interpreter_mode  # noqa: F401
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
-mrt = import_interpreted("foretell.layers.moe_router_triton")
+mrt = import_interpreted("foretell.ops.moe.triton_router")
 
 NEAR = dict(rtol=1e-6, atol=1e-9)  # a few float32 roundings (exp, the sums' order)
 CPU_CASES = ["v2_lite", "kimi_k2_like", "v2_softmax_norm", "tiny", "tiny_top1_bias"]
@@ -131,7 +132,7 @@ def test_router_dispatches_ungrouped_configs_to_the_kernel(monkeypatch, num_toke
     """With use_triton forced on, Router.forward's result is the kernel's, equal to the twin's: one
     launch for logits and selection up to ROUTER_LOGITS_MAX_TOKENS tokens, the selection kernel
     after cuBLAS's logits beyond."""
-    monkeypatch.setattr(moe, "use_triton", lambda *tensors: True)
+    monkeypatch.setattr(moe_dispatch, "use_triton", lambda *tensors: True)
     calls = _count_kernel_calls(monkeypatch, kernel)
     seed = _seed()
     gen = torch.Generator().manual_seed(seed)
@@ -182,7 +183,7 @@ def test_route_refuses_bad_input():
 
 
 def test_router_keeps_grouped_configs_on_torch(monkeypatch):
-    monkeypatch.setattr(moe, "use_triton", lambda *tensors: True)
+    monkeypatch.setattr(moe_dispatch, "use_triton", lambda *tensors: True)
     calls = _count_kernel_calls(monkeypatch)
     gen = torch.Generator().manual_seed(0)
     router = _router(RouterConfig(16, 4, "sigmoid", "noaux_tc", 4, 2, True, 2.5), 32, gen)

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from foretell.layers.moe import MoE, RouterConfig, expert_weight_rules
+from foretell.layers.moe import MoE, expert_weight_rules
+from foretell.ops.moe.reference import RouterConfig
 
 
 def shared_checkpoint(n: int, inter: int, hidden: int, gen) -> dict[str, torch.Tensor]:

@@ -11,14 +11,14 @@ import random
 import pytest
 import torch
 
-from foretell.layers.moe import experts_forward_torch
+from foretell.ops.moe.reference import experts_forward_torch
 
 if torch.cuda.is_available():
     pytest.skip("on a GPU the kernels are tested in tests/gpu/test_mla_moe_gpu.py", allow_module_level=True)
 
 from fixtures.triton_interpreter import import_interpreted, interpreter_mode  # noqa: F401  (autouse fixture)
 
-moe_triton = import_interpreted("foretell.layers.moe_triton")
+moe_triton = import_interpreted("foretell.ops.moe.triton_experts")
 TOLERANCE = {torch.float16: 2e-2, torch.float32: 1e-4}
 
 

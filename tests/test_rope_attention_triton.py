@@ -1,5 +1,5 @@
 """Decode / verify attention with RoPE and the KV write in one launch
-(layers/attention/rope_attention_triton.py) held against the two launches it replaces
+(ops/attention/triton_rope_paged.py) held against the two launches it replaces
 (rope_write_kv_triton, then paged_attention_triton) and the torch path (RotaryEmbedding, write_kv_torch,
 TorchAttentionBackend), in Triton's interpreter on CPU tensors (the real kernel on CUDA).
 
@@ -19,7 +19,7 @@ import torch
 
 from fixtures.seeds import reports_seed
 from fixtures.triton_interpreter import HAS_CUDA, import_interpreted, interpreter_mode  # noqa: F401
-from foretell.layers import kernel_dispatch
+from foretell.ops.common import kernel_choice
 from foretell.layers.attention.layer import Attention
 from foretell.layers.attention.torch_backend import TorchAttentionBackend, write_kv_torch
 from foretell.layers.norm import RMSNorm
@@ -27,10 +27,10 @@ from foretell.layers.rotary import RotaryEmbedding
 from test_triton_attention import BATCHES, LONG_BATCHES, TOLERANCE, Batch
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
-import_interpreted("foretell.layers.fused_kernels")
-rkv = import_interpreted("foretell.layers.attention.rope_kv_triton")
-kernels = import_interpreted("foretell.layers.attention.triton_kernels")
-fused = import_interpreted("foretell.layers.attention.rope_attention_triton")
+import_interpreted("foretell.ops.pointwise.triton_kernels")
+rkv = import_interpreted("foretell.ops.attention.triton_rope_kv")
+kernels = import_interpreted("foretell.ops.attention.triton_paged")
+fused = import_interpreted("foretell.ops.attention.triton_rope_paged")
 from foretell.layers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 
 SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -173,7 +173,7 @@ def test_bad_input_is_refused():
 @pytest.mark.parametrize("kind", ["decode", "prefill"])
 def test_forward_rotary_takes_one_launch_for_decode(monkeypatch, kind):
     """Attention.forward_rotary on the Triton backend: one launch for decode, the two for a prefill."""
-    monkeypatch.setattr(kernel_dispatch, "use_triton", lambda *tensors: True)
+    monkeypatch.setattr(kernel_choice, "use_triton", lambda *tensors: True)
     calls = []
     for module, name in ((fused, "rope_paged_attention_triton"), (rkv, "rope_write_kv_triton")):
         kernel = getattr(module, name)

@@ -1,4 +1,4 @@
-"""RoPE + KV write in one launch (layers/attention/rope_kv_triton.py) held against its twin,
+"""RoPE + KV write in one launch (ops/attention/triton_rope_kv.py) held against its twin,
 RotaryEmbedding.forward then write_kv_torch, in Triton's interpreter on CPU tensors (the real
 kernel on a CUDA machine): GQA, odd head counts, partial rotary, both pairings, YaRN / llama3
 scaling, padded rows (slot -1), tokens spread over cache blocks; Attention.forward_rotary's
@@ -18,17 +18,17 @@ import torch
 
 from fixtures.seeds import reports_seed
 from fixtures.triton_interpreter import HAS_CUDA, import_interpreted, interpreter_mode  # noqa: F401
-from foretell.layers import kernel_dispatch
+from foretell.ops.common import kernel_choice
 from foretell.layers.attention.layer import Attention
-from foretell.layers.attention.metadata import AttentionMetadata
+from foretell.ops.attention.metadata import AttentionMetadata
 from foretell.layers.attention.torch_backend import write_kv_torch
 from foretell.layers.norm import RMSNorm
 from foretell.layers.rotary import RotaryEmbedding
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
-import_interpreted("foretell.layers.fused_kernels")
-rkv = import_interpreted("foretell.layers.attention.rope_kv_triton")
-import_interpreted("foretell.layers.attention.triton_kernels")
+import_interpreted("foretell.ops.pointwise.triton_kernels")
+rkv = import_interpreted("foretell.ops.attention.triton_rope_kv")
+import_interpreted("foretell.ops.attention.triton_paged")
 from foretell.layers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 
 CASES = {
@@ -114,7 +114,7 @@ def test_forward_rotary_fuses_on_the_triton_backend(monkeypatch, with_norm):
     """Attention.forward_rotary with the kernels on, for a prefill (decode and short verify steps
     take one launch: tests/test_rope_attention_triton.py): RoPE + KV write in one launch, and the
     same output and cache as (q_norm / k_norm,) RoPE, then forward."""
-    monkeypatch.setattr(kernel_dispatch, "use_triton", lambda *tensors: True)
+    monkeypatch.setattr(kernel_choice, "use_triton", lambda *tensors: True)
     calls = []
     kernel = rkv.rope_write_kv_triton
     monkeypatch.setattr(rkv, "rope_write_kv_triton", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))

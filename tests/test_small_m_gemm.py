@@ -1,5 +1,5 @@
-"""The GEMV (layers/small_m_gemm.py) against a float64 torch reference, and the dispatch that picks
-it or cuBLAS (layers/small_m_dispatch.py) with a fake timer.
+"""The GEMV (ops/gemm/triton_gemv.py) against a float64 torch reference, and the dispatch that picks
+it or cuBLAS (ops/gemm/dispatch.py) with a fake timer.
 
 Without a CUDA device the kernel runs in Triton's interpreter on CPU tensors (fp16 and fp32: the
 interpreter keeps bf16 as uint16; bf16 is checked on CUDA in tests/gpu/test_small_m_gemm_gpu.py).
@@ -19,17 +19,18 @@ import torch.nn.functional as F
 from fixtures.float64_linear import check_gated, check_linear, poisoned_empty  # noqa: F401 (a fixture)
 from fixtures.seeds import reports_seed  # noqa: E402
 from foretell.config import ModelConfig
-from foretell.layers import kernel_dispatch
+from foretell.ops.common import kernel_choice
 from foretell.layers.activation import SiluAndMul
 from foretell.layers.embedding import LMHead
 from foretell.layers.linear import Linear, MergedLinear, QKVLinear
-from foretell.layers.small_m_dispatch import GemmKey, SmallMGemm, m_bucket, prepare_small_m_linears
+from foretell.layers.small_m import prepare_small_m_linears
+from foretell.ops.gemm.dispatch import GemmKey, SmallMGemm, m_bucket
 
 from fixtures.triton_interpreter import HAS_CUDA, import_interpreted, interpreter_mode  # noqa: F401
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
-sm = import_interpreted("foretell.layers.small_m_gemm")
-mma = import_interpreted("foretell.layers.small_m_mma")
+sm = import_interpreted("foretell.ops.gemm.triton_gemv")
+mma = import_interpreted("foretell.ops.gemm.triton_mma")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
@@ -183,7 +184,7 @@ def test_a_kernel_that_disagrees_is_never_used():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_agreement_check_takes_rounding_not_errors(dtype):
-    from foretell.layers.small_m_dispatch import _agree
+    from foretell.ops.gemm.dispatch import _agree
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(4, 4096, generator=gen).to(dtype)
@@ -227,7 +228,7 @@ def test_call_routes_rows_through_the_chosen_path(monkeypatch):
     gemm, kernels, _ = _gemm({"cublas": 10.0, "split1": 5.0, "splitK": 6.0})
     x = torch.randn(1, 3, 32)  # 3 rows -> bucket 4
     assert torch.equal(gemm(x, W, B), F.linear(x, W, B)) and kernels.runs == 0  # CPU: F.linear
-    monkeypatch.setattr(kernel_dispatch, "use_triton", lambda *tensors: True)
+    monkeypatch.setattr(kernel_choice, "use_triton", lambda *tensors: True)
     torch.testing.assert_close(gemm(x, W, B), F.linear(x, W, B))
     assert kernels.last == "split1" and GemmKey(4, 24, 32, torch.float32, True) in gemm.choices
     runs = kernels.runs
@@ -249,7 +250,7 @@ def test_call_routes_rows_through_the_chosen_path(monkeypatch):
 def test_layers_run_the_interpreted_kernel_when_bound(monkeypatch):
     """Linear, its fused subclasses and LMHead, bound in mode "on": the GEMV's result for one row
     (a batch-1 decode step), the MMA's for 2 to 4 rows (fp16), F.linear's for more."""
-    monkeypatch.setattr(kernel_dispatch, "use_triton", lambda *tensors: True)
+    monkeypatch.setattr(kernel_choice, "use_triton", lambda *tensors: True)
     dtype = torch.float16
     layers = [Linear(40, 24, bias=True, dtype=dtype, device=DEVICE), MergedLinear(40, [8, 12], dtype=dtype, device=DEVICE),
               QKVLinear(40, 8, 2, 1, dtype=dtype, device=DEVICE), LMHead(50, 40, dtype=dtype, device=DEVICE)]
@@ -280,7 +281,7 @@ def test_layers_run_the_interpreted_kernel_when_bound(monkeypatch):
 def test_kernel_defaults_by_rows_dtype_and_k():
     """small_m_kernels.default_config (mode "on"): the GEMV for one row, the MMA for 2-16 rows in
     fp16 / bf16 (split-K for a long K), cuBLAS (None) for several float32 rows; mode "auto" times the GEMV's configs up to 4 rows and the MMA's in fp16 / bf16."""
-    kernels = import_interpreted("foretell.layers.small_m_kernels")
+    kernels = import_interpreted("foretell.ops.gemm.triton_kernels")
     cpu = torch.device("cpu")
     for dtype in (torch.bfloat16, torch.float32):
         assert isinstance(kernels.default_config(1, 4096, 4096, dtype, cpu), sm.SmallMConfig)
@@ -299,7 +300,7 @@ def test_kernel_defaults_by_rows_dtype_and_k():
 
 
 def test_prepare_warms_every_bucket_and_binds_once(monkeypatch):
-    monkeypatch.setattr(kernel_dispatch, "use_triton", lambda *tensors: True)
+    monkeypatch.setattr(kernel_choice, "use_triton", lambda *tensors: True)
     head = LMHead(50, 32)
     model = torch.nn.ModuleList([Linear(32, 24, bias=True), Linear(32, 24, bias=True), head])
     for p in model.parameters():
@@ -339,7 +340,7 @@ def test_cli_flag_reaches_the_model_config():
 def test_gated_projection_runs_the_activation_in_the_kernel(monkeypatch):
     """MergedLinear.forward_gated (an MLP's gate_up): silu_and_mul(F.linear(x)), from the GEMV's
     epilogue for one row, the MMA's for three (fp16), torch's unbound; two unequal parts refuse."""
-    monkeypatch.setattr(kernel_dispatch, "use_triton", lambda *tensors: True)
+    monkeypatch.setattr(kernel_choice, "use_triton", lambda *tensors: True)
     dtype = torch.float16
     gate_up = MergedLinear(40, [12, 12], bias=True, dtype=dtype, device=DEVICE)
     for p in gate_up.parameters():

@@ -1,4 +1,4 @@
-"""The tensor-core few-row linear (layers/small_m_mma.py) against a float64 torch reference.
+"""The tensor-core few-row linear (ops/gemm/triton_mma.py) against a float64 torch reference.
 
 Without a CUDA device the kernel runs in Triton's interpreter on CPU tensors in fp16 (the
 interpreter's tl.dot is wrong on bf16; bf16 is checked on CUDA in tests/gpu/test_small_m_gemm_gpu.py).
@@ -19,7 +19,7 @@ from fixtures.seeds import reports_seed  # noqa: E402
 from fixtures.triton_interpreter import HAS_CUDA, import_interpreted, interpreter_mode  # noqa: F401
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
-mma = import_interpreted("foretell.layers.small_m_mma")
+mma = import_interpreted("foretell.ops.gemm.triton_mma")
 
 
 def _counters_zero():

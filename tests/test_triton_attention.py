@@ -13,14 +13,15 @@ import random
 import pytest
 import torch
 
-from foretell.layers.attention.metadata import AttentionMetadata
+from foretell.ops.attention.metadata import AttentionMetadata
+from foretell.ops.common.split_counters import SplitCounters
 from foretell.layers.attention.torch_backend import TorchAttentionBackend, write_kv_torch
 
 from fixtures.triton_interpreter import HAS_CUDA, import_interpreted, interpreter_mode  # noqa: F401
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
-kernels = import_interpreted("foretell.layers.attention.triton_kernels")
-varlen = import_interpreted("foretell.layers.attention.triton_varlen")
+kernels = import_interpreted("foretell.ops.attention.triton_paged")
+varlen = import_interpreted("foretell.ops.attention.triton_varlen")
 from foretell.layers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 
 
@@ -158,7 +159,7 @@ def test_persistent_split_counters_reset_between_launches():
     cache = batch.cache.clone()
     kernels.write_kv_triton(batch.key, batch.value, cache, md.slot_mapping)
     expected = TorchAttentionBackend().attend(batch.query, cache, md, batch.scale)
-    counters = varlen.SplitCounters()
+    counters = SplitCounters()
     for _ in range(3):
         out = torch.full_like(batch.query, float("nan"))
         kernels.paged_attention_triton(batch.query, cache, md.block_table, md.seq_lens, md.query_start_loc,

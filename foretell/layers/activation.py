@@ -1,26 +1,14 @@
-"""Activations on fused projections.
+"""Activations on fused projections, as modules.
 
-On CUDA (when kernel_dispatch.use_triton allows) SiluAndMul is one Triton kernel with the same
-roundings; the torch code here is its twin and what the CPU runs.
+The op itself (a Triton kernel on CUDA, its torch twin elsewhere) is ops/pointwise's silu_and_mul.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from foretell.layers import kernel_dispatch
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [..., 2 * intermediate] -> [..., intermediate]
-    """silu(gate) * up on a fused gate_up output."""
-    if kernel_dispatch.use_triton(gate_up):
-        from foretell.layers import fused_kernels  # imports triton: CUDA only
-
-        return fused_kernels.silu_and_mul_triton(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+from foretell.ops.pointwise.dispatch import silu_and_mul
 
 
 class SiluAndMul(nn.Module):

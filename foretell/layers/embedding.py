@@ -14,7 +14,7 @@ from torch import nn
 from foretell.layers.linear import make_param
 
 if TYPE_CHECKING:
-    from foretell.layers.small_m_dispatch import SmallMGemm
+    from foretell.ops.gemm.dispatch import SmallMGemm
 
 
 class VocabEmbedding(nn.Module):

@@ -9,7 +9,7 @@ Values are converted with `tensor.to(param.dtype)` (by value, never by reinterpr
 tensor of the wrong shape raises ValueError with the expected and found shapes; the loader adds
 the parameter name, checkpoint key and file.
 
-A Linear computes F.linear, or, once prepare_small_m_linears (small_m_dispatch.py) has bound a
+A Linear computes F.linear, or, once prepare_small_m_linears (small_m.py) has bound a
 SmallMGemm to it (on CUDA, before graph capture), lets that pick cuBLAS or the Triton GEMV for
 few-row inputs; `MergedLinear.forward_gated` is an MLP's gate_up projection with its activation,
 which those kernels apply as their epilogue.
@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from foretell.layers.activation import silu_and_mul
+from foretell.ops.pointwise.dispatch import silu_and_mul
 
 if TYPE_CHECKING:
-    from foretell.layers.small_m_dispatch import SmallMGemm
+    from foretell.ops.gemm.dispatch import SmallMGemm
 
 
 def check_shape(loaded: torch.Tensor, expected: Sequence[int], what: str) -> None:

@@ -4,7 +4,7 @@ Computed like Hugging Face's: normalise in float32, cast back to the input dtype
 the weight in that dtype. The residual variant adds in the input dtype first (HF's
 `residual + hidden`), so stacking layers with it gives bit-identical residual streams.
 
-On CUDA (when kernel_dispatch.use_triton allows) one Triton kernel does the add and the norm with
+On CUDA (when ops/common/kernel_choice.use_triton allows) one Triton kernel does the add and the norm with
 the same roundings; the torch code here is its twin and what the CPU runs.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from foretell.layers import kernel_dispatch
+from foretell.ops.common import kernel_choice
 from foretell.layers.linear import make_param
 
 
@@ -50,9 +50,9 @@ class RMSNorm(nn.Module):
 
         x may be a per-head view [tokens, heads, head_dim] (Qwen3's q_norm/k_norm)."""
         if self._fused(x, residual):
-            from foretell.layers import fused_kernels  # imports triton: CUDA only
+            from foretell.ops.pointwise import triton_kernels  # imports triton: CUDA only
 
-            return fused_kernels.rms_norm_triton(x, self.weight, self.eps, residual, residual_out=residual_out)
+            return triton_kernels.rms_norm_triton(x, self.weight, self.eps, residual, residual_out=residual_out)
         if residual is not None:
             x = residual + x
             if residual_out is not None:
@@ -63,7 +63,7 @@ class RMSNorm(nn.Module):
         # Mixed dtypes promote in the torch path; the kernel keeps x's dtype, so leave them to it.
         tensors = (x, self.weight) if residual is None else (x, self.weight, residual)
         same_dtype = all(t.dtype == x.dtype for t in tensors)
-        return same_dtype and x.shape[-1] == self.hidden_size and kernel_dispatch.use_triton(*tensors)
+        return same_dtype and x.shape[-1] == self.hidden_size and kernel_choice.use_triton(*tensors)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"

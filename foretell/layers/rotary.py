@@ -14,7 +14,7 @@ Everything is computed in float32. The cos/sin table is built once, up front, fo
 positions, and kept as a plain tensor rather than a buffer so that casting the model's dtype can
 never round it.
 
-On CUDA (when kernel_dispatch.use_triton allows) either style runs as one Triton kernel for q and
+On CUDA (when ops/common/kernel_choice.use_triton allows) either style runs as one Triton kernel for q and
 k together, reading the table by position, with the roundings of apply_rope_neox / apply_rope_gptj;
 the torch code here is its twin and what the CPU runs.
 """
@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from foretell.layers import kernel_dispatch
+from foretell.ops.common import kernel_choice
 
 FrequencyBuilder = Callable[[float, int, dict, int], tuple[torch.Tensor, float]]
 ApplyFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -257,9 +257,9 @@ class RotaryEmbedding(nn.Module):
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fusable(positions, query, key):
-            from foretell.layers import fused_kernels  # imports triton: CUDA only
+            from foretell.ops.pointwise import triton_kernels  # imports triton: CUDA only
 
-            return fused_kernels.rope_triton(
+            return triton_kernels.rope_triton(
                 positions, query, key, self.cos_cache, self.sin_cache, style=self.style
             )
         cos, sin = self.cos_sin(positions)
@@ -278,7 +278,7 @@ class RotaryEmbedding(nn.Module):
             and key.dim() == 3
             and query.dtype == key.dtype
             and self.cos_cache.device == query.device
-            and kernel_dispatch.use_triton(positions, query, key)
+            and kernel_choice.use_triton(positions, query, key)
         )
 
     def extra_repr(self) -> str:

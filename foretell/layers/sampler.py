@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from foretell.device_util import to_device
-from foretell.layers.kernel_dispatch import use_triton
+from foretell.ops.common.kernel_choice import use_triton
 from foretell.sampling_params import SamplingParams
 
 _MASK64 = (1 << 63) - 1
@@ -196,7 +196,7 @@ def argmax_rows(
     id_map[that column] (id_map [vocab] int64: a draft vocabulary's target ids); written into
     `out` ([rows] int64, any stride) when given, and returned."""
     if logits.dim() == 2 and logits.shape[-1] >= TRITON_ARGMAX_MIN_VOCAB and use_triton(logits):
-        from foretell.layers.argmax_triton import argmax_triton  # imports triton
+        from foretell.ops.sampling.triton_argmax import argmax_triton  # imports triton
 
         return argmax_triton(logits if logits.stride(-1) == 1 else logits.contiguous(), id_map, out)
     columns = logits.argmax(dim=-1)

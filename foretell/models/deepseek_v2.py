@@ -24,10 +24,11 @@ import re
 import torch
 from torch import nn
 
-from foretell.layers.attention.metadata import AttentionMetadata
+from foretell.ops.attention.metadata import AttentionMetadata
 from foretell.layers.embedding import VocabEmbedding
 from foretell.layers.mla import MLAAttention, MLADims
-from foretell.layers.moe import GatedMLP, MoE, RouterConfig, expert_weight_rules
+from foretell.layers.moe import GatedMLP, MoE, expert_weight_rules
+from foretell.ops.moe.reference import RouterConfig
 from foretell.layers.norm import RMSNorm
 from foretell.layers.rotary import RotaryEmbedding, rope_parameters_from_config, yarn_softmax_scale_factor
 from foretell.models.base import (

@@ -14,7 +14,7 @@ One draft step (rows pair the target's features at position t with the token at 
   logits = lm_head(norm(h)) over the draft vocabulary; the next step gets h (before the norm)
 
 On CUDA the x line (embedding gather, two norms, concatenation) is one launch
-(layers/eagle3_input_triton.py). The drafter (spec_decode/eagle3.py) runs `step`: the last add is
+(ops/pointwise/triton_eagle3_input.py). The drafter (spec_decode/eagle3.py) runs `step`: the last add is
 fused into the final norm, and a catch-up over several rows per sequence keeps only its drafting
 rows after the attention block (`keep_rows`: every row's keys and values are cached by then, and
 only those rows' h are read), so the MLP and the LM head run on one row per sequence. (The o
@@ -27,9 +27,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from foretell.layers import kernel_dispatch
+from foretell.ops.common import kernel_choice
 from foretell.layers.attention.layer import Attention
-from foretell.layers.attention.metadata import AttentionMetadata
+from foretell.ops.attention.metadata import AttentionMetadata
 from foretell.layers.embedding import LMHead, VocabEmbedding
 from foretell.layers.linear import Linear, QKVLinear, make_param
 from foretell.layers.norm import RMSNorm
@@ -91,12 +91,12 @@ class Eagle3LayerBase(nn.Module):
         self, input_ids: torch.Tensor, embedding: nn.Module, g: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (x [n, 2H], residual [n, H])
         """x = [input_layernorm(embedding(input_ids)) ; hidden_norm(g)], embedding first (one launch
-        on CUDA: layers/eagle3_input_triton.py), and the residual the attention's output is added to."""
+        on CUDA: ops/pointwise/triton_eagle3_input.py), and the residual the attention's output is added to."""
         weight = getattr(embedding, "weight", None)
         norms = (self.input_layernorm, self.hidden_norm)
         if (isinstance(embedding, VocabEmbedding) and weight.dtype == g.dtype
-                and all(n.weight.dtype == g.dtype for n in norms) and kernel_dispatch.use_triton(input_ids, weight, g)):
-            from foretell.layers.eagle3_input_triton import eagle3_input_triton  # imports triton: CUDA only
+                and all(n.weight.dtype == g.dtype for n in norms) and kernel_choice.use_triton(input_ids, weight, g)):
+            from foretell.ops.pointwise.triton_eagle3_input import eagle3_input_triton  # imports triton: CUDA only
 
             x = eagle3_input_triton(input_ids, weight, g, self.input_layernorm.weight, self.input_layernorm.eps,
                                     self.hidden_norm.weight, self.hidden_norm.eps)

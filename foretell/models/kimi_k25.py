@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from foretell.layers.attention.metadata import AttentionMetadata
+from foretell.ops.attention.metadata import AttentionMetadata
 from foretell.models.base import HFConfig, ModelOptions, WeightRules
 from foretell.models.deepseek_v2 import DeepseekV3ForCausalLM
 

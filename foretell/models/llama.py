@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from foretell.layers.attention.layer import Attention
-from foretell.layers.attention.metadata import AttentionMetadata
+from foretell.ops.attention.metadata import AttentionMetadata
 from foretell.layers.embedding import VocabEmbedding
 from foretell.layers.linear import Linear, MergedLinear, QKVLinear
 from foretell.layers.norm import RMSNorm

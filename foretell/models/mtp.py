@@ -22,7 +22,7 @@ import re
 import torch
 from torch import nn
 
-from foretell.layers.attention.metadata import AttentionMetadata
+from foretell.ops.attention.metadata import AttentionMetadata
 from foretell.layers.embedding import LMHead
 from foretell.layers.linear import Linear
 from foretell.layers.norm import RMSNorm

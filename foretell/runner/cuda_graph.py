@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from foretell.layers.attention.metadata import AttentionMetadata
+from foretell.ops.attention.metadata import AttentionMetadata
 from foretell.layers.sampler import argmax_rows
 from foretell.runner import graph_inputs
 from foretell.runner.graph_inputs import GraphInputBuffers

@@ -18,7 +18,7 @@ import torch
 from foretell.device_util import to_device
 from foretell.engine.scheduler import ScheduledSequence
 from foretell.engine.sequence import Sequence
-from foretell.layers.attention.metadata import AttentionMetadata
+from foretell.ops.attention.metadata import AttentionMetadata
 
 
 @dataclass

@@ -23,7 +23,8 @@ from foretell.engine.scheduler import SchedulerOutput
 from foretell.runner.sequence_result import SequenceResult
 from foretell.layers.attention.backend import build_attention_backend
 from foretell.layers.sampler import NoiseSource, Sampler, SamplingBatch, row_seed
-from foretell.layers.small_m_dispatch import SmallMGemm, prepare_small_m_linears
+from foretell.layers.small_m import prepare_small_m_linears
+from foretell.ops.gemm.dispatch import SmallMGemm
 from foretell.models.base import HFConfig, ModelOptions
 from foretell.device_util import to_device
 from foretell.runner.cuda_graph import CudaGraphRunner

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from foretell.layers.attention.metadata import AttentionMetadata, subdivide_block_table
+from foretell.ops.attention.metadata import AttentionMetadata, subdivide_block_table
 from foretell.runner.cuda_graph import CudaGraphRunner
 from foretell.spec_decode.draft_loop import DraftLoopProposer
 from foretell.spec_decode.step_inputs import accept_drafts, catch_up_inputs

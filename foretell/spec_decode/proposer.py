@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from foretell.device_util import to_device
-from foretell.layers.attention.metadata import AttentionMetadata
+from foretell.ops.attention.metadata import AttentionMetadata
 from foretell.sampling_params import SamplingParams
 
 

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from foretell.layers.pdl import join_dependent_chain, launch_options, pdl_enabled
+from foretell.ops.common.pdl import join_dependent_chain, launch_options, pdl_enabled
 from foretell.spec_decode.simulated_acceptance import ROW_STRIDE
 from foretell.spec_decode.step_inputs import CatchUpInputs, ChainStepInputs
 
@@ -17,7 +17,7 @@ BLOCK_SEQS = 64  # sequences per program (the graph buckets go up to max_num_seq
 
 
 def _pdl(t: torch.Tensor) -> dict:
-    """PDL's constexpr and launch option (layers/pdl.py): each of these launches right behind the
+    """PDL's constexpr and launch option (ops/common/pdl.py): each of these launches right behind the
     kernel before it and waits for it first, so the chain of small launches between two graphs'
     weight streams pays less of each launch's latency."""
     pdl = pdl_enabled(t)

@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from fixtures.seeds import reports_seed  # noqa: E402
-from foretell.layers.argmax_triton import argmax_triton  # noqa: E402
+from foretell.ops.sampling.triton_argmax import argmax_triton  # noqa: E402
 from foretell.layers.sampler import argmax_rows  # noqa: E402
 
 DEVICE = torch.device("cuda")

@@ -26,8 +26,8 @@ pytest.importorskip("triton")
 
 from fixtures.seeds import reports_seed  # noqa: E402
 from foretell import LLM, SamplingParams  # noqa: E402
-from foretell.layers import fused_kernels as fk  # noqa: E402
-from foretell.layers import kernel_dispatch  # noqa: E402
+from foretell.ops.common import kernel_choice  # noqa: E402
+from foretell.ops.pointwise import triton_kernels as fk  # noqa: E402
 from foretell.layers.activation import SiluAndMul  # noqa: E402
 from foretell.layers.norm import RMSNorm  # noqa: E402
 from foretell.layers.rotary import RotaryEmbedding  # noqa: E402
@@ -103,9 +103,9 @@ def _norm_reference(norm, x, residual):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 4, 64])
 def test_eagle3_input_at_llama8b_size(dtype, rows):
-    """layers/eagle3_input_triton.py: [input_layernorm(embed[ids]) ; hidden_norm(g)] against the
+    """ops/pointwise/triton_eagle3_input.py: [input_layernorm(embed[ids]) ; hidden_norm(g)] against the
     draft layer's torch path (a 128256-row embedding, hidden 4096), and replayed in a CUDA graph."""
-    from foretell.layers.eagle3_input_triton import eagle3_input_triton
+    from foretell.ops.pointwise.triton_eagle3_input import eagle3_input_triton
 
     seed = random.randrange(2**31)
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
@@ -217,8 +217,8 @@ def test_silu_and_mul(dtype, num_tokens, intermediate):
 def test_rope_and_kv_write_in_one_launch(shape, style, with_norm):
     """rope_write_kv_triton against the launches it replaces ((q_norm, k_norm,) rope_triton,
     write_kv_triton) in bf16, padded rows left alone, and captured in a CUDA graph."""
-    from foretell.layers.attention.rope_kv_triton import rope_write_kv_triton
-    from foretell.layers.attention.triton_kernels import write_kv_triton
+    from foretell.ops.attention.triton_rope_kv import rope_write_kv_triton
+    from foretell.ops.attention.triton_paged import write_kv_triton
 
     num_heads, num_kv_heads, head_dim, rotary_dim = shape
     dtype, num_tokens = torch.bfloat16, 9
@@ -364,6 +364,6 @@ def test_model_greedy_tokens_unchanged(checkpoint, request):
 
     fused = generate()
     with _torch_path() as mp:
-        mp.setattr(kernel_dispatch, "use_triton", lambda *tensors: False)
+        mp.setattr(kernel_choice, "use_triton", lambda *tensors: False)
         plain = generate()
     assert fused == plain

@@ -25,17 +25,20 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from fixtures.seeds import reports_seed  # noqa: E402
-from foretell.layers.attention.metadata import AttentionMetadata  # noqa: E402
-from foretell.layers.mla import MLAAttention, MLADims, split_kv_b  # noqa: E402
-from foretell.layers.mla_fused_triton import (  # noqa: E402
+from foretell.ops.attention.metadata import AttentionMetadata  # noqa: E402
+from foretell.layers.mla import MLAAttention, MLADims  # noqa: E402
+from foretell.ops.mla.reference import (  # noqa: E402
     absorb_query_torch,
-    absorb_query_triton,
     latent_write_torch,
-    latent_write_triton,
     project_values_torch,
+    split_kv_b,
+)
+from foretell.ops.mla.triton_fused import (  # noqa: E402
+    absorb_query_triton,
+    latent_write_triton,
     project_values_triton,
 )
-from foretell.layers.mla_triton import TritonMLABackend  # noqa: E402
+from foretell.ops.mla.triton_attention import TritonMLABackend  # noqa: E402
 from foretell.layers.norm import RMSNorm  # noqa: E402
 from foretell.layers.rotary import RotaryEmbedding  # noqa: E402
 

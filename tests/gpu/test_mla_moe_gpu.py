@@ -18,16 +18,16 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 pytest.importorskip("triton")
 
-from foretell.layers.attention.metadata import AttentionMetadata
+from foretell.ops.attention.metadata import AttentionMetadata
 from foretell.layers.attention.torch_backend import causal_attention, gather_context
-from foretell.layers.mla import TorchMLABackend
-from foretell.layers.mla_triton import (
+from foretell.ops.mla.reference import TorchMLABackend
+from foretell.ops.mla.triton_attention import (
     TritonMLABackend,
     mla_attention_triton,
     write_latent_triton,
 )
-from foretell.layers.moe import experts_forward_torch
-from foretell.layers.moe_triton import fused_experts_triton
+from foretell.ops.moe.reference import experts_forward_torch
+from foretell.ops.moe.triton_experts import fused_experts_triton
 
 DEVICE = torch.device("cuda")
 RANK, ROPE = 512, 64

@@ -20,9 +20,9 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 pytest.importorskip("triton")
 
-from foretell.layers.moe import experts_forward_torch
-from foretell.layers.moe_gemv_triton import GEMV_MAX_TOKENS, fused_experts_gemv_triton
-from foretell.layers.moe_triton import fused_experts_triton
+from foretell.ops.moe.reference import experts_forward_torch
+from foretell.ops.moe.triton_gemv import GEMV_MAX_TOKENS, fused_experts_gemv_triton
+from foretell.ops.moe.triton_experts import fused_experts_triton
 
 DEVICE = torch.device("cuda")
 V2_LITE = {"routed": 64, "shared": 2, "top_k": 6, "hidden": 2048, "inter": 1408}

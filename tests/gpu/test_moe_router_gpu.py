@@ -25,8 +25,9 @@ pytest.importorskip("triton")
 from fixtures import routing  # noqa: E402
 from fixtures.routing import CASES  # noqa: E402
 from fixtures.seeds import reports_seed  # noqa: E402
-from foretell.layers import moe_router_triton as mrt  # noqa: E402
-from foretell.layers.moe import Router, RouterConfig, select_experts  # noqa: E402
+from foretell.ops.moe import triton_router as mrt  # noqa: E402
+from foretell.layers.moe import Router  # noqa: E402
+from foretell.ops.moe.reference import RouterConfig, select_experts  # noqa: E402
 
 DEVICE = torch.device("cuda")
 NEAR = dict(rtol=3e-6, atol=1e-9)  # tl.exp is ex2.approx here: up to ~1e-6 relative per exp

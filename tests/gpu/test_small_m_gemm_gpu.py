@@ -1,8 +1,8 @@
-"""The GEMV (layers/small_m_gemm.py) on a CUDA device, bf16 and fp16 at Llama-3.1-8B's linear
+"""The GEMV (ops/gemm/triton_gemv.py) on a CUDA device, bf16 and fp16 at Llama-3.1-8B's linear
 shapes, against a float64 product (also the gated SiLU-and-mul epilogue, float32 output); no host sync in a
 launch; capture and replay in a CUDA graph; a chain of dependent launches (programmatic dependent
 launch on Hopper: each must wait for its input) against a float64 chain; the dispatch
-(layers/small_m_dispatch.py) timing real layers; and whole models whose greedy tokens do not change
+(ops/gemm/dispatch.py) timing real layers; and whole models whose greedy tokens do not change
 when the kernel replaces cuBLAS (float32, so no near-ties).
 
 Every case draws fresh random inputs; a failure prints the seed that reproduces it.
@@ -25,9 +25,10 @@ pytest.importorskip("triton")
 from fixtures.float64_linear import LLAMA8B_SHAPES, check_dependent_chain, check_gated, check_linear  # noqa: E402
 from fixtures.seeds import reports_seed  # noqa: E402
 from foretell import LLM, SamplingParams  # noqa: E402
-from foretell.layers import small_m_gemm as sm  # noqa: E402
+from foretell.ops.gemm import triton_gemv as sm  # noqa: E402
 from foretell.layers.linear import Linear  # noqa: E402
-from foretell.layers.small_m_dispatch import GemmKey, SmallMGemm, prepare_small_m_linears  # noqa: E402
+from foretell.layers.small_m import prepare_small_m_linears  # noqa: E402
+from foretell.ops.gemm.dispatch import GemmKey, SmallMGemm  # noqa: E402
 
 DEVICE = torch.device("cuda")
 

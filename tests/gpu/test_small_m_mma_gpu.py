@@ -1,4 +1,4 @@
-"""The tensor-core few-row linear (layers/small_m_mma.py) on a CUDA device: bf16 and fp16 at
+"""The tensor-core few-row linear (ops/gemm/triton_mma.py) on a CUDA device: bf16 and fp16 at
 Llama-3.1-8B's linear shapes for 1 to 16 rows and every candidate config (split-K included) against
 a float64 product, a long K with a bias, the gated (SiLU-and-mul) epilogue; capture and replay in a CUDA graph
 (split counters left zero, results bit-identical); and a chain of dependent launches mixing it with
@@ -22,10 +22,11 @@ pytest.importorskip("triton")
 
 from fixtures.float64_linear import LLAMA8B_SHAPES, check_dependent_chain, check_gated, check_linear  # noqa: E402
 from fixtures.seeds import reports_seed  # noqa: E402
-from foretell.layers import small_m_gemm as sm  # noqa: E402
-from foretell.layers import small_m_mma as mma  # noqa: E402
+from foretell.ops.gemm import triton_gemv as sm  # noqa: E402
+from foretell.ops.gemm import triton_mma as mma  # noqa: E402
 from foretell.layers.linear import Linear  # noqa: E402
-from foretell.layers.small_m_dispatch import GemmKey, prepare_small_m_linears  # noqa: E402
+from foretell.layers.small_m import prepare_small_m_linears  # noqa: E402
+from foretell.ops.gemm.dispatch import GemmKey  # noqa: E402
 
 DEVICE = torch.device("cuda")
 

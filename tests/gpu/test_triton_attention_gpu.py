@@ -17,13 +17,13 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 pytest.importorskip("triton")
 
-from foretell.layers.attention.metadata import AttentionMetadata  # noqa: E402
+from foretell.ops.attention.metadata import AttentionMetadata  # noqa: E402
 from foretell.layers.attention.torch_backend import (  # noqa: E402
     TorchAttentionBackend,
     write_kv_torch,
 )
 from foretell.layers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from foretell.layers.attention.triton_kernels import (  # noqa: E402
+from foretell.ops.attention.triton_paged import (  # noqa: E402
     paged_attention_triton,
     write_kv_triton,
 )
@@ -235,8 +235,8 @@ def test_rope_attention_in_one_launch_at_llama_shapes(num_splits, q_len, with_no
     RoPE's products with their sums differently in the two kernels, as in _check_rope of
     test_fused_kernels_gpu.py; Triton's interpreter keeps every rounding and the CPU test
     checks the cache bit for bit.)"""
-    from foretell.layers.attention.rope_attention_triton import rope_paged_attention_triton
-    from foretell.layers.attention.rope_kv_triton import rope_write_kv_triton
+    from foretell.ops.attention.triton_rope_paged import rope_paged_attention_triton
+    from foretell.ops.attention.triton_rope_kv import rope_write_kv_triton
     from foretell.layers.norm import RMSNorm
     from foretell.layers.rotary import RotaryEmbedding
 

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from foretell.layers.attention.metadata import AttentionMetadata
+from foretell.ops.attention.metadata import AttentionMetadata
 
 
 class AttentionBackend(Protocol):

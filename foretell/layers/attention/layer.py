@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from foretell.layers.attention.backend import AttentionBackend
-from foretell.layers.attention.metadata import AttentionMetadata
+from foretell.ops.attention.metadata import AttentionMetadata
 from foretell.layers.norm import RMSNorm
 from foretell.layers.rotary import RotaryEmbedding
 

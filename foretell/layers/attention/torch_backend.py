@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from foretell.layers.attention.metadata import AttentionMetadata
+from foretell.ops.attention.metadata import AttentionMetadata
 
 
 def write_kv_torch(

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from foretell.layers.attention.metadata import AttentionMetadata
-from foretell.layers.attention.triton_kernels import paged_attention_triton, write_kv_triton
-from foretell.layers.attention.triton_varlen import SplitCounters
+from foretell.ops.attention.metadata import AttentionMetadata
+from foretell.ops.attention.triton_paged import paged_attention_triton, write_kv_triton
+from foretell.ops.common.split_counters import SplitCounters
 from foretell.layers.norm import RMSNorm
 from foretell.layers.rotary import RotaryEmbedding
 
@@ -47,14 +47,14 @@ class TritonAttentionBackend:
         qk_norm: tuple[RMSNorm, RMSNorm] | None = None,  # (q_norm, k_norm), applied before RoPE
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """(q_norm / k_norm,) rotary_emb(positions, query, key), write_kv of the rotated key, then
-        attend: one launch for decode and short verify steps (rope_attention_triton.fits), else
+        attend: one launch for decode and short verify steps (triton_rope_paged.fits), else
         RoPE + KV write in one and the attention in a second."""
-        from foretell.layers.attention import rope_attention_triton
-        from foretell.layers.attention.rope_kv_triton import rope_write_kv_triton
+        from foretell.ops.attention import triton_rope_paged
+        from foretell.ops.attention.triton_rope_kv import rope_write_kv_triton
 
         self._check_block_size(kv_cache, metadata)
-        if rope_attention_triton.fits(query, metadata.max_query_len, rotary_emb.rotary_dim, kv_cache):
-            return rope_attention_triton.rope_paged_attention_triton(
+        if triton_rope_paged.fits(query, metadata.max_query_len, rotary_emb.rotary_dim, kv_cache):
+            return triton_rope_paged.rope_paged_attention_triton(
                 positions, query, key, value, rotary_emb.cos_cache, rotary_emb.sin_cache, kv_cache,
                 metadata.slot_mapping, metadata.block_table, metadata.seq_lens, metadata.query_start_loc,
                 metadata.max_query_len, scale, style=rotary_emb.style, qk_norm=qk_norm, counters=self.split_counters,

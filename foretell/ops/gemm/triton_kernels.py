@@ -1,7 +1,7 @@
-"""The few-row kernels a SmallMGemm (layers/small_m_dispatch.py) chooses among, behind one entry point:
+"""The few-row kernels a SmallMGemm (ops/gemm/dispatch.py) chooses among, behind one entry point:
 
-  - the FMA GEMV (layers/small_m_gemm.py, SmallMConfig): up to 4 rows, any float dtype;
-  - the tensor-core MMA (layers/small_m_mma.py, MmaConfig): up to 16 rows in fp16 / bf16.
+  - the FMA GEMV (ops/gemm/triton_gemv.py, SmallMConfig): up to 4 rows, any float dtype;
+  - the tensor-core MMA (ops/gemm/triton_mma.py, MmaConfig): up to 16 rows in fp16 / bf16.
 
 A config's type says which kernel runs it. `default_config` is mode "on"'s choice, from the Llama-8B
 decode and verify graphs on the H200 (scripts/ablate_decode.py: each layer kind moved to another
@@ -21,26 +21,26 @@ from __future__ import annotations
 
 import torch
 
-from foretell.layers import small_m_gemm, small_m_mma
-from foretell.layers.small_m_mma import MmaConfig
+from foretell.ops.gemm import triton_gemv, triton_mma
+from foretell.ops.gemm.triton_mma import MmaConfig
 
-MAX_M = max(small_m_gemm.MAX_M, small_m_mma.MAX_M)
+MAX_M = max(triton_gemv.MAX_M, triton_mma.MAX_M)
 
 
 def default_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device):
     """Mode "on"'s kernel config for an [m, k] x [n, k]^T product in dtype, or None for cuBLAS."""
     if m == 1:
-        return small_m_gemm.pick_config(m, n, k)
-    if m > MAX_M or dtype not in small_m_mma.SUPPORTED_DTYPES:
+        return triton_gemv.pick_config(m, n, k)
+    if m > MAX_M or dtype not in triton_mma.SUPPORTED_DTYPES:
         return None
-    return small_m_mma.pick_config(m, n, k, device)
+    return triton_mma.pick_config(m, n, k, device)
 
 
 def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> list:
     """Every config that can run an [m, k] x [n, k]^T product in dtype (what mode "auto" times
     against cuBLAS): the GEMV's up to 4 rows, the MMA's in fp16 / bf16."""
-    gemv = small_m_gemm.candidate_configs(m, n, k, device) if m <= small_m_gemm.MAX_M else []
-    mma = small_m_mma.candidate_configs(m, n, k, device) if dtype in small_m_mma.SUPPORTED_DTYPES else []
+    gemv = triton_gemv.candidate_configs(m, n, k, device) if m <= triton_gemv.MAX_M else []
+    mma = triton_mma.candidate_configs(m, n, k, device) if dtype in triton_mma.SUPPORTED_DTYPES else []
     return gemv + mma
 
 
@@ -52,5 +52,5 @@ def small_m_linear(
     gated: bool = False,  # weight [gate; up]: silu(gate) * up of the product, [M, N // 2]
     float32_out: bool = False,  # the values rounded to x's dtype, stored as float32
 ) -> torch.Tensor:  # [M, N], x's dtype (or float32)
-    kernel = small_m_mma.small_m_mma_linear if isinstance(config, MmaConfig) else small_m_gemm.small_m_linear
+    kernel = triton_mma.small_m_mma_linear if isinstance(config, MmaConfig) else triton_gemv.small_m_linear
     return kernel(x, weight, bias, config, gated=gated, float32_out=float32_out)

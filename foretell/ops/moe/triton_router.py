@@ -7,7 +7,7 @@ gate weight), in place of a cast and cuBLAS's two-kernel float32 GEMV. `route_tr
 one launch (what Router.forward runs for few tokens): the last logits program to finish, counted
 with an atomic in the Router's `route_counter`, selects for every token and resets the counter.
 
-Twin: `select_experts` in moe.py, for ungrouped configs (`RouterConfig.grouped` False: greedy, or
+Twin: `select_experts` in reference.py, for ungrouped configs (`RouterConfig.grouped` False: greedy, or
 noaux_tc / group_limited_greedy with n_group 1); grouped configs stay on the twin.
 tests/test_moe_router_triton.py holds them together on random logits in Triton's interpreter,
 tests/gpu/test_moe_router_gpu.py on CUDA.
@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from foretell.layers.moe import RouterConfig
+from foretell.ops.moe.reference import RouterConfig
 
 
 def _next_pow2(n: int) -> int:

@@ -4,7 +4,7 @@ BLOCK_M rows, then two grouped GEMM kernels that read only the selected experts'
 verify) it runs the GEMV path of moe_gemv_triton.py instead (no align, no combine launch; same
 contract, same rounding, same slot order in the float32 sum); `path` forces one or the other.
 
-Twin: `experts_forward_torch` in moe.py (same inputs, same float32 output, the same points of
+Twin: `experts_forward_torch` in reference.py (same inputs, same float32 output, the same points of
 rounding to the model dtype); `moe_align_torch` here is the twin of the align kernel.
 tests/test_moe_triton.py holds them together on random routings in Triton's interpreter,
 tests/gpu/test_mla_moe_gpu.py on CUDA in bf16.
@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from foretell.layers.moe_gemv_triton import (
+from foretell.ops.moe.triton_gemv import (
     GEMV_MAX_TOKENS,
     check_expert_inputs,
     launch_gemv_experts,

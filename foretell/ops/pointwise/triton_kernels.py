@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from foretell.layers.pdl import join_dependent_chain, launch_options, pdl_enabled
+from foretell.ops.common.pdl import join_dependent_chain, launch_options, pdl_enabled
 
 
 def _next_pow2(n: int) -> int:
@@ -72,7 +72,7 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (layers/pdl.py)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (ops/common/pdl.py)
 ):
     join_dependent_chain(PDL)  # the next kernel (a projection's GEMV) streams weights meanwhile
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)

@@ -1,4 +1,4 @@
-"""When a layer may run its fused Triton kernel (layers/fused_kernels.py) instead of its torch path.
+"""When an op may run its Triton kernel instead of its torch twin: every dispatch.py asks here.
 
 Kept apart from the kernels so that asking never imports triton: a CPU process (and the Triton
 interpreter tests, which need triton imported with TRITON_INTERPRET set) never loads it.

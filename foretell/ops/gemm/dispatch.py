@@ -1,12 +1,12 @@
-"""When a linear layer's few-row matmul runs a Triton kernel (layers/small_m_kernels.py: the GEMV for
+"""When a linear layer's few-row matmul runs a Triton kernel (ops/gemm/triton_kernels.py: the GEMV for
 one row, the tensor-core MMA for 2 to 16) instead of cuBLAS (F.linear): always ("on", the default on
 CUDA), or decided by timing them once per shape.
 
-A SmallMGemm is bound to the model's Linear and LMHead layers by prepare_small_m_linears (the
-runner does it on CUDA before capturing its graphs); each layer then calls it instead of F.linear.
+A SmallMGemm is bound to the model's Linear and LMHead layers by prepare_small_m_linears
+(layers/small_m.py; the runner does it on CUDA before capturing its graphs); each layer then calls it instead of F.linear.
 It owns a decision per GemmKey (rows rounded up to a power of two, N, K, dtype, bias or not):
   - mode "off": no SmallMGemm is bound at all, every layer calls F.linear;
-  - mode "on" (the default): small_m_kernels.default_config, untimed, for up to 16 rows: the GEMV
+  - mode "on" (the default): triton_kernels.default_config, untimed, for up to 16 rows: the GEMV
     for one row (decode at batch 1), the MMA for 2 to 16 (verify, small batches; fp16 / bf16) up to
     K = 4096, cuBLAS above. Chosen by timing whole decode graphs on the H200:
     only the kernels overlap the kernel before them, which timing one call alone cannot see;
@@ -27,20 +27,18 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from foretell.config import SMALL_M_GEMM_MODES
-from foretell.layers import kernel_dispatch
-from foretell.layers.activation import silu_and_mul
+from foretell.ops.common import kernel_choice
+from foretell.ops.pointwise.dispatch import silu_and_mul
 
 logger = logging.getLogger("foretell")
 
 MODES = SMALL_M_GEMM_MODES  # auto | on | off
-# Both modes use the kernels up to this many rows (small_m_kernels.MAX_M, restated so that this module
+# Both modes use the kernels up to this many rows (triton_kernels.MAX_M, restated so that this module
 # needs no triton): on the H200 the GEMV made the Llama-8B decode graph faster than cuBLAS at M = 1,
 # the MMA its 4-token verify graph (4.41 against 4.59 ms; BENCHMARKS.md).
 MAX_M = 16
@@ -107,7 +105,7 @@ def _linear_torch(x, weight, bias, gated: bool, float32_out: bool) -> torch.Tens
 class SmallMGemm:
     """Callable like F.linear(x, weight, bias); picks cuBLAS or the kernel per GemmKey.
 
-    kernels: the module with small_m_linear and candidate_configs (default small_m_kernels,
+    kernels: the module with small_m_linear and candidate_configs (default ops/gemm/triton_kernels.py,
     imported on first need); timer(fn, device) -> seconds; is_capturing() -> bool. Tests pass
     fakes for all three."""
 
@@ -133,9 +131,9 @@ class SmallMGemm:
     @property
     def kernels(self):
         if self._kernels is None:
-            from foretell.layers import small_m_kernels  # imports triton: CUDA only
+            from foretell.ops.gemm import triton_kernels  # imports triton: CUDA only
 
-            self._kernels = small_m_kernels
+            self._kernels = triton_kernels
         return self._kernels
 
     def applies(
@@ -149,7 +147,7 @@ class SmallMGemm:
         if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
             return False
         tensors = (x, weight) if bias is None else (x, weight, bias)
-        return kernel_dispatch.use_triton(*tensors)
+        return kernel_choice.use_triton(*tensors)
 
     def __call__(
         self,
@@ -216,52 +214,3 @@ class SmallMGemm:
             winner = "cublas" if config is None else str(config)
             lines.append(f"M<={key.m_bucket} N={key.n} K={key.k} {key.dtype}: {winner} ({us})")
         return "\n".join(lines)
-
-
-def small_m_layers(roots: Iterable[nn.Module]) -> list[tuple[nn.Module, torch.Tensor | None]]:
-    """The layers that take a SmallMGemm, with their bias: every Linear (and subclass), LMHead."""
-    from foretell.layers.embedding import LMHead
-    from foretell.layers.linear import Linear
-
-    found = {}  # by id: a module reachable from two roots (a shared lm_head) is bound once
-    for root in roots:
-        for module in root.modules():
-            if isinstance(module, Linear):
-                found[id(module)] = (module, module.bias)
-            elif isinstance(module, LMHead):
-                found[id(module)] = (module, None)
-    return list(found.values())
-
-
-def prepare_small_m_linears(
-    modules: nn.Module | Iterable[nn.Module],
-    max_m: int,
-    mode: str = "auto",
-    gemm: SmallMGemm | None = None,  # tests: one with fakes; None: SmallMGemm(mode, max_m)
-) -> SmallMGemm | None:
-    """Bind one SmallMGemm to every Linear / LMHead under modules and decide (time) every key
-    of M <= max_m up front, so that a CUDA-graph capture afterwards finds them decided.
-    Returns it, or None where nothing is bound (mode off, or no weights on CUDA)."""
-    if mode not in MODES:
-        raise ValueError(f"small_m_gemm must be one of {', '.join(MODES)}, got {mode!r}")
-    roots = [modules] if isinstance(modules, nn.Module) else list(modules)
-    layers = [(layer, bias) for layer, bias in small_m_layers(roots) if kernel_dispatch.use_triton(layer.weight)]
-    if mode == "off" or not layers:
-        return None
-    gemm = gemm or SmallMGemm(mode, max_m)
-    # The kernel may read its weight before the kernel launched ahead of it has finished
-    # (layers/pdl.py): whatever wrote the weights (loading, dummy init) must be done first.
-    device = layers[0][0].weight.device
-    if device.type == "cuda":  # (interpreter tests bind CPU layers)
-        torch.cuda.synchronize(device)
-    buckets = [1 << i for i in range(gemm.max_m.bit_length())]  # 1, 2, 4, .., max_m
-    with torch.inference_mode():
-        for layer, bias in layers:
-            layer.small_m = gemm
-            weight = layer.weight  # [N, K]
-            for m in buckets:
-                x = torch.empty(m, weight.shape[1], dtype=weight.dtype, device=weight.device)
-                if gemm.applies(x, weight, bias):
-                    gemm.choose(GemmKey(m, *weight.shape, x.dtype, bias is not None), weight, bias)
-    logger.info("small-M GEMM (%s) for %d layers, M <= %d:\n%s", mode, len(layers), gemm.max_m, gemm.summary())
-    return gemm

@@ -31,23 +31,23 @@ import torch
 import triton
 import triton.language as tl
 
-from foretell.layers.attention.triton_kernels import (
+from foretell.ops.attention.triton_paged import (
     _LOG2E,
     MIN_SPLIT_TOKENS,
     _check_cache,
     _choose_num_splits,
     _launch_config,
 )
-from foretell.layers.attention.triton_varlen import (
-    SplitCounters,
+from foretell.ops.attention.triton_varlen import (
     context_tile,
     online_softmax_step,
     split_tile_range,
     store_attention,
 )
-from foretell.layers.fused_kernels import _in_dtype, rms_norm_heads, rotate_pairs
-from foretell.layers.norm import RMSNorm
-from foretell.layers.pdl import join_dependent_chain, launch_options, pdl_enabled
+from foretell.ops.common.pdl import join_dependent_chain, launch_options, pdl_enabled
+from foretell.ops.common.split_counters import SplitCounters
+from foretell.ops.common.protocols import NormModule
+from foretell.ops.pointwise.triton_kernels import _in_dtype, rms_norm_heads, rotate_pairs
 
 # Launch shape at batch 1 (scripts/bench_attention_chain.py: 32 launches in a PDL chain on an H200,
 # Llama-8B heads, us a launch at context 256 / 1024 / 4096, q = 1): 64 splits on 4 warps (the
@@ -269,7 +269,7 @@ def rope_paged_attention_triton(
     max_query_len: int,
     scale: float,
     style: str = "neox",
-    qk_norm: tuple[RMSNorm, RMSNorm] | None = None,  # (q_norm, k_norm) per head, before RoPE
+    qk_norm: tuple[NormModule, NormModule] | None = None,  # (q_norm, k_norm) per head, before RoPE
     counters: SplitCounters | None = None,  # the caller's persistent counters; None: zeros per call
     num_splits: int | None = None,  # None: chosen from shapes, as paged_attention_triton does
     min_split_tokens: int = MIN_SPLIT_TOKENS,

@@ -24,9 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from foretell.layers.fused_kernels import ROPE_STYLES, _in_dtype, _next_pow2, _num_warps, _rope_heads
-from foretell.layers.norm import RMSNorm
-from foretell.layers.pdl import join_dependent_chain, launch_options, pdl_enabled
+from foretell.ops.common.pdl import join_dependent_chain, launch_options, pdl_enabled
+from foretell.ops.common.protocols import NormModule
+from foretell.ops.pointwise.triton_kernels import ROPE_STYLES, _in_dtype, _next_pow2, _num_warps, _rope_heads
 
 
 @triton.jit
@@ -66,7 +66,7 @@ def _rope_write_kv_kernel(
     BLOCK_SIZE: tl.constexpr,  # cache block size
     INTERLEAVED: tl.constexpr,
     HAS_NORM: tl.constexpr,  # per-head RMSNorm of q and k before the rotation (Qwen3)
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (layers/pdl.py)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (ops/common/pdl.py)
 ):
     join_dependent_chain(PDL)
     token = tl.program_id(0).to(tl.int64)
@@ -115,7 +115,7 @@ def rope_write_kv_triton(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], query's dtype
     slot_mapping: torch.Tensor,  # [num_tokens] int64; slots < 0 are skipped
     style: str = "neox",
-    qk_norm: tuple[RMSNorm, RMSNorm] | None = None,  # (q_norm, k_norm) over head_dim, applied first
+    qk_norm: tuple[NormModule, NormModule] | None = None,  # (q_norm, k_norm) over head_dim, applied first
 ) -> torch.Tensor:  # rotated query [num_tokens, num_heads, head_dim], contiguous
     """RotaryEmbedding.forward on query and key (after q_norm / k_norm when given), then the KV
     write of the rotated key and value."""

@@ -6,7 +6,7 @@ before it has called `launch_dependents` (or exited). It must then `wait` (gridd
 until that kernel has completed and its memory is visible) before it reads anything that kernel,
 or any kernel before it, wrote, and before it writes anything they read. What it may do before the
 wait is read memory no kernel of the step writes: its weights (written only while the model loads;
-prepare_small_m_linears synchronizes the device before binding the GEMV to the layers).
+layers/small_m.py's prepare_small_m_linears synchronizes the device before binding the GEMV to the layers).
 
 Rules that keep a whole CUDA graph of such launches ordered:
   - every program of a PDL-launched kernel calls `wait`, whatever path it takes; so each kernel

@@ -24,7 +24,7 @@ last bit on the H200). The counters are zeroed by the gate_up kernel, which runs
 same stream, so no memset launch is needed.
 
 Every grid is fixed by shapes and the launch config; nothing reads a device value on the host,
-so the forward can be captured in a CUDA graph. Twin: `experts_forward_torch` in moe.py (plus
+so the forward can be captured in a CUDA graph. Twin: `experts_forward_torch` in reference.py (plus
 the shared output); tests/test_moe_gemv_triton.py holds them together in Triton's interpreter,
 tests/gpu/test_moe_gemv_gpu.py on CUDA. The tiles and GEMV_MAX_TOKENS come from
 `scripts/bench_mla_moe.py --moe-sweep`.

@@ -1,13 +1,13 @@
 """A tensor-core linear for a few rows: y = x W^T (+ b) for x [M, K] with 1 <= M <= 16, W [N, K].
 
 A verify step at batch 1 (k + 1 = 4 tokens) or a decode step at a small batch reads every weight
-once for a handful of rows. The batch-1 GEMV (layers/small_m_gemm.py) pays one pass of float32
+once for a handful of rows. The batch-1 GEMV (ops/gemm/triton_gemv.py) pays one pass of float32
 FMAs per row and loses to cuBLAS from two rows on; this kernel puts the rows on tensor cores the
 "swapped" way round, so the weights are the big operand of the MMA:
   - program (p, s) owns BLOCK_N = 64 rows of W (a Hopper wgmma tile of M = 64) and the s-th of
     SPLIT slices of K; it multiplies [BLOCK_N, BLOCK_K] weight tiles by x^T tiles [BLOCK_K, 16]
     (x's rows padded to 16 columns, masked), the tile loads pipelined by Triton (num_stages);
-  - programmatic dependent launch (layers/pdl.py), as the GEMV: the first weight tile is
+  - programmatic dependent launch (ops/common/pdl.py), as the GEMV: the first weight tile is
     requested before waiting for the kernel before it, and the next kernel may launch once this
     program's reads are done;
   - split-K for layers with few tiles (Llama's o and down projections have 64): each split stores
@@ -19,7 +19,7 @@ FMAs per row and loses to cuBLAS from two rows on; this kernel puts the rows on 
 
 Measured on the H200 at M = 4 against cuBLAS (scripts/bench_verify_gemm.py, us): qkv 15.8 / 16.3,
 o 11.9 / 13.5, gate_up 58.5 / 63.5, down 31.7 / 32.8, lm_head 245.8 / 256.7 (mode "on"'s choices are
-made in the verify graph: layers/small_m_kernels.py). Loading W through a tensor descriptor (TMA)
+made in the verify graph: ops/gemm/triton_kernels.py). Loading W through a tensor descriptor (TMA)
 measured no faster.
 
 fp16 and bf16 only (tensor-core inputs; float32 layers keep cuBLAS's exact products). Grids depend
@@ -36,9 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
-from foretell.layers.attention.triton_varlen import SplitCounters
-from foretell.layers.pdl import launch_options, let_next_kernel_launch, pdl_enabled, wait_for_previous_kernel
-from foretell.layers.small_m_gemm import check_inputs, program_rows_of_w, silu_mul_rounded
+from foretell.ops.common.pdl import launch_options, let_next_kernel_launch, pdl_enabled, wait_for_previous_kernel
+from foretell.ops.common.split_counters import SplitCounters
+from foretell.ops.gemm.triton_gemv import check_inputs, program_rows_of_w, silu_mul_rounded
 
 MAX_M = 16  # x's rows, padded to this many columns of the MMA
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
@@ -139,7 +139,7 @@ def _mma_kernel(
     lanes = k_start + tl.arange(0, BLOCK_K)
     w_tile = w_ptr + cols[:, None].to(tl.int64) * K + lanes[None, :]  # [BLOCK_N, BLOCK_K]
     x_tile = x_ptr + rows[None, :] * stride_xm + lanes[:, None]  # [BLOCK_K, BLOCK_M]
-    # No kernel of a step writes W: its first tile is requested before the wait (layers/pdl.py).
+    # No kernel of a step writes W: its first tile is requested before the wait (ops/common/pdl.py).
     w = tl.load(w_tile, mask=col_ok[:, None] & (lanes < k_end)[None, :], other=0.0, eviction_policy="evict_first")
     wait_for_previous_kernel(PDL)
     x = tl.load(x_tile, mask=(lanes < k_end)[:, None] & row_ok[None, :], other=0.0)

@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from foretell.layers.fused_kernels import _next_pow2, _num_warps
-from foretell.layers.pdl import join_dependent_chain, launch_options, pdl_enabled
+from foretell.ops.pointwise.triton_kernels import _next_pow2, _num_warps
+from foretell.ops.common.pdl import join_dependent_chain, launch_options, pdl_enabled
 
 
 @triton.jit

@@ -7,7 +7,7 @@ built for that chain:
     [BLOCK_N, BLOCK_K] tiles; BLOCK_K is all of K up to 4096, so most layers read their whole slice
     in one request per program, and many programs (N / BLOCK_N, two rows each) keep HBM busy; a
     longer K (a down projection) takes four rows per program over 2048-wide tiles (pick_config);
-  - programmatic dependent launch (layers/pdl.py): the program requests its first weight tile
+  - programmatic dependent launch (ops/common/pdl.py): the program requests its first weight tile
     before it waits for the kernel before it, so the weights stream in while that kernel (a norm,
     the attention, the GEMV before) finishes; it lets the next kernel launch once its own reads are
     done. Measured on the H200 (scripts/bench_pdl_chain.py): a Llama-8B layer's four GEMVs 106 us
@@ -20,8 +20,8 @@ built for that chain:
     rounded results as float32 (LMHead's logits: no cast launch);
   - up to MAX_M rows of x run one at a time against the same tile (its registers do not grow with
     M), but each row is another pass of float32 FMAs: slower than cuBLAS at M = 2 and 4 on the
-    H200, so mode "on" uses this kernel for one row only (layers/small_m_kernels.py; more rows go
-    to the tensor-core layers/small_m_mma.py);
+    H200, so mode "on" uses this kernel for one row only (ops/gemm/triton_kernels.py; more rows go
+    to the tensor-core ops/gemm/triton_mma.py);
   - float32 products summed per tile, over the K lanes of a tile then across tiles: a fixed order,
     the same result on every call (not cuBLAS's order: results differ from F.linear by float32
     rounding of the sums).
@@ -29,7 +29,7 @@ built for that chain:
 Output: x's dtype (or float32). Grids depend only on shapes, nothing syncs with the host, and the
 output is a torch.empty of a shape fixed by (M, N), so a call can be captured in a CUDA graph.
 
-Whether a layer uses this, the MMA or cuBLAS is decided by layers/small_m_dispatch.py; this module imports
+Whether a layer uses this, the MMA or cuBLAS is decided by ops/gemm/dispatch.py; this module imports
 triton and is imported only on CUDA (or by the interpreter tests, tests/test_small_m_gemm.py).
 """
 
@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from foretell.layers.pdl import launch_options, let_next_kernel_launch, pdl_enabled, wait_for_previous_kernel
+from foretell.ops.common.pdl import launch_options, let_next_kernel_launch, pdl_enabled, wait_for_previous_kernel
 
 MAX_M = 4
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -6,7 +6,7 @@ Split context: a decode or verify launch with few programs gives each (query blo
 At run time the context is cut into pieces of at least MIN_TILES tiles, so a short context uses
 one or a few of them and the rest return at once. A lone piece writes the output directly; else
 each writes an unnormalised partial (accumulator, running max, sum), and the LAST program of the
-group to finish (counted with an atomic per group in `SplitCounters`) merges the partials and
+group to finish (counted with an atomic per group in `SplitCounters`, ops/common/split_counters.py) merges the partials and
 resets its counter: no merge launch per layer. That merge is serial over the pieces, so wide rows
 (MLA's 512-wide latent: 12.4 us a layer on an H200, against 5.8 + 2.3 us with a merge kernel) keep
 a merge kernel instead (MERGE_IN_KERNEL off: every split program writes a partial, the merge
@@ -18,32 +18,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-
-class SplitCounters:
-    """Counters of finished split programs, one int32 per (query block, head group) of a launch,
-    zero between launches (the merging program resets its own). The attention backend owns one
-    for the process, so a CUDA graph can capture its address: it is allocated at the first eager
-    launch and must not grow during capture."""
-
-    MIN_COUNT = 1 << 20  # covers decode / verify batches of thousands of sequences
-
-    def __init__(self, min_count: int = MIN_COUNT):
-        self.min_count = min_count  # the first allocation's size, so later launches rarely grow it
-        self._buffers: dict[torch.device, torch.Tensor] = {}
-
-    def get(self, device: torch.device, count: int) -> torch.Tensor:  # [>= count] int32, zero
-        counters = self._buffers.get(device)
-        if counters is None or counters.numel() < count:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(
-                    f"split attention needs {count} counters on {device} but has "
-                    f"{0 if counters is None else counters.numel()}; they cannot be allocated during "
-                    "CUDA graph capture (run the same shapes eagerly first)"
-                )
-            counters = torch.zeros(max(count, self.min_count), dtype=torch.int32, device=device)
-            self._buffers[device] = counters
-        return counters
 
 
 @triton.jit

@@ -34,15 +34,15 @@ import torch
 import triton
 import triton.language as tl
 
-from foretell.layers.attention.triton_varlen import (
+from foretell.ops.attention.triton_varlen import (
     context_tile,
     locate_query_block,
     online_softmax_step,
-    SplitCounters,
     split_tile_range,
     store_attention,
 )
-from foretell.layers.pdl import join_dependent_chain, launch_options, pdl_enabled
+from foretell.ops.common.pdl import join_dependent_chain, launch_options, pdl_enabled
+from foretell.ops.common.split_counters import SplitCounters
 
 _LOG2E = 1.4426950408889634
 # A split of the context covers at least this many tokens (rounded up to whole tiles): a short
@@ -166,7 +166,7 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,  # several programs per query block and kv head share the context
     MIN_TILES: tl.constexpr,  # fewest tiles per split
     DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (layers/pdl.py)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (ops/common/pdl.py)
 ):
     join_dependent_chain(PDL)  # the next kernel (the o projection's GEMV) streams weights meanwhile
     q_block = tl.program_id(0)

@@ -1,7 +1,7 @@
 """Triton MLA over the latent cache: the latent KV write, one varlen attention kernel in the
 absorbed form, and `TritonMLABackend` (graph safe) that puts them behind the MLA backend interface.
 
-Twins: `TorchMLABackend.write_kv` and `absorbed_attention` in mla.py hold the reference semantics;
+Twins: `TorchMLABackend.write_kv` and `absorbed_attention` in reference.py hold the reference semantics;
 tests/test_mla_triton.py holds kernels and twins together on random inputs (Triton's interpreter
 on the CPU), tests/gpu/test_mla_moe_gpu.py does it on CUDA in bf16.
 
@@ -13,7 +13,7 @@ tile once for all of them: scores = q_lat c^T + q_pe k_pe^T, o_lat += p c. Onlin
 float32, base 2, the scale folded in. Causal per query row: row j of a sequence with q_len queries
 and context seq_len sits at seq_len - q_len + j.
 
-Sequences are found without a host sync, as in the GQA kernel (attention/triton_kernels.py):
+Sequences are found without a host sync, as in the GQA kernel (ops/attention/triton_paged.py):
 sequence i gets floor(qsl[i+1]/BLOCK_Q) - floor(qsl[i]/BLOCK_Q) + 1 query blocks, found by
 binary search over query_start_loc; surplus blocks return. Decode and verify with few programs
 split the context (flash-decoding) and merge the partial results in a second kernel (the GQA
@@ -29,12 +29,12 @@ import torch
 import triton
 import triton.language as tl
 
-from foretell.layers.attention.metadata import AttentionMetadata
-from foretell.layers.attention.triton_kernels import (
+from foretell.ops.attention.metadata import AttentionMetadata
+from foretell.ops.attention.triton_paged import (
     _choose_num_splits,
     _unit_last_stride,
 )
-from foretell.layers.attention.triton_varlen import (
+from foretell.ops.attention.triton_varlen import (
     context_tile,
     locate_query_block,
     online_softmax_step,
@@ -42,15 +42,14 @@ from foretell.layers.attention.triton_varlen import (
     split_tile_range,
     store_attention,
 )
-from foretell.layers.mla import TorchMLABackend, projection_widths, split_kv_b
-from foretell.layers.mla_fused_triton import (
+from foretell.ops.common.protocols import NormModule, RotaryModule
+from foretell.ops.mla.reference import TorchMLABackend, projection_widths, split_kv_b
+from foretell.ops.mla.triton_fused import (
     _check_cache,
     absorb_query_triton,
     latent_write_triton,
     project_values_triton,
 )
-from foretell.layers.norm import RMSNorm
-from foretell.layers.rotary import RotaryEmbedding
 
 _LOG2E = 1.4426950408889634
 
@@ -328,7 +327,7 @@ class TritonMLABackend:
     """The MLA backend interface of TorchMLABackend over the kernels above. Every query length
     goes through the absorbed kernel (prefill too), so nothing reads host lengths.
 
-    `attend_projections` (what MLAAttention calls) runs the fused kernels of mla_fused_triton.py
+    `attend_projections` (what MLAAttention calls) runs the fused kernels of triton_fused.py
     around the attention: latent norm + k_pe RoPE + cache write in one launch, q_nope . W_UK and
     q_pe RoPE into one q_abs buffer in another, and the W_UV projection in a third."""
 
@@ -340,8 +339,8 @@ class TritonMLABackend:
         q: torch.Tensor,  # [num_tokens, num_heads, qk_nope + qk_rope], may be a strided view
         kv_a: torch.Tensor,  # [num_tokens, kv_lora_rank + qk_rope], may be a strided view
         positions: torch.Tensor,  # [num_tokens]
-        rotary_emb: RotaryEmbedding,
-        kv_a_layernorm: RMSNorm,
+        rotary_emb: RotaryModule,
+        kv_a_layernorm: NormModule,
         kv_b_weight: torch.Tensor,  # [num_heads * (qk_nope + v), kv_lora_rank]
         kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_lora_rank + qk_rope]
         metadata: AttentionMetadata,

@@ -22,8 +22,8 @@ write 1.3 + cuBLAS W_UK 2.7 + cuBLAS W_UV 2.9 = 10.3 us before; latent write 1.3
 2.1 + value projection 2.4 = 5.7 us now (about 125 us a 27-layer step). Prefill chunks: on par
 with the torch ops up to 512 tokens; at 4096 the W_UK tiles take 44 us against cuBLAS's 30.
 
-Twins (the reference semantics, and what the CPU runs): `latent_write_torch` is RMSNorm +
-RotaryEmbedding + TorchMLABackend.write_kv, `absorb_query_torch` the einsum + rope, and
+Twins in reference.py (the reference semantics, and what the CPU runs): `latent_write_torch` is
+RMSNorm + RoPE + TorchMLABackend.write_kv, `absorb_query_torch` the einsum + rope, and
 `project_values_torch` the einsum; tests/test_mla_fused_triton.py holds each pair together (in
 Triton's interpreter on the CPU), tests/gpu/test_mla_fused_gpu.py on CUDA in bf16 and fp16.
 
@@ -42,10 +42,9 @@ import torch
 import triton
 import triton.language as tl
 
-from foretell.layers.attention.triton_kernels import _unit_last_stride
-from foretell.layers.fused_kernels import _in_dtype
-from foretell.layers.norm import RMSNorm
-from foretell.layers.rotary import APPLY_STYLES, RotaryEmbedding
+from foretell.ops.attention.triton_paged import _unit_last_stride
+from foretell.ops.common.protocols import NormModule, RotaryModule
+from foretell.ops.pointwise.triton_kernels import _in_dtype
 
 ROPE_STYLES = ("neox", "gptj")
 
@@ -71,7 +70,7 @@ def _pair_offsets(i, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
         return i, HALF + i
 
 
-def _rope_tables(rotary_emb: RotaryEmbedding, rope: int, like: torch.Tensor):
+def _rope_tables(rotary_emb: RotaryModule, rope: int, like: torch.Tensor):
     """(cos, sin) [max_positions, rope // 2] float32 with a unit last stride, checked against the
     rope width and the tensors' device."""
     if rotary_emb.style not in ROPE_STYLES:
@@ -158,8 +157,8 @@ def _latent_write_kernel(
 def latent_write_triton(
     kv_a: torch.Tensor,  # [num_tokens, kv_lora_rank + rope], may be a strided view
     positions: torch.Tensor,  # [num_tokens] int
-    kv_a_layernorm: RMSNorm,  # over kv_lora_rank
-    rotary_emb: RotaryEmbedding,  # rotary_dim == rope
+    kv_a_layernorm: NormModule,  # over kv_lora_rank
+    rotary_emb: RotaryModule,  # rotary_dim == rope
     kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_lora_rank + rope]
     slot_mapping: torch.Tensor,  # [num_tokens] int64; slots < 0 are skipped
 ) -> None:
@@ -192,21 +191,6 @@ def latent_write_triton(
         BLOCK_SIZE=kv_cache.shape[1], INTERLEAVED=rotary_emb.style == "gptj",
         num_warps=4 if rank >= 512 else 1,
     )
-
-
-def latent_write_torch(kv_a, positions, kv_a_layernorm, rotary_emb, kv_cache, slot_mapping) -> None:
-    """Twin of latent_write_triton: the modules' own torch paths, then TorchMLABackend.write_kv
-    (rows with slot < 0 dropped first, as the kernel skips them)."""
-    from foretell.layers.mla import TorchMLABackend
-
-    rank = kv_a_layernorm.hidden_size
-    keep = slot_mapping >= 0
-    kv_a, positions, slot_mapping = kv_a[keep], positions[keep], slot_mapping[keep]
-    latent, k_pe = kv_a[:, :rank], kv_a[:, rank:]
-    latent, _ = kv_a_layernorm(latent)
-    cos, sin = rotary_emb.cos_sin(positions)
-    k_pe = APPLY_STYLES[rotary_emb.style](k_pe.unsqueeze(1), cos, sin).squeeze(1)
-    TorchMLABackend().write_kv(latent, k_pe, kv_cache, slot_mapping)
 
 
 # ---------------------------------------------------------------------- per-head matmuls
@@ -451,7 +435,7 @@ def absorb_query_triton(
     q: torch.Tensor,  # [num_tokens, num_heads, nope + rope], may be a strided view
     w_uk: torch.Tensor,  # [num_heads, nope, kv_lora_rank], a view of kv_b_proj.weight
     positions: torch.Tensor,  # [num_tokens] int
-    rotary_emb: RotaryEmbedding,  # rotary_dim == rope
+    rotary_emb: RotaryModule,  # rotary_dim == rope
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, kv_lora_rank + rope], unit last stride
     config: dict | None = None,  # overrides of head_matmul_config (benchmarks sweep these)
 ) -> torch.Tensor:  # q_abs [num_tokens, num_heads, kv_lora_rank + rope]: [q_lat | rotated q_pe]
@@ -491,18 +475,6 @@ def absorb_query_triton(
     return out
 
 
-def absorb_query_torch(q, w_uk, positions, rotary_emb) -> torch.Tensor:
-    """Twin of absorb_query_triton: TritonMLABackend's former einsum and RotaryEmbedding's rope."""
-    nope = w_uk.shape[1]
-    q_nope, q_pe = q[..., :nope], q[..., nope:]
-    q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)  # [T, heads, rank]
-    cos, sin = rotary_emb.cos_sin(positions)
-    return torch.cat([q_lat, APPLY_STYLES[rotary_emb.style](q_pe, cos, sin)], dim=-1)
-
-
-# ---------------------------------------------------------------------- value projection
-
-
 def project_values_triton(
     o_lat: torch.Tensor,  # [num_tokens, num_heads, kv_lora_rank]
     w_uv: torch.Tensor,  # [num_heads, v_head_dim, kv_lora_rank], a view of kv_b_proj.weight
@@ -523,8 +495,3 @@ def project_values_triton(
     # B[h][k=r, j=v] = W_UV[h, v, r]
     return _launch_head_matmul(o_lat, w_uv, (w_uv.stride(0), 1, w_uv.stride(1)), out, v_head_dim,
                                config=config)
-
-
-def project_values_torch(o_lat, w_uv) -> torch.Tensor:
-    """Twin of project_values_triton (absorbed_attention's last einsum)."""
-    return torch.einsum("thr,hvr->thv", o_lat, w_uv)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from foretell.layers.pdl import join_dependent_chain, launch_options, pdl_enabled
+from foretell.ops.common.pdl import join_dependent_chain, launch_options, pdl_enabled
 
 CHUNK = 4096  # columns per program in the first kernel
 
@@ -97,7 +97,7 @@ def argmax_triton(
     if rows == 0:
         return out
     num_chunks = triton.cdiv(vocab, CHUNK)
-    pdl = pdl_enabled(logits)  # each launch starts behind the kernel before it (layers/pdl.py)
+    pdl = pdl_enabled(logits)  # each launch starts behind the kernel before it (ops/common/pdl.py)
     chunk_max = torch.empty(rows, num_chunks, dtype=torch.float32, device=logits.device)
     chunk_arg = torch.empty(rows, num_chunks, dtype=torch.int32, device=logits.device)
     _chunk_argmax_kernel[(rows, num_chunks)](

@@ -1,0 +1,1 @@
+"""Multi-head latent attention (DeepSeek, Kimi): torch reference, Triton kernels, backend choice."""

@@ -1,0 +1,1 @@
+"""Sampling kernels: row-wise argmax over a large vocabulary."""
