@@ -110,6 +110,11 @@ def add_serve_parser(modes) -> None:
     p.add_argument("--request-rate", type=float, default=math.inf,
                    help="requests per second, Poisson arrivals (default inf: all at once)")
     p.add_argument("--max-concurrency", type=int, help="requests in flight at most")
+    p.add_argument("--concurrency",
+                   help="latency under load: comma-separated levels, e.g. 1,16,64; one closed-loop "
+                        "run of --num-prompts requests per level (that many in flight), prompts of "
+                        "distinct lengths and none shared between levels; a table of TTFT, TPOT and "
+                        "ITL percentiles per level")
     p.add_argument("--seed", dest="serve_seed", type=int, default=0,
                    help="seed of the prompt sample and the Poisson arrival times")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
@@ -187,7 +192,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
 def run_serve_command(args: argparse.Namespace) -> int:
     from foretell.bench.datasets import load_prompts, ordinary_vocab
     from foretell.bench.report import write_json
-    from foretell.bench.serve_load import ServeSettings, format_serve_report, run_serve_load
+    from foretell.bench.serve_load import (
+        ServeSettings, format_serve_report, format_sweep_report, parse_concurrencies,
+        run_concurrency_sweep, run_serve_load,
+    )
     from foretell.bench.sweep import parse_float_list
 
     vocab = None
@@ -197,7 +205,10 @@ def run_serve_command(args: argparse.Namespace) -> int:
         from foretell.tokenizer import Tokenizer
 
         vocab = ordinary_vocab(Tokenizer(args.serve_tokenizer))
-    prompts = load_prompts(args.dataset, args.num_prompts, args.serve_seed, args.input_len, vocab)
+    levels = parse_concurrencies(args.concurrency) if args.concurrency else None
+    # A sweep draws distinct prompts for every level from the whole dataset.
+    wanted = None if levels and args.dataset != "random" else args.num_prompts * len(levels or [1])
+    prompts = load_prompts(args.dataset, wanted, args.serve_seed, args.input_len, vocab)
     settings = ServeSettings(
         base_url=args.base_url, prompts=prompts, model=args.served_model, api=args.api,
         endpoint=args.endpoint, max_tokens=args.max_tokens, temperature=args.temperature,
@@ -206,9 +217,16 @@ def run_serve_command(args: argparse.Namespace) -> int:
         metrics_url=args.metrics_url, progress=args.progress,
         percentiles=parse_float_list(args.percentiles, "--percentiles"),
     )
-    report = asyncio.run(run_serve_load(settings))
-    print(format_serve_report(report))
+    if levels:
+        report = asyncio.run(run_concurrency_sweep(settings, levels, args.num_prompts,
+                                                   distinct_lengths=args.dataset != "random"))
+        print(format_sweep_report(report))
+        completed = all(level["completed"] for level in report["levels"])
+    else:
+        report = asyncio.run(run_serve_load(settings))
+        print(format_serve_report(report))
+        completed = bool(report["completed"])
     if args.serve_output_json:
         write_json(args.serve_output_json, report)
         print(f"\nwrote {args.serve_output_json}")
-    return 0 if report["completed"] else 1
+    return 0 if completed else 1

@@ -9,6 +9,11 @@ end-to-end latency. Token counts come from the server's usage block when it send
 (stream_options.include_usage), else from the number of non-empty chunks. When the server
 exposes Prometheus counters `<prefix>:spec_decode_*` at /metrics (foretell and vLLM do), the
 acceptance of the run is read from their change over the run.
+
+Latency under load (`--concurrency 1,16,64`): one closed-loop run per level (that many requests
+in flight, a new one sent as one ends), each with prompts of its own (later levels must not
+find earlier levels' prompts in the prefix cache) and of distinct lengths (so that a server that
+compiles kernels per shape shows it); a table of TTFT, TPOT and ITL percentiles per level.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import math
 import random
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from foretell.bench.datasets import Prompt
@@ -284,17 +289,109 @@ async def run_serve_load(s: ServeSettings) -> dict[str, Any]:
     return report
 
 
+# ---- latency under load -----------------------------------------------------------------------
+
+
+def prompt_length(prompt: Prompt) -> int:
+    """Characters of a text prompt, tokens of a token-id prompt."""
+    return len(prompt.text) if prompt.text is not None else len(prompt.token_ids or [])
+
+
+def prompts_of_distinct_lengths(prompts: list[Prompt], seed: int) -> list[Prompt]:
+    """One prompt of each length (characters, or tokens for token-id prompts), in a seeded
+    random order."""
+    by_length: dict[int, Prompt] = {}
+    for prompt in prompts:
+        by_length.setdefault(prompt_length(prompt), prompt)
+    distinct = list(by_length.values())
+    random.Random(seed).shuffle(distinct)
+    return distinct
+
+
+def parse_concurrencies(text: str) -> list[int]:
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        levels = []
+    if not levels or any(c < 1 for c in levels):
+        raise ValueError(f"--concurrency must be comma-separated integers >= 1, e.g. 1,16,64; got {text!r}")
+    return levels
+
+
+async def run_concurrency_sweep(
+    s: ServeSettings, concurrencies: list[int], requests_per_level: int, distinct_lengths: bool = True
+) -> dict[str, Any]:
+    """run_serve_load at each concurrency (closed loop: all requests queued, `c` in flight),
+    with requests_per_level prompts per level, of distinct lengths (unless distinct_lengths is
+    False: random prompts all have --input-len tokens), none shared between levels while the
+    prompts last (then they are reused, in order)."""
+    if requests_per_level < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {requests_per_level}")
+    if distinct_lengths:
+        pool = prompts_of_distinct_lengths(s.prompts, s.seed)
+    else:
+        pool = list(s.prompts)
+        random.Random(s.seed).shuffle(pool)
+    if not pool:
+        raise ValueError("no prompts to send")
+    levels = []
+    for i, concurrency in enumerate(concurrencies):
+        start = i * requests_per_level
+        prompts = [pool[(start + j) % len(pool)] for j in range(requests_per_level)]
+        report = await run_serve_load(replace(s, prompts=prompts, max_concurrency=concurrency,
+                                              request_rate=math.inf))
+        levels.append({"concurrency": concurrency,
+                       "prompt_lengths": sorted(prompt_length(p) for p in prompts), **report})
+    return {
+        "mode": "concurrency_sweep", "base_url": s.base_url, "model": levels[0]["model"],
+        "concurrencies": concurrencies, "requests_per_level": requests_per_level,
+        "distinct_prompt_lengths": len({prompt_length(p) for p in pool}),
+        "prompts_reused": requests_per_level * len(concurrencies) > len(pool),
+        "percentiles": s.percentiles, "levels": levels,
+    }
+
+
+def format_sweep_report(report: dict[str, Any]) -> str:
+    from foretell.bench.report import fmt, table
+
+    first = report["levels"][0]
+    keys = [f"p{p:g}" for p in report["percentiles"]]
+    headers = ["concurrency", "ok", "failed", "req/s", "out tok/s"]
+    for label in ("TTFT", "TPOT", "ITL"):
+        headers += [f"{label} {k}" for k in keys]
+    rows = []
+    for level in report["levels"]:
+        row = [str(level["concurrency"]), str(level["completed"]), str(level["failed"]),
+               fmt(level["request_throughput"]), fmt(level["output_throughput"], ".1f")]
+        for field_ in ("ttft_ms", "tpot_ms", "itl_ms"):
+            row += [fmt(level[field_][k]) for k in keys]
+        rows.append(row)
+    reuse = " (too few prompts: some are reused)" if report["prompts_reused"] else ""
+    lines = [
+        f"foretell bench serve: {report['base_url']}{first['endpoint']} model {report['model']}",
+        f"latency under load: {report['requests_per_level']} requests per level, prompts of "
+        f"{report['distinct_prompt_lengths']} distinct lengths{reuse}, max_tokens "
+        f"{first['max_tokens']}; times in ms",
+        "",
+        table(headers, rows),
+    ]
+    for level in report["levels"]:
+        for error in level["errors"]:
+            lines.append(f"error (concurrency {level['concurrency']}): {error}")
+    return "\n".join(lines)
+
+
 # ---- summary ----------------------------------------------------------------------------------
 
 
 def distribution(values_s: list[float], percentiles: list[float]) -> dict[str, float | None]:
+    """Mean, standard deviation and percentiles in ms (p50 is the median)."""
     import numpy as np
 
     if not values_s:
-        return {"mean": None, "median": None, "std": None,
-                **{f"p{p:g}": None for p in percentiles}}
+        return {"mean": None, "std": None, **{f"p{p:g}": None for p in percentiles}}
     ms = np.asarray(values_s, dtype=np.float64) * 1000.0
-    out = {"mean": float(ms.mean()), "median": float(np.median(ms)), "std": float(ms.std())}
+    out = {"mean": float(ms.mean()), "std": float(ms.std())}
     out.update({f"p{p:g}": float(np.percentile(ms, p)) for p in percentiles})
     return out
 
