@@ -57,7 +57,7 @@ from foretell import LLM  # noqa: E402
 from foretell.ops.attention import triton_paged, triton_rope_kv, triton_rope_paged  # noqa: E402
 from foretell.ops.gemm import triton_gemv, triton_mma  # noqa: E402
 from foretell.ops.pointwise import triton_paged as pointwise_kernels  # noqa: E402
-from foretell.layers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from foretell.ops.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from foretell.layers.embedding import LMHead  # noqa: E402
 from foretell.layers.linear import Linear, MergedLinear  # noqa: E402
 from foretell.layers.norm import RMSNorm  # noqa: E402

@@ -6,7 +6,7 @@ Here 32 launches (one cache per layer, Llama-3.1-8B shapes: 32 query heads, 8 kv
 128, block 16) run back to back in a CUDA graph, each launched with PDL like the engine's, so a
 launch costs what it adds to the chain: from the previous launch's completion to its own. The
 sweep varies what the launch configuration decides: the context splits launched (at most
-rope_attention_triton.MAX_SPLITS, fewer when the block table is narrow), the fewest tokens per
+triton_rope_paged.MAX_SPLITS, fewer when the block table is narrow), the fewest tokens per
 split, the warps per program (splits64_warps4 is the engine before those two were measured). A
 chain of 32 one-row RMSNorm launches gives the floor of a PDL launch in a chain.
 

@@ -12,11 +12,11 @@ against the torch path; GB/s is the bytes of the experts actually routed to over
 --moe-shared N appends N shared experts every token goes through (V2-Lite: 2; ids 64, 65, weight 1),
 as MoE.forward routes them.
 
-MoE GEMV path (moe_gemv_triton.py) against the grouped path at 1, 2, 4 and 8 tokens, both
+MoE GEMV path (ops/moe/triton_gemv.py) against the grouped path at 1, 2, 4 and 8 tokens, both
 graph-timed, and (unless --quick) a sweep of the GEMV tiles: gate_up configs with the down kernel
 at its default, then down configs (with SPLIT, the slot split) with gate_up at its default, then
 the two best together. The last line says up to how many tokens the GEMV path wins, which is
-what GEMV_MAX_TOKENS in moe_gemv_triton.py should be.
+what GEMV_MAX_TOKENS in ops/moe/triton_gemv.py should be.
 
 Unless --quick, each case also sweeps launch configs of the kernel and reports the best one
 (the defaults come from mla_launch_config / moe_launch_config / gemv_launch_config).

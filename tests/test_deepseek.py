@@ -22,7 +22,8 @@ from foretell import LLM, SamplingParams
 from foretell.layers.attention.torch_backend import TorchAttentionBackend
 from foretell.ops.mla.reference import absorbed_attention, expanded_attention
 from foretell.ops.moe.reference import RouterConfig, experts_forward_torch, select_experts
-from foretell.layers.rotary import RotaryEmbedding, apply_rope_gptj, yarn_softmax_scale_factor
+from foretell.ops.pointwise.reference import apply_rope_gptj
+from foretell.layers.rotary import RotaryEmbedding, yarn_softmax_scale_factor
 from foretell.loader import CheckpointError
 from foretell.models.base import HFConfig, ModelOptions
 from foretell.models.registry import resolve_model_class

@@ -11,14 +11,10 @@ from foretell.layers.activation import SiluAndMul
 from foretell.layers.embedding import LMHead, VocabEmbedding
 from foretell.layers.linear import Linear, MergedLinear, QKVLinear, default_weight_loader
 from foretell.layers.norm import RMSNorm
-from foretell.layers.rotary import (
-    FREQUENCY_BUILDERS,
-    RotaryEmbedding,
-    apply_rope_neox,
-    rope_parameters_from_config,
-)
+from foretell.layers.rotary import FREQUENCY_BUILDERS, RotaryEmbedding, rope_parameters_from_config
 from foretell.models.base import HFConfig
 from foretell.models.registry import MODEL_REGISTRY, resolve_model_class
+from foretell.ops.pointwise.reference import apply_rope_neox
 
 
 def _gen(seed=0):

@@ -8,7 +8,8 @@ Three pieces, kept apart so a new variant touches one table:
     (inv_freq [rotary_dim // 2] float32, attention_factor). "yarn" (DeepSeek-V2/V3, Kimi) scales
     cos/sin by its attention factor; its softmax-scale correction is `yarn_softmax_scale_factor`.
   - APPLY_STYLES: style -> function(x, cos, sin). "neox" rotates halves (Llama, Qwen); "gptj"
-    rotates interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek's complex-number RoPE).
+    rotates interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek's complex-number RoPE). They are the
+    RoPE op's torch twins and live with its kernels (ops/pointwise/reference.py).
 
 Everything is computed in float32. The cos/sin table is built once, up front, for max_positions
 positions, and kept as a plain tensor rather than a buffer so that casting the model's dtype can
@@ -28,9 +29,9 @@ import torch
 from torch import nn
 
 from foretell.ops.common import kernel_choice
+from foretell.ops.pointwise.reference import APPLY_STYLES
 
 FrequencyBuilder = Callable[[float, int, dict, int], tuple[torch.Tensor, float]]
-ApplyFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def rope_parameters_from_config(config: Any) -> tuple[float, dict[str, Any]]:
@@ -170,38 +171,6 @@ def build_cos_sin_cache(
     positions = torch.arange(num_positions, dtype=torch.float32, device=device)
     freqs = torch.outer(positions, inv_freq.to(device=device, dtype=torch.float32))
     return freqs.cos() * attention_factor, freqs.sin() * attention_factor
-
-
-def apply_rope_neox(
-    x: torch.Tensor,  # [num_tokens, num_heads, rotary_dim]
-    cos: torch.Tensor,  # [num_tokens, rotary_dim // 2] float32
-    sin: torch.Tensor,  # [num_tokens, rotary_dim // 2] float32
-) -> torch.Tensor:  # [num_tokens, num_heads, rotary_dim]
-    # Same arithmetic, in x's dtype, as HF's x * cos + rotate_half(x) * sin, so bf16 runs agree.
-    cos = cos.unsqueeze(1).to(x.dtype)
-    sin = sin.unsqueeze(1).to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
-def apply_rope_gptj(
-    x: torch.Tensor,  # [num_tokens, num_heads, rotary_dim], pairs (x0, x1), (x2, x3), ...
-    cos: torch.Tensor,  # [num_tokens, rotary_dim // 2] float32
-    sin: torch.Tensor,  # [num_tokens, rotary_dim // 2] float32
-) -> torch.Tensor:  # [num_tokens, num_heads, rotary_dim], pairs kept interleaved
-    # DeepSeek's view_as_complex(x) * e^(i*theta). The output stays interleaved; transformers'
-    # DeepSeek-V3 de-interleaves it instead, which permutes q and k alike and so leaves every
-    # q.k product, and the attention, unchanged.
-    cos = cos.unsqueeze(1).to(x.dtype)
-    sin = sin.unsqueeze(1).to(x.dtype)
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-
-
-APPLY_STYLES: dict[str, ApplyFn] = {
-    "neox": apply_rope_neox,
-    "gptj": apply_rope_gptj,
-}
 
 
 class RotaryEmbedding(nn.Module):

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from foretell.layers.attention.backend import AttentionBackend
+from foretell.ops.attention.dispatch import AttentionBackend
 from foretell.weight_rules import WeightRule, WeightRules  # noqa: F401 (models import them from here)
 
 

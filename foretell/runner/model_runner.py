@@ -21,7 +21,7 @@ import torch
 from foretell.config import EngineConfig
 from foretell.engine.scheduler import SchedulerOutput
 from foretell.runner.sequence_result import SequenceResult
-from foretell.layers.attention.backend import build_attention_backend
+from foretell.ops.attention.dispatch import build_attention_backend
 from foretell.layers.sampler import NoiseSource, Sampler, SamplingBatch, row_seed
 from foretell.layers.small_m import prepare_small_m_linears
 from foretell.ops.gemm.dispatch import SmallMGemm

@@ -1,11 +1,11 @@
-"""The fused MLA kernels (mla_fused_triton.py) on a CUDA device at DeepSeek-V2-Lite sizes (16
+"""The fused MLA kernels (ops/mla/triton_fused.py) on a CUDA device at DeepSeek-V2-Lite sizes (16
 heads, nope 128, rope 64, kv_lora_rank 512, v 128; the matmuls also at V3's 128 heads), bf16 and
 fp16, against their torch twins on the same device; the Triton backend's attend_projections
 against the torch backend's; an MLAAttention forward with no host sync, captured in a CUDA graph
 and replayed with new tokens, positions, slots and contexts.
 
 The latent write and the RoPE round where their twins round, but a float32 reduction in another
-order (the norm) or a product contracted into an FMA (RoPE, see test_fused_kernels_gpu.py) can
+order (the norm) or a product contracted into an FMA (RoPE, see test_pointwise_kernels_gpu.py) can
 send a small fraction of roundings the other way: those are allowed to differ by a unit or two in
 the last place. The matmuls are held to a relative error.
 Every case draws fresh random inputs; a failure prints the seed that reproduces it.

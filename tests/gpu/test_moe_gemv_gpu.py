@@ -1,4 +1,4 @@
-"""The GEMV MoE path (moe_gemv_triton.py) on a CUDA device: bf16 and fp16 at DeepSeek-V2-Lite's
+"""The GEMV MoE path (ops/moe/triton_gemv.py) on a CUDA device: bf16 and fp16 at DeepSeek-V2-Lite's
 shapes (64 routed + 2 shared experts, 6 + 2 per token, hidden 2048, intermediate 1408) and a small
 odd one, against the torch twin and against the grouped path; the slot split of the down kernel
 repeated many times (its last-to-arrive sum must not race); the launch configs the benchmark

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from foretell.layers.attention.backend import AttentionBackend
+from foretell.ops.attention.dispatch import AttentionBackend
 from foretell.ops.attention.metadata import AttentionMetadata
 from foretell.layers.norm import RMSNorm
 from foretell.layers.rotary import RotaryEmbedding

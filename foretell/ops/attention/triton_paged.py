@@ -1,7 +1,7 @@
 """Triton kernels over the paged GQA cache: the KV write and one varlen attention kernel.
 
-Twins: `write_kv_torch` and `TorchAttentionBackend.attend` in torch_backend.py hold the reference
-semantics; tests/test_triton_attention.py holds the two together on random inputs.
+Twins: `write_kv_torch` and `TorchAttentionBackend.attend` in layers/attention/torch_backend.py hold the reference
+semantics; tests/ops/test_attention_paged.py holds the two together on random inputs.
 
 The attention kernel handles every kind of row in one launch: prefill chunks (with or without a
 cached prefix), decode (1 query token) and verify (1 + k query tokens). Each program owns one

@@ -11,11 +11,11 @@ A padded row (slot -1) writes nothing to the cache (its q is still rotated: nobo
 
 With Qwen3's q_norm / k_norm given, each head is RMS-normed first, in the same launch (two
 fewer launches a layer). Twin: q_norm / k_norm, RotaryEmbedding.forward, then write_kv_torch
-(what Attention.forward_rotary runs without this kernel). The rotation is fused_kernels._rope_heads, so q and k are rounded where the twin
+(what Attention.forward_rotary runs without this kernel). The rotation is pointwise/triton_kernels._rope_heads, so q and k are rounded where the twin
 rounds them; the cache must have q's dtype (else the twin would round twice). Grids depend only on
 shapes and nothing syncs with the host, so a launch can be captured in a CUDA graph.
-tests/test_rope_kv_triton.py holds kernel and twin together in Triton's interpreter,
-tests/gpu/test_fused_kernels_gpu.py on CUDA.
+tests/ops/test_attention_rope_kv.py holds kernel and twin together in Triton's interpreter,
+tests/gpu/test_pointwise_kernels_gpu.py on CUDA.
 """
 
 from __future__ import annotations

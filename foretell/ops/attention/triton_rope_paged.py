@@ -1,7 +1,7 @@
 """Decode and verify attention with RoPE and the KV write in the same launch.
 
 At batch 1 a decoder layer's attention is two short launches in a chain of dependent kernels:
-RoPE + KV write (rope_kv_triton.py), then the paged attention (triton_kernels.py). Each costs a
+RoPE + KV write (triton_rope_kv.py), then the paged attention (triton_paged.py). Each costs a
 kernel boundary more than its work (about 1.3 us a layer for the first on an H200). Here the
 attention's programs do the first one's work themselves:
   - the rotation of the queries: each program rotates (after Qwen3's q_norm) the query rows it
@@ -16,13 +16,13 @@ The second needs each sequence's queries in one query block (decode, and verify 
 tokens: `fits`); a longer chunk (prefill) has blocks reading keys another block writes, and runs
 the two launches. Partial rotary (rotary_dim < head_dim) also runs them.
 
-Rounding follows the two-launch path: q and k are rotated by fused_kernels.rotate_pairs (and
+Rounding follows the two-launch path: q and k are rotated by pointwise/triton_kernels.rotate_pairs (and
 normed by rms_norm_heads), so the cache holds the same values (bit for bit in Triton's
 interpreter; on a GPU the compiler may fuse a product with its sum in one kernel and not the
 other: within a rounding); the scores' sums run in another order (two products of half width), so
 outputs agree within float32 rounding. Twin:
 rope_write_kv_triton then paged_attention_triton (and through them the torch path);
-tests/test_rope_attention_triton.py holds them together in Triton's interpreter.
+tests/ops/test_attention_rope_paged.py holds them together in Triton's interpreter.
 """
 
 from __future__ import annotations

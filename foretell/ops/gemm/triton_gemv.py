@@ -30,7 +30,7 @@ Output: x's dtype (or float32). Grids depend only on shapes, nothing syncs with 
 output is a torch.empty of a shape fixed by (M, N), so a call can be captured in a CUDA graph.
 
 Whether a layer uses this, the MMA or cuBLAS is decided by ops/gemm/dispatch.py; this module imports
-triton and is imported only on CUDA (or by the interpreter tests, tests/test_small_m_gemm.py).
+triton and is imported only on CUDA (or by the interpreter tests, tests/ops/test_gemm_gemv.py).
 """
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ def check_inputs(
     gated: bool = False,
 ) -> None:
     """Raise a ValueError saying what is wrong unless the few-row kernel can run F.linear(x, weight,
-    bias) (weight = [gate; up] of 2I rows when gated). Shared by small_m_mma.py."""
+    bias) (weight = [gate; up] of 2I rows when gated). Shared by triton_mma.py."""
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"x must be [M, K] and weight [N, K], got {list(x.shape)} and {list(weight.shape)}")
     if gated and weight.shape[0] % 2:

@@ -2,7 +2,7 @@
 absorbed form, and `TritonMLABackend` (graph safe) that puts them behind the MLA backend interface.
 
 Twins: `TorchMLABackend.write_kv` and `absorbed_attention` in reference.py hold the reference semantics;
-tests/test_mla_triton.py holds kernels and twins together on random inputs (Triton's interpreter
+tests/ops/test_mla_attention.py holds kernels and twins together on random inputs (Triton's interpreter
 on the CPU), tests/gpu/test_mla_moe_gpu.py does it on CUDA in bf16.
 
 The attention works on q = [q_lat | q_pe] (kv_lora_rank + rope wide) against the cached

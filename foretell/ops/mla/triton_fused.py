@@ -24,7 +24,7 @@ with the torch ops up to 512 tokens; at 4096 the W_UK tiles take 44 us against c
 
 Twins in reference.py (the reference semantics, and what the CPU runs): `latent_write_torch` is
 RMSNorm + RoPE + TorchMLABackend.write_kv, `absorb_query_torch` the einsum + rope, and
-`project_values_torch` the einsum; tests/test_mla_fused_triton.py holds each pair together (in
+`project_values_torch` the einsum; tests/ops/test_mla_fused.py holds each pair together (in
 Triton's interpreter on the CPU), tests/gpu/test_mla_fused_gpu.py on CUDA in bf16 and fp16.
 
 Every kernel rounds where its twin rounds: the norm rounds the normalised row to the model dtype
@@ -344,7 +344,7 @@ def _rope_heads_kernel(
     INTERLEAVED: tl.constexpr,
 ):
     # Program (token, head block): absorb_query_triton's q_pe RoPE for prefill-sized T. One
-    # token per program with heads as rows (as fused_kernels.rope_triton does): cos/sin are
+    # token per program with heads as rows (as pointwise/triton_kernels.rope_triton does): cos/sin are
     # read once, and per-row position gathers (_rope_tile) ran several times slower here.
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)

@@ -1,12 +1,12 @@
 """Fused MoE on the GPU: the routed (token, expert) pairs grouped by expert into blocks of
 BLOCK_M rows, then two grouped GEMM kernels that read only the selected experts' weights.
 `fused_experts_triton` is the entry point of both paths: up to GEMV_MAX_TOKENS tokens (decode,
-verify) it runs the GEMV path of moe_gemv_triton.py instead (no align, no combine launch; same
+verify) it runs the GEMV path of triton_gemv.py instead (no align, no combine launch; same
 contract, same rounding, same slot order in the float32 sum); `path` forces one or the other.
 
 Twin: `experts_forward_torch` in reference.py (same inputs, same float32 output, the same points of
 rounding to the model dtype); `moe_align_torch` here is the twin of the align kernel.
-tests/test_moe_triton.py holds them together on random routings in Triton's interpreter,
+tests/ops/test_moe_experts.py holds them together on random routings in Triton's interpreter,
 tests/gpu/test_mla_moe_gpu.py on CUDA in bf16.
 
   align     ids [T, top_k] -> pairs sorted by expert (stable: token order within an expert),

@@ -1,6 +1,6 @@
 """Fused MoE for a few tokens (decode, verify): two GEMV kernels, no align step, no combine kernel.
 
-At a handful of tokens the grouped path of moe_triton.py spends a launch on grouping the
+At a handful of tokens the grouped path of triton_experts.py spends a launch on grouping the
 (token, expert) pairs by expert and another on summing each token's top_k rows, around the two
 kernels that stream the experts' weights. With M = 1 row per (token, expert) pair there is
 nothing to group: each program reads its pair's expert id itself.
@@ -25,7 +25,7 @@ same stream, so no memset launch is needed.
 
 Every grid is fixed by shapes and the launch config; nothing reads a device value on the host,
 so the forward can be captured in a CUDA graph. Twin: `experts_forward_torch` in reference.py (plus
-the shared output); tests/test_moe_gemv_triton.py holds them together in Triton's interpreter,
+the shared output); tests/ops/test_moe_gemv.py holds them together in Triton's interpreter,
 tests/gpu/test_moe_gemv_gpu.py on CUDA. The tiles and GEMV_MAX_TOKENS come from
 `scripts/bench_mla_moe.py --moe-sweep`.
 """
@@ -270,7 +270,7 @@ def fused_experts_gemv_triton(
     out_dtype: torch.dtype = torch.float32,
     config: dict | None = None,  # overrides of gemv_launch_config (see resolve_gemv_config)
 ) -> torch.Tensor:  # [num_tokens, hidden] out_dtype: the top_k experts' sum (+ shared)
-    """The contract of moe_triton.fused_experts_triton, computed by the two GEMV kernels."""
+    """The contract of triton_experts.fused_experts_triton, computed by the two GEMV kernels."""
     check_expert_inputs(hidden, gate_up, down, weights, ids, shared)
     return launch_gemv_experts(hidden, gate_up, down, weights, ids, shared, out_dtype, config)
 

@@ -9,7 +9,7 @@ with an atomic in the Router's `route_counter`, selects for every token and rese
 
 Twin: `select_experts` in reference.py, for ungrouped configs (`RouterConfig.grouped` False: greedy, or
 noaux_tc / group_limited_greedy with n_group 1); grouped configs stay on the twin.
-tests/test_moe_router_triton.py holds them together on random logits in Triton's interpreter,
+tests/ops/test_moe_router.py holds them together on random logits in Triton's interpreter,
 tests/gpu/test_moe_router_gpu.py on CUDA.
 
 Per token, in float32 registers (the experts padded to a power of two with -inf):

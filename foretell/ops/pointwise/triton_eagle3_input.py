@@ -9,9 +9,9 @@ Rounding follows the torch path (models/eagle3.py, Eagle3LayerBase.layer_input):
 RMSNorm rounds it (float32 mean of squares, the normalised row rounded to the dtype, then its
 product with the weight rounded), so the halves match that path bit for bit in Triton's
 interpreter and within a rounding on a GPU (the mean's summation order). Twin: that torch path;
-tests/test_eagle3_input_triton.py holds them together.
+tests/ops/test_pointwise_eagle3_input.py holds them together.
 
-The layer calls this only where kernel_dispatch.use_triton says so (CUDA tensors, no autograd), so
+The layer calls this only where ops/common/kernel_choice.use_triton says so (CUDA tensors, no autograd), so
 a CPU process never imports triton. The grid depends only on the row count and nothing syncs with
 the host: a call can be captured in a CUDA graph.
 """

@@ -4,8 +4,8 @@ with one launch.
 
 Twins: RMSNorm.forward (norm.py), RotaryEmbedding.forward (rotary.py, either style) and
 SiluAndMul.forward (activation.py) hold the reference semantics and are what CPUs run;
-tests/test_fused_kernels.py holds kernels and twins together on random inputs (in Triton's
-interpreter on the CPU), tests/gpu/test_fused_kernels_gpu.py does the same on CUDA in bf16.
+tests/ops/test_pointwise_kernels.py holds kernels and twins together on random inputs (in Triton's
+interpreter on the CPU), tests/gpu/test_pointwise_kernels_gpu.py does the same on CUDA in bf16.
 
 Every kernel rounds where its twin rounds: arithmetic runs in float32 and is cast to the input
 dtype at each point where the torch path makes a tensor of that dtype (`residual + x`, the
@@ -14,7 +14,7 @@ CUDA the outputs match the twins bit for bit except where a reduction order or a
 exp/rsqrt differ (the norm's mean of squares, silu's exp), and there within one rounding of the
 dtype.
 
-The layers call these only when kernel_dispatch.use_triton says so (CUDA tensors, triton
+The layers call these only when ops/common/kernel_choice.use_triton says so (CUDA tensors, triton
 importable, no autograd: the kernels have no backward, so training runs the twins), and import
 this module only then, so a CPU process never imports triton. Grids depend only on shapes, nothing
 syncs with the host, and every output is a fresh contiguous tensor (or the `out` given), so a

@@ -7,7 +7,7 @@ logits) spent 23-28 us in it on an H200: one SM reading 0.5 MB. Here the row is 
      column overall, which is torch.argmax's tie rule.
 NaN counts as +inf (torch.argmax returns a NaN's position; here a NaN ties with +inf).
 
-Twin: torch.argmax(dim=-1). tests/test_argmax_triton.py holds them together in Triton's
+Twin: torch.argmax(dim=-1). tests/ops/test_sampling_argmax.py holds them together in Triton's
 interpreter; the grids depend only on shapes, so both launches can be captured in a CUDA graph.
 """
 

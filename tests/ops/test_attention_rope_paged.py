@@ -24,14 +24,14 @@ from foretell.layers.attention.layer import Attention
 from foretell.layers.attention.torch_backend import TorchAttentionBackend, write_kv_torch
 from foretell.layers.norm import RMSNorm
 from foretell.layers.rotary import RotaryEmbedding
-from test_triton_attention import BATCHES, LONG_BATCHES, TOLERANCE, Batch
+from test_attention_paged import BATCHES, LONG_BATCHES, TOLERANCE, Batch
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 import_interpreted("foretell.ops.pointwise.triton_kernels")
 rkv = import_interpreted("foretell.ops.attention.triton_rope_kv")
 kernels = import_interpreted("foretell.ops.attention.triton_paged")
 fused = import_interpreted("foretell.ops.attention.triton_rope_paged")
-from foretell.layers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from foretell.ops.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 
 SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
            "original_max_position_embeddings": 64}
@@ -106,7 +106,7 @@ def _check(step: Step, dtype, seed, **split):
         two_cache = step.batch.cache.clone()
         two = step.run_two_launches(two_cache, **split)
         # Same writes, same values; on a GPU the compiler may fuse RoPE's products with their sums
-        # differently in the two kernels (test_fused_kernels_gpu.py's _check_rope): one rounding.
+        # differently in the two kernels (test_pointwise_kernels_gpu.py's _check_rope): one rounding.
         exact = DEVICE.type == "cpu"
         torch.testing.assert_close(cache, two_cache, rtol=0 if exact else NORM_TOLERANCE[dtype]["rtol"],
                                    atol=0 if exact else NORM_TOLERANCE[dtype]["atol"], equal_nan=True)

@@ -2,7 +2,7 @@
 it or cuBLAS (ops/gemm/dispatch.py) with a fake timer.
 
 Without a CUDA device the kernel runs in Triton's interpreter on CPU tensors (fp16 and fp32: the
-interpreter keeps bf16 as uint16; bf16 is checked on CUDA in tests/gpu/test_small_m_gemm_gpu.py).
+interpreter keeps bf16 as uint16; bf16 is checked on CUDA in tests/gpu/test_gemm_gemv_gpu.py).
 Every torch.empty of a launch (the output) is poisoned with NaN, so a kernel that skips an
 element shows it. Every case draws fresh shapes and inputs; a failure prints the
 seed that reproduces it.
@@ -279,7 +279,7 @@ def test_layers_run_the_interpreted_kernel_when_bound(monkeypatch):
 
 
 def test_kernel_defaults_by_rows_dtype_and_k():
-    """small_m_kernels.default_config (mode "on"): the GEMV for one row, the MMA for 2-16 rows in
+    """ops/gemm/triton_kernels.default_config (mode "on"): the GEMV for one row, the MMA for 2-16 rows in
     fp16 / bf16 (split-K for a long K), cuBLAS (None) for several float32 rows; mode "auto" times the GEMV's configs up to 4 rows and the MMA's in fp16 / bf16."""
     kernels = import_interpreted("foretell.ops.gemm.triton_kernels")
     cpu = torch.device("cpu")

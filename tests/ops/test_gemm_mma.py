@@ -1,7 +1,7 @@
 """The tensor-core few-row linear (ops/gemm/triton_mma.py) against a float64 torch reference.
 
 Without a CUDA device the kernel runs in Triton's interpreter on CPU tensors in fp16 (the
-interpreter's tl.dot is wrong on bf16; bf16 is checked on CUDA in tests/gpu/test_small_m_gemm_gpu.py).
+interpreter's tl.dot is wrong on bf16; bf16 is checked on CUDA in tests/gpu/test_gemm_gemv_gpu.py).
 Outputs and float32 partials are poisoned with NaN, so a kernel that skips an element, or sums a
 partial nobody wrote, shows it. Every case draws fresh shapes and inputs; a failure prints the seed.
 """

@@ -1,4 +1,4 @@
-"""The attention backend interface and the table of backends.
+"""The attention backend interface and the choice of backend (the attention op's dispatch).
 
 A backend does two things over a paged cache: write this step's new keys/values into their slots,
 and attend each sequence's queries to its whole context (cached prefix + new tokens), causally.
@@ -44,14 +44,14 @@ class AttentionBackend(Protocol):
 
 def build_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     """Pick a backend by name. "auto" is Triton on CUDA when Triton imports, else torch."""
-    from foretell.layers.attention.torch_backend import TorchAttentionBackend
+    from foretell.layers.attention.torch_backend import TorchAttentionBackend  # moves to ops/attention/reference.py
 
     if name == "auto":
         name = "triton" if device.type == "cuda" and _triton_available() else "torch"
     if name == "torch":
         return TorchAttentionBackend()
     if name == "triton":
-        from foretell.layers.attention.triton_backend import TritonAttentionBackend
+        from foretell.ops.attention.triton_backend import TritonAttentionBackend  # imports triton
 
         return TritonAttentionBackend()
     raise ValueError(f"unknown attention backend {name!r}; expected one of: auto, torch, triton")

@@ -22,7 +22,7 @@ from fixtures.triton_interpreter import HAS_CUDA, import_interpreted, interprete
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 kernels = import_interpreted("foretell.ops.attention.triton_paged")
 varlen = import_interpreted("foretell.ops.attention.triton_varlen")
-from foretell.layers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from foretell.ops.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 
 
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if HAS_CUDA else [])

@@ -1,4 +1,4 @@
-"""The GEMV MoE path (moe_gemv_triton.py: gate_up GEMV, down GEMV + combine) held against its
+"""The GEMV MoE path (ops/moe/triton_gemv.py: gate_up GEMV, down GEMV + combine) held against its
 torch twin `experts_forward_torch` (+ the shared experts' output) and against the grouped path in
 Triton's interpreter: 1-3 tokens, top_k 1, 2 and 8 (6 routed + 2 shared experts that every token
 picks), sizes that are not multiples of the tiles, the slot split of the down kernel, the

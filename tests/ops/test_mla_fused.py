@@ -1,4 +1,4 @@
-"""The fused MLA kernels (mla_fused_triton.py) held against their torch twins, and a whole
+"""The fused MLA kernels (ops/mla/triton_fused.py) held against their torch twins, and a whole
 MLAAttention forward with the Triton backend against the torch backend.
 
   latent write     RMSNorm of c + RoPE of k_pe + cache write at slot_mapping, from a strided kv_a

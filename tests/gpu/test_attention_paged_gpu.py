@@ -22,7 +22,7 @@ from foretell.layers.attention.torch_backend import (  # noqa: E402
     TorchAttentionBackend,
     write_kv_torch,
 )
-from foretell.layers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from foretell.ops.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from foretell.ops.attention.triton_paged import (  # noqa: E402
     paged_attention_triton,
     write_kv_triton,
@@ -228,12 +228,12 @@ def test_cuda_graph_capture_and_replay():
 @pytest.mark.parametrize("q_len", [1, 4])
 @pytest.mark.parametrize("with_norm", [False, True])
 def test_rope_attention_in_one_launch_at_llama_shapes(num_splits, q_len, with_norm):
-    """RoPE + KV write + attention in one launch (rope_attention_triton.py), bf16, 8 kv heads x 4,
+    """RoPE + KV write + attention in one launch (ops/attention/triton_rope_paged.py), bf16, 8 kv heads x 4,
     head_dim 128, long contexts split many ways (each split writes the new tokens of its tiles),
     repeated 5 times to shake out races: the cache and the output within bf16 rounding of the
     two-launch path's, and every repeat identical. (Not bit for bit on a GPU: the compiler fuses
     RoPE's products with their sums differently in the two kernels, as in _check_rope of
-    test_fused_kernels_gpu.py; Triton's interpreter keeps every rounding and the CPU test
+    test_pointwise_kernels_gpu.py; Triton's interpreter keeps every rounding and the CPU test
     checks the cache bit for bit.)"""
     from foretell.ops.attention.triton_rope_paged import rope_paged_attention_triton
     from foretell.ops.attention.triton_rope_kv import rope_write_kv_triton

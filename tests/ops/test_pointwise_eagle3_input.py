@@ -4,7 +4,7 @@ against its twin, the draft layer's torch path (Eagle3LayerBase.layer_input off 
 Without a CUDA device the kernel runs in Triton's interpreter on CPU tensors. Outputs come from a
 NaN-poisoned torch.empty, so a skipped element shows; every case draws fresh random inputs and a
 failure names its seed. The norms' float32 means may sum in another order than torch's, so each
-half may differ by a rounding of the dtype that went the other way (tests/test_fused_kernels.py).
+half may differ by a rounding of the dtype that went the other way (tests/ops/test_pointwise_kernels.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The Triton attention backend: the AttentionBackend protocol over the kernels in triton_kernels.
+"""The Triton attention backend: the AttentionBackend protocol over the kernels in triton_paged.py.
 
 Same semantics as TorchAttentionBackend (its twin). Every launch reads only host ints that the
 metadata already carries (max_query_len) and tensor shapes, so a step is CUDA-graph capturable
@@ -12,9 +12,8 @@ import torch
 
 from foretell.ops.attention.metadata import AttentionMetadata
 from foretell.ops.attention.triton_paged import paged_attention_triton, write_kv_triton
+from foretell.ops.common.protocols import NormModule, RotaryModule
 from foretell.ops.common.split_counters import SplitCounters
-from foretell.layers.norm import RMSNorm
-from foretell.layers.rotary import RotaryEmbedding
 
 
 class TritonAttentionBackend:
@@ -40,11 +39,11 @@ class TritonAttentionBackend:
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim], before RoPE
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], before RoPE
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        rotary_emb: RotaryEmbedding,
+        rotary_emb: RotaryModule,
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], query's dtype
         metadata: AttentionMetadata,
         scale: float,
-        qk_norm: tuple[RMSNorm, RMSNorm] | None = None,  # (q_norm, k_norm), applied before RoPE
+        qk_norm: tuple[NormModule, NormModule] | None = None,  # (q_norm, k_norm), applied before RoPE
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """(q_norm / k_norm,) rotary_emb(positions, query, key), write_kv of the rotated key, then
         attend: one launch for decode and short verify steps (triton_rope_paged.fits), else

@@ -25,7 +25,7 @@ import pytest
 if importlib.util.find_spec("triton") is None:
     pytest.skip("needs triton", allow_module_level=True)
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, which holds fixtures/
 CASES = [
     "argmax chunks", "argmax pick", "gqa attention, split, Llama", "mla absorbed query with rope",
     "mla attention, split, V2-Lite", "mla latent write", "mla merge", "moe gemv down + combine",

@@ -29,7 +29,7 @@ DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 import_interpreted("foretell.ops.pointwise.triton_kernels")
 rkv = import_interpreted("foretell.ops.attention.triton_rope_kv")
 import_interpreted("foretell.ops.attention.triton_paged")
-from foretell.layers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from foretell.ops.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 
 CASES = {
     # name: (num_heads, num_kv_heads, head_dim, rotary_dim, scaling)
@@ -112,7 +112,7 @@ def test_qwen3_qk_norm_before_the_rotation(dtype, case):
 @pytest.mark.parametrize("with_norm", [False, True])
 def test_forward_rotary_fuses_on_the_triton_backend(monkeypatch, with_norm):
     """Attention.forward_rotary with the kernels on, for a prefill (decode and short verify steps
-    take one launch: tests/test_rope_attention_triton.py): RoPE + KV write in one launch, and the
+    take one launch: tests/ops/test_attention_rope_paged.py): RoPE + KV write in one launch, and the
     same output and cache as (q_norm / k_norm,) RoPE, then forward."""
     monkeypatch.setattr(kernel_choice, "use_triton", lambda *tensors: True)
     calls = []
