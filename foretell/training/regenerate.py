@@ -12,7 +12,6 @@ import hashlib
 import json
 import logging
 import os
-import time
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +30,7 @@ class RegenerateOptions:
     device: str = "auto"
     dtype: str = "auto"
     max_num_seqs: int = 256
-    progress: bool = True  # a bar of finished samples and generated tokens (--no-progress: none)
+    progress: bool = True  # a bar of generated tokens and finished samples (--no-progress: none)
     # A fixed KV budget on GPUs (not a share of what is free), so that the trainer and any other
     # process on the same GPU keep theirs whenever they start.
     gpu_kv_cache_bytes: int = 4 << 30
@@ -96,29 +95,31 @@ def generate(target: str, prompts: list[list[int]], options: RegenerateOptions, 
     return result
 
 
-def run_with_progress(engine, prompts: list[list[int]], params: list, progress: bool) -> list[list[int]]:
-    """Drive the engine step by step: the bar counts finished samples and, since a batch of
-    samples tends to finish together, shows the tokens generated so far as they come."""
+def run_with_progress(engine, prompts: list[list[int]], params: list, progress: bool,
+                      redraw_interval_s: float = 0.1) -> list[list[int]]:
+    """Drive the engine step by step. The bar counts generated tokens against the most the
+    samples may take (a sample that ends early adds its unused budget), so it moves and has an
+    ETA even while every sample is still running; the finished samples show beside it."""
     ids = [f"regenerate-{i}" for i in range(len(prompts))]
     index = {request_id: i for i, request_id in enumerate(ids)}
     outputs: list[list[int] | None] = [None] * len(prompts)
-    tokens_before = engine.metrics.generation_tokens_total
+    budget = sum(p.max_tokens for p in params)
     try:
         for request_id, prompt, p in zip(ids, prompts, params):
             engine.add_request(request_id, {"prompt_token_ids": prompt}, p)
-        with progress_bar(len(prompts), "regenerate", progress, unit="sample") as bar:
-            start = time.perf_counter()
-            while any(o is None for o in outputs):
-                finished = 0
+        with progress_bar(budget, "regenerate", progress, unit="tok", mininterval=redraw_interval_s) as bar:
+            done, unused = 0, 0
+            tokens_before = engine.metrics.generation_tokens_total
+            while done < len(prompts):
                 for out in engine.step():
-                    if out.finished and out.request_id in index:
-                        outputs[index[out.request_id]] = list(out.outputs[0].token_ids)
-                        finished += 1
-                tokens = engine.metrics.generation_tokens_total - tokens_before
-                elapsed = time.perf_counter() - start
-                bar.set_postfix_str(f"{tokens} tokens, {tokens / max(elapsed, 1e-9):.0f} tok/s",
-                                    refresh=False)
-                bar.update(finished)  # redraws at most every 0.1 s, finished or not
+                    i = index.get(out.request_id)
+                    if i is None or not out.finished:
+                        continue
+                    outputs[i] = list(out.outputs[0].token_ids)
+                    unused += params[i].max_tokens - len(outputs[i])
+                    done += 1
+                bar.set_postfix_str(f"{done}/{len(prompts)} samples done", refresh=False)
+                bar.update(engine.metrics.generation_tokens_total - tokens_before + unused - bar.n)
     except BaseException:
         for request_id, out in zip(ids, outputs):
             if out is None:
