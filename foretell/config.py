@@ -134,7 +134,9 @@ class SchedulerConfig:
 class SpeculativeConfig:
     method: str
     model: str | None = None
-    num_speculative_tokens: int = 3
+    # None: 1 for mtp (DeepSeek trained its layer one token ahead; acceptance falls fast past
+    # it), 3 for the other methods.
+    num_speculative_tokens: int | None = None
     # Read as "input of layer i" (vLLM's reading). None: the head's config, else 2, N//2, N-3.
     eagle3_aux_layer_ids: list[int] | None = None
     prompt_lookup_min: int = 2
@@ -155,6 +157,8 @@ class SpeculativeConfig:
                 f"speculative method {self.method!r} needs a draft model folder: set "
                 f"speculative_config['model'] (CLI: --draft-model DIR)"
             )
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = 1 if self.method == "mtp" else 3
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             raise ValueError(
                 f"num_speculative_tokens must be an integer >= 1, got {self.num_speculative_tokens!r}"

@@ -322,3 +322,12 @@ def test_mtp_defaults_to_one_draft_token():
     args = cli.build_parser().parse_args(["generate", "--prompt", "x", "--default-family", "deepseek",
                                           "--method", "mtp"])
     assert defaults.default_num_speculative_tokens(args.method) == 1
+
+
+def test_speculative_config_default_k_is_one_for_mtp_and_three_otherwise():
+    from foretell.config import SpeculativeConfig
+
+    assert SpeculativeConfig(method="mtp").num_speculative_tokens == 1
+    assert SpeculativeConfig.from_any({"method": "mtp"}).num_speculative_tokens == 1
+    assert SpeculativeConfig(method="ngram").num_speculative_tokens == 3
+    assert SpeculativeConfig(method="mtp", num_speculative_tokens=2).num_speculative_tokens == 2
