@@ -81,7 +81,7 @@ def test_the_draft_layer_runs_the_kernel_where_triton_runs(eagle3_head, qwen3_ch
         twin_x, twin_residual = layer.layer_input(ids, embedding, g)
         calls, kernel = [], ei.eagle3_input_triton
         monkeypatch.setattr(kernel_choice, "use_triton", lambda *t: True)
-        monkeypatch.setattr(eagle3_input_triton, "eagle3_input_triton", lambda *args: calls.append(1) or kernel(*args))
+        monkeypatch.setattr(triton_eagle3_input, "eagle3_input_triton", lambda *args: calls.append(1) or kernel(*args))
         x, residual = layer.layer_input(ids, embedding, g)
     assert calls == [1]
     torch.testing.assert_close(x, twin_x, **NEAR[torch.float32])
