@@ -79,8 +79,9 @@ def test_simulated_accept_draws_the_twins_counts(interpreter_mode, num_seqs):
 
 @pytest.mark.parametrize("num_seqs,num_live,q,shift,block_size", [(1, 1, 4, 1, 16), (4, 3, 4, 1, 4), (3, 3, 3, 0, 8),
                                                                    (9, 5, 2, 0, 4)])
+@pytest.mark.parametrize("near_limit", [False, True])
 def test_catch_up_and_chain_steps_match_twin_and_definition(interpreter_mode, num_seqs, num_live, q, shift,
-                                                            block_size):
+                                                            block_size, near_limit):
     rng = random.Random(num_seqs + q + shift)
     n = q + 1 - shift  # rows per sequence, as the draft loop feeds them
     tokens = torch.tensor([[rng.randrange(1000) for _ in range(q)] for _ in range(num_seqs)], device=DEVICE)
@@ -90,7 +91,10 @@ def test_catch_up_and_chain_steps_match_twin_and_definition(interpreter_mode, nu
     live = torch.tensor(num_live, device=DEVICE)
     table = _table(rng, num_seqs)
     steps = q - 1  # chained single-row steps after the catch-up
-    args = (tokens, first_pos, accepted, next_token, live, table, block_size, n, shift, steps)
+    # Near max_model_len: the limit sits right after the first sequence's catch-up rows, so its
+    # chained steps (and other sequences' rows) are placed at last_position.
+    last = int(first_pos[0]) + n - 1 if near_limit else WIDTH * block_size - 1
+    args = (tokens, first_pos, accepted, next_token, live, table, block_size, n, shift, steps, last)
     twin, kernel = step_inputs.catch_up_inputs_torch(*args), kernels.catch_up_inputs_triton(*args)
     for field in ("tokens", "positions", "slots", "seq_lens", "last_rows"):
         assert torch.equal(getattr(twin, field), getattr(kernel, field)), field
@@ -101,13 +105,13 @@ def test_catch_up_and_chain_steps_match_twin_and_definition(interpreter_mode, nu
         p0, a, x = int(first_pos[b]), int(accepted[b]), int(next_token[b])
         at_position = tokens[b].tolist()[: a + 1] + [x] * (q + 1)  # t, d_1 .. d_a, then x
         for r in range(n):
-            row = b * n + r
-            assert twin.tokens[row] == at_position[r + shift] and twin.positions[row] == p0 + r
-            assert twin.slots[row] == (_slot(table, b, p0 + r, block_size) if b < num_live else -1)
-        assert twin.seq_lens[b] == p0 + n and twin.last_rows[b] == b * n + a + 1 - shift
+            row, pos = b * n + r, min(p0 + r, last)
+            assert twin.tokens[row] == at_position[r + shift] and twin.positions[row] == pos
+            assert twin.slots[row] == (_slot(table, b, pos, block_size) if b < num_live else -1)
+        assert twin.seq_lens[b] == min(p0 + n, last + 1) and twin.last_rows[b] == b * n + a + 1 - shift
         for j in range(1, steps + 1):
             step = twin.chain_step(j)
-            pos = p0 + a + 1 - shift + j
+            pos = min(p0 + a + 1 - shift + j, last)
             assert step.positions[b] == pos and step.seq_lens[b] == pos + 1
             assert step.slots[b] == (_slot(table, b, pos, block_size) if b < num_live else -1)
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from foretell.config import EngineConfig
 from foretell.engine.block_manager import BlockManager
+from foretell.engine.errors import SequenceError
 from foretell.engine.metrics import EngineMetrics
 from foretell.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from foretell.engine.scheduler import Scheduler
@@ -37,6 +38,7 @@ class Request:
     metrics: RequestMetrics
     aborted: bool = False
     outputs_sent: bool = field(default=False)
+    error: str | None = None  # why the request failed inside a step (finish_reason "error")
 
     @property
     def finished(self) -> bool:
@@ -172,7 +174,10 @@ class Engine:
             self.runner.forget(seq.seq_id)
         if sched.is_empty:
             return []
-        results = self.runner.execute(sched)
+        try:
+            results = self.runner.execute(sched)
+        except Exception as error:  # noqa: BLE001 -- a failed step must not end other requests
+            return self._fail_step(sched, error)
         self.metrics.num_steps += 1
         self.metrics.target_time_s += self.runner.last_times.target_s
         self.metrics.draft_time_s += self.runner.last_times.draft_s
@@ -180,28 +185,80 @@ class Engine:
         now = time.monotonic()
         for item, result in zip(sched.scheduled, results):
             seq = item.seq
-            request = self.requests[seq.request_id]
-            if self.metrics.spec is not None:
-                self.metrics.spec.record(result.num_drafts, result.num_accepted)
-            seq.prompt_logprobs.extend(result.prompt_logprobs)
-            appended = self.scheduler.postprocess(item, result.new_token_ids, result.num_accepted)
-            if not appended:
+            request = self.requests.get(seq.request_id)
+            if request is None or request.error is not None:
+                continue  # failed earlier in this loop (another of its n samples)
+            try:
+                if self._apply_result(item, result, request, now):
+                    touched[request.request_id] = request
+            except Exception as error:  # noqa: BLE001 -- one sequence's failure is its request's alone
+                touched[request.request_id] = request
+                self._fail_request(request, error)
+        return self._finish_step(touched, now)
+
+    def _fail_step(self, sched, error: Exception) -> list[RequestOutput]:
+        """The runner raised inside a step. A SequenceError names its sequence: that request
+        fails alone. Anything else cannot be pinned on one request: every request of the step
+        fails. Either way the engine stays usable: failed requests free their blocks, and the
+        others, whose step never completed, redo it from where they were (without their drafts,
+        whose probabilities the failed step may have consumed)."""
+        now = time.monotonic()
+        scheduled = [item.seq for item in sched.scheduled]
+        self.runner.abandon_step([seq.seq_id for seq in scheduled])
+        culprit = error.seq_id if isinstance(error, SequenceError) else None
+        if not any(seq.seq_id == culprit for seq in scheduled):
+            culprit = None
+            logger.exception("engine step failed; failing the %d requests of the step", len(scheduled))
+        failed: dict[str, Request] = {}
+        for seq in scheduled:
+            request = self.requests.get(seq.request_id)
+            if request is None:
                 continue
-            touched[request.request_id] = request
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-                request.metrics.num_cached_prompt_tokens = seq.num_cached_prompt_tokens
-            detok = request.detokenizers[seq.index]
-            if detok is not None:
-                appended = self._apply_stop_strings(seq, detok, appended)
-            self.metrics.generation_tokens_total += len(appended)
-            logprobs = result.logprobs[: len(appended)]
-            seq.logprobs.extend(logprobs)
-            seq.cumulative_logprob += sum(lp.logprob for lp in logprobs)
-            if seq.is_finished:
-                self.runner.forget(seq.seq_id)
-            else:
-                seq.spec_token_ids = result.next_drafts
+            if culprit is None or seq.seq_id == culprit:
+                failed[request.request_id] = request
+            elif not seq.is_finished:
+                seq.spec_token_ids = []
+        for request in failed.values():
+            self._fail_request(request, error)
+        return self._finish_step(failed, now)
+
+    def _fail_request(self, request: Request, error: Exception) -> None:
+        """Finish every sequence of the request with finish_reason "error" and free its blocks;
+        RequestOutput.error says what went wrong."""
+        message = str(error) if isinstance(error, SequenceError) else f"{type(error).__name__}: {error}"
+        request.error = f"request failed inside an engine step: {message}"
+        for seq in request.seqs:
+            if not seq.is_finished:  # a sample that already ended keeps its own reason
+                self.scheduler.finish(seq, "error")
+            self.runner.forget(seq.seq_id)
+
+    def _apply_result(self, item, result, request: Request, now: float) -> bool:
+        """One sequence's share of the step (tokens, stops, logprobs, next drafts); returns
+        whether it produced output."""
+        seq = item.seq
+        if self.metrics.spec is not None:
+            self.metrics.spec.record(result.num_drafts, result.num_accepted)
+        seq.prompt_logprobs.extend(result.prompt_logprobs)
+        appended = self.scheduler.postprocess(item, result.new_token_ids, result.num_accepted)
+        if not appended:
+            return False
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
+            request.metrics.num_cached_prompt_tokens = seq.num_cached_prompt_tokens
+        detok = request.detokenizers[seq.index]
+        if detok is not None:
+            appended = self._apply_stop_strings(seq, detok, appended)
+        self.metrics.generation_tokens_total += len(appended)
+        logprobs = result.logprobs[: len(appended)]
+        seq.logprobs.extend(logprobs)
+        seq.cumulative_logprob += sum(lp.logprob for lp in logprobs)
+        if seq.is_finished:
+            self.runner.forget(seq.seq_id)
+        else:
+            seq.spec_token_ids = result.next_drafts
+        return True
+
+    def _finish_step(self, touched: dict[str, Request], now: float) -> list[RequestOutput]:
         outputs = []
         for request in touched.values():
             outputs.append(self._make_output(request))
@@ -261,6 +318,7 @@ class Engine:
             finished=request.finished,
             metrics=request.metrics,
             prompt_logprobs=prompt_logprobs,
+            error=request.error,
         )
 
     # ---- stats ---------------------------------------------------------------------

@@ -12,7 +12,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: list[Logprob] | None = None
     cumulative_logprob: float | None = None
@@ -40,3 +40,6 @@ class RequestOutput:
     # Per prompt token (None for the first) when SamplingParams.prompt_logprobs is set.
     prompt_logprobs: list[Logprob | None] | None = None
     metrics: RequestMetrics | None = None
+    # Set when the request failed inside a step (its completions end with finish_reason
+    # "error"): what went wrong, for the user. Other requests of that step go on.
+    error: str | None = None

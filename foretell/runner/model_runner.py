@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from foretell.config import EngineConfig
+from foretell.engine.errors import SequenceError
 from foretell.engine.scheduler import SchedulerOutput
 from foretell.runner.sequence_result import SequenceResult
 from foretell.ops.attention.dispatch import build_attention_backend
@@ -103,15 +104,18 @@ class ModelRunner:
 
     # ---- set-up --------------------------------------------------------------------------
     def _max_model_len(self) -> int:
-        """The longest sequence: the model's limit, and no more than one sequence alone can hold
-        in the KV cache (with its lookahead slots), so any admitted sequence can finish."""
+        """The longest sequence: the model's limit (and a draft model's, whose rotary table ends
+        there too), and no more than one sequence alone can hold in the KV cache (with its
+        lookahead slots), so any admitted sequence can finish."""
         limit = self.hf_config.language_model().get("max_position_embeddings", 2048)
+        limit_source = f"the model's max_position_embeddings {limit} ({self.hf_config.language_model().source})"
+        drafter_limit = self.proposer.max_positions if self.proposer is not None else None
+        if drafter_limit is not None and drafter_limit < limit:
+            limit = drafter_limit
+            limit_source = f"the draft model's max_position_embeddings {limit} ({self.config.speculative.model})"
         asked = self.config.model.max_model_len
         if asked is not None and asked > limit:
-            raise ValueError(
-                f"max_model_len {asked} is larger than the model's max_position_embeddings "
-                f"{limit} ({self.hf_config.language_model().source})"
-            )
+            raise ValueError(f"max_model_len {asked} is larger than {limit_source}")
         capacity = self.cache_plan.num_tokens - self.num_lookahead_tokens
         if asked is not None and asked > capacity:
             raise ValueError(
@@ -234,6 +238,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> list[SequenceResult]:
         t0 = time.perf_counter()
+        self.check_step(sched)
         block_size = self.cache_plan.block_size
         launched, self.launched = self.launched, None  # a step queued ahead by the last one
         if launched is not None and launched.matches(sched.scheduled, block_size):
@@ -265,7 +270,8 @@ class ModelRunner:
 
     def _graphed_verify_fits(self, sched: SchedulerOutput, batch: InputBatch) -> bool:
         """A greedy batch where every sequence verifies exactly k drafts, with graphs for both
-        the target and the draft loop."""
+        the target and the draft loop, and the draft loop's catch-up rows below max_model_len
+        (a draft LM one short of the limit drafts eagerly: nothing it drafts there is used)."""
         if self.draft_graphs is None:
             return False
         k = self.draft_graphs.k
@@ -278,6 +284,7 @@ class ModelRunner:
                 and len(item.draft_token_ids) == k
                 and item.seq.sampling_params.greedy
                 and item.seq.sampling_params.logprobs is None
+                and self.draft_graphs.catch_up_fits(item.seq.num_computed_tokens)
                 for item in sched.scheduled
             )
         )
@@ -362,6 +369,7 @@ class ModelRunner:
             block_size=self.cache_plan.block_size,
             sampling_params=[item.seq.sampling_params for item in sched.scheduled],
             sample_indices=[item.seq.index for item in sched.scheduled],
+            max_model_len=self.max_model_len,
             histories=histories,
         )
         proposal = self.proposer.propose(draft_batch)
@@ -370,6 +378,32 @@ class ModelRunner:
             probs = proposal.probs[i]
             if probs is not None and not item.seq.sampling_params.greedy:
                 self.draft_probs[item.seq.seq_id] = probs
+
+    def check_step(self, sched: SchedulerOutput) -> None:
+        """Per-sequence checks before anything runs, so a bad sequence fails alone (SequenceError)
+        instead of breaking the whole batch's forward: every row below max_model_len (the
+        rotary tables and block tables end there), every draft a token id of the target."""
+        for item in sched.scheduled:
+            seq = item.seq
+            end = seq.num_computed_tokens + item.num_new_tokens
+            if end > self.max_model_len:
+                raise SequenceError(
+                    seq.seq_id, f"sequence {seq.request_id!r} would run positions up to {end - 1}, past "
+                                f"max_model_len {self.max_model_len}"
+                )
+            drafts = item.draft_token_ids
+            if drafts and not 0 <= min(drafts) <= max(drafts) < self.vocab_size:
+                raise SequenceError(
+                    seq.seq_id, f"sequence {seq.request_id!r} got draft tokens outside the target's "
+                                f"vocabulary [0, {self.vocab_size}): {drafts}"
+                )
+
+    def abandon_step(self, seq_ids: list[int]) -> None:
+        """After a failed step: drop the step queued ahead (it assumed this one's results) and the
+        sequences' draft probabilities (the engine drops their drafts too)."""
+        self.launched = None
+        for seq_id in seq_ids:
+            self.forget(seq_id)
 
     def forget(self, seq_id: int) -> None:
         """Drop per-sequence state (draft probabilities) of a finished or preempted sequence."""

@@ -10,6 +10,9 @@ past it: their KV is overwritten by later steps). The captured loop:
      the target's features at p0 + r with the token at p0 + r + 1 (k + 1 rows, row a drafts);
      a draft LM (row_offset 0) feeds the token at p0 + r itself (k + 2 rows, row a + 1 drafts);
   2. drafts token 1 by argmax (through d2t for EAGLE3), then k - 1 single-row steps.
+Near max_model_len, a chained step whose draft sits at or past the limit (never verified: the
+scheduler's room cap) runs at position max_model_len - 1 (step_inputs.catch_up_inputs), and the
+runner graphs a batch only when its catch-up rows fit below the limit (catch_up_fits).
 Rows of padding sequences write no KV (slot -1). Only greedy batches use it; sampled requests
 and any other batch shape take the eager loop.
 """
@@ -75,6 +78,11 @@ class DraftGraphRunner:
         self.single_starts = torch.arange(max_bucket + 1, **i32)
         self.graphs: dict[int, CapturedDraft] = {}
 
+    def catch_up_fits(self, first_position: int) -> bool:
+        """Whether a verify step starting at first_position (p0) has every catch-up row, at
+        p0 .. p0 + n - 1, below max_model_len (a draft LM's last row sits one past the verify's)."""
+        return first_position + self.rows_per_seq <= self.target.max_model_len
+
     def _loop(self, bucket: int) -> torch.Tensor:
         k, t, p = self.k, self.target, self.proposer
         q = k + 1
@@ -90,7 +98,7 @@ class DraftGraphRunner:
 
         catch_up = catch_up_inputs(
             t.input_ids[:rows].view(bucket, q), t.positions[:rows].view(bucket, q)[:, 0], self.accepted[:bucket],
-            self.next_token[:bucket], self.num_live, table, t.block_size, n, self.shift, k - 1,
+            self.next_token[:bucket], self.num_live, table, t.block_size, n, self.shift, k - 1, t.max_model_len - 1,
         )
         meta = metadata(self.catch_up_starts[: bucket + 1], catch_up.seq_lens, catch_up.slots, n)
         aux = [a_[:rows] for a_ in t.graphs[(bucket, q)].aux]

@@ -3,13 +3,16 @@
 Each step of the engine: one catch-up forward over the rows whose target outputs became final
 (so the drafter's KV cache is right for every accepted token), then for the sequences that
 sampled, draft token 1 from the catch-up's last row and tokens 2..k from single-row steps, each
-feeding the previous draft token at the next position. Greedy requests draft by argmax; sampled
+feeding the previous draft token at the next position. Near max_model_len a sequence drafts
+only the positions below it (DraftBatch.num_useful_drafts) and no row goes past max_model_len - 1
+(the rotary table and the draft KV may end there). Greedy requests draft by argmax; sampled
 requests draw from the drafter's own distribution (the same temperature / top-k / top-p / min-p)
 and keep those probabilities for exact rejection sampling.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -99,38 +102,48 @@ class DraftLoopProposer(Proposer):
 
     # ---- the loop --------------------------------------------------------------------------
     def propose(self, batch: DraftBatch) -> Proposal:
-        sampling = [i for i, s in enumerate(batch.samples) if s]
+        # Near max_model_len a sequence drafts only the positions below it (the scheduler never
+        # verifies more), and none when this step ends it there: then it only catches up, so a
+        # draft LM feeds no row at its next token's position (max_model_len itself at the limit).
+        useful = [batch.num_useful_drafts(i, self.k) for i in range(batch.num_seqs)]
+        sampling = [i for i, n in enumerate(useful) if n]
+        if [bool(n) for n in useful] != batch.samples:
+            batch = replace(batch, samples=[bool(n) for n in useful])
         logits, state = self.catch_up(batch, sampling)
         if not sampling:
             return Proposal([[] for _ in range(batch.num_seqs)], [None] * batch.num_seqs)
         params = [batch.sampling_params[i] for i in sampling]
         # Position of the token each draft step predicts; the first is the one after next_token.
-        positions = [batch.start_positions[i] + batch.num_valid_rows[i] + 1 for i in sampling]
+        positions = [batch.num_tokens_after_step(i) for i in sampling]
+        last_position = batch.max_model_len - 1
         table = batch.block_table[sampling]
+        num_steps = max(useful)
         drafts: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
-        for step in range(self.k):
+        for step in range(num_steps):
             tokens, step_probs = self._sample(logits, params, [p + step for p in positions], batch, sampling)
             drafts.append(tokens)
             if step_probs is not None:
                 probs.append(step_probs)
-            if step == self.k - 1:
+            if step == num_steps - 1:
                 break
-            # The new draft sits at position p + step; its row predicts the token after it.
-            rows = [p + step + self.row_offset for p in positions]
+            # The new draft sits at position p + step; its row predicts the token after it. A
+            # sequence that needs no more drafts rides along at last_position: its row never
+            # reads or writes past the limit, and its drafts from here on are dropped below.
+            rows = [min(p + step + self.row_offset, last_position) for p in positions]
             metadata = catch_up_metadata(
                 rows, [1] * len(rows), table, batch.block_size, self.draft_block_size
             )
             pos_t = to_device(rows, torch.int64, self.device)
             logits, state = self.chain_step(tokens, pos_t, metadata, state)
-        token_lists = torch.stack(drafts, dim=1).tolist()  # [n, k]
-        stacked = torch.stack(probs, dim=1) if probs else None  # [n, k, target_vocab]
+        token_lists = torch.stack(drafts, dim=1).tolist()  # [n, num_steps]
+        stacked = torch.stack(probs, dim=1) if probs else None  # [n, num_steps, target_vocab]
         out_tokens: list[list[int]] = [[] for _ in range(batch.num_seqs)]
         out_probs: list[torch.Tensor | None] = [None] * batch.num_seqs
         for j, i in enumerate(sampling):
-            out_tokens[i] = token_lists[j]
+            out_tokens[i] = token_lists[j][: useful[i]]
             if stacked is not None and not params[j].greedy:
-                out_probs[i] = stacked[j]
+                out_probs[i] = stacked[j, : useful[i]]
         return Proposal(out_tokens, out_probs)
 
     def _sample(self, logits, params, positions, batch, sampling):

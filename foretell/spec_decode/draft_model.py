@@ -56,6 +56,7 @@ class DraftModelProposer(DraftLoopProposer):
         target_folder = os.path.dirname(target_hf_config.source) or None
         check_same_tokenizer(target_folder, config.model, self.target_vocab, self.hf_config.vocab_size)
         self.init_loop(options.device, self.target_vocab)
+        self.max_positions = self.hf_config.get("max_position_embeddings", 2048)  # its rotary table's
         self.model: nn.Module | None = None
 
     @classmethod

@@ -42,8 +42,10 @@ class NgramProposer(Proposer):
         return cls(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
 
     def propose(self, batch: DraftBatch) -> Proposal:
+        # Near max_model_len only the positions below it are proposed (DraftBatch.num_useful_drafts).
+        useful = [batch.num_useful_drafts(i, self.k) for i in range(batch.num_seqs)]
         drafts = [
-            lookup(history, self.k, self.min_n, self.max_n) if samples else []
-            for history, samples in zip(batch.histories, batch.samples)
+            lookup(history, n, self.min_n, self.max_n) if n else []
+            for history, n in zip(batch.histories, useful)
         ]
         return Proposal(drafts, [None] * len(drafts))

@@ -34,11 +34,25 @@ class DraftBatch:
     block_size: int  # the target's
     sampling_params: list[SamplingParams]
     sample_indices: list[int]  # per sequence: which of its request's n samples it is
+    max_model_len: int  # no row may sit at a position past max_model_len - 1 (rotary, draft KV)
     histories: list[list[int]] = field(default_factory=list)  # all tokens through next token
 
     @property
     def num_seqs(self) -> int:
         return len(self.start_positions)
+
+    def num_tokens_after_step(self, i: int) -> int:
+        """Sequence i's length once its next token is appended (p0 + v + 1): its first draft
+        would sit at this position."""
+        return self.start_positions[i] + self.num_valid_rows[i] + 1
+
+    def num_useful_drafts(self, i: int, k: int) -> int:
+        """How many of k drafts sequence i can ever have verified: only positions below
+        max_model_len (the scheduler caps a verify there), none when it did not sample or this
+        step ends it at the limit."""
+        if not self.samples[i]:
+            return 0
+        return max(0, min(k, self.max_model_len - self.num_tokens_after_step(i)))
 
     def valid_row_offsets(self) -> list[int]:
         offsets = [0]
@@ -66,6 +80,9 @@ class Proposer:
     #: Whether the draft KV at position t depends on token t + 1 (EAGLE3, MTP): then a
     #: prefix-cache hit must stop one block short (see BlockManager.reuse_margin_blocks).
     draft_kv_reads_next_token: bool = False
+    #: The most positions the drafter's own model can embed (a draft LM's rotary table), or None
+    #: when it has no limit of its own; the runner keeps max_model_len within it.
+    max_positions: int | None = None
 
     def __init__(self, num_speculative_tokens: int):
         self.k = num_speculative_tokens

@@ -95,36 +95,43 @@ def catch_up_inputs(
     rows_per_seq: int,  # n
     shift: int,  # 1 when row r reads the token at p0 + r + 1 (EAGLE3, MTP), 0 for a draft LM
     chained_steps: int,  # S: the single-row steps after the catch-up (k - 1)
+    last_position: int,  # max_model_len - 1: no row is placed past it
 ) -> CatchUpInputs:
     """The catch-up over positions p0 .. p0 + n - 1, whose tokens are [t, d_1 .. d_a, x] (x also
     past them). Row a + 1 - shift sees x and drafts token 1; chained step j's row sits j past it
-    (its inputs come from the same launch: no launch between two draft steps)."""
+    (its inputs come from the same launch: no launch between two draft steps).
+
+    Near max_model_len a chained step whose draft could never be verified (its position is at or
+    past the limit, which the scheduler never verifies) sits at last_position instead: the rotary
+    table, its KV slot and its context stay within the limit, and its draft is never accepted.
+    The runner only graphs batches whose catch-up rows fit (p0 + n - 1 <= last_position); rows
+    past it would be clamped the same way, with the sequence's context capped there."""
     if tokens.is_cuda:
         from foretell.spec_decode.step_inputs_triton import catch_up_inputs_triton  # imports triton: CUDA only
 
         return catch_up_inputs_triton(tokens, first_pos, accepted, next_token, num_live, table, block_size,
-                                      rows_per_seq, shift, chained_steps)
+                                      rows_per_seq, shift, chained_steps, last_position)
     return catch_up_inputs_torch(tokens, first_pos, accepted, next_token, num_live, table, block_size,
-                                 rows_per_seq, shift, chained_steps)
+                                 rows_per_seq, shift, chained_steps, last_position)
 
 
 def catch_up_inputs_torch(tokens, first_pos, accepted, next_token, num_live, table, block_size, rows_per_seq,
-                          shift, chained_steps) -> CatchUpInputs:
+                          shift, chained_steps, last_position) -> CatchUpInputs:
     num_seqs, q = tokens.shape
     n = rows_per_seq
     offset = torch.arange(q + 1, device=tokens.device)  # position offsets p0 + 0 .. p0 + q
     at_position = torch.cat([tokens, next_token[:, None]], dim=1)  # [B, q + 1]
     at_position = torch.where(offset[None, :] <= accepted[:, None], at_position, next_token[:, None])
-    positions = first_pos[:, None] + offset[None, :n]  # [B, n]
+    positions = (first_pos[:, None] + offset[None, :n]).clamp(max=last_position)  # [B, n]
     live = torch.arange(num_seqs, device=tokens.device) < num_live
     next_row = accepted + (1 - shift)
     steps = torch.arange(1, chained_steps + 1, device=tokens.device)
-    chained = first_pos[:, None] + next_row[:, None] + steps  # [B, S]: chained step j's position
+    chained = (first_pos[:, None] + next_row[:, None] + steps).clamp(max=last_position)  # [B, S]: step j's position
     return CatchUpInputs(
         tokens=at_position[:, shift : shift + n].flatten(),
         positions=positions.flatten(),
         slots=_slots(table, positions, live, block_size).flatten(),
-        seq_lens=(first_pos + n).to(torch.int32),
+        seq_lens=(first_pos + n).clamp(max=last_position + 1).to(torch.int32),
         last_rows=torch.arange(num_seqs, device=tokens.device) * n + next_row,
         chained=ChainStepInputs(chained.t().contiguous(), (chained + 1).t().to(torch.int32).contiguous(),
                                 _slots(table, chained, live, block_size).t().contiguous()),

@@ -108,6 +108,7 @@ def _catch_up_kernel(
     stride_first_pos,
     stride_table,
     block_size,
+    last_position,  # max_model_len - 1: rows past it are placed at it (step_inputs.catch_up_inputs)
     Q: tl.constexpr,
     N: tl.constexpr,
     N_P: tl.constexpr,
@@ -128,18 +129,18 @@ def _catch_up_kernel(
     o = r + SHIFT  # the position offset whose token row r feeds
     from_step = in_rows & (o < Q) & (o <= a)  # tokens t, d_1 .. d_a of the verify step; x after them
     fed = tl.where(from_step, tl.load(tokens_ptr + seq * stride_tokens + o, mask=from_step, other=0), x)
-    pos = p0 + r
+    pos = tl.minimum(p0 + r, last_position)
     out = seq * N + r
     tl.store(fed_ptr + out, fed, mask=in_rows)
     tl.store(positions_ptr + out, pos, mask=in_rows)
     tl.store(slots_ptr + out, _slot(table_ptr, stride_table, seq, pos, block_size, writes_kv), mask=in_rows)
-    tl.store(seq_lens_ptr + seq, (p0 + N).to(tl.int32))
+    tl.store(seq_lens_ptr + seq, tl.minimum(p0 + N, last_position + 1).to(tl.int32))
     next_row = a + 1 - SHIFT
     tl.store(last_rows_ptr + seq, seq * N + next_row)
     # Chained step j (1..STEPS) feeds one row at draft 1's position + j.
     j = tl.arange(0, STEPS_P)
     in_steps = j < STEPS
-    step_pos = p0 + next_row + 1 + j
+    step_pos = tl.minimum(p0 + next_row + 1 + j, last_position)
     step_out = j * num_seqs + seq
     tl.store(chained_positions_ptr + step_out, step_pos, mask=in_steps)
     tl.store(chained_seq_lens_ptr + step_out, (step_pos + 1).to(tl.int32), mask=in_steps)
@@ -148,7 +149,7 @@ def _catch_up_kernel(
 
 
 def catch_up_inputs_triton(tokens, first_pos, accepted, next_token, num_live, table, block_size, rows_per_seq,
-                           shift, chained_steps) -> CatchUpInputs:
+                           shift, chained_steps, last_position) -> CatchUpInputs:
     num_seqs, q = tokens.shape
     n = rows_per_seq
     i64 = dict(dtype=torch.int64, device=tokens.device)
@@ -162,7 +163,7 @@ def catch_up_inputs_triton(tokens, first_pos, accepted, next_token, num_live, ta
     _catch_up_kernel[(num_seqs,)](
         tokens, first_pos, accepted, next_token, num_live, table, out.tokens, out.positions, out.slots,
         out.seq_lens, out.last_rows, chained.positions, chained.seq_lens, chained.slots,
-        num_seqs, tokens.stride(0), first_pos.stride(0), table.stride(0), block_size,
+        num_seqs, tokens.stride(0), first_pos.stride(0), table.stride(0), block_size, last_position,
         Q=q, N=n, N_P=triton.next_power_of_2(n), SHIFT=shift, STEPS=chained_steps,
         STEPS_P=triton.next_power_of_2(max(chained_steps, 1)), **_pdl(tokens),
     )
