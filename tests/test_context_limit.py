@@ -46,11 +46,13 @@ def short_context(folder: str, dest: str, max_positions: int = MAX_LEN) -> str:
 @pytest.fixture(scope="module")
 def short(checkpoint_root, tokenizer_dir, qwen3_checkpoint, qwen3_tied_checkpoint, eagle3_head):
     """name -> short-context folder: the Qwen3 target, its EAGLE3 head, another LM as draft, and
-    the DeepSeek-V3 fixture (MTP layers) with an EAGLE3 head whose draft layer is MLA."""
+    the DeepSeek-V3 fixture (one MTP layer) with an EAGLE3 head whose draft layer is MLA, and
+    the Kimi-K2 fixture (two MTP layers)."""
     def cut(name, folder):
         return short_context(folder, os.path.join(checkpoint_root, f"short{MAX_LEN}_{name}"))
 
     v3 = ds.checkpoint(checkpoint_root, tokenizer_dir, "v3")
+    kimi_k2 = ds.checkpoint(checkpoint_root, tokenizer_dir, "kimi_k2")  # two MTP layers, used in turn
     mla_head = os.path.join(checkpoint_root, "context_limit_mla_head")
     if not os.path.isdir(mla_head):
         ds.write_eagle3_mla_head(mla_head, ds.read_config(v3), aux_ids=[0, 1, 2])
@@ -60,6 +62,7 @@ def short(checkpoint_root, tokenizer_dir, qwen3_checkpoint, qwen3_tied_checkpoin
         "eagle3": cut("eagle3", eagle3_head),
         "draft": cut("draft", qwen3_tied_checkpoint),
         "v3": cut("v3", v3),
+        "kimi_k2": cut("kimi_k2", kimi_k2),
         "mla_head": cut("mla_head", mla_head),
     }
 
@@ -73,6 +76,7 @@ DRAFTERS = {
     # A self-draft accepts everything: each verify emits k + 1 tokens, the last past the limit.
     "draft_model_self": ("qwen3", {"method": "draft_model", "model": "qwen3", "num_speculative_tokens": 3}),
     "mtp": ("v3", {"method": "mtp", "num_speculative_tokens": 3}),
+    "mtp_two_layers": ("kimi_k2", {"method": "mtp", "num_speculative_tokens": 3}),
     "eagle3_mla": ("v3", {"method": "eagle3", "model": "mla_head", "num_speculative_tokens": 3}),
 }
 
@@ -115,7 +119,7 @@ PROMPT_LENGTHS = (MAX_LEN - 13, MAX_LEN - 4, MAX_LEN - 2, MAX_LEN - 1)
 def plain(short):
     """The plain engine's outputs per target: each prompt alone, to the limit."""
     out = {}
-    for target in ("qwen3", "v3"):
+    for target in ("qwen3", "v3", "kimi_k2"):
         llm = LLM(short[target], dtype="float32", num_kv_blocks=64)
         out[target] = {
             (n, seed): token_ids(llm.generate([prompt(n, seed)], to_limit(), use_tqdm=False))[0]
