@@ -17,6 +17,23 @@ from foretell.ops.common import kernel_choice
 from foretell.layers.linear import make_param
 
 
+def rms_norm_torch(
+    x: torch.Tensor,  # [..., width]
+    weight: torch.Tensor,  # [width], or any shape that broadcasts against x (per-head weights)
+    eps: float,
+) -> torch.Tensor:  # [..., width]
+    """HF's RMSNorm: normalise in float32, cast back to x's dtype, then scale by the weight."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        # torch.rms_norm does these very operations in float32 (bit for bit; tests/test_layers.py
+        # holds them together) from one Python call: fewer dispatches where launches dominate (CPU).
+        if weight.dim() == 1:
+            return torch.rms_norm(x, (x.shape[-1],), weight, eps)
+        return weight * torch.rms_norm(x, (x.shape[-1],), None, eps)
+    x32 = x.float()
+    variance = x32.pow(2).mean(-1, keepdim=True)
+    return weight * (x32 * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(
         self,
@@ -35,9 +52,7 @@ class RMSNorm(nn.Module):
             self.weight.fill_(1.0)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> same
-        x32 = x.float()
-        variance = x32.pow(2).mean(-1, keepdim=True)
-        return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(x.dtype)
+        return rms_norm_torch(x, self.weight, self.eps)
 
     def forward(
         self,

@@ -19,18 +19,20 @@ def write_kv_torch(
     slot_mapping: torch.Tensor,  # [num_tokens]
 ) -> None:
     flat = kv_cache.flatten(1, 2)  # [2, num_slots, num_kv_heads, head_dim] (a view)
-    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    if key.dtype != kv_cache.dtype or value.dtype != kv_cache.dtype:  # (a no-op cast still costs a dispatch)
+        key, value = key.to(kv_cache.dtype), value.to(kv_cache.dtype)
+    flat[0].index_copy_(0, slot_mapping, key)
+    flat[1].index_copy_(0, slot_mapping, value)
 
 
 def gather_context(
     cache: torch.Tensor,  # [num_blocks, block_size, ...]
-    block_table_row: torch.Tensor,  # [max_blocks]
+    block_table_row: torch.Tensor,  # [max_blocks] int32 or int64
     seq_len: int,
 ) -> torch.Tensor:  # [seq_len, ...]
     block_size = cache.shape[1]
     num_blocks = -(-seq_len // block_size)
-    blocks = cache.index_select(0, block_table_row[:num_blocks].long())
+    blocks = cache.index_select(0, block_table_row[:num_blocks])  # int32 indices: no cast launch
     return blocks.flatten(0, 1)[:seq_len]
 
 
@@ -40,21 +42,34 @@ def causal_attention(
     value: torch.Tensor,  # [seq_len, num_kv_heads, v_head_dim]
     scale: float,
 ) -> torch.Tensor:  # [q_len, num_heads, v_head_dim]
-    """Queries are the last q_len positions of a seq_len context."""
+    """Queries are the last q_len positions of a seq_len context.
+
+    Two batched matmuls over the kv heads, each head's query group and rows stacked as
+    [num_kv_heads, group * q_len, head_dim]; a single query row sees every key, so it needs no
+    mask (few launches: on the CPU a decode step's cost is mostly per-op overhead)."""
     q_len, num_heads, _ = query.shape
     seq_len, num_kv_heads, _ = key.shape
     group = num_heads // num_kv_heads
-    q = query.float().view(q_len, num_kv_heads, group, -1).permute(1, 2, 0, 3)
-    k = key.float().permute(1, 0, 2)  # [num_kv_heads, seq_len, head_dim]
-    v = value.float().permute(1, 0, 2)
-    scores = torch.einsum("hgqd,hkd->hgqk", q, k) * scale
-    query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-    key_pos = torch.arange(seq_len, device=query.device)
-    visible = key_pos[None, :] <= query_pos[:, None]  # [q_len, seq_len]
-    scores = scores.masked_fill(~visible, float("-inf"))
+    # [num_kv_heads, group * q_len, head_dim]
+    if q_len == 1:  # a decode row: [num_heads, head_dim] is already [num_kv_heads, group, head_dim]
+        q = query.float().reshape(num_kv_heads, group, -1)
+    else:
+        q = query.float().view(q_len, num_kv_heads, group, -1).permute(1, 2, 0, 3).reshape(num_kv_heads, group * q_len, -1)
+    k = key.float().permute(1, 2, 0)  # [num_kv_heads, head_dim, seq_len]
+    v = value.float().permute(1, 0, 2)  # [num_kv_heads, seq_len, v_head_dim]
+    scores = torch.bmm(q, k).mul_(scale)  # [num_kv_heads, group * q_len, seq_len]
+    if q_len > 1:
+        # query row j sits at position seq_len - q_len + j and sees keys 0..that position
+        hidden = torch.ones(q_len, seq_len, dtype=torch.bool, device=query.device).triu_(seq_len - q_len + 1)
+        scores = scores.view(num_kv_heads, group, q_len, seq_len).masked_fill_(hidden, float("-inf"))
+        scores = scores.view(num_kv_heads, group * q_len, seq_len)
     probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("hgqk,hkd->hgqd", probs, v)  # [num_kv_heads, group, q_len, v_head_dim]
-    return out.permute(2, 0, 1, 3).reshape(q_len, num_heads, -1).to(query.dtype)
+    out = torch.bmm(probs, v)  # [num_kv_heads, group * q_len, v_head_dim]
+    if q_len == 1:
+        out = out.view(1, num_heads, -1)
+    else:
+        out = out.view(num_kv_heads, group, q_len, -1).permute(2, 0, 1, 3).reshape(q_len, num_heads, -1)
+    return out if out.dtype == query.dtype else out.to(query.dtype)
 
 
 class TorchAttentionBackend:
@@ -72,14 +87,27 @@ class TorchAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        out = torch.empty_like(query)
         starts = metadata.query_start_loc_cpu
+        if len(starts) == 2 and starts[1] == query.shape[0] > 0:  # one sequence, every row: no output buffer
+            key, value = gather_kv(kv_cache, metadata.block_table[0], metadata.seq_lens_cpu[0])
+            return causal_attention(query, key, value, scale)
+        out = torch.empty_like(query)
         for i, seq_len in enumerate(metadata.seq_lens_cpu):
             lo, hi = starts[i], starts[i + 1]
             if hi == lo:
                 continue
-            row = metadata.block_table[i]
-            key = gather_context(kv_cache[0], row, seq_len)
-            value = gather_context(kv_cache[1], row, seq_len)
+            key, value = gather_kv(kv_cache, metadata.block_table[i], seq_len)
             out[lo:hi] = causal_attention(query[lo:hi], key, value, scale)
         return out
+
+
+def gather_kv(
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_table_row: torch.Tensor,  # [max_blocks] int32 or int64
+    seq_len: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # key, value: [seq_len, num_kv_heads, head_dim] each
+    """gather_context for the key and the value cache in one gather."""
+    num_blocks = -(-seq_len // kv_cache.shape[2])
+    blocks = kv_cache.index_select(1, block_table_row[:num_blocks])  # [2, num_blocks, block_size, ...]
+    context = blocks.flatten(1, 2)[:, :seq_len]  # [2, seq_len, num_kv_heads, head_dim]
+    return context[0], context[1]
