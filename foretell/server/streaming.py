@@ -58,7 +58,7 @@ def request_failure(out: RequestOutput) -> str | None:
     """What went wrong when the engine failed this request inside a step (its output is then
     final, with finish_reason "error"); None for a request that did not fail. Other requests of
     that step go on: only this request's response ends with the error."""
-    return getattr(out, "error", None)  # RequestOutput.error: see foretell/engine/outputs.py
+    return out.error
 
 
 def holdback(req: SamplingRequestFields) -> int:

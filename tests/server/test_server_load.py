@@ -278,10 +278,9 @@ def test_a_request_failing_in_the_engine_ends_only_its_own_response(qwen3_checkp
             for i, out in enumerate(outputs):
                 if out.prompt == "poison" and not out.finished and out.outputs[0].token_ids:
                     engine.abort_request(out.request_id)  # what the engine does: free it
-                    failed = dataclasses.replace(out, finished=True, outputs=[
-                        dataclasses.replace(c, finish_reason="error") for c in out.outputs])
-                    failed.error = "request failed inside an engine step: injected failure"
-                    outputs[i] = failed
+                    outputs[i] = dataclasses.replace(
+                        out, finished=True, error="request failed inside an engine step: injected failure",
+                        outputs=[dataclasses.replace(c, finish_reason="error") for c in out.outputs])
             return outputs
 
         engine.step = step
