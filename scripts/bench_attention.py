@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from bench_result import write_result  # noqa: E402
 from foretell.ops.attention.metadata import AttentionMetadata  # noqa: E402
-from foretell.layers.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from foretell.ops.attention.reference import TorchAttentionBackend  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

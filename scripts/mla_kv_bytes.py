@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from foretell.layers.attention.layer import Attention
-from foretell.layers.attention.torch_backend import TorchAttentionBackend
+from foretell.ops.attention.reference import TorchAttentionBackend
 from foretell.layers.mla import LatentAttention, MLADims
 from foretell.runner.kv_cache import plan_cache
 

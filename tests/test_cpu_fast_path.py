@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from foretell.layers.attention.layer import norm_and_rotate
-from foretell.layers.attention.torch_backend import TorchAttentionBackend, causal_attention, gather_context
+from foretell.ops.attention.reference import TorchAttentionBackend, causal_attention, gather_context
 from foretell.layers.norm import RMSNorm, rms_norm_torch
 from foretell.layers.rotary import RotaryEmbedding
 from foretell.ops.attention.metadata import AttentionMetadata

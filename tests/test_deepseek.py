@@ -19,7 +19,7 @@ from fixtures import PagedRunner
 from fixtures import deepseek as ds
 from fixtures.checkpoints import make_variant
 from foretell import LLM, SamplingParams
-from foretell.layers.attention.torch_backend import TorchAttentionBackend
+from foretell.ops.attention.reference import TorchAttentionBackend
 from foretell.ops.mla.reference import absorbed_attention, expanded_attention
 from foretell.ops.moe.reference import RouterConfig, experts_forward_torch, select_experts
 from foretell.ops.pointwise.reference import apply_rope_gptj

@@ -18,7 +18,7 @@ from fixtures import PagedRunner
 from fixtures import deepseek as ds
 from fixtures.checkpoints import make_variant
 from foretell import LLM, SamplingParams
-from foretell.layers.attention.torch_backend import TorchAttentionBackend
+from foretell.ops.attention.reference import TorchAttentionBackend
 from foretell.loader import CheckpointError, dequantize_fp8_blocks, iter_checkpoint_tensors, load_weights
 from foretell.models.base import HFConfig, ModelOptions
 from foretell.models.registry import resolve_model_class

@@ -76,10 +76,6 @@ KNOWN_CIRCLE_EDGES = {
 
 # (importer, imported) edges that break a layer rule today.
 KNOWN_LAYER_EXCEPTIONS = {
-    # The paged-attention torch reference still sits in layers/attention/torch_backend.py while the
-    # CPU fast path work edits it; it moves to ops/attention/reference.py (issue 31) right after.
-    ("foretell.ops.attention.dispatch", "foretell.layers.attention.torch_backend"): "ops -> layers",
-    ("foretell.ops.mla.reference", "foretell.layers.attention.torch_backend"): "ops -> layers",
     # The draft graph is captured with the runner's CudaGraphRunner, and the draft model proposer
     # loads its model through the runner's model loading. Go with the one-speculative-step work
     # of issue 31 (graph capture and model loading below both, or handed in as arguments).

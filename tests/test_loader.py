@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from fixtures.checkpoints import make_variant
-from foretell.layers.attention.torch_backend import TorchAttentionBackend
+from foretell.ops.attention.reference import TorchAttentionBackend
 from foretell.loader import CheckpointError, iter_checkpoint_tensors, load_weights
 from foretell.models.base import HFConfig, ModelOptions
 from foretell.models.registry import resolve_model_class

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fixtures import PagedRunner
-from foretell.layers.attention.torch_backend import TorchAttentionBackend
+from foretell.ops.attention.reference import TorchAttentionBackend
 from foretell.models.base import HFConfig, ModelOptions, side_by_side
 from foretell.models.registry import resolve_model_class
 from foretell.runner import model_loading

@@ -6,8 +6,6 @@ runner, spec_decode, engine): what an op needs from a module is named in common/
 Folders:
   attention/   paged GQA attention: metadata (AttentionMetadata), KV write, varlen attention,
                RoPE + KV write, RoPE + attention in one launch, and the backends over them
-               (its torch reference, TorchAttentionBackend, is still layers/attention/
-               torch_backend.py until the CPU fast-path work on it lands; it moves to reference.py)
   mla/         multi-head latent attention over the latent cache (DeepSeek, Kimi)
   moe/         router (expert selection) and the packed experts' forward
   gemm/        few-row GEMMs (GEMV, tensor-core MMA) and SmallMGemm, which picks them or cuBLAS

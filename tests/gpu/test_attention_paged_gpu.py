@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from foretell.ops.attention.metadata import AttentionMetadata  # noqa: E402
-from foretell.layers.attention.torch_backend import (  # noqa: E402
+from foretell.ops.attention.reference import (  # noqa: E402
     TorchAttentionBackend,
     write_kv_torch,
 )

@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from foretell.ops.attention.metadata import AttentionMetadata
-from foretell.layers.attention.torch_backend import causal_attention, gather_context
+from foretell.ops.attention.reference import causal_attention, gather_context
 from foretell.ops.mla.reference import TorchMLABackend
 from foretell.ops.mla.triton_attention import (
     TritonMLABackend,

@@ -15,7 +15,7 @@ import torch
 
 from foretell.ops.attention.metadata import AttentionMetadata
 from foretell.ops.common.split_counters import SplitCounters
-from foretell.layers.attention.torch_backend import TorchAttentionBackend, write_kv_torch
+from foretell.ops.attention.reference import TorchAttentionBackend, write_kv_torch
 
 from fixtures.triton_interpreter import HAS_CUDA, import_interpreted, interpreter_mode  # noqa: F401
 

@@ -21,7 +21,7 @@ from fixtures.triton_interpreter import HAS_CUDA, import_interpreted, interprete
 from foretell.ops.common import kernel_choice
 from foretell.layers.attention.layer import Attention
 from foretell.ops.attention.metadata import AttentionMetadata
-from foretell.layers.attention.torch_backend import write_kv_torch
+from foretell.ops.attention.reference import write_kv_torch
 from foretell.layers.norm import RMSNorm
 from foretell.layers.rotary import RotaryEmbedding
 

@@ -21,7 +21,7 @@ from fixtures.seeds import reports_seed
 from fixtures.triton_interpreter import HAS_CUDA, import_interpreted, interpreter_mode  # noqa: F401
 from foretell.ops.common import kernel_choice
 from foretell.layers.attention.layer import Attention
-from foretell.layers.attention.torch_backend import TorchAttentionBackend, write_kv_torch
+from foretell.ops.attention.reference import TorchAttentionBackend, write_kv_torch
 from foretell.layers.norm import RMSNorm
 from foretell.layers.rotary import RotaryEmbedding
 from test_attention_paged import BATCHES, LONG_BATCHES, TOLERANCE, Batch

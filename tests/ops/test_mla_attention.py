@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from foretell.ops.attention.metadata import AttentionMetadata
-from foretell.layers.attention.torch_backend import causal_attention, gather_context
+from foretell.ops.attention.reference import causal_attention, gather_context
 from foretell.ops.mla.reference import TorchMLABackend
 
 if torch.cuda.is_available():

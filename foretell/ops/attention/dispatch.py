@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 
 from foretell.ops.attention.metadata import AttentionMetadata
+from foretell.ops.attention.reference import TorchAttentionBackend
 
 
 class AttentionBackend(Protocol):
@@ -44,8 +45,6 @@ class AttentionBackend(Protocol):
 
 def build_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     """Pick a backend by name. "auto" is Triton on CUDA when Triton imports, else torch."""
-    from foretell.layers.attention.torch_backend import TorchAttentionBackend  # moves to ops/attention/reference.py
-
     if name == "auto":
         name = "triton" if device.type == "cuda" and _triton_available() else "torch"
     if name == "torch":

@@ -1,6 +1,6 @@
 """Triton kernels over the paged GQA cache: the KV write and one varlen attention kernel.
 
-Twins: `write_kv_torch` and `TorchAttentionBackend.attend` in layers/attention/torch_backend.py hold the reference
+Twins: `write_kv_torch` and `TorchAttentionBackend.attend` in reference.py hold the reference
 semantics; tests/ops/test_attention_paged.py holds the two together on random inputs.
 
 The attention kernel handles every kind of row in one launch: prefill chunks (with or without a

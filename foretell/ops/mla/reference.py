@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from foretell.ops.attention.metadata import AttentionMetadata
-from foretell.layers.attention.torch_backend import causal_attention, gather_context  # moves to ops/attention/reference.py
+from foretell.ops.attention.reference import causal_attention, gather_context
 from foretell.ops.common.protocols import NormModule, RotaryModule
 from foretell.ops.pointwise.reference import APPLY_STYLES
 
