@@ -7,7 +7,8 @@ and verify steps, not prefill: on the H200 the first GSM8K prompts of a fresh en
 295 ms against 56 ms steady (BENCHMARKS.md), compiling inside the first requests. The warm-up
 runs prompts whose lengths cover the tile variants (powers of two and their neighbours, up to the
 chunked-prefill budget), one at a time and then together, each for a few verify or decode steps,
-through the scheduler, runner and drafter exactly as requests run. Afterwards nothing of it
+through the scheduler, runner and drafter exactly as requests run, and once more over the
+prefix cache (prefills of a query after a cached context). Afterwards nothing of it
 remains: counters, the prefix cache and the KV blocks are as they were.
 """
 
@@ -33,6 +34,11 @@ def warm_up(engine) -> float:
     prompts = {f"warm-up-{n}": [(7 * i + 3) % vocab for i in range(n)] for n in lengths}
     for request_id, tokens in prompts.items():  # batch 1: each prefill shape, then decode / verify
         _run(engine, {request_id: tokens}, params)
+    if engine.config.cache.enable_prefix_caching:
+        # The same prompts again hit the prefix cache: prefills over a cached prefix (a context
+        # longer than the query) are other kernel variants, met in serving by repeated prompts.
+        for request_id, tokens in prompts.items():
+            _run(engine, {f"{request_id}-cached": tokens}, params)
     _run(engine, {f"{r}-batched": t for r, t in prompts.items()}, params)  # mixed batches
     _forget(engine)
     return time.perf_counter() - start
