@@ -323,18 +323,19 @@ def test_off_and_cpu_bind_nothing():
         ModelConfig(model="x", small_m_gemm="fast")
 
 
-def test_cli_flag_reaches_the_model_config():
+def test_cli_flag_reaches_the_model_config(tmp_path):
     import argparse
 
     from foretell.cli_args import add_engine_args, engine_kwargs_from_args
     from foretell.config import build_engine_config
 
+    model = str(tmp_path)  # an existing folder: the config resolves it without the Hub
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    kwargs = engine_kwargs_from_args(parser.parse_args(["--model", "m", "--small-m-gemm", "auto"]))
-    assert build_engine_config("m", **kwargs).model.small_m_gemm == "auto"
-    kwargs = engine_kwargs_from_args(parser.parse_args(["--model", "m"]))
-    assert build_engine_config("m", **kwargs).model.small_m_gemm == "on"
+    kwargs = engine_kwargs_from_args(parser.parse_args(["--model", model, "--small-m-gemm", "auto"]))
+    assert build_engine_config(model, **kwargs).model.small_m_gemm == "auto"
+    kwargs = engine_kwargs_from_args(parser.parse_args(["--model", model]))
+    assert build_engine_config(model, **kwargs).model.small_m_gemm == "on"
 
 
 def test_gated_projection_runs_the_activation_in_the_kernel(monkeypatch):
