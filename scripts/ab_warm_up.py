@@ -17,7 +17,7 @@ for family in ("qwen3", "deepseek"):
         start, tokens = time.perf_counter(), 0
         for prompt in prompts:
             tokens += len(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
-        runner = llm.engine.runner
+        pipeline = llm.engine.runner.pipeline
         print(family, mode, round(tokens / (time.perf_counter() - start), 1), "tok/s; ahead used/launched",
-              runner.ahead_used, runner.ahead_launched, flush=True)
+              pipeline.num_used, pipeline.num_launched, flush=True)
         del llm

@@ -105,12 +105,13 @@ def decode_tok_s(llm: LLM, batch: int, prompt_len: int = 128, new_tokens: int = 
 def decode_sync_tok_s(llm: LLM, batch: int, **kw) -> dict:
     """decode_tok_s with decoding one step ahead switched off: the synchronous engine (each step
     waits for its tokens before the host schedules the next), for the before/after."""
-    runner = llm.engine.runner
-    ahead, runner.decode_ahead = runner.decode_ahead, False
+    pipeline = llm.engine.runner.pipeline  # without a drafter its only device step is decode ahead
+    saved = pipeline.queue_ahead, pipeline.kinds
+    pipeline.queue_ahead, pipeline.kinds = False, []
     try:
         return decode_tok_s(llm, batch, **kw)
     finally:
-        runner.decode_ahead = ahead
+        pipeline.queue_ahead, pipeline.kinds = saved
 
 
 def save() -> None:

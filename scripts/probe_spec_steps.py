@@ -46,13 +46,13 @@ class StepLog:
 
         def timed_step():
             general0, gc0, compiles0 = self.general, self.gc_ms, self.compiles
-            used0 = self.runner.ahead_used
+            used0 = self.runner.pipeline.num_used
             seqs = len(self.engine.scheduler.running)
             t0 = time.perf_counter()
             out = step()
             if self.recording:
                 self.rows.append({"ms": 1000 * (time.perf_counter() - t0), "running": seqs,
-                                  "ahead_used": self.runner.ahead_used - used0, "general": self.general - general0,
+                                  "ahead_used": self.runner.pipeline.num_used - used0, "general": self.general - general0,
                                   "gc_ms": round(self.gc_ms - gc0, 2), "compiles": self.compiles - compiles0})
             return out
 

@@ -2,7 +2,7 @@
 max_model_len, run without capture on the CPU through Triton's interpreter, on checkpoints whose
 rotary tables end at the limit (test_context_limit.short_context): requests run to exactly
 max_model_len with the plain engine's tokens, and the graphed draft loop places chained steps
-whose drafts would sit past the limit at max_model_len - 1 (step_inputs.catch_up_inputs)."""
+whose drafts would sit past the limit at max_model_len - 1 (ops/step dispatch.catch_up_inputs)."""
 
 from __future__ import annotations
 

@@ -46,8 +46,8 @@ def test_greedy_tokens_equal_without_decode_ahead(qwen3_checkpoint, options):
     llm = make(qwen3_checkpoint, "on", **options)
     assert tokens(llm, MIXED) == expected
     runner = llm.engine.runner
-    assert runner.decode_ahead and runner.ahead_used > 0
-    assert runner.ahead_used <= runner.ahead_launched
+    assert runner.pipeline.queue_ahead and runner.pipeline.num_used > 0
+    assert runner.pipeline.num_used <= runner.pipeline.num_launched
     if options.get("num_kv_blocks") == 12:
         assert llm.get_stats()["num_preemptions"] > 0
     assert_all_free(llm)
@@ -59,8 +59,8 @@ def test_a_lone_sequence_uses_nearly_every_launch(qwen3_checkpoint):
     runner = llm.engine.runner
     # 29 decode steps; block boundaries (every 4th position) cannot launch ahead, and no launch is
     # made past max_tokens, so every launch is used.
-    assert runner.ahead_launched == runner.ahead_used >= 20
-    assert runner.launched is None
+    assert runner.pipeline.num_launched == runner.pipeline.num_used >= 20
+    assert runner.pipeline.queued is None
 
 
 def test_seeded_sampling_equal_without_decode_ahead(qwen3_checkpoint):
@@ -87,7 +87,7 @@ def test_stops_and_logprob_requests_mixed_in(qwen3_checkpoint):
         assert a.outputs[0].finish_reason == b.outputs[0].finish_reason
     assert ahead[0].outputs[0].finish_reason == "stop"
     assert [lp.token_id for lp in ahead[1].outputs[0].logprobs] == ahead[1].outputs[0].token_ids
-    assert llm.engine.runner.ahead_used > 0
+    assert llm.engine.runner.pipeline.num_used > 0
     assert_all_free(llm)
 
 
@@ -116,15 +116,15 @@ def test_arrivals_and_aborts_between_steps(qwen3_checkpoint):
     expected, _ = run("off")
     got, engine = run("on")
     assert got == expected and set(got) == {"a", "b"}
-    assert engine.runner.ahead_used > 0
+    assert engine.runner.pipeline.num_used > 0
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
 def test_off_by_default_on_cpu_and_with_a_drafter(qwen3_checkpoint, eagle3_head):
-    assert not make(qwen3_checkpoint, "auto").engine.runner.decode_ahead
+    assert not make(qwen3_checkpoint, "auto").engine.runner.pipeline.queue_ahead
     spec = {"method": "eagle3", "model": eagle3_head, "num_speculative_tokens": 2}
     assert not LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=64, async_scheduling="on",
-                   speculative_config=spec).engine.runner.decode_ahead
+                   speculative_config=spec).engine.runner.pipeline.queue_ahead
 
 
 def test_bad_mode_is_refused(qwen3_checkpoint):

@@ -27,7 +27,7 @@ from foretell.layers.rotary import RotaryEmbedding, yarn_softmax_scale_factor
 from foretell.loader import CheckpointError
 from foretell.models.base import HFConfig, ModelOptions
 from foretell.models.registry import resolve_model_class
-from foretell.runner import model_loading
+from foretell.models import loading as model_loading
 
 ATOL = 1e-4
 VARIANTS = ["v3", "kimi_k2", "v2_lite", "v2", "v2_lite_bias"]

@@ -22,6 +22,23 @@ import_interpreted("foretell.ops.attention.triton_paged")
 import_interpreted("foretell.ops.attention.triton_backend")
 
 
+def count_padded_verify_steps(monkeypatch) -> list:
+    """A list that grows by one for each verify step the padded (graphed) step kind launches."""
+    from foretell.runner.graphed_verify import GraphedVerify
+
+    calls = []
+    original = GraphedVerify.launch
+
+    def counted(self, sched, batch):
+        step = original(self, sched, batch)
+        if step is not None:
+            calls.append(1)
+        return step
+
+    monkeypatch.setattr(GraphedVerify, "launch", counted)
+    return calls
+
+
 def generate(folder, **kwargs):
     llm = LLM(folder, dtype="float32", num_kv_blocks=64, max_num_seqs=4, **kwargs)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -29,11 +46,7 @@ def generate(folder, **kwargs):
 
 
 def test_graph_path_matches_plain_greedy(qwen3_checkpoint, qwen3_tied_checkpoint, eagle3_head, monkeypatch):
-    from foretell.runner import model_runner
-
-    calls = []
-    original = model_runner.launch_graphed_verify
-    monkeypatch.setattr(model_runner, "launch_graphed_verify", lambda *a: calls.append(1) or original(*a))
+    calls = count_padded_verify_steps(monkeypatch)
     _, plain = generate(qwen3_checkpoint)
     configs = [
         # A self-draft is accepted every time; another LM and a random EAGLE3 head are rejected
@@ -68,11 +81,7 @@ def test_requests_ending_mid_verify_stay_on_the_graph_path(qwen3_checkpoint, mon
     caps what may be accepted instead of dropping drafts: a self-draft accepts everything, so
     without the cap it would emit past max_tokens; every verify step takes the graphed path, the
     output equals plain greedy and the statistics count only the usable drafts."""
-    from foretell.runner import model_runner
-
-    calls = []
-    original = model_runner.launch_graphed_verify
-    monkeypatch.setattr(model_runner, "launch_graphed_verify", lambda *a: calls.append(1) or original(*a))
+    calls = count_padded_verify_steps(monkeypatch)
     spec = {"method": "draft_model", "model": qwen3_checkpoint, "num_speculative_tokens": 5}
     llm = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=64, max_num_seqs=4, attention_backend="triton",
               speculative_config=spec)
@@ -123,10 +132,10 @@ def test_verify_steps_queued_ahead_give_the_same_tokens(qwen3_checkpoint, eagle3
         llm = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=128, max_num_seqs=4, attention_backend="triton",
                   block_size=4, async_scheduling="on", speculative_config=spec)
         runner = llm.engine.runner
-        assert runner.decode_ahead and runner.num_lookahead_tokens == 2 * spec["num_speculative_tokens"] + 1
+        assert runner.pipeline.queue_ahead and runner.num_lookahead_tokens == 2 * spec["num_speculative_tokens"] + 1
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert got == expected, spec
-        assert 0 < runner.ahead_used <= runner.ahead_launched, spec
+        assert 0 < runner.pipeline.num_used <= runner.pipeline.num_launched, spec
         s = llm.get_stats()
         assert s["num_free_kv_blocks"] == s["num_kv_blocks"]
 
@@ -136,7 +145,7 @@ def test_verify_ahead_with_simulated_acceptance(qwen3_checkpoint, eagle3_head):
             "simulate_acceptance": {"rates": [0.8, 0.5]}}
     llm, got = generate(qwen3_checkpoint, attention_backend="triton", speculative_config=spec, async_scheduling="on")
     assert all(len(tokens) == 12 for tokens in got)
-    assert llm.engine.runner.ahead_used > 0
+    assert llm.engine.runner.pipeline.num_used > 0
     stats = llm.get_stats()
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
 
@@ -155,7 +164,7 @@ def test_verify_ahead_under_preemption(qwen3_checkpoint, eagle3_head):
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     s = llm.get_stats()
     assert got == expected
-    assert s["num_preemptions"] > 0 and llm.engine.runner.ahead_used > 0
+    assert s["num_preemptions"] > 0 and llm.engine.runner.pipeline.num_used > 0
     assert s["num_free_kv_blocks"] == s["num_kv_blocks"]
 
 
@@ -182,7 +191,7 @@ def test_decode_ahead_on_graphs_takes_the_graphs_argmax(qwen3_checkpoint, monkey
         stats = llm.get_stats()
         assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
         if mode == "on":
-            assert llm.engine.runner.graphs is not None and llm.engine.runner.ahead_used > 0
+            assert llm.engine.runner.graphs is not None and llm.engine.runner.pipeline.num_used > 0
             greedy_only = llm.generate(PROMPTS[:2], greedy[:2], use_tqdm=False)
     assert got["on"] == got["off"]
     plain = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=64)

@@ -58,29 +58,10 @@ HEAVY_FOR_HELP = (
 )
 
 # (importer, imported) edges that close a circle today. Each is the import that should go.
-KNOWN_CIRCLE_EDGES = {
-    # A Triton file takes its argument types from the module that dispatches to it, which imports
-    # the kernels lazily. Goes when these kernels move into ops/step/ with their types below both
-    # (issue 31, "Kernels out of layers/").
-    ("foretell.runner.graph_inputs_triton", "foretell.runner.graph_inputs"):
-        "kernels <-> dispatcher (ops/step move)",
-    ("foretell.spec_decode.step_inputs_triton", "foretell.spec_decode.step_inputs"):
-        "kernels <-> dispatcher (ops/step move)",
-    # build_proposer's method table sits in proposer.py, the base class every proposer imports.
-    # Goes when the table moves to spec_decode/registry.py (DESIGN.md's layout).
-    ("foretell.spec_decode.proposer", "foretell.spec_decode.draft_model"): "registry in proposer.py",
-    ("foretell.spec_decode.proposer", "foretell.spec_decode.eagle3_mla"): "registry in proposer.py",
-    ("foretell.spec_decode.proposer", "foretell.spec_decode.mtp"): "registry in proposer.py",
-    ("foretell.spec_decode.proposer", "foretell.spec_decode.ngram"): "registry in proposer.py",
-}
+KNOWN_CIRCLE_EDGES: dict[tuple[str, str], str] = {}
 
 # (importer, imported) edges that break a layer rule today.
 KNOWN_LAYER_EXCEPTIONS = {
-    # The draft graph is captured with the runner's CudaGraphRunner, and the draft model proposer
-    # loads its model through the runner's model loading. Go with the one-speculative-step work
-    # of issue 31 (graph capture and model loading below both, or handed in as arguments).
-    ("foretell.spec_decode.draft_graph", "foretell.runner.cuda_graph"): "spec_decode -> runner",
-    ("foretell.spec_decode.draft_model", "foretell.runner.model_loading"): "spec_decode -> runner",
 }
 
 

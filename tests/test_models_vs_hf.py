@@ -16,7 +16,7 @@ from fixtures import PagedRunner
 from foretell.ops.attention.reference import TorchAttentionBackend
 from foretell.models.base import HFConfig, ModelOptions, side_by_side
 from foretell.models.registry import resolve_model_class
-from foretell.runner import model_loading
+from foretell.models import loading as model_loading
 
 FAMILIES = ["llama31", "qwen3", "qwen3_tied", "qwen2", "mistral", "llama2_bin"]
 ATOL = 1e-4

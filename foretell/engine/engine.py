@@ -60,7 +60,7 @@ class Engine:
             plan.num_blocks,
             plan.block_size,
             config.cache.enable_prefix_caching,
-            reuse_margin_blocks=1 if proposer is not None and proposer.draft_kv_reads_next_token else 0,
+            reuse_margin_blocks=1 if proposer is not None and proposer.capabilities.draft_kv_reads_next_token else 0,
         )
         k = config.speculative.num_speculative_tokens if config.speculative else 0
         self.scheduler = Scheduler(
@@ -70,7 +70,7 @@ class Engine:
         )
         self.metrics = EngineMetrics(
             spec=SpecDecodeStats(k) if k else None,
-            synthetic_acceptance=self.runner.simulated is not None,
+            synthetic_acceptance=self.runner.verifier.synthetic,
         )
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
@@ -324,7 +324,7 @@ class Engine:
     # ---- stats ---------------------------------------------------------------------
     def get_stats(self) -> dict:
         stats = self.metrics.as_dict()
-        if self.runner.simulated is not None:
+        if self.runner.verifier.synthetic:
             stats["synthetic_acceptance"] = True  # accept decisions were drawn, text is synthetic
         stats.update(
             num_requests_running=len(self.scheduler.running),

@@ -12,6 +12,8 @@ Folders:
   pointwise/   per-row ops of a decoder layer: residual add + RMSNorm, RoPE, SiLU-and-mul, the
                EAGLE3 draft layer's input (embedding rows + two norms)
   sampling/    row-wise argmax over a large vocabulary
+  step/        a speculative step's bookkeeping: graph inputs from one packed upload, greedy and
+               drawn acceptance, the draft loop's catch-up inputs, the next verify's inputs
   common/      what the others share: kernel_choice (may this call use Triton?), pdl (dependent
                launches), split_counters, protocols
 

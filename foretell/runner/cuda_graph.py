@@ -24,10 +24,10 @@ from torch import nn
 
 from foretell.ops.attention.metadata import AttentionMetadata
 from foretell.layers.sampler import argmax_rows
+from foretell.ops.step.dispatch import advance_verify_inputs, unpack_graph_inputs
+from foretell.ops.step.inputs import GraphInputBuffers
 from foretell.runner import graph_inputs
-from foretell.runner.graph_inputs import GraphInputBuffers
 from foretell.runner.input_batch import InputBatch, build_block_table
-from foretell.spec_decode.step_inputs import advance_verify_inputs
 
 logger = logging.getLogger("foretell")
 
@@ -177,7 +177,7 @@ class CudaGraphRunner:
         self.side.upload(staging, host)
         tokens = staging[layout.ids_offset :] if layout.ids_on_host else batch.token_ids
         self.side.before_input_write()
-        graph_inputs.unpack(staging, tokens, self.buffers, layout)
+        unpack_graph_inputs(staging, tokens, self.buffers, layout)
         self.side.after_input_write()
         self.table_rows = None  # recorded only by advance_verify: no per-step host work on this path
         return self.replay(key)

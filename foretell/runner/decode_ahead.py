@@ -4,10 +4,11 @@ postprocess and schedule, the next batch's tensors) runs while the GPU computes,
 
 A plain decode step (every sequence feeds one row and samples; no drafts, no logprobs) samples on
 the device and queues the copy of its tokens to pinned host memory. Before waiting for that copy,
-the runner launches the next step for the same sequences: the sampled tokens, still on the device,
-are its inputs and every position moves one on. When the scheduler's next decision is exactly that
-batch (the same sequences in the same order, one row each at the expected position), the runner
-hands back the launched step's tokens instead of running the step; otherwise it drops the launch.
+the step pipeline (runner/step_pipeline.py) launches the next step for the same sequences: the
+sampled tokens, still on the device, are its inputs and every position moves one on. When the
+scheduler's next decision is exactly that batch (the same sequences in the same order, one row
+each at the expected position), the pipeline hands back the launched step instead of running the
+step; otherwise it drops the launch.
 
 Dropping is safe. The dropped step wrote each sequence's K/V at the slot of its next position, in
 a block the sequence held at launch and past its computed tokens: nothing reads a slot there before
@@ -15,43 +16,25 @@ the sequence writes it again (the same token at the same position when it contin
 was freed meanwhile (the sequence finished, was aborted or preempted), the stale write precedes in
 stream order every write of the block's next owner. Blocks in the prefix cache are never written:
 the slot lies in the sequence's last, not yet full, block (a launch needs that block allocated).
+
+DecodeAhead is the step kind (what launches such a step, with the target's graphs, forward and
+sampler it needs); LaunchedDecode is one step on its way.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from foretell.engine.scheduler import ScheduledSequence
+from foretell.engine.scheduler import ScheduledSequence, SchedulerOutput
 from foretell.engine.sequence import Sequence
-from foretell.layers.sampler import SamplingBatch, row_seed
+from foretell.layers.sampler import Sampler, SamplingBatch, row_seed
+from foretell.runner.cuda_graph import CudaGraphRunner
 from foretell.runner.input_batch import InputBatch, build_decode_batch, cache_slot
 from foretell.runner.sequence_result import SequenceResult
-
-
-@dataclass
-class HostCopy:
-    """A device tensor's copy to host memory, queued on the stream; read() waits for it alone,
-    not for work queued after it."""
-
-    host: torch.Tensor  # pinned on CUDA; the tensor itself off CUDA
-    ready: "torch.cuda.Event | None"
-
-    @classmethod
-    def queue(cls, values: torch.Tensor) -> "HostCopy":
-        if values.device.type != "cuda":
-            return cls(values, None)
-        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-        host.copy_(values, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return cls(host, ready)
-
-    def read(self) -> list:
-        if self.ready is not None:
-            self.ready.synchronize()
-        return self.host.tolist()
+from foretell.runner.step_pipeline import HostCopy
 
 
 def plain_decode(scheduled: list[ScheduledSequence]) -> bool:
@@ -71,9 +54,44 @@ def plain_decode(scheduled: list[ScheduledSequence]) -> bool:
 
 
 @dataclass
+class DecodeAhead:
+    """The plain decode step as a device step (a StepKind of runner/step_pipeline.py): the forward
+    (a graph replay when one fits) and sampling, launched without waiting for anything."""
+
+    graphs: CudaGraphRunner | None
+    forward: Callable[[InputBatch], tuple]  # ModelRunner.target_forward: (hidden, aux, logits)
+    sampler: Sampler
+    vocab_size: int
+    block_size: int
+    max_model_len: int
+
+    def launch(self, sched: SchedulerOutput, batch: InputBatch) -> "LaunchedDecode | None":
+        if not plain_decode(sched.scheduled):
+            return None
+        return self.launch_for([item.seq for item in sched.scheduled], batch)
+
+    def launch_for(self, seqs: list[Sequence], batch: InputBatch) -> "LaunchedDecode":
+        """Forward and sampling of a plain decode batch; the copy of its tokens to the host is
+        queued, nothing is waited for. A greedy batch on a CUDA graph takes the graph's own argmax."""
+        seeds = [
+            None if seq.sampling_params.seed is None else row_seed(seq.sampling_params.seed, seq.index, pos)
+            for seq, pos in zip(seqs, batch.row_positions)
+        ]
+        sampling = SamplingBatch.build([seq.sampling_params for seq in seqs], seeds, self.vocab_size, batch.device)
+        key = self.graphs.bucket_for(batch) if self.graphs is not None else None
+        if key is not None and sampling.all_greedy:
+            token_ids = self.graphs.run(batch, key).greedy[: len(seqs)]  # [num_seqs] int64, until the next replay
+            return LaunchedDecode.queue(self, seqs, batch, token_ids, graphed=True)
+        _, _, logits = self.forward(batch)
+        token_ids = self.sampler(logits, sampling).token_ids  # [num_seqs] int64
+        return LaunchedDecode.queue(self, seqs, batch, token_ids)
+
+
+@dataclass
 class LaunchedDecode:
     """A decode step queued on the device whose tokens the host has not read yet."""
 
+    kind: DecodeAhead  # what launched it, and launches the step after it
     seqs: list[Sequence]
     positions: list[int]  # per sequence: the position of the step's input token
     slots: list[int]  # per sequence: the cache slot the step wrote its K/V to
@@ -83,33 +101,35 @@ class LaunchedDecode:
 
     @classmethod
     def queue(
-        cls, seqs: list[Sequence], batch: InputBatch, token_ids: torch.Tensor, graphed: bool = False
+        cls, kind: DecodeAhead, seqs: list[Sequence], batch: InputBatch, token_ids: torch.Tensor,
+        graphed: bool = False,
     ) -> "LaunchedDecode":
-        """Queue the copy of the tokens `batch` sampled to the host (a graph's: later, in finish);
+        """Queue the copy of the tokens `batch` sampled to the host (a graph's: later, in read);
         waits for nothing."""
         positions = [p - 1 for p in batch.row_positions]  # a row predicts its position + 1
         block_size = batch.block_size
         slots = [cache_slot(seq.block_ids, p, block_size) for seq, p in zip(seqs, positions)]
         copy = None if graphed else HostCopy.queue(token_ids)
-        return cls(seqs, positions, slots, token_ids, copy, graphed)
+        return cls(kind, seqs, positions, slots, token_ids, copy, graphed)
 
-    def finish(self, runner) -> list[SequenceResult]:
-        """Queue the step after this one for the same sequences when it can be, then wait for
-        this step's tokens (only: not for the one just queued) while the GPU runs the next.
+    def launch_next(self) -> "LaunchedDecode | None":
+        """The step after this one for the same sequences, its input tokens this one's (still on
+        the device), when next_positions() allows it."""
+        positions = next_positions(self, self.kind.block_size, self.kind.max_model_len)
+        if positions is None:
+            return None
+        batch = build_decode_batch(self.seqs, positions, self.token_ids, self.kind.block_size)
+        return self.kind.launch_for(self.seqs, batch)
+
+    def read(self, following: "LaunchedDecode | None") -> list[SequenceResult]:
+        """Wait for this step's tokens (only: not for the one queued after it).
 
         A graph's tokens are read from the next step's input buffer (the copy runs beside the
         graphs: CudaGraphRunner.download_input_ids) when that step went to the same graph, else
         copied now, before anything else can overwrite them."""
-        block_size = runner.cache_plan.block_size
-        positions = next_positions(self, block_size, runner.max_model_len)
-        following = None
-        if positions is not None:
-            batch = build_decode_batch(self.seqs, positions, self.token_ids, block_size)
-            following = runner.launched = launch_decode(runner, self.seqs, batch)
-            runner.ahead_launched += 1
         if self.copy is None:
             if following is not None and following.graphed:  # the graph's inputs hold our tokens
-                self.copy = HostCopy(*runner.graphs.download_input_ids(len(self.seqs)))
+                self.copy = HostCopy(*self.kind.graphs.download_input_ids(len(self.seqs)))
             else:
                 self.copy = HostCopy.queue(self.token_ids)
         return [SequenceResult(new_token_ids=[token]) for token in self.copy.read()]
@@ -125,23 +145,6 @@ class LaunchedDecode:
             if len(seq.block_ids) <= pos // block_size or cache_slot(seq.block_ids, pos, block_size) != slot:
                 return False
         return True
-
-
-def launch_decode(runner, seqs: list[Sequence], batch: InputBatch) -> LaunchedDecode:
-    """Forward and sampling of a plain decode batch; the copy of its tokens to the host is
-    queued, nothing is waited for. A greedy batch on a CUDA graph takes the graph's own argmax."""
-    seeds = [
-        None if seq.sampling_params.seed is None else row_seed(seq.sampling_params.seed, seq.index, pos)
-        for seq, pos in zip(seqs, batch.row_positions)
-    ]
-    sampling = SamplingBatch.build([seq.sampling_params for seq in seqs], seeds, runner.vocab_size, runner.device)
-    key = runner.graphs.bucket_for(batch) if runner.graphs is not None else None
-    if key is not None and sampling.all_greedy:
-        token_ids = runner.graphs.run(batch, key).greedy[: len(seqs)]  # [num_seqs] int64, until the next replay
-        return LaunchedDecode.queue(seqs, batch, token_ids, graphed=True)
-    _, _, logits = runner.target_forward(batch)
-    token_ids = runner.sampler(logits, sampling).token_ids  # [num_seqs] int64
-    return LaunchedDecode.queue(seqs, batch, token_ids)
 
 
 def next_positions(launched: LaunchedDecode, block_size: int, max_model_len: int) -> list[int] | None:

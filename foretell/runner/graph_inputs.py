@@ -16,58 +16,16 @@ of block tables `width` wide:
 Padding sequences (n..bucket-1) get q rows each at positions 0, context q, and write no KV; their
 block-table rows keep whatever they held (valid block ids, read, never written).
 
-The kernel (Triton, CUDA only) and unpack_torch (its twin, what the CPU runs) write the same
-values; tests/test_graph_inputs.py holds them together.
+The unpack is ops/step's (dispatch.unpack_graph_inputs: the Triton kernel on CUDA, its torch twin
+elsewhere; tests/ops/test_step_graph_inputs.py holds them together).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from foretell.ops.step.inputs import PackedLayout
 from foretell.runner.input_batch import InputBatch, padded_block_rows
-
-
-@dataclass(frozen=True)
-class PackedLayout:
-    bucket: int
-    q: int
-    num_seqs: int  # live sequences
-    width: int  # block-table columns written
-    ids_on_host: bool  # input ids packed at the end (else read from the batch's device tensor)
-
-    @property
-    def rows(self) -> int:
-        return self.bucket * self.q
-
-    @property
-    def live_rows(self) -> int:
-        return self.num_seqs * self.q
-
-    @property
-    def table_offset(self) -> int:
-        return 2 * self.rows + 2 * self.bucket + 1
-
-    @property
-    def ids_offset(self) -> int:
-        return self.table_offset + self.num_seqs * self.width
-
-    @property
-    def size(self) -> int:
-        return self.ids_offset + (self.live_rows if self.ids_on_host else 0)
-
-
-@dataclass
-class GraphInputBuffers:
-    """The persistent input buffers of a CudaGraphRunner (views of its tensors)."""
-
-    input_ids: torch.Tensor  # [max_rows] int64
-    positions: torch.Tensor  # [max_rows] int64
-    slot_mapping: torch.Tensor  # [max_rows] int64
-    query_start_loc: torch.Tensor  # [max_bucket + 1] int32
-    seq_lens: torch.Tensor  # [max_bucket] int32
-    block_table: torch.Tensor  # [max_bucket, max_blocks] int32
 
 
 def pack(batch: InputBatch, bucket: int, q: int) -> tuple[torch.Tensor, PackedLayout]:
@@ -174,25 +132,3 @@ class SideStream:
         if self.outputs_read is not None:
             torch.cuda.current_stream().wait_event(self.outputs_read)
             self.outputs_read = None
-
-
-def unpack(staging: torch.Tensor, tokens: torch.Tensor, buffers: GraphInputBuffers, layout: PackedLayout) -> None:
-    """Scatter staging [layout.size] (int64, on the buffers' device) and tokens [live_rows] into
-    the buffers: the Triton kernel on CUDA, unpack_torch elsewhere."""
-    if staging.is_cuda:
-        from foretell.runner.graph_inputs_triton import unpack_triton  # imports triton: CUDA only
-
-        unpack_triton(staging, tokens, buffers, layout)
-    else:
-        unpack_torch(staging, tokens, buffers, layout)
-
-
-def unpack_torch(staging: torch.Tensor, tokens: torch.Tensor, buffers: GraphInputBuffers, layout: PackedLayout) -> None:
-    rows, bucket, n, width = layout.rows, layout.bucket, layout.num_seqs, layout.width
-    buffers.positions[:rows].copy_(staging[:rows])
-    buffers.slot_mapping[:rows].copy_(staging[rows : 2 * rows])
-    buffers.seq_lens[:bucket].copy_(staging[2 * rows : 2 * rows + bucket])
-    buffers.query_start_loc[: bucket + 1].copy_(staging[2 * rows + bucket : layout.table_offset])
-    table = staging[layout.table_offset : layout.ids_offset].view(n, width)
-    buffers.block_table[:n, :width].copy_(table)
-    buffers.input_ids[: layout.live_rows].copy_(tokens)

@@ -1,14 +1,18 @@
-"""The graphed greedy verify step: target graph, verification on the device, draft-loop graph,
-and a single host read for the whole step.
+"""The padded verify step: the target's (bucket, k + 1) forward over static buffers, verification
+on the device, the draft loop over the same buffers, and a single host read for the whole step.
 
-Used by the runner when every sequence verifies exactly k drafts under greedy decoding (and
-asks for no logprobs); everything else takes the general path. A sequence near max_tokens keeps
-its k draft rows with its acceptance capped (ScheduledSequence.accept_limit).
+GraphedVerify is the step kind (runner/step_pipeline.py): it takes a batch where every sequence
+verifies exactly k drafts under greedy decoding (and asks for no logprobs), with graphs for both
+the target and the draft loop (captured on CUDA; on the CPU the same code runs uncaptured); every
+other batch takes the general path. A sequence near max_tokens keeps its k draft rows with its
+acceptance capped (ScheduledSequence.accept_limit). How many drafts a sequence accepts is the
+verifier's (spec_decode/verifier.py: exact greedy, or drawn when acceptance is simulated), chosen
+when the runner is built.
 
 Everything the next verify step needs is on the device when this one ends (each sequence's
-accepted count, its next token and its k new drafts), so with async scheduling the runner queues
-that step (`launch_next_verify`) before reading this one's results, as decode_ahead.py does for
-plain decoding: the buffers advance on the device, the graphs replay, and the launch is used if
+accepted count, its next token and its k new drafts), so with async scheduling the pipeline queues
+that step (LaunchedVerify.launch_next) before reading this one's results, as decode_ahead.py does
+for plain decoding: the buffers advance on the device, the graphs replay, and the launch is used if
 the scheduler's next decision is that batch, dropped otherwise (why dropping is safe: there).
 """
 
@@ -18,16 +22,118 @@ from dataclasses import dataclass
 
 import torch
 
-from foretell.engine.scheduler import ScheduledSequence
+from foretell.engine.scheduler import ScheduledSequence, SchedulerOutput
 from foretell.engine.sequence import Sequence
-from foretell.runner.decode_ahead import HostCopy
+from foretell.runner.cuda_graph import CudaGraphRunner
+from foretell.runner.input_batch import InputBatch
 from foretell.runner.sequence_result import SequenceResult
+from foretell.runner.step_pipeline import HostCopy
+from foretell.spec_decode.draft_graph import DraftGraphRunner
+from foretell.spec_decode.verifier import Verifier
+
+
+@dataclass
+class GraphedVerify:
+    """What a padded verify step runs on: the target's graphs, the draft loop's, the verifier."""
+
+    graphs: CudaGraphRunner
+    draft_graphs: DraftGraphRunner
+    verifier: Verifier
+    block_size: int
+    max_model_len: int
+
+    def fits(self, sched: SchedulerOutput, batch: InputBatch) -> bool:
+        """A greedy batch where every sequence verifies exactly k drafts, on a graph bucket, and
+        the draft loop's catch-up rows below max_model_len (a draft LM one short of the limit
+        drafts eagerly: nothing it drafts there is used)."""
+        k = self.draft_graphs.k
+        key = self.graphs.bucket_for(batch)
+        return (
+            key is not None
+            and key[1] == k + 1
+            and all(
+                item.samples
+                and len(item.draft_token_ids) == k
+                and item.seq.sampling_params.greedy
+                and item.seq.sampling_params.logprobs is None
+                and self.draft_graphs.catch_up_fits(item.seq.num_computed_tokens)
+                for item in sched.scheduled
+            )
+        )
+
+    def launch(self, sched: SchedulerOutput, batch: InputBatch) -> "LaunchedVerify | None":
+        """The step the scheduler decided, its inputs from `batch`, when the batch fits."""
+        if not self.fits(sched, batch):
+            return None
+        key = self.graphs.bucket_for(batch)
+        self.graphs.run(batch, key)
+        items = sched.scheduled
+        limits = [item.accept_limit for item in items]
+        accepted, next_token, drafts = self._verify_on_device(key, len(items), limits)
+        return self._launched(
+            [item.seq for item in items], key, accepted, next_token, drafts,
+            [item.seq.num_computed_tokens for item in items], [item.draft_token_ids for item in items], limits,
+        )
+
+    def can_follow(self, launched: "LaunchedVerify") -> bool:
+        """Whether the step after `launched` can be queued before its results are known: whatever
+        `launched` accepts, no sequence may reach max_tokens or max_model_len within the next step
+        (the scheduler would cap or cut it), and every slot the next step writes (its k + 1 target
+        rows, then the draft loop's rows up to k positions further) must sit in allocated blocks,
+        and the block tables fit the graphs' (max_blocks per sequence)."""
+        q = launched.key[1]
+        k = q - 1
+        max_blocks = self.graphs.block_table.shape[1]
+        for seq, start in zip(launched.seqs, launched.start_positions):
+            max_tokens = seq.sampling_params.max_tokens
+            if max_tokens is not None and seq.num_output_tokens + 2 * q > max_tokens:
+                return False
+            if seq.num_tokens + 2 * q > self.max_model_len:
+                return False
+            last_slot = start + q + k + k  # next start <= start + q; its rows and drafts follow
+            if not last_slot // self.block_size < len(seq.block_ids) <= max_blocks:
+                return False
+        return True
+
+    def launch_after(self, launched: "LaunchedVerify") -> "LaunchedVerify":
+        """Queue the verify step after `launched` (can_follow() said it may be): its inputs are
+        computed on the device from `launched`'s outputs; its host-side expectations are filled
+        in by expect() once `launched` is read."""
+        n = len(launched.seqs)
+        block_ids = [seq.block_ids for seq in launched.seqs]
+        self.graphs.advance_verify(n, launched.accepted, launched.next_token, launched.drafts, block_ids)
+        self.graphs.replay(launched.key)
+        limits = [None] * n
+        accepted, next_token, drafts = self._verify_on_device(launched.key, n, limits)
+        return self._launched(launched.seqs, launched.key, accepted, next_token, drafts, [], [], limits)
+
+    def _verify_on_device(self, key: tuple[int, int], n: int, limits: list[int | None]):
+        """After the target graph `key` ran: verification, the next token and the draft-loop
+        graph, all on the device. Returns (accepted [n], next_token [n], drafts [n, k]), views of
+        static buffers that the next step overwrites (in stream order, after this step used them)."""
+        bucket, q = key
+        k = q - 1
+        greedy = self.graphs.graphs[key].greedy[: n * q].view(n, q)  # the target's greedy token per row
+        drafts_in = self.graphs.input_ids[: n * q].view(n, q)[:, 1:]
+        caps = None
+        if any(limit is not None for limit in limits):  # near max_tokens: the rows stay, acceptance is capped
+            caps = torch.tensor([k if limit is None else limit for limit in limits], device=greedy.device)
+        self.graphs.side.before_output_write()  # the last step's results have left for the host
+        loop = self.draft_graphs
+        self.verifier.accept_padded(greedy, drafts_in, caps, loop.accepted, loop.next_token, loop.num_live)
+        drafts = loop.run(bucket, n)  # [n, k]
+        return loop.accepted[:n], loop.next_token[:n], drafts
+
+    def _launched(self, seqs, key, accepted, next_token, drafts, starts, draft_ids, limits) -> "LaunchedVerify":
+        copy = HostCopy(*self.graphs.side.download_outputs([accepted, next_token, drafts]))
+        return LaunchedVerify(self, seqs, key, accepted, next_token, drafts, copy, starts, draft_ids, limits)
 
 
 @dataclass
 class LaunchedVerify:
-    """A graphed verify step queued on the device whose results the host has not read yet."""
+    """A padded verify step queued on the device whose results the host has not read yet."""
 
+    kind: GraphedVerify  # what launched it, and launches the step after it
     seqs: list[Sequence]
     key: tuple[int, int]  # (batch bucket, k + 1)
     accepted: torch.Tensor  # [num_seqs] int64 on the device
@@ -40,18 +146,16 @@ class LaunchedVerify:
     draft_token_ids: list[list[int]]
     accept_limits: list[int | None]
 
-    def finish(self, runner) -> list[SequenceResult]:
-        """Queue the verify step after this one when it can be (launch_next_verify), then read
-        this one's results; the queued step learns what it verifies from them."""
-        ahead = None
-        max_blocks = runner.graphs.block_table.shape[1]
-        if runner.decode_ahead and can_verify_next(self, runner.cache_plan.block_size, runner.max_model_len, max_blocks):
-            ahead = launch_next_verify(runner, self)
+    def launch_next(self) -> "LaunchedVerify | None":
+        if not self.kind.can_follow(self):
+            return None
+        return self.kind.launch_after(self)
+
+    def read(self, following: "LaunchedVerify | None") -> list[SequenceResult]:
+        """This step's results; the step queued after it learns what it verifies from them."""
         results = self.results()
-        if ahead is not None:
-            ahead.expect(self, results)
-            runner.launched = ahead
-            runner.ahead_launched += 1
+        if following is not None:
+            following.expect(self, results)
         return results
 
     def results(self) -> list[SequenceResult]:
@@ -91,72 +195,3 @@ class LaunchedVerify:
             ):
                 return False
         return True
-
-
-def _verify_on_device(runner, key: tuple[int, int], n: int, limits: list[int | None]):
-    """After the target graph `key` ran: greedy verification, the next token and the draft-loop
-    graph, all on the device. Returns (accepted [n], next_token [n], drafts [n, k]), views of
-    static buffers that the next step overwrites (in stream order, after this step used them)."""
-    bucket, q = key
-    k = q - 1
-    greedy = runner.graphs.graphs[key].greedy[: n * q].view(n, q)  # the target's greedy token per row
-    drafts_in = runner.graphs.input_ids[: n * q].view(n, q)[:, 1:]
-    caps = None
-    if any(limit is not None for limit in limits):  # near max_tokens: the rows stay, acceptance is capped
-        caps = torch.tensor([k if limit is None else limit for limit in limits], device=greedy.device)
-    simulated = runner.simulated.device_step(runner.device) if runner.simulated is not None else None
-    runner.graphs.side.before_output_write()  # the last step's results have left for the host
-    accepted, next_token = runner.draft_graphs.accept(greedy, drafts_in, caps, simulated)
-    drafts = runner.draft_graphs.run(bucket, n)  # [n, k]
-    return accepted, next_token, drafts
-
-
-def _launched(runner, seqs, key, accepted, next_token, drafts, starts, draft_ids, limits) -> LaunchedVerify:
-    copy = HostCopy(*runner.graphs.side.download_outputs([accepted, next_token, drafts]))
-    return LaunchedVerify(seqs, key, accepted, next_token, drafts, copy, starts, draft_ids, limits)
-
-
-def launch_graphed_verify(runner, sched, batch) -> LaunchedVerify:
-    """The step the scheduler decided, its inputs from `batch`."""
-    key = runner.graphs.bucket_for(batch)
-    runner.graphs.run(batch, key)
-    items = sched.scheduled
-    limits = [item.accept_limit for item in items]
-    accepted, next_token, drafts = _verify_on_device(runner, key, len(items), limits)
-    return _launched(
-        runner, [item.seq for item in items], key, accepted, next_token, drafts,
-        [item.seq.num_computed_tokens for item in items], [item.draft_token_ids for item in items], limits,
-    )
-
-
-def can_verify_next(launched: LaunchedVerify, block_size: int, max_model_len: int, max_blocks: int) -> bool:
-    """Whether the step after `launched` can be queued before its results are known: whatever
-    `launched` accepts, no sequence may reach max_tokens or max_model_len within the next step
-    (the scheduler would cap or cut it), and every slot the next step writes (its k + 1 target
-    rows, then the draft loop's rows up to k positions further) must sit in allocated blocks,
-    and the block tables fit the graphs' (max_blocks per sequence)."""
-    q = launched.key[1]
-    k = q - 1
-    for seq, start in zip(launched.seqs, launched.start_positions):
-        max_tokens = seq.sampling_params.max_tokens
-        if max_tokens is not None and seq.num_output_tokens + 2 * q > max_tokens:
-            return False
-        if seq.num_tokens + 2 * q > max_model_len:
-            return False
-        last_slot = start + q + k + k  # next start <= start + q; its rows and drafts follow
-        if not last_slot // block_size < len(seq.block_ids) <= max_blocks:
-            return False
-    return True
-
-
-def launch_next_verify(runner, launched: LaunchedVerify) -> LaunchedVerify:
-    """Queue the verify step after `launched` (can_verify_next() said it may be): its inputs
-    are computed on the device from `launched`'s outputs; its host-side expectations are filled
-    in by expect() once `launched` is read."""
-    n = len(launched.seqs)
-    block_ids = [seq.block_ids for seq in launched.seqs]
-    runner.graphs.advance_verify(n, launched.accepted, launched.next_token, launched.drafts, block_ids)
-    runner.graphs.replay(launched.key)
-    limits = [None] * n
-    accepted, next_token, drafts = _verify_on_device(runner, launched.key, n, limits)
-    return _launched(runner, launched.seqs, launched.key, accepted, next_token, drafts, [], [], limits)

@@ -1,13 +1,16 @@
 """ModelRunner: one step of the target (and the drafter) on a device.
 
-execute(): build the step's tensors once; target forward -> logits of the sampling rows ->
-Sampler (no drafts in the step) or RejectionSampler (verify) -> Proposer (catch-up + k drafts)
--> per-sequence results for the scheduler. The runner never asks which model or which drafter it
-runs: capabilities come from the proposer's typed attributes.
+Set-up: the model, the proposer (spec_decode/registry.py), the KV caches, the CUDA graphs of the
+target and of the draft loop, the sampler and the verifier (spec_decode/verifier.py: exact, or
+simulated acceptance, chosen here once), and the step pipeline (step_pipeline.py) with the kinds
+of device step it may launch. The runner never asks which model or which drafter it runs:
+capabilities come from the proposer's typed ProposerCapabilities.
 
-Two fast paths return early: a plain decode batch (decode_ahead.py) and a graphed greedy verify
-(graphed_verify.py). Each queues the step after it on the device before reading its own results
-(async scheduling); the next execute() takes that queued step when the scheduler's batch matches.
+execute(): the step the pipeline queued ahead when the scheduler's batch is that step; else a
+device step the pipeline launches for the batch (a plain decode step, decode_ahead.py; a padded
+verify step, graphed_verify.py); else the general step from host inputs: target forward -> logits
+of the sampling rows -> Sampler (no drafts in the step) or the verifier -> Proposer (catch-up +
+k drafts) -> per-sequence results for the scheduler.
 """
 
 from __future__ import annotations
@@ -29,16 +32,17 @@ from foretell.ops.gemm.dispatch import SmallMGemm
 from foretell.models.base import HFConfig, ModelOptions
 from foretell.device_util import to_device
 from foretell.runner.cuda_graph import CudaGraphRunner
-from foretell.runner.decode_ahead import LaunchedDecode, launch_decode, plain_decode
-from foretell.runner.graphed_verify import LaunchedVerify, launch_graphed_verify
+from foretell.runner.decode_ahead import DecodeAhead
+from foretell.runner.graphed_verify import GraphedVerify
 from foretell.runner.input_batch import InputBatch, build_input_batch
 from foretell.runner.logprobs import add_logprobs, add_prompt_logprobs
 from foretell.runner.kv_cache import CachePlan, DraftKVCache, KVCache, plan_cache
-from foretell.runner.model_loading import build_model, checkpoint_dtype
+from foretell.models.loading import build_model, checkpoint_dtype
+from foretell.runner.step_pipeline import StepKind, StepPipeline
 from foretell.spec_decode.draft_graph import DraftGraphRunner
-from foretell.spec_decode.proposer import DraftBatch, Proposer, build_proposer
-from foretell.spec_decode.rejection_sampler import RejectionSampler, cap_accepted
-from foretell.spec_decode.simulated_acceptance import SimulatedAcceptance, rates_from_config
+from foretell.spec_decode.proposer import DraftBatch, Proposer
+from foretell.spec_decode.registry import build_proposer
+from foretell.spec_decode.verifier import build_verifier
 
 CPU_KV_CACHE_BYTES = 256 << 20
 logger = logging.getLogger("foretell")
@@ -65,21 +69,21 @@ class ModelRunner:
         if config.speculative is not None:
             self.proposer = build_proposer(config.speculative, self.hf_config, options)
             options = ModelOptions(
-                self.dtype, self.device, self.backend, self.proposer.aux_hidden_state_layers
+                self.dtype, self.device, self.backend, self.proposer.capabilities.aux_hidden_state_layers
             )
         self.model = build_model(mc.model, self.hf_config, options, mc.load_format, mc.seed)
         if self.proposer is not None:
             self.proposer.load(self.model, mc.load_format)
         self.vocab_size = self.hf_config.language_model().vocab_size
         mode = config.scheduler.async_scheduling
-        # Queue the next step before reading this one (decode_ahead.py): plain decoding, and the
-        # graphed greedy verify (which needs the graphs; checked once they are captured).
-        self.decode_ahead = mode == "on" or (mode == "auto" and self.device.type == "cuda")
+        # Queue the next step before reading this one (step_pipeline.py): plain decoding, and the
+        # padded greedy verify (which needs the graphs; checked once they are captured).
+        queue_ahead = mode == "on" or (mode == "auto" and self.device.type == "cuda")
         k = config.speculative.num_speculative_tokens if config.speculative else 0
         # KV slots reserved past a sampling step's rows: the drafter's k, plus, when steps are
         # queued ahead, the k + 1 rows of the step after it (it is launched before the scheduler
         # can allocate for it).
-        self.num_lookahead_tokens = k + (k + 1 if self.decode_ahead else 0)
+        self.num_lookahead_tokens = k + (k + 1 if queue_ahead else 0)
         self.cache_plan = self._allocate_cache()
         self.max_model_len = self._max_model_len()
         self.small_m_gemm: SmallMGemm | None = None  # bound with the graphs, before capture
@@ -87,20 +91,10 @@ class ModelRunner:
         self.draft_graphs = self._capture_draft_graphs()
         self.noise = NoiseSource(self.device, mc.seed)
         self.sampler = Sampler(self.noise)
-        self.rejection_sampler = RejectionSampler(self.noise)
-        spec = config.speculative
-        self.simulated = (
-            SimulatedAcceptance(rates_from_config(spec.simulate_acceptance, spec.num_speculative_tokens), mc.seed)
-            if spec is not None and spec.simulate_acceptance is not None
-            else None
-        )
+        self.verifier = build_verifier(config.speculative, self.noise, mc.seed)
         self.draft_probs: dict[int, torch.Tensor] = {}  # seq_id -> [k, vocab] for sampled drafts
         self.last_times = StepTimes()
-        if self.proposer is not None and self.draft_graphs is None:
-            self.decode_ahead = False  # a drafter's eager loop needs the host's accept counts
-        self.launched: LaunchedDecode | LaunchedVerify | None = None  # the step queued ahead
-        self.ahead_launched = 0  # steps launched ahead, and how many of them the scheduler used
-        self.ahead_used = 0
+        self.pipeline = self._build_pipeline(queue_ahead)
 
     # ---- set-up --------------------------------------------------------------------------
     def _max_model_len(self) -> int:
@@ -109,7 +103,7 @@ class ModelRunner:
         lookahead slots), so any admitted sequence can finish."""
         limit = self.hf_config.language_model().get("max_position_embeddings", 2048)
         limit_source = f"the model's max_position_embeddings {limit} ({self.hf_config.language_model().source})"
-        drafter_limit = self.proposer.max_positions if self.proposer is not None else None
+        drafter_limit = self.proposer.capabilities.max_positions if self.proposer is not None else None
         if drafter_limit is not None and drafter_limit < limit:
             limit = drafter_limit
             limit_source = f"the draft model's max_position_embeddings {limit} ({self.config.speculative.model})"
@@ -210,11 +204,12 @@ class ModelRunner:
 
     def _capture_draft_graphs(self) -> DraftGraphRunner | None:
         spec = self.config.speculative
-        if self.graphs is None or spec is None or not self.proposer.graph_capable:
+        drafter = self.proposer.padded_drafter() if self.proposer is not None else None
+        if self.graphs is None or drafter is None:
             return None
         if not all(layer.backend.graph_safe for layer in self.proposer.kv_layers()):
             return None
-        draft_graphs = DraftGraphRunner(self.proposer, self.graphs, spec.num_speculative_tokens)
+        draft_graphs = DraftGraphRunner(drafter, self.graphs, spec.num_speculative_tokens)
         try:
             draft_graphs.capture()
         except RuntimeError as e:
@@ -222,6 +217,20 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             return None
         return draft_graphs
+
+    def _build_pipeline(self, queue_ahead: bool) -> StepPipeline:
+        """The device steps this runner may launch: plain decoding one step ahead (without a
+        drafter), the padded verify (with a drafter whose loop has graphs)."""
+        block_size = self.cache_plan.block_size
+        kinds: list[StepKind] = []
+        if self.proposer is None and queue_ahead:
+            kinds.append(DecodeAhead(self.graphs, self.target_forward, self.sampler, self.vocab_size, block_size,
+                                     self.max_model_len))
+        if self.draft_graphs is not None:
+            kinds.append(GraphedVerify(self.graphs, self.draft_graphs, self.verifier, block_size, self.max_model_len))
+        # A drafter's general-path loop needs the host's accept counts: nothing is queued past it.
+        queue_ahead = queue_ahead and (self.proposer is None or self.draft_graphs is not None)
+        return StepPipeline(queue_ahead, kinds)
 
     def target_forward(self, batch: InputBatch):
         """(hidden, aux, logits of the sampling rows): a graph replay when one fits."""
@@ -240,18 +249,12 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.check_step(sched)
         block_size = self.cache_plan.block_size
-        launched, self.launched = self.launched, None  # a step queued ahead by the last one
-        if launched is not None and launched.matches(sched.scheduled, block_size):
-            self.ahead_used += 1
-        else:
-            launched = None
+        step = self.pipeline.take(sched.scheduled, block_size)  # the step queued ahead, when it is this one
+        if step is None:
             batch = build_input_batch(sched.scheduled, block_size, self.device)
-            if self.decode_ahead and self.proposer is None and plain_decode(sched.scheduled):
-                launched = launch_decode(self, [item.seq for item in sched.scheduled], batch)
-            elif self._graphed_verify_fits(sched, batch):
-                launched = launch_graphed_verify(self, sched, batch)
-        if launched is not None:  # queues the step after it when it can, then reads its results
-            results = launched.finish(self)
+            step = self.pipeline.launch(sched, batch)
+        if step is not None:  # queues the step after it when it can, then reads its results
+            results = self.pipeline.finish(step)
             self.last_times = StepTimes(target_s=time.perf_counter() - t0)
             return results
         hidden, aux, logits = self.target_forward(batch)  # logits [rows, vocab] float32
@@ -267,27 +270,6 @@ class ModelRunner:
                 torch.cuda.synchronize(self.device)
         self.last_times = StepTimes(target_s=t1 - t0, draft_s=time.perf_counter() - t1)
         return results
-
-    def _graphed_verify_fits(self, sched: SchedulerOutput, batch: InputBatch) -> bool:
-        """A greedy batch where every sequence verifies exactly k drafts, with graphs for both
-        the target and the draft loop, and the draft loop's catch-up rows below max_model_len
-        (a draft LM one short of the limit drafts eagerly: nothing it drafts there is used)."""
-        if self.draft_graphs is None:
-            return False
-        k = self.draft_graphs.k
-        key = self.graphs.bucket_for(batch)
-        return (
-            key is not None
-            and key[1] == k + 1
-            and all(
-                item.samples
-                and len(item.draft_token_ids) == k
-                and item.seq.sampling_params.greedy
-                and item.seq.sampling_params.logprobs is None
-                and self.draft_graphs.catch_up_fits(item.seq.num_computed_tokens)
-                for item in sched.scheduled
-            )
-        )
 
     def _device_sync_needed(self) -> bool:
         return self.device.type == "cuda"
@@ -313,10 +295,7 @@ class ModelRunner:
         if any(item.draft_token_ids for item in items):
             drafts = [item.draft_token_ids for item in items]
             probs = [self._pop_draft_probs(item) for item in items]
-            verify = self.rejection_sampler(logits, drafts, probs, sampling)
-            if self.simulated is not None:
-                verify = self.simulated.apply(verify, logits, drafts)
-            verify = cap_accepted(verify, [item.accept_limit for item in items])
+            verify = self.verifier.verify(logits, drafts, probs, sampling, [item.accept_limit for item in items])
             outputs, accepted = verify.output_token_ids, verify.num_accepted
             rows = [r for rs in verify.emitted_rows for r in rs]
             chosen_rows = to_device(rows, torch.int64, self.device)
@@ -401,7 +380,7 @@ class ModelRunner:
     def abandon_step(self, seq_ids: list[int]) -> None:
         """After a failed step: drop the step queued ahead (it assumed this one's results) and the
         sequences' draft probabilities (the engine drops their drafts too)."""
-        self.launched = None
+        self.pipeline.drop()
         for seq_id in seq_ids:
             self.forget(seq_id)
 

@@ -11,22 +11,49 @@ past it: their KV is overwritten by later steps). The captured loop:
      a draft LM (row_offset 0) feeds the token at p0 + r itself (k + 2 rows, row a + 1 drafts);
   2. drafts token 1 by argmax (through d2t for EAGLE3), then k - 1 single-row steps.
 Near max_model_len, a chained step whose draft sits at or past the limit (never verified: the
-scheduler's room cap) runs at position max_model_len - 1 (step_inputs.catch_up_inputs), and the
+scheduler's room cap) runs at position max_model_len - 1 (ops/step dispatch.catch_up_inputs), and the
 runner graphs a batch only when its catch-up rows fit below the limit (catch_up_fits).
 Rows of padding sequences write no KV (slot -1). Only greedy batches use it; sampled requests
-and any other batch shape take the eager loop.
+and any other batch shape take the proposer's own loop (draft_loop.py) on the general step.
+
+The target's side arrives as arguments: the padded verify forward's buffers and outputs, typed
+by the PaddedForward protocol below (the runner's CudaGraphRunner is one), and the drafter,
+typed by proposer.PaddedDrafter (draft_loop.DraftLoopProposer is one). Acceptance is the verifier's
+(spec_decode/verifier.py), written into this loop's input buffers (accepted, next_token, num_live).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
 from foretell.ops.attention.metadata import AttentionMetadata, subdivide_block_table
-from foretell.runner.cuda_graph import CudaGraphRunner
-from foretell.spec_decode.draft_loop import DraftLoopProposer
-from foretell.spec_decode.step_inputs import accept_drafts, catch_up_inputs
+from foretell.ops.step.dispatch import catch_up_inputs
+from foretell.spec_decode.proposer import PaddedDrafter
+
+
+class ForwardOutputs(Protocol):
+    hidden: torch.Tensor  # [B * q, hidden]
+    aux: list[torch.Tensor]  # each [B * q, hidden]
+
+
+class PaddedForward(Protocol):
+    """The target's padded (bucket, q) forward over static buffers that the draft loop reads."""
+
+    input_ids: torch.Tensor  # [max_rows] int64: the verify step's input tokens
+    positions: torch.Tensor  # [max_rows] int64
+    block_table: torch.Tensor  # [max_bucket, max_blocks] int32
+    block_size: int
+    max_model_len: int
+    device: torch.device
+    buckets: list[int]
+    graphs: dict[tuple[int, int], ForwardOutputs]  # per (bucket, q): its static outputs
+    pool: Any  # the CUDA graph memory pool the draft graphs share
+
+    @property
+    def captures(self) -> bool: ...
 
 
 def device_metadata(
@@ -61,15 +88,16 @@ class CapturedDraft:
 
 
 class DraftGraphRunner:
-    def __init__(self, proposer: DraftLoopProposer, target: CudaGraphRunner, k: int):
+    def __init__(self, proposer: PaddedDrafter, target: PaddedForward, k: int):
         self.proposer = proposer
         self.target = target
         self.k = k
         max_bucket = target.buckets[-1]
         device = target.device
-        self.accepted = torch.zeros(max_bucket, dtype=torch.int64, device=device)
-        self.next_token = torch.zeros(max_bucket, dtype=torch.int64, device=device)
-        self.num_live = torch.zeros((), dtype=torch.int64, device=device)
+        # The loop's inputs from verification (the verifier writes them before each run()).
+        self.accepted = torch.zeros(max_bucket, dtype=torch.int64, device=device)  # [max_bucket]
+        self.next_token = torch.zeros(max_bucket, dtype=torch.int64, device=device)  # [max_bucket]
+        self.num_live = torch.zeros((), dtype=torch.int64, device=device)  # live sequences of the bucket
         # Rows fed per sequence: the token shift is 1 for EAGLE3/MTP (row t reads token t + 1).
         self.shift = -proposer.row_offset
         self.rows_per_seq = k + 2 - self.shift
@@ -130,21 +158,9 @@ class DraftGraphRunner:
             self.graphs[bucket] = CapturedDraft(graph, drafts)
         torch.cuda.synchronize(self.target.device)
 
-    def accept(
-        self,
-        greedy: torch.Tensor,  # [B, q] int64: the target's greedy tokens of the verify step
-        drafts: torch.Tensor,  # [B, k] int64: the drafts it verified
-        caps: torch.Tensor | None,  # [B] int64: most drafts each may accept, or None
-        simulated: tuple[float, torch.Tensor] | None,  # drawn counts instead (simulated_acceptance.py)
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Greedy verification into the loop's input buffers: (accepted [B], next token [B]), views
-        of those buffers, valid until the next step's accept."""
-        num_seqs = greedy.shape[0]
-        accept_drafts(greedy, drafts, caps, simulated, self.accepted, self.next_token, self.num_live)
-        return self.accepted[:num_seqs], self.next_token[:num_seqs]
-
     def run(self, bucket: int, num_seqs: int) -> torch.Tensor:
-        """Replay after the target's (bucket, k + 1) graph and accept(); returns drafts [num_seqs, k]."""
+        """Replay after the target's (bucket, k + 1) graph and the verifier's accept_padded into
+        accepted / next_token / num_live; returns drafts [num_seqs, k]."""
         if not self.target.captures:
             return self._loop(bucket)[:num_seqs]
         captured = self.graphs[bucket]

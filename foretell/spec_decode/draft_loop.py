@@ -26,22 +26,42 @@ from foretell.layers.sampler import (
     row_seed,
     sample_from_probs,
 )
-from foretell.spec_decode.proposer import DraftBatch, Proposal, Proposer, catch_up_metadata
+from foretell.spec_decode.proposer import (
+    DraftBatch,
+    PaddedDrafter,
+    Proposal,
+    ProposerBase,
+    ProposerCapabilities,
+    catch_up_metadata,
+)
 
 DRAFT_SEED_SALT = 0x2545F4914F6CDD1D
 
 
-class DraftLoopProposer(Proposer):
-    """Subclasses implement catch_up() and chain_step(); state is whatever they carry between
-    steps (EAGLE3 and MTP: the previous hidden state; a draft LM: nothing)."""
+class DraftLoopProposer(ProposerBase):
+    """Subclasses implement catch_up(), chain_step() and padded_catch_up(); state is whatever they
+    carry between steps (EAGLE3 and MTP: the previous hidden state; a draft LM: nothing). Each is
+    also a PaddedDrafter: its greedy loop runs on the padded step's tensors (draft_graph.py)."""
 
     #: Row position of a fed token relative to the token's own position: EAGLE3 and MTP rows
     #: pair the hidden state at t with token t+1 (offset -1); a draft LM feeds tokens in place (0).
     row_offset: int = -1
+    #: Set by subclasses in __init__: the target layers read (EAGLE3), the drafter's own position
+    #: limit (a draft LM's rotary table).
+    aux_hidden_state_layers: tuple[int, ...] = ()
+    max_positions: int | None = None
 
     @property
-    def draft_kv_reads_next_token(self) -> bool:
-        return self.row_offset == -1
+    def capabilities(self) -> ProposerCapabilities:
+        return ProposerCapabilities(
+            aux_hidden_state_layers=self.aux_hidden_state_layers,
+            draft_kv_reads_next_token=self.row_offset == -1,
+            max_positions=self.max_positions,
+        )
+
+    def padded_drafter(self) -> PaddedDrafter:
+        return self
+
     device: torch.device
     draft_block_size: int
     target_vocab_size: int
@@ -77,8 +97,8 @@ class DraftLoopProposer(Proposer):
         aux: list[torch.Tensor],  # each [rows, hidden]
         last_rows: torch.Tensor,  # [bucket] the row whose output drafts token 1
     ) -> tuple[torch.Tensor, Any]:
-        """The catch-up over every verify row with device-side inputs only (capturable); a
-        subclass that implements it sets graph_capable (spec_decode/draft_graph.py)."""
+        """The catch-up over every verify row with device-side inputs only (capturable; used by
+        spec_decode/draft_graph.py)."""
         raise NotImplementedError
 
     # [draft_vocab] int64 target id of each draft id, for a drafter with a smaller vocabulary (EAGLE3's d2t)

@@ -10,7 +10,7 @@ from torch import nn
 
 from foretell.device_util import to_device
 from foretell.models.base import HFConfig, ModelOptions
-from foretell.runner.model_loading import build_model
+from foretell.models.loading import build_model
 from foretell.spec_decode.draft_loop import DraftLoopProposer, catch_up_rows
 from foretell.spec_decode.proposer import DraftBatch, catch_up_metadata
 
@@ -87,8 +87,6 @@ class DraftModelProposer(DraftLoopProposer):
             return None, None
         ends = to_device(metadata.query_start_loc_cpu[1:], torch.int64, self.device) - 1
         return self.model.compute_logits(hidden[ends[last_rows]]), None
-
-    graph_capable = True
 
     def padded_catch_up(self, input_ids, positions, metadata, hidden, aux, last_rows):
         out, _ = self.model(input_ids, positions, metadata)

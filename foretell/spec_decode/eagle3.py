@@ -160,8 +160,6 @@ class Eagle3Proposer(DraftLoopProposer):
         ends = [metadata.query_start_loc_cpu[i + 1] - 1 for i in last_rows]
         return self.head.step(input_ids, positions, g, metadata, to_device(ends, torch.int64, self.device))
 
-    graph_capable = True
-
     def padded_catch_up(self, input_ids, positions, metadata, hidden, aux, last_rows):
         return self.head.step(input_ids, positions, self.head.combine(aux), metadata, last_rows)
 

@@ -106,8 +106,6 @@ class MTPProposer(DraftLoopProposer):
         state = out[ends[last_rows]]
         return self.mtp.compute_logits(0, state), (state, 1)
 
-    graph_capable = True
-
     def padded_catch_up(self, input_ids, positions, metadata, hidden, aux, last_rows):
         out = self.mtp.step(0, positions, input_ids, hidden, metadata)  # [rows, H]
         previous = out

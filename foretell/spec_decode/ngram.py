@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from foretell.spec_decode.proposer import DraftBatch, Proposal, Proposer
+from foretell.spec_decode.proposer import DraftBatch, Proposal, ProposerBase, ProposerCapabilities
 
 
 def lookup(history: list[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -28,14 +28,17 @@ def lookup(history: list[int], k: int, min_n: int, max_n: int) -> list[int]:
     return []
 
 
-class NgramProposer(Proposer):
+class NgramProposer(ProposerBase):
     method = "ngram"
-    deterministic = True
 
     def __init__(self, num_speculative_tokens: int, min_n: int, max_n: int):
         super().__init__(num_speculative_tokens)
         self.min_n = min_n
         self.max_n = max_n
+
+    @property
+    def capabilities(self) -> ProposerCapabilities:
+        return ProposerCapabilities(deterministic=True)
 
     @classmethod
     def from_config(cls, config, target_hf_config, options) -> "NgramProposer":

@@ -1,4 +1,6 @@
-"""The Proposer interface, what it is given each step (DraftBatch), and the table of methods.
+"""The Proposer interface: what a drafter is given each step (DraftBatch), what it returns
+(Proposal), and what it can do (ProposerCapabilities: typed, read by the runner and the engine
+instead of probing the object). The method -> class table is registry.py.
 
 After the target's forward and verification, the runner hands the proposer, for every sequence of
 the step: the rows whose target outputs are final (a prefill chunk, or the accepted prefix of a
@@ -7,11 +9,16 @@ chunked prefill), the target's hidden states of those rows, and the block table.
 keeps its own KV cache writes the rows it needs from that (catch-up), so its cache is correct
 for every accepted token before it drafts; then, for sequences that sampled, it proposes k tokens.
 Proposers never read the runner's buffers; everything arrives here.
+
+A drafter whose whole greedy loop can also run on the padded verify step's device tensors (the
+runner's graphed step, spec_decode/draft_graph.py) returns itself as a PaddedDrafter from
+padded_drafter(); one that cannot (n-gram, on the host) returns None and drafts through propose().
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -67,16 +74,12 @@ class Proposal:
     probs: list[torch.Tensor | None]  # per sequence: [k, target_vocab] draft distribution, or None
 
 
-class Proposer:
-    """Base class: subclasses set the capabilities they need and implement propose()."""
-
-    method: str = ""
+@dataclass(frozen=True)
+class ProposerCapabilities:
     #: Layers (input of layer i) whose residual streams the target must return, in order.
     aux_hidden_state_layers: tuple[int, ...] = ()
-    #: Whether the proposer's drafts are always argmax (then no draft probabilities are kept).
+    #: Whether the drafts are always argmax (then no draft probabilities are kept).
     deterministic: bool = False
-    #: Whether a greedy verify step's whole draft loop can run as one CUDA graph.
-    graph_capable: bool = False
     #: Whether the draft KV at position t depends on token t + 1 (EAGLE3, MTP): then a
     #: prefix-cache hit must stop one block short (see BlockManager.reuse_margin_blocks).
     draft_kv_reads_next_token: bool = False
@@ -84,19 +87,89 @@ class Proposer:
     #: when it has no limit of its own; the runner keeps max_model_len within it.
     max_positions: int | None = None
 
-    def __init__(self, num_speculative_tokens: int):
-        self.k = num_speculative_tokens
+
+class PaddedDrafter(Protocol):
+    """A drafter whose whole greedy loop runs on the padded step's device tensors (capturable)."""
+
+    row_offset: int  # -1: the row at t pairs features at t with token t + 1 (EAGLE3, MTP); 0: a draft LM
+    draft_block_size: int
+
+    def padded_catch_up(
+        self,
+        input_ids: torch.Tensor,  # [rows] token fed at each row (rows = bucket * rows per sequence)
+        positions: torch.Tensor,  # [rows]
+        metadata: AttentionMetadata,
+        hidden: torch.Tensor,  # [verify rows, hidden] target final hidden states
+        aux: list[torch.Tensor],  # each [verify rows, hidden]
+        last_rows: torch.Tensor,  # [bucket] the row whose output drafts token 1
+    ) -> tuple[torch.Tensor, Any]:
+        """The catch-up over every row: (logits of last_rows [bucket, draft_vocab], chain state)."""
+        ...
+
+    def chain_step(
+        self, tokens: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, state: Any
+    ) -> tuple[torch.Tensor, Any]:
+        """One single-row step per sequence: logits [n, draft_vocab] and the next state."""
+        ...
+
+    def greedy_target_ids(self, logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Each row's argmax as a target id: [n] int64 (written into out when given)."""
+        ...
+
+
+class Proposer(Protocol):
+    method: str
+    k: int  # num_speculative_tokens
+
+    @property
+    def capabilities(self) -> ProposerCapabilities: ...
 
     def load(self, target: nn.Module, load_format: str = "auto") -> None:
         """Build / load the drafter once the target is loaded (it may share the target's
         weights); load_format is the target's ("dummy": random weights, no files)."""
+        ...
 
     def kv_layers(self) -> list[nn.Module]:
         """Attention layers of the drafter that need a DraftKVCache (none for n-gram)."""
-        return []
+        ...
 
     def draft_modules(self) -> list[nn.Module]:
         """The drafter's own modules (after load), e.g. for binding its linears' small-M GEMM."""
+        ...
+
+    @property
+    def draft_dtype(self) -> torch.dtype | None: ...
+
+    def bind_draft_cache(self, block_size: int) -> None:
+        """Told once the DraftKVCache is allocated: the block size its metadata must use."""
+        ...
+
+    def padded_drafter(self) -> PaddedDrafter | None:
+        """This drafter for the padded step's draft loop, or None when it drafts on the host only."""
+        ...
+
+    def propose(self, batch: DraftBatch) -> Proposal: ...
+
+
+class ProposerBase:
+    """Defaults for a Proposer without a model of its own (no KV cache, no padded loop)."""
+
+    method: str = ""
+
+    def __init__(self, num_speculative_tokens: int):
+        self.k = num_speculative_tokens
+
+    @property
+    def capabilities(self) -> ProposerCapabilities:
+        return ProposerCapabilities()
+
+    def load(self, target: nn.Module, load_format: str = "auto") -> None:
+        pass
+
+    def kv_layers(self) -> list[nn.Module]:
+        return []
+
+    def draft_modules(self) -> list[nn.Module]:
         return []
 
     @property
@@ -104,7 +177,10 @@ class Proposer:
         return None
 
     def bind_draft_cache(self, block_size: int) -> None:
-        """Told once the DraftKVCache is allocated: the block size its metadata must use."""
+        pass
+
+    def padded_drafter(self) -> PaddedDrafter | None:
+        return None
 
     def propose(self, batch: DraftBatch) -> Proposal:
         raise NotImplementedError
@@ -146,22 +222,3 @@ def catch_up_metadata(
     )
     return metadata.with_block_size(draft_block_size)
 
-
-def build_proposer(config, target_hf_config, options) -> Proposer:
-    """Construct the proposer for a SpeculativeConfig from the explicit method table."""
-    from foretell.spec_decode.draft_model import DraftModelProposer
-    from foretell.spec_decode.eagle3_mla import Eagle3MLAProposer
-    from foretell.spec_decode.mtp import MTPProposer
-    from foretell.spec_decode.ngram import NgramProposer
-
-    table: dict[str, type[Proposer]] = {
-        "eagle3": Eagle3MLAProposer,  # an Eagle3Proposer, or its MLA-head subclass by head config
-        "mtp": MTPProposer,
-        "draft_model": DraftModelProposer,
-        "ngram": NgramProposer,
-    }
-    if config.method not in table:
-        raise ValueError(
-            f"speculative method {config.method!r} is not available; available: {sorted(table)}"
-        )
-    return table[config.method].from_config(config, target_hf_config, options)

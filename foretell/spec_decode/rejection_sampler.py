@@ -2,7 +2,9 @@
 
 Every sampling sequence of a step comes here with its k >= 0 drafts and k + 1 target logits rows
 (k = 0 is plain sampling). Greedy rows accept the longest prefix of drafts equal to the target's
-argmax, then emit the target's argmax (the correction, or the bonus token when all k match).
+argmax, then emit the target's argmax (the correction, or the bonus token when all k match): the
+same op as the padded device step's (ops/step accept_drafts), on the sequences' rows padded to the
+longest draft list with each capped at its own length.
 Sampled rows follow Leviathan et al. (2023): accept draft d at row i with probability
 min(1, p_i(d) / q_i(d)), where p is the target's distribution after temperature / top-k / top-p /
 min-p (the same processing as without speculation) and q the proposer's real draft distribution
@@ -19,6 +21,7 @@ import torch
 
 from foretell.device_util import to_device
 from foretell.layers.sampler import NoiseSource, SamplingBatch, argmax_rows, processed_probs, sample_from_probs
+from foretell.ops.step.dispatch import accept_drafts
 
 
 @dataclass
@@ -28,6 +31,22 @@ class VerifyResult:
     # Rows of the step's logits (per sequence, in order) whose token was emitted, for logprobs.
     emitted_rows: list[list[int]]
     emitted_tokens: torch.Tensor  # [total emitted] int64, matching emitted_rows flattened
+
+    @classmethod
+    def from_counts(
+        cls,
+        draft_token_ids: list[list[int]],
+        starts: list[int],  # per sequence: its first logits row
+        num_accepted: list[int],
+        finals: list[int],  # per sequence: the token after its accepted drafts
+        device: torch.device,
+    ) -> "VerifyResult":
+        outputs, emitted_rows = [], []
+        for drafts, start, a, final in zip(draft_token_ids, starts, num_accepted, finals):
+            outputs.append(drafts[:a] + [final])
+            emitted_rows.append(list(range(start, start + a + 1)))
+        flat = [t for out in outputs for t in out]
+        return cls(num_accepted, outputs, emitted_rows, to_device(flat, torch.int64, device))
 
 
 class RejectionSampler:
@@ -55,13 +74,12 @@ class RejectionSampler:
         drafts = to_device(
             [d + [0] * (max_k - len(d)) for d in draft_token_ids], torch.int64, device
         ).view(num_seqs, max_k)
-        valid = torch.arange(max_k, device=device)[None, :] < to_device(lengths, torch.int64, device)[:, None]
+        lengths_t = to_device(lengths, torch.int64, device)  # [num_seqs]
 
         if batch.all_greedy:
-            target = argmax_rows(logits)[row_index]  # [num_seqs, max_k + 1]
-            accept = (target[:, :max_k] == drafts) & valid
-            final_choice = target
+            num_accepted_t, final_tokens = greedy_acceptance(argmax_rows(logits)[row_index], drafts, lengths_t)
         else:
+            valid = torch.arange(max_k, device=device)[None, :] < lengths_t[:, None]
             probs = processed_probs(logits, batch)  # [rows, vocab]
             vocab = probs.shape[-1]
             p = probs[row_index]  # [num_seqs, max_k + 1, vocab]
@@ -84,33 +102,41 @@ class RejectionSampler:
             residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p[:, :max_k])
             candidates = torch.cat([residual, p[:, max_k:]], dim=1)  # [num_seqs, max_k+1, vocab]
             # The bonus row of a sequence with fewer than max_k drafts is its own row k_s.
-            bonus = p[torch.arange(num_seqs, device=device), to_device(lengths, torch.int64, device)]
-            candidates[torch.arange(num_seqs, device=device), to_device(lengths, torch.int64, device)] = bonus
+            bonus = p[torch.arange(num_seqs, device=device), lengths_t]
+            candidates[torch.arange(num_seqs, device=device), lengths_t] = bonus
             noise = self.noise.exponential(
                 [batch.row_seeds[r] for rows in row_index_host for r in rows], vocab
             ).view(num_seqs, max_k + 1, vocab)
             sampled = sample_from_probs(candidates.flatten(0, 1), noise.flatten(0, 1))
             final_choice = sampled.view(num_seqs, max_k + 1)
+            # Accepted count = length of the all-accepted prefix.
+            num_accepted_t = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [num_seqs]
+            final_tokens = final_choice.gather(1, num_accepted_t[:, None]).squeeze(1)
             if batch.any_greedy:
                 greedy_seq = batch.greedy_rows[row_index[:, 0]]
-                target = argmax_rows(logits)[row_index]
-                greedy_accept = (target[:, :max_k] == drafts) & valid
-                accept = torch.where(greedy_seq[:, None], greedy_accept, accept)
-                final_choice = torch.where(greedy_seq[:, None], target, final_choice)
+                greedy_accepted, greedy_final = greedy_acceptance(argmax_rows(logits)[row_index], drafts, lengths_t)
+                num_accepted_t = torch.where(greedy_seq, greedy_accepted, num_accepted_t)
+                final_tokens = torch.where(greedy_seq, greedy_final, final_tokens)
 
-        # Accepted count = length of the all-accepted prefix.
-        num_accepted_t = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [num_seqs]
-        final_tokens = final_choice.gather(1, num_accepted_t[:, None]).squeeze(1)
         num_accepted, finals = torch.stack([num_accepted_t, final_tokens]).tolist()  # one sync
-        outputs, emitted_rows = [], []
-        for s in range(num_seqs):
-            a = num_accepted[s]
-            outputs.append(draft_token_ids[s][:a] + [finals[s]])
-            emitted_rows.append(list(range(starts[s], starts[s] + a + 1)))
-        flat = [t for out in outputs for t in out]
-        return VerifyResult(
-            num_accepted, outputs, emitted_rows, to_device(flat, torch.int64, device)
-        )
+        return VerifyResult.from_counts(draft_token_ids, starts, num_accepted, finals, device)
+
+
+def greedy_acceptance(
+    target: torch.Tensor,  # [num_seqs, max_k + 1] int64: the target's argmax at each sequence's rows
+    drafts: torch.Tensor,  # [num_seqs, max_k] int64, padded past each sequence's own drafts
+    lengths: torch.Tensor,  # [num_seqs] int64: each sequence's number of drafts
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(accepted [num_seqs], next token [num_seqs]) of greedy verification: the padded step's op,
+    each sequence capped at its own number of drafts."""
+    num_seqs = target.shape[0]
+    if drafts.shape[1] == 0:  # plain sampling rows only: nothing to accept
+        return torch.zeros(num_seqs, dtype=torch.int64, device=target.device), target[:, 0]
+    accepted = torch.empty(num_seqs, dtype=torch.int64, device=target.device)
+    next_token = torch.empty(num_seqs, dtype=torch.int64, device=target.device)
+    num_live = torch.empty((), dtype=torch.int64, device=target.device)
+    accept_drafts(target, drafts, lengths, accepted, next_token, num_live)
+    return accepted, next_token
 
 
 def cap_accepted(verify: VerifyResult, limits: list[int | None]) -> VerifyResult:

@@ -5,7 +5,8 @@ acceptance at each position: P(accepted >= j) = r_j, non-increasing), or
 {"mean_acceptance_length": L} (1 <= L <= k + 1; rates r_j = a^j with a chosen so that
 1 + sum_j a^j = L). The drafter and the verify forward run exactly as usual; only the accept
 decision is drawn, so the generated text is synthetic. Nothing turns this on but the explicit
-key, and get_stats() and the log line say the acceptance is simulated.
+key, and get_stats() and the log line say the acceptance is simulated. The runner then verifies
+with SimulatedVerifier (spec_decode/verifier.py), chosen when it is built.
 
 A step's accepted count is the number of rates above one uniform draw u (so P(accepted >= j) =
 r_j). The draws are low-discrepancy, not independent: the i-th sequence of the engine's t-th
@@ -23,7 +24,7 @@ import math
 
 import torch
 
-from foretell.spec_decode.rejection_sampler import VerifyResult
+from foretell.ops.step.reference import drawn_counts
 
 
 def rates_from_config(spec: dict, k: int) -> list[float]:
@@ -78,38 +79,13 @@ class SimulatedAcceptance:
         return [math.fmod(start + i * ROW_STRIDE, 1.0) for i in range(num_seqs)]
 
     def device_step(self, device: torch.device) -> tuple[float, torch.Tensor]:
-        """This verify step's draws for the graphed path, as (start, rates [k] float64 on device):
-        sequence i draws frac(start + i * b) (simulated_counts; one launch in step_inputs.py)."""
+        """This verify step's draws for the padded step, as (start, rates [k] float64 on device):
+        sequence i draws frac(start + i * b) (ops/step accept_drawn: one launch on CUDA)."""
         if self._device_rates is None:
             self._device_rates = torch.tensor(self.rates, dtype=torch.float64, device=device)
         return self._next_start(), self._device_rates
 
     def accepted_counts(self, num_seqs: int, device: torch.device) -> torch.Tensor:
         """[num_seqs] int64 draws on the device, with no host sync."""
-        return simulated_counts(*self.device_step(device), num_seqs)
-
-    def apply(
-        self, verify: VerifyResult, logits: torch.Tensor, draft_token_ids: list[list[int]]
-    ) -> VerifyResult:
-        """Redraw how many drafts each sequence accepts; the token after them is the target's
-        greedy choice at that row of the verify forward."""
-        uniform = self.uniforms(len(draft_token_ids))
-        accepted = [
-            min(len(d), sum(u < r for r in self.rates)) for u, d in zip(uniform, draft_token_ids)
-        ]
-        starts = [rows[0] for rows in verify.emitted_rows]
-        rows = [s + a for s, a in zip(starts, accepted)]
-        finals = logits.argmax(dim=-1)[rows].tolist()
-        outputs = [d[:a] + [f] for d, a, f in zip(draft_token_ids, accepted, finals)]
-        emitted = [list(range(s, s + a + 1)) for s, a in zip(starts, accepted)]
-        flat = [t for out in outputs for t in out]
-        return VerifyResult(
-            accepted, outputs, emitted, torch.tensor(flat, dtype=torch.int64).to(logits.device)
-        )
-
-
-def simulated_counts(start: float, rates: torch.Tensor, num_seqs: int) -> torch.Tensor:
-    """[num_seqs] int64 accepted counts of one step: rates [k] float64, draws frac(start + i * b)."""
-    row = torch.arange(num_seqs, dtype=torch.float64, device=rates.device)  # [num_seqs]
-    uniform = torch.remainder(row * ROW_STRIDE + start, 1.0)
-    return (uniform[:, None] < rates[None, :]).sum(dim=1)
+        start, rates = self.device_step(device)
+        return drawn_counts(start, rates, num_seqs, ROW_STRIDE)

@@ -41,7 +41,7 @@ def test_fp32_greedy_speculation_equals_plain(qwen3_checkpoint, eagle3_head, met
     llm, speculative = run(qwen3_checkpoint, speculative_config=spec)
     assert speculative == plain
     if method != "ngram":  # graphed drafters: verify steps are queued ahead (async_scheduling auto)
-        assert llm.engine.runner.draft_graphs is not None and llm.engine.runner.ahead_used > 0
+        assert llm.engine.runner.draft_graphs is not None and llm.engine.runner.pipeline.num_used > 0
     stats = llm.get_stats()
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
 
@@ -61,5 +61,5 @@ def test_decode_ahead_gives_the_same_tokens(qwen3_checkpoint, dtype):
         stats = llm.get_stats()
         assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
     runner = llm.engine.runner
-    assert runner.decode_ahead and runner.graphs is not None and runner.ahead_used > 0
+    assert runner.pipeline.queue_ahead and runner.graphs is not None and runner.pipeline.num_used > 0
     assert outs["auto"] == outs["off"]

@@ -35,7 +35,7 @@ CASES = [
     "rms norm + residual, pdl trigger", "eagle3 input, Llama, pdl", "mma with pdl, split-K 4, Llama o", "mma with pdl, bias",
     "gemv with pdl, gated output (gate_up), bias", "mma with pdl, gated output (gate_up), split-K 2",
     "rope + gqa attention, split decode, Llama", "rope + gqa attention, verify, Qwen3 norms", "graph inputs unpack",
-    "verify step: accept, simulated, capped", "verify step: accept, greedy", "verify step: draft catch-up inputs",
+    "verify step: accept drawn (simulated), capped", "verify step: accept, greedy", "verify step: draft catch-up inputs",
     "verify step: next verify inputs",
 ]
 

@@ -230,7 +230,7 @@ def test_async_scheduling_server_streams_aborts_and_leaks_nothing(qwen3_checkpoi
     from foretell import LLM, SamplingParams
 
     srv = server_factory(qwen3_checkpoint, async_scheduling="on")
-    assert srv.server.async_engine.engine.runner.decode_ahead
+    assert srv.server.async_engine.engine.runner.pipeline.queue_ahead
     prompts = ["The cat", "def add(x):", "Question: what is 2 plus 9?", "x y z"]
     offline = LLM(qwen3_checkpoint, dtype="float32", **{k: v for k, v in ENGINE_KWARGS.items() if k != "log_stats_interval_s"})
     expected = [o.outputs[0].text for o in offline.generate(
@@ -260,7 +260,7 @@ def test_async_scheduling_server_streams_aborts_and_leaks_nothing(qwen3_checkpoi
     assert [text for text, _ in results[: len(prompts)]] == expected
     stats = wait_until_idle(srv, timeout=10)
     assert stats["num_requests_running"] == 0 and stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
-    assert srv.server.async_engine.engine.runner.ahead_used > 0  # steps were taken from the queue
+    assert srv.server.async_engine.engine.runner.pipeline.num_used > 0  # steps were taken from the queue
 
 
 def test_a_request_failing_in_the_engine_ends_only_its_own_response(qwen3_checkpoint):

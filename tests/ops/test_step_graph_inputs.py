@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from fixtures.triton_interpreter import HAS_CUDA, import_interpreted, interpreter_mode  # noqa: F401
+from foretell.ops.step import reference
+from foretell.ops.step.inputs import GraphInputBuffers
 from foretell.runner import graph_inputs
-from foretell.runner.graph_inputs import GraphInputBuffers
 from foretell.runner.input_batch import InputBatch
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
-kernel = import_interpreted("foretell.runner.graph_inputs_triton")
+kernel = import_interpreted("foretell.ops.step.triton_kernels")
 MAX_BUCKET, MAX_ROWS, MAX_BLOCKS, BLOCK_SIZE = 8, 8 * 4, 6, 4
 
 
@@ -72,7 +73,7 @@ def test_unpack_fills_the_graph_buffers(n, bucket, q, ids_on_device):
     staging = host.to(DEVICE)
     tokens = staging[layout.ids_offset :] if layout.ids_on_host else batch.token_ids
     expected = _expected(batch, bucket, q)
-    for unpack in (graph_inputs.unpack_torch, kernel.unpack_triton):
+    for unpack in (reference.unpack_graph_inputs_torch, kernel.unpack_graph_inputs_triton):
         got = _buffers()
         unpack(staging, tokens, got, layout)
         for name in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_table"):

@@ -1,4 +1,4 @@
-"""A graphed verify step's bookkeeping (spec_decode/step_inputs.py): each Triton kernel (in Triton's
+"""A padded verify step's bookkeeping (ops/step/): each Triton kernel (in Triton's
 interpreter on the CPU) against its torch twin on random batches, and the twins against the
 definitions they implement (written out here row by row)."""
 
@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from fixtures.triton_interpreter import HAS_CUDA, import_interpreted, interpreter_mode  # noqa: F401
-from foretell.spec_decode import step_inputs
-from foretell.spec_decode.simulated_acceptance import SimulatedAcceptance
+from foretell.ops.step import reference
+from foretell.spec_decode.simulated_acceptance import ROW_STRIDE, SimulatedAcceptance
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
-kernels = import_interpreted("foretell.spec_decode.step_inputs_triton")
+kernels = import_interpreted("foretell.ops.step.triton_kernels")
 WIDTH = 12  # blocks per sequence in the tables
 
 
@@ -44,10 +44,10 @@ def test_accept_matches_twin_and_definition(interpreter_mode, num_seqs, q, cappe
     greedy, drafts = _verify_step(rng, num_seqs, q)
     caps = torch.tensor([rng.randrange(q) for _ in range(num_seqs)], device=DEVICE) if capped else None
     outs = []
-    for accept in (step_inputs.accept_drafts_torch, kernels.accept_drafts_triton):
+    for accept in (reference.accept_drafts_torch, kernels.accept_drafts_triton):
         accepted, next_token = torch.full((80,), -7, device=DEVICE), torch.full((80,), -7, device=DEVICE)
         num_live = torch.zeros((), dtype=torch.int64, device=DEVICE)
-        accept(greedy, drafts, caps, None, accepted, next_token, num_live)
+        accept(greedy, drafts, caps, accepted, next_token, num_live)
         outs.append((accepted.tolist(), next_token.tolist(), int(num_live)))
     assert outs[0] == outs[1]
     accepted, next_token, num_live = outs[0]
@@ -66,11 +66,12 @@ def test_simulated_accept_draws_the_twins_counts(interpreter_mode, num_seqs):
     greedy, drafts = _verify_step(rng, num_seqs, 4)
     draws = SimulatedAcceptance([0.9, 0.6, 0.3], seed=num_seqs)
     outs = []
-    for accept in (step_inputs.accept_drafts_torch, kernels.accept_drafts_triton):
+    for accept in (reference.accept_drawn_torch, kernels.accept_drawn_triton):
         draws.num_steps = 5
         accepted, next_token = torch.zeros(num_seqs, dtype=torch.int64, device=DEVICE), torch.zeros_like(greedy[:, 0])
         num_live = torch.zeros((), dtype=torch.int64, device=DEVICE)
-        accept(greedy, drafts, None, draws.device_step(DEVICE), accepted, next_token, num_live)
+        start, rates = draws.device_step(DEVICE)
+        accept(greedy, start, rates, ROW_STRIDE, None, accepted, next_token, num_live)
         outs.append((accepted.tolist(), next_token.tolist()))
     assert outs[0] == outs[1]
     draws.num_steps = 5
@@ -95,7 +96,7 @@ def test_catch_up_and_chain_steps_match_twin_and_definition(interpreter_mode, nu
     # chained steps (and other sequences' rows) are placed at last_position.
     last = int(first_pos[0]) + n - 1 if near_limit else WIDTH * block_size - 1
     args = (tokens, first_pos, accepted, next_token, live, table, block_size, n, shift, steps, last)
-    twin, kernel = step_inputs.catch_up_inputs_torch(*args), kernels.catch_up_inputs_triton(*args)
+    twin, kernel = reference.catch_up_inputs_torch(*args), kernels.catch_up_inputs_triton(*args)
     for field in ("tokens", "positions", "slots", "seq_lens", "last_rows"):
         assert torch.equal(getattr(twin, field), getattr(kernel, field)), field
     for field in ("positions", "seq_lens", "slots"):
@@ -128,7 +129,7 @@ def test_advance_verify_matches_twin_and_definition(interpreter_mode, num_seqs, 
     drafts = drafts.t().contiguous().t()  # [B, q - 1] as the draft loop returns it: one row per step
     table = _table(rng, num_seqs)
     buffers = []
-    for advance in (step_inputs.advance_verify_inputs_torch, kernels.advance_verify_inputs_triton):
+    for advance in (reference.advance_verify_inputs_torch, kernels.advance_verify_inputs_triton):
         out = (torch.full((rows + 4,), -3, device=DEVICE), positions.clone(), torch.full((rows + 4,), -3, device=DEVICE),
                torch.full((num_seqs + 2,), -3, dtype=torch.int32, device=DEVICE))
         advance(out[0], out[1], out[2], out[3], table, accepted, next_token, drafts, block_size)

@@ -1,7 +1,12 @@
-"""One launch for each piece of a graphed verify step's bookkeeping (spec_decode/step_inputs.py has
-the torch twins and the shapes). Sizes that change from step to step are not specialized on, so
-no step compiles a new variant (runner/graph_inputs_triton.py says why). Imports triton: CUDA
-(or the interpreter tests) only."""
+"""One launch for each piece of a speculative step's bookkeeping (reference.py has the torch twins
+and the shapes; dispatch.py chooses): the unpack of a packed step into a CUDA graph's input
+buffers, greedy and drawn acceptance, the draft loop's catch-up inputs, the next verify step's
+inputs. Imports triton: CUDA (or the interpreter tests) only.
+
+The sizes change from step to step. Triton would compile a variant for each new combination of
+them being 1, a multiple of 16 or neither: in a timed EAGLE3 run at batch 16 on the H200 one such
+compile stalled a step 140-250 ms when the batch first shrank to 13. So they are not specialized on.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +15,10 @@ import triton
 import triton.language as tl
 
 from foretell.ops.common.pdl import join_dependent_chain, launch_options, pdl_enabled
-from foretell.spec_decode.simulated_acceptance import ROW_STRIDE
-from foretell.spec_decode.step_inputs import CatchUpInputs, ChainStepInputs
+from foretell.ops.step.inputs import CatchUpInputs, ChainStepInputs, GraphInputBuffers, PackedLayout
 
 BLOCK_SEQS = 64  # sequences per program (the graph buckets go up to max_num_seqs)
+UNPACK_BLOCK = 1024  # elements of each segment per program
 
 
 def _pdl(t: torch.Tensor) -> dict:
@@ -24,6 +29,53 @@ def _pdl(t: torch.Tensor) -> dict:
     return {"PDL": pdl, **launch_options(pdl)}
 
 
+@triton.jit(do_not_specialize=["rows", "live_rows", "bucket", "table_cells", "width", "table_offset"])
+def _unpack_kernel(
+    staging_ptr,  # [size] int64, the packed step
+    tokens_ptr,  # [live_rows] int64
+    input_ids_ptr,  # int64 buffers
+    positions_ptr,
+    slot_mapping_ptr,
+    seq_lens_ptr,  # int32 buffers
+    query_start_loc_ptr,
+    block_table_ptr,
+    rows,
+    live_rows,
+    bucket,
+    table_cells,  # live sequences x width
+    width,
+    stride_table,
+    table_offset,
+    BLOCK: tl.constexpr,
+):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_rows = i < rows
+    tl.store(positions_ptr + i, tl.load(staging_ptr + i, mask=in_rows), mask=in_rows)
+    tl.store(slot_mapping_ptr + i, tl.load(staging_ptr + rows + i, mask=in_rows), mask=in_rows)
+    live = i < live_rows
+    tl.store(input_ids_ptr + i, tl.load(tokens_ptr + i, mask=live), mask=live)
+    in_seqs = i < bucket
+    seq_lens = tl.load(staging_ptr + 2 * rows + i, mask=in_seqs)
+    tl.store(seq_lens_ptr + i, seq_lens.to(tl.int32), mask=in_seqs)
+    in_starts = i <= bucket
+    starts = tl.load(staging_ptr + 2 * rows + bucket + i, mask=in_starts)
+    tl.store(query_start_loc_ptr + i, starts.to(tl.int32), mask=in_starts)
+    in_table = i < table_cells
+    blocks = tl.load(staging_ptr + table_offset + i, mask=in_table)
+    tl.store(block_table_ptr + (i // width) * stride_table + i % width, blocks.to(tl.int32), mask=in_table)
+
+
+def unpack_graph_inputs_triton(staging, tokens, buffers: GraphInputBuffers, layout: PackedLayout) -> None:
+    cells = layout.num_seqs * layout.width
+    extent = max(layout.rows, layout.bucket + 1, cells)
+    _unpack_kernel[(triton.cdiv(extent, UNPACK_BLOCK),)](
+        staging, tokens, buffers.input_ids, buffers.positions, buffers.slot_mapping, buffers.seq_lens,
+        buffers.query_start_loc, buffers.block_table, layout.rows, layout.live_rows, layout.bucket, cells,
+        layout.width, buffers.block_table.stride(0), layout.table_offset,
+        BLOCK=UNPACK_BLOCK,
+    )
+
+
 @triton.jit
 def _slot(table_ptr, stride_table, seq, pos, block_size, live):
     """The flat KV slot of position pos of sequence seq (int64), -1 where not live."""
@@ -31,23 +83,31 @@ def _slot(table_ptr, stride_table, seq, pos, block_size, live):
     return tl.where(live, block * block_size + pos % block_size, -1)
 
 
-@triton.jit(do_not_specialize=["num_seqs", "sim_start"])
+@triton.jit
+def _store_accepted(greedy_ptr, caps_ptr, accepted_ptr, next_token_ptr, num_live_ptr, seqs, live, accepted, num_seqs,
+                    q, HAS_CAPS: tl.constexpr):
+    """Cap the counts, store them and each sequence's next token (the target's at that row)."""
+    if HAS_CAPS:
+        accepted = tl.minimum(accepted, tl.load(caps_ptr + seqs, mask=live, other=0))
+    tl.store(accepted_ptr + seqs, accepted, mask=live)
+    tl.store(next_token_ptr + seqs, tl.load(greedy_ptr + seqs * q + accepted, mask=live, other=0), mask=live)
+    if tl.program_id(0) == 0:
+        tl.store(num_live_ptr, num_seqs.to(tl.int64))
+
+
+@triton.jit(do_not_specialize=["num_seqs"])
 def _accept_kernel(
     greedy_ptr,  # [B, q] int64
     drafts_ptr,  # [B, k] int64 at (stride_drafts, 1)
     caps_ptr,  # [B] int64 (read with HAS_CAPS)
-    rates_ptr,  # [k] float64 (read with SIMULATED)
     accepted_ptr,  # [B] int64 out
     next_token_ptr,  # [B] int64 out
     num_live_ptr,  # 0-d int64 out
     num_seqs,
     stride_drafts,
-    sim_start,  # float64: sequence i draws frac(sim_start + i * row_stride)
-    row_stride,
     K: tl.constexpr,
     K_P: tl.constexpr,
     HAS_CAPS: tl.constexpr,
-    SIMULATED: tl.constexpr,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -57,33 +117,61 @@ def _accept_kernel(
     j = tl.arange(0, K_P)  # [K_P] draft index
     in_k = (j < K)[None, :] & live[:, None]
     q = K + 1
-    if SIMULATED:
-        x = seqs.to(tl.float64) * row_stride + sim_start
-        uniform = x - tl.floor(x)  # [BLOCK] in [0, 1)
-        rates = tl.load(rates_ptr + j, mask=j < K, other=-1.0)  # [K_P]; padding never counts
-        accepted = tl.sum((uniform[:, None] < rates[None, :]).to(tl.int64), axis=1)
-    else:
-        target = tl.load(greedy_ptr + seqs[:, None] * q + j[None, :], mask=in_k, other=0)
-        drafted = tl.load(drafts_ptr + seqs[:, None] * stride_drafts + j[None, :], mask=in_k, other=-1)
-        first_miss = tl.where(target != drafted, j[None, :], K)  # [BLOCK, K_P]: K where they agree
-        accepted = tl.min(first_miss, axis=1).to(tl.int64)
-    if HAS_CAPS:
-        accepted = tl.minimum(accepted, tl.load(caps_ptr + seqs, mask=live, other=0))
-    tl.store(accepted_ptr + seqs, accepted, mask=live)
-    tl.store(next_token_ptr + seqs, tl.load(greedy_ptr + seqs * q + accepted, mask=live, other=0), mask=live)
-    if tl.program_id(0) == 0:
-        tl.store(num_live_ptr, num_seqs.to(tl.int64))
+    target = tl.load(greedy_ptr + seqs[:, None] * q + j[None, :], mask=in_k, other=0)
+    drafted = tl.load(drafts_ptr + seqs[:, None] * stride_drafts + j[None, :], mask=in_k, other=-1)
+    first_miss = tl.where(target != drafted, j[None, :], K)  # [BLOCK, K_P]: K where they agree
+    accepted = tl.min(first_miss, axis=1).to(tl.int64)
+    _store_accepted(greedy_ptr, caps_ptr, accepted_ptr, next_token_ptr, num_live_ptr, seqs, live, accepted, num_seqs,
+                    q, HAS_CAPS)
 
 
-def accept_drafts_triton(greedy, drafts, caps, simulated, accepted_out, next_token_out, num_live_out) -> None:
+def accept_drafts_triton(greedy, drafts, caps, accepted_out, next_token_out, num_live_out) -> None:
     num_seqs, k = drafts.shape
     assert greedy.is_contiguous() and greedy.shape == (num_seqs, k + 1) and drafts.stride(1) == 1
-    start, rates = simulated if simulated is not None else (0.0, greedy)
     _accept_kernel[(triton.cdiv(num_seqs, BLOCK_SEQS),)](
-        greedy, drafts, caps if caps is not None else greedy, rates, accepted_out, next_token_out, num_live_out,
-        num_seqs, drafts.stride(0), float(start), ROW_STRIDE,
-        K=k, K_P=triton.next_power_of_2(k), HAS_CAPS=caps is not None, SIMULATED=simulated is not None,
-        BLOCK=BLOCK_SEQS, **_pdl(greedy),
+        greedy, drafts, caps if caps is not None else greedy, accepted_out, next_token_out, num_live_out,
+        num_seqs, drafts.stride(0),
+        K=k, K_P=triton.next_power_of_2(k), HAS_CAPS=caps is not None, BLOCK=BLOCK_SEQS, **_pdl(greedy),
+    )
+
+
+@triton.jit(do_not_specialize=["num_seqs", "start"])
+def _accept_drawn_kernel(
+    greedy_ptr,  # [B, q] int64
+    caps_ptr,  # [B] int64 (read with HAS_CAPS)
+    rates_ptr,  # [k] float64
+    accepted_ptr,  # [B] int64 out
+    next_token_ptr,  # [B] int64 out
+    num_live_ptr,  # 0-d int64 out
+    num_seqs,
+    start,  # float64: sequence i draws frac(start + i * row_stride)
+    row_stride,
+    K: tl.constexpr,
+    K_P: tl.constexpr,
+    HAS_CAPS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    join_dependent_chain(PDL)  # every read may depend on the kernel before
+    seqs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    live = seqs < num_seqs
+    j = tl.arange(0, K_P)  # [K_P] draft index
+    x = seqs.to(tl.float64) * row_stride + start
+    uniform = x - tl.floor(x)  # [BLOCK] in [0, 1)
+    rates = tl.load(rates_ptr + j, mask=j < K, other=-1.0)  # [K_P]; padding never counts
+    accepted = tl.sum((uniform[:, None] < rates[None, :]).to(tl.int64), axis=1)
+    _store_accepted(greedy_ptr, caps_ptr, accepted_ptr, next_token_ptr, num_live_ptr, seqs, live, accepted, num_seqs,
+                    K + 1, HAS_CAPS)
+
+
+def accept_drawn_triton(greedy, start, rates, row_stride, caps, accepted_out, next_token_out, num_live_out) -> None:
+    num_seqs, q = greedy.shape
+    k = q - 1
+    assert greedy.is_contiguous() and rates.shape == (k,)
+    _accept_drawn_kernel[(triton.cdiv(num_seqs, BLOCK_SEQS),)](
+        greedy, caps if caps is not None else greedy, rates, accepted_out, next_token_out, num_live_out,
+        num_seqs, float(start), row_stride,
+        K=k, K_P=triton.next_power_of_2(k), HAS_CAPS=caps is not None, BLOCK=BLOCK_SEQS, **_pdl(greedy),
     )
 
 
@@ -108,7 +196,7 @@ def _catch_up_kernel(
     stride_first_pos,
     stride_table,
     block_size,
-    last_position,  # max_model_len - 1: rows past it are placed at it (step_inputs.catch_up_inputs)
+    last_position,  # max_model_len - 1: rows past it are placed at it (dispatch.catch_up_inputs)
     Q: tl.constexpr,
     N: tl.constexpr,
     N_P: tl.constexpr,

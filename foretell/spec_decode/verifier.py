@@ -1,0 +1,110 @@
+"""The Verifier: how many of its drafts each sequence of a verify step accepts, and the token after
+them. The runner builds one when it is built (build_verifier) and never asks which it has:
+
+  ExactVerifier      what the target itself would emit: greedy rows accept the longest prefix of
+                     drafts equal to the target's argmax; sampled rows go through rejection
+                     sampling (rejection_sampler.py), which keeps the target's distribution.
+  SimulatedVerifier  accept counts drawn at configured rates (simulated_acceptance.py), for
+                     benchmarking at real sizes without trained drafters; the text is synthetic.
+
+Each has the two input forms of the step: `accept_padded` for the padded device step
+(runner/graphed_verify.py: [B, k + 1] greedy tokens on the device, results written into the draft
+loop's static buffers, one launch on CUDA), and `verify` for a step built from host lists (any
+mix of draft counts, sampled rows with draft probabilities, logprobs). `accept_limits` /
+`caps` bound what a sequence may accept near its max_tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from foretell.device_util import to_device
+from foretell.layers.sampler import NoiseSource, SamplingBatch, argmax_rows
+from foretell.ops.step.dispatch import accept_drafts, accept_drawn
+from foretell.spec_decode.rejection_sampler import RejectionSampler, VerifyResult, cap_accepted
+from foretell.spec_decode.simulated_acceptance import ROW_STRIDE, SimulatedAcceptance, rates_from_config
+
+
+class Verifier(Protocol):
+    #: Whether accept decisions are drawn rather than verified (the output text is synthetic).
+    synthetic: bool
+
+    def verify(
+        self,
+        logits: torch.Tensor,  # [rows, vocab] float32: k_i + 1 rows per sequence, in order
+        draft_token_ids: list[list[int]],  # per sequence, k_i drafts
+        draft_probs: list[torch.Tensor | None],  # per sequence [k_i, vocab], or None (deterministic drafts)
+        sampling: SamplingBatch,  # one entry per logits row
+        accept_limits: list[int | None],  # per sequence: most drafts it may accept, or None
+    ) -> VerifyResult:
+        """The step from host lists; results on the host."""
+        ...
+
+    def accept_padded(
+        self,
+        greedy: torch.Tensor,  # [B, k + 1] int64: the target's greedy token at each verify row
+        drafts: torch.Tensor | None,  # [B, k] int64: the drafts verified (a drawn verifier reads none)
+        caps: torch.Tensor | None,  # [B] int64: most drafts each may accept, or None
+        accepted_out: torch.Tensor,  # [>= B] int64, written
+        next_token_out: torch.Tensor,  # [>= B] int64, written
+        num_live_out: torch.Tensor,  # 0-d int64, set to B
+    ) -> None:
+        """The padded greedy step, on the device, waiting for nothing."""
+        ...
+
+
+class ExactVerifier:
+    synthetic = False
+
+    def __init__(self, noise: NoiseSource):
+        self.rejection_sampler = RejectionSampler(noise)
+
+    def verify(self, logits, draft_token_ids, draft_probs, sampling, accept_limits) -> VerifyResult:
+        verify = self.rejection_sampler(logits, draft_token_ids, draft_probs, sampling)
+        return cap_accepted(verify, accept_limits)
+
+    def accept_padded(self, greedy, drafts, caps, accepted_out, next_token_out, num_live_out) -> None:
+        accept_drafts(greedy, drafts, caps, accepted_out, next_token_out, num_live_out)
+
+
+class SimulatedVerifier:
+    synthetic = True
+
+    def __init__(self, draws: SimulatedAcceptance, noise: NoiseSource):
+        self.draws = draws
+        self.rejection_sampler = RejectionSampler(noise)
+
+    def verify(self, logits, draft_token_ids, draft_probs, sampling, accept_limits) -> VerifyResult:
+        # Rejection sampling still runs (it draws the same noise as without simulation); only the
+        # accept counts are replaced, by the padded step's drawn acceptance on the sequences' rows
+        # (padded to k + 1 by repeating each sequence's last row, capped at its own drafts): the
+        # token after the accepted drafts is the target's greedy choice at that row.
+        verify = self.rejection_sampler(logits, draft_token_ids, draft_probs, sampling)
+        device = logits.device
+        width = len(self.draws.rates) + 1
+        lengths = [len(d) for d in draft_token_ids]
+        starts = [rows[0] for rows in verify.emitted_rows]
+        row_index = [[start + min(i, n) for i in range(width)] for start, n in zip(starts, lengths)]
+        greedy = argmax_rows(logits)[to_device(row_index, torch.int64, device)]  # [num_seqs, k + 1]
+        num_seqs = len(lengths)
+        accepted = torch.empty(num_seqs, dtype=torch.int64, device=device)
+        next_token = torch.empty(num_seqs, dtype=torch.int64, device=device)
+        num_live = torch.empty((), dtype=torch.int64, device=device)
+        self.accept_padded(greedy, None, to_device(lengths, torch.int64, device), accepted, next_token, num_live)
+        counts, finals = torch.stack([accepted, next_token]).tolist()  # one sync
+        drawn = VerifyResult.from_counts(draft_token_ids, starts, counts, finals, device)
+        return cap_accepted(drawn, accept_limits)
+
+    def accept_padded(self, greedy, drafts, caps, accepted_out, next_token_out, num_live_out) -> None:
+        start, rates = self.draws.device_step(greedy.device)
+        accept_drawn(greedy, start, rates, ROW_STRIDE, caps, accepted_out, next_token_out, num_live_out)
+
+
+def build_verifier(spec, noise: NoiseSource, seed: int) -> Verifier:
+    """The verifier for a SpeculativeConfig (or None: no speculation, exact)."""
+    if spec is not None and spec.simulate_acceptance is not None:
+        rates = rates_from_config(spec.simulate_acceptance, spec.num_speculative_tokens)
+        return SimulatedVerifier(SimulatedAcceptance(rates, seed), noise)
+    return ExactVerifier(noise)
