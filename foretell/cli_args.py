@@ -44,6 +44,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
     g.add_argument("--warm-up", default="auto", choices=["auto", "on", "off"],
                    help="dummy requests at start-up so no kernel compiles during serving (auto: on CUDA)")
     g.add_argument("--skip-tokenizer-init", action="store_true", help="token-id prompts only")
+    par = parser.add_argument_group("parallelism")
+    par.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                     help="devices (ranks) each holding a slice of every layer (default 1)")
+    par.add_argument("--enable-expert-parallel", action="store_true",
+                     help="MoE models: partition the routed experts over the ranks instead of "
+                          "splitting each expert")
     c = parser.add_argument_group("KV cache")
     c.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     c.add_argument("--kv-cache-memory-bytes", type=int, help="KV cache budget (target + draft)")
@@ -127,7 +133,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "tokenizer", "dtype", "device", "load_format", "max_model_len", "seed", "attention_backend",
         "enforce_eager", "small_m_gemm", "warm_up", "num_cpu_threads", "skip_tokenizer_init", "block_size", "kv_cache_memory_bytes", "gpu_memory_utilization",
         "num_kv_blocks", "enable_prefix_caching", "max_num_seqs", "max_num_batched_tokens",
-        "enable_chunked_prefill", "async_scheduling",
+        "enable_chunked_prefill", "async_scheduling", "tensor_parallel_size", "enable_expert_parallel",
     ]
     kwargs = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     kwargs["speculative_config"] = speculative_config_from_args(args)

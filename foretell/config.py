@@ -1,4 +1,4 @@
-"""Typed configuration: model, cache, scheduler, speculative decoding, and the engine's bundle.
+"""Typed configuration: model, cache, scheduler, parallel, speculative decoding, and the engine's bundle.
 
 Every knob of the engine is a field here (and a CLI flag); each dataclass validates itself in
 __post_init__ and says what to do when a value is wrong.
@@ -131,6 +131,38 @@ class SchedulerConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """How a model is spread over devices (vLLM's names). tensor_parallel_size ranks each hold a
+    slice of every layer (heads, MLP columns, vocabulary); with enable_expert_parallel the MoE
+    layers' routed experts are partitioned over those ranks instead of split inside each expert.
+    The head counts and sizes that must divide are checked where the model config is read."""
+
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        size = self.tensor_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ValueError(
+                f"enable_expert_parallel must be True or False, got {self.enable_expert_parallel!r}"
+            )
+
+
+def check_engine_runs_parallel(parallel: ParallelConfig) -> None:
+    """Until the engine starts one worker per rank (issue 24), a config asking for several ranks is
+    refused here rather than run on one device."""
+    if parallel.tensor_parallel_size > 1:
+        raise ValueError(
+            f"tensor_parallel_size={parallel.tensor_parallel_size} is not supported by the engine "
+            f"yet: the tensor-parallel layers and models exist (foretell/distributed, "
+            f"layers/linear.py, layers/vocab_parallel.py), but starting one worker per rank is "
+            f"still to come (issue 24). Run with tensor_parallel_size=1 (-tp 1) for now."
+        )
+
+
+@dataclass
 class SpeculativeConfig:
     method: str
     model: str | None = None
@@ -203,11 +235,13 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None
     log_stats_interval_s: float = 10.0
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 def build_engine_config(model: str, **kwargs: Any) -> EngineConfig:
     """Route flat keyword arguments (the LLM(...) and CLI surface) to the typed configs."""
-    groups = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+    groups = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+              "parallel": ParallelConfig}
     values: dict[str, dict[str, Any]] = {name: {} for name in groups}
     speculative = kwargs.pop("speculative_config", None)
     log_interval = kwargs.pop("log_stats_interval_s", 10.0)
@@ -222,6 +256,8 @@ def build_engine_config(model: str, **kwargs: Any) -> EngineConfig:
     from foretell.model_source import resolve_engine_sources
 
     model_config = ModelConfig(model=model, **values["model"])
+    parallel_config = ParallelConfig(**values["parallel"])
+    check_engine_runs_parallel(parallel_config)
     speculative_config = SpeculativeConfig.from_any(speculative)
     resolve_engine_sources(model_config, speculative_config)  # Hub ids -> local snapshot folders
     return EngineConfig(
@@ -230,4 +266,5 @@ def build_engine_config(model: str, **kwargs: Any) -> EngineConfig:
         scheduler=SchedulerConfig(**values["scheduler"]),
         speculative=speculative_config,
         log_stats_interval_s=log_interval,
+        parallel=parallel_config,
     )

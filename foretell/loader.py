@@ -13,6 +13,12 @@ sharded). It also dequantizes FP8 block-quantized weights as DeepSeek-V3/R1 and 
 to each block times its scale, wherever the two sit in the shards; models never see scales. An
 FP8 matmul path would call it with dequantize_fp8=False and load both tensors itself.
 
+Under tensor parallelism a parameter holding one rank's part of a checkpoint tensor says which
+part through `param.rank_slices` (shard id -> RankSlice, layers/linear.py). The loader hands its
+weight_loader only that part: from safetensors it reads only those bytes (get_slice), elsewhere
+(.bin files, FP8 tensors dequantized whole) it cuts the part from the whole tensor. The whole
+tensor's shape is checked either way.
+
 `load_format="dummy"` reads no file: every parameter gets deterministic random values (normal,
 std 0.02, seeded per parameter name), and parameters that declare `dummy_value` (norm weights)
 are filled with it.
@@ -31,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from foretell.layers.linear import default_weight_loader
+from foretell.layers.linear import RankSlice, default_weight_loader
 from foretell.weight_rules import WeightRules
 
 LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
@@ -118,13 +124,31 @@ def find_weight_files(
     )
 
 
-def _iter_safetensors(path: str, skip: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor | None]]:
+# cut(key, shape, safetensors dtype name, path) -> the part of the tensor to read, or None for all
+Cut = Callable[[str, tuple[int, ...], str, str], RankSlice | None]
+
+
+def _iter_safetensors(
+    path: str, skip: Callable[[str], bool], cut: Cut | None = None
+) -> Iterator[tuple[str, torch.Tensor | None]]:
     from safetensors import safe_open
 
     try:
         with safe_open(path, framework="pt", device="cpu") as f:
             for key in f.keys():
-                yield key, None if skip(key) else f.get_tensor(key)
+                if skip(key):
+                    yield key, None
+                    continue
+                if cut is None:
+                    yield key, f.get_tensor(key)
+                    continue
+                lazy = f.get_slice(key)
+                part = cut(key, tuple(lazy.get_shape()), lazy.get_dtype(), path)
+                if part is None:
+                    yield key, f.get_tensor(key)
+                else:
+                    index = (slice(None),) * part.dim + (slice(part.start, part.start + part.size),)
+                    yield key, lazy[index]
     except CheckpointError:
         raise
     except Exception as e:  # SafetensorError, OSError: header or data unreadable / truncated
@@ -134,7 +158,7 @@ def _iter_safetensors(path: str, skip: Callable[[str], bool]) -> Iterator[tuple[
         ) from e
 
 
-def _iter_pt(path: str, skip: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor | None]]:
+def _iter_pt(path: str, skip: Callable[[str], bool], cut: Cut | None = None) -> Iterator[tuple[str, torch.Tensor | None]]:
     try:
         # mmap avoids a second copy of the file in memory; only the zip format supports it.
         state = torch.load(
@@ -165,6 +189,7 @@ def iter_checkpoint_tensors(
     load_format: str = "auto",
     dequantize_fp8: bool = True,
     skip: Callable[[str], bool] | None = None,
+    cut: Cut | None = None,
 ) -> Iterator[tuple[str, torch.Tensor, str]]:
     """Yield (checkpoint key, CPU tensor, file path) for every tensor of a checkpoint.
 
@@ -172,6 +197,8 @@ def iter_checkpoint_tensors(
     an FP8 `X.weight` and its `X.weight_scale_inv` are yielded once, as a float32 `X.weight`
     (the file is the one that held the second of the two). Keys for which skip(key) is true are
     neither read nor yielded (a target ignoring MTP layers, a drafter taking one layer).
+    Safetensors tensors for which cut(...) gives a RankSlice are read as that part only (a
+    .bin file's tensors are yielded whole: the caller cuts them).
     """
     fmt, files = find_weight_files(folder, load_format)
     read = _iter_safetensors if fmt == "safetensors" else _iter_pt
@@ -179,7 +206,7 @@ def iter_checkpoint_tensors(
     skip = skip or (lambda key: False)
     for path, expected_keys in files:
         seen = set()
-        for key, tensor in read(path, skip):
+        for key, tensor in read(path, skip, cut):
             seen.add(key)
             if tensor is None:
                 continue
@@ -351,7 +378,27 @@ def load_weights(
         base = key[: -len(FP8_SCALE_SUFFIX)] if key.endswith(FP8_SCALE_SUFFIX) else key
         return any(p.search(base) for p in ignored)
 
-    for key, tensor, path in iter_checkpoint_tensors(folder, load_format, skip=is_ignored):
+    cut_at_read: set[str] = set()  # keys read as this rank's part already
+
+    def rank_slice(name: str, shard: Any) -> RankSlice | None:
+        param = params.get(name)
+        return None if param is None else getattr(param, "rank_slices", {}).get(shard)
+
+    def cut(key: str, shape: tuple[int, ...], dtype: str, path: str) -> RankSlice | None:
+        part = rank_slice(*_map_name(key, rules))
+        if part is None or dtype.startswith("F8"):  # FP8: dequantized whole with its block scales, then cut
+            return None
+        try:
+            part.check_full_shape(shape)
+        except ValueError as e:
+            raise CheckpointError(f"{path}: tensor {key!r} does not fit parameter "
+                                  f"{_map_name(key, rules)[0]}: {e}") from e
+        cut_at_read.add(key)
+        return part
+
+    any_cut = any(getattr(p, "rank_slices", None) for p in params.values())
+    for key, tensor, path in iter_checkpoint_tensors(folder, load_format, skip=is_ignored,
+                                                     cut=cut if any_cut else None):
         if not files or files[-1] != path:
             files.append(path)
         name, shard = _map_name(key, rules)
@@ -367,6 +414,9 @@ def load_weights(
             )
         weight_loader = getattr(param, "weight_loader", default_weight_loader)
         try:
+            part = rank_slice(name, shard)
+            if part is not None and key not in cut_at_read:
+                tensor = part.take(tensor)
             weight_loader(param, tensor, shard)
         except ValueError as e:
             raise CheckpointError(

@@ -25,7 +25,7 @@ def small_m_layers(roots: Iterable[nn.Module]) -> list[tuple[nn.Module, torch.Te
     for root in roots:
         for module in root.modules():
             if isinstance(module, Linear):
-                found[id(module)] = (module, module.bias)
+                found[id(module)] = (module, module.bias if module.bias_in_gemm else None)
             elif isinstance(module, LMHead):
                 found[id(module)] = (module, None)
     return list(found.values())

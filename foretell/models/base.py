@@ -7,20 +7,26 @@ The contract the runner relies on (it never asks which model it runs):
       hidden [num_tokens, hidden_size]: final hidden state AFTER the final norm
       aux: list of [num_tokens, hidden_size], the residual stream entering each layer in
            options.aux_hidden_state_layers, in that order (empty when none were asked for)
-  logits = model.compute_logits(hidden)      # [n, vocab_size] float32
+  logits = model.compute_logits(hidden)      # [n, vocab_size] float32 (whole rows on every rank)
+  tokens = model.compute_greedy_tokens(hidden)  # [n] int64: argmax of those rows, ties to the
+                                             # lowest id (under tensor parallelism without a gather)
   model.attention_layers()                   # modules owning a KV cache, in layer order
   model.weight_rules                         # checkpoint name -> parameter rules for the loader
+
+Under tensor parallelism (options.tensor_parallel with several ranks) every rank builds the same
+model holding its slices of the weights; hidden states and logits come out whole on every rank.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from foretell.distributed.tensor_parallel import TensorParallel
 from foretell.ops.attention.dispatch import AttentionBackend
 from foretell.weight_rules import WeightRule, WeightRules  # noqa: F401 (models import them from here)
 
@@ -31,6 +37,22 @@ class ModelOptions:
     device: torch.device
     attention_backend: AttentionBackend
     aux_hidden_state_layers: tuple[int, ...] = ()
+    # This rank's place in the tensor-parallel group; the default is one rank (nothing split).
+    tensor_parallel: TensorParallel = field(default_factory=TensorParallel)
+
+
+def check_tensor_parallel_sizes(config: "HFConfig", tp: TensorParallel, sizes: dict[str, int]) -> None:
+    """Start-up check that tensor_parallel_size divides every config size the model splits evenly
+    (field name -> value); one error naming the config file and every field that does not."""
+    if not tp.is_parallel:
+        return
+    bad = [f"{name} = {value}" for name, value in sizes.items() if value % tp.world_size]
+    if bad:
+        raise ValueError(
+            f"{config.source}: tensor_parallel_size = {tp.world_size} does not divide "
+            f"{', '.join(bad)}; choose a tensor_parallel_size that divides "
+            f"{'it' if len(bad) == 1 else 'them'}"
+        )
 
 
 class HFConfig:
@@ -181,10 +203,10 @@ class CausalLM(torch.nn.Module):
         return bool(self.config.get("tie_word_embeddings", False))
 
     def attach_lm_head(self, hidden_size: int) -> None:
-        from foretell.layers.embedding import LMHead
+        from foretell.layers.vocab_parallel import lm_head
 
-        self.lm_head = LMHead(
-            self.config.vocab_size, hidden_size,
+        self.lm_head = lm_head(
+            self.config.vocab_size, hidden_size, self.options.tensor_parallel,
             tie_to=self.model.embed_tokens if self.tie_word_embeddings else None,
             dtype=self.options.dtype, device=self.options.device,
         )
@@ -200,6 +222,13 @@ class CausalLM(torch.nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab] float32
         return self.lm_head(hidden)
+
+    def compute_greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n] int64
+        """The greedy tokens of compute_logits' rows; with the vocabulary split over ranks, without
+        gathering the logits (ParallelLMHead.greedy_tokens)."""
+        if self.options.tensor_parallel.is_parallel:
+            return self.lm_head.greedy_tokens(hidden)
+        return self.lm_head(hidden).argmax(dim=-1)
 
     def attention_layers(self) -> list[torch.nn.Module]:
         return [layer.self_attn.attn for layer in self.model.layers]

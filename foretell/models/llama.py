@@ -11,6 +11,12 @@ checkpoint tensors (see `family_weight_rules`):
 With tied embeddings, lm_head uses model.embed_tokens.weight and a checkpoint's lm_head.weight,
 if present, is ignored.
 
+Tensor parallel (options.tensor_parallel): q/k/v and gate_up column-parallel (this rank's query
+heads, KV heads split or replicated when fewer than the ranks, and its share of the MLP), o_proj
+and down_proj row-parallel with the sum over ranks, embedding and lm_head split by vocabulary.
+num_attention_heads and intermediate_size must be divisible by tensor_parallel_size, checked at
+construction with the config file named.
+
 Sliding-window attention (Mistral v0.1, Qwen2 with use_sliding_window) is not implemented: such
 models are exact only while contexts stay within the window, and we warn at construction.
 """
@@ -25,10 +31,10 @@ from torch import nn
 
 from foretell.layers.attention.layer import Attention
 from foretell.ops.attention.metadata import AttentionMetadata
-from foretell.layers.embedding import VocabEmbedding
-from foretell.layers.linear import Linear, MergedLinear, QKVLinear
+from foretell.layers.linear import MergedLinear, QKVLinear, kv_head_shard, row_parallel_linear
 from foretell.layers.norm import RMSNorm
 from foretell.layers.rotary import RotaryEmbedding, rope_parameters_from_config
+from foretell.layers.vocab_parallel import vocab_embedding
 from foretell.models.base import (
     CausalLM,
     HFConfig,
@@ -36,6 +42,7 @@ from foretell.models.base import (
     PreNormDecoderLayer,
     WeightRule,
     WeightRules,
+    check_tensor_parallel_sizes,
     run_decoder_stack,
 )
 
@@ -96,15 +103,16 @@ class DecoderAttention(nn.Module):
     ):
         super().__init__()
         kw = dict(dtype=options.dtype, device=options.device)
-        self.num_heads = dims.num_heads
-        self.num_kv_heads = dims.num_kv_heads
-        self.head_dim = dims.head_dim
+        tp = options.tensor_parallel
         self.qkv_proj = QKVLinear(
             dims.hidden_size, dims.head_dim, dims.num_heads, dims.num_kv_heads,
-            bias=switches.qkv_bias, **kw,
+            bias=switches.qkv_bias, tp=tp, **kw,
         )
-        self.o_proj = Linear(
-            dims.num_heads * dims.head_dim, dims.hidden_size, bias=switches.o_bias, **kw
+        self.num_heads = self.qkv_proj.num_heads  # this rank's
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.head_dim = dims.head_dim
+        self.o_proj = row_parallel_linear(
+            dims.num_heads * dims.head_dim, dims.hidden_size, bias=switches.o_bias, tp=tp, **kw
         )
         if switches.qk_norm:
             self.q_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps, **kw)
@@ -113,7 +121,7 @@ class DecoderAttention(nn.Module):
             self.q_norm = self.k_norm = None
         self.rotary_emb = rotary_emb  # shared by all layers
         self.attn = Attention(
-            dims.num_heads, dims.head_dim, dims.num_kv_heads, dims.head_dim**-0.5,
+            self.num_heads, dims.head_dim, self.num_kv_heads, dims.head_dim**-0.5,
             options.attention_backend,
         )
 
@@ -137,9 +145,9 @@ class DecoderMLP(nn.Module):
     def __init__(self, dims: DecoderDims, switches: DecoderSwitches, options: ModelOptions):
         super().__init__()
         kw = dict(dtype=options.dtype, device=options.device)
-        size = dims.intermediate_size
-        self.gate_up_proj = MergedLinear(dims.hidden_size, [size, size], switches.mlp_bias, **kw)
-        self.down_proj = Linear(size, dims.hidden_size, switches.mlp_bias, **kw)
+        size, tp = dims.intermediate_size, options.tensor_parallel
+        self.gate_up_proj = MergedLinear(dims.hidden_size, [size, size], switches.mlp_bias, tp=tp, **kw)
+        self.down_proj = row_parallel_linear(size, dims.hidden_size, switches.mlp_bias, tp=tp, **kw)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
         return self.down_proj(self.gate_up_proj.forward_gated(hidden))  # silu(gate) * up: gate_up's epilogue
@@ -175,13 +183,14 @@ class DecoderModel(nn.Module):
         kw = dict(dtype=options.dtype, device=options.device)
         dims = DecoderDims.from_config(config)
         self.dims = dims
+        check_tensor_parallel_dims(config, dims, options)
         rope_theta, rope_scaling = rope_parameters_from_config(config)
         rotary_dim = int(dims.head_dim * config.get("partial_rotary_factor", 1.0))
         self.rotary_emb = RotaryEmbedding(
             rotary_dim, config.max_position_embeddings, rope_theta, rope_scaling,
             device=options.device,
         )
-        self.embed_tokens = VocabEmbedding(config.vocab_size, dims.hidden_size, **kw)
+        self.embed_tokens = vocab_embedding(config.vocab_size, dims.hidden_size, options.tensor_parallel, **kw)
         self.layers = nn.ModuleList(
             DecoderLayer(dims, switches, self.rotary_emb, options)
             for _ in range(config.num_hidden_layers)
@@ -234,6 +243,17 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     def switches(cls, config: HFConfig) -> DecoderSwitches:
         bias = bool(config.get("attention_bias", False))
         return DecoderSwitches(qkv_bias=bias, o_bias=bias, qk_norm=True)
+
+
+def check_tensor_parallel_dims(config: HFConfig, dims: DecoderDims, options: ModelOptions) -> None:
+    """The sizes split over ranks divide by tensor_parallel_size (errors name config.json's fields)."""
+    tp = options.tensor_parallel
+    check_tensor_parallel_sizes(config, tp, {"num_attention_heads": dims.num_heads,
+                                             "intermediate_size": dims.intermediate_size})
+    try:
+        kv_head_shard(dims.num_heads, dims.num_kv_heads, tp)
+    except ValueError as e:
+        raise ValueError(f"{config.source}: {e}") from None
 
 
 def _warn_sliding_window(config: HFConfig) -> None:
