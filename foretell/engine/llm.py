@@ -16,8 +16,8 @@ from foretell.sampling_params import SamplingParams
 class LLM:
     """LLM(model="path/to/hf_folder", dtype="auto", device="auto", speculative_config={...}).
 
-    Any field of ModelConfig, CacheConfig or SchedulerConfig is accepted as a keyword
-    (block_size=16, max_num_seqs=..., max_num_batched_tokens=..., num_kv_blocks=..., ...).
+    Any field of ModelConfig, CacheConfig, SchedulerConfig or ParallelConfig is accepted as a
+    keyword (block_size=16, max_num_seqs=..., num_kv_blocks=..., tensor_parallel_size=1, ...).
     With no model, the shipped default family: its Qwen3-layout target drafting with its EAGLE3
     head (k=3) unless speculative_config says otherwise; LLM.default(...) picks another member.
     """

@@ -184,8 +184,16 @@ class CausalLM(torch.nn.Module):
     its output head, tied to the embedding when the config says so. A subclass builds
     `self.model`, then calls attach_lm_head."""
 
+    # Whether the class splits its layers over tensor-parallel ranks (a constant per class).
+    supports_tensor_parallel = False
+
     def __init__(self, config: HFConfig, options: ModelOptions):
         super().__init__()
+        if options.tensor_parallel.is_parallel and not self.supports_tensor_parallel:
+            raise ValueError(
+                f"{type(self).__name__} ({config.source}) does not run tensor-parallel yet; use "
+                f"tensor_parallel_size=1 (the Llama family, Mistral, Qwen2 and Qwen3 do)"
+            )
         self.config = config
         self.options = options
         num_layers = config.num_hidden_layers

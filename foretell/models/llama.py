@@ -212,6 +212,8 @@ class DecoderModel(nn.Module):
 class LlamaForCausalLM(CausalLM):
     """Also the class for every family member; subclasses only choose `switches`."""
 
+    supports_tensor_parallel = True
+
     @classmethod
     def switches(cls, config: HFConfig) -> DecoderSwitches:
         bias = bool(config.get("attention_bias", False))
