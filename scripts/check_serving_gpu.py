@@ -112,12 +112,18 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out")
     p.add_argument("--lengths", type=int, default=200)
+    p.add_argument("--only", help="comma-separated sections (default: all)")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     result: dict = {}
-    for name, fn in (("decode_plain", lambda: decode_rate("none")), ("decode_eagle3", lambda: decode_rate("eagle3")),
-                     ("compiles_plain", lambda: compiles_after_warm_up(args.lengths, "none")),
-                     ("compiles_eagle3", lambda: compiles_after_warm_up(args.lengths, "eagle3"))):
+    sections = {"decode_plain": lambda: decode_rate("none"), "decode_eagle3": lambda: decode_rate("eagle3"),
+                "compiles_plain": lambda: compiles_after_warm_up(args.lengths, "none"),
+                "compiles_eagle3": lambda: compiles_after_warm_up(args.lengths, "eagle3")}
+    chosen = args.only.split(",") if args.only else list(sections)
+    unknown = set(chosen) - set(sections)
+    if unknown:
+        p.error(f"--only: unknown sections {sorted(unknown)}; known: {', '.join(sections)}")
+    for name, fn in ((name, sections[name]) for name in chosen):
         t0 = time.perf_counter()
         try:
             result[name] = fn()
