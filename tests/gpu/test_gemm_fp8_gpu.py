@@ -1,0 +1,115 @@
+"""FP8-weight linears (issue 25) on a CUDA device: the few-row kernels (GEMV, MMA) and the FP8
+tensor-core GEMM at DeepSeek-V3 / Kimi-K2 shapes in bf16 and fp16 against float64 products of the
+twins' operands (fixtures/fp8_linear.py), the activation quantizer giving the twin's bits, the
+dispatch (ops/gemm/fp8_dispatch.py) choosing by rows, no host sync in a launch, and capture and
+replay in a CUDA graph. What Triton's interpreter cannot show: bf16, sm_90's FP8 MMA and
+conversions, real sizes, PDL.
+
+Every case draws fresh random inputs; a failure prints the seed that reproduces it.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+pytest.importorskip("triton")
+
+from fixtures.fp8_linear import check_product, random_fp8_weight  # noqa: E402
+from fixtures.seeds import reports_seed  # noqa: E402
+from foretell.ops.gemm import fp8_reference as ref  # noqa: E402
+from foretell.ops.gemm import triton_fp8_few_rows as few  # noqa: E402
+from foretell.ops.gemm import triton_fp8_gemm as gemm  # noqa: E402
+from foretell.ops.gemm.fp8_dispatch import fp8_linear  # noqa: E402
+
+DEVICE = torch.device("cuda")
+BLOCK = (128, 128)
+# DeepSeek-V3 (N, K): kv_a_proj_with_mqa (576: a partial last block), q_a_proj, q_b_proj, o_proj,
+# an expert's gate_up and down, the dense layers' down projection.
+V3_SHAPES = [(576, 7168), (1536, 7168), (24576, 1536), (7168, 16384), (4096, 7168), (7168, 2048), (7168, 18432)]
+# Llama-3.1-8B with `quantization="fp8"` (per-channel scales): qkv, o, gate_up, down.
+LLAMA8B_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+
+
+def _cases():
+    return [(shape, BLOCK) for shape in V3_SHAPES] + [(shape, None) for shape in LLAMA8B_SHAPES]
+
+
+def _ids(case):
+    (n, k), block = case
+    return f"{n}x{k}-{'block' if block else 'channel'}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", _cases(), ids=_ids)
+def test_few_rows_match_float64(dtype, case):
+    (n, k), block_size = case
+    seed = random.randrange(2**31)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    q, s = random_fp8_weight(gen, n, k, block_size, DEVICE)
+    bias = torch.randn(n, generator=gen, device=DEVICE).to(dtype)
+    with torch.inference_mode(), reports_seed(seed):
+        for m in (1, 2, 4, 16):
+            x = torch.randn(m, k, generator=gen, device=DEVICE).to(dtype)
+            check_product(few.fp8_few_rows_linear(x, q, s, block_size), x, q, s, block_size, None, dtype)
+            check_product(fp8_linear(x, q, s, block_size, bias), x, q, s, block_size, bias, dtype)
+            if m <= few.GEMV_MAX_M:  # the GEMV at more rows too (what float32 x takes)
+                config = few.gemv_config(m, n, k)
+                check_product(few.fp8_few_rows_linear(x, q, s, block_size, config=config), x, q, s, block_size,
+                              None, dtype)
+
+
+@pytest.mark.parametrize("case", _cases(), ids=_ids)
+def test_gemm_matches_float64_of_the_quantized_activations(case):
+    (n, k), block_size = case
+    seed = random.randrange(2**31)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    q, s = random_fp8_weight(gen, n, k, block_size, DEVICE)
+    with torch.inference_mode(), reports_seed(seed):
+        for m, dtype in ((17, torch.bfloat16), (300, torch.float16), (1000, torch.bfloat16)):
+            x = (torch.randn(m, k, generator=gen, device=DEVICE) * 3).to(dtype)
+            xq, xs = ref.quantize_fp8_per_token_group(x)
+            x_used = ref.dequantize_per_token_group(xq, xs)
+            check_product(fp8_linear(x, q, s, block_size), x_used, q, s, block_size, None, dtype)
+            bias = torch.randn(n, generator=gen, device=DEVICE).to(dtype)
+            check_product(gemm.fp8_gemm(x, q, s, block_size, bias), x_used, q, s, block_size, bias, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_activation_quantizer_gives_the_twins_bits(dtype):
+    seed = random.randrange(2**31)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    x = torch.randn(333, 7168 - 40, generator=gen, device=DEVICE)  # a ragged last group
+    x = (x * torch.exp(3 * torch.randn(333, 1, generator=gen, device=DEVICE))).to(dtype)
+    x[5] = 0
+    with torch.inference_mode(), reports_seed(seed):
+        q, scales = gemm.quantize_per_token_group(x)
+        want_q, want_scales = ref.quantize_fp8_per_token_group(x)
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(scales, want_scales)
+
+
+@pytest.mark.parametrize("m", [1, 4, 16, 64])
+def test_captured_in_a_cuda_graph(m):
+    """No host sync in a launch; a graph replays on new inputs with the eager results."""
+    gen = torch.Generator(device=DEVICE).manual_seed(m)
+    n, k = 4096, 7168
+    q, s = random_fp8_weight(gen, n, k, BLOCK, DEVICE)
+    x = torch.randn(m, k, generator=gen, device=DEVICE).to(torch.bfloat16)
+    with torch.inference_mode():
+        fp8_linear(x, q, s, BLOCK)  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fp8_linear(x, q, s, BLOCK)
+        for _ in range(3):
+            x.copy_(torch.randn(m, k, generator=gen, device=DEVICE).to(torch.bfloat16))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, fp8_linear(x, q, s, BLOCK))

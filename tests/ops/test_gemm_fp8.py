@@ -1,0 +1,236 @@
+"""FP8-weight linears (issue 25): the torch twins (ops/gemm/fp8_reference.py) against float64
+computations and the loader's dequantization, and the kernels (triton_fp8_few_rows.py,
+triton_fp8_gemm.py) against float64 products of the twins' operands, in Triton's interpreter on
+CPU (fp8 loads, stores and tl.dot work there; x in fp16 and fp32, as the interpreter keeps bf16 as
+uint16: bf16 and the real shapes are tests/gpu/test_gemm_fp8_gpu.py's).
+
+Shapes are ragged (N and K not multiples of 128, so the last scale block is partial) and inputs are
+random and non-zero; kernel outputs are poisoned with NaN, so a skipped element shows. Every case
+draws a fresh seed; a failure prints it.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from fixtures import deepseek as ds
+from fixtures.float64_linear import poisoned_empty  # noqa: F401 (a fixture)
+from fixtures.fp8_linear import check_product, random_fp8_weight
+from fixtures.seeds import reports_seed
+from fixtures.triton_interpreter import HAS_CUDA, import_interpreted, interpreter_mode  # noqa: F401
+from foretell.loader import dequantize_fp8_blocks
+from foretell.ops.gemm import fp8_reference as ref
+from foretell.ops.gemm.fp8_dispatch import fp8_linear, fp8_path
+
+DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+few = import_interpreted("foretell.ops.gemm.triton_fp8_few_rows")
+gemm = import_interpreted("foretell.ops.gemm.triton_fp8_gemm")
+BLOCK = (128, 128)
+
+
+def _weight(gen, n, k, block_size):
+    return random_fp8_weight(gen, n, k, block_size, DEVICE)
+
+
+# ---------------------------------------------------------------------- the twins
+
+
+@pytest.mark.parametrize("shape", [(300, 200), (128, 256), (7, 129), (1, 1)])
+def test_dequantization_matches_the_loader_and_a_loop(shape):
+    gen = torch.Generator().manual_seed(sum(shape))
+    weight = torch.randn(shape, generator=gen) * 3
+    q, scale = ref.quantize_fp8_blocks(weight, BLOCK)
+    fixture_q, fixture_scale = ds.quantize_fp8_blocks(weight, list(BLOCK))  # the tests' own loop
+    assert torch.equal(q.view(torch.uint8), fixture_q.view(torch.uint8)) and torch.equal(scale, fixture_scale)
+    ours = ref.dequantize_fp8(q, scale, BLOCK)
+    assert torch.equal(ours, ds.dequantize_reference(q, scale, list(BLOCK)))
+    assert torch.equal(ours, dequantize_fp8_blocks(q, scale, BLOCK))
+    assert (ours - weight).abs().max() <= weight.abs().max() / 8  # e4m3 keeps 3 mantissa bits
+
+
+@pytest.mark.parametrize("block_size", [BLOCK, (64, 32), None], ids=["128x128", "64x32", "channel"])
+def test_reference_linear_matches_float64(block_size):
+    seed = random.randrange(2**31)
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    m, n, k = rng.randint(1, 20), rng.randint(129, 300), rng.randint(129, 400)
+    q, s = _weight(gen, n, k, block_size)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(2, m, k, generator=gen).to(dtype)  # leading dimensions kept
+        bias = torch.randn(n, generator=gen).to(dtype)
+        got = ref.fp8_linear_torch(x, q.cpu(), s.cpu(), block_size, bias)
+        assert got.shape == (2, m, n)
+        with reports_seed(seed):
+            check_product(got.reshape(-1, n), x.reshape(-1, k), q, s, block_size, bias, dtype)
+
+
+def test_per_token_group_quantizer_maps_each_groups_amax_to_448():
+    seed = random.randrange(2**31)
+    gen = torch.Generator().manual_seed(seed)
+    m, k = 5, 300  # groups of 128, 128, 44
+    x = torch.randn(m, k, generator=gen) * torch.exp(3 * torch.randn(m, 1, generator=gen))
+    x[3] = 0.0  # a zero row: zeros, not NaN
+    x[4, 130:] = 0.0  # one group all zero, the first non-zero
+    q, scales = ref.quantize_fp8_per_token_group(x)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (m, k) and scales.shape == (m, 3)
+    x64 = x.double()
+    for g, cols in enumerate((slice(0, 128), slice(128, 256), slice(256, 300))):
+        amax = x64[:, cols].abs().amax(dim=1)
+        expected = amax.clamp(min=ref.MIN_AMAX) / 448
+        assert torch.allclose(scales[:, g].double(), expected, rtol=2**-23, atol=0)
+        values = q[:, cols].double() * scales[:, g, None].double()
+        # round to nearest in e4m3: half a step (2^-4 of the value, or 2^-10 of the scale below 2^-6)
+        bound = torch.maximum(x64[:, cols].abs() * 2.0**-4, scales[:, g, None].double() * 2.0**-10) * (1 + 1e-6)
+        assert ((values - x64[:, cols]).abs() <= bound).all()
+        peaks = q[:, cols].float().abs().amax(dim=1)
+        assert torch.equal(peaks[amax > 0], torch.full_like(peaks[amax > 0], 448.0))
+    assert not torch.isnan(q.float()).any() and (q[3].float() == 0).all()
+    torch.testing.assert_close(ref.dequantize_per_token_group(q, scales), x, rtol=2**-4, atol=1e-6)
+
+
+def test_per_channel_quantizer_keeps_each_row_within_e4m3_rounding():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 70, generator=gen) * torch.exp(2 * torch.randn(40, 1, generator=gen))
+    w[7] = 0.0
+    q, scale = ref.quantize_fp8_per_channel(w.to(torch.bfloat16))
+    assert q.shape == (40, 70) and scale.shape == (40, 1) and scale.dtype == torch.float32
+    w64 = w.to(torch.bfloat16).double()
+    assert torch.allclose(scale.double().squeeze(1), w64.abs().amax(1).clamp(min=ref.MIN_AMAX) / 448, rtol=2**-23)
+    err = (q.double() * scale.double() - w64).abs()
+    assert (err <= torch.maximum(w64.abs() * 2.0**-4, scale.double() * 2.0**-10) * (1 + 1e-6)).all()
+    assert (q[7].float() == 0).all()
+    with pytest.raises(ValueError, match=r"float \[N, K\]"):
+        ref.quantize_fp8_per_channel(torch.zeros(3, 4, dtype=torch.int32))
+
+
+def test_bad_weights_and_scales_raise_clear_errors():
+    q, s = ref.quantize_fp8_blocks(torch.randn(200, 300), BLOCK)
+    x = torch.randn(2, 300)
+    with pytest.raises(ValueError, match=r"float32 \[2, 3\], got torch.float32 \[2, 2\]"):
+        fp8_linear(x, q, s[:, :2], BLOCK)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fp8_linear(x, q.float(), s, BLOCK)
+    with pytest.raises(ValueError, match=r"per-channel scale .* \[200, 1\]"):
+        fp8_linear(x, q, s, None)
+    with pytest.raises(ValueError, match=r"K=300"):
+        fp8_linear(torch.randn(2, 299), q, s, BLOCK)
+    with pytest.raises(ValueError, match="two positive integers"):
+        fp8_linear(x, q, s, (128, 0))
+
+
+def test_dispatch_on_cpu_is_the_twin_and_paths_by_rows():
+    gen = torch.Generator().manual_seed(1)
+    q, s = ref.quantize_fp8_blocks(torch.randn(130, 260, generator=gen), BLOCK)
+    x = torch.randn(3, 2, 260, generator=gen)
+    assert torch.equal(fp8_linear(x, q, s, BLOCK), ref.fp8_linear_torch(x, q, s, BLOCK))
+    assert fp8_path(1, torch.bfloat16, BLOCK) == "few_rows"
+    assert fp8_path(16, torch.bfloat16, BLOCK) == "few_rows"
+    assert fp8_path(17, torch.bfloat16, BLOCK) == "gemm"
+    assert fp8_path(3, torch.float32, None) == "few_rows"
+    assert fp8_path(8, torch.float32, None) == "gemm"  # no tensor-core MMA of float32 x
+    assert fp8_path(64, torch.bfloat16, (128, 64)) == "torch"  # activation groups are 128 wide
+    assert fp8_path(2, torch.bfloat16, (128, 96)) == "torch"
+
+
+# ---------------------------------------------------------------------- the kernels (interpreter)
+
+
+@pytest.mark.parametrize("block_size", [BLOCK, None], ids=["128x128", "channel"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("m", [1, 3])
+def test_gemv_matches_float64(block_size, dtype, m, poisoned_empty):
+    seed = random.randrange(2**31)
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    n, k = rng.randint(5, 40), rng.randint(129, 600)  # ragged: a partial last block
+    q, s = _weight(gen, n, k, block_size)
+    x = torch.randn(m, k, generator=gen).to(dtype).to(DEVICE)
+    bias = torch.randn(n, generator=gen).to(dtype).to(DEVICE)
+    configs = [None, few.gemv_config(m, n, k, block_k=64), few.gemv_config(m, n, k, block_k=256, block_n=2)]
+    with reports_seed(seed):
+        for config, b in zip(configs, (bias, None, bias)):  # one tile of K, tiles narrower and wider than a block
+            got = few.fp8_few_rows_linear(x, q, s, block_size, b, config)
+            check_product(got, x, q, s, block_size, b, dtype)
+        float32_out = few.fp8_few_rows_linear(x, q, s, block_size, bias, float32_out=True)
+        assert torch.equal(float32_out, few.fp8_few_rows_linear(x, q, s, block_size, bias).float())
+
+
+@pytest.mark.parametrize("block_size", [BLOCK, None], ids=["128x128", "channel"])
+@pytest.mark.parametrize("m", [2, 5, 16])
+def test_mma_matches_float64(block_size, m, poisoned_empty):
+    seed = random.randrange(2**31)
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    n, k = rng.randint(65, 150), rng.randint(129, 400)  # two 64-row tiles, the last partial
+    q, s = _weight(gen, n, k, block_size)
+    x = torch.randn(m, k, generator=gen).half().to(DEVICE)
+    bias = torch.randn(n, generator=gen).half().to(DEVICE)
+    with reports_seed(seed):
+        for config in (few.mma_config(k, block_size), few.Fp8MmaConfig(block_k=32, num_stages=2)):
+            for b in (bias, None):
+                check_product(few.fp8_few_rows_linear(x, q, s, block_size, b, config), x, q, s, block_size, b,
+                              torch.float16)
+
+
+def test_few_rows_bad_inputs_raise_clear_errors():
+    q, s = ref.quantize_fp8_blocks(torch.randn(70, 200), BLOCK)
+    x = torch.randn(2, 200).half()
+    with pytest.raises(ValueError, match="1 to 16 rows"):
+        few.fp8_few_rows_linear(torch.randn(17, 200).half(), q, s, BLOCK, config=few.mma_config(200, BLOCK))
+    with pytest.raises(ValueError, match="1 to 4 rows"):
+        few.fp8_few_rows_linear(torch.randn(5, 200), q, s, BLOCK, config=few.gemv_config(4, 70, 200))
+    with pytest.raises(ValueError, match="x in"):
+        few.fp8_few_rows_linear(x.float(), q, s, BLOCK, config=few.mma_config(200, BLOCK))
+    with pytest.raises(ValueError, match="power-of-two width"):
+        q96, s96 = ref.quantize_fp8_blocks(torch.randn(70, 200), (128, 96))
+        few.fp8_few_rows_linear(x, q96, s96, (128, 96))
+    with pytest.raises(ValueError, match="divide the quant block"):
+        few.fp8_few_rows_linear(x, q, s, BLOCK, config=few.Fp8MmaConfig(block_k=256))
+    with pytest.raises(ValueError, match=r"bias must be a contiguous \[70\]"):
+        few.fp8_few_rows_linear(x, q, s, BLOCK, torch.zeros(70))
+
+
+def test_activation_quantizer_kernel_gives_the_twins_bits(poisoned_empty):
+    seed = random.randrange(2**31)
+    gen = torch.Generator().manual_seed(seed)
+    m, k = 9, 300  # a ragged last group
+    x = torch.randn(m, k, generator=gen) * torch.exp(3 * torch.randn(m, 1, generator=gen))
+    x[2] = 0.0
+    x[5, :128] = 1e-30  # a tiny group: the amax floor
+    with reports_seed(seed):
+        for dtype in (torch.float32, torch.float16):
+            xs = x.to(dtype).to(DEVICE)
+            q, scales = gemm.quantize_per_token_group(xs, groups_per_program=2)  # two programs per row
+            want_q, want_scales = ref.quantize_fp8_per_token_group(xs)
+            assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+            assert torch.equal(scales, want_scales)
+
+
+@pytest.mark.parametrize("block_size", [BLOCK, (64, 128), None], ids=["128x128", "64x128", "channel"])
+def test_gemm_matches_float64_of_the_quantized_activations(block_size, poisoned_empty):
+    seed = random.randrange(2**31)
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    m, n, k = rng.randint(17, 80), rng.randint(65, 200), rng.randint(129, 400)
+    q, s = _weight(gen, n, k, block_size)
+    x = (torch.randn(m, k, generator=gen) * 2).half().to(DEVICE)
+    bias = torch.randn(n, generator=gen).half().to(DEVICE)
+    xq, xs = ref.quantize_fp8_per_token_group(x)
+    x_used = ref.dequantize_per_token_group(xq, xs)  # what the FP8 MMA multiplies
+    with reports_seed(seed):
+        small_tiles = gemm.Fp8GemmConfig(block_m=32, block_n=64, group_m=2, num_stages=2, num_warps=4)
+        for config, b in ((small_tiles, bias), (None, None)):
+            got = gemm.fp8_gemm(x, q, s, block_size, b, config)
+            check_product(got, x_used, q, s, block_size, b, torch.float16)
+            twin = ref.fp8_linear_quantized_activations_torch(x, q, s, block_size, b)
+            check_product(twin, x_used, q, s, block_size, b, torch.float16)
+
+
+def test_gemm_bad_inputs_raise_clear_errors():
+    q, s = ref.quantize_fp8_blocks(torch.randn(70, 200), (128, 64))
+    with pytest.raises(ValueError, match="128 columns wide"):
+        gemm.fp8_gemm(torch.randn(20, 200), q, s, (128, 64))
+    q, s = ref.quantize_fp8_blocks(torch.randn(70, 200), BLOCK)
+    with pytest.raises(ValueError, match=r"\[M, K=200\]"):
+        gemm.fp8_gemm(torch.randn(20, 201), q, s, BLOCK)
+    with pytest.raises(ValueError, match="power of two"):
+        gemm.quantize_per_token_group(torch.randn(2, 200), group=96)
