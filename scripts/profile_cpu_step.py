@@ -68,8 +68,8 @@ def instrument(llm: LLM, timer: PartTimer) -> None:
     engine.scheduler.schedule = timer.wrap("schedule", engine.scheduler.schedule)
     engine.scheduler.postprocess = timer.wrap("postprocess", engine.scheduler.postprocess)
     runner.target_forward = timer.wrap("target forward + LM head", runner.target_forward)
-    runner._sample = timer.wrap("sampling / acceptance", runner._sample)
-    runner._propose = timer.wrap("drafter", runner._propose)
+    runner.host_step.sample = timer.wrap("sampling / acceptance", runner.host_step.sample)
+    runner.host_step.propose = timer.wrap("drafter", runner.host_step.propose)
     model_runner_module.build_input_batch = timer.wrap(
         "input tensors", model_runner_module.build_input_batch
     )

@@ -109,7 +109,7 @@ def assert_all_free(llm: LLM) -> None:
     stats = llm.get_stats()
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
     assert stats["num_requests_running"] == 0 and stats["num_requests_waiting"] == 0
-    assert not llm.engine.runner.draft_probs
+    assert not llm.engine.runner.host_step.draft_probs
 
 
 PROMPT_LENGTHS = (MAX_LEN - 13, MAX_LEN - 4, MAX_LEN - 2, MAX_LEN - 1)

@@ -60,7 +60,7 @@ def test_sampled_mtp_runs_and_frees_everything(folders):
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in outs)
     stats = llm.get_stats()
-    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"] and not llm.engine.runner.draft_probs
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"] and not llm.engine.runner.host_step.draft_probs
 
 
 # ------------------------------------------------------------------------------ reference

@@ -48,7 +48,7 @@ def spec_config(method: str, k: int, request) -> dict:
 def check_blocks_free(llm: LLM) -> None:
     stats = llm.get_stats()
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
-    assert stats["num_requests_running"] == 0 and not llm.engine.runner.draft_probs
+    assert stats["num_requests_running"] == 0 and not llm.engine.runner.host_step.draft_probs
 
 
 @pytest.mark.parametrize("mode", ["batch", "stress"])

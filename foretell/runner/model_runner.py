@@ -8,9 +8,9 @@ capabilities come from the proposer's typed ProposerCapabilities.
 
 execute(): the step the pipeline queued ahead when the scheduler's batch is that step; else a
 device step the pipeline launches for the batch (a plain decode step, decode_ahead.py; a padded
-verify step, graphed_verify.py); else the general step from host inputs: target forward -> logits
-of the sampling rows -> Sampler (no drafts in the step) or the verifier -> Proposer (catch-up +
-k drafts) -> per-sequence results for the scheduler.
+verify step, graphed_verify.py); else the step from host inputs: target forward -> logits of the
+sampling rows -> Sampler (no drafts in the step) or the verifier -> Proposer (catch-up + k
+drafts) -> per-sequence results for the scheduler (host_step.py).
 """
 
 from __future__ import annotations
@@ -26,21 +26,21 @@ from foretell.engine.errors import SequenceError
 from foretell.engine.scheduler import SchedulerOutput
 from foretell.runner.sequence_result import SequenceResult
 from foretell.ops.attention.dispatch import build_attention_backend
-from foretell.layers.sampler import NoiseSource, Sampler, SamplingBatch, row_seed
+from foretell.layers.sampler import NoiseSource, Sampler
 from foretell.layers.small_m import prepare_small_m_linears
 from foretell.ops.gemm.dispatch import SmallMGemm
 from foretell.models.base import HFConfig, ModelOptions
-from foretell.device_util import to_device
 from foretell.runner.cuda_graph import CudaGraphRunner
 from foretell.runner.decode_ahead import DecodeAhead
 from foretell.runner.graphed_verify import GraphedVerify
 from foretell.runner.input_batch import InputBatch, build_input_batch
-from foretell.runner.logprobs import add_logprobs, add_prompt_logprobs
+from foretell.runner.host_step import HostStep
+from foretell.runner.logprobs import add_prompt_logprobs
 from foretell.runner.kv_cache import CachePlan, DraftKVCache, KVCache, plan_cache
 from foretell.models.loading import build_model, checkpoint_dtype
 from foretell.runner.step_pipeline import StepKind, StepPipeline
 from foretell.spec_decode.draft_graph import DraftGraphRunner
-from foretell.spec_decode.proposer import DraftBatch, Proposer
+from foretell.spec_decode.proposer import Proposer
 from foretell.spec_decode.registry import build_proposer
 from foretell.spec_decode.verifier import build_verifier
 
@@ -89,12 +89,13 @@ class ModelRunner:
         self.small_m_gemm: SmallMGemm | None = None  # bound with the graphs, before capture
         self.graphs = self._capture_graphs()
         self.draft_graphs = self._capture_draft_graphs()
-        self.noise = NoiseSource(self.device, mc.seed)
-        self.sampler = Sampler(self.noise)
-        self.verifier = build_verifier(config.speculative, self.noise, mc.seed)
-        self.draft_probs: dict[int, torch.Tensor] = {}  # seq_id -> [k, vocab] for sampled drafts
+        noise = NoiseSource(self.device, mc.seed)  # the sampler's and the verifier's: one stream of draws
+        sampler = Sampler(noise)
+        self.verifier = build_verifier(config.speculative, noise, mc.seed)
+        self.host_step = HostStep(sampler, self.verifier, self.proposer, self.vocab_size,
+                                  self.cache_plan.block_size, self.max_model_len, self.device)
+        self.pipeline = self._build_pipeline(queue_ahead, sampler)
         self.last_times = StepTimes()
-        self.pipeline = self._build_pipeline(queue_ahead)
 
     # ---- set-up --------------------------------------------------------------------------
     def _max_model_len(self) -> int:
@@ -218,13 +219,13 @@ class ModelRunner:
             return None
         return draft_graphs
 
-    def _build_pipeline(self, queue_ahead: bool) -> StepPipeline:
+    def _build_pipeline(self, queue_ahead: bool, sampler: Sampler) -> StepPipeline:
         """The device steps this runner may launch: plain decoding one step ahead (without a
         drafter), the padded verify (with a drafter whose loop has graphs)."""
         block_size = self.cache_plan.block_size
         kinds: list[StepKind] = []
         if self.proposer is None and queue_ahead:
-            kinds.append(DecodeAhead(self.graphs, self.target_forward, self.sampler, self.vocab_size, block_size,
+            kinds.append(DecodeAhead(self.graphs, self.target_forward, sampler, self.vocab_size, block_size,
                                      self.max_model_len))
         if self.draft_graphs is not None:
             kinds.append(GraphedVerify(self.graphs, self.draft_graphs, self.verifier, block_size, self.max_model_len))
@@ -260,12 +261,12 @@ class ModelRunner:
         hidden, aux, logits = self.target_forward(batch)  # logits [rows, vocab] float32
         results = [SequenceResult() for _ in sched.scheduled]
         add_prompt_logprobs(self.model, sched, batch, hidden, results)
-        self._sample(sched, batch, logits, results)
+        self.host_step.sample(sched, batch, logits, results)
         if self._device_sync_needed():
             torch.cuda.synchronize(self.device)
         t1 = time.perf_counter()
         if self.proposer is not None:
-            self._propose(sched, batch, hidden, aux, results)
+            self.host_step.propose(sched, batch, hidden, aux, results)
             if self._device_sync_needed():
                 torch.cuda.synchronize(self.device)
         self.last_times = StepTimes(target_s=t1 - t0, draft_s=time.perf_counter() - t1)
@@ -273,90 +274,6 @@ class ModelRunner:
 
     def _device_sync_needed(self) -> bool:
         return self.device.type == "cuda"
-
-    def _sampling_rows(self, sched: SchedulerOutput, batch: InputBatch):
-        params, seeds = [], []
-        row = 0
-        for i in batch.sampling_seq_index:
-            item = sched.scheduled[i]
-            p = item.seq.sampling_params
-            for _ in range(len(item.draft_token_ids) + 1):
-                params.append(p)
-                pos = batch.row_positions[row]
-                seeds.append(None if p.seed is None else row_seed(p.seed, item.seq.index, pos))
-                row += 1
-        return SamplingBatch.build(params, seeds, self.vocab_size, self.device)
-
-    def _sample(self, sched, batch: InputBatch, logits, results) -> None:
-        if not batch.sampling_seq_index:
-            return
-        sampling = self._sampling_rows(sched, batch)
-        items = [sched.scheduled[i] for i in batch.sampling_seq_index]
-        if any(item.draft_token_ids for item in items):
-            drafts = [item.draft_token_ids for item in items]
-            probs = [self._pop_draft_probs(item) for item in items]
-            verify = self.verifier.verify(logits, drafts, probs, sampling, [item.accept_limit for item in items])
-            outputs, accepted = verify.output_token_ids, verify.num_accepted
-            rows = [r for rs in verify.emitted_rows for r in rs]
-            chosen_rows = to_device(rows, torch.int64, self.device)
-            chosen_tokens = verify.emitted_tokens
-        else:
-            sampled = self.sampler(logits, sampling)
-            tokens = sampled.token_ids.tolist()
-            outputs, accepted = [[t] for t in tokens], [0] * len(tokens)
-            chosen_rows, chosen_tokens = None, sampled.token_ids
-        for i, out, a in zip(batch.sampling_seq_index, outputs, accepted):
-            results[i].new_token_ids = out
-            results[i].num_accepted = a
-            results[i].num_drafts = sched.scheduled[i].num_usable_drafts
-        if sampling.max_num_logprobs >= 0:
-            add_logprobs(logits, chosen_rows, chosen_tokens, sampling, batch, sched, results)
-
-    def _pop_draft_probs(self, item) -> torch.Tensor | None:
-        probs = self.draft_probs.pop(item.seq.seq_id, None)
-        if probs is None or item.seq.sampling_params.greedy:
-            return None
-        return probs[: len(item.draft_token_ids)]
-
-    def _propose(self, sched, batch: InputBatch, hidden, aux, results) -> None:
-        rows, starts, valid, nexts, histories = [], [], [], [], []
-        for i, item in enumerate(sched.scheduled):
-            seq = item.seq
-            n_real = item.num_new_tokens - len(item.draft_token_ids)
-            v = n_real + results[i].num_accepted if item.samples else item.num_new_tokens
-            row0 = batch.query_start[i]
-            rows.extend(range(row0, row0 + v))
-            p0 = seq.num_computed_tokens
-            starts.append(p0)
-            valid.append(v)
-            if item.samples:
-                nexts.append(results[i].new_token_ids[-1])
-                histories.append(seq.token_ids + results[i].new_token_ids)
-            else:
-                nexts.append(seq.token_ids[p0 + v])
-                histories.append(seq.token_ids[: p0 + v + 1])
-        index = to_device(rows, torch.int64, self.device)
-        draft_batch = DraftBatch(
-            start_positions=starts,
-            num_valid_rows=valid,
-            next_token_ids=nexts,
-            samples=[item.samples for item in sched.scheduled],
-            token_ids=batch.input_ids[index],
-            hidden_states=hidden[index],
-            aux_hidden_states=[a[index] for a in aux],
-            block_table=batch.attn_metadata.block_table,
-            block_size=self.cache_plan.block_size,
-            sampling_params=[item.seq.sampling_params for item in sched.scheduled],
-            sample_indices=[item.seq.index for item in sched.scheduled],
-            max_model_len=self.max_model_len,
-            histories=histories,
-        )
-        proposal = self.proposer.propose(draft_batch)
-        for i, item in enumerate(sched.scheduled):
-            results[i].next_drafts = proposal.token_ids[i]
-            probs = proposal.probs[i]
-            if probs is not None and not item.seq.sampling_params.greedy:
-                self.draft_probs[item.seq.seq_id] = probs
 
     def check_step(self, sched: SchedulerOutput) -> None:
         """Per-sequence checks before anything runs, so a bad sequence fails alone (SequenceError)
@@ -386,4 +303,4 @@ class ModelRunner:
 
     def forget(self, seq_id: int) -> None:
         """Drop per-sequence state (draft probabilities) of a finished or preempted sequence."""
-        self.draft_probs.pop(seq_id, None)
+        self.host_step.forget(seq_id)

@@ -8,6 +8,10 @@ only the positions below it (DraftBatch.num_useful_drafts) and no row goes past 
 (the rotary table and the draft KV may end there). Greedy requests draft by argmax; sampled
 requests draw from the drafter's own distribution (the same temperature / top-k / top-p / min-p)
 and keep those probabilities for exact rejection sampling.
+
+This loop serves the step from host inputs (runner/host_step.py). A greedy batch where every
+sequence verifies k drafts runs the same drafter through padded_catch_up() and chain_step() in the
+padded step's draft loop instead (draft_graph.py): DraftLoopProposer is a PaddedDrafter.
 """
 
 from __future__ import annotations

@@ -1,0 +1,136 @@
+"""The speculative step from host inputs: the form every batch takes that the padded device step
+(graphed_verify.py) does not cover: prefill chunks, mixed draft counts, sampled requests whose
+drafts carry probabilities, logprobs, the n-gram drafter on the host, any batch without graphs.
+
+After the target's forward (ModelRunner.target_forward), sample() turns the logits of the
+sampling rows into each sequence's tokens: the sampler when the step verifies no drafts, else the
+verifier (spec_decode/verifier.py, the same one the padded step uses: greedy acceptance by the
+same op, rejection sampling for sampled rows, or simulated acceptance); propose() hands the
+proposer its rows (the accepted prefix of a verify, a prefill chunk) as a DraftBatch and keeps the
+draft probabilities of sampled requests for their next verify.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from foretell.device_util import to_device
+from foretell.engine.scheduler import SchedulerOutput
+from foretell.layers.sampler import Sampler, SamplingBatch, row_seed
+from foretell.runner.input_batch import InputBatch
+from foretell.runner.logprobs import add_logprobs
+from foretell.spec_decode.proposer import DraftBatch, Proposer
+from foretell.spec_decode.verifier import Verifier
+
+
+class HostStep:
+    def __init__(
+        self,
+        sampler: Sampler,
+        verifier: Verifier,
+        proposer: Proposer | None,
+        vocab_size: int,
+        block_size: int,
+        max_model_len: int,
+        device: torch.device,
+    ):
+        self.sampler = sampler
+        self.verifier = verifier
+        self.proposer = proposer
+        self.vocab_size = vocab_size
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.device = device
+        self.draft_probs: dict[int, torch.Tensor] = {}  # seq_id -> [k, vocab] for sampled drafts
+
+    def _sampling_rows(self, sched: SchedulerOutput, batch: InputBatch):
+        params, seeds = [], []
+        row = 0
+        for i in batch.sampling_seq_index:
+            item = sched.scheduled[i]
+            p = item.seq.sampling_params
+            for _ in range(len(item.draft_token_ids) + 1):
+                params.append(p)
+                pos = batch.row_positions[row]
+                seeds.append(None if p.seed is None else row_seed(p.seed, item.seq.index, pos))
+                row += 1
+        return SamplingBatch.build(params, seeds, self.vocab_size, self.device)
+
+    def sample(self, sched: SchedulerOutput, batch: InputBatch, logits: torch.Tensor, results: list) -> None:
+        """Each sampling sequence's new tokens (and logprobs) from logits [sampling rows, vocab]."""
+        if not batch.sampling_seq_index:
+            return
+        sampling = self._sampling_rows(sched, batch)
+        items = [sched.scheduled[i] for i in batch.sampling_seq_index]
+        if any(item.draft_token_ids for item in items):
+            drafts = [item.draft_token_ids for item in items]
+            probs = [self._pop_draft_probs(item) for item in items]
+            verify = self.verifier.verify(logits, drafts, probs, sampling, [item.accept_limit for item in items])
+            outputs, accepted = verify.output_token_ids, verify.num_accepted
+            rows = [r for rs in verify.emitted_rows for r in rs]
+            chosen_rows = to_device(rows, torch.int64, self.device)
+            chosen_tokens = verify.emitted_tokens
+        else:
+            sampled = self.sampler(logits, sampling)
+            tokens = sampled.token_ids.tolist()
+            outputs, accepted = [[t] for t in tokens], [0] * len(tokens)
+            chosen_rows, chosen_tokens = None, sampled.token_ids
+        for i, out, a in zip(batch.sampling_seq_index, outputs, accepted):
+            results[i].new_token_ids = out
+            results[i].num_accepted = a
+            results[i].num_drafts = sched.scheduled[i].num_usable_drafts
+        if sampling.max_num_logprobs >= 0:
+            add_logprobs(logits, chosen_rows, chosen_tokens, sampling, batch, sched, results)
+
+    def _pop_draft_probs(self, item) -> torch.Tensor | None:
+        probs = self.draft_probs.pop(item.seq.seq_id, None)
+        if probs is None or item.seq.sampling_params.greedy:
+            return None
+        return probs[: len(item.draft_token_ids)]
+
+    def propose(self, sched: SchedulerOutput, batch: InputBatch, hidden: torch.Tensor, aux: list[torch.Tensor],
+                results: list) -> None:
+        """The proposer's catch-up over each sequence's final rows (hidden [rows, hidden]) and its
+        next drafts, into results."""
+        rows, starts, valid, nexts, histories = [], [], [], [], []
+        for i, item in enumerate(sched.scheduled):
+            seq = item.seq
+            n_real = item.num_new_tokens - len(item.draft_token_ids)
+            v = n_real + results[i].num_accepted if item.samples else item.num_new_tokens
+            row0 = batch.query_start[i]
+            rows.extend(range(row0, row0 + v))
+            p0 = seq.num_computed_tokens
+            starts.append(p0)
+            valid.append(v)
+            if item.samples:
+                nexts.append(results[i].new_token_ids[-1])
+                histories.append(seq.token_ids + results[i].new_token_ids)
+            else:
+                nexts.append(seq.token_ids[p0 + v])
+                histories.append(seq.token_ids[: p0 + v + 1])
+        index = to_device(rows, torch.int64, self.device)
+        draft_batch = DraftBatch(
+            start_positions=starts,
+            num_valid_rows=valid,
+            next_token_ids=nexts,
+            samples=[item.samples for item in sched.scheduled],
+            token_ids=batch.input_ids[index],
+            hidden_states=hidden[index],
+            aux_hidden_states=[a[index] for a in aux],
+            block_table=batch.attn_metadata.block_table,
+            block_size=self.block_size,
+            sampling_params=[item.seq.sampling_params for item in sched.scheduled],
+            sample_indices=[item.seq.index for item in sched.scheduled],
+            max_model_len=self.max_model_len,
+            histories=histories,
+        )
+        proposal = self.proposer.propose(draft_batch)
+        for i, item in enumerate(sched.scheduled):
+            results[i].next_drafts = proposal.token_ids[i]
+            probs = proposal.probs[i]
+            if probs is not None and not item.seq.sampling_params.greedy:
+                self.draft_probs[item.seq.seq_id] = probs
+
+    def forget(self, seq_id: int) -> None:
+        """Drop a sequence's draft probabilities (finished, preempted, or its step failed)."""
+        self.draft_probs.pop(seq_id, None)
