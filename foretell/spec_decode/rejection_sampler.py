@@ -21,7 +21,7 @@ import torch
 
 from foretell.device_util import to_device
 from foretell.layers.sampler import NoiseSource, SamplingBatch, argmax_rows, processed_probs, sample_from_probs
-from foretell.ops.step.dispatch import accept_drafts
+from foretell.ops.step.dispatch import greedy_accepted
 
 
 @dataclass
@@ -129,14 +129,9 @@ def greedy_acceptance(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(accepted [num_seqs], next token [num_seqs]) of greedy verification: the padded step's op,
     each sequence capped at its own number of drafts."""
-    num_seqs = target.shape[0]
     if drafts.shape[1] == 0:  # plain sampling rows only: nothing to accept
-        return torch.zeros(num_seqs, dtype=torch.int64, device=target.device), target[:, 0]
-    accepted = torch.empty(num_seqs, dtype=torch.int64, device=target.device)
-    next_token = torch.empty(num_seqs, dtype=torch.int64, device=target.device)
-    num_live = torch.empty((), dtype=torch.int64, device=target.device)
-    accept_drafts(target, drafts, lengths, accepted, next_token, num_live)
-    return accepted, next_token
+        return torch.zeros(target.shape[0], dtype=torch.int64, device=target.device), target[:, 0]
+    return greedy_accepted(target, drafts, lengths)
 
 
 def cap_accepted(verify: VerifyResult, limits: list[int | None]) -> VerifyResult:

@@ -22,7 +22,7 @@ import torch
 
 from foretell.device_util import to_device
 from foretell.layers.sampler import NoiseSource, SamplingBatch, argmax_rows
-from foretell.ops.step.dispatch import accept_drafts, accept_drawn
+from foretell.ops.step.dispatch import accept_drafts, accept_drawn, drawn_accepted
 from foretell.spec_decode.rejection_sampler import RejectionSampler, VerifyResult, cap_accepted
 from foretell.spec_decode.simulated_acceptance import ROW_STRIDE, SimulatedAcceptance, rates_from_config
 
@@ -88,11 +88,8 @@ class SimulatedVerifier:
         starts = [rows[0] for rows in verify.emitted_rows]
         row_index = [[start + min(i, n) for i in range(width)] for start, n in zip(starts, lengths)]
         greedy = argmax_rows(logits)[to_device(row_index, torch.int64, device)]  # [num_seqs, k + 1]
-        num_seqs = len(lengths)
-        accepted = torch.empty(num_seqs, dtype=torch.int64, device=device)
-        next_token = torch.empty(num_seqs, dtype=torch.int64, device=device)
-        num_live = torch.empty((), dtype=torch.int64, device=device)
-        self.accept_padded(greedy, None, to_device(lengths, torch.int64, device), accepted, next_token, num_live)
+        start, rates = self.draws.device_step(device)
+        accepted, next_token = drawn_accepted(greedy, start, rates, ROW_STRIDE, to_device(lengths, torch.int64, device))
         counts, finals = torch.stack([accepted, next_token]).tolist()  # one sync
         drawn = VerifyResult.from_counts(draft_token_ids, starts, counts, finals, device)
         return cap_accepted(drawn, accept_limits)

@@ -60,10 +60,11 @@ def test_accept_matches_twin_and_definition(interpreter_mode, num_seqs, q, cappe
         assert accepted[b] == expected and next_token[b] == greedy[b, expected]
 
 
-@pytest.mark.parametrize("num_seqs", [1, 16, 67])
-def test_simulated_accept_draws_the_twins_counts(interpreter_mode, num_seqs):
+@pytest.mark.parametrize("num_seqs,capped", [(1, False), (16, True), (67, False)])
+def test_simulated_accept_draws_the_twins_counts(interpreter_mode, num_seqs, capped):
     rng = random.Random(num_seqs)
     greedy, drafts = _verify_step(rng, num_seqs, 4)
+    caps = torch.tensor([rng.randrange(4) for _ in range(num_seqs)], device=DEVICE) if capped else None
     draws = SimulatedAcceptance([0.9, 0.6, 0.3], seed=num_seqs)
     outs = []
     for accept in (reference.accept_drawn_torch, kernels.accept_drawn_triton):
@@ -71,11 +72,16 @@ def test_simulated_accept_draws_the_twins_counts(interpreter_mode, num_seqs):
         accepted, next_token = torch.zeros(num_seqs, dtype=torch.int64, device=DEVICE), torch.zeros_like(greedy[:, 0])
         num_live = torch.zeros((), dtype=torch.int64, device=DEVICE)
         start, rates = draws.device_step(DEVICE)
-        accept(greedy, start, rates, ROW_STRIDE, None, accepted, next_token, num_live)
-        outs.append((accepted.tolist(), next_token.tolist()))
+        accept(greedy, start, rates, ROW_STRIDE, caps, accepted, next_token, num_live)
+        outs.append((accepted.tolist(), next_token.tolist(), int(num_live)))
     assert outs[0] == outs[1]
     draws.num_steps = 5
-    assert outs[0][0] == draws.accepted_counts(num_seqs, DEVICE).tolist()
+    drawn = draws.accepted_counts(num_seqs, DEVICE).tolist()
+    accepted, next_token, num_live = outs[0]
+    assert num_live == num_seqs
+    for b in range(num_seqs):
+        expected = min(drawn[b], int(caps[b])) if capped else drawn[b]
+        assert accepted[b] == expected and next_token[b] == greedy[b, expected]
 
 
 @pytest.mark.parametrize("num_seqs,num_live,q,shift,block_size", [(1, 1, 4, 1, 16), (4, 3, 4, 1, 4), (3, 3, 3, 0, 8),

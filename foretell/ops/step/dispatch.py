@@ -41,6 +41,37 @@ def accept_drafts(
     reference.accept_drafts_torch(greedy, drafts, caps, accepted_out, next_token_out, num_live_out)
 
 
+def greedy_accepted(
+    greedy: torch.Tensor,  # [B, q] int64
+    drafts: torch.Tensor,  # [B, k] int64
+    caps: torch.Tensor | None,  # [B] int64, or None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """accept_drafts into new tensors: (accepted [B], next token [B]), for a step whose results are
+    not static buffers (the step from host inputs)."""
+    if kernel_choice.use_triton(greedy):
+        accepted, next_token, num_live = _outputs(greedy)
+        accept_drafts(greedy, drafts, caps, accepted, next_token, num_live)
+        return accepted, next_token
+    return reference.greedy_accepted_torch(greedy, drafts, caps)
+
+
+def drawn_accepted(
+    greedy: torch.Tensor, start: float, rates: torch.Tensor, row_stride: float, caps: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """accept_drawn into new tensors: (accepted [B], next token [B])."""
+    if kernel_choice.use_triton(greedy):
+        accepted, next_token, num_live = _outputs(greedy)
+        accept_drawn(greedy, start, rates, row_stride, caps, accepted, next_token, num_live)
+        return accepted, next_token
+    return reference.drawn_accepted_torch(greedy, start, rates, row_stride, caps)
+
+
+def _outputs(greedy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    num_seqs = greedy.shape[0]
+    i64 = dict(dtype=torch.int64, device=greedy.device)
+    return torch.empty(num_seqs, **i64), torch.empty(num_seqs, **i64), torch.empty((), **i64)
+
+
 def accept_drawn(
     greedy: torch.Tensor,  # [B, q] int64: the target's greedy token at each verify row
     start: float,  # sequence i draws u = frac(start + i * row_stride)

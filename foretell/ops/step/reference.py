@@ -39,18 +39,28 @@ def unpack_graph_inputs_torch(staging: torch.Tensor, tokens: torch.Tensor, buffe
     buffers.input_ids[: layout.live_rows].copy_(tokens)
 
 
-def _write_accepted(greedy, accepted, caps, accepted_out, next_token_out, num_live_out) -> None:
-    num_seqs = greedy.shape[0]
+def _capped(greedy, accepted, caps) -> tuple[torch.Tensor, torch.Tensor]:
+    """(accepted [B] capped, next token [B]: the target's at the row after the accepted drafts)."""
     if caps is not None:
         accepted = torch.minimum(accepted, caps)
+    return accepted, greedy.gather(1, accepted[:, None]).squeeze(1)
+
+
+def _write(values: tuple[torch.Tensor, torch.Tensor], accepted_out, next_token_out, num_live_out) -> None:
+    accepted, next_token = values
+    num_seqs = accepted.shape[0]
     accepted_out[:num_seqs].copy_(accepted)
-    next_token_out[:num_seqs].copy_(greedy.gather(1, accepted[:, None]).squeeze(1))
+    next_token_out[:num_seqs].copy_(next_token)
     num_live_out.fill_(num_seqs)
 
 
-def accept_drafts_torch(greedy, drafts, caps, accepted_out, next_token_out, num_live_out) -> None:
+def greedy_accepted_torch(greedy, drafts, caps) -> tuple[torch.Tensor, torch.Tensor]:
     accepted = (greedy[:, : drafts.shape[1]] == drafts).to(torch.int64).cumprod(dim=1).sum(dim=1)
-    _write_accepted(greedy, accepted, caps, accepted_out, next_token_out, num_live_out)
+    return _capped(greedy, accepted, caps)
+
+
+def accept_drafts_torch(greedy, drafts, caps, accepted_out, next_token_out, num_live_out) -> None:
+    _write(greedy_accepted_torch(greedy, drafts, caps), accepted_out, next_token_out, num_live_out)
 
 
 def drawn_counts(start: float, rates: torch.Tensor, num_seqs: int, row_stride: float) -> torch.Tensor:
@@ -61,9 +71,12 @@ def drawn_counts(start: float, rates: torch.Tensor, num_seqs: int, row_stride: f
     return (uniform[:, None] < rates[None, :]).sum(dim=1)
 
 
+def drawn_accepted_torch(greedy, start, rates, row_stride, caps) -> tuple[torch.Tensor, torch.Tensor]:
+    return _capped(greedy, drawn_counts(start, rates, greedy.shape[0], row_stride), caps)
+
+
 def accept_drawn_torch(greedy, start, rates, row_stride, caps, accepted_out, next_token_out, num_live_out) -> None:
-    accepted = drawn_counts(start, rates, greedy.shape[0], row_stride)
-    _write_accepted(greedy, accepted, caps, accepted_out, next_token_out, num_live_out)
+    _write(drawn_accepted_torch(greedy, start, rates, row_stride, caps), accepted_out, next_token_out, num_live_out)
 
 
 def catch_up_inputs_torch(tokens, first_pos, accepted, next_token, num_live, table, block_size, rows_per_seq,
