@@ -1,0 +1,268 @@
+"""Fused MoE over int4 experts for a few tokens (decode, verify): Kimi-K2.5's routed experts in the
+compressed-tensors pack-quantized layout (int4_reference.py), unpacked and scaled in-kernel.
+
+The same two GEMV kernels as the bf16 path (triton_gemv.py; read its docstring for the shapes, the
+slot split of the down kernel and its counters), with the weight tiles read as packed words:
+  - a [BLOCK_N, BLOCK_K] weight tile is [BLOCK_N, BLOCK_K / 8] int32 words and [BLOCK_N,
+    BLOCK_K / 32] scales, 4.25 bits a weight instead of 16: at one token the step is bound by
+    these bytes;
+  - each word's 8 nibbles are shifted out (column 8 j + i is nibble i of word j), offset by -8, and
+    multiplied by their group's scale (the kernels are written for int4_reference's PACK 8 and
+    INT4_GROUP 32), the product rounded to the scales' dtype (as
+    compressed-tensors dequantizes, so the values are the bf16 weights of a dequantized
+    checkpoint); then the products with x are summed in float32 as in the bf16 kernels, with the
+    same roundings (projection, silu, product; each expert's output before its routing weight).
+
+Twin: int4_experts_forward_torch (int4_reference.py: the used experts dequantized, then
+experts_forward_torch) plus the shared output. Grids are fixed by shapes and the launch config and
+nothing is read on the host, so the forward can be captured in a CUDA graph. Tiles are first
+guesses, to be tuned on the H200 at Kimi-K2.5's shapes (H = 7168, I = 2048, 8 of 384 experts).
+This module imports triton: CUDA (or the interpreter tests, tests/ops/test_moe_int4.py) only.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from foretell.ops.moe.int4_reference import INT4_GROUP, check_int4_expert_inputs
+from foretell.ops.moe.triton_gemv import _store_token
+
+KERNEL_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "SPLIT")
+
+
+@triton.jit
+def _int4_tile(packed_rows, scale_rows, k0, row_valid, num_words, num_groups,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr):
+    """The dequantized weights [BLOCK_N, BLOCK_K] (float32 holding values of dtype) at columns
+    k0 .. k0 + BLOCK_K of the rows whose packed words start at packed_rows [BLOCK_N, 1] and whose
+    scales start at scale_rows [BLOCK_N, 1]; columns past K come out as finite values (x is 0 there)."""
+    WORDS: tl.constexpr = BLOCK_K // 8
+    GROUPS: tl.constexpr = BLOCK_K // 32
+    word = k0 // 8 + tl.arange(0, WORDS)
+    packed = tl.load(packed_rows + word[None, :], mask=row_valid[:, None] & (word < num_words)[None, :], other=0,
+                     eviction_policy="evict_first")  # [BLOCK_N, WORDS] int32
+    shifts = tl.arange(0, 8) * 4
+    q = ((packed[:, :, None] >> shifts[None, None, :]) & 0xF) - 8  # [BLOCK_N, WORDS, 8]
+    group = k0 // 32 + tl.arange(0, GROUPS)
+    scales = tl.load(scale_rows + group[None, :], mask=row_valid[:, None] & (group < num_groups)[None, :],
+                     other=0.0).to(tl.float32)  # [BLOCK_N, GROUPS]
+    w = tl.reshape(q.to(tl.float32), [BLOCK_N, GROUPS, 32]) * scales[:, :, None]
+    return tl.reshape(w.to(dtype).to(tl.float32), [BLOCK_N, BLOCK_K])
+
+
+@triton.jit
+def _int4_gate_up_kernel(
+    x_ptr,  # [num_tokens, hidden]
+    packed_ptr,  # [E, 2 * inter, ceil(hidden / 8)] int32: gate rows then up rows
+    scale_ptr,  # [E, 2 * inter, ceil(hidden / 32)] (the model dtype)
+    ids_ptr,  # [num_pairs] expert of each (token, k) pair
+    act_ptr,  # [num_pairs, inter] out, the scales' dtype
+    counters_ptr,  # [num_counters] int32, zeroed here for the down kernel (when ZERO_COUNTERS)
+    num_counters,
+    hidden,
+    inter,
+    stride_x,
+    stride_packed_expert,
+    stride_scale_expert,
+    stride_act,
+    TOP_K: tl.constexpr,
+    ZERO_COUNTERS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pair = tl.program_id(0)
+    if ZERO_COUNTERS:  # noqa: SIM102  (a constexpr test of its own: pruned when False)
+        if pair + tl.program_id(1) == 0:
+            lanes = tl.arange(0, 256)
+            for start in range(0, num_counters, 256):
+                tl.store(counters_ptr + start + lanes, tl.zeros([256], dtype=tl.int32),
+                         mask=start + lanes < num_counters)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    token = (pair // TOP_K).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_valid = cols < inter
+    num_words = tl.cdiv(hidden, 8)
+    num_groups = tl.cdiv(hidden, 32)
+    up_rows = (cols + inter)[:, None].to(tl.int64)  # row I + j of [gate; up] is up's row j
+    gate_packed = packed_ptr + expert * stride_packed_expert + cols[:, None].to(tl.int64) * num_words
+    up_packed = packed_ptr + expert * stride_packed_expert + up_rows * num_words
+    gate_scales = scale_ptr + expert * stride_scale_expert + cols[:, None].to(tl.int64) * num_groups
+    up_scales = scale_ptr + expert * stride_scale_expert + up_rows * num_groups
+    dtype = act_ptr.dtype.element_ty
+    ks = tl.arange(0, BLOCK_K)
+    gate = tl.zeros([BLOCK_N], dtype=tl.float32)
+    up = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k = k0 + ks
+        # x in the weights' dtype, as the bf16 kernels feed it.
+        x = tl.load(x_ptr + token * stride_x + k, mask=k < hidden, other=0.0).to(dtype).to(tl.float32)
+        w_gate = _int4_tile(gate_packed, gate_scales, k0, col_valid, num_words, num_groups, BLOCK_N, BLOCK_K, dtype)
+        gate += tl.sum(w_gate * x[None, :], axis=1)
+        w_up = _int4_tile(up_packed, up_scales, k0, col_valid, num_words, num_groups, BLOCK_N, BLOCK_K, dtype)
+        up += tl.sum(w_up * x[None, :], axis=1)
+    gate = gate.to(dtype).to(tl.float32)
+    up = up.to(dtype).to(tl.float32)
+    silu = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+    tl.store(act_ptr + pair.to(tl.int64) * stride_act + cols, (silu * up).to(dtype), mask=col_valid)
+
+
+@triton.jit
+def _int4_down_slot(
+    act_ptr, packed_ptr, scale_ptr, ids_ptr, weights_ptr, pair, cols, col_valid, inter, stride_act,
+    stride_packed_expert, stride_scale_expert, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One slot's weighted output for BLOCK_N columns: round(W_down[e] . act[pair]) * weight."""
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    num_words = tl.cdiv(inter, 8)
+    num_groups = tl.cdiv(inter, 32)
+    rows_packed = packed_ptr + expert * stride_packed_expert + cols[:, None].to(tl.int64) * num_words
+    rows_scale = scale_ptr + expert * stride_scale_expert + cols[:, None].to(tl.int64) * num_groups
+    dtype = act_ptr.dtype.element_ty
+    ks = tl.arange(0, BLOCK_K)
+    y = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k = k0 + ks
+        a = tl.load(act_ptr + pair * stride_act + k, mask=k < inter, other=0.0).to(tl.float32)  # [BLOCK_K]
+        w = _int4_tile(rows_packed, rows_scale, k0, col_valid, num_words, num_groups, BLOCK_N, BLOCK_K, dtype)
+        y += tl.sum(w * a[None, :], axis=1)
+    return y.to(dtype).to(tl.float32) * tl.load(weights_ptr + pair)
+
+
+@triton.jit
+def _int4_down_combine_kernel(
+    act_ptr,  # [num_pairs, inter]
+    packed_ptr,  # [E, hidden, ceil(inter / 8)] int32
+    scale_ptr,  # [E, hidden, ceil(inter / 32)]
+    ids_ptr,  # [num_pairs]
+    weights_ptr,  # [num_pairs] float32 routing weights
+    shared_ptr,  # [num_tokens, hidden] (read when HAS_SHARED)
+    scratch_ptr,  # [num_pairs, hidden] float32 weighted slot outputs (GROUPS > 1)
+    counters_ptr,  # [num_tokens, cdiv(hidden, BLOCK_N)] int32, zero on entry (GROUPS > 1)
+    out_ptr,  # [num_tokens, hidden] out
+    hidden,
+    inter,
+    stride_act,
+    stride_packed_expert,
+    stride_scale_expert,
+    stride_shared,
+    stride_out,
+    TOP_K: tl.constexpr,
+    SLOTS: tl.constexpr,  # slots per program
+    GROUPS: tl.constexpr,  # programs per (token, column block): cdiv(TOP_K, SLOTS)
+    HAS_SHARED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    col_block = tl.program_id(1)
+    group = tl.program_id(2)
+    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_valid = cols < hidden
+    if GROUPS == 1:
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k in tl.static_range(TOP_K):  # slot order, as the twin sums
+            acc += _int4_down_slot(act_ptr, packed_ptr, scale_ptr, ids_ptr, weights_ptr, token * TOP_K + k, cols,
+                                   col_valid, inter, stride_act, stride_packed_expert, stride_scale_expert,
+                                   BLOCK_N, BLOCK_K)
+        _store_token(acc, shared_ptr, out_ptr, token, cols, col_valid, stride_shared, stride_out, HAS_SHARED)
+    else:
+        for j in tl.static_range(SLOTS):
+            slot = group * SLOTS + j
+            if slot < TOP_K:
+                pair = token * TOP_K + slot
+                value = _int4_down_slot(act_ptr, packed_ptr, scale_ptr, ids_ptr, weights_ptr, pair, cols, col_valid,
+                                        inter, stride_act, stride_packed_expert, stride_scale_expert,
+                                        BLOCK_N, BLOCK_K)
+                tl.store(scratch_ptr + pair * hidden + cols, value, mask=col_valid)
+        tl.debug_barrier()  # every thread's scratch stores before the release of the count
+        arrived = tl.atomic_add(counters_ptr + token * tl.num_programs(1) + col_block, 1, sem="acq_rel",
+                                scope="gpu")
+        if arrived == GROUPS - 1:
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for k in tl.static_range(TOP_K):
+                acc += tl.load(scratch_ptr + (token * TOP_K + k) * hidden + cols, mask=col_valid, other=0.0,
+                               cache_modifier=".cg")
+            _store_token(acc, shared_ptr, out_ptr, token, cols, col_valid, stride_shared, stride_out,
+                         HAS_SHARED)
+
+
+def int4_launch_config(num_tokens: int, top_k: int) -> dict:
+    """First guesses: 256 columns a tile (128 bytes of packed words per row), 16 rows a program
+    for gate_up; the down kernel one slot a program (SPLIT = top_k), as the bf16 GEMV's."""
+    return {
+        "gate_up": {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4},
+        "down": {"BLOCK_N": 16 if num_tokens == 1 else 32, "BLOCK_K": 256, "num_warps": 4, "SPLIT": max(top_k, 1)},
+    }
+
+
+def _resolve(config: dict | None, num_tokens: int, top_k: int) -> dict:
+    resolved = int4_launch_config(num_tokens, top_k)
+    for name, overrides in (config or {}).items():
+        if name not in resolved or not isinstance(overrides, dict):
+            raise ValueError(f"int4 MoE config keys are 'gate_up' and 'down' (dicts), got {name!r}")
+        unknown = sorted(set(overrides) - set(KERNEL_KEYS))
+        if unknown:
+            raise ValueError(f"unknown int4 MoE {name} config keys {unknown}; expected {list(KERNEL_KEYS)}")
+        resolved[name].update(overrides)
+    for name, cfg in resolved.items():
+        block_k = cfg["BLOCK_K"]
+        if block_k < INT4_GROUP or block_k & (block_k - 1) or cfg["BLOCK_N"] & (cfg["BLOCK_N"] - 1):
+            raise ValueError(f"int4 MoE {name}: BLOCK_K must be a power of two >= {INT4_GROUP} and BLOCK_N a power "
+                             f"of two, got {cfg}")
+    return resolved
+
+
+def fused_int4_experts_gemv_triton(
+    hidden: torch.Tensor,  # [num_tokens, H]
+    gate_up_packed: torch.Tensor,  # [E, 2 * I, ceil(H / 8)] int32
+    gate_up_scale: torch.Tensor,  # [E, 2 * I, ceil(H / 32)]
+    down_packed: torch.Tensor,  # [E, H, ceil(I / 8)] int32
+    down_scale: torch.Tensor,  # [E, H, ceil(I / 32)]
+    weights: torch.Tensor,  # [num_tokens, top_k] float32
+    ids: torch.Tensor,  # [num_tokens, top_k] int
+    shared: torch.Tensor | None = None,  # [num_tokens, H]: added (the shared experts' output)
+    out_dtype: torch.dtype = torch.float32,
+    config: dict | None = None,  # {"gate_up": {...}, "down": {...}} overrides of int4_launch_config
+) -> torch.Tensor:  # [num_tokens, H] out_dtype: the top_k experts' sum (+ shared)
+    """int4_experts_forward_torch (+ shared) in two launches, reading each expert's packed words once."""
+    num_tokens, top_k, hidden_size, inter = check_int4_expert_inputs(
+        hidden, gate_up_packed, gate_up_scale, down_packed, down_scale, weights, ids, shared)
+    num_pairs = num_tokens * top_k
+    device = hidden.device
+    if num_pairs == 0:
+        out = torch.zeros(num_tokens, hidden_size, dtype=torch.float32, device=device)
+        return (out if shared is None else out + shared).to(out_dtype)
+    cfg = _resolve(config, num_tokens, top_k)
+    up_cfg, down_cfg = cfg["gate_up"], cfg["down"]
+    hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
+    gate_up_packed, gate_up_scale, down_packed, down_scale = (
+        t.contiguous() for t in (gate_up_packed, gate_up_scale, down_packed, down_scale))
+    flat_ids = ids.reshape(num_pairs).contiguous()  # [num_pairs]
+    pair_weights = weights.reshape(num_pairs).float().contiguous()  # [num_pairs]
+    slots = min(top_k, triton.cdiv(top_k, down_cfg["SPLIT"]))
+    groups = triton.cdiv(top_k, slots)
+    column_blocks = triton.cdiv(hidden_size, down_cfg["BLOCK_N"])
+    if groups > 1:
+        scratch = torch.empty(num_pairs, hidden_size, dtype=torch.float32, device=device)
+        counters = torch.empty(num_tokens * column_blocks, dtype=torch.int32, device=device)
+    else:
+        scratch = counters = pair_weights  # not read
+    act = torch.empty(num_pairs, inter, dtype=gate_up_scale.dtype, device=device)  # [num_pairs, I]
+    _int4_gate_up_kernel[(num_pairs, triton.cdiv(inter, up_cfg["BLOCK_N"]))](
+        hidden, gate_up_packed, gate_up_scale, flat_ids, act, counters, counters.numel() if groups > 1 else 0,
+        hidden_size, inter, hidden.stride(0), gate_up_packed.stride(0), gate_up_scale.stride(0), act.stride(0),
+        TOP_K=top_k, ZERO_COUNTERS=groups > 1, BLOCK_N=up_cfg["BLOCK_N"], BLOCK_K=up_cfg["BLOCK_K"],
+        num_warps=up_cfg["num_warps"],
+    )
+    out = torch.empty(num_tokens, hidden_size, dtype=out_dtype, device=device)  # [T, H]
+    _int4_down_combine_kernel[(num_tokens, column_blocks, groups)](
+        act, down_packed, down_scale, flat_ids, pair_weights, shared if shared is not None else out, scratch,
+        counters, out, hidden_size, inter, act.stride(0), down_packed.stride(0), down_scale.stride(0),
+        shared.stride(0) if shared is not None else 0, out.stride(0),
+        TOP_K=top_k, SLOTS=slots, GROUPS=groups, HAS_SHARED=shared is not None,
+        BLOCK_N=down_cfg["BLOCK_N"], BLOCK_K=down_cfg["BLOCK_K"], num_warps=down_cfg["num_warps"],
+        enable_fp_fusion=False,  # each weighted slot output rounded to float32 before it is added
+    )
+    return out
