@@ -12,16 +12,24 @@ The attention over that cache is ops/mla: its torch reference (the expanded and 
 ops/mla/reference.py), its Triton kernels, and build_mla_backend, which picks by the attention
 backend's name. LatentAttention hands a backend the layer's raw projections (q per head, the kv_a
 slice of fused_qkv_a_proj) and gets back the per-head output for o_proj.
+
+Tensor parallel (tp with several ranks): the heads are split. q_b_proj (or, without a q LoRA,
+the q slice of fused_qkv_a_proj) and kv_b_proj are column-parallel (each head's rows are
+contiguous, so an even row split is a head split), o_proj row-parallel with the sum over ranks;
+q_a_proj, kv_a_proj_with_mqa and their norms are replicated, so every rank writes the same latent
+cache (it has no head axis) and attends with its own heads. The MLA kernels read the head count
+from the tensors they get, so they run unchanged on this rank's heads.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
-from foretell.layers.linear import Linear, MergedLinear
+from foretell.distributed.tensor_parallel import TensorParallel
+from foretell.layers.linear import ColumnParallelLinear, MergedLinear, RankSlice, row_parallel_linear, set_rank_slices
 from foretell.layers.norm import RMSNorm
 from foretell.layers.rotary import RotaryEmbedding
 from foretell.ops.attention.metadata import AttentionMetadata
@@ -108,6 +116,7 @@ class MLAAttention(nn.Module):
     """`self_attn` of a DeepSeek layer; parameter names are the checkpoint's.
 
     `input_size` defaults to hidden_size (an EAGLE3 draft layer with MLA takes 2 x hidden).
+    `self.dims.num_heads` is this rank's head count under tp (`full_dims` the config's).
     """
 
     def __init__(
@@ -121,28 +130,39 @@ class MLAAttention(nn.Module):
         input_size: int | None = None,
         dtype=None,
         device=None,
+        tp: TensorParallel | None = None,
     ):
         super().__init__()
         kw = dict(dtype=dtype, device=device)
+        tp = tp or TensorParallel()
         input_size = input_size or dims.hidden_size
+        self.full_dims = dims
+        first_head, num_heads = tp.even_shard(dims.num_heads, "num_attention_heads")
+        dims = replace(dims, num_heads=num_heads)  # this rank's heads
         self.dims = dims
         q_out = dims.num_heads * dims.qk_head_dim
         # q_proj (or q_a_proj with a q LoRA) and kv_a_proj_with_mqa read the same input: one
         # matmul, shards 0 and 1 (at batch 1 the 576-row kv_a alone took as long as q_proj).
         self.q_size = dims.q_lora_rank or q_out
         self.fused_qkv_a_proj = MergedLinear(input_size, [self.q_size, dims.latent_dim], bias, **kw)
+        if not dims.q_lora_rank:  # q_proj's rows of this rank's heads; kv_a whole
+            q_slice = {0: RankSlice(0, first_head * dims.qk_head_dim, q_out, self.full_dims.num_heads * dims.qk_head_dim)}
+            set_rank_slices(self.fused_qkv_a_proj.weight, q_slice, tp)
+            set_rank_slices(self.fused_qkv_a_proj.bias, q_slice, tp)
         if bias and not dims.q_lora_rank:  # HF's q_proj has no bias: that slice stays zero
             with torch.no_grad():
                 self.fused_qkv_a_proj.bias[: self.q_size].zero_()
             self.fused_qkv_a_proj.bias.shard_ids = (1,)
         if dims.q_lora_rank:
             self.q_a_layernorm = RMSNorm(dims.q_lora_rank, LATENT_NORM_EPS, **kw)
-            self.q_b_proj = Linear(dims.q_lora_rank, q_out, **kw)
+            self.q_b_proj = ColumnParallelLinear(dims.q_lora_rank, self.full_dims.num_heads * dims.qk_head_dim,
+                                                 tp=tp, **kw)
         self.kv_a_layernorm = RMSNorm(dims.kv_lora_rank, LATENT_NORM_EPS, **kw)
-        self.kv_b_proj = Linear(
-            dims.kv_lora_rank, dims.num_heads * (dims.qk_nope_head_dim + dims.v_head_dim), **kw
+        kv_b_per_head = dims.qk_nope_head_dim + dims.v_head_dim
+        self.kv_b_proj = ColumnParallelLinear(dims.kv_lora_rank, self.full_dims.num_heads * kv_b_per_head, tp=tp, **kw)
+        self.o_proj = row_parallel_linear(
+            self.full_dims.num_heads * dims.v_head_dim, dims.hidden_size, bias, tp=tp, **kw
         )
-        self.o_proj = Linear(dims.num_heads * dims.v_head_dim, dims.hidden_size, bias, **kw)
         self.rotary_emb = rotary_emb
         self.attn = LatentAttention(dims, scale, backend_name)
 

@@ -39,6 +39,9 @@ class ModelOptions:
     aux_hidden_state_layers: tuple[int, ...] = ()
     # This rank's place in the tensor-parallel group; the default is one rank (nothing split).
     tensor_parallel: TensorParallel = field(default_factory=TensorParallel)
+    # MoE layers partition their routed experts over the ranks instead of splitting each expert
+    # (ParallelConfig.enable_expert_parallel); no effect with one rank or a dense model.
+    expert_parallel: bool = False
 
 
 def check_tensor_parallel_sizes(config: "HFConfig", tp: TensorParallel, sizes: dict[str, int]) -> None:
@@ -192,7 +195,7 @@ class CausalLM(torch.nn.Module):
         if options.tensor_parallel.is_parallel and not self.supports_tensor_parallel:
             raise ValueError(
                 f"{type(self).__name__} ({config.source}) does not run tensor-parallel yet; use "
-                f"tensor_parallel_size=1 (the Llama family, Mistral, Qwen2 and Qwen3 do)"
+                f"tensor_parallel_size=1 (the Llama family, Mistral, Qwen2, Qwen3, DeepSeek-V2/V3 and Kimi-K2 do)"
             )
         self.config = config
         self.options = options

@@ -15,6 +15,11 @@ Checkpoint keys are the published ones. The loader packs experts and fuses gate/
 q/kv_a projections through `deepseek_weight_rules`; the target ignores its MTP layers `model.layers.{N+i}.*`
 (num_nextn_predict_layers of them), which foretell/models/mtp.py loads for "method": "mtp".
 A `prefix` (Kimi-K2.5's "language_model.") is put before every key pattern.
+
+Tensor parallel (options.tensor_parallel): MLA's heads split (layers/mla.py), the MoE experts
+split inside each expert or, with options.expert_parallel, partitioned over the ranks
+(layers/moe.py), dense MLPs column/row-parallel, embedding and lm_head split by vocabulary.
+The sizes that must divide are checked at construction with config.json's field names.
 """
 
 from __future__ import annotations
@@ -25,9 +30,9 @@ import torch
 from torch import nn
 
 from foretell.ops.attention.metadata import AttentionMetadata
-from foretell.layers.embedding import VocabEmbedding
 from foretell.layers.mla import MLAAttention, MLADims
-from foretell.layers.moe import GatedMLP, MoE, expert_weight_rules
+from foretell.layers.moe import GatedMLP, MoE, expert_weight_rules, other_ranks_experts_pattern
+from foretell.layers.vocab_parallel import vocab_embedding
 from foretell.ops.moe.reference import RouterConfig
 from foretell.layers.norm import RMSNorm
 from foretell.layers.rotary import RotaryEmbedding, rope_parameters_from_config, yarn_softmax_scale_factor
@@ -38,6 +43,7 @@ from foretell.models.base import (
     PreNormDecoderLayer,
     WeightRule,
     WeightRules,
+    check_tensor_parallel_sizes,
     run_decoder_stack,
 )
 
@@ -94,16 +100,18 @@ class DeepseekDecoderLayer(PreNormDecoderLayer):
     ):
         super().__init__()
         kw = dict(dtype=options.dtype, device=options.device)
+        tp = options.tensor_parallel
         hidden = config.hidden_size
         eps = config.get("rms_norm_eps", 1e-6)
         self.self_attn = MLAAttention(
             MLADims.from_config(config), rotary, scale, options.attention_backend.name,
-            bias=bool(config.get("attention_bias", False)), **kw,
+            bias=bool(config.get("attention_bias", False)), tp=tp, **kw,
         )
         if router is not None and is_moe_layer(config, layer_index):
-            self.mlp = MoE(router, hidden, config.moe_intermediate_size, **kw)
+            self.mlp = MoE(router, hidden, config.moe_intermediate_size, tp=tp,
+                           expert_parallel=options.expert_parallel, **kw)
         else:
-            self.mlp = GatedMLP(hidden, config.intermediate_size, bool(config.get("mlp_bias", False)), **kw)
+            self.mlp = GatedMLP(hidden, config.intermediate_size, bool(config.get("mlp_bias", False)), tp=tp, **kw)
         self.input_layernorm = RMSNorm(hidden, eps, **kw)
         self.post_attention_layernorm = RMSNorm(hidden, eps, **kw)
 
@@ -114,8 +122,9 @@ class DeepseekModel(nn.Module):
     def __init__(self, config: HFConfig, router: RouterConfig | None, options: ModelOptions):
         super().__init__()
         kw = dict(dtype=options.dtype, device=options.device)
+        check_deepseek_parallel_sizes(config, options)
         self.rotary_emb, scale = deepseek_rotary(config, options.device)
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, **kw)
+        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, options.tensor_parallel, **kw)
         self.layers = nn.ModuleList(
             DeepseekDecoderLayer(config, i, self.rotary_emb, scale, router, options)
             for i in range(config.num_hidden_layers)
@@ -148,13 +157,46 @@ def fused_qkv_a_rules(where: str = r"\.self_attn\.", to: str = ".self_attn.") ->
     ]
 
 
-def deepseek_weight_rules(config: HFConfig, prefix: str = "", tie: bool = False) -> WeightRules:
+def check_deepseek_parallel_sizes(config: HFConfig, options: ModelOptions) -> None:
+    """The sizes split over tensor-parallel ranks divide by tensor_parallel_size (one error naming
+    config.json and every field that does not)."""
+    tp = options.tensor_parallel
+    sizes = {"num_attention_heads": config.num_attention_heads}
+    moe = bool(config.get("n_routed_experts"))
+    num_layers = config.num_hidden_layers + int(config.get("num_nextn_predict_layers", 0) or 0)
+    if not moe or any(not is_moe_layer(config, i) for i in range(num_layers)):
+        sizes["intermediate_size"] = config.intermediate_size
+    if moe and options.expert_parallel:
+        sizes["n_routed_experts"] = config.n_routed_experts
+        shared = int(config.get("n_shared_experts", 0) or 0)
+        if shared:
+            sizes["n_shared_experts * moe_intermediate_size"] = shared * config.moe_intermediate_size
+    elif moe:
+        sizes["moe_intermediate_size"] = config.moe_intermediate_size
+    check_tensor_parallel_sizes(config, tp, sizes)
+
+
+def other_ranks_expert_keys(config: HFConfig, options: ModelOptions | None) -> list[str]:
+    """Under expert parallelism (several ranks, a MoE model): the ignore pattern of the routed
+    experts other ranks hold; else none."""
+    if options is None or not (options.expert_parallel and options.tensor_parallel.is_parallel):
+        return []
+    if not config.get("n_routed_experts"):
+        return []
+    return [other_ranks_experts_pattern(config.n_routed_experts, options.tensor_parallel)]
+
+
+def deepseek_weight_rules(config: HFConfig, prefix: str = "", tie: bool = False,
+                          options: ModelOptions | None = None) -> WeightRules:
+    """The checkpoint -> parameter rules; with options under expert parallelism the shared experts
+    stay unpacked and the other ranks' experts are ignored (never read)."""
     p = re.escape(prefix)
-    fused = expert_weight_rules() + fused_qkv_a_rules() + [
+    other_experts = other_ranks_expert_keys(config, options)
+    fused = expert_weight_rules(pack_shared=not other_experts) + fused_qkv_a_rules() + [
         WeightRule(r"\.gate_proj\.", ".gate_up_proj.", 0),  # dense MLP and shared experts
         WeightRule(r"\.up_proj\.", ".gate_up_proj.", 1),
     ]
-    ignored = [r"rotary_emb\.inv_freq$"]
+    ignored = [r"rotary_emb\.inv_freq$"] + other_experts
     mtp = mtp_layer_indices(config)
     if mtp:
         ignored.append(rf"^{p}model\.layers\.(?:{'|'.join(map(str, mtp))})\.")
@@ -164,6 +206,7 @@ def deepseek_weight_rules(config: HFConfig, prefix: str = "", tie: bool = False)
 
 
 class DeepseekV2ForCausalLM(CausalLM):
+    supports_tensor_parallel = True
     default_scoring_func = "softmax"
     default_topk_method = "greedy"
 
@@ -175,7 +218,7 @@ class DeepseekV2ForCausalLM(CausalLM):
         )
         self.model = DeepseekModel(config, router, options)
         self.attach_lm_head(config.hidden_size)
-        self.weight_rules = deepseek_weight_rules(config, tie=self.tie_word_embeddings)
+        self.weight_rules = deepseek_weight_rules(config, tie=self.tie_word_embeddings, options=options)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

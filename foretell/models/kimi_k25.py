@@ -4,7 +4,8 @@ config.json: `architectures: [KimiK25ForConditionalGeneration]`, the language mo
 under `text_config` (DeepseekV3ForCausalLM, model_type kimi_k2 or deepseek_v3), the vision
 tower's under `vision_config`. Weights: `language_model.model.*`, `language_model.lm_head.weight`,
 plus `vision_tower.*` and `mm_projector.*`, which are not loaded: foretell serves Kimi-K2.5 as a
-text model (image and video inputs are not supported).
+text model (image and video inputs are not supported). Tensor and expert parallel as the inner
+DeepSeek-V3 model (the options pass through).
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ class KimiK25ForConditionalGeneration(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden)
+
+    def compute_greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n] int64
+        return self.language_model.compute_greedy_tokens(hidden)
 
     def attention_layers(self) -> list[nn.Module]:
         return self.language_model.attention_layers()

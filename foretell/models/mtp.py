@@ -13,6 +13,11 @@ One step, for a row at position t that pairs a hidden state for t with the token
 Step 0 takes the target's final hidden state (after its last norm). A chained step takes the
 previous step's `out` (after shared_head.norm, as SGLang's NextN and transformers' MtpModel do;
 vLLM feeds it before that norm). Each layer has its own MLA cache, sized like the target's.
+
+Under the target's tensor parallelism (the same options.tensor_parallel and expert_parallel) the
+decoder block splits as the target's layers do, shared_head.head is split by vocabulary like the
+target's lm_head (compute_logits gathers whole rows, compute_greedy_tokens needs no gather), and
+enorm, hnorm and eh_proj ([H, 2H]) are replicated.
 """
 
 from __future__ import annotations
@@ -23,12 +28,13 @@ import torch
 from torch import nn
 
 from foretell.ops.attention.metadata import AttentionMetadata
-from foretell.layers.embedding import LMHead
+from foretell.layers.vocab_parallel import lm_head
 from foretell.layers.linear import Linear
 from foretell.layers.norm import RMSNorm
 from foretell.models.base import HFConfig, ModelOptions, WeightRules
 from foretell.models.deepseek_v2 import (
-    DeepseekDecoderLayer, deepseek_rotary, deepseek_weight_rules, mtp_layer_indices, router_config,
+    DeepseekDecoderLayer, deepseek_rotary, deepseek_weight_rules, mtp_layer_indices, other_ranks_expert_keys,
+    router_config,
 )
 
 
@@ -37,7 +43,7 @@ class SharedHead(nn.Module):
         super().__init__()
         kw = dict(dtype=options.dtype, device=options.device)
         self.norm = RMSNorm(config.hidden_size, config.get("rms_norm_eps", 1e-6), **kw)
-        self.head = LMHead(config.vocab_size, config.hidden_size, **kw)
+        self.head = lm_head(config.vocab_size, config.hidden_size, options.tensor_parallel, **kw)
 
 
 class DeepseekMTPLayer(DeepseekDecoderLayer):
@@ -96,7 +102,7 @@ class DeepseekMTP(nn.Module):
             holder = child
         holder.layers = layers
         self._layers = list(layers.values())
-        inner = deepseek_weight_rules(config)
+        inner = deepseek_weight_rules(config, options=options)
         p = re.escape(prefix)
         ids = "|".join(map(str, indices))
         self.weight_rules = WeightRules(
@@ -105,9 +111,10 @@ class DeepseekMTP(nn.Module):
                 rf"^(?!{p}model\.layers\.(?:{ids})\.)",  # everything of the target itself
                 rf"^{p}model\.layers\.(?:{ids})\.embed_tokens\.weight$",  # the embedding's copy
                 r"rotary_emb\.inv_freq$",
-            ],
+            ] + other_ranks_expert_keys(config, options),
         )
         self.embed: nn.Module | None = None
+        self.tensor_parallel = options.tensor_parallel
 
     @property
     def num_layers(self) -> int:
@@ -127,3 +134,10 @@ class DeepseekMTP(nn.Module):
 
     def compute_logits(self, layer: int, out: torch.Tensor) -> torch.Tensor:  # [n, vocab] f32
         return self._layers[layer].shared_head.head(out)
+
+    def compute_greedy_tokens(self, layer: int, out: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n] int64
+        """The argmax of compute_logits' rows; under tensor parallelism without gathering them."""
+        head = self._layers[layer].shared_head.head
+        if self.tensor_parallel.is_parallel:
+            return head.greedy_tokens(out)
+        return head(out).argmax(dim=-1)

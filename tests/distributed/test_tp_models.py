@@ -205,10 +205,14 @@ def test_kv_heads_must_split_or_replicate(llama31_checkpoint):
         resolve_model_class(config)(config, options)
 
 
-def test_models_not_yet_split_say_so():
-    from fixtures.deepseek import v3_config
+def test_models_not_yet_split_say_so(llama31_checkpoint):
+    from foretell.models.base import CausalLM
 
-    config = HFConfig(v3_config(), "deepseek/config.json")
+    class NotSplitYet(CausalLM):  # a model class that has not declared supports_tensor_parallel
+        pass
+
+    config = HFConfig(HFConfig.from_folder(llama31_checkpoint).to_dict(), "some/config.json")
     options = ModelOptions(torch.float32, torch.device("cpu"), TorchAttentionBackend(), tensor_parallel=fake_rank(0, 2))
-    with pytest.raises(ValueError, match=r"DeepseekV3ForCausalLM \(deepseek/config.json\) does not run tensor-parallel yet"):
-        resolve_model_class(config)(config, options)
+    with pytest.raises(ValueError, match=r"NotSplitYet \(some/config.json\) does not run tensor-parallel yet"):
+        NotSplitYet(config, options)
+    NotSplitYet(config, ModelOptions(torch.float32, torch.device("cpu"), TorchAttentionBackend()))  # one rank: fine
