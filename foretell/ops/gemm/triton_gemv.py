@@ -10,7 +10,7 @@ built for that chain:
   - programmatic dependent launch (ops/common/pdl.py): the program requests its first weight tile
     before it waits for the kernel before it, so the weights stream in while that kernel (a norm,
     the attention, the GEMV before) finishes; it lets the next kernel launch once its own reads are
-    done. Measured on the H200 (scripts/bench_pdl_chain.py): a Llama-8B layer's four GEMVs 106 us
+    done. Measured on the H200 (docs/perf-log.md): a Llama-8B layer's four GEMVs 106 us
     against cuBLAS's 122, and the 32-layer chain with stand-in norms and attention 4.00 ms against
     4.39;
   - `gated`: W is an MLP's [gate; up] and the kernel stores silu(gate) * up (with SiluAndMul's
@@ -65,7 +65,7 @@ def _next_pow2(n: int) -> int:
 
 
 def pick_config(m: int, n: int, k: int, block_n: int | None = None, block_k: int | None = None) -> SmallMConfig:
-    """Tiles for an [m, k] x [n, k]^T product, from the H200 at M = 1 (scripts/ablate_decode.py, in
+    """Tiles for an [m, k] x [n, k]^T product, from the H200 at M = 1 (docs/perf-log.md, in
     the Llama-8B decode graph): up to K = 4096 two rows of W per program over all of K in one tile,
     eight warps; a longer K four rows over 2048-wide tiles, four warps (the down projection: 0.05 ms
     a step faster than cuBLAS, 0.2 faster than two rows; whole-K tiles of 8192-16384 were far slower)."""

@@ -4,7 +4,7 @@
   - the tensor-core MMA (ops/gemm/triton_mma.py, MmaConfig): up to 16 rows in fp16 / bf16.
 
 A config's type says which kernel runs it. `default_config` is mode "on"'s choice, from the Llama-8B
-decode and verify graphs on the H200 (scripts/ablate_decode.py: each layer kind moved to another
+decode and verify graphs on the H200 (docs/perf-log.md: each layer kind moved to another
 kernel, the graph re-timed):
   - one row (decode at batch 1): the GEMV. For qkv, o, gate_up and lm_head 0.05-0.2 ms a step
     faster than the MMA or cuBLAS per layer kind; for the down projection (K = 14336, four rows of

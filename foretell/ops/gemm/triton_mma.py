@@ -17,7 +17,7 @@ FMAs per row and loses to cuBLAS from two rows on; this kernel puts the rows on 
   - `gated` (W = [gate; up]): each tile's rows are (gate j, up j) pairs and its epilogue stores
     silu(gate) * up, as the GEMV's; `float32_out` stores the rounded results as float32.
 
-Measured on the H200 at M = 4 against cuBLAS (scripts/bench_verify_gemm.py, us): qkv 15.8 / 16.3,
+Measured on the H200 at M = 4 against cuBLAS (docs/perf-log.md, us): qkv 15.8 / 16.3,
 o 11.9 / 13.5, gate_up 58.5 / 63.5, down 31.7 / 32.8, lm_head 245.8 / 256.7 (mode "on"'s choices are
 made in the verify graph: ops/gemm/triton_kernels.py). Loading W through a tensor descriptor (TMA)
 measured no faster.
