@@ -150,18 +150,6 @@ class ParallelConfig:
             )
 
 
-def check_engine_runs_parallel(parallel: ParallelConfig) -> None:
-    """Until the engine starts one worker per rank (issue 24), a config asking for several ranks is
-    refused here rather than run on one device."""
-    if parallel.tensor_parallel_size > 1:
-        raise ValueError(
-            f"tensor_parallel_size={parallel.tensor_parallel_size} is not supported by the engine "
-            f"yet: the tensor-parallel layers and models exist (foretell/distributed, "
-            f"layers/linear.py, layers/vocab_parallel.py), but starting one worker per rank is "
-            f"still to come (issue 24). Run with tensor_parallel_size=1 (-tp 1) for now."
-        )
-
-
 @dataclass
 class SpeculativeConfig:
     method: str
@@ -257,7 +245,6 @@ def build_engine_config(model: str, **kwargs: Any) -> EngineConfig:
 
     model_config = ModelConfig(model=model, **values["model"])
     parallel_config = ParallelConfig(**values["parallel"])
-    check_engine_runs_parallel(parallel_config)
     speculative_config = SpeculativeConfig.from_any(speculative)
     resolve_engine_sources(model_config, speculative_config)  # Hub ids -> local snapshot folders
     return EngineConfig(

@@ -1,6 +1,9 @@
 """The engine: requests in, one step at a time (schedule -> execute -> postprocess), outputs out.
 
-Synchronous and single-threaded; the server's async front drives it from one loop.
+Synchronous and single-threaded; the server's async front drives it from one loop. The steps
+run on a RunnerHandle (runner/handle.py): a ModelRunner on one device, or with
+tensor_parallel_size > 1 a ParallelRunner driving one worker process per rank. A lost worker
+(dead, or out of step with the others) ends the engine: step() raises, now and on every later call.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from foretell.engine.outputs import CompletionOutput, RequestMetrics, RequestOut
 from foretell.engine.scheduler import Scheduler
 from foretell.engine.sequence import Sequence
 from foretell.engine.warm_up import warm_up
-from foretell.runner.model_runner import ModelRunner
+from foretell.runner.handle import RUNNER_LOST, start_runner
 from foretell.runner.jit_counter import jit_compile_counter
 from foretell.sampling_params import SamplingParams
 from foretell.spec_decode.metrics import SpecDecodeStats
@@ -53,36 +56,40 @@ class Engine:
         self.eos_token_ids = (
             self.tokenizer.eos_token_ids if self.tokenizer else eos_ids_from_configs(mc.model)
         )
-        self.runner = ModelRunner(config)
-        plan = self.runner.cache_plan
-        proposer = self.runner.proposer
+        self.runner = start_runner(config)
+        self.facts = facts = self.runner.describe()
+        plan = facts.cache_plan
         self.block_manager = BlockManager(
             plan.num_blocks,
             plan.block_size,
             config.cache.enable_prefix_caching,
-            reuse_margin_blocks=1 if proposer is not None and proposer.capabilities.draft_kv_reads_next_token else 0,
+            reuse_margin_blocks=1 if facts.draft_kv_reads_next_token else 0,
         )
         k = config.speculative.num_speculative_tokens if config.speculative else 0
         self.scheduler = Scheduler(
-            config.scheduler, self.block_manager, self.runner.max_model_len,
-            num_lookahead_tokens=self.runner.num_lookahead_tokens,
-            keep_draft_rows=self.runner.graphs is not None,
+            config.scheduler, self.block_manager, facts.max_model_len,
+            num_lookahead_tokens=facts.num_lookahead_tokens,
+            keep_draft_rows=facts.keep_draft_rows,
         )
         self.metrics = EngineMetrics(
             spec=SpecDecodeStats(k) if k else None,
-            synthetic_acceptance=self.runner.verifier.synthetic,
+            synthetic_acceptance=facts.synthetic_acceptance,
         )
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         mode = config.model.warm_up
         self.warm_up_seconds = 0.0
-        if mode == "on" or (mode == "auto" and self.runner.device.type == "cuda"):
+        if mode == "on" or (mode == "auto" and facts.device.startswith("cuda")):
             self.warm_up_seconds = warm_up(self)
             logger.info("warm-up: %.1f s of dummy requests (Triton kernels compiled)", self.warm_up_seconds)
 
     @property
     def max_model_len(self) -> int:
-        return self.runner.max_model_len
+        return self.facts.max_model_len
+
+    def shutdown(self) -> None:
+        """Stop the runner's worker processes (tensor parallelism); nothing to do on one device."""
+        self.runner.shutdown()
 
     # ---- requests --------------------------------------------------------------------
     def add_request(
@@ -94,7 +101,7 @@ class Engine:
         text, token_ids = self._tokenize(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty: give at least one token")
-        vocab = self.runner.vocab_size
+        vocab = self.facts.vocab_size
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
@@ -176,6 +183,8 @@ class Engine:
             return []
         try:
             results = self.runner.execute(sched)
+        except RUNNER_LOST:  # a worker died or fell out of step: nothing can run any more
+            raise
         except Exception as error:  # noqa: BLE001 -- a failed step must not end other requests
             return self._fail_step(sched, error)
         self.metrics.num_steps += 1
@@ -324,7 +333,7 @@ class Engine:
     # ---- stats ---------------------------------------------------------------------
     def get_stats(self) -> dict:
         stats = self.metrics.as_dict()
-        if self.runner.verifier.synthetic:
+        if self.facts.synthetic_acceptance:
             stats["synthetic_acceptance"] = True  # accept decisions were drawn, text is synthetic
         stats.update(
             num_requests_running=len(self.scheduler.running),

@@ -15,3 +15,6 @@ class SequenceError(RuntimeError):
     def __init__(self, seq_id: int, message: str):
         super().__init__(message)
         self.seq_id = seq_id
+
+    def __reduce__(self):  # pickles whole (a tensor-parallel worker sends it to the engine's process)
+        return type(self), (self.seq_id, str(self)), self.__dict__

@@ -56,7 +56,7 @@ def _run(engine, prompts: dict[str, list[int]], params: SamplingParams) -> None:
 
 def _forget(engine) -> None:
     """Leave no trace: fresh counters, no cached prefixes, no step queued ahead."""
-    engine.runner.pipeline.reset()
+    engine.runner.reset_pipeline()
     engine.scheduler.num_preemptions = 0
     engine.block_manager.reset_prefix_cache()
     old = engine.metrics

@@ -6,6 +6,12 @@ simulated acceptance, chosen here once), and the step pipeline (step_pipeline.py
 of device step it may launch. The runner never asks which model or which drafter it runs:
 capabilities come from the proposer's typed ProposerCapabilities.
 
+Under tensor parallelism one runner runs in each rank's worker process (worker_entry.py), built
+with the rank's TensorParallel and device: the target (and MTP layers) hold the rank's slices,
+EAGLE3 heads and draft models are whole on every rank, every rank gets the same KV block count
+(the fewest any rank can hold), and every rank computes the same tokens (whole logits, one
+noise seed). For now such a runner runs eagerly and queues nothing ahead.
+
 execute(): the step the pipeline queued ahead when the scheduler's batch is that step; else a
 device step the pipeline launches for the batch (a plain decode step, decode_ahead.py; a padded
 verify step, graphed_verify.py); else the step from host inputs: target forward -> logits of the
@@ -22,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from foretell.config import EngineConfig
+from foretell.distributed.tensor_parallel import TensorParallel
 from foretell.engine.errors import SequenceError
 from foretell.engine.scheduler import SchedulerOutput
 from foretell.runner.sequence_result import SequenceResult
@@ -54,22 +61,44 @@ class StepTimes:
     draft_s: float = 0.0
 
 
+@dataclass(frozen=True)
+class RunnerFacts:
+    """What the engine reads of a runner once, at start-up (the same on every rank; pickles)."""
+
+    max_model_len: int
+    vocab_size: int
+    cache_plan: CachePlan
+    num_lookahead_tokens: int
+    keep_draft_rows: bool  # verifies keep k + 1 rows (the graphs' shape): the scheduler caps instead
+    draft_kv_reads_next_token: bool  # the drafter's cache reads one slot past the target's
+    synthetic_acceptance: bool
+    device: str
+    dtype: str
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
+    def __init__(
+        self,
+        config: EngineConfig,
+        tensor_parallel: TensorParallel | None = None,  # this rank's place; None: one rank
+        device: torch.device | None = None,  # None: the config's device (resolved here)
+    ):
         self.config = config
         mc = config.model
-        self.device = mc.resolve_device()
+        self.tensor_parallel = tensor_parallel or TensorParallel()
+        self.device = device if device is not None else mc.resolve_device()
         if mc.num_cpu_threads is not None:
             torch.set_num_threads(mc.num_cpu_threads)  # the process-wide knob, set once, asked for
         self.hf_config = HFConfig.from_folder(mc.model)
         self.dtype = mc.resolve_dtype(checkpoint_dtype(self.hf_config), self.device)
         self.backend = build_attention_backend(mc.attention_backend, self.device)
-        options = ModelOptions(self.dtype, self.device, self.backend)
+        parallel = dict(tensor_parallel=self.tensor_parallel, expert_parallel=config.parallel.enable_expert_parallel)
+        options = ModelOptions(self.dtype, self.device, self.backend, **parallel)
         self.proposer: Proposer | None = None
         if config.speculative is not None:
             self.proposer = build_proposer(config.speculative, self.hf_config, options)
             options = ModelOptions(
-                self.dtype, self.device, self.backend, self.proposer.capabilities.aux_hidden_state_layers
+                self.dtype, self.device, self.backend, self.proposer.capabilities.aux_hidden_state_layers, **parallel
             )
         self.model = build_model(mc.model, self.hf_config, options, mc.load_format, mc.seed)
         if self.proposer is not None:
@@ -79,6 +108,7 @@ class ModelRunner:
         # Queue the next step before reading this one (step_pipeline.py): plain decoding, and the
         # padded greedy verify (which needs the graphs; checked once they are captured).
         queue_ahead = mode == "on" or (mode == "auto" and self.device.type == "cuda")
+        queue_ahead = queue_ahead and not self.tensor_parallel.is_parallel  # not yet under TP
         k = config.speculative.num_speculative_tokens if config.speculative else 0
         # KV slots reserved past a sampling step's rows: the drafter's k, plus, when steps are
         # queued ahead, the k + 1 rows of the step after it (it is launched before the scheduler
@@ -96,6 +126,20 @@ class ModelRunner:
                                   self.cache_plan.block_size, self.max_model_len, self.device)
         self.pipeline = self._build_pipeline(queue_ahead, sampler)
         self.last_times = StepTimes()
+
+    def describe(self) -> RunnerFacts:
+        capabilities = self.proposer.capabilities if self.proposer is not None else None
+        return RunnerFacts(
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            cache_plan=self.cache_plan,
+            num_lookahead_tokens=self.num_lookahead_tokens,
+            keep_draft_rows=self.graphs is not None,
+            draft_kv_reads_next_token=bool(capabilities and capabilities.draft_kv_reads_next_token),
+            synthetic_acceptance=self.verifier.synthetic,
+            device=str(self.device),
+            dtype=str(self.dtype).replace("torch.", ""),
+        )
 
     # ---- set-up --------------------------------------------------------------------------
     def _max_model_len(self) -> int:
@@ -147,16 +191,17 @@ class ModelRunner:
         cc = self.config.cache
         draft_layers = self.proposer.kv_layers() if self.proposer else []
         spec = self.config.speculative
-        plan = plan_cache(
-            self._kv_budget(),
-            cc.num_kv_blocks,
-            self.model.attention_layers(),
-            self.dtype,
-            cc.block_size,
-            draft_layers,
-            self.proposer.draft_dtype if self.proposer else None,
-            spec.draft_block_size if spec else None,
-        )
+
+        def plan_for(budget: int | None, num_blocks: int | None) -> CachePlan:
+            return plan_cache(
+                budget, num_blocks, self.model.attention_layers(), self.dtype, cc.block_size, draft_layers,
+                self.proposer.draft_dtype if self.proposer else None, spec.draft_block_size if spec else None,
+            )
+
+        plan = plan_for(self._kv_budget(), cc.num_kv_blocks)
+        fewest = self._fewest_over_ranks(plan.num_blocks)
+        if fewest != plan.num_blocks:  # another rank has less memory free: every rank holds as few
+            plan = plan_for(None, fewest)
         self.kv_cache = KVCache(
             self.model.attention_layers(), plan.num_blocks, plan.block_size, self.dtype, self.device
         )
@@ -172,10 +217,19 @@ class ModelRunner:
             self.proposer.bind_draft_cache(plan.draft_block_size)
         return plan
 
+    def _fewest_over_ranks(self, value: int) -> int:
+        """The smallest of every rank's value (the value itself with one rank)."""
+        if not self.tensor_parallel.is_parallel:
+            return value
+        every = self.tensor_parallel.all_gather(torch.tensor([value], dtype=torch.int64, device=self.device), dim=0)
+        return int(every.min())
+
     def _capture_graphs(self) -> CudaGraphRunner | None:
         layers = self.model.attention_layers()
         mc = self.config.model
         if mc.enforce_eager or not all(layer.backend.graph_safe for layer in layers):
+            return None
+        if self.tensor_parallel.is_parallel:  # capturing the collectives: not yet (issue 24)
             return None
         spec = self.config.speculative
         query_lens = (1,) if spec is None else (1, spec.num_speculative_tokens + 1)
@@ -294,6 +348,10 @@ class ModelRunner:
                                 f"vocabulary [0, {self.vocab_size}): {drafts}"
                 )
 
+    def reset_pipeline(self) -> None:
+        """Drop the step queued ahead (after the warm-up)."""
+        self.pipeline.reset()
+
     def abandon_step(self, seq_ids: list[int]) -> None:
         """After a failed step: drop the step queued ahead (it assumed this one's results) and the
         sequences' draft probabilities (the engine drops their drafts too)."""
@@ -304,3 +362,6 @@ class ModelRunner:
     def forget(self, seq_id: int) -> None:
         """Drop per-sequence state (draft probabilities) of a finished or preempted sequence."""
         self.host_step.forget(seq_id)
+
+    def shutdown(self) -> None:
+        """Nothing to stop in this process (RunnerHandle's; a ParallelRunner stops its workers)."""

@@ -67,7 +67,9 @@ class MTPProposer(DraftLoopProposer):
                 f"model has no MTP layers to draft with; use method eagle3, draft_model or ngram"
             )
         self.folder = config.model or os.path.dirname(target_hf_config.source.split(":")[0])
-        self.options = ModelOptions(options.dtype, options.device, options.attention_backend)
+        # Under the target's tensor and expert parallelism (its layers split as the target's are).
+        self.options = ModelOptions(options.dtype, options.device, options.attention_backend,
+                                    tensor_parallel=options.tensor_parallel, expert_parallel=options.expert_parallel)
         self.init_loop(options.device, self.text_config.vocab_size)
         self.mtp: DeepseekMTP | None = None
 

@@ -1,5 +1,5 @@
 """ParallelConfig (vLLM's names): validation, the LLM keyword and the CLI flags reaching it, and
-the clear refusal of several ranks until the engine starts one worker per rank."""
+several ranks reaching the engine's config (tests/distributed/test_tp_engine.py runs them)."""
 
 from __future__ import annotations
 
@@ -37,14 +37,7 @@ def test_cli_flags_reach_the_config(tmp_path):
 
 
 @pytest.mark.parametrize("how", ["keyword", "cli"])
-def test_several_ranks_are_refused_until_the_engine_runs_them(tmp_path, how):
-    kwargs = {"tensor_parallel_size": 2} if how == "keyword" else parse("-tp", "2")
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 is not supported by the engine yet.*-tp 1"):
-        build_engine_config(str(tmp_path), **kwargs)
-
-
-def test_llm_refuses_before_loading_anything(tmp_path):
-    from foretell import LLM
-
-    with pytest.raises(ValueError, match="tensor_parallel_size=8 is not supported by the engine yet"):
-        LLM(model=str(tmp_path), tensor_parallel_size=8)  # an empty folder: nothing was read
+def test_several_ranks_reach_the_config(tmp_path, how):
+    kwargs = {"tensor_parallel_size": 2} if how == "keyword" else parse("-tp", "2", "--enable-expert-parallel")
+    config = build_engine_config(str(tmp_path), **kwargs)
+    assert config.parallel == ParallelConfig(2, how == "cli")
