@@ -128,6 +128,11 @@ def section(name):
                 RESULTS[name] = fn(*args, **kwargs)
             except Exception as e:  # record and go on: one broken section must not hide the rest
                 RESULTS[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+            # The section's engines are unreachable now, but the first engine of a process sits in
+            # a reference cycle (a traceback an import made while it was built holds its frames):
+            # collect it before the next section measures free GPU memory.
+            gc.collect()
+            torch.cuda.empty_cache()
             RESULTS.setdefault("_seconds", {})[name] = round(time.perf_counter() - t0, 1)
             print(f"[{name}] {json.dumps(RESULTS[name], default=str)[:1500]}", flush=True)
             save()
