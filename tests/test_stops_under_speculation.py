@@ -132,3 +132,18 @@ def test_mtp_stop_string_and_max_tokens():
         assert [o.token_ids for o in run(engine("mtp", "deepseek"), params)] == [
             o.token_ids for o in run(engine("none", "deepseek"), params)
         ]
+
+
+@pytest.mark.skipif(not os.path.isdir(member_path("target", "deepseek")), reason="no DeepSeek default model")
+def test_mtp_sampled_output_ends_at_the_token_that_completes_the_stop():
+    tokenizer = engine("none", "deepseek").tokenizer
+    for seed in range(3):
+        params = SamplingParams(temperature=0.8, seed=seed, max_tokens=32, stop=["\n"], logprobs=1)
+        for out in run(engine("mtp", "deepseek"), params):
+            assert len(out.logprobs) == len(out.token_ids)
+            full = tokenizer.decode(out.token_ids)
+            if out.finish_reason == "stop":
+                assert full[len(out.text):].startswith("\n")
+                assert "\n" not in tokenizer.decode(out.token_ids[:-1])
+            else:
+                assert len(out.token_ids) == 32 and "\n" not in full
