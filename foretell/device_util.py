@@ -58,3 +58,9 @@ def resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device)
     if device.type == "cpu" and dtype != torch.float32:
         return torch.float32
     return dtype
+
+
+def release_cached_device_memory() -> None:
+    """Give the CUDA caching allocator's free blocks back to the device (after an engine goes)."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

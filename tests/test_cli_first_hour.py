@@ -331,3 +331,25 @@ def test_speculative_config_default_k_is_one_for_mtp_and_three_otherwise():
     assert SpeculativeConfig.from_any({"method": "mtp"}).num_speculative_tokens == 1
     assert SpeculativeConfig(method="ngram").num_speculative_tokens == 3
     assert SpeculativeConfig(method="mtp", num_speculative_tokens=2).num_speculative_tokens == 2
+
+
+def test_llm_close_frees_the_engine_at_once_and_refuses_to_generate_after():
+    import gc
+    import weakref
+
+    from foretell import LLM, SamplingParams
+
+    gc.collect()
+    gc.disable()  # close() must free the engine itself, even when a reference cycle holds it
+    try:
+        with LLM(num_kv_blocks=16, speculative_config={"method": "ngram"}) as llm:
+            out = llm.generate(["def add(a, b):"], SamplingParams(max_tokens=4), use_tqdm=False)
+            assert len(out[0].outputs[0].token_ids) == 4
+            engine = weakref.ref(llm.engine)
+            model = weakref.ref(llm.engine.runner.model)
+        assert engine() is None and model() is None
+        with pytest.raises(RuntimeError, match="closed"):
+            llm.generate(["x"], SamplingParams(max_tokens=1))
+        llm.close()  # twice is fine
+    finally:
+        gc.enable()

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 from typing import Any
 
 from foretell.config import build_engine_config
 from foretell.defaults import default_speculative_config, default_target
+from foretell.device_util import release_cached_device_memory
 from foretell.engine.engine import Engine
 from foretell.engine.outputs import RequestOutput
 from foretell.progress import progress_bar
@@ -28,8 +30,33 @@ class LLM:
             if speculative_config is None:
                 speculative_config = default_speculative_config("qwen3", "eagle3")
         config = build_engine_config(model, speculative_config=speculative_config, **kwargs)
-        self.engine = Engine(config)
+        self._engine: Engine | None = Engine(config)
         self._ids = itertools.count()
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            raise RuntimeError("this LLM was closed: make a new LLM(...) to generate again")
+        return self._engine
+
+    def close(self) -> None:
+        """Free what the engine holds now (worker processes, weights, the KV cache), not whenever
+        Python's garbage collector next runs: the first engine of a process can sit in a reference
+        cycle (a traceback that an import made during its construction keeps its frames). The LLM
+        cannot generate afterwards. Also `with LLM(...) as llm:`."""
+        engine, self._engine = self._engine, None
+        if engine is None:
+            return
+        engine.shutdown()
+        del engine
+        gc.collect()
+        release_cached_device_memory()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
 
     @classmethod
     def default(
