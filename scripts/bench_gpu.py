@@ -288,7 +288,7 @@ def deepseek_v2_lite(bandwidth_bytes_s: float):
     out["roofline_tok_s"] = bandwidth_bytes_s / out["active_bytes"]
     out["fraction_of_roofline"] = out["tok_s"] / out["roofline_tok_s"]
     free(llm)
-    del llm  # free() drops its own reference only: the next engine needs this one's memory
+    del llm
     spec = {"method": "mtp", "num_speculative_tokens": 1, "simulate_acceptance": {"rates": [0.85]}}
     llm = make_llm(v2_lite_folder(True), spec, max_num_seqs=4)
     mtp = decode_tok_s(llm, 1, new_tokens=64)
