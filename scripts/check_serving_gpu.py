@@ -41,8 +41,8 @@ class CompileLog:
         def hook(*args, **kwargs):
             fn = kwargs.get("fn")
             name = getattr(getattr(fn, "fn", fn), "__name__", repr(fn))
-            self.events.append({"kernel": name, "key": str(kwargs.get("key"))[:300],
-                                "constexprs": str(kwargs.get("constexprs"))[:300]})
+            self.events.append({"kernel": name, "key": str(kwargs.get("key")),
+                                "constexprs": str(kwargs.get("constexprs"))})
             return False
 
         knobs.runtime.jit_post_compile_hook = hook
