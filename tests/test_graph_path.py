@@ -45,6 +45,7 @@ def generate(folder, **kwargs):
     return llm, [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
+@pytest.mark.slow  # interpreter-driven: minutes on 2 cores
 def test_graph_path_matches_plain_greedy(qwen3_checkpoint, qwen3_tied_checkpoint, eagle3_head, monkeypatch):
     calls = count_padded_verify_steps(monkeypatch)
     _, plain = generate(qwen3_checkpoint)
@@ -97,6 +98,7 @@ def test_requests_ending_mid_verify_stay_on_the_graph_path(qwen3_checkpoint, mon
     assert s["num_free_kv_blocks"] == s["num_kv_blocks"]
 
 
+@pytest.mark.slow  # interpreter-driven: minutes on 2 cores
 def test_capped_and_uncapped_requests_mixed_with_prefills(qwen3_checkpoint, eagle3_head):
     """Different max_tokens per request, one sampled request (its drafts are trimmed instead),
     prompts arriving while others verify: greedy outputs equal the plain engine's."""
@@ -117,6 +119,7 @@ def test_capped_and_uncapped_requests_mixed_with_prefills(qwen3_checkpoint, eagl
         assert s["num_accepted_tokens"] <= s["num_draft_tokens"]
 
 
+@pytest.mark.slow  # interpreter-driven: minutes on 2 cores
 def test_verify_steps_queued_ahead_give_the_same_tokens(qwen3_checkpoint, eagle3_head):
     """async_scheduling on: each graphed verify step queues the next one from its device outputs
     before the host reads them. Requests of different lengths (capped near max_tokens, so the
@@ -150,6 +153,7 @@ def test_verify_ahead_with_simulated_acceptance(qwen3_checkpoint, eagle3_head):
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
 
 
+@pytest.mark.slow  # interpreter-driven: minutes on 2 cores
 def test_verify_ahead_under_preemption(qwen3_checkpoint, eagle3_head):
     """A cache so small that sequences are preempted between a queued verify step and its use:
     the queued step is dropped (its KV writes land in freed blocks before their next owner's) and

@@ -202,6 +202,7 @@ def _greedy(folder, spec=None, **kwargs):
     return llm, [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
+@pytest.mark.slow  # interpreter-driven: minutes on 2 cores
 def test_deepseek_triton_backend_matches_torch(checkpoint_root, tokenizer_dir, monkeypatch):
     """Tiny DeepSeek-V3 (MLA + MoE + an MTP layer) greedy through the graph-safe path: Triton MLA
     for prefill, decode and verify, fused MoE forced on (it dispatches on CUDA only), MTP drafts
@@ -226,6 +227,7 @@ def test_deepseek_triton_backend_matches_torch(checkpoint_root, tokenizer_dir, m
     assert (4, 3) in llm.engine.runner.graphs.graphs  # verify batches took the graph-safe path
 
 
+@pytest.mark.slow  # interpreter-driven: minutes on 2 cores
 def test_v2_lite_every_fused_kernel_matches_torch(checkpoint_root, tokenizer_dir, monkeypatch):
     """Tiny DeepSeek-V2-Lite (ungrouped softmax routing, interleaved RoPE) greedy with every GPU
     kernel forced on: Triton MLA (its fused latent write with gptj RoPE), fused norm / SiLU, the

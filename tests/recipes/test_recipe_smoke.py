@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 
 from foretell import LLM, SamplingParams
 
 
+@pytest.mark.slow  # interpreter-driven: minutes on 2 cores
 def test_default_models_recipe_smoke(tmp_path):
     """recipes/default_models/train.py --smoke: every member of both families is written, loads
     in foretell, and speculation with every drafter keeps greedy output unchanged."""
