@@ -11,19 +11,14 @@ import random
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA device", allow_module_level=True)
-pytest.importorskip("triton")
-
-from foretell.ops.attention.metadata import AttentionMetadata  # noqa: E402
-from foretell.ops.attention.reference import (  # noqa: E402
+from foretell.ops.attention.metadata import AttentionMetadata
+from foretell.ops.attention.reference import (
     TorchAttentionBackend,
     write_kv_torch,
 )
-from foretell.ops.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from foretell.ops.attention.triton_paged import (  # noqa: E402
+from foretell.ops.attention.triton_backend import TritonAttentionBackend
+from foretell.ops.attention.triton_paged import (
     paged_attention_triton,
     write_kv_triton,
 )

@@ -4,14 +4,8 @@ greedy in float32 with the Triton backend, for every drafter."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from foretell import LLM, SamplingParams
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
 
 PROMPTS = ["The cat reads the book. The cat", "def add(x):\n    return", "a b a b a b", "Question:"]
 

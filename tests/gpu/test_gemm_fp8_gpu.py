@@ -15,18 +15,13 @@ import random
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA device", allow_module_level=True)
-pytest.importorskip("triton")
-
-from fixtures.fp8_linear import check_product, random_fp8_weight  # noqa: E402
-from fixtures.seeds import reports_seed  # noqa: E402
-from foretell.ops.gemm import fp8_reference as ref  # noqa: E402
-from foretell.ops.gemm import triton_fp8_few_rows as few  # noqa: E402
-from foretell.ops.gemm import triton_fp8_gemm as gemm  # noqa: E402
-from foretell.ops.gemm.fp8_dispatch import fp8_linear  # noqa: E402
+from fixtures.fp8_linear import check_product, random_fp8_weight
+from fixtures.seeds import reports_seed
+from foretell.ops.gemm import fp8_reference as ref
+from foretell.ops.gemm import triton_fp8_few_rows as few
+from foretell.ops.gemm import triton_fp8_gemm as gemm
+from foretell.ops.gemm.fp8_dispatch import fp8_linear
 
 DEVICE = torch.device("cuda")
 BLOCK = (128, 128)

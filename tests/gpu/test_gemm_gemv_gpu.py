@@ -16,19 +16,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA device", allow_module_level=True)
-pytest.importorskip("triton")
-
-from fixtures.float64_linear import LLAMA8B_SHAPES, check_dependent_chain, check_gated, check_linear  # noqa: E402
-from fixtures.seeds import reports_seed  # noqa: E402
-from foretell import LLM, SamplingParams  # noqa: E402
-from foretell.ops.gemm import triton_gemv as sm  # noqa: E402
-from foretell.layers.linear import Linear  # noqa: E402
-from foretell.layers.small_m import prepare_small_m_linears  # noqa: E402
-from foretell.ops.gemm.dispatch import GemmKey, SmallMGemm  # noqa: E402
+from fixtures.float64_linear import LLAMA8B_SHAPES, check_dependent_chain, check_gated, check_linear
+from fixtures.seeds import reports_seed
+from foretell import LLM, SamplingParams
+from foretell.ops.gemm import triton_gemv as sm
+from foretell.layers.linear import Linear
+from foretell.layers.small_m import prepare_small_m_linears
+from foretell.ops.gemm.dispatch import GemmKey, SmallMGemm
 
 DEVICE = torch.device("cuda")
 

@@ -14,19 +14,14 @@ import random
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA device", allow_module_level=True)
-pytest.importorskip("triton")
-
-from fixtures.float64_linear import LLAMA8B_SHAPES, check_dependent_chain, check_gated, check_linear  # noqa: E402
-from fixtures.seeds import reports_seed  # noqa: E402
-from foretell.ops.gemm import triton_gemv as sm  # noqa: E402
-from foretell.ops.gemm import triton_mma as mma  # noqa: E402
-from foretell.layers.linear import Linear  # noqa: E402
-from foretell.layers.small_m import prepare_small_m_linears  # noqa: E402
-from foretell.ops.gemm.dispatch import GemmKey  # noqa: E402
+from fixtures.float64_linear import LLAMA8B_SHAPES, check_dependent_chain, check_gated, check_linear
+from fixtures.seeds import reports_seed
+from foretell.ops.gemm import triton_gemv as sm
+from foretell.ops.gemm import triton_mma as mma
+from foretell.layers.linear import Linear
+from foretell.layers.small_m import prepare_small_m_linears
+from foretell.ops.gemm.dispatch import GemmKey
 
 DEVICE = torch.device("cuda")
 

@@ -3,17 +3,11 @@ compiles (count +1), a second launch of the same one does not, a new constexpr c
 
 from __future__ import annotations
 
-import pytest
 import torch
+import triton
+import triton.language as tl
 
-pytestmark = pytest.mark.gpu
-
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA device", allow_module_level=True)
-triton = pytest.importorskip("triton")
-import triton.language as tl  # noqa: E402
-
-from foretell.runner.jit_counter import jit_compile_counter  # noqa: E402
+from foretell.runner.jit_counter import jit_compile_counter
 
 
 @triton.jit

@@ -18,29 +18,24 @@ import random
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA device", allow_module_level=True)
-pytest.importorskip("triton")
-
-from fixtures.seeds import reports_seed  # noqa: E402
-from foretell.ops.attention.metadata import AttentionMetadata  # noqa: E402
-from foretell.layers.mla import MLAAttention, MLADims  # noqa: E402
-from foretell.ops.mla.reference import (  # noqa: E402
+from fixtures.seeds import reports_seed
+from foretell.ops.attention.metadata import AttentionMetadata
+from foretell.layers.mla import MLAAttention, MLADims
+from foretell.ops.mla.reference import (
     absorb_query_torch,
     latent_write_torch,
     project_values_torch,
     split_kv_b,
 )
-from foretell.ops.mla.triton_fused import (  # noqa: E402
+from foretell.ops.mla.triton_fused import (
     absorb_query_triton,
     latent_write_triton,
     project_values_triton,
 )
-from foretell.ops.mla.triton_attention import TritonMLABackend  # noqa: E402
-from foretell.layers.norm import RMSNorm  # noqa: E402
-from foretell.layers.rotary import RotaryEmbedding  # noqa: E402
+from foretell.ops.mla.triton_attention import TritonMLABackend
+from foretell.layers.norm import RMSNorm
+from foretell.layers.rotary import RotaryEmbedding
 
 DEVICE = torch.device("cuda")
 DTYPES = [torch.bfloat16, torch.float16]

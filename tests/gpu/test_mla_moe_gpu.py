@@ -12,11 +12,6 @@ import random
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
-
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA device", allow_module_level=True)
-pytest.importorskip("triton")
 
 from foretell.ops.attention.metadata import AttentionMetadata
 from foretell.ops.attention.reference import causal_attention, gather_context

@@ -14,11 +14,6 @@ import random
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
-
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA device", allow_module_level=True)
-pytest.importorskip("triton")
 
 from foretell.ops.moe.reference import experts_forward_torch
 from foretell.ops.moe.triton_gemv import GEMV_MAX_TOKENS, fused_experts_gemv_triton

@@ -16,16 +16,11 @@ import random
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA device", allow_module_level=True)
-pytest.importorskip("triton")
-
-from fixtures.seeds import reports_seed  # noqa: E402
-from foretell.ops.moe import int4_reference as ref  # noqa: E402
-from foretell.ops.moe.int4_dispatch import INT4_GEMV_MAX_TOKENS, fused_int4_experts  # noqa: E402
-from foretell.ops.moe.triton_int4_gemv import fused_int4_experts_gemv_triton  # noqa: E402
+from fixtures.seeds import reports_seed
+from foretell.ops.moe import int4_reference as ref
+from foretell.ops.moe.int4_dispatch import INT4_GEMV_MAX_TOKENS, fused_int4_experts
+from foretell.ops.moe.triton_int4_gemv import fused_int4_experts_gemv_triton
 
 DEVICE = torch.device("cuda")
 KIMI_K25 = {"experts": 384, "top_k": 8, "hidden": 7168, "inter": 2048}

@@ -16,18 +16,13 @@ import random
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA device", allow_module_level=True)
-pytest.importorskip("triton")
-
-from fixtures import routing  # noqa: E402
-from fixtures.routing import CASES  # noqa: E402
-from fixtures.seeds import reports_seed  # noqa: E402
-from foretell.ops.moe import triton_router as mrt  # noqa: E402
-from foretell.layers.moe import Router  # noqa: E402
-from foretell.ops.moe.reference import RouterConfig, select_experts  # noqa: E402
+from fixtures import routing
+from fixtures.routing import CASES
+from fixtures.seeds import reports_seed
+from foretell.ops.moe import triton_router as mrt
+from foretell.layers.moe import Router
+from foretell.ops.moe.reference import RouterConfig, select_experts
 
 DEVICE = torch.device("cuda")
 NEAR = dict(rtol=3e-6, atol=1e-9)  # tl.exp is ex2.approx here: up to ~1e-6 relative per exp

@@ -18,19 +18,14 @@ import random
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA device", allow_module_level=True)
-pytest.importorskip("triton")
-
-from fixtures.seeds import reports_seed  # noqa: E402
-from foretell import LLM, SamplingParams  # noqa: E402
-from foretell.ops.common import kernel_choice  # noqa: E402
-from foretell.ops.pointwise import triton_kernels as fk  # noqa: E402
-from foretell.layers.activation import SiluAndMul  # noqa: E402
-from foretell.layers.norm import RMSNorm  # noqa: E402
-from foretell.layers.rotary import RotaryEmbedding  # noqa: E402
+from fixtures.seeds import reports_seed
+from foretell import LLM, SamplingParams
+from foretell.ops.common import kernel_choice
+from foretell.ops.pointwise import triton_kernels as fk
+from foretell.layers.activation import SiluAndMul
+from foretell.layers.norm import RMSNorm
+from foretell.layers.rotary import RotaryEmbedding
 
 DEVICE = torch.device("cuda")
 DTYPES = [torch.bfloat16, torch.float16]

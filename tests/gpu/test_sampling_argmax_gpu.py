@@ -10,15 +10,10 @@ import random
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA device", allow_module_level=True)
-pytest.importorskip("triton")
-
-from fixtures.seeds import reports_seed  # noqa: E402
-from foretell.ops.sampling.triton_argmax import argmax_triton  # noqa: E402
-from foretell.layers.sampler import argmax_rows  # noqa: E402
+from fixtures.seeds import reports_seed
+from foretell.ops.sampling.triton_argmax import argmax_triton
+from foretell.layers.sampler import argmax_rows
 
 DEVICE = torch.device("cuda")
 
