@@ -23,6 +23,7 @@ import pytest
 
 from fixtures import deepseek as ds
 from foretell import LLM, SamplingParams
+from foretell.engine import output_processor
 from foretell.engine.errors import SequenceError
 
 MAX_LEN = 64
@@ -296,15 +297,15 @@ def test_a_failure_after_the_tokens_fails_that_request_alone(short, plain_mixed,
     the rest of the step's results still apply."""
     llm = build(short, "eagle3")
     prompts, params = mixed_prompts()
-    original = llm.engine._apply_stop_strings
+    original = output_processor.apply_stop_strings
     victim_prompt = prompts[2]["prompt_token_ids"]
 
-    def broken(seq, detok, appended):
+    def broken(seq, detok, appended, scheduler):
         if seq.token_ids[: len(victim_prompt)] == victim_prompt and seq.num_output_tokens > 5:
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
-        return original(seq, detok, appended)
+        return original(seq, detok, appended, scheduler)
 
-    monkeypatch.setattr(llm.engine, "_apply_stop_strings", broken)
+    monkeypatch.setattr(output_processor, "apply_stop_strings", broken)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert outs[2].outputs[0].finish_reason == "error" and "UnicodeDecodeError" in outs[2].error
     for i in (0, 1):

@@ -11,13 +11,14 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
 
 from foretell.config import EngineConfig
 from foretell.engine.block_manager import BlockManager
 from foretell.engine.errors import SequenceError
 from foretell.engine.metrics import EngineMetrics
-from foretell.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from foretell.engine import output_processor
+from foretell.engine.output_processor import Request
+from foretell.engine.outputs import RequestMetrics, RequestOutput
 from foretell.engine.scheduler import Scheduler
 from foretell.engine.sequence import Sequence
 from foretell.engine.warm_up import warm_up
@@ -28,24 +29,6 @@ from foretell.spec_decode.metrics import SpecDecodeStats
 from foretell.tokenizer import IncrementalDetokenizer, Tokenizer, eos_ids_from_configs
 
 logger = logging.getLogger("foretell")
-
-
-@dataclass
-class Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]
-    detokenizers: list[IncrementalDetokenizer | None]
-    metrics: RequestMetrics
-    aborted: bool = False
-    outputs_sent: bool = field(default=False)
-    error: str | None = None  # why the request failed inside a step (finish_reason "error")
-
-    @property
-    def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
 
 
 class Engine:
@@ -169,7 +152,7 @@ class Engine:
                 self.scheduler.finish(seq, "abort")
             self.runner.forget(seq.seq_id)
         request.aborted = True
-        return self._make_output(request)
+        return output_processor.make_output(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -242,25 +225,12 @@ class Engine:
             self.runner.forget(seq.seq_id)
 
     def _apply_result(self, item, result, request: Request, now: float) -> bool:
-        """One sequence's share of the step (tokens, stops, logprobs, next drafts); returns
-        whether it produced output."""
-        seq = item.seq
-        if self.metrics.spec is not None:
-            self.metrics.spec.record(result.num_drafts, result.num_accepted)
-        seq.prompt_logprobs.extend(result.prompt_logprobs)
-        appended = self.scheduler.postprocess(item, result.new_token_ids, result.num_accepted)
-        if not appended:
+        """One sequence's share of the step (output_processor.apply_result), then the runner's
+        side: forget a finished sequence, or keep its next drafts. Returns whether it produced
+        output."""
+        if not output_processor.apply_result(item, result, request, now, self.scheduler, self.metrics):
             return False
-        if request.metrics.first_token_time is None:
-            request.metrics.first_token_time = now
-            request.metrics.num_cached_prompt_tokens = seq.num_cached_prompt_tokens
-        detok = request.detokenizers[seq.index]
-        if detok is not None:
-            appended = self._apply_stop_strings(seq, detok, appended)
-        self.metrics.generation_tokens_total += len(appended)
-        logprobs = result.logprobs[: len(appended)]
-        seq.logprobs.extend(logprobs)
-        seq.cumulative_logprob += sum(lp.logprob for lp in logprobs)
+        seq = item.seq
         if seq.is_finished:
             self.runner.forget(seq.seq_id)
         else:
@@ -270,7 +240,7 @@ class Engine:
     def _finish_step(self, touched: dict[str, Request], now: float) -> list[RequestOutput]:
         outputs = []
         for request in touched.values():
-            outputs.append(self._make_output(request))
+            outputs.append(output_processor.make_output(request))
             if request.finished:
                 request.metrics.finished_time = now
                 self.metrics.num_requests_finished += 1
@@ -282,53 +252,6 @@ class Engine:
             self.block_manager.usage,
         )
         return outputs
-
-    def _apply_stop_strings(
-        self, seq: Sequence, detok: IncrementalDetokenizer, appended: list[int]
-    ) -> list[int]:
-        """Detokenize this step's tokens; on a stop string, drop the tokens after the one that
-        completed it (a verify step may have accepted several past it) and finish the sequence.
-        Returns the tokens kept."""
-        stop, taken = detok.add(appended)
-        if stop is None:
-            return appended
-        if taken < len(appended):
-            del seq.token_ids[len(seq.token_ids) - (len(appended) - taken) :]
-        seq.stop_reason = stop
-        if seq.is_finished:  # an EOS / stop id / max_tokens after the stop string: the string won
-            seq.finish_reason = "stop"
-        else:
-            self.scheduler.finish(seq, "stop")
-        return appended[:taken]
-
-    def _make_output(self, request: Request) -> RequestOutput:
-        completions = []
-        for seq, detok in zip(request.seqs, request.detokenizers):
-            want_logprobs = request.params.logprobs is not None
-            completions.append(
-                CompletionOutput(
-                    index=seq.index,
-                    text=detok.text if detok is not None else "",
-                    token_ids=list(seq.output_token_ids),
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
-                    logprobs=list(seq.logprobs) if want_logprobs else None,
-                    cumulative_logprob=seq.cumulative_logprob if want_logprobs else None,
-                )
-            )
-        prompt_logprobs = None
-        if request.params.prompt_logprobs is not None:
-            prompt_logprobs = [None] + list(request.seqs[0].prompt_logprobs)
-        return RequestOutput(
-            request.request_id,
-            request.prompt,
-            request.prompt_token_ids,
-            completions,
-            finished=request.finished,
-            metrics=request.metrics,
-            prompt_logprobs=prompt_logprobs,
-            error=request.error,
-        )
 
     # ---- stats ---------------------------------------------------------------------
     def get_stats(self) -> dict:

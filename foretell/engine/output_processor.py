@@ -1,0 +1,130 @@
+"""Output processing: what a step's result does to a request, and the RequestOutput made of it.
+
+For one sequence: the scheduler appends the accepted drafts and the target's token (EOS, stop ids
+and max_tokens cut them there), the detokenizer grows the text and applies stop strings (cutting
+tokens a verify step accepted past one), logprobs follow the tokens kept, and the metrics count
+them. The engine drives the step and the runner; this module holds the per-request bookkeeping.
+No torch here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from foretell.engine.metrics import EngineMetrics
+from foretell.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from foretell.engine.scheduler import ScheduledSequence, Scheduler
+from foretell.engine.sequence import Sequence
+from foretell.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from foretell.engine.sequence import Logprob
+    from foretell.tokenizer import IncrementalDetokenizer
+
+
+class StepResult(Protocol):
+    """What the runner returns for one sequence of a step (runner/sequence_result.py)."""
+
+    new_token_ids: list[int]  # accepted drafts, then the target's token
+    num_drafts: int
+    num_accepted: int
+    logprobs: list[Logprob]
+    prompt_logprobs: list[Logprob]
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    detokenizers: list[IncrementalDetokenizer | None]
+    metrics: RequestMetrics
+    aborted: bool = False
+    outputs_sent: bool = field(default=False)
+    error: str | None = None  # why the request failed inside a step (finish_reason "error")
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+def apply_result(
+    item: ScheduledSequence,
+    result: StepResult,
+    request: Request,
+    now: float,
+    scheduler: Scheduler,
+    metrics: EngineMetrics,
+) -> list[int]:
+    """One sequence's share of a step: tokens, stops, logprobs, counters. Returns the tokens
+    kept (empty for a prefill chunk that does not reach the end, or a finished sequence)."""
+    seq = item.seq
+    if metrics.spec is not None:
+        metrics.spec.record(result.num_drafts, result.num_accepted)
+    seq.prompt_logprobs.extend(result.prompt_logprobs)
+    appended = scheduler.postprocess(item, result.new_token_ids, result.num_accepted)
+    if not appended:
+        return []
+    if request.metrics.first_token_time is None:
+        request.metrics.first_token_time = now
+        request.metrics.num_cached_prompt_tokens = seq.num_cached_prompt_tokens
+    detok = request.detokenizers[seq.index]
+    if detok is not None:
+        appended = apply_stop_strings(seq, detok, appended, scheduler)
+    metrics.generation_tokens_total += len(appended)
+    logprobs = result.logprobs[: len(appended)]
+    seq.logprobs.extend(logprobs)
+    seq.cumulative_logprob += sum(lp.logprob for lp in logprobs)
+    return appended
+
+
+def apply_stop_strings(
+    seq: Sequence, detok: IncrementalDetokenizer, appended: list[int], scheduler: Scheduler
+) -> list[int]:
+    """Detokenize this step's tokens; on a stop string, drop the tokens after the one that
+    completed it (a verify step may have accepted several past it) and finish the sequence.
+    Returns the tokens kept."""
+    stop, taken = detok.add(appended)
+    if stop is None:
+        return appended
+    if taken < len(appended):
+        del seq.token_ids[len(seq.token_ids) - (len(appended) - taken) :]
+    seq.stop_reason = stop
+    if seq.is_finished:  # an EOS / stop id / max_tokens after the stop string: the string won
+        seq.finish_reason = "stop"
+    else:
+        scheduler.finish(seq, "stop")
+    return appended[:taken]
+
+
+def make_output(request: Request) -> RequestOutput:
+    """The request as the caller sees it now: text, tokens, finish reasons, logprobs."""
+    want_logprobs = request.params.logprobs is not None
+    completions = [
+        CompletionOutput(
+            index=seq.index,
+            text=detok.text if detok is not None else "",
+            token_ids=list(seq.output_token_ids),
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            logprobs=list(seq.logprobs) if want_logprobs else None,
+            cumulative_logprob=seq.cumulative_logprob if want_logprobs else None,
+        )
+        for seq, detok in zip(request.seqs, request.detokenizers)
+    ]
+    prompt_logprobs = None
+    if request.params.prompt_logprobs is not None:
+        prompt_logprobs = [None] + list(request.seqs[0].prompt_logprobs)
+    return RequestOutput(
+        request.request_id,
+        request.prompt,
+        request.prompt_token_ids,
+        completions,
+        finished=request.finished,
+        metrics=request.metrics,
+        prompt_logprobs=prompt_logprobs,
+        error=request.error,
+    )
