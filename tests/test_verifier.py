@@ -6,6 +6,8 @@
 - simulated acceptance draws the same counts in its host form and in its padded device form (one
   sequence of draws shared by both), capped at each sequence's own drafts, and its next token is
   the target's greedy token at that row;
+- verify_greedy (the greedy rows' tokens instead of their logits, as tensor parallelism hands
+  them) gives what verify gives on those logits, for both verifiers;
 - build_verifier and build_proposer pick from the config, with clear errors.
 """
 
@@ -112,6 +114,30 @@ def test_simulated_counts_are_capped_at_each_sequences_drafts():
                           [None, None, None, 1])
     assert out.num_accepted == [3, 1, 0, 1]
     assert out.output_token_ids == [[1, 2, 3, argmax[0][3]], [4, argmax[1][1]], [argmax[2][0]], [5, 6]]
+
+
+@pytest.mark.parametrize("simulated", [False, True], ids=["exact", "simulated"])
+def test_verify_greedy_from_tokens_equals_verify_from_logits(simulated):
+    rng = random.Random(3)
+
+    def build():
+        if simulated:
+            return SimulatedVerifier(SimulatedAcceptance([0.9, 0.6, 0.3], seed=2), NoiseSource(CPU, 0))
+        return ExactVerifier(NoiseSource(CPU, 0))
+
+    from_logits, from_tokens = build(), build()
+    greedy = SamplingParams(temperature=0)
+    for _ in range(10):
+        drafts = [[rng.randrange(VOCAB) for _ in range(rng.randrange(4))] for _ in range(5)]
+        drafts[0] = drafts[0] or [rng.randrange(VOCAB)]  # a verify step: some sequence has drafts
+        logits, argmax = greedy_logits(rng, drafts)
+        limits = [rng.choice([None, 0, 1, 2]) for _ in drafts]
+        expected = from_logits.verify(logits, drafts, [None] * 5, batch_of([greedy] * 5, drafts), limits)
+        tokens = torch.tensor([t for row in argmax for t in row])  # [rows] int64
+        out = from_tokens.verify_greedy(tokens, drafts, limits)
+        assert (out.num_accepted, out.output_token_ids, out.emitted_rows) == (
+            expected.num_accepted, expected.output_token_ids, expected.emitted_rows)
+        assert out.emitted_tokens.tolist() == expected.emitted_tokens.tolist()
 
 
 def test_build_verifier_picks_from_the_config():

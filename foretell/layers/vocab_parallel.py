@@ -107,11 +107,13 @@ class ParallelLMHead(LMHead):
             self.weight = tie_to.weight
         else:
             self.weight = make_vocab_param(vocab_size, hidden_size, tp, dtype, device)
+        self.num_gathers = 0  # forward calls, each an all-gather of whole rows (the runner reports it)
 
     def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, real_rows] f32
         return super().forward(hidden)[:, : self.real_rows]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] f32
+        self.num_gathers += 1
         every = self.tp.all_gather(super().forward(hidden), dim=-1)  # [n, world_size * rows]
         return every[:, : self.vocab_size]
 

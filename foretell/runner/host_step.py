@@ -8,6 +8,12 @@ verifier (spec_decode/verifier.py, the same one the padded step uses: greedy acc
 same op, rejection sampling for sampled rows, or simulated acceptance); propose() hands the
 proposer its rows (the accepted prefix of a verify, a prefill chunk) as a DraftBatch and keeps the
 draft probabilities of sampled requests for their next verify.
+
+Under tensor parallelism a step whose sampling rows are all greedy and ask for no logprobs needs
+no logits: greedy_without_logits() says so (the one place that decides), the runner then hands
+sample_greedy() the model's greedy tokens (compute_greedy_tokens: each rank's row maxima, one
+small all-gather) instead of whole vocabulary rows gathered from every rank. With one rank the
+step always takes logits, as before.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ class HostStep:
         block_size: int,
         max_model_len: int,
         device: torch.device,
+        tensor_parallel: bool = False,  # the vocabulary is split over ranks
     ):
         self.sampler = sampler
         self.verifier = verifier
@@ -41,6 +48,7 @@ class HostStep:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.device = device
+        self.tensor_parallel = tensor_parallel
         self.draft_probs: dict[int, torch.Tensor] = {}  # seq_id -> [k, vocab] for sampled drafts
 
     def _sampling_rows(self, sched: SchedulerOutput, batch: InputBatch):
@@ -55,6 +63,28 @@ class HostStep:
                 seeds.append(None if p.seed is None else row_seed(p.seed, item.seq.index, pos))
                 row += 1
         return SamplingBatch.build(params, seeds, self.vocab_size, self.device)
+
+    def greedy_without_logits(self, sched: SchedulerOutput, batch: InputBatch) -> bool:
+        """Whether this step's tokens come from greedy tokens rather than logits: under tensor
+        parallelism, when every sampling row is greedy and none asks for logprobs."""
+        if not self.tensor_parallel or not batch.sampling_seq_index:
+            return False
+        params = [sched.scheduled[i].seq.sampling_params for i in batch.sampling_seq_index]
+        return all(p.greedy and p.logprobs is None for p in params)
+
+    def sample_greedy(self, sched: SchedulerOutput, batch: InputBatch, greedy: torch.Tensor, results: list) -> None:
+        """sample() for a step greedy_without_logits() chose: greedy [sampling rows] int64, the
+        target's greedy token at each sampling row."""
+        items = [sched.scheduled[i] for i in batch.sampling_seq_index]
+        if any(item.draft_token_ids for item in items):
+            for item in items:  # greedy sequences keep no draft probabilities; drop any left
+                self._pop_draft_probs(item)
+            verify = self.verifier.verify_greedy(greedy, [item.draft_token_ids for item in items],
+                                                 [item.accept_limit for item in items])
+            outputs, accepted = verify.output_token_ids, verify.num_accepted
+        else:
+            outputs, accepted = [[t] for t in greedy.tolist()], [0] * len(items)
+        self._set_results(sched, batch, outputs, accepted, results)
 
     def sample(self, sched: SchedulerOutput, batch: InputBatch, logits: torch.Tensor, results: list) -> None:
         """Each sampling sequence's new tokens (and logprobs) from logits [sampling rows, vocab]."""
@@ -75,12 +105,17 @@ class HostStep:
             tokens = sampled.token_ids.tolist()
             outputs, accepted = [[t] for t in tokens], [0] * len(tokens)
             chosen_rows, chosen_tokens = None, sampled.token_ids
+        self._set_results(sched, batch, outputs, accepted, results)
+        if sampling.max_num_logprobs >= 0:
+            add_logprobs(logits, chosen_rows, chosen_tokens, sampling, batch, sched, results)
+
+    @staticmethod
+    def _set_results(sched: SchedulerOutput, batch: InputBatch, outputs: list[list[int]], accepted: list[int],
+                     results: list) -> None:
         for i, out, a in zip(batch.sampling_seq_index, outputs, accepted):
             results[i].new_token_ids = out
             results[i].num_accepted = a
             results[i].num_drafts = sched.scheduled[i].num_usable_drafts
-        if sampling.max_num_logprobs >= 0:
-            add_logprobs(logits, chosen_rows, chosen_tokens, sampling, batch, sched, results)
 
     def _pop_draft_probs(self, item) -> torch.Tensor | None:
         probs = self.draft_probs.pop(item.seq.seq_id, None)

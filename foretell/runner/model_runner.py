@@ -10,7 +10,8 @@ Under tensor parallelism one runner runs in each rank's worker process (worker_e
 with the rank's TensorParallel and device: the target (and MTP layers) hold the rank's slices,
 EAGLE3 heads and draft models are whole on every rank, every rank gets the same KV block count
 (the fewest any rank can hold), and every rank computes the same tokens (whole logits, one
-noise seed). For now such a runner runs eagerly and queues nothing ahead.
+noise seed; a step of greedy rows only takes greedy tokens without gathering the logits,
+HostStep.greedy_without_logits). For now such a runner runs eagerly and queues nothing ahead.
 
 execute(): the step the pipeline queued ahead when the scheduler's batch is that step; else a
 device step the pipeline launches for the batch (a plain decode step, decode_ahead.py; a padded
@@ -35,6 +36,7 @@ from foretell.runner.sequence_result import SequenceResult
 from foretell.ops.attention.dispatch import build_attention_backend
 from foretell.layers.sampler import NoiseSource, Sampler
 from foretell.layers.small_m import prepare_small_m_linears
+from foretell.layers.vocab_parallel import ParallelLMHead
 from foretell.ops.gemm.dispatch import SmallMGemm
 from foretell.models.base import HFConfig, ModelOptions
 from foretell.runner.cuda_graph import CudaGraphRunner
@@ -123,7 +125,8 @@ class ModelRunner:
         sampler = Sampler(noise)
         self.verifier = build_verifier(config.speculative, noise, mc.seed)
         self.host_step = HostStep(sampler, self.verifier, self.proposer, self.vocab_size,
-                                  self.cache_plan.block_size, self.max_model_len, self.device)
+                                  self.cache_plan.block_size, self.max_model_len, self.device,
+                                  tensor_parallel=self.tensor_parallel.is_parallel)
         self.pipeline = self._build_pipeline(queue_ahead, sampler)
         self.last_times = StepTimes()
 
@@ -287,8 +290,10 @@ class ModelRunner:
         queue_ahead = queue_ahead and (self.proposer is None or self.draft_graphs is not None)
         return StepPipeline(queue_ahead, kinds)
 
-    def target_forward(self, batch: InputBatch):
-        """(hidden, aux, logits of the sampling rows): a graph replay when one fits."""
+    def target_forward(self, batch: InputBatch, greedy_tokens: bool = False):
+        """(hidden, aux, logits of the sampling rows [rows, vocab] float32): a graph replay when
+        one fits. With greedy_tokens (a tensor-parallel step HostStep.greedy_without_logits chose;
+        eager), the rows' greedy tokens [rows] int64 instead of their logits, gathering none."""
         key = self.graphs.bucket_for(batch) if self.graphs is not None else None
         every_row = batch.every_row_samples  # no gather (a decode step)
         if key is not None:
@@ -296,7 +301,10 @@ class ModelRunner:
             logits = captured.logits[:rows] if every_row else captured.logits[:rows][batch.logits_rows]
             return captured.hidden[:rows], [a[:rows] for a in captured.aux], logits
         hidden, aux = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
-        return hidden, aux, self.model.compute_logits(hidden if every_row else hidden[batch.logits_rows])
+        sampling_rows = hidden if every_row else hidden[batch.logits_rows]
+        if greedy_tokens:
+            return hidden, aux, self.model.compute_greedy_tokens(sampling_rows)
+        return hidden, aux, self.model.compute_logits(sampling_rows)
 
     # ---- one step ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -312,10 +320,15 @@ class ModelRunner:
             results = self.pipeline.finish(step)
             self.last_times = StepTimes(target_s=time.perf_counter() - t0)
             return results
-        hidden, aux, logits = self.target_forward(batch)  # logits [rows, vocab] float32
         results = [SequenceResult() for _ in sched.scheduled]
-        add_prompt_logprobs(self.model, sched, batch, hidden, results)
-        self.host_step.sample(sched, batch, logits, results)
+        if self.host_step.greedy_without_logits(sched, batch):  # tensor parallel, greedy rows only
+            hidden, aux, greedy = self.target_forward(batch, greedy_tokens=True)  # greedy [rows] int64
+            add_prompt_logprobs(self.model, sched, batch, hidden, results)
+            self.host_step.sample_greedy(sched, batch, greedy, results)
+        else:
+            hidden, aux, logits = self.target_forward(batch)  # logits [rows, vocab] float32
+            add_prompt_logprobs(self.model, sched, batch, hidden, results)
+            self.host_step.sample(sched, batch, logits, results)
         if self._device_sync_needed():
             torch.cuda.synchronize(self.device)
         t1 = time.perf_counter()
@@ -347,6 +360,12 @@ class ModelRunner:
                     seq.seq_id, f"sequence {seq.request_id!r} got draft tokens outside the target's "
                                 f"vocabulary [0, {self.vocab_size}): {drafts}"
                 )
+
+    def num_logit_gathers(self) -> int:
+        """How many times the vocabulary-parallel heads (the target's, MTP's) have gathered whole
+        logits rows on this rank (0 with one rank)."""
+        modules = [self.model, *(self.proposer.draft_modules() if self.proposer is not None else [])]
+        return sum(m.num_gathers for module in modules for m in module.modules() if isinstance(m, ParallelLMHead))
 
     def reset_pipeline(self) -> None:
         """Drop the step queued ahead (after the warm-up)."""

@@ -47,6 +47,9 @@ class RankRunner:
     def forget(self, seq_id: int) -> None:
         self.runner.forget(seq_id)
 
+    def num_logit_gathers(self) -> int:
+        return self.runner.num_logit_gathers()
+
     def abandon_step(self, seq_ids: list[int]) -> None:
         self.runner.abandon_step(seq_ids)
 
@@ -94,6 +97,10 @@ class ParallelRunner:
 
     def forget(self, seq_id: int) -> None:
         self._broadcast("forget", seq_id)
+
+    def num_logit_gathers(self) -> int:
+        """Rank 0's count of whole-logits gathers (ModelRunner.num_logit_gathers)."""
+        return self._call("num_logit_gathers")
 
     def abandon_step(self, seq_ids: list[int]) -> None:
         self._broadcast("abandon_step", seq_ids)

@@ -12,6 +12,11 @@ and keep those probabilities for exact rejection sampling.
 This loop serves the step from host inputs (runner/host_step.py). A greedy batch where every
 sequence verifies k drafts runs the same drafter through padded_catch_up() and chain_step() in the
 padded step's draft loop instead (draft_graph.py): DraftLoopProposer is a PaddedDrafter.
+
+A drafter whose head splits the vocabulary over tensor-parallel ranks (MTP under the target's
+tensor parallelism) sets greedy_without_logits: when every drafting sequence is greedy, the loop
+asks its catch_up / chain_step for greedy draft tokens (greedy_only=True) instead of logits, and
+no whole logits rows are gathered.
 """
 
 from __future__ import annotations
@@ -54,6 +59,9 @@ class DraftLoopProposer(ProposerBase):
     #: limit (a draft LM's rotary table).
     aux_hidden_state_layers: tuple[int, ...] = ()
     max_positions: int | None = None
+    #: Whether catch_up and chain_step take greedy_only=True and then return greedy draft tokens
+    #: (target ids) [n] int64 in place of logits (a head split over tensor-parallel ranks).
+    greedy_without_logits: bool = False
 
     @property
     def capabilities(self) -> ProposerCapabilities:
@@ -133,10 +141,12 @@ class DraftLoopProposer(ProposerBase):
         sampling = [i for i, n in enumerate(useful) if n]
         if [bool(n) for n in useful] != batch.samples:
             batch = replace(batch, samples=[bool(n) for n in useful])
-        logits, state = self.catch_up(batch, sampling)
+        params = [batch.sampling_params[i] for i in sampling]
+        greedy_only = self.greedy_without_logits and all(p.greedy for p in params)
+        head = {"greedy_only": True} if greedy_only else {}  # the hooks then return tokens, not logits
+        logits, state = self.catch_up(batch, sampling, **head)
         if not sampling:
             return Proposal([[] for _ in range(batch.num_seqs)], [None] * batch.num_seqs)
-        params = [batch.sampling_params[i] for i in sampling]
         # Position of the token each draft step predicts; the first is the one after next_token.
         positions = [batch.num_tokens_after_step(i) for i in sampling]
         last_position = batch.max_model_len - 1
@@ -145,7 +155,10 @@ class DraftLoopProposer(ProposerBase):
         drafts: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
         for step in range(num_steps):
-            tokens, step_probs = self._sample(logits, params, [p + step for p in positions], batch, sampling)
+            if greedy_only:
+                tokens, step_probs = logits, None  # the greedy drafts themselves
+            else:
+                tokens, step_probs = self._sample(logits, params, [p + step for p in positions], batch, sampling)
             drafts.append(tokens)
             if step_probs is not None:
                 probs.append(step_probs)
@@ -159,7 +172,7 @@ class DraftLoopProposer(ProposerBase):
                 rows, [1] * len(rows), table, batch.block_size, self.draft_block_size
             )
             pos_t = to_device(rows, torch.int64, self.device)
-            logits, state = self.chain_step(tokens, pos_t, metadata, state)
+            logits, state = self.chain_step(tokens, pos_t, metadata, state, **head)
         token_lists = torch.stack(drafts, dim=1).tolist()  # [n, num_steps]
         stacked = torch.stack(probs, dim=1) if probs else None  # [n, num_steps, target_vocab]
         out_tokens: list[list[int]] = [[] for _ in range(batch.num_seqs)]

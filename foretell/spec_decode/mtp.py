@@ -71,6 +71,8 @@ class MTPProposer(DraftLoopProposer):
         self.options = ModelOptions(options.dtype, options.device, options.attention_backend,
                                     tensor_parallel=options.tensor_parallel, expert_parallel=options.expert_parallel)
         self.init_loop(options.device, self.text_config.vocab_size)
+        # The head splits the vocabulary like the target's lm_head: greedy drafts need no gather.
+        self.greedy_without_logits = options.tensor_parallel.is_parallel
         self.mtp: DeepseekMTP | None = None
 
     @classmethod
@@ -94,7 +96,7 @@ class MTPProposer(DraftLoopProposer):
     def draft_dtype(self) -> torch.dtype:
         return self.options.dtype
 
-    def catch_up(self, batch: DraftBatch, last_rows: list[int]):
+    def catch_up(self, batch: DraftBatch, last_rows: list[int], greedy_only: bool = False):
         input_ids, starts, counts = catch_up_rows(batch, include_next=False)
         positions = torch.cat([torch.arange(p, p + n, device=self.device) for p, n in zip(starts, counts)])
         metadata = catch_up_metadata(starts, counts, batch.block_table, batch.block_size, self.draft_block_size)
@@ -106,7 +108,7 @@ class MTPProposer(DraftLoopProposer):
             return None, None
         ends = torch.tensor(metadata.query_start_loc_cpu[1:], device=self.device) - 1
         state = out[ends[last_rows]]
-        return self.mtp.compute_logits(0, state), (state, 1)
+        return self._head(0, state, greedy_only), (state, 1)
 
     def padded_catch_up(self, input_ids, positions, metadata, hidden, aux, last_rows):
         out = self.mtp.step(0, positions, input_ids, hidden, metadata)  # [rows, H]
@@ -129,8 +131,15 @@ class MTPProposer(DraftLoopProposer):
         pred[torch.tensor(starts[:-1], device=self.device)] += 1
         return self.mtp.step(layer, positions, input_ids, previous[pred], metadata)
 
-    def chain_step(self, tokens, positions, metadata, state):
+    def chain_step(self, tokens, positions, metadata, state, greedy_only: bool = False):
         h, step = state
         layer = step % self.mtp.num_layers
         out = self.mtp.step(layer, positions, tokens, h, metadata)
-        return self.mtp.compute_logits(layer, out), (out, step + 1)
+        return self._head(layer, out, greedy_only), (out, step + 1)
+
+    def _head(self, layer: int, out: torch.Tensor, greedy_only: bool) -> torch.Tensor:
+        """Logits [n, vocab] float32 of MTP layer `layer`'s output rows, or with greedy_only
+        (greedy_without_logits) their greedy tokens [n] int64, gathering no logits."""
+        if greedy_only:
+            return self.mtp.compute_greedy_tokens(layer, out)
+        return self.mtp.compute_logits(layer, out)

@@ -11,7 +11,9 @@ Each has the two input forms of the step: `accept_padded` for the padded device 
 (runner/graphed_verify.py: [B, k + 1] greedy tokens on the device, results written into the draft
 loop's static buffers, one launch on CUDA), and `verify` for a step built from host lists (any
 mix of draft counts, sampled rows with draft probabilities, logprobs). `accept_limits` /
-`caps` bound what a sequence may accept near its max_tokens.
+`caps` bound what a sequence may accept near its max_tokens. `verify_greedy` is `verify` for a
+step of greedy rows only given the target's greedy tokens instead of its logits (under tensor
+parallelism: picked without gathering the vocabulary, runner/host_step.py).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 from foretell.device_util import to_device
 from foretell.layers.sampler import NoiseSource, SamplingBatch, argmax_rows
 from foretell.ops.step.dispatch import accept_drafts, accept_drawn, drawn_accepted
-from foretell.spec_decode.rejection_sampler import RejectionSampler, VerifyResult, cap_accepted
+from foretell.spec_decode.rejection_sampler import RejectionSampler, VerifyResult, cap_accepted, greedy_acceptance
 from foretell.spec_decode.simulated_acceptance import ROW_STRIDE, SimulatedAcceptance, rates_from_config
 
 
@@ -40,6 +42,15 @@ class Verifier(Protocol):
         accept_limits: list[int | None],  # per sequence: most drafts it may accept, or None
     ) -> VerifyResult:
         """The step from host lists; results on the host."""
+        ...
+
+    def verify_greedy(
+        self,
+        greedy: torch.Tensor,  # [rows] int64: the target's greedy token at each row, k_i + 1 per sequence
+        draft_token_ids: list[list[int]],  # per sequence, k_i drafts
+        accept_limits: list[int | None],  # per sequence: most drafts it may accept, or None
+    ) -> VerifyResult:
+        """`verify` of greedy rows from their tokens: the same result, no logits needed."""
         ...
 
     def accept_padded(
@@ -65,6 +76,17 @@ class ExactVerifier:
         verify = self.rejection_sampler(logits, draft_token_ids, draft_probs, sampling)
         return cap_accepted(verify, accept_limits)
 
+    def verify_greedy(self, greedy, draft_token_ids, accept_limits) -> VerifyResult:
+        num_seqs, lengths = len(draft_token_ids), [len(d) for d in draft_token_ids]
+        starts, row_index = padded_rows(lengths)
+        drafts = to_device([d + [0] * (max(lengths) - len(d)) for d in draft_token_ids], torch.int64, greedy.device)
+        accepted, finals = greedy_acceptance(greedy[to_device(row_index, torch.int64, greedy.device)],
+                                             drafts.view(num_seqs, max(lengths)),
+                                             to_device(lengths, torch.int64, greedy.device))
+        counts, tokens = torch.stack([accepted, finals]).tolist()  # one sync
+        return cap_accepted(VerifyResult.from_counts(draft_token_ids, starts, counts, tokens, greedy.device),
+                            accept_limits)
+
     def accept_padded(self, greedy, drafts, caps, accepted_out, next_token_out, num_live_out) -> None:
         accept_drafts(greedy, drafts, caps, accepted_out, next_token_out, num_live_out)
 
@@ -82,21 +104,39 @@ class SimulatedVerifier:
         # (padded to k + 1 by repeating each sequence's last row, capped at its own drafts): the
         # token after the accepted drafts is the target's greedy choice at that row.
         verify = self.rejection_sampler(logits, draft_token_ids, draft_probs, sampling)
-        device = logits.device
+        starts = [rows[0] for rows in verify.emitted_rows]
+        return self._drawn(argmax_rows(logits), draft_token_ids, starts, accept_limits)
+
+    def _drawn(self, greedy_rows: torch.Tensor, draft_token_ids, starts, accept_limits) -> VerifyResult:
+        """The drawn accept counts over greedy_rows [rows] int64 (the target's greedy tokens)."""
+        device = greedy_rows.device
         width = len(self.draws.rates) + 1
         lengths = [len(d) for d in draft_token_ids]
-        starts = [rows[0] for rows in verify.emitted_rows]
         row_index = [[start + min(i, n) for i in range(width)] for start, n in zip(starts, lengths)]
-        greedy = argmax_rows(logits)[to_device(row_index, torch.int64, device)]  # [num_seqs, k + 1]
+        greedy = greedy_rows[to_device(row_index, torch.int64, device)]  # [num_seqs, k + 1]
         start, rates = self.draws.device_step(device)
         accepted, next_token = drawn_accepted(greedy, start, rates, ROW_STRIDE, to_device(lengths, torch.int64, device))
         counts, finals = torch.stack([accepted, next_token]).tolist()  # one sync
         drawn = VerifyResult.from_counts(draft_token_ids, starts, counts, finals, device)
         return cap_accepted(drawn, accept_limits)
 
+    def verify_greedy(self, greedy, draft_token_ids, accept_limits) -> VerifyResult:
+        # As verify() on greedy rows: rejection sampling draws no noise for them.
+        return self._drawn(greedy, draft_token_ids, padded_rows([len(d) for d in draft_token_ids])[0], accept_limits)
+
     def accept_padded(self, greedy, drafts, caps, accepted_out, next_token_out, num_live_out) -> None:
         start, rates = self.draws.device_step(greedy.device)
         accept_drawn(greedy, start, rates, ROW_STRIDE, caps, accepted_out, next_token_out, num_live_out)
+
+
+def padded_rows(lengths: list[int]) -> tuple[list[int], list[list[int]]]:
+    """(each sequence's first row, [num_seqs, max_k + 1] row of each padded position) for
+    sequences of lengths[i] drafts and lengths[i] + 1 rows each; padding repeats the last row."""
+    starts = [0]
+    for k in lengths:
+        starts.append(starts[-1] + k + 1)
+    width = max(lengths, default=0) + 1
+    return starts[:-1], [[start + min(i, k) for i in range(width)] for start, k in zip(starts, lengths)]
 
 
 def build_verifier(spec, noise: NoiseSource, seed: int) -> Verifier:

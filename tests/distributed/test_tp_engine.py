@@ -3,7 +3,8 @@ tensor_parallel_size=2) gives the tokens tensor_parallel_size=1 gives, token for
 Llama, Qwen3, DeepSeek-V3 (with MTP) and Kimi-K2.5-layout fixtures, plain and with every drafter
 that applies (eagle3, draft_model, ngram, mtp), experts split inside each expert or partitioned
 over the ranks (expert parallel); under chunked prefill and preemption; seeded sampling draws the
-same tokens. A killed worker ends the engine with WorkerDied within seconds; a model that does
+same tokens. Greedy-only steps gather no whole logits rows (target, verify, MTP drafts); a step
+with a sampled request does. A killed worker ends the engine with WorkerDied within seconds; a model that does
 not split over the ranks fails at start-up naming the config field.
 
 The reference for greedy runs is one rank without speculation (speculation is lossless, and
@@ -171,6 +172,30 @@ def test_qwen3_eagle3_under_chunked_prefill_and_preemption_and_sampling(folders,
         assert llm.get_stats()["num_preemptions"] > 0
         assert tokens(llm, sampled()) == expected_sampled
         assert llm.get_stats()["num_free_kv_blocks"] == llm.get_stats()["num_kv_blocks"]
+    finally:
+        llm.engine.shutdown()
+
+
+# ------------------------------------------------- greedy steps gather no whole logits rows
+
+
+@pytest.mark.parametrize("target, method", [("llama", None), ("qwen3", "eagle3"), ("v3", "mtp")])
+def test_greedy_steps_gather_no_logits(folders, baselines, target, method):
+    """With every request greedy, no step (target, verify, MTP drafts) gathers whole logits rows
+    (each rank's ParallelLMHead counts its gathers), and the tokens equal one rank's; a step
+    mixing greedy and sampled requests still gathers them (sampling needs whole rows)."""
+    llm = tp_engine(folders, target, method)
+    runner = llm.engine.runner
+    try:
+        before = runner.num_logit_gathers()
+        assert tokens(llm, greedy()) == baselines(target)
+        assert runner.num_logit_gathers() == before
+        if method is not None:
+            assert llm.get_stats()["num_drafts"] > 0
+        prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]]
+        outs = llm.generate(prompts, [greedy(), sampled()], use_tqdm=False)
+        assert outs[0].outputs[0].token_ids == baselines(target)[0]
+        assert runner.num_logit_gathers() > before
     finally:
         llm.engine.shutdown()
 
