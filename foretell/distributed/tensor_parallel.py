@@ -13,7 +13,7 @@ Sizes are split the same way everywhere:
 
 The greedy pick over a vocabulary split across ranks needs no gather of the logits: each rank
 sends its row maxima and their ids ([num_rows, 2] numbers), and every rank picks the same
-global winner, ties going to the lowest token id as torch.argmax does on the whole row.
+winner over all ranks, ties going to the lowest token id as torch.argmax does on the whole row.
 """
 
 from __future__ import annotations

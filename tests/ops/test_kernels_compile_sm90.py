@@ -13,19 +13,16 @@ Triton cannot compile for CUDA on this machine (no CUDA backend or ptxas).
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 
 import pytest
+
+from fixtures.sm90_compile import compile_cases
 
 # Looked up, not imported: triton imported here without TRITON_INTERPRET would make the interpreter
 # tests collected after this module build GPU kernels (fixtures/triton_interpreter.py).
 if importlib.util.find_spec("triton") is None:
     pytest.skip("needs triton", allow_module_level=True)
 
-TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, which holds fixtures/
 CASES = [
     "argmax chunks", "argmax pick", "gqa attention, split, Llama", "mla absorbed query with rope",
     "mla attention, split, V2-Lite", "mla latent write", "mla merge", "moe gemv down + combine",
@@ -42,15 +39,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def compiled() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [TESTS_DIR, env.get("PYTHONPATH")]))
-    run = subprocess.run([sys.executable, "-m", "fixtures.kernel_compile"], cwd=TESTS_DIR, env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
-    results = json.loads(run.stdout.strip().splitlines()[-1])
-    if results.get("unavailable"):
-        pytest.skip("this Triton cannot compile for sm_90 here")
-    return results
+    return compile_cases("fixtures.kernel_compile")
 
 
 def test_every_case_was_compiled(compiled):

@@ -9,17 +9,14 @@ compile for CUDA on this machine.
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 
 import pytest
+
+from fixtures.sm90_compile import compile_cases
 
 if importlib.util.find_spec("triton") is None:  # looked up, not imported (see test_kernels_compile_sm90.py)
     pytest.skip("needs triton", allow_module_level=True)
 
-TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = [
     "fp8 gemv, 128x128 blocks, DeepSeek-V3 q_a (1 row, pdl)", "fp8 gemv, 128x128 blocks, 4 rows, bias",
     "fp8 gemv, per channel (1 row, pdl)", "fp8 mma, 128x128 blocks, 16 rows (pdl)", "fp8 mma, per channel, bias",
@@ -31,15 +28,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def compiled() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [TESTS_DIR, env.get("PYTHONPATH")]))
-    run = subprocess.run([sys.executable, "-m", "fixtures.kernel_compile_low_precision"], cwd=TESTS_DIR, env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
-    results = json.loads(run.stdout.strip().splitlines()[-1])
-    if results.get("unavailable"):
-        pytest.skip("this Triton cannot compile for sm_90 here")
-    return results
+    return compile_cases("fixtures.kernel_compile_low_precision")
 
 
 def test_every_case_was_compiled(compiled):
