@@ -107,7 +107,7 @@ class IncrementalDetokenizer:
             self.text += full[len(prefix) :]
             self._prefix_offset = self._read_offset
             self._read_offset = len(self.token_ids)
-            hit = self._check_stop(start)
+            hit = self._check_stop(start) if len(self.token_ids) > self.params.min_tokens else None
             if hit is not None:
                 return hit, taken
         return None, len(new_token_ids)

@@ -88,6 +88,7 @@ class Engine:
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        params = params.resolved_for(self.tokenizer, vocab)  # bad_words tokenized, token ids checked
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt is {len(token_ids)} tokens, but max_model_len is {self.max_model_len}: "
@@ -233,7 +234,7 @@ class Engine:
         seq = item.seq
         if seq.is_finished:
             self.runner.forget(seq.seq_id)
-        else:
+        elif seq.sampling_params.use_speculation:
             seq.spec_token_ids = result.next_drafts
         return True
 

@@ -49,6 +49,7 @@ def plain_decode(scheduled: list[ScheduledSequence]) -> bool:
         and item.samples
         and not item.draft_token_ids
         and item.seq.sampling_params.logprobs is None
+        and not item.seq.sampling_params.needs_logits_processing
         for item in scheduled
     )
 

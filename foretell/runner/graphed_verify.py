@@ -56,6 +56,7 @@ class GraphedVerify:
                 and len(item.draft_token_ids) == k
                 and item.seq.sampling_params.greedy
                 and item.seq.sampling_params.logprobs is None
+                and not item.seq.sampling_params.needs_logits_processing
                 and self.draft_graphs.catch_up_fits(item.seq.num_computed_tokens)
                 for item in sched.scheduled
             )

@@ -24,6 +24,7 @@ from foretell.device_util import to_device
 from foretell.engine.scheduler import SchedulerOutput
 from foretell.layers.sampler import Sampler, SamplingBatch, row_seed
 from foretell.runner.input_batch import InputBatch
+from foretell.runner.logits_processing import apply_sampling_controls
 from foretell.runner.logprobs import add_logprobs
 from foretell.spec_decode.proposer import DraftBatch, Proposer
 from foretell.spec_decode.verifier import Verifier
@@ -70,7 +71,7 @@ class HostStep:
         if not self.tensor_parallel or not batch.sampling_seq_index:
             return False
         params = [sched.scheduled[i].seq.sampling_params for i in batch.sampling_seq_index]
-        return all(p.greedy and p.logprobs is None for p in params)
+        return all(p.greedy and p.logprobs is None and not p.needs_logits_processing for p in params)
 
     def sample_greedy(self, sched: SchedulerOutput, batch: InputBatch, greedy: torch.Tensor, results: list) -> None:
         """sample() for a step greedy_without_logits() chose: greedy [sampling rows] int64, the
@@ -92,6 +93,7 @@ class HostStep:
             return
         sampling = self._sampling_rows(sched, batch)
         items = [sched.scheduled[i] for i in batch.sampling_seq_index]
+        raw_logits, logits = logits, apply_sampling_controls(logits, items, keep_raw=sampling.max_num_logprobs >= 0)
         if any(item.draft_token_ids for item in items):
             drafts = [item.draft_token_ids for item in items]
             probs = [self._pop_draft_probs(item) for item in items]
@@ -107,7 +109,7 @@ class HostStep:
             chosen_rows, chosen_tokens = None, sampled.token_ids
         self._set_results(sched, batch, outputs, accepted, results)
         if sampling.max_num_logprobs >= 0:
-            add_logprobs(logits, chosen_rows, chosen_tokens, sampling, batch, sched, results)
+            add_logprobs(raw_logits, chosen_rows, chosen_tokens, sampling, batch, sched, results)
 
     @staticmethod
     def _set_results(sched: SchedulerOutput, batch: InputBatch, outputs: list[list[int]], accepted: list[int],
@@ -158,6 +160,7 @@ class HostStep:
             sample_indices=[item.seq.index for item in sched.scheduled],
             max_model_len=self.max_model_len,
             histories=histories,
+            seq_ids=[item.seq.seq_id for item in sched.scheduled],
         )
         proposal = self.proposer.propose(draft_batch)
         for i, item in enumerate(sched.scheduled):
@@ -167,5 +170,8 @@ class HostStep:
                 self.draft_probs[item.seq.seq_id] = probs
 
     def forget(self, seq_id: int) -> None:
-        """Drop a sequence's draft probabilities (finished, preempted, or its step failed)."""
+        """Drop a sequence's draft probabilities (finished, preempted, or its step failed) and
+        tell the proposer (a host drafter's per-sequence state)."""
         self.draft_probs.pop(seq_id, None)
+        if self.proposer is not None:
+            self.proposer.forget(seq_id)
