@@ -42,12 +42,6 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-n logprobs per prompt token (the first has none)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    # Report each output token's origin under speculation (accepted draft, the target's
-    # correction, bonus, plain target token): CompletionOutput.token_origins. Off: nothing built.
-    return_token_origins: bool = False
-    # False: this request verifies no drafts (its tokens are the target's alone), e.g. to compare
-    # one prompt with and without speculation on the same server. The output is the same either way.
-    use_speculation: bool = True
     # Subtracted from the logit of every token the output holds so far: once (presence) or once
     # per occurrence (frequency). In [-2, 2]; > 0 discourages repeats.
     presence_penalty: float = 0.0
@@ -100,9 +94,6 @@ class SamplingParams:
             raise bad("prompt_logprobs", "an integer between 0 and 20")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "an integer")
-        for flag in ("return_token_origins", "use_speculation"):
-            if not isinstance(getattr(self, flag), bool):
-                raise bad(flag, "True or False")
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             raise bad("stop", "a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
