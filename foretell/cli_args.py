@@ -56,6 +56,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
     c.add_argument("--gpu-memory-utilization", type=float, default=0.90,
                    help="share of the GPU's memory for weights, activations and the KV cache")
     c.add_argument("--num-kv-blocks", type=int, help="exact number of target KV blocks")
+    c.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="what the KV cache stores: auto = the model's dtype; fp8 = e4m3 with per-layer "
+                        "k/v scales from the checkpoint (else 1.0), twice the tokens in the same memory")
     c.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="do not reuse the KV blocks of a shared prompt prefix")
     s = parser.add_argument_group("scheduler")
@@ -68,7 +71,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
                    help="queue the next decode step before reading this one's tokens (auto: on CUDA)")
     sp = parser.add_argument_group("speculative decoding")
     sp.add_argument("--speculative-config", help="JSON with the keys of SpeculativeConfig")
-    sp.add_argument("--method", choices=["eagle3", "mtp", "draft_model", "ngram", "none"],
+    sp.add_argument("--method", choices=["eagle3", "mtp", "draft_model", "ngram", "suffix", "none"],
                     help="none: no speculation (also with the default models)")
     sp.add_argument("--draft-model", help="EAGLE3 head or draft LM: folder or Hub id")
     sp.add_argument("--default-family", choices=["qwen3", "deepseek"], default="qwen3",
@@ -79,8 +82,32 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
     sp.add_argument("--eagle3-aux-layer-ids", help="comma-separated, read as inputs of layers i")
     sp.add_argument("--prompt-lookup-min", type=int, help="ngram: shortest n-gram to look up (2)")
     sp.add_argument("--prompt-lookup-max", type=int, help="ngram: longest n-gram to look up (5)")
+    sp.add_argument("--suffix-decoding-max-tree-depth", type=int,
+                    help="suffix: depth of the suffix tries, longest match + draft per walk (24)")
+    sp.add_argument("--suffix-decoding-max-cached-requests", type=int,
+                    help="suffix: finished responses kept in the global cache (10000; 0: none)")
+    sp.add_argument("--suffix-decoding-max-cached-tokens", type=int,
+                    help="suffix: tokens the global cache holds at most, oldest evicted (131072)")
+    sp.add_argument("--suffix-decoding-max-spec-factor", type=float,
+                    help="suffix: draft at most this many tokens per matched token (1.0)")
+    sp.add_argument("--suffix-decoding-min-token-prob", type=float,
+                    help="suffix: stop drafting below this empirical path probability (0.1)")
+    sp.add_argument("--hybrid", choices=["eagle3", "mtp", "draft_model"],
+                    help="suffix: the model drafter for sequences whose suffix match is short")
+    sp.add_argument("--hybrid-num-speculative-tokens", type=int,
+                    help="suffix with --hybrid: the model drafter's k (default: its method's)")
+    sp.add_argument("--hybrid-min-match-length", type=int,
+                    help="suffix with --hybrid: shortest suffix match that drafts instead of the model (4)")
     sp.add_argument("--draft-block-size", type=int,
                     help="KV block size of the draft's cache (default: --block-size)")
+
+
+SUFFIX_FLAGS = (
+    "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+    "suffix_decoding_max_cached_tokens", "suffix_decoding_max_spec_factor",
+    "suffix_decoding_min_token_prob", "hybrid", "hybrid_num_speculative_tokens",
+    "hybrid_min_match_length",
+)
 
 
 def take_model_positional(args: argparse.Namespace) -> None:
@@ -113,6 +140,7 @@ def speculative_config_from_args(args: argparse.Namespace) -> dict[str, Any] | N
         "prompt_lookup_min": args.prompt_lookup_min,
         "prompt_lookup_max": args.prompt_lookup_max,
         "draft_block_size": args.draft_block_size,
+        **{name: getattr(args, name, None) for name in SUFFIX_FLAGS},
     }
     if args.eagle3_aux_layer_ids:
         try:
@@ -132,7 +160,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "revision", "tokenizer_revision", "download_dir",
         "tokenizer", "dtype", "device", "load_format", "max_model_len", "seed", "attention_backend",
         "enforce_eager", "small_m_gemm", "warm_up", "num_cpu_threads", "skip_tokenizer_init", "block_size", "kv_cache_memory_bytes", "gpu_memory_utilization",
-        "num_kv_blocks", "enable_prefix_caching", "max_num_seqs", "max_num_batched_tokens",
+        "num_kv_blocks", "kv_cache_dtype", "enable_prefix_caching", "max_num_seqs", "max_num_batched_tokens",
         "enable_chunked_prefill", "async_scheduling", "tensor_parallel_size", "enable_expert_parallel",
     ]
     kwargs = {name: getattr(args, name) for name in names if getattr(args, name) is not None}

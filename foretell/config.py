@@ -14,8 +14,12 @@ if TYPE_CHECKING:  # annotations only: the config imports no torch (device_util.
     import torch
 
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
-SPECULATIVE_METHODS = ("eagle3", "mtp", "draft_model", "ngram")
+SPECULATIVE_METHODS = ("eagle3", "mtp", "draft_model", "ngram", "suffix")
+# Model drafters suffix decoding can fall back on (speculative_config["hybrid"]).
+SUFFIX_HYBRID_METHODS = ("eagle3", "mtp", "draft_model")
 SMALL_M_GEMM_MODES = ("auto", "on", "off")
+# auto: the model's dtype; fp8 / fp8_e4m3: float8_e4m3fn with per-layer scales (ops/attention/fp8_kv.py)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 ASYNC_SCHEDULING_MODES = ("auto", "on", "off")
 
 
@@ -92,6 +96,10 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.90
     num_kv_blocks: int | None = None  # override the budget with an exact number of target blocks
     enable_prefix_caching: bool = True
+    # What the KV cache stores (target and draft): auto, the model's dtype; fp8 (= fp8_e4m3, vLLM's
+    # names), e4m3 with each layer's k_scale / v_scale from the checkpoint (else 1.0): one byte an
+    # element, twice the tokens of a bf16 cache in the same memory (ops/attention/fp8_kv.py).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -104,6 +112,10 @@ class CacheConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ValueError(f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+            )
 
 
 @dataclass
@@ -161,6 +173,21 @@ class SpeculativeConfig:
     eagle3_aux_layer_ids: list[int] | None = None
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
+    # suffix (vLLM's names; spec_decode/suffix.py): depth of the suffix tries (longest match
+    # + draft per walk), finished responses kept in the global cache (and foretell's own bound on
+    # their tokens, which bounds its memory), draft tokens per matched token, and the lowest
+    # empirical probability of a drafted path.
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_cached_tokens: int = 1 << 17
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    # suffix with a model drafter (eagle3 | mtp | draft_model, spec_decode/hybrid.py): sequences
+    # whose suffix match is shorter than hybrid_min_match_length take the model's k drafts,
+    # hybrid_num_speculative_tokens (default: that method's k; at most num_speculative_tokens).
+    hybrid: str | None = None
+    hybrid_num_speculative_tokens: int | None = None
+    hybrid_min_match_length: int = 4
     draft_block_size: int | None = None  # None: the target's block size
     # Synthetic acceptance for benchmarks: per-position rates or a mean acceptance length.
     simulate_acceptance: dict[str, Any] | None = None
@@ -178,7 +205,9 @@ class SpeculativeConfig:
                 f"speculative_config['model'] (CLI: --draft-model DIR)"
             )
         if self.num_speculative_tokens is None:
-            self.num_speculative_tokens = 1 if self.method == "mtp" else 3
+            from foretell.defaults import default_num_speculative_tokens
+
+            self.num_speculative_tokens = default_num_speculative_tokens(self.method)
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             raise ValueError(
                 f"num_speculative_tokens must be an integer >= 1, got {self.num_speculative_tokens!r}"
@@ -188,9 +217,57 @@ class SpeculativeConfig:
                 f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                 f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
             )
+        self._check_suffix()
         if self.eagle3_aux_layer_ids is not None and len(self.eagle3_aux_layer_ids) != 3:
             raise ValueError(
                 f"eagle3_aux_layer_ids must name 3 layers, got {self.eagle3_aux_layer_ids}"
+            )
+
+    def _check_suffix(self) -> None:
+        def integer(name: str, minimum: int) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+        integer("suffix_decoding_max_tree_depth", 2)
+        integer("suffix_decoding_max_cached_requests", 0)
+        integer("suffix_decoding_max_cached_tokens", 0)
+        integer("hybrid_min_match_length", 1)
+        factor = self.suffix_decoding_max_spec_factor
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+            raise ValueError(f"suffix_decoding_max_spec_factor must be a number > 0, got {factor!r}")
+        prob = self.suffix_decoding_min_token_prob
+        if isinstance(prob, bool) or not isinstance(prob, (int, float)) or not 0 <= prob <= 1:
+            raise ValueError(f"suffix_decoding_min_token_prob must be a number in [0, 1], got {prob!r}")
+        if self.hybrid is None:
+            if self.hybrid_num_speculative_tokens is not None:
+                raise ValueError("hybrid_num_speculative_tokens needs a hybrid drafter: set hybrid")
+            return
+        if self.method != "suffix":
+            raise ValueError(
+                f"hybrid combines suffix decoding with a model drafter: it needs method 'suffix', "
+                f"got method {self.method!r}"
+            )
+        if self.hybrid not in SUFFIX_HYBRID_METHODS:
+            raise ValueError(
+                f"hybrid must be one of {', '.join(SUFFIX_HYBRID_METHODS)}, got {self.hybrid!r}"
+            )
+        if self.hybrid in ("eagle3", "draft_model") and not self.model:
+            raise ValueError(
+                f"hybrid {self.hybrid!r} needs a draft model folder: set speculative_config['model'] "
+                f"(CLI: --draft-model DIR)"
+            )
+        if self.hybrid_num_speculative_tokens is None:
+            from foretell.defaults import default_num_speculative_tokens
+
+            self.hybrid_num_speculative_tokens = min(
+                default_num_speculative_tokens(self.hybrid), self.num_speculative_tokens
+            )
+        integer("hybrid_num_speculative_tokens", 1)
+        if self.hybrid_num_speculative_tokens > self.num_speculative_tokens:
+            raise ValueError(
+                f"hybrid_num_speculative_tokens {self.hybrid_num_speculative_tokens} is more than "
+                f"num_speculative_tokens {self.num_speculative_tokens} (the most drafts a step verifies)"
             )
 
     @classmethod
@@ -212,7 +289,7 @@ class SpeculativeConfig:
                 f"unknown speculative_config keys {unknown}; known keys: {sorted(known)}"
             )
         if "method" not in value:
-            raise ValueError("speculative_config needs a 'method' (eagle3, mtp, draft_model, ngram)")
+            raise ValueError(f"speculative_config needs a 'method' ({', '.join(SPECULATIVE_METHODS)})")
         return cls(**value)
 
 

@@ -18,7 +18,8 @@ MEMBERS = FAMILIES["qwen3"]
 DEFAULT_NUM_SPECULATIVE_TOKENS = 3
 # MTP drafts with the target's own next-token layer, trained to predict one token ahead: reused
 # for a second draft its acceptance falls quickly (README, "MLA + MoE targets and MTP"), so k=1.
-NUM_SPECULATIVE_TOKENS_BY_METHOD = {"mtp": 1}
+# Suffix decoding drafts as many tokens as its match justifies, up to k (vLLM suggests 16 to 32).
+NUM_SPECULATIVE_TOKENS_BY_METHOD = {"mtp": 1, "suffix": 16}
 
 
 def default_num_speculative_tokens(method: str | None) -> int:

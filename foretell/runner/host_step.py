@@ -160,6 +160,7 @@ class HostStep:
             sample_indices=[item.seq.index for item in sched.scheduled],
             max_model_len=self.max_model_len,
             histories=histories,
+            seq_ids=[item.seq.seq_id for item in sched.scheduled],
         )
         proposal = self.proposer.propose(draft_batch)
         for i, item in enumerate(sched.scheduled):
@@ -169,5 +170,8 @@ class HostStep:
                 self.draft_probs[item.seq.seq_id] = probs
 
     def forget(self, seq_id: int) -> None:
-        """Drop a sequence's draft probabilities (finished, preempted, or its step failed)."""
+        """Drop a sequence's draft probabilities (finished, preempted, or its step failed) and
+        tell the proposer (a host drafter's per-sequence state)."""
         self.draft_probs.pop(seq_id, None)
+        if self.proposer is not None:
+            self.proposer.forget(seq_id)

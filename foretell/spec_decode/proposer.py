@@ -43,6 +43,7 @@ class DraftBatch:
     sample_indices: list[int]  # per sequence: which of its request's n samples it is
     max_model_len: int  # no row may sit at a position past max_model_len - 1 (rotary, draft KV)
     histories: list[list[int]] = field(default_factory=list)  # all tokens through next token
+    seq_ids: list[int] = field(default_factory=list)  # per sequence: its id (a host drafter's state)
 
     @property
     def num_seqs(self) -> int:
@@ -150,6 +151,11 @@ class Proposer(Protocol):
 
     def propose(self, batch: DraftBatch) -> Proposal: ...
 
+    def forget(self, seq_id: int) -> None:
+        """A sequence finished, was aborted or preempted: drop (or keep for others, the suffix
+        cache) what the drafter held for it."""
+        ...
+
 
 class ProposerBase:
     """Defaults for a Proposer without a model of its own (no KV cache, no padded loop)."""
@@ -184,6 +190,9 @@ class ProposerBase:
 
     def propose(self, batch: DraftBatch) -> Proposal:
         raise NotImplementedError
+
+    def forget(self, seq_id: int) -> None:
+        pass
 
 
 def catch_up_metadata(
