@@ -3,8 +3,9 @@
 For one sequence: the scheduler appends the accepted drafts and the target's token (EOS, stop ids
 and max_tokens cut them there), the detokenizer grows the text and applies stop strings (cutting
 tokens a verify step accepted past one), logprobs follow the tokens kept, and the metrics count
-them. The engine drives the step and the runner; this module holds the per-request bookkeeping.
-No torch here.
+them; when a request asks, each kept token's origin (engine/token_origins.py: accepted draft, the
+target's correction, bonus, plain target token) is recorded beside it, cut by the same stops. The
+engine drives the step and the runner; this module holds the per-request bookkeeping. No torch here.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from foretell.engine.metrics import EngineMetrics
 from foretell.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from foretell.engine.scheduler import ScheduledSequence, Scheduler
 from foretell.engine.sequence import Sequence
+from foretell.engine.token_origins import TokenOrigin, step_origins
 from foretell.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -45,6 +47,12 @@ class Request:
     aborted: bool = False
     outputs_sent: bool = field(default=False)
     error: str | None = None  # why the request failed inside a step (finish_reason "error")
+    # Per sequence, the origin of each output token (None unless params.return_token_origins).
+    token_origins: list[list[TokenOrigin]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.return_token_origins and self.token_origins is None:
+            self.token_origins = [[] for _ in self.seqs]
 
     @property
     def finished(self) -> bool:
@@ -75,10 +83,22 @@ def apply_result(
     if detok is not None:
         appended = apply_stop_strings(seq, detok, appended, scheduler)
     metrics.generation_tokens_total += len(appended)
+    if request.token_origins is not None:
+        record_origins(request.token_origins[seq.index], item, result, len(appended))
     logprobs = result.logprobs[: len(appended)]
     seq.logprobs.extend(logprobs)
     seq.cumulative_logprob += sum(lp.logprob for lp in logprobs)
     return appended
+
+
+def record_origins(
+    origins: list[TokenOrigin], item: ScheduledSequence, result: StepResult, num_kept: int
+) -> None:
+    """Append the origins of the first num_kept of this step's tokens (stops cut the rest)."""
+    step = origins[-1].step + 1 if origins else 0
+    new = step_origins(item.draft_token_ids, result.num_drafts, result.new_token_ids,
+                       result.num_accepted, step)
+    origins.extend(new[:num_kept])
 
 
 def apply_stop_strings(
@@ -112,6 +132,9 @@ def make_output(request: Request) -> RequestOutput:
             stop_reason=seq.stop_reason,
             logprobs=list(seq.logprobs) if want_logprobs else None,
             cumulative_logprob=seq.cumulative_logprob if want_logprobs else None,
+            token_origins=(
+                list(request.token_origins[seq.index]) if request.token_origins is not None else None
+            ),
         )
         for seq, detok in zip(request.seqs, request.detokenizers)
     ]

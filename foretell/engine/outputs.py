@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from foretell.engine.sequence import Logprob
+from foretell.engine.token_origins import TokenOrigin
 
 
 @dataclass
@@ -16,6 +17,8 @@ class CompletionOutput:
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: list[Logprob] | None = None
     cumulative_logprob: float | None = None
+    # Per token, how speculation produced it (SamplingParams.return_token_origins; else None).
+    token_origins: list[TokenOrigin] | None = None
 
     @property
     def finished(self) -> bool:
