@@ -234,7 +234,7 @@ class Engine:
         seq = item.seq
         if seq.is_finished:
             self.runner.forget(seq.seq_id)
-        else:
+        elif seq.sampling_params.use_speculation:
             seq.spec_token_ids = result.next_drafts
         return True
 
