@@ -1,5 +1,5 @@
-"""`foretell bench` (offline sweep) and `foretell bench serve` (load against a server): flags and
-the two command functions. Importing this module is cheap; torch, matplotlib and httpx load only
+"""`foretell bench` (offline sweep), `foretell bench serve` (load against a server) and `foretell
+bench kernels` (kernel timings, foretell/bench/kernels/): flags and the command functions. Importing this module is cheap; torch, matplotlib and httpx load only
 when a command runs."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import math
 
+from foretell.bench.kernels.command import add_kernels_parser
 from foretell.cli_args import add_engine_args, engine_kwargs_from_args, speculative_config_from_args
 
 DESCRIPTION = """\
@@ -24,13 +25,14 @@ With no model folder (first argument or --model) it runs the shipped default fam
 (--default-family): its target, against its EAGLE3 head unless --method / --methods say otherwise
 (eagle3 and draft_model then use the family's head and draft LM).
 
-`foretell bench serve --help` for the load generator against an OpenAI-compatible server.
+`foretell bench serve --help` for the load generator against an OpenAI-compatible server,
+`foretell bench kernels --help` for kernel timings at model shapes.
 """
 
 
 class ModeOrModel(argparse._SubParsersAction):
-    """The first argument of `foretell bench`: `serve` picks the load generator (a sub-parser of
-    its own); anything else is the model folder of the offline sweep (`foretell bench DIR`, like
+    """The first argument of `foretell bench`: `serve` (the load generator) or `kernels` (kernel
+    timings) picks a sub-parser of its own; anything else is the model folder of the offline sweep (`foretell bench DIR`, like
     `--model DIR`), whose remaining flags the bench parser reads."""
 
     def __init__(self, *args, **kwargs):
@@ -86,10 +88,11 @@ def add_bench_parser(sub) -> None:
     g.add_argument("--output-json", help="write the full report here")
     g.add_argument("--plot-dir", help="write PNG plots here")
     p.set_defaults(func=run_bench_command)
-    modes = p.add_subparsers(dest="bench_mode", metavar="MODEL | serve", action=ModeOrModel,
-                             help="the model folder to sweep (same as --model), or `serve`: the "
-                                  "load generator against a running server")
+    modes = p.add_subparsers(dest="bench_mode", metavar="MODEL | serve | kernels", action=ModeOrModel,
+                             help="the model folder to sweep (same as --model), `serve`: the "
+                                  "load generator against a running server, or `kernels`: kernel timings")
     add_serve_parser(modes)
+    add_kernels_parser(modes)
 
 
 def add_serve_parser(modes) -> None:
