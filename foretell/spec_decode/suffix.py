@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from foretell.spec_decode.proposer import DraftBatch, Proposal, ProposerBase, ProposerCapabilities
 from foretell.spec_decode.suffix_cache import GlobalSuffixCache
-from foretell.spec_decode.suffix_tree import EMPTY_DRAFT, Draft, SuffixTrie, longest_continuing
+from foretell.spec_decode.suffix_tree import EMPTY_DRAFT, Draft, SuffixTrie
 
 
 @dataclass
@@ -55,10 +55,10 @@ class SequenceState:
     """What the drafter keeps of one sequence between steps."""
 
     trie: SuffixTrie  # over this sequence's own tokens
-    active: list  # nodes of its last 0 .. max_depth - 1 tokens in `trie`
+    active: list[int]  # nodes of its last 0 .. max_depth - 1 tokens in `trie`
     tokens: list[int] = field(default_factory=list)  # every token seen, in order
     prompt_length: int | None = None  # known at its first sampling step
-    cache_active: list | None = None  # its suffixes' nodes in the global trie
+    cache_active: list[int] | None = None  # its suffixes' nodes in the global trie
     cache_version: int = -1  # the global cache's version cache_active was computed at
 
     def follows(self, history: list[int]) -> bool:
@@ -90,7 +90,7 @@ class SuffixProposer(ProposerBase):
     # ---- state ---------------------------------------------------------------------------
     def _new_state(self) -> SequenceState:
         trie = SuffixTrie(self.settings.max_tree_depth)
-        return SequenceState(trie=trie, active=[trie.root])
+        return SequenceState(trie=trie, active=[0])
 
     def observe(self, key: int | None, history: list[int], samples: bool) -> SequenceState:
         """The sequence's state brought up to `history` (only the new tokens are inserted)."""
@@ -105,7 +105,7 @@ class SuffixProposer(ProposerBase):
             state.tokens.extend(new)
         if samples and state.prompt_length is None:
             state.prompt_length = len(history) - 1  # the first sampled token ends the history
-        if len(self.cache.trie.root[2] or ()) == 0:
+        if self.cache.trie.out[0] == 0:  # nothing cached
             state.cache_active = None
         elif state.cache_version != self.cache.version or state.cache_active is None:
             state.cache_active = self.cache.trie.suffix_nodes(history)
@@ -131,14 +131,13 @@ class SuffixProposer(ProposerBase):
         if state.cache_active is not None:
             candidates.append((self.cache.trie, state.cache_active))
         for trie, active in candidates:
-            node = longest_continuing(active)
-            if node is None:
+            node, match = trie.longest_continuing(active)
+            if node < 0:
                 continue
-            match = node[4]
             budget = min(max_tokens, int(s.max_spec_factor * match))
             if budget <= 0:
                 continue
-            tokens, score = trie.draft(node, history, budget, s.min_token_prob, self.anchor_length)
+            tokens, score = trie.draft(node, match, history, budget, s.min_token_prob, self.anchor_length)
             if tokens and score > best.score:
                 best = Draft(tokens, match, score)
         return best

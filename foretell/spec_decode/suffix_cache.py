@@ -21,7 +21,7 @@ class GlobalSuffixCache:
             raise ValueError(f"max_requests must be >= 0, got {max_requests}")
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-        self.trie = SuffixTrie(max_depth)
+        self.trie = SuffixTrie(max_depth, removable=True)
         self.max_requests = max_requests
         self.max_tokens = max_tokens
         self.responses: deque[list[int]] = deque()  # oldest first
