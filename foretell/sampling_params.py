@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from foretell.structured.params import StructuredOutputsParams
+
 MAX_ABS_PENALTY = 2.0  # presence_penalty and frequency_penalty: OpenAI's range [-2, 2]
 MAX_ABS_LOGIT_BIAS = 100.0  # logit_bias values: OpenAI's range [-100, 100]
 
@@ -65,6 +67,9 @@ class SamplingParams:
     # The same as token sequences (no tokenizer needed); the engine adds bad_words' tokens here.
     bad_words_token_ids: list[list[int]] | None = None
     allowed_token_ids: list[int] | None = None  # only these tokens may be generated
+    # The output matches a JSON schema, a regex, a choice or a grammar (structured/params.py);
+    # a dict with vLLM's keys ({"json": schema} | {"regex": ...} | ...) is converted.
+    structured_outputs: StructuredOutputsParams | dict | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -72,6 +77,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._validate()
         self._validate_logits_controls()
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
 
     def _bad(self, field_name: str, expected: str) -> ValueError:
         return ValueError(
@@ -164,6 +171,7 @@ class SamplingParams:
             or self.bad_words
             or self.bad_words_token_ids
             or self.allowed_token_ids is not None
+            or self.structured_outputs is not None  # the grammar's mask (foretell/structured/)
         )
 
     def token_id_errors(self, vocab_size: int) -> None:

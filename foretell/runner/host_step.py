@@ -28,6 +28,7 @@ from foretell.runner.logits_processing import apply_sampling_controls
 from foretell.runner.logprobs import add_logprobs
 from foretell.spec_decode.proposer import DraftBatch, Proposer
 from foretell.spec_decode.verifier import Verifier
+from foretell.structured.runtime import StructuredOutputs
 
 
 class HostStep:
@@ -41,6 +42,7 @@ class HostStep:
         max_model_len: int,
         device: torch.device,
         tensor_parallel: bool = False,  # the vocabulary is split over ranks
+        structured: StructuredOutputs | None = None,  # grammar masks (None: no tokenizer, none allowed)
     ):
         self.sampler = sampler
         self.verifier = verifier
@@ -51,6 +53,7 @@ class HostStep:
         self.device = device
         self.tensor_parallel = tensor_parallel
         self.draft_probs: dict[int, torch.Tensor] = {}  # seq_id -> [k, vocab] for sampled drafts
+        self.structured = structured or StructuredOutputs(None, vocab_size)
 
     def _sampling_rows(self, sched: SchedulerOutput, batch: InputBatch):
         params, seeds = [], []
@@ -94,6 +97,7 @@ class HostStep:
         sampling = self._sampling_rows(sched, batch)
         items = [sched.scheduled[i] for i in batch.sampling_seq_index]
         raw_logits, logits = logits, apply_sampling_controls(logits, items, keep_raw=sampling.max_num_logprobs >= 0)
+        logits = self.structured.mask_logits(logits, items, copy=logits is raw_logits and sampling.max_num_logprobs >= 0)
         if any(item.draft_token_ids for item in items):
             drafts = [item.draft_token_ids for item in items]
             probs = [self._pop_draft_probs(item) for item in items]
@@ -168,10 +172,12 @@ class HostStep:
             probs = proposal.probs[i]
             if probs is not None and not item.seq.sampling_params.greedy:
                 self.draft_probs[item.seq.seq_id] = probs
+        self.structured.truncate_drafts(sched.scheduled, results, proposal.probs)  # grammar-rejected drafts
 
     def forget(self, seq_id: int) -> None:
         """Drop a sequence's draft probabilities (finished, preempted, or its step failed) and
         tell the proposer (a host drafter's per-sequence state)."""
         self.draft_probs.pop(seq_id, None)
+        self.structured.forget(seq_id)
         if self.proposer is not None:
             self.proposer.forget(seq_id)
