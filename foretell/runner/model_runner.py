@@ -52,6 +52,7 @@ from foretell.spec_decode.draft_graph import DraftGraphRunner
 from foretell.spec_decode.proposer import Proposer
 from foretell.spec_decode.registry import build_proposer
 from foretell.spec_decode.verifier import build_verifier
+from foretell.structured.runtime import StructuredOutputs
 
 CPU_KV_CACHE_BYTES = 256 << 20
 logger = logging.getLogger("foretell")
@@ -126,7 +127,8 @@ class ModelRunner:
         self.verifier = build_verifier(config.speculative, noise, mc.seed)
         self.host_step = HostStep(sampler, self.verifier, self.proposer, self.vocab_size,
                                   self.cache_plan.block_size, self.max_model_len, self.device,
-                                  tensor_parallel=self.tensor_parallel.is_parallel)
+                                  tensor_parallel=self.tensor_parallel.is_parallel,
+                                  structured=StructuredOutputs(mc.tokenizer or mc.model, self.vocab_size))
         self.pipeline = self._build_pipeline(queue_ahead, sampler)
         self.last_times = StepTimes()
 
