@@ -9,6 +9,9 @@ simulated mean acceptance length 2.93; batches 1/4/16/64 with and without EAGLE3
 decode step. DeepSeek-V2-Lite shape at batch 1 against its roofline, and with MTP k=1 simulated at
 85%. bf16 greedy agreement of speculation with plain greedy on a tiny model. Each section
 is independent: a failure is recorded and the rest still runs. Writes OUT_DIR/bench_gpu.json.
+
+What it measures inside an engine (graph replays, the draft loop, the synchronous engine, active
+weight bytes) goes through foretell.bench.engine_probe; the tiny model is foretell.bench.tiny_checkpoints.
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ import argparse
 import gc
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -27,36 +29,20 @@ import torch
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from foretell import LLM, SamplingParams  # noqa: E402
+from foretell.bench import engine_probe as probe  # noqa: E402
 from foretell.bench.sweep import spec_counters  # noqa: E402
-from foretell.spec_decode.proposer import catch_up_metadata  # noqa: E402
 
 CONFIGS = os.path.join(ROOT, "foretell", "configs")
 RESULTS: dict = {}
 OUT_DIR: list[str] = []  # set by main()
 
 
-def event_ms(fn, iters: int = 50, warmup: int = 5) -> float:
-    """Median GPU time of fn() in ms, timed with CUDA events one call at a time."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def graph_ms(runner, key: tuple[int, int], context_len: int = 256) -> float:
-    """GPU time of one bare replay of the target graph `key` over a context of context_len."""
-    runner.graphs.prepare_replay(key, context_len)
-    return event_ms(runner.graphs.graphs[key].graph.replay)
+def graph_ms(llm: LLM, key: tuple[int, int], context_len: int = 256) -> float:
+    """GPU time of one bare replay of the target graph `key` (num_seqs, query_len) over a context
+    of context_len (median of 50, CUDA events)."""
+    return probe.target_graph_replay_ms(llm, *key, context_len=context_len)
 
 
 def free(llm) -> None:
@@ -84,18 +70,18 @@ def decode_tok_s(llm: LLM, batch: int, prompt_len: int = 128, new_tokens: int = 
     # at different steps) is compiled before the clock.
     for _ in range(2):  # simulated acceptance ends requests at different steps: two runs meet more shapes
         llm.generate(prompts, full, use_tqdm=False)
-    steps0, before = llm.engine.metrics.num_steps, dict(llm.get_stats())
+    steps0, before = probe.engine_step_count(llm), dict(llm.get_stats())
     outs = llm.generate(prompts, full, use_tqdm=False)
-    steps = llm.engine.metrics.num_steps - steps0
+    steps = probe.engine_step_count(llm) - steps0
     first = max(o.metrics.first_token_time for o in outs)
     last = max(o.metrics.finished_time for o in outs)
     decode_s = max(last - first, 1e-9)
     out = {"batch": batch, "tok_s": batch * (new_tokens - 1) / decode_s,
            "ms_per_step": 1000 * decode_s / max(steps - 1, 1), "steps": steps,
            "tokens_per_step": batch * (new_tokens - 1) / max(steps - 1, 1)}  # after the prefill step
-    spec = llm.engine.config.speculative
-    if spec is not None:
-        counters = spec_counters(before, llm.get_stats(), spec.num_speculative_tokens)
+    k = probe.num_speculative_tokens(llm)
+    if k is not None:
+        counters = spec_counters(before, llm.get_stats(), k)
         out["mean_acceptance_length"] = counters["mean_acceptance_length"]
     return out
 
@@ -103,13 +89,8 @@ def decode_tok_s(llm: LLM, batch: int, prompt_len: int = 128, new_tokens: int = 
 def decode_sync_tok_s(llm: LLM, batch: int, **kw) -> dict:
     """decode_tok_s with decoding one step ahead switched off: the synchronous engine (each step
     waits for its tokens before the host schedules the next), for the before/after."""
-    pipeline = llm.engine.runner.pipeline  # without a drafter its only device step is decode ahead
-    saved = pipeline.queue_ahead, pipeline.kinds
-    pipeline.queue_ahead, pipeline.kinds = False, []
-    try:
+    with probe.queue_ahead_off(llm):
         return decode_tok_s(llm, batch, **kw)
-    finally:
-        pipeline.queue_ahead, pipeline.kinds = saved
 
 
 def save() -> None:
@@ -141,11 +122,10 @@ def section(name):
 @section("llama_baseline")
 def llama_baseline(batches):
     llm = make_llm(f"{CONFIGS}/llama-3.1-8b")
-    runner = llm.engine.runner
     out = {"decode": [decode_tok_s(llm, b) for b in batches]}  # one step ahead (async_scheduling)
     out["decode_sync"] = [decode_sync_tok_s(llm, b) for b in (batches[0], batches[-1])]
-    out["decode_graph_ms_b1"] = graph_ms(runner, (1, 1))
-    out["warm_up_s"] = llm.engine.warm_up_seconds  # start-up dummy requests (Triton compiles)
+    out["decode_graph_ms_b1"] = graph_ms(llm, (1, 1))
+    out["warm_up_s"] = probe.warm_up_seconds(llm)  # start-up dummy requests (Triton compiles)
     # Wall time per step beyond a lone replay of the graph (which includes its own launch). Without
     # the step ahead the GPU waits for the host every step: that difference is the host's work per
     # step. With it the host's work hides behind the GPU, and the difference is what the device
@@ -160,7 +140,7 @@ def llama_baseline(batches):
 def llama_small_m_off():
     """The same graphs with every linear on cuBLAS: the small-M GEMM's before/after."""
     llm = make_llm(f"{CONFIGS}/llama-3.1-8b", small_m_gemm="off", max_num_seqs=4)
-    out = {"decode_graph_ms_b1": graph_ms(llm.engine.runner, (1, 1)), "decode": decode_tok_s(llm, 1)}
+    out = {"decode_graph_ms_b1": graph_ms(llm, (1, 1)), "decode": decode_tok_s(llm, 1)}
     free(llm)
     return out
 
@@ -203,7 +183,7 @@ def default_family():
             draft_s = s["draft_time_s"] - before["draft_time_s"]
             target_s = s["target_time_s"] - before["target_time_s"]
             rows[method] = {"tok_s": tokens / seconds, "tokens": tokens, "per_prompt_ms": per_prompt_ms, "warmup_ms": warmup_ms,
-                            "engine_warm_up_s": llm.engine.warm_up_seconds,
+                            "engine_warm_up_s": probe.warm_up_seconds(llm),
                             "draft_time_share": draft_s / (draft_s + target_s),
                             "mean_acceptance_length": None if spec is None else
                             spec_counters(before, s, 3)["mean_acceptance_length"]}
@@ -228,25 +208,15 @@ def llama_eagle3(batches, mean_length=2.93):
     spec = {"method": "eagle3", "model": f"{CONFIGS}/llama-3.1-8b-eagle3", "num_speculative_tokens": 3,
             "simulate_acceptance": {"mean_acceptance_length": mean_length}}
     llm = make_llm(f"{CONFIGS}/llama-3.1-8b", spec)
-    runner = llm.engine.runner
     # Each replay timed on inputs prepared for its own query length (the buffers otherwise hold
     # the last capture's, q = 4: a bare decode replay then ran 4 rows through 1-row tensors).
-    out = {"decode_graph_ms_b1": graph_ms(runner, (1, 1)), "verify4_graph_ms_b1": graph_ms(runner, (1, 4))}
+    out = {"decode_graph_ms_b1": graph_ms(llm, (1, 1)), "verify4_graph_ms_b1": graph_ms(llm, (1, 4))}
     out["verify_over_decode"] = out["verify4_graph_ms_b1"] / out["decode_graph_ms_b1"]
-    # One EAGLE3 chain step at batch 1 (eager), against the decode forward.
-    proposer = runner.proposer
-    hidden = proposer.head.hidden_size
-    table = torch.arange(8, dtype=torch.int32, device="cuda")[None]
-    meta = catch_up_metadata([100], [1], table, runner.cache_plan.block_size, proposer.draft_block_size)
-    tok = torch.tensor([5], device="cuda")
-    pos = torch.tensor([100], device="cuda")
-    state = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
-    with torch.inference_mode():
-        out["draft_step_eager_ms_b1"] = event_ms(lambda: proposer.chain_step(tok, pos, meta, state))
+    # One EAGLE3 chain step at batch 1 (eager, one token after 100), against the decode forward.
+    out["draft_step_eager_ms_b1"] = probe.draft_chain_step_ms(llm, context_len=100)
     # The graphed draft loop (catch-up + k - 1 chained steps, what a greedy verify step runs):
     # per draft step = loop / k.
-    loop = runner.draft_graphs.graphs[1].graph
-    out["draft_loop_graph_ms_b1"] = event_ms(loop.replay)
+    out["draft_loop_graph_ms_b1"] = probe.draft_loop_replay_ms(llm, 1)
     out["draft_step_ms_b1"] = out["draft_loop_graph_ms_b1"] / 3
     out["draft_over_decode"] = out["draft_step_ms_b1"] / out["decode_graph_ms_b1"]
     out["spec"] = [decode_tok_s(llm, b) for b in batches]
@@ -266,25 +236,16 @@ def v2_lite_folder(mtp: bool) -> str:
     return folder
 
 
-def active_bytes(model, config) -> int:
-    """Weights read per token at batch 1: everything but the routed experts not selected."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    embed = model.get_input_embeddings().weight
-    total -= embed.numel() * embed.element_size()  # one row is read, not the table
-    experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
-    routed, shared = config["n_routed_experts"], config.get("n_shared_experts", 0)
-    experts = experts * routed / (routed + shared)  # the shared experts sit packed after the routed
-    unused = experts * (routed - config["num_experts_per_tok"]) / routed
-    return int(total - unused)
-
-
 @section("deepseek_v2_lite")
 def deepseek_v2_lite(bandwidth_bytes_s: float):
     llm = make_llm(v2_lite_folder(False), max_num_seqs=4)
     out = decode_tok_s(llm, 1, new_tokens=64)
     out["tok_s_sync"] = decode_sync_tok_s(llm, 1, new_tokens=64)["tok_s"]
     config = json.load(open(f"{CONFIGS}/deepseek-v2-lite/config.json"))
-    out["active_bytes"] = active_bytes(llm.engine.runner.model, config)
+    # Weights read per token at batch 1: everything but the embedding table and the routed
+    # experts not selected.
+    out["active_bytes"] = probe.active_weight_bytes(llm, config["n_routed_experts"], config.get("n_shared_experts", 0),
+                                                    config["num_experts_per_tok"])
     out["roofline_tok_s"] = bandwidth_bytes_s / out["active_bytes"]
     out["fraction_of_roofline"] = out["tok_s"] / out["roofline_tok_s"]
     free(llm)
@@ -307,7 +268,7 @@ def deepseek_small_m():
     out = {}
     for mode in ("off", "auto"):
         llm = make_llm(v2_lite_folder(False), small_m_gemm=mode, max_num_seqs=4)
-        out[mode] = {"decode_graph_ms_b1": graph_ms(llm.engine.runner, (1, 1)), "decode": decode_tok_s(llm, 1, new_tokens=64)}
+        out[mode] = {"decode_graph_ms_b1": graph_ms(llm, (1, 1)), "decode": decode_tok_s(llm, 1, new_tokens=64)}
         free(llm)
         del llm
     return out
@@ -315,27 +276,39 @@ def deepseek_small_m():
 
 @section("bf16_agreement")
 def bf16_agreement():
-    from fixtures.checkpoints import write_qwen3, write_tokenizer
-    from fixtures.eagle3 import write_eagle3_head
+    return speculation_agreement("cuda", ("float32", "bfloat16"))
+
+
+def speculation_agreement(device: str, dtypes, num_prompts: int = 32, max_tokens: int = 96) -> dict:
+    """The share of prompts whose greedy output with each drafter (k=3) equals plain greedy on a
+    tiny random Qwen3, in each dtype."""
+    from foretell.bench.tiny_checkpoints import write_tiny_eagle3_head, write_tiny_qwen3
 
     root = tempfile.mkdtemp()
-    write_tokenizer(f"{root}/tok")
-    write_qwen3(f"{root}/qwen3", f"{root}/tok")
-    write_eagle3_head(f"{root}/head", f"{root}/qwen3", "eagle", draft_vocab_size=256, aux_layer_ids=[0, 1, 2])
-    prompts = [{"prompt_token_ids": [(13 * i + 7 * j * j) % 440 + 1 for j in range(60 + 9 * (i % 7))]} for i in range(32)]
-    params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
+    write_tiny_qwen3(f"{root}/qwen3")
+    write_tiny_eagle3_head(f"{root}/head", f"{root}/qwen3", draft_vocab_size=256, aux_layer_ids=[0, 1, 2])
+    prompts = [{"prompt_token_ids": [(13 * i + 7 * j * j) % 440 + 1 for j in range(60 + 9 * (i % 7))]}
+               for i in range(num_prompts)]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    engine = dict(device=device, num_kv_blocks=512, skip_tokenizer_init=True)
     out = {}
-    for dtype in ("float32", "bfloat16"):
-        plain = LLM(f"{root}/qwen3", device="cuda", dtype=dtype, num_kv_blocks=512).generate(prompts, params, use_tqdm=False)
+    for dtype in dtypes:
+        with LLM(f"{root}/qwen3", dtype=dtype, **engine) as llm:
+            plain = llm.generate(prompts, params, use_tqdm=False)
         for method, model in (("eagle3", f"{root}/head"), ("draft_model", f"{root}/qwen3"), ("ngram", None)):
             spec = {"method": method, "num_speculative_tokens": 3}
             if model:
                 spec["model"] = model
-            llm = LLM(f"{root}/qwen3", device="cuda", dtype=dtype, num_kv_blocks=512, speculative_config=spec)
-            got = llm.generate(prompts, params, use_tqdm=False)
+            with LLM(f"{root}/qwen3", dtype=dtype, speculative_config=spec, **engine) as llm:
+                got = llm.generate(prompts, params, use_tqdm=False)
             same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(plain, got))
             out[f"{dtype}_{method}_match_fraction"] = same / len(prompts)
     return out
+
+
+SECTIONS = ("llama_baseline", "llama_eagle3", "llama_small_m_off", "default_family", "bf16_agreement",
+            "llama_eager_b1", "deepseek_v2_lite", "deepseek_small_m")
+OPT_IN = {"deepseek_small_m"}  # experiments, run only when named
 
 
 def main() -> None:
@@ -347,6 +320,9 @@ def main() -> None:
     parser.add_argument("--small-m-gemm", choices=["auto", "on", "off"],
                         help="few-row linears for every engine here (default: the engine's default)")
     args = parser.parse_args()
+    if args.only and set(args.only.split(",")) - set(SECTIONS):
+        parser.error(f"--only: unknown sections {sorted(set(args.only.split(',')) - set(SECTIONS))}; "
+                     f"known: {', '.join(SECTIONS)}")
     os.makedirs(args.out, exist_ok=True)
     if args.small_m_gemm:
         ENGINE_DEFAULTS["small_m_gemm"] = args.small_m_gemm
@@ -359,11 +335,8 @@ def main() -> None:
                 "llama_small_m_off": llama_small_m_off, "default_family": default_family,
                 "bf16_agreement": bf16_agreement, "llama_eager_b1": llama_eager,
                 "deepseek_v2_lite": lambda: deepseek_v2_lite(args.bandwidth), "deepseek_small_m": deepseek_small_m}
-    opt_in = {"deepseek_small_m"}  # experiments, run only when named
-    chosen = args.only.split(",") if args.only else [name for name in sections if name not in opt_in]
-    unknown = set(chosen) - set(sections)
-    if unknown:
-        parser.error(f"--only: unknown sections {sorted(unknown)}; known: {', '.join(sections)}")
+    assert tuple(sections) == SECTIONS
+    chosen = args.only.split(",") if args.only else [name for name in sections if name not in OPT_IN]
     for name in chosen:
         sections[name]()
     save()

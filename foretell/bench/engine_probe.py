@@ -1,0 +1,142 @@
+"""What benchmarks measure inside a running engine, as public functions of an `LLM`: the one place
+that knows where the runner keeps its graphs, its step pipeline and its drafter, so that scripts
+(scripts/bench_gpu.py) do not reach into runner attributes themselves and a change to the runner
+breaks a tested function here rather than a GPU script found broken on the GPU.
+
+  target_graph_replay_ms(llm, num_seqs, query_len)   one bare replay of a captured target forward
+  draft_loop_replay_ms(llm, num_seqs)                 one replay of the captured draft loop
+  draft_chain_step_ms(llm)                            one eager chain step of the drafter, batch 1
+  queue_ahead_off(llm)                                a with-block running the synchronous engine
+  engine_step_count(llm), warm_up_seconds(llm), num_speculative_tokens(llm)
+  active_weight_bytes(llm, ...)                       weights a batch-1 token reads (MoE: the chosen)
+
+Every function works on a single-process engine (tensor_parallel_size 1); the graph timers need
+CUDA graphs (a CUDA device, enforce_eager off) and say so otherwise. Times are medians of CUDA
+events (foretell.bench.kernels.timing.time_kernel).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+from foretell.bench.kernels.timing import time_kernel
+
+
+def _runner(llm) -> Any:
+    from foretell.runner.model_runner import ModelRunner
+
+    runner = llm.engine.runner
+    if not isinstance(runner, ModelRunner):
+        raise ValueError(f"engine probes need a single-process engine (tensor_parallel_size 1); this engine "
+                         f"runs a {type(runner).__name__}")
+    return runner
+
+
+def _graphs(llm) -> Any:
+    graphs = _runner(llm).graphs
+    if graphs is None:
+        raise ValueError("this engine captured no CUDA graphs: graph timings need device='cuda' and "
+                         "enforce_eager=False")
+    return graphs
+
+
+def _event_ms(fn, device: torch.device, iters: int, warmup: int) -> float:
+    return time_kernel(fn, device, warmup=warmup, iters=iters).median_us / 1e3
+
+
+def target_graph_replay_ms(llm, num_seqs: int, query_len: int, context_len: int = 256, iters: int = 50,
+                           warmup: int = 5) -> float:
+    """Device time of one bare replay of the target graph for num_seqs sequences of query_len
+    tokens over a context of context_len, its inputs prepared for that query length."""
+    graphs = _graphs(llm)
+    key = (num_seqs, query_len)
+    if key not in graphs.graphs:
+        raise ValueError(f"no target graph for (num_seqs, query_len) = {key}; captured: {sorted(graphs.graphs)}")
+    graphs.prepare_replay(key, context_len)
+    return _event_ms(graphs.graphs[key].graph.replay, _runner(llm).device, iters, warmup)
+
+
+def draft_loop_replay_ms(llm, num_seqs: int = 1, iters: int = 50, warmup: int = 5) -> float:
+    """Device time of one replay of the captured draft loop (catch-up + k - 1 chained steps, what
+    a greedy verify step drafts with) for num_seqs sequences."""
+    draft_graphs = _runner(llm).draft_graphs
+    if draft_graphs is None or not draft_graphs.graphs:
+        raise ValueError("this engine has no captured draft loop: it needs a drafter with a graphed loop "
+                         "(eagle3, mtp, draft_model) on CUDA with enforce_eager=False")
+    if num_seqs not in draft_graphs.graphs:
+        raise ValueError(f"no draft-loop graph for {num_seqs} sequences; captured: {sorted(draft_graphs.graphs)}")
+    return _event_ms(draft_graphs.graphs[num_seqs].graph.replay, _runner(llm).device, iters, warmup)
+
+
+def draft_chain_step_ms(llm, context_len: int = 100, iters: int = 50, warmup: int = 5) -> float:
+    """Time of one eager chain step of an EAGLE3 head at batch 1 (one token after context_len),
+    launch costs included."""
+    from foretell.spec_decode.eagle3 import Eagle3Proposer
+    from foretell.spec_decode.proposer import catch_up_metadata
+
+    runner = _runner(llm)
+    proposer = runner.proposer
+    if not isinstance(proposer, Eagle3Proposer):
+        raise ValueError("draft_chain_step_ms times an EAGLE3 head; this engine drafts with "
+                         f"{type(proposer).__name__ if proposer is not None else 'no drafter'}")
+    head = proposer.head
+    device = runner.device
+    table = torch.arange(8, dtype=torch.int32, device=device)[None]  # [1, 8] blocks
+    meta = catch_up_metadata([context_len], [1], table, runner.cache_plan.block_size, proposer.draft_block_size)
+    token = torch.tensor([5], device=device)
+    position = torch.tensor([context_len], device=device)
+    state = torch.randn(1, head.hidden_size, device=device, dtype=runner.dtype)  # [1, hidden]
+    with torch.inference_mode():
+        return _event_ms(lambda: proposer.chain_step(token, position, meta, state), device, iters, warmup)
+
+
+@contextlib.contextmanager
+def queue_ahead_off(llm) -> Iterator[None]:
+    """Inside the block the engine launches nothing ahead: each step waits for its tokens before
+    the host schedules the next (the synchronous engine, for before/after figures)."""
+    pipeline = _runner(llm).pipeline
+    saved = pipeline.queue_ahead, pipeline.kinds
+    pipeline.queue_ahead, pipeline.kinds = False, []
+    try:
+        yield
+    finally:
+        pipeline.queue_ahead, pipeline.kinds = saved
+
+
+def engine_step_count(llm) -> int:
+    """Engine steps run so far (prefill chunks, decode and verify steps)."""
+    return int(llm.get_stats()["num_steps"])
+
+
+def warm_up_seconds(llm) -> float:
+    """Seconds the engine's start-up warm-up requests took (Triton compilations)."""
+    return float(llm.engine.warm_up_seconds)
+
+
+def num_speculative_tokens(llm) -> int | None:
+    """k of the engine's drafter, None without one."""
+    spec = llm.engine.config.speculative
+    return None if spec is None else spec.num_speculative_tokens
+
+
+def active_weight_bytes(llm, num_routed_experts: int = 0, num_shared_experts: int = 0,
+                        experts_per_token: int = 0) -> int:
+    """Weight bytes one token reads at batch 1: every parameter but the embedding table (one row
+    is read) and, in an MoE model, the routed experts it does not choose. The experts' parameters
+    are the ones named `.experts.`, the shared experts packed after the routed ones."""
+    if num_routed_experts and not 1 <= experts_per_token <= num_routed_experts:
+        raise ValueError(f"experts_per_token must be in [1, num_routed_experts={num_routed_experts}], "
+                         f"got {experts_per_token}")
+    model = _runner(llm).model
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.get_input_embeddings().weight
+    total -= embed.numel() * embed.element_size()
+    if not num_routed_experts:
+        return int(total)
+    experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+    routed = experts * num_routed_experts / (num_routed_experts + num_shared_experts)
+    unused = routed * (num_routed_experts - experts_per_token) / num_routed_experts
+    return int(total - unused)

@@ -1,0 +1,100 @@
+"""foretell.bench.engine_probe and foretell.bench.tiny_checkpoints on the CPU: the tiny checkpoints
+load and speculation on them reproduces plain greedy decoding; the probes count steps, switch the
+step pipeline off and back, time an EAGLE3 chain step, count active weight bytes from the written
+file, and refuse what needs CUDA graphs with a clear error. (scripts/bench_gpu.py runs them on the GPU.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from foretell import LLM, SamplingParams
+from foretell.bench import engine_probe as probe
+from foretell.bench.tiny_checkpoints import write_tiny_eagle3_head, write_tiny_qwen3
+
+PROMPTS = [{"prompt_token_ids": [(13 * i + 7 * j * j) % 440 + 1 for j in range(20 + 5 * i)]} for i in range(3)]
+PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    target = write_tiny_qwen3(str(root / "qwen3"))
+    head = write_tiny_eagle3_head(str(root / "head"), target, draft_vocab_size=256, aux_layer_ids=[0, 1, 2])
+    return target, head
+
+
+def make_llm(target, spec=None):
+    return LLM(target, device="cpu", dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64,
+               speculative_config=spec, log_stats_interval_s=0)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny):
+    with make_llm(tiny[0]) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def eagle3(tiny):
+    with make_llm(tiny[0], {"method": "eagle3", "model": tiny[1], "num_speculative_tokens": 2}) as llm:
+        yield llm
+
+
+def tokens(llm):
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+
+
+def test_tiny_checkpoints_load_and_speculation_matches_plain_greedy(plain, eagle3):
+    expected = tokens(plain)
+    assert all(len(t) == 12 for t in expected)
+    assert len({tuple(t) for t in expected}) > 1  # the random model does not collapse to one output
+    assert tokens(eagle3) == expected
+    assert eagle3.get_stats()["num_drafts"] > 0
+
+
+def test_tiny_head_rejects_a_draft_vocab_larger_than_the_target(tiny, tmp_path):
+    with pytest.raises(ValueError, match="draft_vocab_size must be in"):
+        write_tiny_eagle3_head(str(tmp_path / "bad"), tiny[0], draft_vocab_size=513, aux_layer_ids=[0])
+
+
+def test_step_count_and_engine_facts(plain, eagle3):
+    before = probe.engine_step_count(plain)
+    plain.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert probe.engine_step_count(plain) - before == 5  # one prefill step (its first token) + 4 decode steps
+    assert probe.num_speculative_tokens(plain) is None and probe.num_speculative_tokens(eagle3) == 2
+    assert probe.warm_up_seconds(plain) >= 0.0
+
+
+def test_queue_ahead_off_restores_the_pipeline(plain):
+    pipeline = plain.engine.runner.pipeline
+    saved = pipeline.queue_ahead, list(pipeline.kinds)
+    expected = tokens(plain)
+    with probe.queue_ahead_off(plain):
+        assert pipeline.queue_ahead is False and pipeline.kinds == []
+        assert tokens(plain) == expected
+    assert (pipeline.queue_ahead, pipeline.kinds) == saved
+
+
+def test_draft_chain_step_is_timed_and_needs_an_eagle3_head(plain, eagle3):
+    assert probe.draft_chain_step_ms(eagle3, iters=3, warmup=1) > 0
+    with pytest.raises(ValueError, match="times an EAGLE3 head"):
+        probe.draft_chain_step_ms(plain)
+
+
+def test_graph_timers_say_they_need_cuda_graphs(plain, eagle3):
+    with pytest.raises(ValueError, match="captured no CUDA graphs"):
+        probe.target_graph_replay_ms(plain, 1, 1)
+    with pytest.raises(ValueError, match="no captured draft loop"):
+        probe.draft_loop_replay_ms(eagle3, 1)
+
+
+def test_active_weight_bytes_counts_the_checkpoint_less_its_embedding(plain, tiny):
+    from safetensors.torch import load_file
+
+    state = load_file(f"{tiny[0]}/model.safetensors")
+    values = sum(t.numel() for k, t in state.items() if k != "model.embed_tokens.weight")
+    kv_scales = 2 * 4  # each of the 4 layers keeps a k and a v cache scale as parameters
+    assert probe.active_weight_bytes(plain) == (values + kv_scales) * 4  # float32 engine
+    with pytest.raises(ValueError, match="experts_per_token must be in"):
+        probe.active_weight_bytes(plain, num_routed_experts=8, experts_per_token=9)
