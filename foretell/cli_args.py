@@ -31,6 +31,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "pt", "dummy"],
                    help="dummy: random weights from config.json alone (benchmarks at real sizes)")
+    g.add_argument("--quantization", choices=["fp8"],
+                   help="fp8: quantize a float checkpoint's linears and experts at load into FP8 128x128 "
+                        "blocks (FP8 and int4 checkpoints are detected from their config.json)")
     g.add_argument("--max-model-len", type=int,
                    help="longest prompt + output in tokens (default: the model's context length)")
     g.add_argument("--seed", type=int, default=0, help="seed of the engine's random draws")
@@ -158,7 +161,7 @@ def speculative_config_from_args(args: argparse.Namespace) -> dict[str, Any] | N
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     names = [
         "revision", "tokenizer_revision", "download_dir",
-        "tokenizer", "dtype", "device", "load_format", "max_model_len", "seed", "attention_backend",
+        "tokenizer", "dtype", "device", "load_format", "quantization", "max_model_len", "seed", "attention_backend",
         "enforce_eager", "small_m_gemm", "warm_up", "num_cpu_threads", "skip_tokenizer_init", "block_size", "kv_cache_memory_bytes", "gpu_memory_utilization",
         "num_kv_blocks", "kv_cache_dtype", "enable_prefix_caching", "max_num_seqs", "max_num_batched_tokens",
         "enable_chunked_prefill", "async_scheduling", "tensor_parallel_size", "enable_expert_parallel",

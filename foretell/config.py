@@ -30,6 +30,10 @@ class ModelConfig:
     dtype: str = "auto"  # auto | bfloat16 | float16 | float32
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     load_format: str = "auto"  # auto | safetensors | pt | dummy
+    # "fp8": a float checkpoint's linears (and MoE experts) quantized at load into FP8 128x128
+    # blocks, read in 8 bits. None: as the checkpoint ships (FP8 and int4 checkpoints are
+    # detected from config.json's quantization_config and kept in their precision either way).
+    quantization: str | None = None
     max_model_len: int | None = None
     seed: int = 0
     # Hub ids (model_source.py): the branch, tag or commit of the model and of the tokenizer, and
@@ -66,6 +70,8 @@ class ModelConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.quantization is not None and self.quantization not in ("fp8",):
+            raise ValueError(f"quantization must be None or 'fp8', got {self.quantization!r}")
         if self.num_cpu_threads is not None and self.num_cpu_threads < 1:
             raise ValueError(f"num_cpu_threads must be >= 1, got {self.num_cpu_threads}")
         if self.attention_backend not in ("auto", "torch", "triton"):

@@ -7,21 +7,26 @@ and saying exactly what is wrong when a checkpoint does not fit the model.
 
 Reading is in one place, `iter_checkpoint_tensors`, which yields (key, tensor, file) from
 safetensors (single or sharded with model.safetensors.index.json) or pytorch_model.bin (single or
-sharded). It also dequantizes FP8 block-quantized weights as DeepSeek-V3/R1 and Kimi-K2 ship them:
+sharded). It pairs FP8 block-quantized weights as DeepSeek-V3/R1 and Kimi-K2 ship them,
 `X.weight` (float8) with `X.weight_scale_inv` (float32, [ceil(out/b0), ceil(in/b1)], blocks
-`quantization_config.weight_block_size`, default 128 x 128) become one float32 `X.weight` equal
-to each block times its scale, wherever the two sit in the shards; models never see scales. An
-FP8 matmul path would call it with dequantize_fp8=False and load both tensors itself.
+`quantization_config.weight_block_size`, default 128 x 128), wherever the two sit in the shards.
+The model decides what becomes of a pair by its parameters: where it holds the weight in FP8
+(an FP8 layer, layers/linear.py, or FP8 experts, layers/moe.py) both tensors are loaded as they
+are, bit for bit; where it holds a float parameter (a layer kept in the model dtype, MLA's
+kv_b_proj, a model built without its quantization) the pair becomes one float32 `X.weight` equal
+to each block times its scale.
 
 Under tensor parallelism a parameter holding one rank's part of a checkpoint tensor says which
 part through `param.rank_slices` (shard id -> RankSlice, layers/linear.py). The loader hands its
-weight_loader only that part: from safetensors it reads only those bytes (get_slice), elsewhere
-(.bin files, FP8 tensors dequantized whole) it cuts the part from the whole tensor. The whole
-tensor's shape is checked either way.
+weight_loader only that part: from safetensors it reads only those bytes (get_slice; FP8 weights
+kept in FP8 and their scales too, the layer having checked that the cut falls on block
+boundaries), elsewhere (.bin files, FP8 tensors dequantized whole) it cuts the part from the
+whole tensor. The whole tensor's shape is checked either way.
 
 `load_format="dummy"` reads no file: every parameter gets deterministic random values (normal,
-std 0.02, seeded per parameter name), and parameters that declare `dummy_value` (norm weights)
-are filled with it.
+std 0.02 or the parameter's `dummy_std`, seeded per parameter name), parameters that declare
+`dummy_value` (norm weights, FP8 scales) are filled with it, and integer ones are zero, or random
+bits where they declare `dummy_random_bits` (packed int4 weights).
 """
 
 from __future__ import annotations
@@ -190,19 +195,22 @@ def iter_checkpoint_tensors(
     dequantize_fp8: bool = True,
     skip: Callable[[str], bool] | None = None,
     cut: Cut | None = None,
+    keep_fp8: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor, str]]:
     """Yield (checkpoint key, CPU tensor, file path) for every tensor of a checkpoint.
 
     With an index, each shard must hold the keys the index assigns to it. With dequantize_fp8,
     an FP8 `X.weight` and its `X.weight_scale_inv` are yielded once, as a float32 `X.weight`
-    (the file is the one that held the second of the two). Keys for which skip(key) is true are
+    (the file is the one that held the second of the two), unless keep_fp8(`X.weight`) says the
+    model holds that weight in FP8: then both are yielded as they are (and still checked to come
+    in pairs). Keys for which skip(key) is true are
     neither read nor yielded (a target ignoring MTP layers, a drafter taking one layer).
     Safetensors tensors for which cut(...) gives a RankSlice are read as that part only (a
     .bin file's tensors are yielded whole: the caller cuts them).
     """
     fmt, files = find_weight_files(folder, load_format)
     read = _iter_safetensors if fmt == "safetensors" else _iter_pt
-    fp8 = _Fp8Pairing(folder) if dequantize_fp8 else None
+    fp8 = _Fp8Pairing(folder, keep_fp8) if dequantize_fp8 else None
     skip = skip or (lambda key: False)
     for path, expected_keys in files:
         seen = set()
@@ -266,11 +274,14 @@ def dequantize_fp8_blocks(
 class _Fp8Pairing:
     """Holds an FP8 weight or a scale until its partner arrives (possibly from another shard)."""
 
-    def __init__(self, folder: str):
+    def __init__(self, folder: str, keep: Callable[[str], bool] | None = None):
         self.folder = folder
+        self.keep = keep or (lambda key: False)
         self._block: tuple[int, int] | None = None
         self.weights: dict[str, tuple[torch.Tensor, str]] = {}
         self.scales: dict[str, tuple[torch.Tensor, str]] = {}
+        self.kept_weights: dict[str, str] = {}  # weight key -> file, yielded as FP8 (scale not seen yet)
+        self.kept_scales: set[str] = set()  # weight keys whose scale was yielded (weight not seen yet)
 
     @property
     def block(self) -> tuple[int, int]:
@@ -281,12 +292,22 @@ class _Fp8Pairing:
     def add(self, key: str, tensor: torch.Tensor, path: str) -> list[tuple[str, torch.Tensor]]:
         if key.endswith(".weight" + FP8_SCALE_SUFFIX):
             weight_key = key[: -len(FP8_SCALE_SUFFIX)]
+            if self.keep(weight_key):
+                if self.kept_weights.pop(weight_key, None) is None:
+                    self.kept_scales.add(weight_key)
+                return [(key, tensor)]
             if weight_key in self.weights:
                 weight, _ = self.weights.pop(weight_key)
                 return [(weight_key, self._dequantize(weight_key, weight, tensor, path))]
             self.scales[weight_key] = (tensor, path)
             return []
         if tensor.dtype in FP8_DTYPES:
+            if self.keep(key):
+                if key in self.kept_scales:
+                    self.kept_scales.discard(key)
+                else:
+                    self.kept_weights[key] = path
+                return [(key, tensor)]
             if key in self.scales:
                 scale, _ = self.scales.pop(key)
                 return [(key, self._dequantize(key, tensor, scale, path))]
@@ -309,16 +330,17 @@ class _Fp8Pairing:
         return dequantize_fp8_blocks(weight, scale, (b0, b1))
 
     def check_complete(self) -> None:
-        if self.weights:
-            keys = sorted(self.weights)
+        unpaired = {key: path for key, (_, path) in self.weights.items()} | self.kept_weights
+        if unpaired:
+            keys = sorted(unpaired)
             raise CheckpointError(
                 f"checkpoint in {self.folder} has FP8 tensor(s) without a "
                 f"'{FP8_SCALE_SUFFIX}' scale: {_list_names(keys)} (in "
-                f"{os.path.basename(self.weights[keys[0]][1])}); foretell reads block-quantized "
+                f"{os.path.basename(unpaired[keys[0]])}); foretell reads block-quantized "
                 f"FP8 (weight + weight_scale_inv) only"
             )
-        if self.scales:
-            keys = sorted(k + FP8_SCALE_SUFFIX for k in self.scales)
+        if self.scales or self.kept_scales:
+            keys = sorted(k + FP8_SCALE_SUFFIX for k in set(self.scales) | self.kept_scales)
             raise CheckpointError(
                 f"checkpoint in {self.folder} has scale(s) without an FP8 weight: "
                 f"{_list_names(keys)}"
@@ -384,9 +406,13 @@ def load_weights(
         param = params.get(name)
         return None if param is None else getattr(param, "rank_slices", {}).get(shard)
 
+    def keep_fp8(key: str) -> bool:  # the model holds this FP8 weight as it is
+        param = params.get(_map_name(key, rules)[0])
+        return param is not None and param.dtype in FP8_DTYPES
+
     def cut(key: str, shape: tuple[int, ...], dtype: str, path: str) -> RankSlice | None:
         part = rank_slice(*_map_name(key, rules))
-        if part is None or dtype.startswith("F8"):  # FP8: dequantized whole with its block scales, then cut
+        if part is None or (dtype.startswith("F8") and not keep_fp8(key)):  # dequantized whole, then cut
             return None
         try:
             part.check_full_shape(shape)
@@ -398,7 +424,7 @@ def load_weights(
 
     any_cut = any(getattr(p, "rank_slices", None) for p in params.values())
     for key, tensor, path in iter_checkpoint_tensors(folder, load_format, skip=is_ignored,
-                                                     cut=cut if any_cut else None):
+                                                     cut=cut if any_cut else None, keep_fp8=keep_fp8):
         if not files or files[-1] != path:
             files.append(path)
         name, shard = _map_name(key, rules)
@@ -465,6 +491,10 @@ def fill_dummy_weights(model: nn.Module, seed: int = 0) -> None:
             generator = torch.Generator(device=param.device).manual_seed(mixed)
             if param.dtype.is_floating_point:
                 values = torch.randn(param.shape, generator=generator, device=param.device)
-                param.copy_(values.mul_(DUMMY_STD))
+                param.copy_(values.mul_(getattr(param, "dummy_std", DUMMY_STD)))
+            elif getattr(param, "dummy_random_bits", False):
+                info = torch.iinfo(param.dtype)
+                param.copy_(torch.randint(info.min, info.max, param.shape, generator=generator,
+                                          device=param.device, dtype=param.dtype))
             else:
                 param.zero_()

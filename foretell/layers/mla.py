@@ -131,9 +131,11 @@ class MLAAttention(nn.Module):
         dtype=None,
         device=None,
         tp: TensorParallel | None = None,
+        fp8_block: tuple[int, int] | None = None,  # FP8 projections (kv_b_proj stays float: the absorbed form reads it)
     ):
         super().__init__()
         kw = dict(dtype=dtype, device=device)
+        fp8 = dict(kw, fp8_block=fp8_block)
         tp = tp or TensorParallel()
         input_size = input_size or dims.hidden_size
         self.full_dims = dims
@@ -144,10 +146,10 @@ class MLAAttention(nn.Module):
         # q_proj (or q_a_proj with a q LoRA) and kv_a_proj_with_mqa read the same input: one
         # matmul, shards 0 and 1 (at batch 1 the 576-row kv_a alone took as long as q_proj).
         self.q_size = dims.q_lora_rank or q_out
-        self.fused_qkv_a_proj = MergedLinear(input_size, [self.q_size, dims.latent_dim], bias, **kw)
+        self.fused_qkv_a_proj = MergedLinear(input_size, [self.q_size, dims.latent_dim], bias, **fp8)
         if not dims.q_lora_rank:  # q_proj's rows of this rank's heads; kv_a whole
             q_slice = {0: RankSlice(0, first_head * dims.qk_head_dim, q_out, self.full_dims.num_heads * dims.qk_head_dim)}
-            set_rank_slices(self.fused_qkv_a_proj.weight, q_slice, tp)
+            self.fused_qkv_a_proj.set_weight_rank_slices(q_slice, tp)
             set_rank_slices(self.fused_qkv_a_proj.bias, q_slice, tp)
         if bias and not dims.q_lora_rank:  # HF's q_proj has no bias: that slice stays zero
             with torch.no_grad():
@@ -156,12 +158,13 @@ class MLAAttention(nn.Module):
         if dims.q_lora_rank:
             self.q_a_layernorm = RMSNorm(dims.q_lora_rank, LATENT_NORM_EPS, **kw)
             self.q_b_proj = ColumnParallelLinear(dims.q_lora_rank, self.full_dims.num_heads * dims.qk_head_dim,
-                                                 tp=tp, **kw)
+                                                 tp=tp, **fp8)
         self.kv_a_layernorm = RMSNorm(dims.kv_lora_rank, LATENT_NORM_EPS, **kw)
         kv_b_per_head = dims.qk_nope_head_dim + dims.v_head_dim
         self.kv_b_proj = ColumnParallelLinear(dims.kv_lora_rank, self.full_dims.num_heads * kv_b_per_head, tp=tp, **kw)
+        self.kv_b_proj.quantizable = False  # the attention backends read its float weight
         self.o_proj = row_parallel_linear(
-            self.full_dims.num_heads * dims.v_head_dim, dims.hidden_size, bias, tp=tp, **kw
+            self.full_dims.num_heads * dims.v_head_dim, dims.hidden_size, bias, tp=tp, **fp8
         )
         self.rotary_emb = rotary_emb
         self.attn = LatentAttention(dims, scale, backend_name)

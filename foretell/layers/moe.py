@@ -12,8 +12,9 @@ On CUDA (triton installed, no autograd) ungrouped routing runs as one Triton ker
 (ops/moe/dispatch.py picks; `select_experts_triton` in ops/moe/triton_router.py).
 
 Experts are stored per expert in checkpoints (`mlp.experts.{e}.gate_proj.weight`, ...). They load
-into two packed parameters, `experts.gate_up_proj` [E + S, 2 * I, H] (shard (e, 0) gate, (e, 1)
-up) and `experts.down_proj` [E + S, H, I] (shard e), through `expert_weight_rules`. The S shared
+into packed parameters (layers/packed_experts.py: float, FP8 blocks or int4 as they ship),
+`experts.gate_up_proj` [E + S, 2 * I, H] (shard (e, 0) gate, (e, 1) up) and `experts.down_proj`
+[E + S, H, I] (shard e), through `expert_weight_rules`. The S shared
 experts (`mlp.shared_experts.*`, one MLP of S * I in the checkpoint) are cut into S experts of I
 packed after the routed ones, and the router appends them to every token's choice with weight 1:
 one grouped kernel pair then runs routed and shared experts together (on the H200 the shared MLP
@@ -36,6 +37,11 @@ returns a partial sum that ONE all-reduce per layer completes. Two ways to split
       experts'); the other ranks' experts are never read from the checkpoint
       (`other_ranks_experts_pattern`). No all-to-all: tokens are already on every rank.
 With one rank the layers are exactly the unsplit ones.
+
+Low precision (issue 25; `fp8_block` / `int4_group`, from ModelOptions): FP8 checkpoints hold the
+routed and shared experts (packed together) and the dense projections in FP8; int4 checkpoints
+(Kimi-K2.5) hold the routed experts in int4 and the shared experts in bf16, as `shared_experts`
+apart from the packed routed ones (their output is added by the expert kernels).
 """
 
 from __future__ import annotations
@@ -47,116 +53,10 @@ import torch
 from torch import nn
 
 from foretell.distributed.tensor_parallel import TensorParallel
-from foretell.layers.linear import (
-    Linear, MergedLinear, RankSlice, check_shape, make_param, row_parallel_linear, set_rank_slices,
-)
-from foretell.ops.moe.dispatch import fused_experts, route
+from foretell.layers.linear import Linear, MergedLinear, RankSlice, make_param, row_parallel_linear
+from foretell.layers.packed_experts import PackedExperts, expert_weight_rules  # noqa: F401 (models import them here)
+from foretell.ops.moe.dispatch import route
 from foretell.ops.moe.reference import RouterConfig
-from foretell.weight_rules import WeightRule
-
-class PackedExpertsLoader:
-    """weight_loader of the packed expert parameters: shard (e, j) fills rows j*I .. (j+1)*I of
-    expert e of gate_up_proj; shard e fills expert e of down_proj. The shared experts' tensors
-    (shard ("shared", j) of gate_up_proj: [num_shared * I, H]; "shared" of down_proj:
-    [H, num_shared * I]) are cut into num_shared experts of I, after the routed ones."""
-
-    def __init__(self, num_experts: int, parts: int, num_shared: int = 0, first_expert: int = 0):
-        self.num_experts = num_experts  # routed, held here
-        self.parts = parts
-        self.num_shared = num_shared
-        self.first_expert = first_expert  # the checkpoint's id of slot 0 (expert parallel)
-
-    def shard_ids(self) -> tuple[Any, ...]:
-        held = range(self.first_expert, self.first_expert + self.num_experts)
-        if self.parts == 1:
-            return tuple(held) + (("shared",) if self.num_shared else ())
-        routed = tuple((e, j) for e in held for j in range(self.parts))
-        return routed + tuple(("shared", j) for j in range(self.parts) if self.num_shared)
-
-    def __call__(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
-        if self.parts == 1:
-            expert, part = shard_id, 0
-        else:
-            expert, part = shard_id if isinstance(shard_id, tuple) else (None, None)
-        if expert == "shared" and self.num_shared and 0 <= part < self.parts:
-            return self._load_shared(param, loaded, part)
-        if isinstance(expert, int):
-            expert -= self.first_expert
-        if not isinstance(expert, int) or not 0 <= expert < self.num_experts or not 0 <= part < self.parts:
-            held = f" (from expert {self.first_expert})" if self.first_expert else ""
-            raise ValueError(f"packed experts parameter of {self.num_experts} experts{held} got shard {shard_id!r}")
-        rows = param.shape[1] // self.parts
-        check_shape(loaded, (rows, param.shape[2]), f"expert {expert}")
-        with torch.no_grad():
-            param[expert].narrow(0, part * rows, rows).copy_(loaded.to(param.dtype))
-
-    def _load_shared(self, param: nn.Parameter, loaded: torch.Tensor, part: int) -> None:
-        n, first = self.num_shared, self.num_experts
-        if self.parts == 1:  # down_proj [H, n * I]: expert c takes columns c*I ..
-            inter = param.shape[2]
-            check_shape(loaded, (param.shape[1], n * inter), "shared experts' down_proj")
-            with torch.no_grad():
-                for c in range(n):
-                    param[first + c].copy_(loaded[:, c * inter : (c + 1) * inter].to(param.dtype))
-            return
-        rows = param.shape[1] // self.parts  # gate_up [n * I, H] per part: expert c takes rows c*I ..
-        check_shape(loaded, (n * rows, param.shape[2]), f"shared experts' part {part}")
-        with torch.no_grad():
-            for c in range(n):
-                param[first + c].narrow(0, part * rows, rows).copy_(loaded[c * rows : (c + 1) * rows].to(param.dtype))
-
-
-def _packed_param(shape, parts: int, num_shared: int, dtype, device, first_expert: int = 0) -> nn.Parameter:
-    param = make_param(shape, dtype, device)
-    loader = PackedExpertsLoader(shape[0] - num_shared, parts, num_shared, first_expert)
-    param.weight_loader = loader
-    param.shard_ids = loader.shard_ids()
-    return param
-
-
-def _intermediate_slices(loader: PackedExpertsLoader, dim: int, inter: int, tp: TensorParallel) -> dict[Any, RankSlice]:
-    """shard id -> this rank's share of each checkpoint tensor's intermediate dim (rows of gate and
-    up, dim 0; columns of down, dim 1): I/n of a routed expert's I, S*I/n of the shared MLP's S*I."""
-    slices = {}
-    for shard_id in loader.shard_ids():
-        shared = shard_id == "shared" or (isinstance(shard_id, tuple) and shard_id[0] == "shared")
-        whole = inter * loader.num_shared if shared else inter
-        start, part = tp.even_shard(whole, "moe_intermediate_size")
-        slices[shard_id] = RankSlice(dim, start, part, whole)
-    return slices
-
-
-class PackedExperts(nn.Module):
-    """The routed experts, then `num_shared` shared experts of the same size, packed.
-
-    Tensor parallel: `first_expert` is the checkpoint id of the first routed expert held (expert
-    parallel: this rank's block), and with `split_over` (a TensorParallel of several ranks) each
-    expert holds this rank's share of intermediate_size (the whole expert's, given here)."""
-
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, num_shared: int = 0,
-                 *, first_expert: int = 0, split_over: TensorParallel | None = None, dtype=None, device=None):
-        super().__init__()
-        self.num_experts = num_experts  # routed, held here
-        self.num_shared = num_shared
-        slots = num_experts + num_shared
-        inter = intermediate_size
-        if split_over is not None and split_over.is_parallel:
-            inter = split_over.even_shard(intermediate_size, "moe_intermediate_size")[1]
-        self.gate_up_proj = _packed_param((slots, 2 * inter, hidden_size), 2, num_shared, dtype, device, first_expert)
-        self.down_proj = _packed_param((slots, hidden_size, inter), 1, num_shared, dtype, device, first_expert)
-        if split_over is not None and split_over.is_parallel:
-            for param, dim in ((self.gate_up_proj, 0), (self.down_proj, 1)):
-                slices = _intermediate_slices(param.weight_loader, dim, intermediate_size, split_over)
-                set_rank_slices(param, slices, split_over)
-
-    def forward(self, hidden, weights, ids, shared=None):  # [T, H], [T, k], [T, k], [T, H] -> [T, H]
-        """The routed experts' weighted sum plus `shared` (the shared experts' output), summed in
-        float32 and returned in hidden's dtype."""
-        return fused_experts(hidden, self.gate_up_proj, self.down_proj, weights, ids, shared)
-
-    def extra_repr(self) -> str:
-        _, two_i, h = self.gate_up_proj.shape
-        return f"experts={self.num_experts}, shared={self.num_shared}, hidden={h}, intermediate={two_i // 2}"
 
 
 class GatedMLP(nn.Module):
@@ -166,9 +66,9 @@ class GatedMLP(nn.Module):
     reduce=False this rank's partial sum (bias-free: the caller sums it with others)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, *, dtype=None, device=None,
-                 tp: TensorParallel | None = None, reduce: bool = True):
+                 tp: TensorParallel | None = None, reduce: bool = True, fp8_block: tuple[int, int] | None = None):
         super().__init__()
-        kw = dict(dtype=dtype, device=device)
+        kw = dict(dtype=dtype, device=device, fp8_block=fp8_block)
         tp = tp or TensorParallel()
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias, tp=tp, **kw)
         if reduce or not tp.is_parallel:
@@ -178,7 +78,7 @@ class GatedMLP(nn.Module):
                 raise ValueError("a partial (unreduced) MLP has no down_proj bias")
             start, part = tp.even_shard(intermediate_size, "the shared experts' intermediate size")
             self.down_proj = Linear(part, hidden_size, **kw)
-            set_rank_slices(self.down_proj.weight, {None: RankSlice(1, start, part, intermediate_size)}, tp)
+            self.down_proj.set_weight_rank_slices({None: RankSlice(1, start, part, intermediate_size)}, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
         return self.down_proj(self.gate_up_proj.forward_gated(x))  # silu(gate) * up: gate_up's epilogue
@@ -210,34 +110,40 @@ class MoE(nn.Module):
     expert parallelism the shared ones are `shared_experts` (see the module docstring)."""
 
     def __init__(self, config: RouterConfig, hidden_size: int, moe_intermediate_size: int, *, dtype=None, device=None,
-                 tp: TensorParallel | None = None, expert_parallel: bool = False):
+                 tp: TensorParallel | None = None, expert_parallel: bool = False,
+                 fp8_block: tuple[int, int] | None = None, int4_group: int | None = None):
         super().__init__()
         kw = dict(dtype=dtype, device=device)
+        quant = dict(fp8_block=fp8_block, int4_group=int4_group)
         self.tp = tp or TensorParallel()
         self.expert_parallel = expert_parallel and self.tp.is_parallel
         self.shared_experts = None
+        # Shared experts apart from the packed routed ones: under expert parallelism (their split
+        # differs) and beside int4 experts (the shared ones stay bf16).
+        shared_apart = self.expert_parallel or int4_group is not None
         if self.expert_parallel:
             self.first_expert, held = expert_shard(config.num_experts, self.tp)
-            self.gate = Router(replace(config, num_shared_experts=0), hidden_size, device=device)
-            self.experts = PackedExperts(held, hidden_size, moe_intermediate_size, first_expert=self.first_expert, **kw)
-            if config.num_shared_experts:
-                self.shared_experts = GatedMLP(hidden_size, config.num_shared_experts * moe_intermediate_size,
-                                               tp=self.tp, reduce=False, **kw)
+            self.experts = PackedExperts(held, hidden_size, moe_intermediate_size, first_expert=self.first_expert,
+                                         **kw, **quant)
         else:
-            self.gate = Router(config, hidden_size, device=device)
             self.experts = PackedExperts(config.num_experts, hidden_size, moe_intermediate_size,
-                                         config.num_shared_experts, split_over=self.tp, **kw)
+                                         0 if shared_apart else config.num_shared_experts, split_over=self.tp,
+                                         **kw, **quant)
+        self.gate = Router(replace(config, num_shared_experts=0) if shared_apart else config, hidden_size,
+                           device=device)
+        if shared_apart and config.num_shared_experts:
+            self.shared_experts = GatedMLP(hidden_size, config.num_shared_experts * moe_intermediate_size,
+                                           tp=self.tp, reduce=False, **kw,
+                                           fp8_block=fp8_block if int4_group is None else None)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        weights, ids = self.gate(hidden)  # [T, top_k + num_shared] each
-        if not self.tp.is_parallel:
-            return self.experts(hidden, weights, ids)
-        shared = None
+        weights, ids = self.gate(hidden)  # [T, top_k (+ num_shared when packed)] each
         if self.expert_parallel:
             weights, ids = self.own_pairs(weights, ids)
-            if self.shared_experts is not None:
-                shared = self.shared_experts(hidden)  # [T, H]: this rank's part of the shared MLP
-        return self.tp.all_reduce(self.experts(hidden, weights, ids, shared))  # [T, H]
+        # [T, H]: the shared MLP held apart (under TP this rank's part of it), added by the experts
+        shared = self.shared_experts(hidden) if self.shared_experts is not None else None
+        out = self.experts(hidden, weights, ids, shared)  # [T, H]
+        return self.tp.all_reduce(out) if self.tp.is_parallel else out
 
     def own_pairs(
         self, weights: torch.Tensor, ids: torch.Tensor  # [T, top_k] float32, int64 (global ids)
@@ -260,22 +166,3 @@ def other_ranks_experts_pattern(num_experts: int, tp: TensorParallel) -> str:
     first, held = expert_shard(num_experts, tp)
     own = "|".join(str(e) for e in range(first, first + held))
     return rf"\.mlp\.experts\.(?!(?:{own})\.)\d+\."
-
-
-def expert_weight_rules(pack_shared: bool = True) -> list[WeightRule]:
-    """Per-expert checkpoint tensors -> the packed parameters (match before the plain gate/up
-    rules, which would otherwise claim `experts.{e}.gate_proj`). With pack_shared False (expert
-    parallel) the shared experts are left to those plain rules (`shared_experts.gate_up_proj`)."""
-    shared = [
-        WeightRule(r"\.shared_experts\.gate_proj\.weight$", ".experts.gate_up_proj", ("shared", 0)),
-        WeightRule(r"\.shared_experts\.up_proj\.weight$", ".experts.gate_up_proj", ("shared", 1)),
-        WeightRule(r"\.shared_experts\.down_proj\.weight$", ".experts.down_proj", "shared"),
-    ]
-    return (shared if pack_shared else []) + [
-        WeightRule(r"\.experts\.(\d+)\.gate_proj\.weight$", ".experts.gate_up_proj",
-                   lambda m: (int(m.group(1)), 0)),
-        WeightRule(r"\.experts\.(\d+)\.up_proj\.weight$", ".experts.gate_up_proj",
-                   lambda m: (int(m.group(1)), 1)),
-        WeightRule(r"\.experts\.(\d+)\.down_proj\.weight$", ".experts.down_proj",
-                   lambda m: int(m.group(1))),
-    ]

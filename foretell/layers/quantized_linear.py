@@ -1,18 +1,17 @@
-"""A linear layer that keeps its weight in FP8 (issue 25): `weight` float8_e4m3fn [N, K] and its
-float32 scales, computed by ops/gemm/fp8_dispatch.fp8_linear (the few-row kernels for decode,
-verify and draft, the FP8 tensor-core GEMM for prefill on CUDA; the torch twin on CPU).
+"""FP8 weights in the model (issue 25): `quantize_model_fp8_`, what `quantization="fp8"` does to a
+loaded float model, and `Fp8Linear`, a standalone FP8 linear for callers outside the models.
 
-Two ways to fill one:
-  - from a block-quantized checkpoint (DeepSeek-V3/R1, Kimi-K2): parameters `weight` and
-    `weight_scale_inv` under the checkpoint's own names, each with a weight_loader, so the generic
-    loader copies them as they ship (it must be asked not to dequantize: iter_checkpoint_tensors
-    with dequantize_fp8=False);
-  - from a float weight at load (`quantization="fp8"` on a bf16 checkpoint): Fp8Linear.quantized,
-    one scale per output channel.
+The models' own layers hold FP8 themselves: Linear and its fused / tensor-parallel subclasses
+(layers/linear.py, `fp8_block`) and the packed experts (layers/packed_experts.py) take an FP8
+block-quantized checkpoint's `weight` + `weight_scale_inv` as they ship, and compute through
+ops/gemm/fp8_dispatch.fp8_linear and ops/moe/fp8_dispatch.fused_fp8_experts. `quantize_model_fp8_`
+turns a float model's linears and experts into that same layout after loading, so a bf16 Llama or
+Qwen3 runs the same kernels, reading half the bytes.
 
-Not wired into the models yet: the loader still dequantizes FP8 checkpoints to the model dtype by
-default, until the H200 measurements of issue 25 say when the FP8 path wins. Unfused, one rank
-(fused q/k/v and gate_up, and tensor-parallel slices of the blocks, are left to the wiring).
+Fp8Linear (unfused, one rank) keeps per-output-channel scales as an option (`block_size` None):
+  - from a block-quantized checkpoint: parameters `weight` and `weight_scale_inv` under the
+    checkpoint's own names, each with a weight_loader that copies them bit for bit;
+  - from a float weight: Fp8Linear.quantized, one scale per output channel.
 """
 
 from __future__ import annotations
@@ -22,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from foretell.layers.linear import check_shape, default_weight_loader
+from foretell.layers.linear import Linear, check_shape, default_weight_loader
+from foretell.layers.packed_experts import PackedExperts
 from foretell.ops.gemm.fp8_dispatch import fp8_linear
 from foretell.ops.gemm.fp8_reference import FP8_DTYPE, blocks, check_fp8_weight, quantize_fp8_per_channel
 
@@ -90,4 +90,20 @@ class Fp8Linear(nn.Module):
     def extra_repr(self) -> str:
         scales = "per channel" if self.block_size is None else f"{self.block_size[0]}x{self.block_size[1]} blocks"
         return f"in={self.input_size}, out={self.output_size}, fp8 e4m3, scales {scales}, bias={self.bias is not None}"
+
+
+@torch.no_grad()
+def quantize_model_fp8_(model: nn.Module, block: tuple[int, int] = (128, 128)) -> int:
+    """Every float Linear (but those marked not quantizable) and every float PackedExperts of a
+    loaded model into FP8 blocks of `block`, in place, one layer at a time (the float weight of
+    each is freed before the next is quantized). Returns how many layers were quantized."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, Linear) and module.quantizable and not module.is_fp8:
+            module.quantize_fp8_(block)
+            count += 1
+        elif isinstance(module, PackedExperts) and module.format == "float":
+            module.quantize_fp8_(block)
+            count += 1
+    return count
 

@@ -24,7 +24,7 @@ def small_m_layers(roots: Iterable[nn.Module]) -> list[tuple[nn.Module, torch.Te
     found = {}  # by id: a module reachable from two roots (a shared lm_head) is bound once
     for root in roots:
         for module in root.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, Linear) and not module.is_fp8:  # FP8 layers run their own kernels
                 found[id(module)] = (module, module.bias if module.bias_in_gemm else None)
             elif isinstance(module, LMHead):
                 found[id(module)] = (module, None)

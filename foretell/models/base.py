@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from foretell.distributed.tensor_parallel import TensorParallel
+from foretell.layers.quantization import QuantizedWeights
 from foretell.ops.attention.dispatch import AttentionBackend
 from foretell.weight_rules import WeightRule, WeightRules  # noqa: F401 (models import them from here)
 
@@ -42,6 +43,19 @@ class ModelOptions:
     # MoE layers partition their routed experts over the ranks instead of splitting each expert
     # (ParallelConfig.enable_expert_parallel); no effect with one rank or a dense model.
     expert_parallel: bool = False
+    # Low-precision weights (models/quantization.py decides from the checkpoint's
+    # quantization_config and ModelConfig.quantization); None: every weight in `dtype`.
+    quantization: QuantizedWeights | None = None
+
+    @property
+    def fp8_block(self) -> tuple[int, int] | None:
+        """The block of the FP8 linears and experts built as the checkpoint ships them, or None."""
+        return None if self.quantization is None else self.quantization.fp8_block
+
+    @property
+    def int4_group(self) -> int | None:
+        """The group size of int4 routed experts (compressed-tensors), or None."""
+        return None if self.quantization is None else self.quantization.int4_group
 
 
 def check_tensor_parallel_sizes(config: "HFConfig", tp: TensorParallel, sizes: dict[str, int]) -> None:

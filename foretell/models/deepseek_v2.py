@@ -32,6 +32,7 @@ from torch import nn
 from foretell.ops.attention.metadata import AttentionMetadata
 from foretell.layers.mla import MLAAttention, MLADims
 from foretell.layers.moe import GatedMLP, MoE, expert_weight_rules, other_ranks_experts_pattern
+from foretell.layers.packed_experts import INT4_SHAPE_KEYS
 from foretell.layers.vocab_parallel import vocab_embedding
 from foretell.ops.moe.reference import RouterConfig
 from foretell.layers.norm import RMSNorm
@@ -103,15 +104,17 @@ class DeepseekDecoderLayer(PreNormDecoderLayer):
         tp = options.tensor_parallel
         hidden = config.hidden_size
         eps = config.get("rms_norm_eps", 1e-6)
+        fp8 = options.fp8_block
         self.self_attn = MLAAttention(
             MLADims.from_config(config), rotary, scale, options.attention_backend.name,
-            bias=bool(config.get("attention_bias", False)), tp=tp, **kw,
+            bias=bool(config.get("attention_bias", False)), tp=tp, fp8_block=fp8, **kw,
         )
         if router is not None and is_moe_layer(config, layer_index):
             self.mlp = MoE(router, hidden, config.moe_intermediate_size, tp=tp,
-                           expert_parallel=options.expert_parallel, **kw)
+                           expert_parallel=options.expert_parallel, fp8_block=fp8, int4_group=options.int4_group, **kw)
         else:
-            self.mlp = GatedMLP(hidden, config.intermediate_size, bool(config.get("mlp_bias", False)), tp=tp, **kw)
+            self.mlp = GatedMLP(hidden, config.intermediate_size, bool(config.get("mlp_bias", False)), tp=tp,
+                                fp8_block=fp8, **kw)
         self.input_layernorm = RMSNorm(hidden, eps, **kw)
         self.post_attention_layernorm = RMSNorm(hidden, eps, **kw)
 
@@ -192,11 +195,12 @@ def deepseek_weight_rules(config: HFConfig, prefix: str = "", tie: bool = False,
     stay unpacked and the other ranks' experts are ignored (never read)."""
     p = re.escape(prefix)
     other_experts = other_ranks_expert_keys(config, options)
-    fused = expert_weight_rules(pack_shared=not other_experts) + fused_qkv_a_rules() + [
+    int4_experts = options is not None and options.int4_group is not None  # shared experts kept apart
+    fused = expert_weight_rules(pack_shared=not other_experts and not int4_experts) + fused_qkv_a_rules() + [
         WeightRule(r"\.gate_proj\.", ".gate_up_proj.", 0),  # dense MLP and shared experts
         WeightRule(r"\.up_proj\.", ".gate_up_proj.", 1),
     ]
-    ignored = [r"rotary_emb\.inv_freq$"] + other_experts
+    ignored = [r"rotary_emb\.inv_freq$", INT4_SHAPE_KEYS] + other_experts
     mtp = mtp_layer_indices(config)
     if mtp:
         ignored.append(rf"^{p}model\.layers\.(?:{'|'.join(map(str, mtp))})\.")

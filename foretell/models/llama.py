@@ -102,7 +102,7 @@ class DecoderAttention(nn.Module):
         options: ModelOptions,
     ):
         super().__init__()
-        kw = dict(dtype=options.dtype, device=options.device)
+        kw = dict(dtype=options.dtype, device=options.device, fp8_block=options.fp8_block)
         tp = options.tensor_parallel
         self.qkv_proj = QKVLinear(
             dims.hidden_size, dims.head_dim, dims.num_heads, dims.num_kv_heads,
@@ -115,8 +115,9 @@ class DecoderAttention(nn.Module):
             dims.num_heads * dims.head_dim, dims.hidden_size, bias=switches.o_bias, tp=tp, **kw
         )
         if switches.qk_norm:
-            self.q_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps, **kw)
-            self.k_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps, **kw)
+            norm_kw = dict(dtype=options.dtype, device=options.device)
+            self.q_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps, **norm_kw)
+            self.k_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps, **norm_kw)
         else:
             self.q_norm = self.k_norm = None
         self.rotary_emb = rotary_emb  # shared by all layers
@@ -144,7 +145,7 @@ class DecoderAttention(nn.Module):
 class DecoderMLP(nn.Module):
     def __init__(self, dims: DecoderDims, switches: DecoderSwitches, options: ModelOptions):
         super().__init__()
-        kw = dict(dtype=options.dtype, device=options.device)
+        kw = dict(dtype=options.dtype, device=options.device, fp8_block=options.fp8_block)
         size, tp = dims.intermediate_size, options.tensor_parallel
         self.gate_up_proj = MergedLinear(dims.hidden_size, [size, size], switches.mlp_bias, tp=tp, **kw)
         self.down_proj = row_parallel_linear(size, dims.hidden_size, switches.mlp_bias, tp=tp, **kw)

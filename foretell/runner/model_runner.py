@@ -47,6 +47,7 @@ from foretell.runner.host_step import HostStep
 from foretell.runner.logprobs import add_prompt_logprobs
 from foretell.runner.kv_cache import CachePlan, DraftKVCache, KVCache, plan_cache
 from foretell.models.loading import build_model, checkpoint_dtype
+from foretell.models.quantization import resolve_quantization
 from foretell.runner.step_pipeline import StepKind, StepPipeline
 from foretell.spec_decode.draft_graph import DraftGraphRunner
 from foretell.spec_decode.proposer import Proposer
@@ -95,7 +96,8 @@ class ModelRunner:
         self.hf_config = HFConfig.from_folder(mc.model)
         self.dtype = mc.resolve_dtype(checkpoint_dtype(self.hf_config), self.device)
         self.backend = build_attention_backend(mc.attention_backend, self.device)
-        parallel = dict(tensor_parallel=self.tensor_parallel, expert_parallel=config.parallel.enable_expert_parallel)
+        parallel = dict(tensor_parallel=self.tensor_parallel, expert_parallel=config.parallel.enable_expert_parallel,
+                        quantization=resolve_quantization(self.hf_config, mc.quantization))
         options = ModelOptions(self.dtype, self.device, self.backend, **parallel)
         self.proposer: Proposer | None = None
         if config.speculative is not None:

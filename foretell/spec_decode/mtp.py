@@ -30,7 +30,7 @@ import os
 import torch
 from torch import nn
 
-from foretell.loader import load_weights
+from foretell.models.loading import load_model_weights
 from foretell.models.base import HFConfig, ModelOptions
 from foretell.models.mtp import DeepseekMTP
 from foretell.spec_decode.draft_loop import DraftLoopProposer, catch_up_rows
@@ -69,7 +69,8 @@ class MTPProposer(DraftLoopProposer):
         self.folder = config.model or os.path.dirname(target_hf_config.source.split(":")[0])
         # Under the target's tensor and expert parallelism (its layers split as the target's are).
         self.options = ModelOptions(options.dtype, options.device, options.attention_backend,
-                                    tensor_parallel=options.tensor_parallel, expert_parallel=options.expert_parallel)
+                                    tensor_parallel=options.tensor_parallel, expert_parallel=options.expert_parallel,
+                                    quantization=options.quantization)
         self.init_loop(options.device, self.text_config.vocab_size)
         # The head splits the vocabulary like the target's lm_head: greedy drafts need no gather.
         self.greedy_without_logits = options.tensor_parallel.is_parallel
@@ -82,7 +83,7 @@ class MTPProposer(DraftLoopProposer):
     def load(self, target: nn.Module, load_format: str = "auto") -> None:
         # Layers take dtype and device from the options: parameters are created where they live.
         mtp = DeepseekMTP(self.text_config, self.options, self.prefix, self.default_router)
-        load_weights(mtp, self.folder, load_format)
+        load_model_weights(mtp, self.folder, self.options, load_format)  # (and quantization="fp8")
         mtp.share_embedding(target.get_input_embeddings())
         self.mtp = mtp.eval()
 

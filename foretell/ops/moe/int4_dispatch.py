@@ -39,7 +39,8 @@ def fused_int4_experts(
     if not use_triton(*tensors):
         out = int4_experts_forward_torch(hidden, gate_up_packed, gate_up_scale, down_packed, down_scale, weights, ids)
         return (out if shared is None else out + shared).to(hidden.dtype)
-    if hidden.shape[0] <= INT4_GEMV_MAX_TOKENS:
+    # (the dequantizing path below reads ids on the host: never while a CUDA graph is captured)
+    if hidden.shape[0] <= INT4_GEMV_MAX_TOKENS or torch.cuda.is_current_stream_capturing():
         from foretell.ops.moe.triton_int4_gemv import fused_int4_experts_gemv_triton  # imports triton
 
         return fused_int4_experts_gemv_triton(hidden, gate_up_packed, gate_up_scale, down_packed, down_scale,
