@@ -132,7 +132,7 @@ def write_kv_triton(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "stride_table_seq"])  # per-batch sizes: one compile
 def _paged_attention_kernel(
     query_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]

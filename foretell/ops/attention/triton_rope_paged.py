@@ -104,7 +104,7 @@ def _pair_channels(halves, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
     return halves, HALF + halves
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_table_seq"])  # the block table's width varies per batch
 def _rope_paged_attention_kernel(
     query_ptr,  # [num_tokens, num_heads, head_dim], before RoPE
     key_ptr,  # [num_tokens, num_kv_heads, head_dim], before RoPE

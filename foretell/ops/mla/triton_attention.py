@@ -104,7 +104,7 @@ def write_latent_triton(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "stride_table_seq"])  # per-batch sizes: one compile
 def _mla_attention_kernel(
     q_lat_ptr,  # [num_tokens, num_heads, rank]
     q_pe_ptr,  # [num_tokens, num_heads, rope]
@@ -205,7 +205,7 @@ def _mla_attention_kernel(
                     part_sum_ptr, BLOCK_M, RANK_P, RANK, SPLIT, False)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _merge_splits_kernel(
     out_ptr,  # [num_tokens, num_heads, rank]
     part_acc_ptr,  # [num_tokens, num_heads, num_splits, rank] fp32

@@ -273,7 +273,7 @@ def _rope_tile(
     tl.store(dst + second[None, :], o2.to(dtype), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _head_matmul_kernel(
     a_ptr,  # [num_tokens, num_heads, K]
     b_ptr,  # per head [K, N] at (stride_b_k, stride_b_n)
