@@ -25,6 +25,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
 from foretell import LLM, SamplingParams  # noqa: E402
+from foretell.bench import engine_probe as probe  # noqa: E402
 from foretell.bench.datasets import gsm8k_test_prompts  # noqa: E402
 from foretell.defaults import member_path  # noqa: E402
 
@@ -65,7 +66,7 @@ def compiles_after_warm_up(num_lengths: int, method: str) -> dict:
     tokenizer = llm.tokenizer
     text = " ".join(gsm8k_test_prompts(400))
     ids = tokenizer.encode(text)
-    longest = min(llm.engine.max_model_len - 16, len(ids))
+    longest = min(probe.max_model_len(llm) - 16, len(ids))
     lengths = sorted({max(1, round(1 + i * (longest - 1) / max(1, num_lengths - 1))) for i in range(num_lengths)})
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     passes = []
@@ -80,7 +81,7 @@ def compiles_after_warm_up(num_lengths: int, method: str) -> dict:
     for e in log.events:
         by_kernel[e["kernel"]] = by_kernel.get(e["kernel"], 0) + 1
     stats = llm.get_stats()
-    return {"method": method, "num_lengths": len(lengths), "warm_up_s": llm.engine.warm_up_seconds,
+    return {"method": method, "num_lengths": len(lengths), "warm_up_s": probe.warm_up_seconds(llm),
             "compiles_after_warm_up": len(log.events), "by_kernel": by_kernel, "events": log.events[:60],
             "engine_jit_compiles": stats.get("jit_compiles"), "latency_ms": passes,
             "prefix_cache_hit_rate": stats.get("prefix_cache_hit_rate")}

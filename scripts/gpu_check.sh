@@ -10,16 +10,11 @@ export PYTHONUNBUFFERED=1
 stage() { echo "[gpu_check] $1 done at ${SECONDS}s" | tee -a "$out/stages.log"; }  # the budget: 10 minutes
 python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider -o addopts="" 2>&1 | tee "$out/gpu_tests.log" | tail -25
 stage gpu_tests
-[ "${2:-}" = "--skip-attention" ] || python3 scripts/bench_attention.py "$out" --quick 2>&1 | tail -30
-stage bench_attention
-python3 scripts/bench_fused.py "$out" --quick 2>&1 | tail -20
-stage bench_fused
-python3 scripts/bench_attention_chain.py "$out" --contexts 256 1024 2>&1 | tail -20
-stage bench_attention_chain
-python3 scripts/bench_mla_moe.py "$out" --quick 2>&1 | tail -30
-stage bench_mla_moe
-python3 scripts/bench_small_m_gemm.py "$out" --quick 2>&1 | tail -16
-stage bench_small_m_gemm
+kernels=attention_decode,attention_verify,attention_prefill,mla_decode,mla_verify,moe,moe_int4,gemm_small_m,gemm_fp8,rms_norm,rope,silu_and_mul
+[ "${2:-}" = "--skip-attention" ] && kernels=${kernels#attention_decode,attention_verify,attention_prefill,}
+python3 -m foretell.cli bench kernels --preset quick --kernels "$kernels" --output-json "$out/bench_kernels.json" \
+    2>&1 | tee "$out/bench_kernels.log" | tail -80
+stage bench_kernels
 python3 scripts/bench_gpu.py "$out" 2>&1 | tee "$out/bench_gpu.log" | grep -v "^max_model_len"
 stage bench_gpu
 python3 scripts/profile_decode.py "$out" 2>&1 | tail -30

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import sys
 import time
@@ -32,8 +33,8 @@ import torch
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
-from bench_result import write_result  # noqa: E402
 from foretell import LLM, SamplingParams  # noqa: E402
+from foretell.bench.kernels.run import provenance  # noqa: E402
 
 CONFIGS = os.path.join(ROOT, "foretell", "configs")
 # First match wins; names are lower-cased kernel names.
@@ -226,7 +227,11 @@ def main() -> None:
         except Exception as e:  # one target failing must not hide the other
             results[name] = {"error": f"{type(e).__name__}: {e}"}
             print(f"\n{name}: {results[name]['error']}")
-    write_result(args.out_dir, "profile_decode", "profile_decode", {"steps": args.steps, "targets": results})
+    path = os.path.join(args.out_dir, "profile_decode.json")
+    with open(path, "w") as f:
+        json.dump({"benchmark": "profile_decode", **provenance(torch.device("cuda")), "steps": args.steps,
+                   "targets": results}, f, indent=2)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -469,7 +469,6 @@ def test_profile_decode_finds_the_idle_gaps_of_a_step_timeline(monkeypatch):
     import importlib.util
 
     scripts = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
-    monkeypatch.syspath_prepend(scripts)  # its sibling bench_result.py
     spec = importlib.util.spec_from_file_location("profile_decode", os.path.join(scripts, "profile_decode.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -64,6 +64,7 @@ def test_step_count_and_engine_facts(plain, eagle3):
     assert probe.engine_step_count(plain) - before == 5  # one prefill step (its first token) + 4 decode steps
     assert probe.num_speculative_tokens(plain) is None and probe.num_speculative_tokens(eagle3) == 2
     assert probe.warm_up_seconds(plain) >= 0.0
+    assert probe.max_model_len(plain) == 64 * 16  # the 64 KV blocks of 16 hold less than the config's 4096
 
 
 def test_queue_ahead_off_restores_the_pipeline(plain):

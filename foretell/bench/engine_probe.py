@@ -7,7 +7,7 @@ breaks a tested function here rather than a GPU script found broken on the GPU.
   draft_loop_replay_ms(llm, num_seqs)                 one replay of the captured draft loop
   draft_chain_step_ms(llm)                            one eager chain step of the drafter, batch 1
   queue_ahead_off(llm)                                a with-block running the synchronous engine
-  engine_step_count(llm), warm_up_seconds(llm), num_speculative_tokens(llm)
+  engine_step_count(llm), warm_up_seconds(llm), max_model_len(llm), num_speculative_tokens(llm)
   active_weight_bytes(llm, ...)                       weights a batch-1 token reads (MoE: the chosen)
 
 Every function works on a single-process engine (tensor_parallel_size 1); the graph timers need
@@ -114,6 +114,11 @@ def engine_step_count(llm) -> int:
 def warm_up_seconds(llm) -> float:
     """Seconds the engine's start-up warm-up requests took (Triton compilations)."""
     return float(llm.engine.warm_up_seconds)
+
+
+def max_model_len(llm) -> int:
+    """The longest sequence (prompt + output tokens) the engine accepts."""
+    return int(llm.engine.max_model_len)
 
 
 def num_speculative_tokens(llm) -> int | None:
