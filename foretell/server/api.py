@@ -1,11 +1,12 @@
 """The FastAPI app: routes, API-key check, and OpenAI-style errors for everything that goes wrong.
 
-build_app(async_engine, served_model_name, api_key, max_queued_requests, max_request_bytes)
+build_app(async_engine, served_model_name, api_key, max_queued_requests, max_request_bytes, ui)
 returns an app whose lifespan starts the engine thread and stops it (aborting what is in
 flight). Every error a client can cause is answered with `{"error": {"message", "type", "param",
 "code"}}` and a 4xx status: malformed JSON and schema violations are 400 (not FastAPI's 422, as
 OpenAI answers), unknown models and paths 404, a missing or wrong bearer token 401, a body over
-the size limit 413, overload and shutdown 503.
+the size limit 413, overload and shutdown 503. With `ui` (the default) `GET /` is the playground
+page (server/ui_routes.py); `GET /stats` is the engine's stats in JSON.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from foretell.server.protocol import (
     ModelList,
 )
 from foretell.server.serving import ServingContext, create_chat_completion, create_completion
+from foretell.server.ui_routes import add_stats_route, add_ui_routes
 
 logger = logging.getLogger("foretell.server")
 
@@ -152,6 +154,7 @@ def build_app(
     api_key: str | None = None,
     max_queued_requests: int | None = None,
     max_request_bytes: int = 32 * 2**20,
+    ui: bool = True,
 ) -> FastAPI:
     metrics = ServerMetrics(async_engine.stats, served_model_name)
     async_engine.on_request_finished = metrics.observe_finished
@@ -229,6 +232,9 @@ def build_app(
         """OpenAI chat completions through the tokenizer's chat template."""
         return await create_chat_completion(body, ctx, raw_request)
 
+    add_stats_route(app, async_engine, served_model_name)
+    if ui:
+        add_ui_routes(app)
     app.openapi = lambda: openapi_without_422(app)
     return app
 

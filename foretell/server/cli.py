@@ -38,6 +38,9 @@ def add_serve_parser(subparsers) -> None:
                    help="seconds between engine stats log lines while busy (0: never)")
     g.add_argument("--timeout-graceful-shutdown", type=float, default=10.0,
                    help="seconds to wait for open responses on shutdown before cancelling them")
+    g.add_argument("--no-ui", dest="ui", action="store_false",
+                   help="do not serve the playground page at / (it shows each token's origin under "
+                        "speculation, acceptance charts and a with/without-speculation comparison)")
     g.add_argument("--no-access-log", dest="access_log", action="store_false",
                    help="do not log every HTTP request")
     g.add_argument("--uvicorn-log-level", default="info",
@@ -70,7 +73,7 @@ def run_serve(args: argparse.Namespace) -> int:
     served_name = args.served_model_name or args.model
     async_engine = AsyncEngine(config, engine_factory=engine_factory_that_logs(config, served_name))
     app = build_app(async_engine, served_name, args.api_key or None,
-                    args.max_queued_requests, args.max_request_bytes)
+                    args.max_queued_requests, args.max_request_bytes, ui=args.ui)
     return serve_forever(
         app, async_engine, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
         access_log=args.access_log, timeout_graceful_shutdown=args.timeout_graceful_shutdown,

@@ -62,6 +62,14 @@ class SamplingRequestFields(OpenAIBaseModel):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # foretell extensions (vLLM-style; plain OpenAI clients never see them)
+    return_token_origins: bool = Field(
+        False, description="foretell: each choice (each chunk when streaming) gets token_origins, "
+        "saying for every token whether it was an accepted draft, the target's correction, a bonus "
+        "token or a plain target token")
+    use_speculation: bool = Field(
+        True, description="foretell: false runs this request without drafts (the same output; "
+        "to compare speed and acceptance with and without speculation)")
 
 
 class CompletionRequest(SamplingRequestFields):
@@ -121,12 +129,26 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class TokenOriginInfo(BaseModel):
+    """How speculation produced one output token (server/token_origins.py)."""
+
+    token_id: int
+    token: str
+    origin: Literal["accepted", "corrected", "bonus", "target"]
+    step: int
+    position: int
+    num_drafts: int
+    replaced_draft: int | None = None
+    replaced_draft_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    token_origins: list[TokenOriginInfo] | None = Field(None, description="with return_token_origins")
 
 
 class CompletionResponse(BaseModel):
@@ -163,6 +185,7 @@ class ChatCompletionChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    token_origins: list[TokenOriginInfo] | None = Field(None, description="with return_token_origins")
 
 
 class ChatCompletionResponse(BaseModel):

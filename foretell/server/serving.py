@@ -33,6 +33,7 @@ from foretell.server.async_engine import RequestFailedError
 from foretell.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from foretell.server.protocol import SamplingRequestFields, usage
 from foretell.server.streaming import Delta, request_failure, sse_response
+from foretell.server.token_origins import origins_json
 
 GREEDY_EPS = 1e-5  # temperatures below this sample greedily (dividing logits by ~0 overflows)
 LOGPROB_FLOOR = -9999.0  # stands in for -inf / NaN, which JSON cannot carry
@@ -83,6 +84,11 @@ class ServingContext:
         if requested is not None and requested not in (self.model_name, self.engine.config.model.model):
             raise APIError(404, f"the model {requested!r} does not exist; this server serves "
                            f"{self.model_name!r}", "not_found_error", "model", "model_not_found")
+
+    def origins_json(self, c: CompletionOutput, origins: list | None) -> list[dict]:
+        """The wire form of a choice's newest token origins (server/token_origins.py)."""
+        decode = lambda ids: self.engine.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+        return origins_json(origins or [], c.token_ids, decode, self.token_string, c.finished)
 
     def token_string(self, token_id: int) -> str:
         text = self._token_strings.get(token_id)
@@ -144,6 +150,8 @@ def sampling_params(req: SamplingRequestFields, max_tokens: int | None, logprobs
             logprobs=logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
+            return_token_origins=req.return_token_origins,
+            use_speculation=req.use_speculation,
         )
     except ValueError as e:
         match = re.match(r"SamplingParams\.(\w+) (.*)", str(e))
@@ -275,10 +283,12 @@ async def create_completion(req: CompletionRequest, ctx: ServingContext, raw: Re
         def chunk(rid: str, c: CompletionOutput, delta: Delta) -> dict | None:
             i = index_of[rid]
             text = (echo[i] if delta.first else "") + delta.text
-            if not text and delta.logprobs is None and delta.finish_reason is None:
+            if not text and delta.logprobs is None and delta.finish_reason is None and delta.token_origins is None:
                 return None
             ch = choice(i, c, text, delta.logprobs, delta.text_offset)
             ch["finish_reason"], ch["stop_reason"] = delta.finish_reason, delta.stop_reason
+            if req.return_token_origins:
+                ch["token_origins"] = ctx.origins_json(c, delta.token_origins)
             return {**base, "choices": [ch]}
 
         return sse_response(stream, lambda: ctx.engine.abort(stream), req, chunk, base, req.logprobs is not None)
@@ -292,6 +302,8 @@ async def create_completion(req: CompletionRequest, ctx: ServingContext, raw: Re
             ch = choice(i, c, echo[i] + c.text, logprobs, len(echo[i]))
             if req.echo and req.logprobs is not None:
                 ch["logprobs"] = echo_logprobs(ctx, out, ch["logprobs"])
+            if req.return_token_origins:
+                ch["token_origins"] = ctx.origins_json(c, c.token_origins)
             choices.append(ch)
     return JSONResponse({**base, "choices": choices, "usage": usage(finals)})
 
@@ -352,12 +364,15 @@ async def create_chat_completion(req: ChatCompletionRequest, ctx: ServingContext
 
         def chunk(rid: str, c: CompletionOutput, delta: Delta) -> dict | None:
             message = {"role": "assistant", "content": delta.text} if delta.first else {"content": delta.text}
-            if not delta.first and not delta.text and delta.logprobs is None and delta.finish_reason is None:
+            if (not delta.first and not delta.text and delta.logprobs is None
+                    and delta.finish_reason is None and delta.token_origins is None):
                 return None
             if delta.finish_reason is not None and not delta.text and not delta.first:
                 message = {}
             ch = {"index": c.index, "delta": message, "logprobs": logprobs_of(delta.logprobs),
                   "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
+            if req.return_token_origins:
+                ch["token_origins"] = ctx.origins_json(c, delta.token_origins)
             return {**chunk_base, "choices": [ch]}
 
         return sse_response(stream, lambda: ctx.engine.abort(stream), req, chunk, chunk_base, req.logprobs)
@@ -369,6 +384,9 @@ async def create_chat_completion(req: ChatCompletionRequest, ctx: ServingContext
          "stop_reason": c.stop_reason}
         for out in finals for c in out.outputs
     ]
+    if req.return_token_origins:
+        for ch, c in zip(choices, (c for out in finals for c in out.outputs)):
+            ch["token_origins"] = ctx.origins_json(c, c.token_origins)
     return JSONResponse({**base, "choices": choices, "usage": usage(finals)})
 
 

@@ -17,6 +17,7 @@ from starlette.responses import StreamingResponse
 
 from foretell.engine.outputs import CompletionOutput, RequestOutput
 from foretell.engine.sequence import Logprob
+from foretell.engine.token_origins import TokenOrigin
 from foretell.server.async_engine import OutputStream, RequestFailedError
 from foretell.server.protocol import APIError, SamplingRequestFields, usage
 
@@ -31,6 +32,7 @@ class Delta:
     logprobs: list[Logprob] | None
     finish_reason: str | None
     stop_reason: str | int | None
+    token_origins: list[TokenOrigin] | None = None  # the new tokens' (return_token_origins)
 
 
 @dataclass
@@ -48,10 +50,11 @@ class ChoiceProgress:
         logprobs = None
         if want_logprobs and c.logprobs is not None:
             logprobs = c.logprobs[self.sent_tokens:]
+        origins = c.token_origins[self.sent_tokens:] if c.token_origins is not None else None
         first = not self.started
         self.started, self.sent_chars, self.sent_tokens = True, end, len(c.token_ids)
         self.done = c.finished
-        return Delta(first, text, offset, logprobs or None, c.finish_reason, c.stop_reason)
+        return Delta(first, text, offset, logprobs or None, c.finish_reason, c.stop_reason, origins or None)
 
 
 def request_failure(out: RequestOutput) -> str | None:

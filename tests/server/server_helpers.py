@@ -24,6 +24,7 @@ def start_server(
     max_queued_requests: int | None = None,
     engine_factory=None,
     wait_ready: bool = True,
+    ui: bool = True,
     **engine_kwargs,
 ) -> BackgroundServer:
     kwargs = {**ENGINE_KWARGS, **engine_kwargs}
@@ -35,7 +36,7 @@ def start_server(
         return factory()
 
     async_engine = AsyncEngine(config, engine_factory=build_in_engine_thread)
-    app = build_app(async_engine, MODEL_NAME, api_key=api_key, max_queued_requests=max_queued_requests)
+    app = build_app(async_engine, MODEL_NAME, api_key=api_key, max_queued_requests=max_queued_requests, ui=ui)
     server = BackgroundServer(app, async_engine).start()
     if wait_ready and not async_engine.wait_ready(timeout=60):
         server.stop()
