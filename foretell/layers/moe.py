@@ -18,7 +18,8 @@ into packed parameters (layers/packed_experts.py: float, FP8 blocks or int4 as t
 experts (`mlp.shared_experts.*`, one MLP of S * I in the checkpoint) are cut into S experts of I
 packed after the routed ones, and the router appends them to every token's choice with weight 1:
 one grouped kernel pair then runs routed and shared experts together (on the H200 the shared MLP
-as two more cuBLAS GEMMs and an activation cost V2-Lite about 15% of a decode step). The torch forward
+as two more cuBLAS GEMMs and an activation was a sizeable share of a V2-Lite decode step; docs/
+perf-log.md). The torch forward
 sorts the (token, expert) pairs by expert and runs one matmul pair per expert that has tokens
 (a host loop: the CPU path and the reference). On CUDA, with triton installed and no autograd,
 `PackedExperts` runs the fused kernels of ops/moe/triton_experts.py instead (ops/moe/dispatch.py):

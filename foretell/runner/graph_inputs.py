@@ -3,8 +3,8 @@
 A graph reads its inputs from persistent buffers (runner/cuda_graph.py): input ids, positions,
 slot mapping (int64), query starts, sequence lengths and the block table (int32). Filling them
 with a copy each (after building each as a device tensor) queued about a dozen tiny operations
-between two decode steps, each a few microseconds of the device's time at batch 1 (about 44 us a
-step on an H200, scripts/profile_decode.py). Here the host packs every value into one pinned int64
+between two decode steps, each a few microseconds of the device's time at batch 1 (their H200
+total: docs/perf-log.md). Here the host packs every value into one pinned int64
 array, one copy moves it to a device staging buffer, and one kernel scatters it into the buffers
 (with the dtype casts); input ids already on the device (a decode step queued ahead) are read from
 there instead.
@@ -53,7 +53,7 @@ class SideStream:
 
     Between two decode steps the stream would otherwise run: the copy of the tokens to the host,
     the copy of the next step's packed inputs to the device, the unpack, each after the one before
-    (each DMA start costs the device about 7 us after the kernel or copy before it on an H200). The
+    (each DMA start costs the device microseconds after the kernel or copy before it on an H200). The
     packed inputs of a step do not depend on the step before, and the tokens can be read from the
     next step's input buffer once it is filled, so both copies run here, ordered by events:
       - upload: waits for the last unpack (which read the staging buffer), then copies; the main

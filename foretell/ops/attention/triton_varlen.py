@@ -8,7 +8,7 @@ one or a few of them and the rest return at once. A lone piece writes the output
 each writes an unnormalised partial (accumulator, running max, sum), and the LAST program of the
 group to finish (counted with an atomic per group in `SplitCounters`, ops/common/split_counters.py) merges the partials and
 resets its counter: no merge launch per layer. That merge is serial over the pieces, so wide rows
-(MLA's 512-wide latent: 12.4 us a layer on an H200, against 5.8 + 2.3 us with a merge kernel) keep
+(MLA's 512-wide latent: slower on the H200 than a merge kernel, docs/perf-log.md) keep
 a merge kernel instead (MERGE_IN_KERNEL off: every split program writes a partial, the merge
 kernel reads them through `split_statistics`).
 """

@@ -40,7 +40,7 @@ logger = logging.getLogger("foretell")
 MODES = SMALL_M_GEMM_MODES  # auto | on | off
 # Both modes use the kernels up to this many rows (triton_kernels.MAX_M, restated so that this module
 # needs no triton): on the H200 the GEMV made the Llama-8B decode graph faster than cuBLAS at M = 1,
-# the MMA its 4-token verify graph (4.41 against 4.59 ms; BENCHMARKS.md).
+# the MMA its 4-token verify graph (docs/perf-log.md).
 MAX_M = 16
 MIN_SPEEDUP = 1.03  # the kernel must beat cuBLAS by this factor: noise never flips a layer
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -10,13 +10,12 @@ built for that chain:
   - programmatic dependent launch (ops/common/pdl.py): the program requests its first weight tile
     before it waits for the kernel before it, so the weights stream in while that kernel (a norm,
     the attention, the GEMV before) finishes; it lets the next kernel launch once its own reads are
-    done. Measured on the H200 (docs/perf-log.md): a Llama-8B layer's four GEMVs 106 us
-    against cuBLAS's 122, and the 32-layer chain with stand-in norms and attention 4.00 ms against
-    4.39;
+    done. On the H200 a Llama-8B layer's four GEMVs, and the 32-layer chain with stand-in norms
+    and attention, ran faster than cuBLAS (docs/perf-log.md);
   - `gated`: W is an MLP's [gate; up] and the kernel stores silu(gate) * up (with SiluAndMul's
     roundings): each program owns pairs of rows (gate j, up j), so the activation is its epilogue,
-    and the down projection reads a plain input (0.07 ms a Llama-8B decode step faster on the H200
-    than the activation applied by the down projection as it read gate_up); `float32_out` stores the
+    and the down projection reads a plain input (a faster Llama-8B decode step on the H200 than
+    with the activation applied by the down projection as it read gate_up); `float32_out` stores the
     rounded results as float32 (LMHead's logits: no cast launch);
   - up to MAX_M rows of x run one at a time against the same tile (its registers do not grow with
     M), but each row is another pass of float32 FMAs: slower than cuBLAS at M = 2 and 4 on the
@@ -67,8 +66,8 @@ def _next_pow2(n: int) -> int:
 def pick_config(m: int, n: int, k: int, block_n: int | None = None, block_k: int | None = None) -> SmallMConfig:
     """Tiles for an [m, k] x [n, k]^T product, from the H200 at M = 1 (docs/perf-log.md, in
     the Llama-8B decode graph): up to K = 4096 two rows of W per program over all of K in one tile,
-    eight warps; a longer K four rows over 2048-wide tiles, four warps (the down projection: 0.05 ms
-    a step faster than cuBLAS, 0.2 faster than two rows; whole-K tiles of 8192-16384 were far slower)."""
+    eight warps; a longer K four rows over 2048-wide tiles, four warps (the down projection: faster
+    than cuBLAS and than two rows; whole-K tiles of 8192-16384 were far slower)."""
     if not 1 <= m <= MAX_M or n < 1 or k < 1:
         raise ValueError(f"small-M GEMM needs 1 <= M <= {MAX_M}, N >= 1, K >= 1; got M={m}, N={n}, K={k}")
     block_m = _next_pow2(m)

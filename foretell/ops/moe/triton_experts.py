@@ -255,7 +255,7 @@ def moe_launch_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> d
     block_m = min(64, max(16, triton.next_power_of_2(per_expert)))
     if dtype.itemsize > 2:  # float32: FMA path, small tiles
         return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
-    if block_m == 16:  # H200 sweeps (bench_mla_moe --moe-sweep): within 3-5% of the best at 1-16 tokens
+    if block_m == 16:  # near the best of the H200 sweeps at 1-16 tokens (docs/perf-log.md)
         return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
     return {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
 

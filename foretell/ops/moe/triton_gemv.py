@@ -26,8 +26,8 @@ same stream, so no memset launch is needed.
 Every grid is fixed by shapes and the launch config; nothing reads a device value on the host,
 so the forward can be captured in a CUDA graph. Twin: `experts_forward_torch` in reference.py (plus
 the shared output); tests/ops/test_moe_gemv.py holds them together in Triton's interpreter,
-tests/gpu/test_moe_gemv_gpu.py on CUDA. The tiles and GEMV_MAX_TOKENS come from
-`scripts/bench_mla_moe.py --moe-sweep`.
+tests/gpu/test_moe_gemv_gpu.py on CUDA. The tiles and GEMV_MAX_TOKENS come from H200 sweeps
+(docs/perf-log.md); `foretell bench kernels --kernels moe` times the path against the torch twin.
 """
 
 from __future__ import annotations
@@ -37,10 +37,9 @@ import triton
 import triton.language as tl
 
 # Up to this many tokens fused_experts_triton takes the GEMV path; past it, tokens that share
-# experts (the shared ones always) re-read their weights. To be checked on the H200
-# (bench_mla_moe.py --moe-sweep prints gemv against grouped at 1, 2, 4, 8 tokens). A first probe
-# at V2-Lite shapes (6 + 2 experts, bf16, graph-timed, default tiles), gemv against grouped:
-# 40.3 / 45.3 us at 1 token, 63.5 / 66.9 at 2, 109.4 / 112.9 at 4, 201.2 / 170.4 at 8.
+# experts (the shared ones always) re-read their weights. A first H200 probe at V2-Lite shapes
+# (6 + 2 experts, bf16, graph-timed; docs/perf-log.md) had the GEMV ahead of the grouped path up
+# to 4 tokens and behind at 8.
 GEMV_MAX_TOKENS = 4
 KERNEL_KEYS = {
     "gate_up": ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"),
@@ -222,12 +221,10 @@ def gemv_launch_config(num_tokens: int, top_k: int, dtype: torch.dtype) -> dict:
     of a row (512 bytes); the down kernel gives each program one slot (SPLIT = top_k).
 
     From a first probe on the H200 (V2-Lite, bf16, 6 + 2 experts per token, graph-timed whole
-    forward; the grouped path 44.6 us at 1 token, 65.9 at 2, 110.8 at 4): gate_up tiles barely
-    matter (16 x 256, 4 x 1024, 32 x 256 with 8 warps within 1 us; num_stages 1 and 3 equal:
-    Triton does not pipeline these loads); the down kernel wants one slot per program (1 token,
-    16 x 256 tiles: SPLIT 8 39.9 us, SPLIT 4 45.4; SPLIT 1 with 8 or 16 x 512 tiles 54 to 59),
-    with BLOCK_N 16 at 1 token and 32 above (4 tokens: 109.1 us against 114.2 with 16). To be
-    replaced by the sweep (bench_mla_moe.py --moe-sweep)."""
+    forward; the figures in docs/perf-log.md): gate_up tiles barely matter (16 x 256, 4 x 1024,
+    32 x 256 with 8 warps alike; num_stages 1 and 3 equal: Triton does not pipeline these loads);
+    the down kernel wants one slot per program (SPLIT = slots; fewer splits or 512-wide tiles were
+    slower), with BLOCK_N 16 at 1 token and 32 above."""
     block_k = 512 // dtype.itemsize
     return {
         "gate_up": {"BLOCK_N": 16, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 1},

@@ -1,9 +1,9 @@
 """An EAGLE3 draft layer's input in one launch: x = [input_layernorm(embed[ids]) ; hidden_norm(g)].
 
 Every draft step starts by gathering the tokens' embedding rows, normalising them and the carried
-hidden state g with two RMSNorms, and concatenating the two: four launches of one or two
-microseconds each before the step's first projection (about 8 us of a 0.2 ms draft step on an
-H200). Here one program per row does all of it and writes both halves of x [n, 2H].
+hidden state g with two RMSNorms, and concatenating the two: four short launches before the
+step's first projection, a noticeable share of a draft step on an H200 (docs/perf-log.md). Here one
+program per row does all of it and writes both halves of x [n, 2H].
 
 Rounding follows the torch path (models/eagle3.py, Eagle3LayerBase.layer_input): each half as
 RMSNorm rounds it (float32 mean of squares, the normalised row rounded to the dtype, then its

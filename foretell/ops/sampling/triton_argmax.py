@@ -1,7 +1,8 @@
 """Row-wise argmax over a large vocabulary in two Triton kernels.
 
-torch.argmax runs one thread block per row, so a batch-1 decode step (one row of 102k-152k
-logits) spent 23-28 us in it on an H200: one SM reading 0.5 MB. Here the row is cut into chunks:
+torch.argmax runs one thread block per row, so in a batch-1 decode step (one row of 102k-152k
+logits) one SM reads the whole 0.5 MB row (its H200 time: docs/perf-log.md). Here the row is cut
+into chunks:
   1. grid (rows, chunks): each program finds its chunk's maximum and the first column holding it;
   2. grid (rows,): each program picks the first chunk with the row's maximum, hence the first
      column overall, which is torch.argmax's tie rule.

@@ -5,7 +5,8 @@ inputs. Imports triton: CUDA (or the interpreter tests) only.
 
 The sizes change from step to step. Triton would compile a variant for each new combination of
 them being 1, a multiple of 16 or neither: in a timed EAGLE3 run at batch 16 on the H200 one such
-compile stalled a step 140-250 ms when the batch first shrank to 13. So they are not specialized on.
+compile stalled a step when the batch first shrank to 13 (docs/perf-log.md). So they are not
+specialized on.
 """
 
 from __future__ import annotations
