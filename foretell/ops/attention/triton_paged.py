@@ -47,7 +47,7 @@ from foretell.ops.common.split_counters import SplitCounters
 _LOG2E = 1.4426950408889634
 # A split of the context covers at least this many tokens (rounded up to whole tiles): a short
 # context runs as few pieces, a long one as up to num_splits. One tile per piece measured best on
-# the H200 (Llama-8B batch 1: 215.4 tok/s at 32 against 212.5 at 128).
+# the H200 at Llama-8B batch 1 (docs/perf-log.md).
 MIN_SPLIT_TOKENS = 32
 
 

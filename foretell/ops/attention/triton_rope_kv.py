@@ -2,7 +2,7 @@
 
 A decoder layer's attention used to launch the RoPE kernel (rotated q and k into fresh tensors)
 and then the KV write kernel (k and v into their cache slots); at batch 1 both are launch-bound
-(about 2.1 and 1.4 us a layer for Llama-8B on an H200). Here one program per (token, head block)
+(their H200 times: docs/perf-log.md). Here one program per (token, head block)
 does one of three things:
   q blocks   rotate BLOCK_HEADS query heads into q_out [num_tokens, num_heads, head_dim];
   k blocks   rotate key heads straight into the K cache at the token's slot;

@@ -2,7 +2,7 @@
 
 At batch 1 a decoder layer's attention is two short launches in a chain of dependent kernels:
 RoPE + KV write (triton_rope_kv.py), then the paged attention (triton_paged.py). Each costs a
-kernel boundary more than its work (about 1.3 us a layer for the first on an H200). Here the
+kernel boundary more than its work (the H200 times: docs/perf-log.md). Here the
 attention's programs do the first one's work themselves:
   - the rotation of the queries: each program rotates (after Qwen3's q_norm) the query rows it
     attends with, in registers, and keeps them as their two rotary halves; a score is the sum of
@@ -49,12 +49,10 @@ from foretell.ops.common.split_counters import SplitCounters
 from foretell.ops.common.protocols import NormModule
 from foretell.ops.pointwise.triton_kernels import _in_dtype, rms_norm_heads, rotate_pairs
 
-# Launch shape at batch 1 (scripts/bench_attention_chain.py: 32 launches in a PDL chain on an H200,
-# Llama-8B heads, us a launch at context 256 / 1024 / 4096, q = 1): 64 splits on 4 warps (the
-# engine before) 8.03 / 12.96 / 34.02; 16 splits on 8 warps 7.51 / 11.44 / 18.26; 8 splits on 8
-# warps 7.37 / 10.88 / 22.39. Idle splits still launch and wait, and the last program merges every
-# piece that holds keys one after another, so more pieces cost more than they save; 16 keep long
-# contexts fast. 16-bit tiles take 8 warps; float32 keeps _launch_config's (its tiles spill).
+# Launch shape at batch 1, from 32 launches in a PDL chain on the H200 at Llama-8B heads (docs/
+# perf-log.md, 2026-11-30, "The attention in a chain of launches"): idle splits still launch and
+# wait, and the last program merges every piece that holds keys one after another, so more pieces
+# cost more than they save; 16 keep long contexts fast. 16-bit tiles take 8 warps; float32 keeps _launch_config's (its tiles spill).
 MAX_SPLITS = 16
 WARPS_16_BIT = 8
 

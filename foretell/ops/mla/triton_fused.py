@@ -17,10 +17,9 @@ float32 accumulator, so the same kernels serve decode and prefill chunks (the Tr
 sends every query length through the absorbed form). Past FUSED_ROPE_MAX_TOKENS tokens the q_pe
 RoPE takes a second launch of its own (faster there than a branch of the matmul kernel).
 
-H200, bf16, V2-Lite sizes, per layer inside a CUDA graph at T = 1: RMSNorm 1.2 + RoPE 2.2 + cache
-write 1.3 + cuBLAS W_UK 2.7 + cuBLAS W_UV 2.9 = 10.3 us before; latent write 1.3 + absorbed query
-2.1 + value projection 2.4 = 5.7 us now (about 125 us a 27-layer step). Prefill chunks: on par
-with the torch ops up to 512 tokens; at 4096 the W_UK tiles take 44 us against cuBLAS's 30.
+On the H200 at V2-Lite sizes the three launches take about half the time of the five they
+replace at T = 1; prefill chunks are on par with the torch ops up to 512 tokens and slower than
+cuBLAS at 4096 (the figures: docs/perf-log.md).
 
 Twins in reference.py (the reference semantics, and what the CPU runs): `latent_write_torch` is
 RMSNorm + RoPE + TorchMLABackend.write_kv, `absorb_query_torch` the einsum + rope, and
@@ -374,7 +373,7 @@ FUSED_ROPE_MAX_TOKENS = 16
 def head_matmul_config(num_tokens: int, k: int, n: int, dtype: torch.dtype) -> dict:
     """Tiles from shapes only. Decode (a few tokens) is a weight read of about 2 MB at V2-Lite's
     sizes: narrow column blocks spread it over the SMs, with the whole K range in flight
-    (H200 sweep, CUDA graphs, T = 1: W_UK 2.1 us, W_UV 2.4 us against cuBLAS's 2.7 and 3.0).
+    (faster than cuBLAS in an H200 sweep at T = 1: docs/perf-log.md).
     Prefill gets large tiles: the A rows are re-read once per column block."""
     k_p = max(16, triton.next_power_of_2(k))
     if dtype.itemsize > 2:  # float32 runs on FMAs: small tiles keep it out of spills
