@@ -147,3 +147,12 @@ def test_bench_kernels_command_names_an_unknown_kernel(capsys):
     assert main(["bench", "kernels", "--kernels", "rope,flash", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert "flash" in err and "attention_decode" in err
+
+
+def test_a_non_finite_difference_is_reported_as_none():
+    from foretell.bench.kernels.run import max_abs_diff
+
+    ones = torch.ones(3)
+    assert max_abs_diff((ones, ones * 2), (ones, ones)) == 1.0
+    assert max_abs_diff(torch.tensor([float("nan"), 1.0]), ones[:2]) is None
+    assert max_abs_diff((ones, torch.full((3,), float("inf"))), (ones, ones)) is None  # in a later output too

@@ -6,6 +6,7 @@ table and a JSON-ready dict with the run's provenance (device, torch, Triton, co
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import subprocess
 from dataclasses import dataclass
@@ -80,9 +81,12 @@ def outputs(value: Any) -> list[torch.Tensor]:
     return [t for t in value if isinstance(t, torch.Tensor)]
 
 
-def max_abs_diff(got: Any, expected: Any) -> float:
+def max_abs_diff(got: Any, expected: Any) -> float | None:
+    """The largest elementwise difference over the outputs; None where it is not finite (a NaN
+    or an inf in either: JSON has no NaN, and the table shows "-")."""
     pairs = list(zip(outputs(got), outputs(expected), strict=True))
-    return max((a.float() - b.float()).abs().max().item() for a, b in pairs)
+    diffs = [(a.float() - b.float()).abs().max().item() for a, b in pairs]
+    return max(diffs) if all(math.isfinite(d) for d in diffs) else None
 
 
 def run_case(case: KernelCase, device: torch.device, warmup: int, iters: int, cuda_graph: bool) -> dict[str, Any]:
