@@ -185,7 +185,7 @@ def compute_logprobs(
 
 
 # Vocabularies from this size take the chunked Triton argmax on CUDA (torch.argmax gives a row one
-# thread block: 23-28 us for one row of a 100k+ vocabulary on an H200).
+# thread block: slow for a 100k+ vocabulary on an H200, docs/perf-log.md).
 TRITON_ARGMAX_MIN_VOCAB = 8192
 
 

@@ -236,7 +236,7 @@ def _logits_inputs(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def _logits_launch(num_tokens: int, num_experts: int, hidden_size: int) -> tuple[tuple[int, int], dict]:
     # One expert per program (64 experts: 64 programs), and the whole hidden size in one or a few
     # loads: at batch 1 the kernel is latency-bound (4 experts per program with 512-wide steps
-    # measured 4.4 us per layer on the H200, about what the cast + cuBLAS pair took).
+    # measured about what the cast + cuBLAS pair took on the H200: docs/perf-log.md).
     block_t = _next_pow2(num_tokens)
     block_h = max(16, min(4096 // block_t, _next_pow2(hidden_size)))
     grid = (triton.cdiv(num_tokens, block_t), num_experts)
