@@ -4,6 +4,12 @@ The cache tensor is bound by the runner once it is allocated (`bind_kv_cache`); 
 declares how large a cache it needs per block through `kv_cache_shape`. The metadata must be
 paged like this layer's cache (a draft with its own block size gets metadata derived once per
 step with `AttentionMetadata.with_block_size`).
+
+FP8 KV cache (kv_cache_dtype="fp8", ops/attention/fp8_kv.py): the layer's kv_scales.k_scale and
+.v_scale (scalar float32 parameters, kv_scales.py) are what its keys and values are divided by when stored
+in e4m3 and multiplied by when read. They load from the checkpoint's k_scale / v_scale when it has
+them and stay 1.0 otherwise; the layer reads them once as host floats when its cache is bound (so a
+captured CUDA graph holds them). A cache in the model's dtype ignores them.
 """
 
 from __future__ import annotations
@@ -11,7 +17,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from foretell.layers.attention.kv_scales import KVScales
 from foretell.ops.attention.dispatch import AttentionBackend
+from foretell.ops.attention.fp8_kv import is_fp8
 from foretell.ops.attention.metadata import AttentionMetadata
 from foretell.ops.common import kernel_choice
 from foretell.layers.norm import RMSNorm, rms_norm_torch
@@ -39,12 +47,14 @@ class Attention(nn.Module):
         self.scale = scale
         self.backend = backend
         self.kv_cache: torch.Tensor | None = None
+        self.kv_scales = KVScales()  # k_scale, v_scale: checkpoint keys .k_scale / .v_scale
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         self.kv_cache = kv_cache
+        self.kv_scales.freeze()
 
     def forward(
         self,
@@ -55,8 +65,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         if self.kv_cache is None:
             raise RuntimeError("attention layer has no KV cache bound; the runner must bind one")
-        self.backend.write_kv(key, value, self.kv_cache, metadata.slot_mapping)
-        return self.backend.attend(query, self.kv_cache, metadata, self.scale)
+        k_scale, v_scale = self.kv_scales.values
+        self.backend.write_kv(key, value, self.kv_cache, metadata.slot_mapping, k_scale, v_scale)
+        return self.backend.attend(query, self.kv_cache, metadata, self.scale, k_scale, v_scale)
 
     def forward_rotary(
         self,
@@ -74,10 +85,12 @@ class Attention(nn.Module):
         if self.kv_cache is None:
             raise RuntimeError("attention layer has no KV cache bound; the runner must bind one")
         norms_fit = qk_norm is None or all(n.weight.dtype == query.dtype for n in qk_norm)
-        if (self.backend.fuses_rope and norms_fit and self.kv_cache.dtype == query.dtype
+        cache_fits = self.kv_cache.dtype == query.dtype or is_fp8(self.kv_cache.dtype)
+        if (self.backend.fuses_rope and norms_fit and cache_fits
                 and rotary_emb.fusable(positions, query, key)):
+            k_scale, v_scale = self.kv_scales.values
             return self.backend.rope_attend(positions, query, key, value, rotary_emb, self.kv_cache, metadata,
-                                            self.scale, qk_norm)
+                                            self.scale, qk_norm, k_scale, v_scale)
         query, key = norm_and_rotate(positions, query, key, rotary_emb, qk_norm)
         return self(query, key, value, metadata)
 

@@ -4,7 +4,8 @@ A backend does two things over a paged cache: write this step's new keys/values 
 and attend each sequence's queries to its whole context (cached prefix + new tokens), causally.
 It never decides anything about scheduling; everything it needs is in AttentionMetadata.
 
-GQA cache layout, per layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V).
+GQA cache layout, per layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V), in
+the model's dtype or e4m3 with per-layer scales (fp8_kv.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ class AttentionBackend(Protocol):
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         slot_mapping: torch.Tensor,  # [num_tokens] int64
+        k_scale: float = 1.0,  # an FP8 cache (fp8_kv.py) stores key / k_scale, value / v_scale
+        v_scale: float = 1.0,
     ) -> None: ...
 
     def attend(
@@ -40,6 +43,8 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,  # an FP8 cache's entries stand for stored * scale
+        v_scale: float = 1.0,
     ) -> torch.Tensor: ...  # [num_tokens, num_heads, head_dim]
 
 

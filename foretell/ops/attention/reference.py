@@ -3,12 +3,16 @@
 Runs on any device. Loops over sequences on the host (the metadata carries host copies of the
 lengths, so there is no device sync); each sequence gathers its context from its block table and
 attends with a causal mask offset by its cached prefix. Scores and softmax are computed in float32.
+
+An FP8 cache (fp8_kv.py) stores x / scale in e4m3 and is read back as e4m3 * scale in float32, the
+layer's k_scale for keys and v_scale for values; other caches ignore the scales.
 """
 
 from __future__ import annotations
 
 import torch
 
+from foretell.ops.attention.fp8_kv import dequantize_from_cache, index_copy_slots, is_fp8, quantize_for_cache
 from foretell.ops.attention.metadata import AttentionMetadata
 
 
@@ -17,8 +21,16 @@ def write_kv_torch(
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens]
+    k_scale: float = 1.0,  # FP8 caches: stored keys are key / k_scale
+    v_scale: float = 1.0,
 ) -> None:
     flat = kv_cache.flatten(1, 2)  # [2, num_slots, num_kv_heads, head_dim] (a view)
+    if is_fp8(kv_cache.dtype):
+        key = quantize_for_cache(key, kv_cache.dtype, k_scale)
+        value = quantize_for_cache(value, kv_cache.dtype, v_scale)
+        index_copy_slots(flat[0], slot_mapping, key)
+        index_copy_slots(flat[1], slot_mapping, value)
+        return
     if key.dtype != kv_cache.dtype or value.dtype != kv_cache.dtype:  # (a no-op cast still costs a dispatch)
         key, value = key.to(kv_cache.dtype), value.to(kv_cache.dtype)
     flat[0].index_copy_(0, slot_mapping, key)
@@ -77,8 +89,8 @@ class TorchAttentionBackend:
     graph_safe = False  # loops over the host copies of the lengths
     fuses_rope = False
 
-    def write_kv(self, key, value, kv_cache, slot_mapping) -> None:
-        write_kv_torch(key, value, kv_cache, slot_mapping)
+    def write_kv(self, key, value, kv_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        write_kv_torch(key, value, kv_cache, slot_mapping, k_scale, v_scale)
 
     def attend(
         self,
@@ -86,17 +98,19 @@ class TorchAttentionBackend:
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,  # FP8 caches: what a stored key / value is multiplied by
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         starts = metadata.query_start_loc_cpu
         if len(starts) == 2 and starts[1] == query.shape[0] > 0:  # one sequence, every row: no output buffer
-            key, value = gather_kv(kv_cache, metadata.block_table[0], metadata.seq_lens_cpu[0])
+            key, value = gather_kv(kv_cache, metadata.block_table[0], metadata.seq_lens_cpu[0], k_scale, v_scale)
             return causal_attention(query, key, value, scale)
         out = torch.empty_like(query)
         for i, seq_len in enumerate(metadata.seq_lens_cpu):
             lo, hi = starts[i], starts[i + 1]
             if hi == lo:
                 continue
-            key, value = gather_kv(kv_cache, metadata.block_table[i], seq_len)
+            key, value = gather_kv(kv_cache, metadata.block_table[i], seq_len, k_scale, v_scale)
             out[lo:hi] = causal_attention(query[lo:hi], key, value, scale)
         return out
 
@@ -105,9 +119,15 @@ def gather_kv(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     block_table_row: torch.Tensor,  # [max_blocks] int32 or int64
     seq_len: int,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # key, value: [seq_len, num_kv_heads, head_dim] each
-    """gather_context for the key and the value cache in one gather."""
+    """gather_context for the key and the value cache in one gather (an FP8 cache's entries
+    dequantized to float32 with their scales)."""
     num_blocks = -(-seq_len // kv_cache.shape[2])
     blocks = kv_cache.index_select(1, block_table_row[:num_blocks])  # [2, num_blocks, block_size, ...]
     context = blocks.flatten(1, 2)[:, :seq_len]  # [2, seq_len, num_kv_heads, head_dim]
+    if is_fp8(kv_cache.dtype):
+        return (dequantize_from_cache(context[0], k_scale, torch.float32),
+                dequantize_from_cache(context[1], v_scale, torch.float32))
     return context[0], context[1]

@@ -4,6 +4,8 @@ Same semantics as TorchAttentionBackend (its twin). Every launch reads only host
 metadata already carries (max_query_len) and tensor shapes, so a step is CUDA-graph capturable
 once each kernel shape has been compiled by a warm-up run. The split-K choice for decode depends
 on shapes only (the block table's width, not max_seq_len), so eager and captured runs agree.
+An FP8 cache (fp8_kv.py) is written and read with the layer's k_scale / v_scale, host floats fixed
+after loading (a captured graph keeps them).
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ class TritonAttentionBackend:
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         slot_mapping: torch.Tensor,  # [num_tokens] int64; -1 marks padded rows
+        k_scale: float = 1.0,  # FP8 caches store key / k_scale
+        v_scale: float = 1.0,
     ) -> None:
-        write_kv_triton(key, value, kv_cache, slot_mapping)
+        write_kv_triton(key, value, kv_cache, slot_mapping, k_scale, v_scale)
 
     def rope_attend(
         self,
@@ -40,10 +44,12 @@ class TritonAttentionBackend:
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], before RoPE
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         rotary_emb: RotaryModule,
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], query's dtype
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], query's dtype or e4m3
         metadata: AttentionMetadata,
         scale: float,
         qk_norm: tuple[NormModule, NormModule] | None = None,  # (q_norm, k_norm), applied before RoPE
+        k_scale: float = 1.0,  # FP8 caches
+        v_scale: float = 1.0,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """(q_norm / k_norm,) rotary_emb(positions, query, key), write_kv of the rotated key, then
         attend: one launch for decode and short verify steps (triton_rope_paged.fits), else
@@ -57,10 +63,12 @@ class TritonAttentionBackend:
                 positions, query, key, value, rotary_emb.cos_cache, rotary_emb.sin_cache, kv_cache,
                 metadata.slot_mapping, metadata.block_table, metadata.seq_lens, metadata.query_start_loc,
                 metadata.max_query_len, scale, style=rotary_emb.style, qk_norm=qk_norm, counters=self.split_counters,
+                k_scale=k_scale, v_scale=v_scale,
             )
         query = rope_write_kv_triton(positions, query, key, value, rotary_emb.cos_cache, rotary_emb.sin_cache,
-                                     kv_cache, metadata.slot_mapping, style=rotary_emb.style, qk_norm=qk_norm)
-        return self.attend(query, kv_cache, metadata, scale)
+                                     kv_cache, metadata.slot_mapping, style=rotary_emb.style, qk_norm=qk_norm,
+                                     k_scale=k_scale, v_scale=v_scale)
+        return self.attend(query, kv_cache, metadata, scale, k_scale, v_scale)
 
     def attend(
         self,
@@ -68,6 +76,8 @@ class TritonAttentionBackend:
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,  # FP8 caches: a stored key stands for key * k_scale
+        v_scale: float = 1.0,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         self._check_block_size(kv_cache, metadata)
         out = torch.empty_like(query)
@@ -81,6 +91,8 @@ class TritonAttentionBackend:
             scale,
             out,
             counters=self.split_counters,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
 
     @staticmethod

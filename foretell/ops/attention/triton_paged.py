@@ -24,6 +24,11 @@ seq_lens, so the split adapts to the real length), and the last to finish merges
 (triton_varlen.py says how).
 
 Rows of `out` past query_start_loc[-1] (padding) are left untouched.
+
+An FP8 cache (fp8_kv.py): the write stores key / k_scale and value / v_scale in e4m3
+(triton_fp8_kv.to_cache); the attention converts each K/V tile to the query's dtype (exact) and
+runs its dots there, k_scale folded into the softmax scale and v_scale applied to the float32
+accumulator once at the end.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ from foretell.ops.attention.triton_varlen import (
     split_tile_range,
     store_attention,
 )
+from foretell.ops.attention.fp8_kv import check_scale, is_fp8
+from foretell.ops.attention.triton_fp8_kv import check_fp8_query, compute_dtype, dot_precision, to_cache
 from foretell.ops.common.pdl import join_dependent_chain, launch_options, pdl_enabled
 from foretell.ops.common.split_counters import SplitCounters
 
@@ -58,6 +65,8 @@ def _write_kv_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_mapping_ptr,
+    k_inv_scale,  # 1 / k_scale (FP8 caches; unused otherwise)
+    v_inv_scale,
     stride_key_token,
     stride_key_head,
     stride_value_token,
@@ -94,8 +103,8 @@ def _write_kv_kernel(
         + heads[:, None] * stride_cache_head
         + dims[None, :]
     )
-    tl.store(k_cache_ptr + cache_offsets, key.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + cache_offsets, value.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + cache_offsets, to_cache(key, k_inv_scale, k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + cache_offsets, to_cache(value, v_inv_scale, v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def write_kv_triton(
@@ -103,6 +112,8 @@ def write_kv_triton(
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64; slots < 0 are skipped
+    k_scale: float = 1.0,  # FP8 caches store key / k_scale
+    v_scale: float = 1.0,
 ) -> None:
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
@@ -117,6 +128,8 @@ def write_kv_triton(
         k_cache,
         v_cache,
         slot_mapping,
+        1.0 / check_scale("k_scale", k_scale),
+        1.0 / check_scale("v_scale", v_scale),
         key.stride(0),
         key.stride(1),
         value.stride(0),
@@ -146,7 +159,8 @@ def _paged_attention_kernel(
     seq_lens_ptr,  # [num_seqs] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
     num_seqs,
-    scale_log2,  # softmax scale * log2(e)
+    scale_log2,  # softmax scale * log2(e) (* k_scale for an FP8 cache)
+    v_scale,  # FP8 caches: the accumulator's factor (unused otherwise)
     stride_q_token,
     stride_q_head,
     stride_out_token,
@@ -166,6 +180,7 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,  # several programs per query block and kv head share the context
     MIN_TILES: tl.constexpr,  # fewest tiles per split
     DOT_PRECISION: tl.constexpr,
+    FP8_CACHE: tl.constexpr,  # e4m3 tiles, converted to the query's dtype on load
     PDL: tl.constexpr,  # launched with programmatic dependent launch (ops/common/pdl.py)
 ):
     join_dependent_chain(PDL)  # the next kernel (the o projection's GEMV) streams weights meanwhile
@@ -201,7 +216,8 @@ def _paged_attention_kernel(
     if split >= active:
         return
     q = tl.load(query_ptr + q_offsets, mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
-    q = q.to(k_cache_ptr.dtype.element_ty)  # tl.dot wants matching operand types
+    if not FP8_CACHE:
+        q = q.to(k_cache_ptr.dtype.element_ty)  # tl.dot wants matching operand types
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -215,12 +231,16 @@ def _paged_attention_kernel(
         kv_mask = key_valid[:, None] & dim_valid[None, :]
         k = tl.load(k_cache_ptr + token_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + token_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        if FP8_CACHE:
+            k, v = k.to(q.dtype), v.to(q.dtype)
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         visible = (key_pos[None, :] <= row_pos[:, None]) & key_valid[None, :]
         scores = tl.where(visible, scores, float("-inf"))
         p, alpha, m_i, l_i = online_softmax_step(scores, m_i, l_i)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    if FP8_CACHE:
+        acc = acc * v_scale  # every split alike, so merged partials carry it once
 
     part_base = (token_index * (GROUP * tl.num_programs(1)) + head) * num_splits
     out_offsets = token_index[:, None] * stride_out_token + head[:, None] * stride_out_head + dims[None, :]
@@ -242,6 +262,8 @@ def paged_attention_triton(
     num_splits: int | None = None,  # None: chosen from shapes; 1 disables the split
     min_split_tokens: int = MIN_SPLIT_TOKENS,  # fewest context tokens per split (benchmarks sweep it)
     counters: SplitCounters | None = None,  # the caller's persistent counters; None: zeros per call
+    k_scale: float = 1.0,  # FP8 caches: a stored key stands for key * k_scale
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal varlen attention of each sequence's queries to its paged context; returns `out`."""
     num_tokens, num_heads, head_dim = query.shape
@@ -258,8 +280,11 @@ def paged_attention_triton(
     if num_tokens == 0 or num_seqs == 0:
         return out
     query = _unit_last_stride(query)
+    check_fp8_query(kv_cache, query.dtype)
+    fp8 = is_fp8(kv_cache.dtype)
+    tiles = compute_dtype(kv_cache, query.dtype)
     group = num_heads // num_kv_heads
-    config = _launch_config(group, head_dim, max_query_len, kv_cache.dtype)
+    config = _launch_config(group, head_dim, max_query_len, tiles)
     block_q, block_m, tile_n = config["BLOCK_Q"], config["BLOCK_M"], config["TILE_N"]
     if num_splits is None:
         num_splits = _choose_num_splits(
@@ -301,7 +326,8 @@ def paged_attention_triton(
         seq_lens,
         query_start_loc,
         num_seqs,
-        scale * _LOG2E,
+        scale * _LOG2E * (check_scale("k_scale", k_scale) if fp8 else 1.0),
+        check_scale("v_scale", v_scale) if fp8 else 1.0,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -320,7 +346,8 @@ def paged_attention_triton(
         TILE_N=tile_n,
         SPLIT=split,
         MIN_TILES=triton.cdiv(min_split_tokens, tile_n),
-        DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
+        DOT_PRECISION=dot_precision(tiles),
+        FP8_CACHE=fp8,
         PDL=pdl,
         num_warps=config["num_warps"],
         **launch_options(pdl),
@@ -329,7 +356,7 @@ def paged_attention_triton(
 
 
 def _launch_config(
-    group: int, head_dim: int, max_query_len: int, cache_dtype: torch.dtype
+    group: int, head_dim: int, max_query_len: int, cache_dtype: torch.dtype  # the tiles' dtype
 ) -> dict:
     group_p = triton.next_power_of_2(group)
     # float32 tiles take the FMA path (exact "ieee" dot) and spill when large: keep them small.

@@ -23,6 +23,11 @@ other: within a rounding); the scores' sums run in another order (two products o
 outputs agree within float32 rounding. Twin:
 rope_write_kv_triton then paged_attention_triton (and through them the torch path);
 tests/ops/test_attention_rope_paged.py holds them together in Triton's interpreter.
+
+An FP8 cache (fp8_kv.py): the new keys and values go in as key / k_scale and value / v_scale in
+e4m3 (rounded to the query's dtype first, as the two launches round them), the tiles read back are
+converted to the query's dtype, k_scale rides in the softmax scale and v_scale multiplies the
+float32 accumulator at the end.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ from foretell.ops.attention.triton_varlen import (
     split_tile_range,
     store_attention,
 )
+from foretell.ops.attention.fp8_kv import check_scale, is_fp8
+from foretell.ops.attention.triton_fp8_kv import check_fp8_query, compute_dtype, dot_precision, to_cache
 from foretell.ops.common.pdl import join_dependent_chain, launch_options, pdl_enabled
 from foretell.ops.common.split_counters import SplitCounters
 from foretell.ops.common.protocols import NormModule
@@ -125,7 +132,10 @@ def _rope_paged_attention_kernel(
     block_table_ptr,  # [num_seqs, max_blocks] int32
     seq_lens_ptr,  # [num_seqs] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
-    scale_log2,
+    scale_log2,  # softmax scale * log2(e) (* k_scale for an FP8 cache)
+    k_inv_scale,  # FP8 caches: 1 / k_scale, 1 / v_scale and v_scale (unused otherwise)
+    v_inv_scale,
+    v_scale,
     stride_q_token,
     stride_q_head,
     stride_k_token,
@@ -154,6 +164,7 @@ def _rope_paged_attention_kernel(
     INTERLEAVED: tl.constexpr,
     HAS_NORM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP8_CACHE: tl.constexpr,  # e4m3 cache: scaled on write, tiles converted to the query's dtype on read
     PDL: tl.constexpr,
 ):
     join_dependent_chain(PDL)  # the o projection's GEMV streams weights meanwhile
@@ -171,7 +182,8 @@ def _rope_paged_attention_kernel(
     )
     if split >= active:
         return
-    dtype = k_cache_ptr.dtype.element_ty
+    dtype = query_ptr.dtype.element_ty  # the cache's too, unless the cache is FP8
+    cache_dtype = k_cache_ptr.dtype.element_ty
     halves = tl.arange(0, HALF_P)
     first, second = _pair_channels(halves, HALF, INTERLEAVED)
     dims = tl.arange(0, HEAD_DIM_P)
@@ -189,12 +201,15 @@ def _rope_paged_attention_kernel(
                                      HALF_P, INTERLEAVED, HAS_NORM, dtype)
     slot_offset = (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_slot + head_offset
     half_mask = mine[:, None] & (halves < HALF)[None, :]
-    tl.store(k_cache_ptr + slot_offset[:, None] + first[None, :], new_k1.to(dtype), mask=half_mask)
-    tl.store(k_cache_ptr + slot_offset[:, None] + second[None, :], new_k2.to(dtype), mask=half_mask)
+    tl.store(k_cache_ptr + slot_offset[:, None] + first[None, :], to_cache(new_k1.to(dtype), k_inv_scale, cache_dtype),
+             mask=half_mask)
+    tl.store(k_cache_ptr + slot_offset[:, None] + second[None, :], to_cache(new_k2.to(dtype), k_inv_scale, cache_dtype),
+             mask=half_mask)
     value_mask = mine[:, None] & (dims < HEAD_DIM)[None, :]
     new_v = tl.load(value_ptr + (token_index * stride_v_token + kv_head * stride_v_head)[:, None] + dims[None, :],
                     mask=value_mask)
-    tl.store(v_cache_ptr + slot_offset[:, None] + dims[None, :], new_v, mask=value_mask)
+    tl.store(v_cache_ptr + slot_offset[:, None] + dims[None, :], to_cache(new_v, v_inv_scale, cache_dtype),
+             mask=value_mask)
     tl.debug_barrier()  # the block's writes are visible to the block's reads below
 
     # The query rows (token, head of the group), rotated the same way.
@@ -224,12 +239,16 @@ def _rope_paged_attention_kernel(
         k2 = tl.load(k_cache_ptr + key_offsets[:, None] + second[None, :], mask=pair_mask, other=0.0)
         v = tl.load(v_cache_ptr + key_offsets[:, None] + dims[None, :],
                     mask=key_valid[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
+        if FP8_CACHE:
+            k1, k2, v = k1.to(dtype), k2.to(dtype), v.to(dtype)
         scores = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
         scores += tl.dot(q2, tl.trans(k2), input_precision=DOT_PRECISION)
         visible = (key_pos[None, :] <= row_pos[:, None]) & key_valid[None, :]
         scores = tl.where(visible, scores * scale_log2, float("-inf"))
         p, alpha, m_i, l_i = online_softmax_step(scores, m_i, l_i)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    if FP8_CACHE:
+        acc = acc * v_scale
 
     part_base = (row_index * (GROUP * tl.num_programs(1)) + head) * num_splits
     out_offsets = row_index[:, None] * stride_out_token + head[:, None] * stride_out_head + dims[None, :]
@@ -242,14 +261,14 @@ def _rope_paged_attention_kernel(
 def _query_block(query: torch.Tensor, max_query_len: int, kv_cache: torch.Tensor) -> int:
     """Query tokens per program (the paged attention's tile), at most 16."""
     group = query.shape[1] // kv_cache.shape[3]
-    return min(16, _launch_config(group, query.shape[2], max_query_len, kv_cache.dtype)["BLOCK_Q"])
+    return min(16, _launch_config(group, query.shape[2], max_query_len, compute_dtype(kv_cache, query.dtype))["BLOCK_Q"])
 
 
 def fits(query: torch.Tensor, max_query_len: int, rotary_dim: int, kv_cache: torch.Tensor) -> bool:
     """Whether one launch can serve this batch: every sequence's queries in one query block (decode,
-    short verify), full rotary, and the cache in the query's dtype (else: the two launches)."""
+    short verify), full rotary, and the cache in the query's dtype or FP8 (else: the two launches)."""
     return (1 <= max_query_len <= _query_block(query, max_query_len, kv_cache) and rotary_dim == query.shape[2]
-            and kv_cache.dtype == query.dtype and query.shape[1] % kv_cache.shape[3] == 0)
+            and (kv_cache.dtype == query.dtype or is_fp8(kv_cache.dtype)) and query.shape[1] % kv_cache.shape[3] == 0)
 
 
 def rope_paged_attention_triton(
@@ -259,7 +278,7 @@ def rope_paged_attention_triton(
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     cos_cache: torch.Tensor,  # [max_positions, head_dim // 2] float32
     sin_cache: torch.Tensor,
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], query's dtype
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], query's dtype or e4m3
     slot_mapping: torch.Tensor,  # [num_tokens] int64; -1: padding
     block_table: torch.Tensor,  # [num_seqs, max_blocks] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32, context length after this step's writes
@@ -271,6 +290,8 @@ def rope_paged_attention_triton(
     counters: SplitCounters | None = None,  # the caller's persistent counters; None: zeros per call
     num_splits: int | None = None,  # None: chosen from shapes, as paged_attention_triton does
     min_split_tokens: int = MIN_SPLIT_TOKENS,
+    k_scale: float = 1.0,  # FP8 caches: stored key = key / k_scale, read back as stored * k_scale
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """rope_write_kv_triton then paged_attention_triton, in one launch (a batch that `fits`)."""
     num_tokens, num_heads, head_dim = query.shape
@@ -284,7 +305,7 @@ def rope_paged_attention_triton(
             f"one-launch RoPE + attention needs each sequence's queries in one block of "
             f"{_query_block(query, max_query_len, kv_cache)} tokens (max_query_len {max_query_len}), full rotary "
             f"(rotary_dim {2 * cos_cache.shape[1]}, head_dim {head_dim}), {num_heads} heads a multiple of "
-            f"{num_kv_heads} kv heads and the cache in the query's dtype ({kv_cache.dtype}, {query.dtype}); "
+            f"{num_kv_heads} kv heads and the cache in the query's dtype or FP8 ({kv_cache.dtype}, {query.dtype}); "
             "run rope_write_kv_triton and paged_attention_triton instead")
     if style not in ("neox", "gptj"):
         raise ValueError(f"rope style {style!r} is not one of neox, gptj")
@@ -293,9 +314,14 @@ def rope_paged_attention_triton(
     if num_tokens == 0 or num_seqs == 0:
         return out
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    check_fp8_query(kv_cache, query.dtype)
+    fp8 = is_fp8(kv_cache.dtype)
+    tiles = compute_dtype(kv_cache, query.dtype)
+    k_scale = check_scale("k_scale", k_scale) if fp8 else 1.0
+    v_scale = check_scale("v_scale", v_scale) if fp8 else 1.0
     group = num_heads // num_kv_heads
     block_size = kv_cache.shape[2]
-    config = _launch_config(group, head_dim, max_query_len, kv_cache.dtype)
+    config = _launch_config(group, head_dim, max_query_len, tiles)
     if num_splits is None:
         num_splits = _choose_num_splits(query.device, active_programs=num_seqs * num_kv_heads,
                                         max_context=block_table.shape[1] * block_size,
@@ -320,7 +346,7 @@ def rope_paged_attention_triton(
         q_norm.weight if q_norm is not None else query, k_norm.weight if k_norm is not None else key,
         q_norm.eps if q_norm is not None else 0.0, k_norm.eps if k_norm is not None else 0.0,
         k_cache, v_cache, out, part_acc, part_max, part_sum, counter_buf, block_table, seq_lens, query_start_loc,
-        scale * _LOG2E,
+        scale * _LOG2E * k_scale, 1.0 / k_scale, 1.0 / v_scale, v_scale,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         cos_cache.stride(0), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
@@ -338,9 +364,10 @@ def rope_paged_attention_triton(
         MIN_TILES=triton.cdiv(min_split_tokens, config["TILE_N"]),
         INTERLEAVED=style == "gptj",
         HAS_NORM=qk_norm is not None,
-        DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
+        DOT_PRECISION=dot_precision(tiles),
+        FP8_CACHE=fp8,
         PDL=pdl,
-        num_warps=WARPS_16_BIT if kv_cache.dtype.itemsize == 2 else config["num_warps"],
+        num_warps=WARPS_16_BIT if tiles.itemsize == 2 else config["num_warps"],
         **launch_options(pdl),
     )
     return out
