@@ -28,6 +28,7 @@ INT32_MAX = 2**31 - 1
 NonEmptyText = Annotated[str, Field(min_length=1)]
 # fail_fast: a list that is not of this type stops at its first bad item, not after millions.
 TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(min_length=1, fail_fast=True)]
+TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]  # logit_bias: a token id spelled as a JSON key
 
 
 class OpenAIBaseModel(BaseModel):
@@ -56,11 +57,15 @@ class SamplingRequestFields(OpenAIBaseModel):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # Accepted so that clients sending the defaults work; anything else is refused with a 400.
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    # Logits controls, OpenAI's and vLLM's (SamplingParams says what each does)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, description="vLLM: 1 is off")
+    logit_bias: dict[TokenIdKey, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        None, description="token id -> a bias added to its logit")
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX, description="vLLM: no EOS or stop before this many tokens")
+    bad_words: Annotated[list[NonEmptyText], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    allowed_token_ids: TokenIds | None = None
     user: str | None = None
     # foretell extensions (vLLM-style; plain OpenAI clients never see them)
     return_token_origins: bool = Field(

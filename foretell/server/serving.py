@@ -108,8 +108,9 @@ class ServingContext:
                            code="overloaded", headers={"Retry-After": "1"})
         try:
             return await engine.add(prompts)
-        except ValueError as e:
-            raise APIError(400, str(e), param=param) from None
+        except ValueError as e:  # the engine's checks; a SamplingParams field's names the field
+            field = re.match(r"SamplingParams\.(\w+) ", str(e))
+            raise APIError(400, str(e), param=field.group(1) if field else param) from None
         except EngineDeadError as e:
             raise APIError(503, str(e), "service_unavailable", code="not_ready") from None
         except RequestFailedError as e:
@@ -125,15 +126,6 @@ def longest_token_chars(tokenizer) -> int:
 
 
 def sampling_params(req: SamplingRequestFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-    unsupported = {
-        "presence_penalty": req.presence_penalty not in (None, 0.0),
-        "frequency_penalty": req.frequency_penalty not in (None, 0.0),
-        "repetition_penalty": req.repetition_penalty not in (None, 1.0),
-        "logit_bias": bool(req.logit_bias),
-    }
-    for name, given in unsupported.items():
-        if given:
-            raise APIError(400, f"{name} is not supported by this server; leave it unset", param=name)
     temperature = 1.0 if req.temperature is None else req.temperature
     try:
         return SamplingParams(
@@ -150,6 +142,13 @@ def sampling_params(req: SamplingRequestFields, max_tokens: int | None, logprobs
             logprobs=logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            min_tokens=req.min_tokens,
+            logit_bias=None if req.logit_bias is None else {int(t): b for t, b in req.logit_bias.items()},
+            bad_words=req.bad_words,
+            allowed_token_ids=req.allowed_token_ids,
             return_token_origins=req.return_token_origins,
             use_speculation=req.use_speculation,
         )
