@@ -7,18 +7,12 @@ scripts/check_serving_gpu.py measures the same thing with each compilation's ker
 
 from __future__ import annotations
 
-import pytest
-
 from foretell import LLM, SamplingParams
 from foretell.bench.datasets import gsm8k_test_prompts
 from foretell.defaults import member_path
 from foretell.runner.jit_counter import jit_compile_counter
 
 
-@pytest.mark.xfail(
-    reason="H200, 2026-12-01 at 8bbcb5f (scripts/check_serving_gpu.py): 2 compilations after "
-           "warm-up, one each of _paged_attention_kernel and _rope_paged_attention_kernel in the "
-           "first pass; which integer argument changed class is not yet known.", strict=False)
 def test_two_hundred_prompt_lengths_compile_nothing_after_warm_up():
     counter = jit_compile_counter()  # installed before the engine, as the server does
     spec = {"method": "eagle3", "model": member_path("eagle3"), "num_speculative_tokens": 3}
