@@ -15,7 +15,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
+PROMPT = ("Question: Natalia sold clips to 48 of her friends in April, and then she sold half as "
+          "many clips in May. How many clips did Natalia sell altogether in April and May?\nAnswer:")
 
 
 def main() -> int:
@@ -58,7 +59,7 @@ def main() -> int:
             page.click("#run")
             page.wait_for_selector("#output[data-done='true']", timeout=120_000)
             page.wait_for_timeout(1200)  # one more /stats poll for the server panel
-            page.locator("#output .o-corrected").first.hover()
+            page.locator("#output .o-corrected").last.hover()  # its tooltip below the text
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=args.out, full_page=True)
             browser.close()
