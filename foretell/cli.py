@@ -13,6 +13,7 @@ import time
 from typing import TextIO
 
 from foretell.cli_args import add_engine_args, engine_kwargs_from_args, take_model_positional
+from foretell.cli_args import add_logits_control_args, logits_control_kwargs
 
 
 def add_generate_parser(sub) -> None:
@@ -32,6 +33,7 @@ def add_generate_parser(sub) -> None:
     g.add_argument("--ignore-eos", action="store_true",
                    help="keep generating past the end-of-sequence token")
     g.add_argument("--n", type=int, default=1, help="samples per prompt")
+    add_logits_control_args(g)
     g.add_argument("--stream", default="auto", choices=["auto", "on", "off"],
                    help="print tokens as they come (auto: when stdout is a terminal; one prompt "
                         "and --n 1 only, else the text prints at the end)")
@@ -48,7 +50,7 @@ def run_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(
         n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, seed=args.sampling_seed, max_tokens=args.max_tokens, stop=args.stop,
-        ignore_eos=args.ignore_eos,
+        ignore_eos=args.ignore_eos, **logits_control_kwargs(args),
     )
     llm = LLM(args.model, **engine_kwargs_from_args(args))
     if args.chat:

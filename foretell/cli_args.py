@@ -169,3 +169,39 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     kwargs = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     kwargs["speculative_config"] = speculative_config_from_args(args)
     return kwargs
+
+
+def add_logits_control_args(group) -> None:
+    """Flags for SamplingParams' logits controls (generate; the server takes them per request)."""
+    group.add_argument("--presence-penalty", type=float, default=0.0,
+                       help="subtracted once from each token the output already holds, in [-2, 2]")
+    group.add_argument("--frequency-penalty", type=float, default=0.0,
+                       help="subtracted per occurrence in the output so far, in [-2, 2]")
+    group.add_argument("--repetition-penalty", type=float, default=1.0,
+                       help="tokens seen in the prompt or output: positive logits divided, negative "
+                            "multiplied by it (> 0; 1: off)")
+    group.add_argument("--min-tokens", type=int, default=0, help="no EOS or stop before this many tokens")
+    group.add_argument("--logit-bias", help='JSON object of token id -> bias in [-100, 100], e.g. \'{"42": -100}\'')
+    group.add_argument("--bad-words", action="append", help="a word never to generate (repeatable)")
+    group.add_argument("--allowed-token-ids", help="comma-separated token ids: only these may be generated")
+
+
+def logits_control_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """SamplingParams keyword arguments from add_logits_control_args' flags."""
+    kwargs: dict[str, Any] = dict(
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty, min_tokens=args.min_tokens, bad_words=args.bad_words,
+    )
+    if args.logit_bias is not None:
+        try:
+            bias = json.loads(args.logit_bias)
+            kwargs["logit_bias"] = {int(token): value for token, value in bias.items()}
+        except (ValueError, AttributeError):
+            raise SystemExit(f'--logit-bias must be a JSON object of token ids to numbers, e.g. \'{{"42": -100}}\', '
+                             f"got {args.logit_bias!r}")
+    if args.allowed_token_ids is not None:
+        try:
+            kwargs["allowed_token_ids"] = [int(x) for x in args.allowed_token_ids.split(",")]
+        except ValueError:
+            raise SystemExit(f"--allowed-token-ids must be comma-separated integers, got {args.allowed_token_ids!r}")
+    return kwargs

@@ -201,3 +201,25 @@ def test_the_engine_checks_token_ids_against_the_vocabulary(qwen3_checkpoint):
         out = llm.generate(["hi"], SamplingParams(max_tokens=3, temperature=0, bad_words=["the"]), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) >= 1
         assert llm.get_stats()["num_requests_running"] == 0
+
+
+def test_generate_cli_flags(qwen3_checkpoint, capsys):
+    from foretell import cli
+
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, presence_penalty=0.5,
+                            frequency_penalty=1.5, repetition_penalty=1.2, min_tokens=2,
+                            logit_bias={7: 3.0}, bad_words=["the"], allowed_token_ids=list(range(5, 300)))
+    with LLM(qwen3_checkpoint, num_kv_blocks=32) as llm:
+        want = llm.generate("The cat", params, use_tqdm=False)[0].outputs[0].text
+    argv = ["generate", qwen3_checkpoint, "--prompt", "The cat", "--max-tokens", "8", "--ignore-eos",
+            "--num-kv-blocks", "32", "--stream", "off", "--presence-penalty", "0.5", "--frequency-penalty", "1.5",
+            "--repetition-penalty", "1.2", "--min-tokens", "2", "--logit-bias", '{"7": 3}', "--bad-words", "the",
+            "--allowed-token-ids", ",".join(str(t) for t in range(5, 300))]
+    assert cli.main(argv) == 0
+    assert f"The cat{want}\n" in capsys.readouterr().out
+    for flag, value, message in (("--logit-bias", "[1]", "--logit-bias must be a JSON object"),
+                                 ("--allowed-token-ids", "1,x", "--allowed-token-ids must be comma-separated")):
+        with pytest.raises(SystemExit, match=message):
+            cli.main(["generate", qwen3_checkpoint, "--prompt", "x", flag, value])
+    assert cli.main(["generate", qwen3_checkpoint, "--prompt", "x", "--presence-penalty", "3"]) != 0
+    assert "presence_penalty must be a number in [-2, 2]" in capsys.readouterr().err
