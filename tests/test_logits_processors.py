@@ -223,3 +223,30 @@ def test_generate_cli_flags(qwen3_checkpoint, capsys):
             cli.main(["generate", qwen3_checkpoint, "--prompt", "x", flag, value])
     assert cli.main(["generate", qwen3_checkpoint, "--prompt", "x", "--presence-penalty", "3"]) != 0
     assert "presence_penalty must be a number in [-2, 2]" in capsys.readouterr().err
+
+
+def test_requests_with_controls_stay_off_the_paths_that_sample_without_them():
+    """The padded greedy verify, decode-ahead and the TP greedy-without-logits shortcut sample
+    without the host's token lists: a request with controls must take the host step."""
+    from types import SimpleNamespace
+
+    from foretell.engine.scheduler import SchedulerOutput
+    from foretell.runner.decode_ahead import plain_decode
+    from foretell.runner.graphed_verify import GraphedVerify
+    from foretell.runner.host_step import HostStep
+
+    def sched_for(params: SamplingParams, drafts: list[int]) -> SchedulerOutput:
+        seq = Sequence(0, "r", 0, [1, 2, 3], params)
+        seq.num_computed_tokens = 2
+        return SchedulerOutput([ScheduledSequence(seq, 1 + len(drafts), drafts, samples=True)])
+
+    batch = SimpleNamespace(sampling_seq_index=[0])
+    host = HostStep(None, None, None, VOCAB, 16, 100, torch.device("cpu"), tensor_parallel=True)
+    padded = SimpleNamespace(draft_graphs=SimpleNamespace(k=2, catch_up_fits=lambda n: True),
+                             graphs=SimpleNamespace(bucket_for=lambda b: (1, 3)))
+    for params, plain in ((SamplingParams(temperature=0), True),
+                          (SamplingParams(temperature=0, presence_penalty=0.1), False),
+                          (SamplingParams(temperature=0, min_tokens=1), False)):
+        assert plain_decode(sched_for(params, []).scheduled) is plain
+        assert host.greedy_without_logits(sched_for(params, []), batch) is plain
+        assert GraphedVerify.fits(padded, sched_for(params, [4, 5]), batch) is plain
