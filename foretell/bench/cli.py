@@ -52,7 +52,8 @@ class ModeOrModel(argparse._SubParsersAction):
 def add_dataset_args(g, default_dataset: str) -> None:
     g.add_argument(
         "--dataset", default=default_dataset,
-        help="gsm8k | mt_bench | humaneval | random, or the path of a .jsonl file (one prompt per "
+        help="gsm8k | mt_bench | humaneval | repetitive (answers that repeat earlier text: "
+        "suffix decoding's workload) | random, or the path of a .jsonl file (one prompt per "
         "line: a string or an object with prompt / text / question / prompt_token_ids)",
     )
     g.add_argument("--num-prompts", type=int, default=16, help="how many prompts of the dataset")

@@ -78,7 +78,9 @@ SHIPPED: dict[str, tuple[str, Callable[[list[dict]], list[Prompt]]]] = {
     "mt_bench": ("mt_bench.jsonl", _mt_bench),
     "humaneval": ("humaneval.jsonl", _humaneval),
 }
-DATASET_NAMES = tuple(sorted(SHIPPED)) + ("random",)
+# Built from the shipped data by bench/repetitive.py (answers that repeat what came before).
+BUILT = ("repetitive",)
+DATASET_NAMES = tuple(sorted(SHIPPED)) + BUILT + ("random",)
 
 
 def prompt_from_record(record, where: str) -> Prompt:
@@ -155,6 +157,10 @@ def load_prompts(
         if vocab is None:
             raise ValueError("the random dataset needs a tokenizer vocabulary")
         return random_prompts(num_prompts or 16, input_len, vocab, seed)
+    if dataset == "repetitive":  # in order: its re-asked questions come back later in the set
+        from foretell.bench.repetitive import repetitive_prompts
+
+        return repetitive_prompts(num_prompts or 32, seed)
     if dataset in SHIPPED:
         filename, convert = SHIPPED[dataset]
         prompts = convert(read_jsonl(data_path(filename)))
