@@ -40,6 +40,31 @@ class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(OpenAIBaseModel):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")  # {} or missing: any JSON
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    """OpenAI's response_format: text (no constraint), any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(OpenAIBaseModel):
+    """vLLM's structured_outputs: exactly one constraint (SamplingParams checks the rest)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+
+
 class SamplingRequestFields(OpenAIBaseModel):
     """What completions and chat completions share: sampling, stopping, streaming."""
 
@@ -67,6 +92,9 @@ class SamplingRequestFields(OpenAIBaseModel):
     bad_words: Annotated[list[NonEmptyText], Field(max_length=MAX_STOP_STRINGS)] | None = None
     allowed_token_ids: TokenIds | None = None
     user: str | None = None
+    # Structured outputs (foretell/structured/): OpenAI's response_format, vLLM's structured_outputs
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
     # foretell extensions (vLLM-style; plain OpenAI clients never see them)
     return_token_origins: bool = Field(
         False, description="foretell: each choice (each chunk when streaming) gets token_origins, "
@@ -96,10 +124,44 @@ class TextContentPart(OpenAIBaseModel):
     text: str
 
 
+class FunctionCallInfo(OpenAIBaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallInfo(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallInfo
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: no arguments
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIBaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(OpenAIBaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallInfo] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -116,6 +178,10 @@ class ChatCompletionRequest(SamplingRequestFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    # Tool calling (server/tool_calls.py): the calls come back parsed as message.tool_calls
+    tools: Annotated[list[ChatTool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 # ---------------------------------------------------------------------------------- responses
@@ -181,7 +247,8 @@ class ChatLogprobs(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallInfo] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(BaseModel):

@@ -33,6 +33,8 @@ from foretell.server.async_engine import RequestFailedError
 from foretell.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from foretell.server.protocol import SamplingRequestFields, usage
 from foretell.server.streaming import Delta, request_failure, sse_response
+from foretell.server.tool_calls import ToolCallStream, ToolPlan, chat_message, message_dicts, plan_tools
+from foretell.server.tool_calls import render_with_tools, structured_outputs_of
 from foretell.server.token_origins import origins_json
 
 GREEDY_EPS = 1e-5  # temperatures below this sample greedily (dividing logits by ~0 overflows)
@@ -142,6 +144,7 @@ def sampling_params(req: SamplingRequestFields, max_tokens: int | None, logprobs
             logprobs=logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
+            structured_outputs=structured_outputs_of(req),
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
@@ -310,17 +313,19 @@ async def create_completion(req: CompletionRequest, ctx: ServingContext, raw: Re
 # ---------------------------------------------------------------------------------------- chat
 
 
-async def chat_prompt(req: ChatCompletionRequest, ctx: ServingContext) -> list[int]:
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+async def chat_prompt(req: ChatCompletionRequest, ctx: ServingContext, tools: list[dict] | None = None) -> list[int]:
+    messages = message_dicts(req)
     ctx.check_ready()
     ctx.check_prompt_chars(sum(len(m["content"]) for m in messages), "the messages' content", "messages")
-    return await ctx.on_tokenizer_thread(render_chat, ctx.engine.tokenizer, messages, req.add_generation_prompt)
+    return await ctx.on_tokenizer_thread(render_chat, ctx.engine.tokenizer, messages, req.add_generation_prompt, tools)
 
 
-def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
     """On the tokenizer thread: the chat template's token ids, or a 400 naming the failure."""
     code = None
     try:
+        if tools:
+            return render_with_tools(tokenizer, messages, add_generation_prompt, tools)
         return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     except ValueError as e:  # the tokenizer has no chat template
         message, code = str(e), "no_chat_template"
@@ -350,8 +355,11 @@ async def create_chat_completion(req: ChatCompletionRequest, ctx: ServingContext
     num_top = req.top_logprobs or 0
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(req, max_tokens, num_top if req.logprobs else None)
+    plan = plan_tools(req, getattr(ctx.engine.tokenizer.hf, "chat_template", None))
+    if plan.constraint is not None:  # tool_choice required or named: the call's grammar
+        params = replace(params, structured_outputs=plan.constraint)
     request_id = new_id("chatcmpl")
-    prompt = {"prompt_token_ids": await chat_prompt(req, ctx)}
+    prompt = {"prompt_token_ids": await chat_prompt(req, ctx, plan.tools)}
     stream = await ctx.submit([PromptSpec(request_id, prompt, params)], "messages")
     base = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": ctx.model_name}
 
@@ -360,8 +368,12 @@ async def create_chat_completion(req: ChatCompletionRequest, ctx: ServingContext
 
     if req.stream:
         chunk_base = {**base, "object": "chat.completion.chunk"}
+        tool_streams: dict[int, ToolCallStream] = {}
 
         def chunk(rid: str, c: CompletionOutput, delta: Delta) -> dict | None:
+            if plan.active:
+                return tool_chunk(chunk_base, c, delta, tool_streams.setdefault(c.index, ToolCallStream(plan.parser)),
+                                  logprobs_of(delta.logprobs))
             message = {"role": "assistant", "content": delta.text} if delta.first else {"content": delta.text}
             if (not delta.first and not delta.text and delta.logprobs is None
                     and delta.finish_reason is None and delta.token_origins is None):
@@ -377,16 +389,34 @@ async def create_chat_completion(req: ChatCompletionRequest, ctx: ServingContext
         return sse_response(stream, lambda: ctx.engine.abort(stream), req, chunk, chunk_base, req.logprobs)
 
     finals = await collect_finals(ctx, stream, raw)
-    choices = [
-        {"index": c.index, "message": {"role": "assistant", "content": c.text},
-         "logprobs": logprobs_of(c.logprobs), "finish_reason": c.finish_reason,
-         "stop_reason": c.stop_reason}
-        for out in finals for c in out.outputs
-    ]
+    choices = [final_chat_choice(c, plan, logprobs_of(c.logprobs)) for out in finals for c in out.outputs]
     if req.return_token_origins:
         for ch, c in zip(choices, (c for out in finals for c in out.outputs)):
             ch["token_origins"] = ctx.origins_json(c, c.token_origins)
     return JSONResponse({**base, "choices": choices, "usage": usage(finals)})
+
+
+def final_chat_choice(c: CompletionOutput, plan: ToolPlan, logprobs: dict | None) -> dict:
+    message, called = chat_message(c.text, plan)
+    finish = "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason
+    return {"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish,
+            "stop_reason": c.stop_reason}
+
+
+def tool_chunk(base: dict, c: CompletionOutput, delta: Delta, tools: ToolCallStream, logprobs: dict | None) -> dict | None:
+    """A chat chunk of a request whose output is parsed for tool calls (server/tool_calls.py)."""
+    finished = delta.finish_reason is not None
+    content, calls = tools.feed(delta.text, finished)
+    message = {"role": "assistant"} if delta.first else {}
+    if content:
+        message["content"] = content
+    if calls:
+        message["tool_calls"] = calls
+    if not message and logprobs is None and not finished:
+        return None
+    finish = "tool_calls" if finished and tools.called and delta.finish_reason == "stop" else delta.finish_reason
+    return {**base, "choices": [{"index": c.index, "delta": message, "logprobs": logprobs,
+                                 "finish_reason": finish, "stop_reason": delta.stop_reason}]}
 
 
 # ------------------------------------------------------------------------- collecting outputs

@@ -37,7 +37,7 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None  # Lark, or GBNF/EBNF (llama.cpp's form)
-    # json / json_object: True allows no whitespace beyond one space after ':' and ','  (vLLM's
+    # json / json_object: True allows no whitespace between JSON tokens (vLLM's
     # option; a small model may otherwise emit whitespace until max_tokens).
     disable_any_whitespace: bool = False
     # The llguidance grammar the fields above compile to; built on construction.
