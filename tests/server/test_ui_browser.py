@@ -138,6 +138,29 @@ def test_tokens_are_reachable_by_keyboard_and_explain_themselves(spec_server, pa
     assert not page.errors
 
 
+def test_chat_turn_and_stop(spec_server, page):
+    page.goto(spec_server.url + "/")
+    page.wait_for_selector("#legend .tok")
+    page.check("input[name='mode'][value='chat']")
+    page.fill("#prompt", "Tell me about foxes.")
+    page.fill("#max-tokens", "12")
+    page.click("#run")
+    page.wait_for_selector("#output[data-done='true']")
+    tokens = page_tokens(page, "#output")
+    assert 0 < len(tokens) == int(page.get_attribute("#output", "data-completion-tokens"))
+    # a long run stopped from the page: the stream closes and the server aborts the request
+    page.fill("#max-tokens", "400")
+    page.check("#ignore-eos")
+    page.click("#run")
+    page.wait_for_selector("#output .tok")
+    page.click("#stop")
+    sync_api.expect(page.locator("#play-status")).to_have_text("Stopped.")
+    assert len(page_tokens(page, "#output")) < 400
+    idle = wait_until_idle(spec_server)
+    assert idle["num_requests_running"] == 0 and idle["num_free_kv_blocks"] == idle["num_kv_blocks"]
+    assert not page.errors
+
+
 def test_compare_view_runs_with_and_without_speculation(spec_server, page):
     page.goto(spec_server.url + "/")
     page.wait_for_selector("#legend .tok")

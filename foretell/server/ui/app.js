@@ -477,6 +477,8 @@ async function runPlayground(event) {
   $("run").disabled = true;
   $("stop").disabled = false;
   status.textContent = "Generating…";
+  delete $("output").dataset.done; // set again when this run completes
+  delete $("output").dataset.completionTokens;
   let latest = null;
   const draw = (stats) => {
     latest = stats.summary();
@@ -552,6 +554,7 @@ async function runCompare(event) {
   state.running = controller;
   $("compare-run").disabled = true;
   const panes = [$("pane-a"), $("pane-b")];
+  delete summaryLine.dataset.same;
   panes.forEach((pane) => pane.querySelector(".numbers").replaceChildren());
   const results = [];
   try {
