@@ -13,6 +13,10 @@ ops/mla/reference.py), its Triton kernels, and build_mla_backend, which picks by
 backend's name. LatentAttention hands a backend the layer's raw projections (q per head, the kv_a
 slice of fused_qkv_a_proj) and gets back the per-head output for o_proj.
 
+FP8 latent cache (kv_cache_dtype="fp8"): LatentAttention's kv_scales.k_scale (1.0 unless the
+checkpoint has self_attn.k_scale) scales the whole [c | k_pe] entry, as vLLM's MLA does; a
+checkpoint's v_scale loads but is not used (c is the value as well as the key).
+
 Tensor parallel (tp with several ranks): the heads are split. q_b_proj (or, without a q LoRA,
 the q slice of fused_qkv_a_proj) and kv_b_proj are column-parallel (each head's rows are
 contiguous, so an even row split is a head split), o_proj row-parallel with the sum over ranks;
@@ -29,6 +33,7 @@ import torch
 from torch import nn
 
 from foretell.distributed.tensor_parallel import TensorParallel
+from foretell.layers.attention.kv_scales import KVScales
 from foretell.layers.linear import ColumnParallelLinear, MergedLinear, RankSlice, row_parallel_linear, set_rank_slices
 from foretell.layers.norm import RMSNorm
 from foretell.layers.rotary import RotaryEmbedding
@@ -83,12 +88,14 @@ class LatentAttention(nn.Module):
         self.scale = scale
         self.backend = build_mla_backend(backend_name)
         self.kv_cache: torch.Tensor | None = None
+        self.kv_scales = KVScales()  # an FP8 cache's k_scale (the whole entry)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (num_blocks, block_size, self.kv_lora_rank + self.qk_rope_head_dim)
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         self.kv_cache = kv_cache
+        self.kv_scales.freeze(kv_cache.dtype)
 
     def forward(
         self,
@@ -104,7 +111,7 @@ class LatentAttention(nn.Module):
             raise RuntimeError("MLA layer has no KV cache bound; the runner must bind one")
         return self.backend.attend_projections(
             q, kv_a, positions, rotary_emb, kv_a_layernorm, kv_b_weight, self.kv_cache, metadata,
-            self.scale, self.v_head_dim,
+            self.scale, self.v_head_dim, self.kv_scales.values[0],
         )
 
     def extra_repr(self) -> str:

@@ -12,7 +12,8 @@ A model that wants them puts those rules first in its WeightRules.fused (before 
 rules, which would otherwise claim `k_proj.*`).
 
 The kernels take the scales as host floats: `freeze()` reads them once, when the layer's cache is
-bound (after loading, before any CUDA graph is captured), and checks them.
+bound (after loading, before any CUDA graph is captured), and checks them when the cache is FP8
+(a cache in the model's dtype ignores them).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from foretell.ops.attention.fp8_kv import check_scale
+from foretell.ops.attention.fp8_kv import check_scale, is_fp8
 from foretell.weight_rules import WeightRule
 
 
@@ -50,8 +51,12 @@ class KVScales(nn.Module):
         self.v_scale = _scale_parameter()
         self.values: tuple[float, float] = (1.0, 1.0)  # (k_scale, v_scale) as the kernels take them
 
-    def freeze(self) -> None:
-        """Read the parameters into `values` (once the weights are loaded)."""
+    def freeze(self, cache_dtype: torch.dtype) -> None:
+        """Read the parameters into `values` (once the weights are loaded) for an FP8 cache; any
+        other cache ignores them, and gets (1.0, 1.0)."""
+        if not is_fp8(cache_dtype):
+            self.values = (1.0, 1.0)
+            return
         self.values = (check_scale("k_scale", self.k_scale.item()), check_scale("v_scale", self.v_scale.item()))
 
     def extra_repr(self) -> str:

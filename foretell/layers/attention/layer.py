@@ -54,7 +54,7 @@ class Attention(nn.Module):
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         self.kv_cache = kv_cache
-        self.kv_scales.freeze()
+        self.kv_scales.freeze(kv_cache.dtype)
 
     def forward(
         self,

@@ -17,12 +17,17 @@ A backend's `attend_projections` takes the layer's raw projections (q per head, 
 fused_qkv_a_proj) and does everything between them and o_proj: kv_a_layernorm, RoPE, the cache
 write, attention. Here that composes the modules' own ops; the Triton backend fuses them.
 The twins of the fused kernels follow: latent_write_torch, absorb_query_torch, project_values_torch.
+
+An FP8 latent cache (ops/attention/fp8_kv.py) stores [c | k_pe] / k_scale in e4m3, one scale per
+layer for the whole entry (c is both key and value: vLLM's MLA keeps a single scale too), and is
+read back as e4m3 * k_scale in the query's dtype; other caches ignore k_scale.
 """
 
 from __future__ import annotations
 
 import torch
 
+from foretell.ops.attention.fp8_kv import dequantize_from_cache, index_copy_slots, quantize_for_cache
 from foretell.ops.attention.metadata import AttentionMetadata
 from foretell.ops.attention.reference import causal_attention, gather_context
 from foretell.ops.common.protocols import NormModule, RotaryModule
@@ -76,6 +81,7 @@ class TorchMLABackend:
         metadata: AttentionMetadata,
         scale: float,
         v_head_dim: int,
+        k_scale: float = 1.0,  # FP8 caches: stored entries are [c | k_pe] / k_scale
     ) -> torch.Tensor:  # [num_tokens, num_heads, v_head_dim]
         """Norm the latent, rotate q_pe / k_pe, write the cache, attend: the reference path."""
         nope, rank, rope = projection_widths(q, kv_a, rotary_emb, kv_a_layernorm, kv_b_weight, kv_cache, v_head_dim)
@@ -83,8 +89,8 @@ class TorchMLABackend:
         latent, k_pe = kv_a.split([rank, rope], dim=-1)
         latent, _ = kv_a_layernorm(latent)
         q_pe, k_pe = rotary_emb(positions, q_pe, k_pe.unsqueeze(1))
-        self.write_kv(latent, k_pe.squeeze(1), kv_cache, metadata.slot_mapping)
-        return self.attend(q_nope, q_pe, kv_b_weight, kv_cache, metadata, scale, v_head_dim)
+        self.write_kv(latent, k_pe.squeeze(1), kv_cache, metadata.slot_mapping, k_scale)
+        return self.attend(q_nope, q_pe, kv_b_weight, kv_cache, metadata, scale, v_head_dim, k_scale=k_scale)
 
     def write_kv(
         self,
@@ -92,9 +98,10 @@ class TorchMLABackend:
         k_pe: torch.Tensor,  # [num_tokens, qk_rope_head_dim], rotated
         kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]
         slot_mapping: torch.Tensor,  # [num_tokens] int64
+        k_scale: float = 1.0,  # FP8 caches store the entry / k_scale
     ) -> None:
-        entries = torch.cat([latent, k_pe], dim=-1).to(kv_cache.dtype)
-        kv_cache.flatten(0, 1).index_copy_(0, slot_mapping, entries)
+        entries = quantize_for_cache(torch.cat([latent, k_pe], dim=-1), kv_cache.dtype, k_scale)
+        index_copy_slots(kv_cache.flatten(0, 1), slot_mapping, entries)
 
     def attend(
         self,
@@ -106,6 +113,7 @@ class TorchMLABackend:
         scale: float,
         v_head_dim: int,
         absorb: bool | None = None,  # None: by query length; True / False force a form (tests)
+        k_scale: float = 1.0,  # FP8 caches: an entry stands for stored * k_scale
     ) -> torch.Tensor:  # [num_tokens, num_heads, v_head_dim]
         num_tokens, num_heads, nope = q_nope.shape
         w_uk, w_uv = split_kv_b(kv_b_weight, num_heads, nope, v_head_dim)
@@ -116,6 +124,7 @@ class TorchMLABackend:
             if hi == lo:
                 continue
             context = gather_context(kv_cache, metadata.block_table[i], seq_len)  # [S, rank+rope]
+            context = dequantize_from_cache(context, k_scale, q_nope.dtype)
             use_absorbed = hi - lo <= ABSORB_MAX_QUERY_LEN if absorb is None else absorb
             if use_absorbed:
                 out[lo:hi] = absorbed_attention(q_nope[lo:hi], q_pe[lo:hi], w_uk, w_uv, context, scale)
@@ -153,7 +162,7 @@ def expanded_attention(q_nope, q_pe, w_uk, w_uv, context, scale):
     return causal_attention(query, key, value, scale)
 
 
-def latent_write_torch(kv_a, positions, kv_a_layernorm, rotary_emb, kv_cache, slot_mapping) -> None:
+def latent_write_torch(kv_a, positions, kv_a_layernorm, rotary_emb, kv_cache, slot_mapping, k_scale=1.0) -> None:
     """Twin of latent_write_triton: the modules' own torch paths, then TorchMLABackend.write_kv
     (rows with slot < 0 dropped first, as the kernel skips them)."""
     rank = kv_a_layernorm.hidden_size
@@ -163,7 +172,7 @@ def latent_write_torch(kv_a, positions, kv_a_layernorm, rotary_emb, kv_cache, sl
     latent, _ = kv_a_layernorm(latent)
     cos, sin = rotary_emb.cos_sin(positions)
     k_pe = APPLY_STYLES[rotary_emb.style](k_pe.unsqueeze(1), cos, sin).squeeze(1)
-    TorchMLABackend().write_kv(latent, k_pe, kv_cache, slot_mapping)
+    TorchMLABackend().write_kv(latent, k_pe, kv_cache, slot_mapping, k_scale)
 
 
 def absorb_query_torch(q, w_uk, positions, rotary_emb) -> torch.Tensor:

@@ -21,6 +21,10 @@ kernel merges inside; a 512-wide latent row made that serial merge slower than a
 depend only on shapes and max_query_len, so every launch can be captured in a CUDA graph.
 The same kernel serves prefill chunks (any query length), so the backend never reads host
 lengths. Rows of the output past query_start_loc[-1] are left untouched.
+
+An FP8 latent cache (ops/attention/fp8_kv.py, one k_scale per layer): writes store the entry /
+k_scale in e4m3; the attention converts each latent tile to the query's dtype (exact), k_scale
+rides in the softmax scale (scores) and multiplies the float32 accumulator (c is the value too).
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
+from foretell.ops.attention.fp8_kv import check_scale, is_fp8
 from foretell.ops.attention.metadata import AttentionMetadata
+from foretell.ops.attention.triton_fp8_kv import check_fp8_query, compute_dtype, dot_precision, to_cache
 from foretell.ops.attention.triton_paged import (
     _choose_num_splits,
     _unit_last_stride,
@@ -60,6 +66,7 @@ def _write_latent_kernel(
     k_pe_ptr,  # [num_tokens, rope]
     cache_ptr,  # [num_blocks, block_size, rank + rope]
     slot_mapping_ptr,  # [num_tokens] int64
+    inv_scale,  # 1 / k_scale (FP8 caches; unused otherwise)
     stride_latent,
     stride_k_pe,
     stride_cache_block,
@@ -77,10 +84,10 @@ def _write_latent_kernel(
     base = cache_ptr + (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_slot
     r = tl.arange(0, RANK_P)
     c = tl.load(latent_ptr + token * stride_latent + r, mask=r < RANK)
-    tl.store(base + r, c.to(cache_ptr.dtype.element_ty), mask=r < RANK)
+    tl.store(base + r, to_cache(c, inv_scale, cache_ptr.dtype.element_ty), mask=r < RANK)
     p = tl.arange(0, ROPE_P)
     k_pe = tl.load(k_pe_ptr + token * stride_k_pe + p, mask=p < ROPE)
-    tl.store(base + RANK + p, k_pe.to(cache_ptr.dtype.element_ty), mask=p < ROPE)
+    tl.store(base + RANK + p, to_cache(k_pe, inv_scale, cache_ptr.dtype.element_ty), mask=p < ROPE)
 
 
 def write_latent_triton(
@@ -88,6 +95,7 @@ def write_latent_triton(
     k_pe: torch.Tensor,  # [num_tokens, qk_rope_head_dim]
     kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64; slots < 0 are skipped
+    k_scale: float = 1.0,  # FP8 caches store the entry / k_scale
 ) -> None:
     num_tokens, rank = latent.shape
     rope = k_pe.shape[-1]
@@ -96,7 +104,7 @@ def write_latent_triton(
         return
     latent, k_pe = _unit_last_stride(latent), _unit_last_stride(k_pe)
     _write_latent_kernel[(num_tokens,)](
-        latent, k_pe, kv_cache, slot_mapping,
+        latent, k_pe, kv_cache, slot_mapping, 1.0 / check_scale("k_scale", k_scale),
         latent.stride(0), k_pe.stride(0), kv_cache.stride(0), kv_cache.stride(1),
         RANK=rank, RANK_P=triton.next_power_of_2(rank),
         ROPE=rope, ROPE_P=triton.next_power_of_2(rope),
@@ -117,7 +125,8 @@ def _mla_attention_kernel(
     seq_lens_ptr,  # [num_seqs] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
     num_seqs,
-    scale_log2,  # softmax scale * log2(e)
+    scale_log2,  # softmax scale * log2(e) (* k_scale for an FP8 cache)
+    k_scale,  # FP8 caches: the accumulator's factor (unused otherwise)
     stride_lat_token,
     stride_lat_head,
     stride_pe_token,
@@ -139,6 +148,7 @@ def _mla_attention_kernel(
     TILE_N: tl.constexpr,  # context tokens per inner step
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP8_CACHE: tl.constexpr,  # e4m3 tiles, converted to the query's dtype on load
 ):
     q_block = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -165,14 +175,19 @@ def _mla_attention_kernel(
         prefix_len, q_len, local_block, split, num_splits, BLOCK_Q, TILE_N, 1
     )
 
+    # tl.dot wants matching operand types: the cache's, or the query's when the cache is FP8
+    if FP8_CACHE:
+        tile_dtype = q_lat_ptr.dtype.element_ty
+    else:
+        tile_dtype = cache_ptr.dtype.element_ty
     q_lat = tl.load(
         q_lat_ptr + token_index[:, None] * stride_lat_token + head[:, None] * stride_lat_head + r[None, :],
         mask=row_valid[:, None] & r_valid[None, :], other=0.0,
-    ).to(cache_ptr.dtype.element_ty)  # tl.dot wants matching operand types
+    ).to(tile_dtype)
     q_pe = tl.load(
         q_pe_ptr + token_index[:, None] * stride_pe_token + head[:, None] * stride_pe_head + p[None, :],
         mask=row_valid[:, None] & p_valid[None, :], other=0.0,
-    ).to(cache_ptr.dtype.element_ty)
+    ).to(tile_dtype)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -189,6 +204,8 @@ def _mla_attention_kernel(
             cache_ptr + token_offsets[:, None] + RANK + p[None, :],
             mask=key_valid[:, None] & p_valid[None, :], other=0.0,
         )  # [TILE_N, ROPE_P]
+        if FP8_CACHE:
+            latent, k_pe = latent.to(tile_dtype), k_pe.to(tile_dtype)
         scores = tl.dot(q_lat, tl.trans(latent), input_precision=DOT_PRECISION)
         scores += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION)
         scores = scores * scale_log2
@@ -196,6 +213,8 @@ def _mla_attention_kernel(
         scores = tl.where(visible, scores, float("-inf"))
         prob, alpha, m_i, l_i = online_softmax_step(scores, m_i, l_i)
         acc = acc * alpha[:, None] + tl.dot(prob.to(latent.dtype), latent, input_precision=DOT_PRECISION)
+    if FP8_CACHE:
+        acc = acc * k_scale  # every split alike: the merge keeps it
 
     part_base = (token_index * NUM_HEADS + head) * num_splits
     out_offsets = token_index[:, None] * stride_out_token + head[:, None] * stride_out_head + r[None, :]
@@ -256,6 +275,7 @@ def mla_attention_triton(
     out: torch.Tensor,  # [num_tokens, num_heads, kv_lora_rank], written in place
     num_splits: int | None = None,  # None: chosen from shapes; 1 disables the split
     config: dict | None = None,  # overrides of mla_launch_config (benchmarks sweep these)
+    k_scale: float = 1.0,  # FP8 caches: an entry stands for stored * k_scale
 ) -> torch.Tensor:
     """Causal varlen MQA of [q_lat | q_pe] over the latent cache; returns o_lat (`out`)."""
     num_tokens, num_heads, rank = q_lat.shape
@@ -267,7 +287,13 @@ def mla_attention_triton(
     if num_tokens == 0 or num_seqs == 0:
         return out
     q_lat, q_pe = _unit_last_stride(q_lat), _unit_last_stride(q_pe)
-    cfg = {**mla_launch_config(num_heads, max_query_len, kv_cache.dtype), **(config or {})}
+    check_fp8_query(kv_cache, q_lat.dtype)
+    if q_pe.dtype != q_lat.dtype:
+        raise ValueError(f"q_lat and q_pe must share a dtype, got {q_lat.dtype} and {q_pe.dtype}")
+    fp8 = is_fp8(kv_cache.dtype)
+    k_scale = check_scale("k_scale", k_scale) if fp8 else 1.0
+    tiles = compute_dtype(kv_cache, q_lat.dtype)
+    cfg = {**mla_launch_config(num_heads, max_query_len, tiles), **(config or {})}
     block_m = cfg["BLOCK_M"]
     block_h = min(triton.next_power_of_2(num_heads), block_m)
     block_q = block_m // block_h
@@ -292,7 +318,7 @@ def mla_attention_triton(
         part_acc = part_max = part_sum = out  # unused by the kernel when not split
     _mla_attention_kernel[(num_q_blocks, head_blocks, num_splits)](
         q_lat, q_pe, kv_cache, out, part_acc, part_max, part_sum,
-        block_table, seq_lens, query_start_loc, num_seqs, scale * _LOG2E,
+        block_table, seq_lens, query_start_loc, num_seqs, scale * _LOG2E * k_scale, k_scale,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
         out.stride(0), out.stride(1), kv_cache.stride(0), kv_cache.stride(1),
         block_table.stride(0),
@@ -300,7 +326,7 @@ def mla_attention_triton(
         RANK=rank, RANK_P=max(16, triton.next_power_of_2(rank)),  # tl.dot needs K >= 16
         ROPE=rope, ROPE_P=max(16, triton.next_power_of_2(rope)),
         BLOCK_SIZE=block_size, TILE_N=cfg["TILE_N"], SPLIT=split,
-        DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
+        DOT_PRECISION=dot_precision(tiles), FP8_CACHE=fp8,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if split:
@@ -313,7 +339,7 @@ def mla_attention_triton(
     return out
 
 
-def mla_launch_config(num_heads: int, max_query_len: int, cache_dtype: torch.dtype) -> dict:
+def mla_launch_config(num_heads: int, max_query_len: int, cache_dtype: torch.dtype) -> dict:  # the tiles' dtype
     """Tile sizes from shapes only. The accumulator is BLOCK_M x kv_lora_rank in float32 (512
     wide for DeepSeek), so rows stay few: 16 per 4 warps, as the latent tile is what is shared."""
     if cache_dtype.itemsize > 2:  # float32 takes the FMA path and spills when large
@@ -346,17 +372,18 @@ class TritonMLABackend:
         metadata: AttentionMetadata,
         scale: float,
         v_head_dim: int,
+        k_scale: float = 1.0,  # FP8 caches: stored entries are [c | k_pe] / k_scale
     ) -> torch.Tensor:  # [num_tokens, num_heads, v_head_dim]
         nope, rank, _ = projection_widths(q, kv_a, rotary_emb, kv_a_layernorm, kv_b_weight, kv_cache, v_head_dim)
         _check_block_size(kv_cache, metadata)
         num_tokens, num_heads, _ = q.shape
         w_uk, w_uv = split_kv_b(kv_b_weight, num_heads, nope, v_head_dim)
-        latent_write_triton(kv_a, positions, kv_a_layernorm, rotary_emb, kv_cache, metadata.slot_mapping)
+        latent_write_triton(kv_a, positions, kv_a_layernorm, rotary_emb, kv_cache, metadata.slot_mapping, k_scale)
         q_abs = absorb_query_triton(q, w_uk, positions, rotary_emb)  # [T, heads, rank + rope]
         o_lat = torch.empty(num_tokens, num_heads, rank, dtype=q.dtype, device=q.device)
         mla_attention_triton(
             q_abs[..., :rank], q_abs[..., rank:], kv_cache, metadata.block_table, metadata.seq_lens,
-            metadata.query_start_loc, metadata.max_query_len, scale, o_lat,
+            metadata.query_start_loc, metadata.max_query_len, scale, o_lat, k_scale=k_scale,
         )
         return project_values_triton(o_lat, w_uv)  # [T, heads, v]
 
@@ -366,8 +393,9 @@ class TritonMLABackend:
         k_pe: torch.Tensor,  # [num_tokens, qk_rope_head_dim], rotated
         kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]
         slot_mapping: torch.Tensor,  # [num_tokens] int64; -1 marks padded rows
+        k_scale: float = 1.0,
     ) -> None:
-        write_latent_triton(latent, k_pe, kv_cache, slot_mapping)
+        write_latent_triton(latent, k_pe, kv_cache, slot_mapping, k_scale)
 
     def attend(
         self,
@@ -379,10 +407,11 @@ class TritonMLABackend:
         scale: float,
         v_head_dim: int,
         absorb: bool | None = None,  # False: the torch backend's expanded form (tests)
+        k_scale: float = 1.0,
     ) -> torch.Tensor:  # [num_tokens, num_heads, v_head_dim]
         if absorb is False:
             return TorchMLABackend().attend(
-                q_nope, q_pe, kv_b_weight, kv_cache, metadata, scale, v_head_dim, absorb=False
+                q_nope, q_pe, kv_b_weight, kv_cache, metadata, scale, v_head_dim, absorb=False, k_scale=k_scale
             )
         _check_block_size(kv_cache, metadata)
         num_tokens, num_heads, nope = q_nope.shape
@@ -392,7 +421,7 @@ class TritonMLABackend:
         o_lat = torch.empty(num_tokens, num_heads, rank, dtype=q_nope.dtype, device=q_nope.device)
         mla_attention_triton(
             q_lat, q_pe, kv_cache, metadata.block_table, metadata.seq_lens,
-            metadata.query_start_loc, metadata.max_query_len, scale, o_lat,
+            metadata.query_start_loc, metadata.max_query_len, scale, o_lat, k_scale=k_scale,
         )
         return torch.einsum("thr,hvr->thv", o_lat, w_uv)  # [T, heads, v]
 

@@ -41,6 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
+from foretell.ops.attention.fp8_kv import check_scale
+from foretell.ops.attention.triton_fp8_kv import to_cache
 from foretell.ops.attention.triton_paged import _unit_last_stride
 from foretell.ops.common.protocols import NormModule, RotaryModule
 from foretell.ops.pointwise.triton_kernels import _in_dtype
@@ -107,6 +109,7 @@ def _latent_write_kernel(
     cache_ptr,  # [num_blocks, block_size, rank + rope]
     slot_mapping_ptr,  # [num_tokens] int64; < 0: padded row
     eps,
+    inv_scale,  # 1 / k_scale: an FP8 cache stores the entry scaled (unused otherwise)
     stride_kv_a,
     stride_cos,
     stride_cache_block,
@@ -146,11 +149,11 @@ def _latent_write_kernel(
     # RMSNorm (norm.py): normalise in float32, round, multiply by the weight, round.
     variance = tl.sum(c * c, axis=0) / RANK
     normed = _in_dtype(c * tl.rsqrt(variance + eps), dtype)
-    tl.store(entry + r, (weight * normed).to(dtype).to(cache_dtype), mask=rank_ok)
+    tl.store(entry + r, to_cache((weight * normed).to(dtype), inv_scale, cache_dtype), mask=rank_ok)
     # RoPE of k_pe at the token's position.
     o1, o2 = _rotate_pairs(x1, x2, cos, sin, dtype)
-    tl.store(entry + RANK + first, o1.to(cache_dtype), mask=pair_ok)
-    tl.store(entry + RANK + second, o2.to(cache_dtype), mask=pair_ok)
+    tl.store(entry + RANK + first, to_cache(o1.to(dtype), inv_scale, cache_dtype), mask=pair_ok)
+    tl.store(entry + RANK + second, to_cache(o2.to(dtype), inv_scale, cache_dtype), mask=pair_ok)
 
 
 def latent_write_triton(
@@ -160,6 +163,7 @@ def latent_write_triton(
     rotary_emb: RotaryModule,  # rotary_dim == rope
     kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_lora_rank + rope]
     slot_mapping: torch.Tensor,  # [num_tokens] int64; slots < 0 are skipped
+    k_scale: float = 1.0,  # an FP8 cache (ops/attention/fp8_kv.py) stores [c | k_pe] / k_scale
 ) -> None:
     """Norm the latent, rotate k_pe and write [c | k_pe] into the cache, one launch."""
     rank = kv_a_layernorm.hidden_size
@@ -184,7 +188,8 @@ def latent_write_triton(
     kv_a = _unit_last_stride(kv_a)
     _latent_write_kernel[(num_tokens,)](
         kv_a, weight, positions, cos, sin, kv_cache, slot_mapping,
-        kv_a_layernorm.eps, kv_a.stride(0), cos.stride(0), kv_cache.stride(0), kv_cache.stride(1),
+        kv_a_layernorm.eps, 1.0 / check_scale("k_scale", k_scale), kv_a.stride(0), cos.stride(0),
+        kv_cache.stride(0), kv_cache.stride(1),
         RANK=rank, RANK_P=triton.next_power_of_2(rank),
         HALF=rope // 2, HALF_P=triton.next_power_of_2(max(rope // 2, 1)),
         BLOCK_SIZE=kv_cache.shape[1], INTERLEAVED=rotary_emb.style == "gptj",
