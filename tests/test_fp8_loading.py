@@ -254,3 +254,21 @@ def test_float_tensor_for_an_fp8_layer_names_the_key(pairs, tmp_path):
     no_scale = make_variant(fp8, str(tmp_path / "no_scale"), remove=(key + "_scale_inv",))
     with pytest.raises(CheckpointError, match=r"FP8 tensor.*without.*o_proj\.weight"):
         build(no_scale)
+
+
+def test_engine_runs_int4_experts_as_the_reference(pairs):
+    int4, ref = pairs("kimi_k25_int4")
+    assert greedy(int4) == greedy(ref)
+
+
+@pytest.mark.parametrize("name", ["v3_fp8_b16", "kimi_k25_int4"])
+def test_dummy_weights_in_the_shipped_precisions(pairs, name):
+    """load_format="dummy" (the GPU checks at real sizes): FP8 values with 0.02 block scales, int4
+    random nibbles with small scales: finite logits, no file read."""
+    folder, _ = pairs(name)
+    model = build_model(folder, HFConfig.from_folder(folder), options(folder), load_format="dummy")
+    experts = model.get_submodule("language_model.model.layers.1.mlp.experts" if name.startswith("kimi")
+                                  else "model.layers.1.mlp.experts")
+    assert experts.format == ("int4" if name.startswith("kimi") else "fp8")
+    out = logits(model)
+    assert torch.isfinite(out).all() and out.std() > 0
