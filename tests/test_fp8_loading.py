@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 
 from fixtures import PagedRunner
-from fixtures import deepseek as ds
 from fixtures import low_precision as lp
 from fixtures.checkpoints import make_variant
 from fixtures.tensor_parallel import fake_rank

@@ -48,7 +48,6 @@ apart from the packed routed ones (their output is added by the expert kernels).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
 
 import torch
 from torch import nn
