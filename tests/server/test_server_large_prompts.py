@@ -78,6 +78,7 @@ class StreamWatcher(threading.Thread):
                             break
 
 
+@pytest.mark.serial  # times the event loop: alone on the machine, not beside another test (scripts/test.sh)
 def test_huge_prompts_are_refused_without_stalls_or_leaks(qwen3_checkpoint, server_factory):
     srv = server_factory(qwen3_checkpoint, max_model_len=MAX_MODEL_LEN, num_kv_blocks=2600)
     # At most 8 characters a token (the tiny vocabulary's longest), so a prompt past
