@@ -25,7 +25,17 @@ def apply_token_bitmask(
     logits: torch.Tensor,  # [num_rows, vocab] float32, changed in place
     row_index: torch.Tensor,  # [m] int64: the rows the masks are for
     bitmask: torch.Tensor,  # [m, words] int32, on logits' device
+    fallback: torch.Tensor | None = None,  # [num_rows, vocab]: the logits before other controls
 ) -> None:
-    """-inf at every token a row's mask does not allow."""
+    """-inf at every token a row's mask does not allow. With fallback: a row that the other
+    logits controls left with no finite allowed logit (an allow list or a bias that excludes
+    every token the grammar allows, an overflowing penalty) takes the fallback's logits under the
+    mask instead, so the token drawn always satisfies the grammar; +inf and NaN become the
+    largest float and -inf there (softmax stays defined)."""
     allowed = unpack_bitmask(bitmask, logits.shape[1])  # [m, vocab] bool
-    logits[row_index] = logits[row_index].masked_fill(~allowed, float("-inf"))
+    masked = logits[row_index].masked_fill(~allowed, float("-inf"))  # [m, vocab]
+    if fallback is not None:
+        masked = masked.nan_to_num(nan=float("-inf"), posinf=torch.finfo(masked.dtype).max, neginf=float("-inf"))
+        alive = torch.isfinite(masked).any(dim=1, keepdim=True)  # [m, 1]
+        masked = torch.where(alive, masked, fallback[row_index].masked_fill(~allowed, float("-inf")))
+    logits[row_index] = masked

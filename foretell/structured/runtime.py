@@ -75,14 +75,20 @@ class StructuredOutputs:
         self.matchers.pop(seq_id, None)
 
     # ---- the step ------------------------------------------------------------------------
+    @staticmethod
+    def any_structured(items: list) -> bool:
+        return any(item.seq.sampling_params.structured_outputs is not None for item in items)
+
     def mask_logits(
         self,
         logits: torch.Tensor,  # [sampling rows, vocab] float32: 1 + k rows per sampling sequence, in order
         items: list,  # ScheduledSequence of each sampling sequence, in row order
         copy: bool,  # mask a copy (the caller still reads `logits` unmasked)
+        fallback: torch.Tensor | None = None,  # [sampling rows, vocab]: before other controls
     ) -> torch.Tensor:
         """The logits with every structured row's grammar mask applied (`logits` itself when no
-        sequence of the step has structured outputs)."""
+        sequence of the step has structured outputs). A row the other controls leave with no
+        allowed token takes `fallback`'s logits under the mask (bitmask.apply_token_bitmask)."""
         spans, row0 = [], 0
         for item in items:
             num_rows = len(item.draft_token_ids) + 1
@@ -106,7 +112,7 @@ class StructuredOutputs:
             logits = logits.clone()
         device = logits.device
         apply_token_bitmask(logits, torch.tensor(rows, dtype=torch.int64).to(device),
-                            torch.from_numpy(bitmask).to(device))
+                            torch.from_numpy(bitmask).to(device), fallback)
         return logits
 
     def truncate_drafts(self, scheduled: list, results: list, draft_probs: list) -> None:

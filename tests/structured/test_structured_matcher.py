@@ -192,3 +192,33 @@ def test_each_kind_compiles():
                   {"grammar": 'start: "a" | "b"'}):
         params = StructuredOutputsParams.from_value(value)
         assert params.compiled and params.kind == next(iter(value))
+
+
+def test_rows_other_controls_empty_fall_back_to_the_grammar():
+    """A row whose allowed tokens all got -inf (or NaN, +inf) from other controls takes the
+    fallback logits under the mask: the token drawn always satisfies the grammar."""
+    vocab = 64
+    raw = torch.randn(3, vocab, generator=torch.Generator().manual_seed(1))
+    controlled = raw.clone()
+    controlled[0, :] = float("-inf")  # an allow list without any grammar token
+    controlled[1, 5] = float("inf")
+    controlled[1, 6] = float("nan")
+    bitmask = torch.zeros(3, num_mask_words(vocab), dtype=torch.int32)
+    bitmask[:, 0] = (1 << 5) | (1 << 6) | (1 << 9)  # tokens 5, 6, 9 allowed
+    apply_token_bitmask(controlled, torch.tensor([0, 1, 2]), bitmask, fallback=raw)
+    allowed = [5, 6, 9]
+    assert torch.equal(controlled[0, allowed], raw[0, allowed])  # row 0: the fallback under the mask
+    assert controlled[1, 5] == torch.finfo(torch.float32).max and controlled[1, 6] == float("-inf")
+    assert torch.equal(controlled[2, allowed], raw[2, allowed])
+    others = [t for t in range(vocab) if t not in allowed]
+    assert torch.isneginf(controlled[:, others]).all()
+
+
+def test_structured_with_conflicting_allow_list_still_matches(qwen3_checkpoint, hf):
+    from foretell import LLM
+
+    with LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=64) as llm:
+        params = SamplingParams(temperature=0, max_tokens=12, allowed_token_ids=[hf.encode("!", add_special_tokens=False)[0]],
+                                structured_outputs={"regex": PATTERN})
+        out = llm.generate(["The cat"], params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and regex.fullmatch(PATTERN, out.text)
