@@ -148,7 +148,6 @@ function tokenSpan(o) {
     "data-origin": o.origin,
     "data-step": String(o.step),
     "data-position": String(o.position),
-    "aria-label": describe(o).replaceAll("\n", ", "),
   });
   span.origin = o;
   return span;
