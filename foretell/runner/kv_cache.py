@@ -6,6 +6,10 @@ so a GQA layer, an MLA layer (latent + rope key) and a draft layer are sized the
 caches index one flat token-slot space: target block b of size B covers slots b*B .. b*B + B-1,
 and the draft, with block size B/r, sees the same slots as blocks b*r .. b*r + r-1. So
 draft_num_blocks = target_num_blocks * B / draft_block_size, and one slot mapping serves both.
+
+The caches' dtype is CacheConfig.kv_cache_dtype (`kv_cache_dtypes`): the model's (and the
+drafter's) for auto; float8_e4m3fn for both with fp8, one byte an element, so a budget holds
+exactly twice the tokens it holds in bf16 (ops/attention/fp8_kv.py: the format and its scales).
 """
 
 from __future__ import annotations
@@ -16,9 +20,23 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from foretell.ops.attention.fp8_kv import kv_cache_torch_dtype
+
+
+def kv_cache_dtypes(
+    kv_cache_dtype: str,  # CacheConfig.kv_cache_dtype: auto | fp8 | fp8_e4m3
+    model_dtype: torch.dtype,
+    draft_dtype: torch.dtype | None,  # the drafter's compute dtype (None: the model's)
+) -> tuple[torch.dtype, torch.dtype]:  # (target cache dtype, draft cache dtype)
+    """What the target's and the draft's caches store: their compute dtypes for auto, e4m3 for
+    both with fp8 (the draft's cache is quantized like the target's)."""
+    return (kv_cache_torch_dtype(kv_cache_dtype, model_dtype),
+            kv_cache_torch_dtype(kv_cache_dtype, draft_dtype or model_dtype))
+
 
 def bytes_per_token(layers: list[nn.Module], dtype: torch.dtype) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
+    """Cache bytes one token takes over `layers` in a cache of `dtype` (1 per element for FP8)."""
+    elem = dtype.itemsize
     return sum(math.prod(layer.kv_cache_shape(1, 1)) for layer in layers) * elem
 
 
@@ -44,10 +62,10 @@ def plan_cache(
     budget_bytes: int | None,
     num_blocks_override: int | None,
     target_layers: list[nn.Module],
-    dtype: torch.dtype,
+    dtype: torch.dtype,  # the target cache's dtype (kv_cache_dtypes)
     block_size: int,
     draft_layers: list[nn.Module] = (),
-    draft_dtype: torch.dtype | None = None,
+    draft_dtype: torch.dtype | None = None,  # the draft cache's dtype (None: the target cache's)
     draft_block_size: int | None = None,
 ) -> CachePlan:
     draft_block_size = draft_block_size or block_size
@@ -80,7 +98,8 @@ def plan_cache(
 
 
 class KVCache:
-    """One cache tensor per attention layer, bound to the layer."""
+    """One cache tensor per attention layer, bound to the layer (binding reads the layer's FP8
+    scales, so it happens after the weights are loaded)."""
 
     def __init__(
         self,
