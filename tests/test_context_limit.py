@@ -266,21 +266,25 @@ def test_a_bad_draft_fails_its_request_alone(short, plain_mixed, name, monkeypat
 @pytest.mark.parametrize("name", ["eagle3", "draft_model", "eagle3_and_sampled"])
 def test_a_sequence_error_inside_the_drafter_fails_its_request_alone(short, plain_mixed, name, monkeypatch):
     """The proposer raises a SequenceError for one sequence after the target's forward (every
-    sequence's tokens sampled, its drafts and draft probabilities consumed): the others redo the
-    step without drafts and still give exactly their tokens; a sampled request beside them ends
-    normally."""
+    sequence's tokens sampled, its drafts and draft probabilities consumed), in the host step or
+    in the padded step's draft loop: the others redo the step without drafts and still give
+    exactly their tokens; a sampled request beside them ends normally."""
     llm = build(short, "eagle3" if name == "eagle3_and_sampled" else name)
     prompts, params = mixed_prompts()
     if name == "eagle3_and_sampled":
         prompts.append(prompt(15, 6))
         params = params + [SamplingParams(temperature=0.9, max_tokens=16, ignore_eos=True, seed=2)]
 
-    def error_for(call, batch):
-        if call != 4:
+    calls = []  # the drafter's calls in either step form: propose (host step), padded_catch_up
+
+    def error_for(call, *args):
+        calls.append(1)
+        if len(calls) != 4:
             return None
         return SequenceError(running_seq(llm, prompts[0]).seq_id, "the drafter could not handle this sequence")
 
-    calls = fail_once(monkeypatch, llm.engine.runner.proposer, "propose", error_for)
+    for entry in ("propose", "padded_catch_up"):
+        fail_once(monkeypatch, llm.engine.runner.proposer, entry, error_for)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert len(calls) > 4
     assert outs[0].outputs[0].finish_reason == "error"
@@ -320,12 +324,18 @@ def test_a_step_failure_no_request_owns_leaves_the_engine_usable(short, plain_mi
     and the next generate() gives the plain tokens."""
     llm = build(short, "eagle3", max_num_seqs=2)
     runner = llm.engine.runner
-    owner, attribute = (runner, "target_forward") if where == "target" else (runner.proposer, "propose")
+    # Either step form: the target model's forward; the drafter's propose (host step) or
+    # padded_catch_up (the padded step's draft loop).
+    entries = [(runner.model, "forward")] if where == "target" else [
+        (runner.proposer, "propose"), (runner.proposer, "padded_catch_up")]
+    calls = []
 
     def error_for(call, *args):
-        return RuntimeError("CUDA error: an illegal memory access was encountered") if call == 3 else None
+        calls.append(1)
+        return RuntimeError("CUDA error: an illegal memory access was encountered") if len(calls) == 3 else None
 
-    fail_once(monkeypatch, owner, attribute, error_for)
+    for owner, attribute in entries:
+        fail_once(monkeypatch, owner, attribute, error_for)
     prompts, params = mixed_prompts()
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].finish_reason for o in outs[:2]] == ["error", "error"]

@@ -120,11 +120,25 @@ def test_arrivals_and_aborts_between_steps(qwen3_checkpoint):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-def test_off_by_default_on_cpu_and_with_a_drafter(qwen3_checkpoint, eagle3_head):
+def test_off_by_default_on_cpu(qwen3_checkpoint, eagle3_head):
     assert not make(qwen3_checkpoint, "auto").engine.runner.pipeline.queue_ahead
     spec = {"method": "eagle3", "model": eagle3_head, "num_speculative_tokens": 2}
-    assert not LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=64, async_scheduling="on",
-                   speculative_config=spec).engine.runner.pipeline.queue_ahead
+    assert not make(qwen3_checkpoint, "auto", speculative_config=spec).engine.runner.pipeline.queue_ahead
+
+
+@pytest.mark.parametrize("drafter", ["eagle3", "draft_model"])
+def test_verify_steps_queue_ahead_on_the_eager_padded_step(qwen3_checkpoint, eagle3_head, drafter):
+    """Without graphs (the CPU's torch backend) greedy verifies take the padded step run eagerly,
+    which leaves the next step's inputs on the device: with async scheduling on, it is queued
+    ahead as on a GPU, and the tokens stay the plain engine's."""
+    spec = {"method": drafter, "model": eagle3_head if drafter == "eagle3" else qwen3_checkpoint,
+            "num_speculative_tokens": 2}
+    want = tokens(make(qwen3_checkpoint, "off"), MIXED)
+    llm = make(qwen3_checkpoint, "on", speculative_config=spec)
+    assert tokens(llm, MIXED) == want
+    pipeline = llm.engine.runner.pipeline
+    assert pipeline.queue_ahead and pipeline.num_used > 0
+    assert_all_free(llm)
 
 
 def test_bad_mode_is_refused(qwen3_checkpoint):

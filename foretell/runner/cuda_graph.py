@@ -9,9 +9,15 @@ their argmax, which greedy sampling takes without a launch of its own) are stati
 graph, sliced to the live rows after replay. Any other batch (prefill chunks, mixed query lengths)
 runs eagerly.
 
-Off CUDA (a graph-safe backend on the CPU, i.e. Triton's interpreter in tests) nothing is
-captured: run() executes the same forward on the same static buffers, so this path is tested
-in CI exactly as it runs on a GPU, minus the capture.
+Off CUDA (a graph-safe backend on the CPU, i.e. Triton's interpreter in tests), and with
+`capture_graphs` off (--enforce-eager, or a capture that failed), nothing is captured: run()
+executes the same forward on the same static buffers, so this path is tested in CI exactly as it
+runs on a GPU, minus the capture. This uncaptured runner is what the padded verify step
+(graphed_verify.py) runs on when there are no graphs. With `reads_host_lengths` (an attention
+backend that loops over host copies of the lengths, such as the torch reference, the CPU's
+default) it is never captured, a batch of n sequences takes the exact bucket n (no padding
+sequences, whose slot -1 such a backend would not skip), and the metadata's host copies are read
+from the buffers.
 """
 
 from __future__ import annotations
@@ -58,8 +64,12 @@ class CudaGraphRunner:
         block_size: int,
         max_model_len: int,
         device: torch.device,
+        capture_graphs: bool = True,  # False: every replay runs the forward itself (eager)
+        reads_host_lengths: bool = False,  # the attention backend reads host copies of the lengths
     ):
         self.model = model
+        self.capture_graphs = capture_graphs and not reads_host_lengths
+        self.reads_host_lengths = reads_host_lengths
         self.buckets = batch_buckets(max_num_seqs)
         self.query_lens = tuple(sorted(set(query_lens)))
         self.block_size = block_size
@@ -85,6 +95,11 @@ class CudaGraphRunner:
 
     # ---- capture -------------------------------------------------------------------------
     def _metadata(self, bucket: int, q: int) -> AttentionMetadata:
+        if self.reads_host_lengths:  # never captured: the lengths the buffers hold now
+            seq_lens_cpu = self.seq_lens[:bucket].tolist()
+            max_seq_len = max(seq_lens_cpu)
+        else:  # host copies are only read by the torch backend, which never runs in a graph
+            seq_lens_cpu, max_seq_len = [q] * bucket, self.max_model_len
         return AttentionMetadata(
             query_start_loc=self.query_start_loc[: bucket + 1],
             seq_lens=self.seq_lens[:bucket],
@@ -92,10 +107,9 @@ class CudaGraphRunner:
             slot_mapping=self.slot_mapping[: bucket * q],
             block_size=self.block_size,
             max_query_len=q,
-            max_seq_len=self.max_model_len,
-            # Host copies are only read by the torch backend, which never runs in a graph.
+            max_seq_len=max_seq_len,
             query_start_loc_cpu=[i * q for i in range(bucket + 1)],
-            seq_lens_cpu=[q] * bucket,
+            seq_lens_cpu=seq_lens_cpu,
         )
 
     def _forward(self, bucket: int, q: int):
@@ -106,7 +120,7 @@ class CudaGraphRunner:
 
     @property
     def captures(self) -> bool:
-        return self.device.type == "cuda"
+        return self.device.type == "cuda" and self.capture_graphs
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -165,6 +179,8 @@ class CudaGraphRunner:
             return None
         if num_seqs > self.buckets[-1] or batch.block_table_width > self.block_table.shape[1]:
             return None
+        if self.reads_host_lengths:  # no padding sequences (see the module docstring)
+            return num_seqs, q
         bucket = next(b for b in self.buckets if b >= num_seqs)
         return bucket, q
 
@@ -191,6 +207,8 @@ class CudaGraphRunner:
         """Run graph `key` on whatever the input buffers hold now."""
         if not self.captures:
             hidden, aux, logits, greedy = self._forward(*key)
+            if self.reads_host_lengths:  # exact buckets: keep only the latest outputs, not one per size
+                self.graphs.clear()
             self.graphs[key] = CapturedForward(None, hidden, list(aux), logits, greedy)
         else:
             self.graphs[key].graph.replay()

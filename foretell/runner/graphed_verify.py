@@ -2,18 +2,22 @@
 on the device, the draft loop over the same buffers, and a single host read for the whole step.
 
 GraphedVerify is the step kind (runner/step_pipeline.py): it takes a batch where every sequence
-verifies exactly k drafts under greedy decoding (and asks for no logprobs), with graphs for both
-the target and the draft loop (captured on CUDA; on the CPU the same code runs uncaptured); every
-other batch takes the general path. A sequence near max_tokens keeps its k draft rows with its
-acceptance capped (ScheduledSequence.accept_limit). How many drafts a sequence accepts is the
-verifier's (spec_decode/verifier.py: exact greedy, or drawn when acceptance is simulated), chosen
-when the runner is built.
+verifies exactly k drafts under greedy decoding (and asks for no logprobs). It runs on the
+target's padded forward and the draft loop (spec_decode/draft_graph.py) whether they are captured
+CUDA graphs or not: off CUDA, under --enforce-eager, after a refused capture, or with an attention
+backend that reads host lengths (the CPU's default torch backend: then the bucket is the exact
+batch and each forward reads its lengths from the buffers), the same code runs eagerly. Every
+other batch takes the host step (host_step.py says which and why). A sequence near max_tokens
+keeps its k draft rows with its acceptance capped (ScheduledSequence.accept_limit). How many
+drafts a sequence accepts is the verifier's (spec_decode/verifier.py: exact greedy, or drawn when
+acceptance is simulated), chosen when the runner is built.
 
 Everything the next verify step needs is on the device when this one ends (each sequence's
 accepted count, its next token and its k new drafts), so with async scheduling the pipeline queues
 that step (LaunchedVerify.launch_next) before reading this one's results, as decode_ahead.py does
-for plain decoding: the buffers advance on the device, the graphs replay, and the launch is used if
-the scheduler's next decision is that batch, dropped otherwise (why dropping is safe: there).
+for plain decoding: the buffers advance on the device, the forwards run (or replay), and the launch
+is used if the scheduler's next decision is that batch, dropped otherwise (why dropping is safe:
+there).
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ from foretell.spec_decode.verifier import Verifier
 
 @dataclass
 class GraphedVerify:
-    """What a padded verify step runs on: the target's graphs, the draft loop's, the verifier."""
+    """What a padded verify step runs on: the target's padded forward (graphs, or the same buffers
+    run eagerly), the draft loop, the verifier."""
 
     graphs: CudaGraphRunner
     draft_graphs: DraftGraphRunner
@@ -43,9 +48,9 @@ class GraphedVerify:
     max_model_len: int
 
     def fits(self, sched: SchedulerOutput, batch: InputBatch) -> bool:
-        """A greedy batch where every sequence verifies exactly k drafts, on a graph bucket, and
-        the draft loop's catch-up rows below max_model_len (a draft LM one short of the limit
-        drafts eagerly: nothing it drafts there is used)."""
+        """A greedy batch where every sequence verifies exactly k drafts, on a bucket of the padded
+        forward, and the draft loop's catch-up rows below max_model_len (a draft LM one short of
+        the limit takes the host step: nothing it drafts there is used)."""
         k = self.draft_graphs.k
         key = self.graphs.bucket_for(batch)
         return (

@@ -1,6 +1,15 @@
 """The speculative step from host inputs: the form every batch takes that the padded device step
-(graphed_verify.py) does not cover: prefill chunks, mixed draft counts, sampled requests whose
-drafts carry probabilities, logprobs, the n-gram drafter on the host, any batch without graphs.
+(graphed_verify.py, captured or eager) does not cover, because its rows are not k + 1 per
+sequence of one greedy kind:
+  - prefill chunks, and batches mixing them with verifies (rows per sequence differ);
+  - sequences with fewer than k drafts (the room left below max_model_len, a sampled request
+    near max_tokens, a draft LM one row short of the limit);
+  - sampled requests (rejection sampling reads the draft probabilities the proposer kept),
+    requests asking for logprobs, and requests whose logits are processed from the tokens before
+    each row (penalties, logit_bias, bad words, min_tokens, structured outputs:
+    logits_processing.py, below);
+  - drafters without a padded loop (n-gram and other host drafters: their drafts come from the
+    token history on the host), and tensor parallelism (greedy_without_logits below).
 
 After the target's forward (ModelRunner.target_forward), sample() turns the logits of the
 sampling rows into each sequence's tokens: the sampler when the step verifies no drafts, else the
@@ -96,9 +105,8 @@ class HostStep:
             return
         sampling = self._sampling_rows(sched, batch)
         items = [sched.scheduled[i] for i in batch.sampling_seq_index]
-        keep_raw = sampling.max_num_logprobs >= 0 or self.structured.any_structured(items)  # the grammar's fallback
-        raw_logits, logits = logits, apply_sampling_controls(logits, items, keep_raw=keep_raw)
-        logits = self.structured.mask_logits(logits, items, copy=logits is raw_logits and keep_raw, fallback=raw_logits)
+        raw_logits, logits = logits, apply_sampling_controls(logits, items, keep_raw=sampling.max_num_logprobs >= 0)
+        logits = self.structured.mask_logits(logits, items, copy=logits is raw_logits and sampling.max_num_logprobs >= 0)
         if any(item.draft_token_ids for item in items):
             drafts = [item.draft_token_ids for item in items]
             probs = [self._pop_draft_probs(item) for item in items]

@@ -15,9 +15,10 @@ HostStep.greedy_without_logits). For now such a runner runs eagerly and queues n
 
 execute(): the step the pipeline queued ahead when the scheduler's batch is that step; else a
 device step the pipeline launches for the batch (a plain decode step, decode_ahead.py; a padded
-verify step, graphed_verify.py); else the step from host inputs: target forward -> logits of the
-sampling rows -> Sampler (no drafts in the step) or the verifier -> Proposer (catch-up + k
-drafts) -> per-sequence results for the scheduler (host_step.py).
+verify step, graphed_verify.py, on the target's graphs or, without them, on the same static
+buffers run eagerly: padded_forward); else the step from host inputs: target forward -> logits
+of the sampling rows -> Sampler (no drafts in the step) or the verifier -> Proposer (catch-up +
+k drafts) -> per-sequence results for the scheduler (host_step.py).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from foretell.runner.graphed_verify import GraphedVerify
 from foretell.runner.input_batch import InputBatch, build_input_batch
 from foretell.runner.host_step import HostStep
 from foretell.runner.logprobs import add_prompt_logprobs
-from foretell.runner.kv_cache import CachePlan, DraftKVCache, KVCache, kv_cache_dtypes, plan_cache
+from foretell.runner.kv_cache import CachePlan, DraftKVCache, KVCache, plan_cache
 from foretell.models.loading import build_model, checkpoint_dtype
 from foretell.models.quantization import resolve_quantization
 from foretell.runner.step_pipeline import StepKind, StepPipeline
@@ -123,7 +124,8 @@ class ModelRunner:
         self.max_model_len = self._max_model_len()
         self.small_m_gemm: SmallMGemm | None = None  # bound with the graphs, before capture
         self.graphs = self._capture_graphs()
-        self.draft_graphs = self._capture_draft_graphs()
+        self.padded_forward = self._padded_forward()
+        self.draft_graphs = self._draft_loop()
         noise = NoiseSource(self.device, mc.seed)  # the sampler's and the verifier's: one stream of draws
         sampler = Sampler(noise)
         self.verifier = build_verifier(config.speculative, noise, mc.seed)
@@ -141,7 +143,7 @@ class ModelRunner:
             vocab_size=self.vocab_size,
             cache_plan=self.cache_plan,
             num_lookahead_tokens=self.num_lookahead_tokens,
-            keep_draft_rows=self.graphs is not None,
+            keep_draft_rows=self.padded_forward is not None,
             draft_kv_reads_next_token=bool(capabilities and capabilities.draft_kv_reads_next_token),
             synthetic_acceptance=self.verifier.synthetic,
             device=str(self.device),
@@ -198,13 +200,11 @@ class ModelRunner:
         cc = self.config.cache
         draft_layers = self.proposer.kv_layers() if self.proposer else []
         spec = self.config.speculative
-        cache_dtype, draft_cache_dtype = kv_cache_dtypes(
-            cc.kv_cache_dtype, self.dtype, self.proposer.draft_dtype if self.proposer else None)
 
         def plan_for(budget: int | None, num_blocks: int | None) -> CachePlan:
             return plan_cache(
-                budget, num_blocks, self.model.attention_layers(), cache_dtype, cc.block_size, draft_layers,
-                draft_cache_dtype, spec.draft_block_size if spec else None,
+                budget, num_blocks, self.model.attention_layers(), self.dtype, cc.block_size, draft_layers,
+                self.proposer.draft_dtype if self.proposer else None, spec.draft_block_size if spec else None,
             )
 
         plan = plan_for(self._kv_budget(), cc.num_kv_blocks)
@@ -212,7 +212,7 @@ class ModelRunner:
         if fewest != plan.num_blocks:  # another rank has less memory free: every rank holds as few
             plan = plan_for(None, fewest)
         self.kv_cache = KVCache(
-            self.model.attention_layers(), plan.num_blocks, plan.block_size, cache_dtype, self.device
+            self.model.attention_layers(), plan.num_blocks, plan.block_size, self.dtype, self.device
         )
         self.draft_kv_cache = None
         if draft_layers:
@@ -220,7 +220,7 @@ class ModelRunner:
                 draft_layers,
                 plan.draft_num_blocks,
                 plan.draft_block_size,
-                draft_cache_dtype,
+                self.proposer.draft_dtype or self.dtype,
                 self.device,
             )
             self.proposer.bind_draft_cache(plan.draft_block_size)
@@ -233,16 +233,10 @@ class ModelRunner:
         every = self.tensor_parallel.all_gather(torch.tensor([value], dtype=torch.int64, device=self.device), dim=0)
         return int(every.min())
 
-    def _capture_graphs(self) -> CudaGraphRunner | None:
-        layers = self.model.attention_layers()
-        mc = self.config.model
-        if mc.enforce_eager or not all(layer.backend.graph_safe for layer in layers):
-            return None
-        if self.tensor_parallel.is_parallel:  # capturing the collectives: not yet (issue 24)
-            return None
+    def _graph_runner(self, capture_graphs: bool, reads_host_lengths: bool) -> CudaGraphRunner:
         spec = self.config.speculative
         query_lens = (1,) if spec is None else (1, spec.num_speculative_tokens + 1)
-        graphs = CudaGraphRunner(
+        return CudaGraphRunner(
             self.model,
             self.config.scheduler.max_num_seqs,
             query_lens,
@@ -250,13 +244,26 @@ class ModelRunner:
             block_size=self.cache_plan.block_size,
             max_model_len=self.max_model_len,
             device=self.device,
+            capture_graphs=capture_graphs,
+            reads_host_lengths=reads_host_lengths,
         )
+
+    def _capture_graphs(self) -> CudaGraphRunner | None:
+        """The target's graphs (captured on CUDA; on the CPU with a graph-safe backend the same
+        buffers, uncaptured), used by every batch that fits one; None: eager forwards."""
+        layers = self.model.attention_layers()
+        mc = self.config.model
+        if mc.enforce_eager or not all(layer.backend.graph_safe for layer in layers):
+            return None
+        if self.tensor_parallel.is_parallel:  # capturing the collectives: not yet (issue 24)
+            return None
+        graphs = self._graph_runner(capture_graphs=True, reads_host_lengths=False)
         if graphs.captures:
             # cuBLAS or the batch-1 GEMV, per shape, decided now: nothing is timed in a capture.
             # Rows: a graph's batch bucket x query length, + 1 for a draft LM's catch-up rows.
             drafter = self.proposer.draft_modules() if self.proposer else []
             self.small_m_gemm = prepare_small_m_linears(
-                [self.model, *drafter], graphs.buckets[-1] * (max(query_lens) + 1), mc.small_m_gemm
+                [self.model, *drafter], graphs.buckets[-1] * (max(graphs.query_lens) + 1), mc.small_m_gemm
             )
         try:
             graphs.capture()
@@ -266,32 +273,46 @@ class ModelRunner:
             return None
         return graphs
 
-    def _capture_draft_graphs(self) -> DraftGraphRunner | None:
-        spec = self.config.speculative
+    def _padded_forward(self) -> CudaGraphRunner | None:
+        """The target forward the padded verify step runs on: the graphs, or without them
+        (--enforce-eager, a backend that reads host lengths, a refused capture) the same static
+        buffers run eagerly. None without a drafter whose loop runs padded (none, n-gram), and
+        under tensor parallelism (its forward gathers whole logits: the host step's
+        greedy_without_logits avoids that)."""
+        if self.graphs is not None:
+            return self.graphs
+        if self.proposer is None or self.proposer.padded_drafter() is None or self.tensor_parallel.is_parallel:
+            return None
+        graph_safe = all(layer.backend.graph_safe for layer in self.model.attention_layers())
+        return self._graph_runner(capture_graphs=False, reads_host_lengths=not graph_safe)
+
+    def _draft_loop(self) -> DraftGraphRunner | None:
+        """The padded step's draft loop, captured after the target's graphs when its drafter's
+        backend allows (else run eagerly: the same code)."""
         drafter = self.proposer.padded_drafter() if self.proposer is not None else None
-        if self.graphs is None or drafter is None:
+        if self.padded_forward is None or drafter is None:
             return None
-        if not all(layer.backend.graph_safe for layer in self.proposer.kv_layers()):
-            return None
-        draft_graphs = DraftGraphRunner(drafter, self.graphs, spec.num_speculative_tokens)
+        graph_safe = all(layer.backend.graph_safe for layer in self.proposer.kv_layers())
+        loop = DraftGraphRunner(drafter, self.padded_forward, self.config.speculative.num_speculative_tokens,
+                                reads_host_lengths=not graph_safe)
         try:
-            draft_graphs.capture()
+            loop.capture()
         except RuntimeError as e:
             logger.warning("draft-loop graph capture failed, drafting eagerly: %s", e)
             torch.cuda.synchronize(self.device)
-            return None
-        return draft_graphs
+        return loop
 
     def _build_pipeline(self, queue_ahead: bool, sampler: Sampler) -> StepPipeline:
         """The device steps this runner may launch: plain decoding one step ahead (without a
-        drafter), the padded verify (with a drafter whose loop has graphs)."""
+        drafter), the padded verify (with a drafter whose loop runs padded, captured or not)."""
         block_size = self.cache_plan.block_size
         kinds: list[StepKind] = []
         if self.proposer is None and queue_ahead:
             kinds.append(DecodeAhead(self.graphs, self.target_forward, sampler, self.vocab_size, block_size,
                                      self.max_model_len))
         if self.draft_graphs is not None:
-            kinds.append(GraphedVerify(self.graphs, self.draft_graphs, self.verifier, block_size, self.max_model_len))
+            kinds.append(GraphedVerify(self.padded_forward, self.draft_graphs, self.verifier, block_size,
+                                       self.max_model_len))
         # A drafter's general-path loop needs the host's accept counts: nothing is queued past it.
         queue_ahead = queue_ahead and (self.proposer is None or self.draft_graphs is not None)
         return StepPipeline(queue_ahead, kinds)

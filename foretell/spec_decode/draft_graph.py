@@ -1,4 +1,6 @@
-"""The whole draft loop of a greedy verify step as one CUDA graph (EAGLE3, MTP, a draft LM).
+"""The whole draft loop of a greedy verify step as one CUDA graph (EAGLE3, MTP, a draft LM), or
+the same loop run eagerly where nothing is captured (off CUDA, --enforce-eager, a capture that
+failed, a drafter whose attention backend reads host lengths).
 
 For a batch where every sequence verified k drafts (the target ran its (bucket, k + 1) graph),
 everything the drafter needs is already on the device: the verify's input tokens and positions
@@ -14,7 +16,10 @@ Near max_model_len, a chained step whose draft sits at or past the limit (never 
 scheduler's room cap) runs at position max_model_len - 1 (ops/step dispatch.catch_up_inputs), and the
 runner graphs a batch only when its catch-up rows fit below the limit (catch_up_fits).
 Rows of padding sequences write no KV (slot -1). Only greedy batches use it; sampled requests
-and any other batch shape take the proposer's own loop (draft_loop.py) on the general step.
+and any other batch shape take the proposer's own loop (draft_loop.py) in the host step
+(runner/host_step.py). With an attention backend that loops over host copies of the lengths
+(the torch reference), each forward of the loop reads its lengths from the device (one small
+copy; such a loop is never captured).
 
 The target's side arrives as arguments: the padded verify forward's buffers and outputs, typed
 by the PaddedForward protocol below (the runner's CudaGraphRunner is one), and the drafter,
@@ -64,10 +69,13 @@ def device_metadata(
     draft_block_size: int,
     max_query_len: int,
     max_seq_len: int,
+    read_host_lengths: bool = False,  # the backend reads host lengths: copy seq_lens (a sync)
 ) -> AttentionMetadata:
-    """Metadata of tensors computed on the device (capturable), for the draft's cache; host
-    copies are placeholders that only the torch backend would read, and it never runs inside a graph."""
+    """Metadata of tensors computed on the device (capturable), for the draft's cache. Every
+    sequence has max_query_len rows. The host copy of the lengths is a placeholder (only a backend
+    that is never captured reads it) unless read_host_lengths asks for the real one."""
     num_seqs = seq_lens.shape[0]
+    seq_lens_cpu = seq_lens.tolist() if read_host_lengths else [max_query_len] * num_seqs
     return AttentionMetadata(
         query_start_loc=query_start_loc,
         seq_lens=seq_lens,
@@ -75,23 +83,26 @@ def device_metadata(
         slot_mapping=slots,
         block_size=draft_block_size,
         max_query_len=max_query_len,
-        max_seq_len=max_seq_len,
+        max_seq_len=max(seq_lens_cpu, default=1) if read_host_lengths else max_seq_len,
         query_start_loc_cpu=[i * max_query_len for i in range(num_seqs + 1)],
-        seq_lens_cpu=[max_query_len] * num_seqs,
+        seq_lens_cpu=seq_lens_cpu,
     )
 
 
 @dataclass
 class CapturedDraft:
-    graph: "torch.cuda.CUDAGraph | None"  # None off CUDA: run() recomputes (tests)
+    graph: "torch.cuda.CUDAGraph"
     drafts: torch.Tensor  # [bucket, k] int64 target ids
 
 
 class DraftGraphRunner:
-    def __init__(self, proposer: PaddedDrafter, target: PaddedForward, k: int):
+    def __init__(self, proposer: PaddedDrafter, target: PaddedForward, k: int, reads_host_lengths: bool = False):
         self.proposer = proposer
         self.target = target
         self.k = k
+        # The drafter's attention backend loops over host copies of the lengths: the loop is never
+        # captured and reads each forward's lengths from the device (one small sync per forward).
+        self.reads_host_lengths = reads_host_lengths
         max_bucket = target.buckets[-1]
         device = target.device
         # The loop's inputs from verification (the verifier writes them before each run()).
@@ -122,7 +133,7 @@ class DraftGraphRunner:
 
         def metadata(starts, seq_lens, slots, rows_per_seq):
             return device_metadata(starts, seq_lens, draft_table, slots, p.draft_block_size, rows_per_seq,
-                                   t.max_model_len)
+                                   t.max_model_len, self.reads_host_lengths)
 
         catch_up = catch_up_inputs(
             t.input_ids[:rows].view(bucket, q), t.positions[:rows].view(bucket, q)[:, 0], self.accepted[:bucket],
@@ -142,10 +153,24 @@ class DraftGraphRunner:
             p.greedy_target_ids(logits, by_step[j])
         return by_step.t()  # [bucket, k], strided
 
+    @property
+    def captures(self) -> bool:
+        """Whether the loop is captured (after the target's graphs, with a graph-safe drafter)."""
+        return self.target.captures and not self.reads_host_lengths
+
     @torch.inference_mode()
     def capture(self) -> None:
-        if not self.target.captures:
+        """One graph per bucket; when capturing fails part-way (RuntimeError), none is kept and
+        the loop runs uncaptured, still in the padded step."""
+        if not self.captures:
             return
+        try:
+            self._capture()
+        except RuntimeError:
+            self.graphs.clear()
+            raise
+
+    def _capture(self) -> None:
         torch.cuda.synchronize(self.target.device)
         for bucket in reversed(self.target.buckets):
             self.num_live.fill_(0)
@@ -159,10 +184,11 @@ class DraftGraphRunner:
         torch.cuda.synchronize(self.target.device)
 
     def run(self, bucket: int, num_seqs: int) -> torch.Tensor:
-        """Replay after the target's (bucket, k + 1) graph and the verifier's accept_padded into
-        accepted / next_token / num_live; returns drafts [num_seqs, k]."""
-        if not self.target.captures:
+        """Replay after the target's (bucket, k + 1) forward and the verifier's accept_padded into
+        accepted / next_token / num_live; returns drafts [num_seqs, k]. Uncaptured (no graph for
+        the bucket: off CUDA, --enforce-eager, a capture that failed) the same loop runs eagerly."""
+        captured = self.graphs.get(bucket)
+        if captured is None:
             return self._loop(bucket)[:num_seqs]
-        captured = self.graphs[bucket]
         captured.graph.replay()
         return captured.drafts[:num_seqs]
