@@ -16,7 +16,7 @@ Four kinds, interleaved:
 
 from __future__ import annotations
 
-from foretell.bench.datasets import Prompt, data_path, read_jsonl
+from foretell.bench.prompt_files import Prompt, data_path, read_jsonl
 
 KINDS = ("quote", "template", "rewrite", "again")
 
