@@ -105,8 +105,9 @@ class HostStep:
             return
         sampling = self._sampling_rows(sched, batch)
         items = [sched.scheduled[i] for i in batch.sampling_seq_index]
-        raw_logits, logits = logits, apply_sampling_controls(logits, items, keep_raw=sampling.max_num_logprobs >= 0)
-        logits = self.structured.mask_logits(logits, items, copy=logits is raw_logits and sampling.max_num_logprobs >= 0)
+        keep_raw = sampling.max_num_logprobs >= 0 or self.structured.any_structured(items)  # the grammar's fallback
+        raw_logits, logits = logits, apply_sampling_controls(logits, items, keep_raw=keep_raw)
+        logits = self.structured.mask_logits(logits, items, copy=logits is raw_logits and keep_raw, fallback=raw_logits)
         if any(item.draft_token_ids for item in items):
             drafts = [item.draft_token_ids for item in items]
             probs = [self._pop_draft_probs(item) for item in items]
