@@ -189,3 +189,43 @@ def test_cli_flag():
     assert engine_kwargs_from_args(parser.parse_args(["--model", "m"]))["kv_cache_dtype"] == "auto"
     with pytest.raises(SystemExit):
         parser.parse_args(["--model", "m", "--kv-cache-dtype", "fp8_e5m2"])
+
+
+def _with_scales(folder: str, target: str, scales: dict[str, float]) -> str:
+    """A copy of a checkpoint folder whose safetensors also hold these scalar float32 tensors."""
+    import glob
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, target)
+    files = sorted(glob.glob(os.path.join(target, "*.safetensors")))
+    assert len(files) == 1, files  # the fixtures are one file, no index
+    state = load_file(files[0])
+    state.update({key: torch.tensor(value, dtype=torch.float32) for key, value in scales.items()})
+    save_file(state, files[0])
+    return target
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek"])
+def test_checkpoint_k_v_scales_are_loaded(family, llama31_checkpoint, deepseek_v3, tmp_path):
+    """The calibrated checkpoints' spellings (llm-compressor's self_attn.k_scale, ModelOpt's
+    k_proj.k_scale / v_proj.v_scale, older *.output_scale) land on the layers' KVScales; layers
+    without one keep 1.0, and the engine runs with them."""
+    if family == "llama":
+        scales = {"model.layers.0.self_attn.k_scale": 0.5, "model.layers.0.self_attn.v_scale": 0.25,
+                  "model.layers.1.self_attn.k_proj.k_scale": 2.0, "model.layers.1.self_attn.v_proj.v_scale": 4.0,
+                  "model.layers.2.self_attn.k_proj.output_scale": 0.125}
+        expected = [(0.5, 0.25), (2.0, 4.0), (0.125, 1.0), (1.0, 1.0)]
+        folder = _with_scales(llama31_checkpoint, str(tmp_path / "llama"), scales)
+    else:
+        scales = {"model.layers.1.self_attn.k_scale": 0.5}
+        expected = [(1.0, 1.0), (0.5, 1.0)]
+        folder = _with_scales(deepseek_v3, str(tmp_path / "v3"), scales)
+    with LLM(folder, dtype="float32", num_kv_blocks=32, kv_cache_dtype="fp8") as llm:
+        layers = llm.engine.runner.model.attention_layers()
+        assert [layer.kv_scales.values for layer in layers] == expected + [(1.0, 1.0)] * (len(layers) - len(expected))
+        assert all(len(t) == 4 for t in tokens(llm, PROMPTS[:2], greedy(4)))
+    with LLM(folder, dtype="float32", num_kv_blocks=32) as llm:  # a model-dtype cache ignores them
+        assert {layer.kv_scales.values for layer in llm.engine.runner.model.attention_layers()} == {(1.0, 1.0)}

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from foretell.ops.attention.metadata import AttentionMetadata
+from foretell.layers.attention.kv_scales import kv_scale_rules
 from foretell.layers.mla import MLAAttention, MLADims
 from foretell.layers.moe import GatedMLP, MoE, expert_weight_rules, other_ranks_experts_pattern
 from foretell.layers.packed_experts import INT4_SHAPE_KEYS
@@ -196,7 +197,8 @@ def deepseek_weight_rules(config: HFConfig, prefix: str = "", tie: bool = False,
     p = re.escape(prefix)
     other_experts = other_ranks_expert_keys(config, options)
     int4_experts = options is not None and options.int4_group is not None  # shared experts kept apart
-    fused = expert_weight_rules(pack_shared=not other_experts and not int4_experts) + fused_qkv_a_rules() + [
+    fused = kv_scale_rules(r"\.self_attn\.", ".self_attn.attn.kv_scales.")  # FP8 latent cache scale, when calibrated
+    fused += expert_weight_rules(pack_shared=not other_experts and not int4_experts) + fused_qkv_a_rules() + [
         WeightRule(r"\.gate_proj\.", ".gate_up_proj.", 0),  # dense MLP and shared experts
         WeightRule(r"\.up_proj\.", ".gate_up_proj.", 1),
     ]

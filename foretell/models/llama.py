@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from foretell.layers.attention.kv_scales import kv_scale_rules
 from foretell.layers.attention.layer import Attention
 from foretell.ops.attention.metadata import AttentionMetadata
 from foretell.layers.linear import MergedLinear, QKVLinear, kv_head_shard, row_parallel_linear
@@ -80,6 +81,7 @@ class DecoderDims:
 
 def family_weight_rules(tie_word_embeddings: bool) -> WeightRules:
     fused = [
+        *kv_scale_rules(r"\.self_attn\.", ".self_attn.attn.kv_scales."),  # FP8 KV cache scales, when calibrated
         WeightRule(r"\.q_proj\.", ".qkv_proj.", "q"),
         WeightRule(r"\.k_proj\.", ".qkv_proj.", "k"),
         WeightRule(r"\.v_proj\.", ".qkv_proj.", "v"),
