@@ -171,14 +171,15 @@ class Engine:
             raise
         except Exception as error:  # noqa: BLE001 -- a failed step must not end other requests
             return self._fail_step(sched, error)
-        self.metrics.num_steps += 1
-        self.metrics.target_time_s += self.runner.last_times.target_s
-        self.metrics.draft_time_s += self.runner.last_times.draft_s
+        metrics, times = self.metrics, self.runner.last_times
+        metrics.num_steps += 1
+        metrics.target_time_s += times.target_s
+        metrics.draft_time_s += times.draft_s
         touched: dict[str, Request] = {}
         now = time.monotonic()
+        requests = self.requests
         for item, result in zip(sched.scheduled, results):
-            seq = item.seq
-            request = self.requests.get(seq.request_id)
+            request = requests.get(item.seq.request_id)
             if request is None or request.error is not None:
                 continue  # failed earlier in this loop (another of its n samples)
             try:
@@ -246,12 +247,9 @@ class Engine:
                 request.metrics.finished_time = now
                 self.metrics.num_requests_finished += 1
                 del self.requests[request.request_id]
-        self.metrics.maybe_log(
-            self.config.log_stats_interval_s,
-            len(self.scheduler.running),
-            len(self.scheduler.waiting),
-            self.block_manager.usage,
-        )
+        interval = self.config.log_stats_interval_s
+        if interval > 0 and self.metrics.log_due(interval):  # off or not due: one comparison
+            self.metrics.log(len(self.scheduler.running), len(self.scheduler.waiting), self.block_manager.usage)
         return outputs
 
     # ---- stats ---------------------------------------------------------------------

@@ -38,11 +38,14 @@ class EngineMetrics:
             out.update(self.spec.as_dict())
         return out
 
-    def maybe_log(self, interval_s: float, running: int, waiting: int, kv_usage: float) -> None:
+    def log_due(self, interval_s: float) -> bool:
+        """Whether the periodic stats line is due (interval_s > 0 seconds since the last)."""
+        return interval_s > 0 and time.monotonic() - self._last_log >= interval_s
+
+    def log(self, running: int, waiting: int, kv_usage: float) -> None:
+        """Log the stats line: generation rate since the last line, queue, KV usage, acceptance."""
         now = time.monotonic()
-        if interval_s <= 0 or now - self._last_log < interval_s:
-            return
-        rate = (self.generation_tokens_total - self._last_generation_tokens) / (now - self._last_log)
+        rate = (self.generation_tokens_total - self._last_generation_tokens) / max(now - self._last_log, 1e-9)
         self._last_log, self._last_generation_tokens = now, self.generation_tokens_total
         line = (
             f"generation {rate:.1f} tok/s, running {running}, waiting {waiting}, "

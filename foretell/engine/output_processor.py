@@ -72,22 +72,25 @@ def apply_result(
     seq = item.seq
     if metrics.spec is not None:
         metrics.spec.record(result.num_drafts, result.num_accepted)
-    seq.prompt_logprobs.extend(result.prompt_logprobs)
+    if result.prompt_logprobs:
+        seq.prompt_logprobs.extend(result.prompt_logprobs)
     appended = scheduler.postprocess(item, result.new_token_ids, result.num_accepted)
     if not appended:
         return []
-    if request.metrics.first_token_time is None:
-        request.metrics.first_token_time = now
-        request.metrics.num_cached_prompt_tokens = seq.num_cached_prompt_tokens
+    request_metrics = request.metrics
+    if request_metrics.first_token_time is None:
+        request_metrics.first_token_time = now
+        request_metrics.num_cached_prompt_tokens = seq.num_cached_prompt_tokens
     detok = request.detokenizers[seq.index]
     if detok is not None:
         appended = apply_stop_strings(seq, detok, appended, scheduler)
     metrics.generation_tokens_total += len(appended)
     if request.token_origins is not None:
         record_origins(request.token_origins[seq.index], item, result, len(appended))
-    logprobs = result.logprobs[: len(appended)]
-    seq.logprobs.extend(logprobs)
-    seq.cumulative_logprob += sum(lp.logprob for lp in logprobs)
+    if result.logprobs:  # only requests that asked for logprobs carry any
+        logprobs = result.logprobs[: len(appended)]
+        seq.logprobs.extend(logprobs)
+        seq.cumulative_logprob += sum(lp.logprob for lp in logprobs)
     return appended
 
 
@@ -127,7 +130,7 @@ def make_output(request: Request) -> RequestOutput:
         CompletionOutput(
             index=seq.index,
             text=detok.text if detok is not None else "",
-            token_ids=list(seq.output_token_ids),
+            token_ids=seq.output_token_ids,  # a new list (a slice): the caller may keep it
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
             logprobs=list(seq.logprobs) if want_logprobs else None,

@@ -197,34 +197,32 @@ class Scheduler:
         may cut the list short; stop strings are checked by the engine after detokenization.
         """
         seq = item.seq
-        if seq.is_finished:
+        if seq.status is SequenceStatus.FINISHED:
             return []
         seq.num_computed_tokens += item.num_new_tokens - len(item.draft_token_ids) + num_accepted
-        appended: list[int] = []
         params = seq.sampling_params
-        for token in new_token_ids:
-            seq.token_ids.append(token)
-            appended.append(token)
-            reason = self._stop_reason(seq, token)
-            if reason is not None:
-                seq.stop_reason = token if reason == "stop" else None
-                self.finish(seq, reason)
-                return appended
+        token_ids = seq.token_ids
+        # The stop checks with what is constant over the loop read once (a step of one
+        # decode token is the common case; this runs for every sequence of every step).
+        eos_ids = () if params.ignore_eos else seq.eos_token_ids
+        stop_ids = params.stop_token_ids
+        max_tokens = params.max_tokens
+        max_len = self.max_model_len
+        num_prompt = len(seq.prompt_token_ids)
+        for i, token in enumerate(new_token_ids):
+            token_ids.append(token)
+            if token in eos_ids or token in stop_ids:
+                seq.stop_reason = token
+                self.finish(seq, "stop")
+            elif (max_tokens is not None and len(token_ids) - num_prompt >= max_tokens) or len(token_ids) >= max_len:
+                seq.stop_reason = None
+                self.finish(seq, "length")
+            else:
+                continue
+            return new_token_ids[: i + 1]
         seq.spec_token_ids = []
-        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+        if max_tokens is not None and len(token_ids) - num_prompt >= max_tokens:
             self.finish(seq, "length")
         else:
             self.block_manager.commit(seq)
-        return appended
-
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        params = seq.sampling_params
-        if not params.ignore_eos and token in seq.eos_token_ids:
-            return "stop"
-        if token in params.stop_token_ids:
-            return "stop"
-        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
-            return "length"
-        if seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
+        return list(new_token_ids)
