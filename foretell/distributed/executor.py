@@ -12,6 +12,15 @@ beside the pipes, so a worker that exits (killed, out of memory, a crash in a ke
 WorkerDied naming its rank and exit code at once, even while the other ranks sit in a collective
 waiting for it.
 
+Start-up: any failure while a worker joins its group or builds its object (a bad checkpoint, heads
+that do not divide, out of memory) reaches the caller at once as one error naming the rank and
+the cause: the worker's own exception type with "tensor-parallel worker rank r of n could not
+start: ..." as its message (the worker's traceback as a note; WorkerFailed when the type cannot
+be rebuilt so), never a wait on the ranks still loading or stuck in a collective. A worker that
+exits while starting raises WorkerDied ("while starting"). Once every rank is built, their
+reports must agree (start_checks.world_mismatch: the group's size and rank, and what
+world_facts(obj) says each built): else WorkerFailed naming the rank and the field.
+
 Errors inside a call: when every rank raised (the same check on the same inputs: a bad request,
 a SequenceError), rank 0's exception is raised here as itself, with the worker's traceback as a
 note, and the executor stays usable, as a one-device runner would. When only some ranks raised,
@@ -29,6 +38,7 @@ from typing import Any, Callable
 import torch.multiprocessing as mp
 
 from foretell.distributed.process_group import free_local_port
+from foretell.distributed.start_checks import last_line, start_failure, world_mismatch
 from foretell.distributed.worker import Call, WorkerSpec, run_worker
 
 # Once a rank has reported an error, how long the others get by default to report theirs (ranks
@@ -61,6 +71,7 @@ class ParallelExecutor:
         start_timeout_s: float = 600.0,
         join_timeout_s: float = 600.0,
         error_grace_s: float = ERROR_GRACE_S,
+        world_facts: Callable[[Any], dict] | None = None,  # module-level: what each rank built
     ):
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
@@ -69,11 +80,12 @@ class ParallelExecutor:
         self.world_size = world_size
         self.error_grace_s = error_grace_s
         self.closed = False
+        self.started = False
         self.connections = []
         self.processes = []
         for rank in range(world_size):
             spec = WorkerSpec(rank, world_size, init_method, build, tuple(build_args), device_type, backend,
-                              join_timeout_s)
+                              join_timeout_s, world_facts)
             front_end, worker_end = context.Pipe(duplex=True)
             process = context.Process(target=run_worker, args=(spec, worker_end), daemon=True,
                                       name=f"foretell-tp-rank{rank}")
@@ -83,6 +95,7 @@ class ParallelExecutor:
             self.processes.append(process)
         try:
             self._wait_ready(time.monotonic() + start_timeout_s)
+            self.started = True
         except BaseException:
             self.shutdown(timeout_s=0.0)
             raise
@@ -157,16 +170,55 @@ class ParallelExecutor:
                 self._raise_died(rank)
 
     def _wait_ready(self, deadline: float) -> None:
-        ready: set[int] = set()
-        while len(ready) < self.world_size:
+        reports: dict[int, dict] = {}
+        while len(reports) < self.world_size:
             messages = self._next_messages(deadline)
             if messages is None:
-                waiting = sorted(set(range(self.world_size)) - ready)
+                waiting = sorted(set(range(self.world_size)) - set(reports))
                 raise TimeoutError(f"tensor-parallel workers {waiting} did not start within the time allowed")
+            errors = {rank: message for rank, message in messages if message[0] == "error"}
+            if errors:
+                self._raise_start_error(errors)
             for rank, message in messages:
-                if message[0] != "ready":
-                    self._raise_error({rank: message}, every_rank_raised=False, starting=True)
-                ready.add(rank)
+                reports[rank] = message[2]
+        mismatch = world_mismatch(reports, self.world_size)
+        if mismatch is not None:
+            raise WorkerFailed(mismatch)
+
+    def _raise_start_error(self, errors: dict[int, tuple]) -> None:
+        """A worker failed to start: gather what the others report within DEATH_GRACE_S (ranks
+        that fail the same check answer at once; a rank loading weights or waiting in a collective
+        does not, and is not waited for), report a death behind it first, then the lowest
+        failed rank's error."""
+        deadline = time.monotonic() + DEATH_GRACE_S
+        while True:
+            others = [rank for rank in range(self.world_size) if rank not in errors]
+            pipes = {self.connections[rank]: rank for rank in others}
+            sentinels = {self.processes[rank].sentinel: rank for rank in others}
+            ready = wait(list(pipes) + list(sentinels), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            for item in ready:
+                if item in pipes:
+                    try:
+                        message = item.recv()
+                    except (EOFError, OSError):  # its exit shows on its sentinel
+                        continue
+                    if message[0] == "error":
+                        errors[pipes[item]] = message
+            for item in ready:
+                if item in sentinels and sentinels[item] not in errors:
+                    self._raise_died(sentinels[item])
+        rank = min(errors)
+        _, _, error, text = errors[rank]
+        self.shutdown(timeout_s=0.0)
+        rebuilt = start_failure(rank, self.world_size, sorted(errors), error, text)
+        if rebuilt is not None:
+            raise rebuilt from None
+        failure = WorkerFailed(f"tensor-parallel worker rank {rank} of {self.world_size} could not start "
+                               f"(ranks that failed: {sorted(errors)}): {last_line(text)}")
+        failure.add_note(f"the worker's traceback (rank {rank}):\n{text}")
+        raise failure
 
     def _next_messages(self, deadline: float | None) -> list[tuple[int, tuple]] | None:
         """Block until a worker sends something or exits, or until the deadline (then None);
@@ -212,23 +264,23 @@ class ParallelExecutor:
         process.join(timeout=1.0)
         code = process.exitcode
         how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+        when = "" if self.started else " while starting"
         self.shutdown(timeout_s=0.0)
         raise WorkerDied(
-            f"tensor-parallel worker rank {rank} (pid {process.pid}) {how}; the engine cannot continue "
-            f"without it (out of memory, or a crash in that process?)"
+            f"tensor-parallel worker rank {rank} (pid {process.pid}) {how}{when}; the engine cannot "
+            f"continue without it (out of memory, or a crash in that process?)"
         )
 
-    def _raise_error(self, errors: dict[int, tuple], every_rank_raised: bool, starting: bool = False) -> None:
+    def _raise_error(self, errors: dict[int, tuple], every_rank_raised: bool) -> None:
         sentinels = {process.sentinel: rank for rank, process in enumerate(self.processes)}
         dead = wait(list(sentinels), timeout=DEATH_GRACE_S)
         if dead:
             self._raise_died(sentinels[dead[0]])
         first = min(errors)
         _, _, error, text = errors[first]
-        if every_rank_raised and not starting and error is not None:
+        if every_rank_raised and error is not None:
             error.add_note(f"raised in tensor-parallel worker rank {first} (every rank raised):\n{text}")
             raise error
         self.shutdown(timeout_s=0.0)
-        when = "while starting" if starting else "in a call that the other ranks did not fail"
-        raise WorkerFailed(f"tensor-parallel worker rank {first} raised {when} "
-                           f"(ranks that raised: {sorted(errors)}):\n{text}")
+        raise WorkerFailed(f"tensor-parallel worker rank {first} raised in a call that the other ranks did "
+                           f"not fail (ranks that raised: {sorted(errors)}):\n{text}")

@@ -8,7 +8,9 @@ slices; in tests, a stand-in), says it is ready, then serves calls until told to
   front -> worker   Call(method, args, reply)   every rank gets every call, in the same order,
                                                 and runs getattr(obj, method)(*args)
                     None                        stop: leave the group and exit
-  worker -> front   ("ready", rank)             once, after building
+  worker -> front   ("ready", rank, report)     once, after building: the world its group
+                                                reports and spec.world_facts(obj), which the
+                                                front compares across ranks (start_checks.py)
                     ("result", 0, value)        rank 0, for calls with reply=True
                     ("done", rank)              the other ranks, for calls with reply=True
                     ("error", rank, exception, traceback text)
@@ -32,6 +34,7 @@ from typing import Any, Callable
 import torch
 
 from foretell.distributed.process_group import start_tensor_parallel, stop_tensor_parallel
+from foretell.distributed.start_checks import group_facts
 
 DEVICE_TYPES = ("cpu", "cuda")
 
@@ -49,6 +52,9 @@ class WorkerSpec:
     device_type: str = "cpu"  # "cuda": rank r runs on cuda:r
     backend: str = "auto"  # process_group.BACKENDS
     join_timeout_s: float = 600.0  # for joining the group, and each collective after
+    # world_facts(obj) -> dict: what this rank built, which every rank must agree on (None: only
+    # the group's own size and rank are compared). Module-level, like build.
+    world_facts: Callable[[Any], dict] | None = None
 
     def __post_init__(self) -> None:
         if self.device_type not in DEVICE_TYPES:
@@ -72,10 +78,16 @@ def run_worker(spec: WorkerSpec, conn) -> None:
     try:
         tp = start_tensor_parallel(spec.rank, spec.world_size, spec.init_method, spec.device,
                                    spec.backend, spec.join_timeout_s)
+        report = group_facts(tp, spec.world_size, spec.rank)
         target = spec.build(tp, spec.device, *spec.build_args)
-        conn.send(("ready", spec.rank))
+        if spec.world_facts is not None:
+            report.update(spec.world_facts(target))
+        conn.send(("ready", spec.rank, report))
     except BaseException as error:  # noqa: BLE001 -- reported to the front, then this worker ends
         _send_error(conn, spec.rank, error)
+        # Stay in the group until the front stops us: leaving now would fail a peer waiting in a
+        # collective with a connection error, a second error that could hide this one.
+        _wait_for_stop(conn)
         _stop(tp)
         return
     try:
@@ -103,6 +115,15 @@ def serve(target: Any, rank: int, conn) -> None:
                 conn.send(("result", 0, value) if rank == 0 else ("done", rank))
             except (BrokenPipeError, OSError):
                 return
+
+
+def _wait_for_stop(conn) -> None:
+    while True:
+        try:
+            if conn.recv() is None:
+                return
+        except (EOFError, OSError):
+            return
 
 
 def _send_error(conn, rank: int, error: BaseException) -> None:

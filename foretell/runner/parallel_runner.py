@@ -17,12 +17,14 @@ abandon_step have nothing left to drop).
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 
 import torch
 
 from foretell.config import EngineConfig
 from foretell.distributed.executor import ParallelExecutor, WorkerDied, WorkerFailed
+from foretell.distributed.start_checks import check_rank_devices
 from foretell.distributed.tensor_parallel import TensorParallel
 from foretell.engine.scheduler import SchedulerOutput
 from foretell.runner.model_runner import ModelRunner, RunnerFacts, StepTimes
@@ -65,18 +67,23 @@ def build_rank_runner(tp: TensorParallel, device: torch.device, config: EngineCo
     return RankRunner(ModelRunner(config, tp, device))
 
 
+def rank_runner_facts(rank_runner: RankRunner) -> dict:
+    """What every rank must agree on once built (the executor compares them): the runner's
+    facts but its device, which names the rank's own."""
+    facts = dataclasses.asdict(rank_runner.describe())
+    facts.pop("device")
+    return facts
+
+
 class ParallelRunner:
     """The front process's handle on tensor_parallel_size ranks."""
 
     def __init__(self, config: EngineConfig):
         world_size = config.parallel.tensor_parallel_size
         device = config.model.resolve_device()
-        if device.type == "cuda" and torch.cuda.device_count() < world_size:
-            raise ValueError(
-                f"tensor_parallel_size={world_size} needs {world_size} GPUs (one per rank); "
-                f"{torch.cuda.device_count()} are visible"
-            )
-        self.executor = ParallelExecutor(world_size, build_rank_runner, (config,), device_type=device.type)
+        check_rank_devices(world_size, device, torch.cuda.device_count() if device.type == "cuda" else 0)
+        self.executor = ParallelExecutor(world_size, build_rank_runner, (config,), device_type=device.type,
+                                         world_facts=rank_runner_facts)
         # Workers stop with this object even when the engine is never shut down explicitly.
         self._finalizer = weakref.finalize(self, self.executor.shutdown)
         self.lost: BaseException | None = None
