@@ -37,6 +37,7 @@ from foretell.runner.sequence_result import SequenceResult
 from foretell.ops.attention.dispatch import build_attention_backend
 from foretell.layers.sampler import NoiseSource, Sampler
 from foretell.layers.small_m import prepare_small_m_linears
+from foretell.layers.batch_invariant import prepare_batch_invariant
 from foretell.layers.vocab_parallel import ParallelLMHead
 from foretell.ops.gemm.dispatch import SmallMGemm
 from foretell.models.base import HFConfig, ModelOptions
@@ -96,7 +97,7 @@ class ModelRunner:
             torch.set_num_threads(mc.num_cpu_threads)  # the process-wide knob, set once, asked for
         self.hf_config = HFConfig.from_folder(mc.model)
         self.dtype = mc.resolve_dtype(checkpoint_dtype(self.hf_config), self.device)
-        self.backend = build_attention_backend(mc.attention_backend, self.device)
+        self.backend = build_attention_backend(mc.attention_backend, self.device, mc.batch_invariant)
         parallel = dict(tensor_parallel=self.tensor_parallel, expert_parallel=config.parallel.enable_expert_parallel,
                         quantization=resolve_quantization(self.hf_config, mc.quantization))
         options = ModelOptions(self.dtype, self.device, self.backend, **parallel)
@@ -109,6 +110,8 @@ class ModelRunner:
         self.model = build_model(mc.model, self.hf_config, options, mc.load_format, mc.seed)
         if self.proposer is not None:
             self.proposer.load(self.model, mc.load_format)
+        if mc.batch_invariant:  # every float Linear, LMHead and MoE of target and drafter
+            prepare_batch_invariant([self.model, *(self.proposer.draft_modules() if self.proposer else [])])
         self.vocab_size = self.hf_config.language_model().vocab_size
         mode = config.scheduler.async_scheduling
         # Queue the next step before reading this one (step_pipeline.py): plain decoding, and the
@@ -258,7 +261,7 @@ class ModelRunner:
         if self.tensor_parallel.is_parallel:  # capturing the collectives: not yet (issue 24)
             return None
         graphs = self._graph_runner(capture_graphs=True, reads_host_lengths=False)
-        if graphs.captures:
+        if graphs.captures and not mc.batch_invariant:  # (the mode binds its own GEMM)
             # cuBLAS or the batch-1 GEMV, per shape, decided now: nothing is timed in a capture.
             # Rows: a graph's batch bucket x query length, + 1 for a draft LM's catch-up rows.
             drafter = self.proposer.draft_modules() if self.proposer else []
