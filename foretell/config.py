@@ -58,8 +58,15 @@ class ModelConfig:
     # Run a few dummy requests at start-up so Triton compiles its kernels' shape variants before
     # the first real request (engine/warm_up.py). auto: on CUDA only.
     warm_up: str = "auto"
+    # Bitwise-exact mode (issue 23): every token's logits the same bits however its step was
+    # formed (decode, verify, prefill chunk; batch size, order and companions; prefix-cache hit
+    # or recompute), because every op reduces a row in an order set by that row's own sizes
+    # (the batch_invariant variants in ops/*/). Off by default until its cost is measured.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
         if self.warm_up not in ("auto", "on", "off"):
             raise ValueError(f"warm_up must be auto, on or off, got {self.warm_up!r}")
         if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:

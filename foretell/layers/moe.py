@@ -88,6 +88,9 @@ class Router(nn.Module):
     """`mlp.gate`: weight [E, H] and, for noaux_tc, e_score_correction_bias [E]; both kept in
     float32 so routing decisions do not depend on the model dtype (as transformers does)."""
 
+    # Set per instance by layers/batch_invariant.py (ModelConfig.batch_invariant); never changed here.
+    batch_invariant = False
+
     def __init__(self, config: RouterConfig, hidden_size: int, *, device=None):
         super().__init__()
         self.config = config
@@ -101,7 +104,8 @@ class Router(nn.Module):
         self.register_buffer("route_counter", torch.zeros(1, dtype=torch.int32, device=device), persistent=False)
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return route(hidden, self.weight, self.config, self.e_score_correction_bias, self.route_counter)
+        return route(hidden, self.weight, self.config, self.e_score_correction_bias, self.route_counter,
+                     self.batch_invariant)
 
 
 class MoE(nn.Module):

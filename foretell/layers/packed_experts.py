@@ -150,6 +150,10 @@ class PackedExperts(nn.Module):
     expert holds this rank's share of intermediate_size (the whole expert's, given here).
     `fp8_block` / `int4_group`: the checkpoint's format (module docstring)."""
 
+    # Set per instance by layers/batch_invariant.py (ModelConfig.batch_invariant): float experts then
+    # sum in a fixed order (ops/moe/batch_invariant.py). Never changed here.
+    batch_invariant = False
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, num_shared: int = 0,
                  *, first_expert: int = 0, split_over: TensorParallel | None = None, dtype=None, device=None,
                  fp8_block: tuple[int, int] | None = None, int4_group: int | None = None):
@@ -198,7 +202,7 @@ class PackedExperts(nn.Module):
         if self.format == "int4":
             return fused_int4_experts(hidden, self.gate_up_proj_packed, self.gate_up_proj_scale, self.down_proj_packed,
                                       self.down_proj_scale, weights, ids, shared)
-        return fused_experts(hidden, self.gate_up_proj, self.down_proj, weights, ids, shared)
+        return fused_experts(hidden, self.gate_up_proj, self.down_proj, weights, ids, shared, self.batch_invariant)
 
     @torch.no_grad()
     def quantize_fp8_(self, block: tuple[int, int]) -> None:

@@ -48,10 +48,14 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...  # [num_tokens, num_heads, head_dim]
 
 
-def build_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """Pick a backend by name. "auto" is Triton on CUDA when Triton imports, else torch."""
+def build_attention_backend(name: str, device: torch.device, batch_invariant: bool = False) -> AttentionBackend:
+    """Pick a backend by name. "auto" is Triton on CUDA when Triton imports, else torch.
+    batch_invariant (ModelConfig.batch_invariant): that backend's batch-invariant form
+    (batch_invariant.py, triton_batch_invariant.py), whose rows do not depend on their step."""
     if name == "auto":
         name = "triton" if device.type == "cuda" and _triton_available() else "torch"
+    if batch_invariant and name in ("torch", "triton"):
+        return build_batch_invariant_backend(name)
     if name == "torch":
         return TorchAttentionBackend()
     if name == "triton":
@@ -59,6 +63,16 @@ def build_attention_backend(name: str, device: torch.device) -> AttentionBackend
 
         return TritonAttentionBackend()
     raise ValueError(f"unknown attention backend {name!r}; expected one of: auto, torch, triton")
+
+
+def build_batch_invariant_backend(name: str) -> AttentionBackend:
+    if name == "triton":
+        from foretell.ops.attention.triton_batch_invariant import BatchInvariantTritonAttention  # imports triton
+
+        return BatchInvariantTritonAttention()
+    from foretell.ops.attention.batch_invariant import BatchInvariantTorchAttention
+
+    return BatchInvariantTorchAttention()
 
 
 def _triton_available() -> bool:

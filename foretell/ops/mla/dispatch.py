@@ -1,10 +1,14 @@
 """Which MLA backend a layer gets, by the attention backend's name: "torch" is TorchMLABackend
 (reference.py), "triton" TritonMLABackend (triton_attention.py, imported only when asked for: it
 imports triton). Unknown names fall back to torch, as the GQA layers' "auto" does off CUDA.
+The batch-invariant mode's GQA backends ("torch_batch_invariant", "triton_batch_invariant") give
+their MLA layers BatchInvariantTorchMLABackend (batch_invariant.py; on CUDA too, eagerly: MLA has
+no batch-invariant kernel yet).
 """
 
 from __future__ import annotations
 
+from foretell.ops.mla.batch_invariant import BatchInvariantTorchMLABackend
 from foretell.ops.mla.reference import TorchMLABackend
 
 
@@ -14,7 +18,12 @@ def _triton_mla_backend():
     return TritonMLABackend()
 
 
-MLA_BACKENDS = {"torch": TorchMLABackend, "triton": _triton_mla_backend}
+MLA_BACKENDS = {
+    "torch": TorchMLABackend,
+    "triton": _triton_mla_backend,
+    "torch_batch_invariant": BatchInvariantTorchMLABackend,
+    "triton_batch_invariant": BatchInvariantTorchMLABackend,
+}
 
 
 def build_mla_backend(name: str):

@@ -1,7 +1,8 @@
 """The two MoE entry points layers/moe.py calls: `route` (router logits and expert selection) and
 `fused_experts` (the experts' weighted sum). On CUDA, when ops.common.kernel_choice.use_triton allows,
 they run the Triton kernels (triton_router.py, triton_experts.py, loaded on first use: they import
-triton); elsewhere the torch twins of reference.py.
+triton); elsewhere the torch twins of reference.py. With batch_invariant (the mode of issue 23) both
+run batch_invariant.py's torch forms, whose result for a token does not depend on its batch.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from foretell.ops.common.kernel_choice import use_triton
+from foretell.ops.moe.batch_invariant import experts_forward_batch_invariant, route_batch_invariant
 from foretell.ops.moe.reference import RouterConfig, experts_forward_torch, select_experts
 
 
@@ -19,8 +21,11 @@ def route(
     config: RouterConfig,
     correction_bias: torch.Tensor | None,  # [num_experts] float32 (noaux_tc)
     route_counter: torch.Tensor,  # [1] int32, zero: the one-launch kernel's program count
+    batch_invariant: bool = False,  # ModelConfig.batch_invariant: batch_invariant.py's router
 ) -> tuple[torch.Tensor, torch.Tensor]:  # weights float32, ids int64: [num_tokens, top_k + num_shared]
     """The router: logits, then the experts each token goes to and their weights."""
+    if batch_invariant:
+        return route_batch_invariant(hidden, weight, config, correction_bias)
     if not use_triton(hidden):
         logits = F.linear(hidden.float(), weight)  # [T, E] float32
         return select_experts(logits, config, correction_bias)
@@ -42,8 +47,11 @@ def fused_experts(
     weights: torch.Tensor,  # [num_tokens, k] float32
     ids: torch.Tensor,  # [num_tokens, k] int64
     shared: torch.Tensor | None = None,  # [num_tokens, hidden]: the shared experts' output, added
+    batch_invariant: bool = False,  # ModelConfig.batch_invariant: batch_invariant.py's fixed-order sum
 ) -> torch.Tensor:  # [num_tokens, hidden], hidden's dtype
     """The chosen experts' weighted sum (plus `shared`), summed in float32, in hidden's dtype."""
+    if batch_invariant:
+        return experts_forward_batch_invariant(hidden, gate_up, down, weights, ids, shared)
     if use_triton(hidden, gate_up):
         from foretell.ops.moe.triton_experts import fused_experts_triton  # imports triton
 
