@@ -21,6 +21,7 @@ arithmetic free. Each part is measured in wall time and in this thread's CPU tim
 machine shared with other processes; with one torch thread the forwards run on this thread too).
 
   measure_host_overhead(llm, prompts, params, batch_size)  -> HostOverhead (public, tested)
+  python -m foretell.bench.host_overhead --method eagle3 --batch-size 16   (default family, GSM8K)
 
 Every wrapper is an instance attribute set for the measured run and removed afterwards (an
 instance attribute that was there before is put back); nothing of the engine's classes or modules
@@ -231,3 +232,43 @@ def _parts(totals: dict[str, int]) -> dict[str, int]:
     parts["step"] = totals["step"]
     parts["host"] = totals["step"] - forwards
     return parts
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m foretell.bench.host_overhead [--method eagle3] [--batch-size 1] ...: the shipped
+    default family (Qwen3 layout) on GSM8K prompts; prints the table, optionally writes JSON."""
+    import argparse
+    import json
+
+    from foretell import LLM, SamplingParams
+    from foretell.bench.datasets import load_prompts
+
+    parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    parser.add_argument("--method", default="none", help="none, or a drafter of the default family (eagle3, ...)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--num-prompts", type=int, default=0, help="default: the batch size")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--num-cpu-threads", type=int, default=1)
+    parser.add_argument("--async-scheduling", default="on", choices=["auto", "on", "off"])
+    parser.add_argument("--output-json")
+    args = parser.parse_args(argv)
+    method = None if args.method == "none" else args.method
+    llm = LLM.default("qwen3", method, num_speculative_tokens=args.num_speculative_tokens if method else None,
+                      device=args.device, num_cpu_threads=args.num_cpu_threads, log_stats_interval_s=0,
+                      async_scheduling=args.async_scheduling)
+    count = args.num_prompts or args.batch_size
+    prompts = [llm.tokenizer.encode(p.text) for p in load_prompts("gsm8k", count, seed=0)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    result = measure_host_overhead(llm, prompts, params, batch_size=args.batch_size)
+    print(f"method {args.method}, batch {args.batch_size}, {result.num_steps} steps, "
+          f"{result.tokens_per_step:.2f} tokens a step")
+    print(result.table())
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result.as_dict(), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
