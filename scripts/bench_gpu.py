@@ -73,6 +73,9 @@ def decode_tok_s(llm: LLM, batch: int, prompt_len: int = 128, new_tokens: int = 
     steps0, before = probe.engine_step_count(llm), dict(llm.get_stats())
     outs = llm.generate(prompts, full, use_tqdm=False)
     steps = probe.engine_step_count(llm) - steps0
+    failed = [o.error for o in outs if o.error is not None]
+    if failed:  # a failed request has no first token: say why rather than fail on its missing time
+        raise RuntimeError(f"{len(failed)} of {batch} timed requests failed: {failed[0]}")
     first = max(o.metrics.first_token_time for o in outs)
     last = max(o.metrics.finished_time for o in outs)
     decode_s = max(last - first, 1e-9)

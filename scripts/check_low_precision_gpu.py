@@ -108,7 +108,11 @@ def section(name):
 def greedy_tokens(llm: LLM, num_prompts: int = 4, max_tokens: int = 32) -> list[list[int]]:
     prompts = [{"prompt_token_ids": [(11 * i + j) % 5000 + 3 for j in range(24 + 7 * i)]} for i in range(num_prompts)]
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    failed = [o.error for o in outs if o.error is not None]
+    if failed:  # two failed runs would give equal (empty) tokens: never count that as agreement
+        raise RuntimeError(f"{len(failed)} of {num_prompts} greedy requests failed: {failed[0]}")
+    return [o.outputs[0].token_ids for o in outs]
 
 
 def end_to_end(folder: str, spec: dict, **kw) -> dict:
