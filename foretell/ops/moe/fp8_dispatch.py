@@ -7,9 +7,10 @@ on a float MoE: layout in fp8_reference.py): fused_fp8_experts, the chosen exper
   - up to FP8_GEMV_MAX_TOKENS tokens on CUDA (decode, verify, draft) with a power-of-two block
     width: the two FP8 GEMV kernels (fp8_triton_gemv.py), weights read in 8 bits and scaled
     in-kernel, graph-capturable;
-  - more tokens on CUDA (prefill): the used experts dequantized to the model dtype (one host
-    sync), then the bf16 experts' grouped kernels (dispatch.fused_experts). A grouped kernel on
-    FP8 tensor cores that keeps prefill in 8 bits is left to do.
+  - more tokens on CUDA (prefill): the used experts dequantized to the model dtype a chunk at a
+    time (dequantized_chunks.py: bounded memory; host syncs), each chunk's pairs through the bf16
+    grouped kernels (triton_experts.py). A grouped kernel on FP8 tensor cores that keeps prefill
+    in 8 bits is left to do.
 
 Importing this module never imports triton.
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from foretell.ops.common.kernel_choice import use_triton
-from foretell.ops.moe.dispatch import fused_experts
+from foretell.ops.moe.dequantized_chunks import experts_in_chunks, experts_per_chunk
 from foretell.ops.moe.fp8_reference import check_fp8_experts, dequantize_fp8_experts, fp8_experts_forward_torch
 
 # Up to this many tokens the GEMV kernels run (the int4 path's bound); to be measured on the H200
@@ -55,7 +56,16 @@ def fused_fp8_experts(
         return fused_fp8_experts_gemv_triton(hidden, gate_up, gate_up_scale, down, down_scale, block, weights, ids,
                                              shared, out_dtype=hidden.dtype)
     check_fp8_experts(hidden, gate_up, gate_up_scale, down, down_scale, block, weights, ids, shared)
-    used, compact_ids = torch.unique(ids, return_inverse=True)
-    w_gate_up = dequantize_fp8_experts(gate_up[used], gate_up_scale[used], block, hidden.dtype)  # [U, 2I, H]
-    w_down = dequantize_fp8_experts(down[used], down_scale[used], block, hidden.dtype)  # [U, H, I]
-    return fused_experts(hidden, w_gate_up, w_down, weights, compact_ids, shared)
+    from foretell.ops.moe.triton_experts import fused_experts_triton  # imports triton
+
+    def dequantize(used: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (dequantize_fp8_experts(gate_up[used], gate_up_scale[used], block, hidden.dtype),  # [U, 2I, H]
+                dequantize_fp8_experts(down[used], down_scale[used], block, hidden.dtype))  # [U, H, I]
+
+    def grouped(x, w_gate_up, w_down, pair_weights, pair_ids):  # [P, H] float32
+        return fused_experts_triton(x, w_gate_up, w_down, pair_weights, pair_ids, out_dtype=torch.float32)
+
+    # the dequantization passes through float32 (4 bytes an element) before it rounds to hidden's dtype
+    per_expert = (gate_up[0].numel() + down[0].numel()) * (4 + hidden.dtype.itemsize)
+    out = experts_in_chunks(hidden, weights, ids, dequantize, grouped, experts_per_chunk(per_expert))
+    return (out if shared is None else out + shared).to(hidden.dtype)

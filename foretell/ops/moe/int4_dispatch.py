@@ -5,9 +5,10 @@ layout: int4_reference.py): fused_int4_experts, the chosen experts' weighted sum
     int4_experts_forward_torch;
   - up to INT4_GEMV_MAX_TOKENS tokens on CUDA (decode, verify): the two int4 GEMV kernels
     (triton_int4_gemv.py), the packed words unpacked and scaled in-kernel, graph-capturable;
-  - more tokens on CUDA (prefill): the used experts dequantized to the scales' dtype (one host
-    sync), then the bf16 experts' dispatch (dispatch.fused_experts). A grouped int4 kernel that
-    keeps prefill in 4 bits is left to do.
+  - more tokens on CUDA (prefill): the used experts dequantized to the scales' dtype a chunk at a
+    time (dequantized_chunks.py: at most DEQUANTIZED_CHUNK_BYTES at once; host syncs), each chunk's
+    pairs through the bf16 grouped kernels (triton_experts.py). A grouped int4 kernel that keeps
+    prefill in 4 bits is left to do.
 
 Importing this module never imports triton.
 """
@@ -17,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from foretell.ops.common.kernel_choice import use_triton
-from foretell.ops.moe.dispatch import fused_experts
+from foretell.ops.moe.dequantized_chunks import experts_in_chunks, experts_per_chunk
 from foretell.ops.moe.int4_reference import check_int4_expert_inputs, dequantize_int4, int4_experts_forward_torch
 
 # Up to this many tokens the GEMV kernels run (as the bf16 path's GEMV_MAX_TOKENS); to be measured
@@ -46,7 +47,18 @@ def fused_int4_experts(
         return fused_int4_experts_gemv_triton(hidden, gate_up_packed, gate_up_scale, down_packed, down_scale,
                                               weights, ids, shared, out_dtype=hidden.dtype)
     check_int4_expert_inputs(hidden, gate_up_packed, gate_up_scale, down_packed, down_scale, weights, ids, shared)
-    used, compact_ids = torch.unique(ids, return_inverse=True)
-    gate_up = dequantize_int4(gate_up_packed[used], gate_up_scale[used], hidden.shape[-1])  # [U, 2I, H]
-    down = dequantize_int4(down_packed[used], down_scale[used], gate_up_packed.shape[1] // 2)  # [U, H, I]
-    return fused_experts(hidden.to(gate_up.dtype), gate_up, down, weights, compact_ids, shared).to(hidden.dtype)
+    from foretell.ops.moe.triton_experts import fused_experts_triton  # imports triton
+
+    hidden_size, inter = hidden.shape[-1], gate_up_packed.shape[1] // 2
+    dtype = gate_up_scale.dtype
+
+    def dequantize(used: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (dequantize_int4(gate_up_packed[used], gate_up_scale[used], hidden_size),  # [U, 2I, H]
+                dequantize_int4(down_packed[used], down_scale[used], inter))  # [U, H, I]
+
+    def grouped(x, gate_up, down, pair_weights, pair_ids):  # [P, H] float32
+        return fused_experts_triton(x, gate_up, down, pair_weights, pair_ids, out_dtype=torch.float32)
+
+    per_expert = 3 * hidden_size * inter * dtype.itemsize
+    out = experts_in_chunks(hidden.to(dtype), weights, ids, dequantize, grouped, experts_per_chunk(per_expert))
+    return (out if shared is None else out + shared).to(hidden.dtype)
