@@ -264,8 +264,11 @@ def paged_attention_triton(
     counters: SplitCounters | None = None,  # the caller's persistent counters; None: zeros per call
     k_scale: float = 1.0,  # FP8 caches: a stored key stands for key * k_scale
     v_scale: float = 1.0,
+    launch_query_len: int | None = None,  # the query length tiles are sized for; None: max_query_len
 ) -> torch.Tensor:
-    """Causal varlen attention of each sequence's queries to its paged context; returns `out`."""
+    """Causal varlen attention of each sequence's queries to its paged context; returns `out`.
+    With num_splits=1 and a constant launch_query_len a row's result depends on its own query and
+    context only (the batch-invariant mode: triton_batch_invariant.py)."""
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
     _check_cache(kv_cache)
@@ -284,7 +287,7 @@ def paged_attention_triton(
     fp8 = is_fp8(kv_cache.dtype)
     tiles = compute_dtype(kv_cache, query.dtype)
     group = num_heads // num_kv_heads
-    config = _launch_config(group, head_dim, max_query_len, tiles)
+    config = _launch_config(group, head_dim, max_query_len if launch_query_len is None else launch_query_len, tiles)
     block_q, block_m, tile_n = config["BLOCK_Q"], config["BLOCK_M"], config["TILE_N"]
     if num_splits is None:
         num_splits = _choose_num_splits(
