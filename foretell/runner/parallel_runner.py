@@ -2,9 +2,14 @@
 driven from the engine's process through a ParallelExecutor (foretell/distributed/executor.py).
 
   front process (engine)                    worker process, rank r (cuda:r or the CPU)
-  ParallelRunner.execute(sched)  -- call -> RankRunner.execute(sched) -> ModelRunner.execute
+  ParallelRunner.execute(sched)  -- call -> RankRunner.execute(plan) -> ModelRunner.execute
+     PlanEncoder.encode(sched) = plan          SequenceMirrors.apply(plan) = sched
                                  <- rank 0's (results, step times)
-  ParallelRunner.forget(seq_id)  -- broadcast (no answer awaited)
+  ParallelRunner.forget(seq_id)  -- broadcast (no answer awaited): the rank drops its mirror
+
+Each step sends a StepPlan (step_plan.py), not the scheduler's Sequences: per sequence only what
+changed since its last step, so a decode step's plan does not grow with the sequence's length;
+each rank keeps a mirror Sequence per live sequence.
 
 Every rank gets every call in the same order and computes the same tokens (the target's logits
 come out whole on every rank, the noise seed is shared, drafters run on every rank), so rank 0's
@@ -29,6 +34,7 @@ from foretell.distributed.tensor_parallel import TensorParallel
 from foretell.engine.scheduler import SchedulerOutput
 from foretell.runner.model_runner import ModelRunner, RunnerFacts, StepTimes
 from foretell.runner.sequence_result import SequenceResult
+from foretell.runner.step_plan import PlanEncoder, SequenceMirrors, StepPlan
 
 RUNNER_LOST = (WorkerDied, WorkerFailed)
 
@@ -38,21 +44,25 @@ class RankRunner:
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
+        self.mirrors = SequenceMirrors()
 
     def describe(self) -> RunnerFacts:
         return self.runner.describe()
 
-    def execute(self, sched: SchedulerOutput) -> tuple[list[SequenceResult], StepTimes]:
-        results = self.runner.execute(sched)
+    def execute(self, plan: StepPlan) -> tuple[list[SequenceResult], StepTimes]:
+        results = self.runner.execute(self.mirrors.apply(plan))
         return results, self.runner.last_times
 
     def forget(self, seq_id: int) -> None:
+        self.mirrors.forget(seq_id)
         self.runner.forget(seq_id)
 
     def num_logit_gathers(self) -> int:
         return self.runner.num_logit_gathers()
 
     def abandon_step(self, seq_ids: list[int]) -> None:
+        for seq_id in seq_ids:  # resent whole next time: the failure may have left them half-applied
+            self.mirrors.forget(seq_id)
         self.runner.abandon_step(seq_ids)
 
     def reset_pipeline(self) -> None:
@@ -87,6 +97,7 @@ class ParallelRunner:
         # Workers stop with this object even when the engine is never shut down explicitly.
         self._finalizer = weakref.finalize(self, self.executor.shutdown)
         self.lost: BaseException | None = None
+        self.plans = PlanEncoder()
         facts = self._call("describe")
         self.facts = facts
         self.max_model_len = facts.max_model_len
@@ -99,10 +110,11 @@ class ParallelRunner:
         return self.facts
 
     def execute(self, sched: SchedulerOutput) -> list[SequenceResult]:
-        results, self.last_times = self._call("execute", sched)
+        results, self.last_times = self._call("execute", self.plans.encode(sched))
         return results
 
     def forget(self, seq_id: int) -> None:
+        self.plans.forget(seq_id)
         self._broadcast("forget", seq_id)
 
     def num_logit_gathers(self) -> int:
@@ -110,6 +122,8 @@ class ParallelRunner:
         return self._call("num_logit_gathers")
 
     def abandon_step(self, seq_ids: list[int]) -> None:
+        for seq_id in seq_ids:
+            self.plans.forget(seq_id)
         self._broadcast("abandon_step", seq_ids)
 
     def reset_pipeline(self) -> None:
