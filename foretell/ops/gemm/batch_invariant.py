@@ -17,7 +17,8 @@ A token decoded alone and the same token verified among k + 1 then get different
 `float32_out` (the LM head): the products summed in float32 and kept in float32, not rounded to
 the model dtype first (fewer ties between logits; in torch the operands are taken to float32,
 where bf16 and fp16 products are exact). `gated` ([gate; up] weights): silu(gate) * up of the
-rounded product, as layers/linear.py's MergedLinear.forward_gated computes it.
+rounded product, as layers/linear.py's MergedLinear.forward_gated computes it (the sigmoid in float64:
+ops/pointwise/batch_invariant.py says why).
 
 `BatchInvariantGemm` is called like ops/gemm/dispatch.SmallMGemm, and is bound in its place to
 every Linear and LMHead by layers/batch_invariant.py.
@@ -29,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from foretell.ops.common import kernel_choice
-from foretell.ops.pointwise.reference import silu_and_mul_torch
+from foretell.ops.pointwise.batch_invariant import silu_and_mul_batch_invariant
 
 
 def linear_rows_torch(
@@ -71,7 +72,7 @@ def linear_batch_invariant_torch(
         if bias is not None:
             y = y + bias
     if gated:
-        y = silu_and_mul_torch(y)
+        y = silu_and_mul_batch_invariant(y)
     return y.view(*x.shape[:-1], y.shape[-1])
 
 

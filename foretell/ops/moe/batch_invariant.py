@@ -5,7 +5,8 @@ float32 matmul over all tokens, and each expert's matmuls run over however many 
 Here both are ops/gemm/batch_invariant's one-row products, and a token's experts are summed in a
 fixed order, the order of its own slots (its top-k in the router's order, then the shared
 experts), each weighted output added in float32 to a zero row, then `shared`. Expert selection
-(select_experts) is row-local already.
+(select_experts) runs per row, on float64 scores (ops/pointwise/batch_invariant.py says why); the
+activation is silu_and_mul_batch_invariant.
 
 On CUDA this torch path runs too (the fused expert kernels pick their tiles by the token count);
 it syncs with the host once per layer (which experts have tokens), so it is not captured in graphs.
@@ -17,7 +18,7 @@ import torch
 
 from foretell.ops.gemm.batch_invariant import linear_rows_torch
 from foretell.ops.moe.reference import RouterConfig, select_experts
-from foretell.ops.pointwise.reference import silu_and_mul_torch
+from foretell.ops.pointwise.batch_invariant import silu_and_mul_batch_invariant
 
 
 def route_batch_invariant(
@@ -27,7 +28,10 @@ def route_batch_invariant(
     correction_bias: torch.Tensor | None,  # [num_experts] float32 (noaux_tc)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # weights float32, ids int64: [num_tokens, top_k + num_shared]
     logits = linear_rows_torch(hidden.float(), weight.float())  # [T, E] float32
-    return select_experts(logits, config, correction_bias)
+    # Scores in float64 (sigmoid's vector and scalar forms differ at float32: ops/pointwise/
+    # batch_invariant.py), the weights handed on in float32.
+    weights, ids = select_experts(logits.double(), config, correction_bias)
+    return weights.float(), ids
 
 
 def experts_forward_batch_invariant(
@@ -55,7 +59,7 @@ def experts_forward_batch_invariant(
         pairs = order[start : start + count]  # flat (token, slot) indices
         start += count
         x = hidden.index_select(0, pairs // top_k)  # [count, hidden]
-        act = silu_and_mul_torch(linear_rows_torch(x, gate_up[expert]))  # [count, I]
+        act = silu_and_mul_batch_invariant(linear_rows_torch(x, gate_up[expert]))  # [count, I]
         y = linear_rows_torch(act, down[expert]).float()  # [count, hidden]
         flat_out.index_copy_(0, pairs, y * weights.flatten()[pairs, None])
     out = per_slot[:, 0].clone()
