@@ -1,0 +1,198 @@
+"""The batch-invariant mode on a GPU (issue 23): what it costs and whether it is exact, in one process.
+
+    python scripts/check_batch_invariant_gpu.py OUT_DIR [--quick] [--sections cost,agreement,sampling]
+
+cost        Llama-3.1-8B shapes (bf16, dummy weights, CUDA graphs), batch 1 and 64, plain decoding and
+            EAGLE3 k=3 at a simulated mean acceptance length of 2.93, with batch_invariant off and on:
+            tok/s, the decode graph's replay time, and the mode's cost (1 - on / off). The goal
+            of the issue: at most 3% at batch 1 and 10% at batch 64.
+agreement   the default family in bf16 with the mode on, 64 GSM8K test prompts x 256 tokens, greedy:
+            each drafter's output (qwen3: eagle3, draft_model, ngram; deepseek: mtp) against plain
+            output, and plain output run one at a time, all at once, mixed into a batch of 128 with
+            64 other prompts, and against a cold and a warm prefix cache (matches out of 64); the
+            same for eagle3 with the mode off, for contrast.
+sampling    seeded sampling (temperature 0.8, a seed per request) at batch 1 and 64, mode on.
+
+Prints a table per section and writes OUT_DIR/check_batch_invariant_gpu.json (after every section).
+Engines are built as scripts/bench_gpu.py builds them (its make_llm / decode_tok_s); what it reads
+inside an engine goes through foretell.bench.engine_probe. About 6 minutes on an H200 (--quick: fewer
+prompts and tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
+
+import bench_gpu  # noqa: E402  (scripts/bench_gpu.py: make_llm, decode_tok_s, CONFIGS)
+from foretell import LLM, SamplingParams  # noqa: E402
+from foretell.bench import engine_probe as probe  # noqa: E402
+
+RESULTS: dict = {}
+
+
+def save(out_dir: str) -> None:
+    with open(os.path.join(out_dir, "check_batch_invariant_gpu.json"), "w") as f:
+        json.dump(RESULTS, f, indent=2, default=str)
+
+
+def run_section(name: str, fn, out_dir: str, *args) -> None:
+    t0 = time.perf_counter()
+    try:
+        RESULTS[name] = fn(*args)
+    except Exception as e:  # record and go on: one broken section must not hide the rest
+        RESULTS[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+    gc.collect()
+    torch.cuda.empty_cache()
+    RESULTS.setdefault("_seconds", {})[name] = round(time.perf_counter() - t0, 1)
+    save(out_dir)
+
+
+# ------------------------------------------------------------------------------------------ cost
+
+
+def cost(batches: list[int], new_tokens: int) -> dict:
+    eagle3 = {"method": "eagle3", "model": f"{bench_gpu.CONFIGS}/llama-3.1-8b-eagle3", "num_speculative_tokens": 3,
+              "simulate_acceptance": {"mean_acceptance_length": 2.93}}
+    rows = {}
+    for label, spec in (("plain", None), ("eagle3_k3_sim2.93", eagle3)):
+        for mode in (False, True):
+            llm = bench_gpu.make_llm(f"{bench_gpu.CONFIGS}/llama-3.1-8b", spec, batch_invariant=mode)
+            row = {"decode_graph_ms_b1": probe.target_graph_replay_ms(llm, 1, 1)}
+            for b in batches:
+                row[f"b{b}"] = bench_gpu.decode_tok_s(llm, b, new_tokens=new_tokens)
+            rows[f"{label}_{'on' if mode else 'off'}"] = row
+            llm.close()
+            del llm
+            gc.collect()
+        off, on = rows[f"{label}_off"], rows[f"{label}_on"]
+        rows[f"{label}_cost"] = {f"b{b}": 1 - on[f"b{b}"]["tok_s"] / off[f"b{b}"]["tok_s"] for b in batches}
+    return rows
+
+
+def print_cost(rows: dict, batches: list[int]) -> None:
+    print("\nbatch-invariant cost, Llama-3.1-8B shapes (bf16, dummy weights, graphs)")
+    print(f"{'run':<24}" + "".join(f"{'b' + str(b) + ' off':>12}{'b' + str(b) + ' on':>12}{'cost':>8}" for b in batches))
+    for label in ("plain", "eagle3_k3_sim2.93"):
+        if f"{label}_cost" not in rows:
+            continue
+        line = f"{label:<24}"
+        for b in batches:
+            off, on = rows[f"{label}_off"][f"b{b}"]["tok_s"], rows[f"{label}_on"][f"b{b}"]["tok_s"]
+            line += f"{off:>12.1f}{on:>12.1f}{100 * rows[f'{label}_cost'][f'b{b}']:>7.1f}%"
+        print(line)
+
+
+# ------------------------------------------------------------------------------------- agreement
+
+
+def outputs(llm: LLM, prompts, params) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def matches(a: list[list[int]], b: list[list[int]]) -> int:
+    return sum(x == y for x, y in zip(a, b))
+
+
+def agreement(num_prompts: int, max_tokens: int) -> dict:
+    from foretell.bench.datasets import gsm8k_test_prompts
+    from foretell.defaults import member_path
+
+    texts = gsm8k_test_prompts(2 * num_prompts)
+    prompts, others = texts[:num_prompts], texts[num_prompts:]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    engine = dict(device="cuda", dtype="bfloat16", max_num_seqs=2 * num_prompts, kv_cache_memory_bytes=4 << 30,
+                  log_stats_interval_s=0)
+    out: dict = {"num_prompts": num_prompts, "max_tokens": max_tokens}
+    for family, methods in (("qwen3", ("eagle3", "draft_model", "ngram")), ("deepseek", ("mtp",))):
+        target = member_path("target", family)
+        rows: dict = {}
+        with LLM(target, batch_invariant=True, enable_prefix_caching=True, **engine) as llm:
+            batched = outputs(llm, prompts, params)  # cold cache (first run of these prompts)
+            rows["warm_prefix_cache"] = matches(outputs(llm, prompts, params), batched)
+            alone = [outputs(llm, [p], params)[0] for p in prompts]
+            rows["one_at_a_time"] = matches(alone, batched)
+            mixed = outputs(llm, [x for pair in zip(others, prompts) for x in pair], params)[1::2]
+            rows["mixed_into_128"] = matches(mixed, batched)
+        with LLM(target, batch_invariant=True, enable_prefix_caching=False, **engine) as llm:
+            rows["no_prefix_cache"] = matches(outputs(llm, prompts, params), batched)
+        for method in methods:
+            spec = {"method": method, "num_speculative_tokens": 3}
+            if method in ("eagle3", "draft_model"):
+                spec["model"] = member_path(method, family)
+            with LLM(target, batch_invariant=True, speculative_config=spec, **engine) as llm:
+                rows[f"{method}_vs_plain"] = matches(outputs(llm, prompts, params), batched)
+        if family == "qwen3":  # the default path, for contrast
+            with LLM(target, **engine) as llm:
+                plain_off = outputs(llm, prompts, params)
+            spec = {"method": "eagle3", "num_speculative_tokens": 3, "model": member_path("eagle3", family)}
+            with LLM(target, speculative_config=spec, **engine) as llm:
+                rows["mode_off_eagle3_vs_plain"] = matches(outputs(llm, prompts, params), plain_off)
+        out[family] = rows
+    return out
+
+
+def print_agreement(rows: dict) -> None:
+    n = rows.get("num_prompts")
+    print(f"\nbf16 agreement with the mode on ({n} GSM8K prompts x {rows.get('max_tokens')} tokens, greedy): matches of {n}")
+    for family in ("qwen3", "deepseek"):
+        for name, value in rows.get(family, {}).items():
+            print(f"  {family:<10}{name:<28}{value:>4} / {n}")
+
+
+# -------------------------------------------------------------------------------------- sampling
+
+
+def sampling(num_prompts: int, max_tokens: int) -> dict:
+    from foretell.bench.datasets import gsm8k_test_prompts
+    from foretell.defaults import member_path
+
+    prompts = gsm8k_test_prompts(num_prompts)
+    params = [SamplingParams(temperature=0.8, max_tokens=max_tokens, ignore_eos=True, seed=1000 + i)
+              for i in range(num_prompts)]
+    with LLM(member_path("target", "qwen3"), device="cuda", dtype="bfloat16", batch_invariant=True,
+             max_num_seqs=num_prompts, log_stats_interval_s=0) as llm:
+        together = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+        alone = [list(llm.generate([p], q, use_tqdm=False)[0].outputs[0].token_ids) for p, q in zip(prompts, params)]
+    return {"num_prompts": num_prompts, "batch1_equals_batch64": matches(alone, together)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out")
+    parser.add_argument("--quick", action="store_true", help="fewer prompts and tokens (a smoke run)")
+    parser.add_argument("--sections", default="cost,agreement,sampling")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    sections = args.sections.split(",")
+    batches = [1, 64]
+    num_prompts, max_tokens = (8, 32) if args.quick else (64, 256)
+    if "cost" in sections:
+        run_section("cost", cost, args.out, batches, 32 if args.quick else 128)
+        if "error" not in RESULTS["cost"]:
+            print_cost(RESULTS["cost"], batches)
+    if "agreement" in sections:
+        run_section("agreement", agreement, args.out, num_prompts, max_tokens)
+        if "error" not in RESULTS["agreement"]:
+            print_agreement(RESULTS["agreement"])
+    if "sampling" in sections:
+        run_section("sampling", sampling, args.out, num_prompts, max_tokens // 2)
+    for name, value in RESULTS.items():
+        if isinstance(value, dict) and "error" in value:
+            print(f"[{name}] {value['error']}")
+    print(f"\nsections took {RESULTS.get('_seconds')} s; JSON in {args.out}/check_batch_invariant_gpu.json")
+
+
+if __name__ == "__main__":
+    main()
