@@ -11,7 +11,8 @@ with the rank's TensorParallel and device: the target (and MTP layers) hold the 
 EAGLE3 heads and draft models are whole on every rank, every rank gets the same KV block count
 (the fewest any rank can hold), and every rank computes the same tokens (whole logits, one
 noise seed; a step of greedy rows only takes greedy tokens without gathering the logits,
-HostStep.greedy_without_logits). For now such a runner runs eagerly and queues nothing ahead.
+HostStep.greedy_without_logits). Over NCCL it captures its graphs, collectives included, and
+queues steps ahead; over gloo it runs eagerly (distributed/graph_capture.py says why).
 
 execute(): the step the pipeline queued ahead when the scheduler's batch is that step; else a
 device step the pipeline launches for the batch (a plain decode step, decode_ahead.py; a padded
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from foretell.config import EngineConfig
+from foretell.distributed.graph_capture import graph_capture_decision
 from foretell.distributed.tensor_parallel import TensorParallel
 from foretell.engine.errors import SequenceError
 from foretell.engine.scheduler import SchedulerOutput
@@ -117,7 +119,8 @@ class ModelRunner:
         # Queue the next step before reading this one (step_pipeline.py): plain decoding, and the
         # padded greedy verify (which needs the graphs; checked once they are captured).
         queue_ahead = mode == "on" or (mode == "auto" and self.device.type == "cuda")
-        queue_ahead = queue_ahead and not self.tensor_parallel.is_parallel  # not yet under TP
+        self.graph_decision = graph_capture_decision(self.tensor_parallel, self.device)
+        queue_ahead = queue_ahead and self.graph_decision.allowed  # not over gloo (graph_capture.py)
         k = config.speculative.num_speculative_tokens if config.speculative else 0
         # KV slots reserved past a sampling step's rows: the drafter's k, plus, when steps are
         # queued ahead, the k + 1 rows of the step after it (it is launched before the scheduler
@@ -258,7 +261,7 @@ class ModelRunner:
         mc = self.config.model
         if mc.enforce_eager or not all(layer.backend.graph_safe for layer in layers):
             return None
-        if self.tensor_parallel.is_parallel:  # capturing the collectives: not yet (issue 24)
+        if not self.graph_decision.allowed:  # tensor parallel over gloo (graph_capture.py)
             return None
         graphs = self._graph_runner(capture_graphs=True, reads_host_lengths=False)
         if graphs.captures and not mc.batch_invariant:  # (the mode binds its own GEMM)
@@ -271,6 +274,8 @@ class ModelRunner:
         try:
             graphs.capture()
         except RuntimeError as e:  # e.g. a layer that reads host values: run eagerly instead
+            if self.tensor_parallel.is_parallel:  # one rank cannot fall back alone (graph_capture.py)
+                raise
             logger.warning("CUDA graph capture failed, running eagerly: %s", e)
             torch.cuda.synchronize(self.device)
             return None
@@ -322,14 +327,16 @@ class ModelRunner:
 
     def target_forward(self, batch: InputBatch, greedy_tokens: bool = False):
         """(hidden, aux, logits of the sampling rows [rows, vocab] float32): a graph replay when
-        one fits. With greedy_tokens (a tensor-parallel step HostStep.greedy_without_logits chose;
-        eager), the rows' greedy tokens [rows] int64 instead of their logits, gathering none."""
+        one fits. With greedy_tokens (a tensor-parallel step HostStep.greedy_without_logits chose),
+        the rows' greedy tokens [rows] int64 instead of their logits: eager, gathering none; on a
+        replay (NCCL), the graph's own picks over the logits it gathered."""
         key = self.graphs.bucket_for(batch) if self.graphs is not None else None
         every_row = batch.every_row_samples  # no gather (a decode step)
         if key is not None:
             captured, rows = self.graphs.run(batch, key), batch.num_tokens
-            logits = captured.logits[:rows] if every_row else captured.logits[:rows][batch.logits_rows]
-            return captured.hidden[:rows], [a[:rows] for a in captured.aux], logits
+            picked = captured.greedy if greedy_tokens else captured.logits  # [B * q] int64 | [B * q, vocab]
+            picked = picked[:rows] if every_row else picked[:rows][batch.logits_rows]
+            return captured.hidden[:rows], [a[:rows] for a in captured.aux], picked
         hidden, aux = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
         sampling_rows = hidden if every_row else hidden[batch.logits_rows]
         if greedy_tokens:
