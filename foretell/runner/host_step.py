@@ -175,6 +175,7 @@ class HostStep:
             max_model_len=self.max_model_len,
             histories=histories,
             seq_ids=[item.seq.seq_id for item in sched.scheduled],
+            draft_mask=self.structured.draft_mask(sched.scheduled, results, self.device),
         )
         proposal = self.proposer.propose(draft_batch)
         for i, item in enumerate(sched.scheduled):

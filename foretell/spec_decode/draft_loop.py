@@ -17,6 +17,10 @@ A drafter whose head splits the vocabulary over tensor-parallel ranks (MTP under
 tensor parallelism) sets greedy_without_logits: when every drafting sequence is greedy, the loop
 asks its catch_up / chain_step for greedy draft tokens (greedy_only=True) instead of logits, and
 no whole logits rows are gathered.
+
+Structured outputs: when DraftBatch.draft_mask is set, each draft position's logits are masked
+by the grammar state after the drafts before it (structured/draft_mask.py) before the argmax or
+the draw, and a sampled draft's probabilities are those of the masked logits it was drawn from.
 """
 
 from __future__ import annotations
@@ -142,7 +146,8 @@ class DraftLoopProposer(ProposerBase):
         if [bool(n) for n in useful] != batch.samples:
             batch = replace(batch, samples=[bool(n) for n in useful])
         params = [batch.sampling_params[i] for i in sampling]
-        greedy_only = self.greedy_without_logits and all(p.greedy for p in params)
+        grammar = None if batch.draft_mask is None else batch.draft_mask.begin(sampling, self.target_id_map)
+        greedy_only = self.greedy_without_logits and all(p.greedy for p in params) and grammar is None
         head = {"greedy_only": True} if greedy_only else {}  # the hooks then return tokens, not logits
         logits, state = self.catch_up(batch, sampling, **head)
         if not sampling:
@@ -155,6 +160,8 @@ class DraftLoopProposer(ProposerBase):
         drafts: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
         for step in range(num_steps):
+            if grammar is not None:
+                logits = grammar.mask(logits)  # [n, draft_vocab]: -inf where the grammar forbids
             if greedy_only:
                 tokens, step_probs = logits, None  # the greedy drafts themselves
             else:
@@ -164,6 +171,8 @@ class DraftLoopProposer(ProposerBase):
                 probs.append(step_probs)
             if step == num_steps - 1:
                 break
+            if grammar is not None:
+                grammar.advance(tokens)
             # The new draft sits at position p + step; its row predicts the token after it. A
             # sequence that needs no more drafts rides along at last_position: its row never
             # reads or writes past the limit, and its drafts from here on are dropped below.

@@ -44,6 +44,9 @@ class DraftBatch:
     max_model_len: int  # no row may sit at a position past max_model_len - 1 (rotary, draft KV)
     histories: list[list[int]] = field(default_factory=list)  # all tokens through next token
     seq_ids: list[int] = field(default_factory=list)  # per sequence: its id (a host drafter's state)
+    # structured/draft_mask.DraftMask: the grammars a model drafter's loop masks its logits with
+    # (None: no drafting sequence has structured outputs, and the loop does nothing extra)
+    draft_mask: Any = None
 
     @property
     def num_seqs(self) -> int:

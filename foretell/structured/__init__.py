@@ -6,7 +6,11 @@ matcher.py    SequenceMatcher: one sequence's grammar state, the token bitmasks 
               step's rows (row j as if drafts d_0..d_{j-1} were accepted) and its rollback
 runtime.py    StructuredOutputs: the runner's matchers per sequence, the masks applied to the
               sampling rows' logits on the device, drafts the grammar rejects cut before verify
-bitmask.py    the device op: a packed [rows, ceil(vocab / 32)] int32 bitmask -> -inf on logits
+bitmask.py    the device op: a packed [rows, ceil(vocab / 32)] int32 bitmask -> -inf on logits,
+              and BitmaskBuffer (reused host rows, pinned on CUDA, one copy per step)
+batched_fill.py  every sequence's verify rows of a step in one llguidance (LLExecutor) call
+draft_mask.py DraftMask: the grammar masks of a model drafter's loop (EAGLE3, MTP, draft LM), so
+              drafts follow the grammar (sampled drafts keep the masked q they were drawn from)
 
 The grammar engine is llguidance (pinned in pyproject.toml). Why it and not xgrammar: its wheel is
 one abi3 Rust library of 3 MB with no Python dependencies, where xgrammar's wheel requires torch,

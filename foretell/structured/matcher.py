@@ -29,6 +29,7 @@ class SequenceMatcher:
         # Bits cleared from every mask before the EOS ids are set: the grammar's end token and ours.
         self.end_token_ids = sorted(set(eos_token_ids) | ({grammar_eos_token_id} if grammar_eos_token_id is not None else set()))
         self.end_token_ids = [t for t in self.end_token_ids if t < num_words * 32]
+        self.grammar_eos_token_id = grammar_eos_token_id  # its bit in a raw row: the grammar may end there
         self.num_words = num_words
         self.num_consumed = 0  # output tokens advanced through
         self._check()
@@ -52,16 +53,21 @@ class SequenceMatcher:
         """row [num_words] int32: the tokens allowed next."""
         self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
         self._check()
-        bits = row.view(np.uint32)
-        for token in self.end_token_ids:
-            bits[token >> 5] &= np.uint32(~(1 << (token & 31)) & 0xFFFFFFFF)
-        if self.matcher.is_accepting():
-            for token in self.eos_token_ids:
-                bits[token >> 5] |= np.uint32(1 << (token & 31))
-        if not bits.any():
+        if not self.set_end_tokens(row, self.matcher.is_accepting()):
             raise GrammarViolation(
                 "the grammar allows no token here and the output cannot end (no EOS token id known)"
             )
+
+    def set_end_tokens(self, row: np.ndarray, accepting: bool) -> bool:
+        """Turn a row as llguidance writes it into ours: the end tokens' bits cleared, then every
+        EOS id set where the grammar may end here (accepting). Returns whether any token is allowed."""
+        bits = row.view(np.uint32)
+        for token in self.end_token_ids:
+            bits[token >> 5] &= np.uint32(~(1 << (token & 31)) & 0xFFFFFFFF)
+        if accepting:
+            for token in self.eos_token_ids:
+                bits[token >> 5] |= np.uint32(1 << (token & 31))
+        return bool(bits.any())
 
     @staticmethod
     def allows(row: np.ndarray, token: int) -> bool:

@@ -5,10 +5,15 @@ created at the sequence's first sampling step and brought up to its output token
 (after a preemption, forget() drops it and the next step replays the output into a new one).
 
 mask_logits(): before the sampler or the verifier, every sampling row of such a sequence gets its
-grammar's mask as -inf on the logits (bitmask.py; one host-to-device copy per step), row j of a
-verify as if drafts d_0..d_{j-1} had been accepted. Greedy verification then accepts a draft only
-where the masked target picks it, and rejection sampling runs against the masked distribution, so
-the output is exactly what plain masked decoding gives, under every drafter.
+grammar's mask as -inf on the logits, row j of a verify as if drafts d_0..d_{j-1} had been
+accepted: every row of the step filled by one llguidance call (batched_fill.py) into a reusable
+host buffer (pinned on CUDA), one host-to-device copy, applied on the device (bitmask.py).
+Greedy verification then accepts a draft only where the masked target picks it, and rejection
+sampling runs against the masked distribution, so the output is exactly what plain masked
+decoding gives, under every drafter.
+
+draft_mask(): the same grammars for a model drafter's loop (draft_mask.py), so its drafts follow
+them too; None when no sequence that drafts this step has one.
 
 truncate_drafts(): a proposer's next drafts are cut at the first one the grammar rejects, so the
 verify spends no rows on drafts that cannot be accepted. Only where that is exact: greedy requests,
@@ -22,11 +27,14 @@ first asks for structured outputs.
 
 from __future__ import annotations
 
-import numpy as np
+import time
+
 import torch
 
 from foretell.engine.errors import SequenceError
-from foretell.structured.bitmask import apply_token_bitmask, num_mask_words
+from foretell.structured.batched_fill import SequenceGrammarViolation, fill_verify_masks
+from foretell.structured.bitmask import BitmaskBuffer, apply_token_bitmask, num_mask_words
+from foretell.structured.draft_mask import DraftMask, MaskTimer
 from foretell.structured.matcher import GrammarViolation, SequenceMatcher
 
 
@@ -37,6 +45,9 @@ class StructuredOutputs:
         self.matchers: dict[int, SequenceMatcher] = {}  # seq_id ->
         self._ll_tokenizer = None
         self.num_words = num_mask_words(vocab_size)
+        self._executor = None  # llguidance.LLExecutor: fills a step's masks in one call
+        self._buffers: dict[str, BitmaskBuffer] = {}  # "verify" / "draft" -> host rows, reused
+        self.timer = MaskTimer()  # host time spent on masks (verify rows and draft loops)
 
     # ---- matchers ------------------------------------------------------------------------
     def _tokenizer(self):
@@ -74,6 +85,20 @@ class StructuredOutputs:
     def forget(self, seq_id: int) -> None:
         self.matchers.pop(seq_id, None)
 
+    @property
+    def executor(self):
+        if self._executor is None:
+            import llguidance
+
+            self._executor = llguidance.LLExecutor()
+        return self._executor
+
+    def buffer(self, name: str, device: torch.device) -> BitmaskBuffer:
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.num_words != self.num_words or buffer.device != torch.device(device):
+            buffer = self._buffers[name] = BitmaskBuffer(self.num_words, device)
+        return buffer
+
     # ---- the step ------------------------------------------------------------------------
     @staticmethod
     def any_structured(items: list) -> bool:
@@ -97,23 +122,42 @@ class StructuredOutputs:
             row0 += num_rows
         if not spans:
             return logits
-        for item, _, _ in spans:  # creates the matchers first: the mask width is known after
-            self.matcher_for(item.seq)
-        bitmask = np.zeros((sum(n for _, _, n in spans), self.num_words), dtype=np.int32)
-        rows: list[int] = []
-        for item, first, num_rows in spans:
-            out = bitmask[len(rows): len(rows) + num_rows]
-            try:
-                self.matchers[item.seq.seq_id].verify_masks(list(item.draft_token_ids), out)
-            except GrammarViolation as e:
-                raise SequenceError(item.seq.seq_id, f"structured outputs of request {item.seq.request_id!r}: {e}") from e
-            rows.extend(range(first, first + num_rows))
+        started = time.perf_counter()
+        matchers = [self.matcher_for(item.seq) for item, _, _ in spans]  # first: the mask width is known after
+        num_masked = sum(n for _, _, n in spans)
+        buffer = self.buffer("verify", logits.device)
+        bitmask = buffer.rows(num_masked)  # [masked rows, words]
+        try:
+            fill_verify_masks(self.executor, matchers, [list(item.draft_token_ids) for item, _, _ in spans], bitmask)
+        except SequenceGrammarViolation as e:
+            seq = spans[e.index][0].seq
+            raise SequenceError(seq.seq_id, f"structured outputs of request {seq.request_id!r}: {e}") from e
         if copy:
             logits = logits.clone()
-        device = logits.device
-        apply_token_bitmask(logits, torch.tensor(rows, dtype=torch.int64).to(device),
-                            torch.from_numpy(bitmask).to(device), fallback)
+        rows = None if num_masked == logits.shape[0] else torch.tensor(
+            [r for _, first, n in spans for r in range(first, first + n)], dtype=torch.int64).to(logits.device)
+        apply_token_bitmask(logits, rows, buffer.to_device(num_masked), fallback)
+        self.timer.seconds += time.perf_counter() - started
         return logits
+
+    def draft_mask(self, scheduled: list, results: list, device: torch.device) -> DraftMask | None:
+        """The grammars of this step's drafting sequences, advanced through the tokens the step
+        emits (results[i].new_token_ids), for the drafter's loop; None when none has one."""
+        matchers: list[SequenceMatcher | None] = []
+        for item, result in zip(scheduled, results):
+            seq = item.seq
+            if seq.sampling_params.structured_outputs is None or not item.samples:
+                matchers.append(None)
+                continue
+            matcher = self.matcher_for(seq)
+            try:
+                matcher.advance(seq.output_token_ids + list(result.new_token_ids))
+            except GrammarViolation as e:
+                raise SequenceError(seq.seq_id, f"structured outputs of request {seq.request_id!r}: {e}") from e
+            matchers.append(matcher)
+        if all(m is None for m in matchers):
+            return None
+        return DraftMask(matchers, self.executor, self.buffer("draft", device), self.timer)
 
     def truncate_drafts(self, scheduled: list, results: list, draft_probs: list) -> None:
         """Cut each structured sequence's next drafts (results[i].next_drafts) at the first one its

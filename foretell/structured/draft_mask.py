@@ -1,0 +1,130 @@
+"""DraftMask: the grammar masks of a model drafter's loop (EAGLE3, MTP, a draft LM), so that its
+drafts follow the grammar the target is held to and acceptance does not collapse under it.
+
+HostStep.propose() makes one per engine step when a sequence that drafts has structured outputs
+(StructuredOutputs.draft_mask; None otherwise, and the loop then does nothing more than before).
+It holds each such sequence's matcher, advanced through the tokens this step emits. The draft
+loop (spec_decode/draft_loop.py) calls begin() with the rows it drafts for and gets a DraftGrammar:
+
+  mask(logits)    before each draft position's argmax or draw: -inf on the drafter's logits where
+                  the grammar forbids the token, row by row, in the drafter's own vocabulary (an
+                  EAGLE3 head's d2t maps its ids to the target's; the target-id mask is read
+                  through it); all rows' masks are computed in one llguidance call;
+  advance(tokens) the drafted tokens (target ids) consumed by each row's own copy of its matcher
+                  (llguidance's deep_copy: a few microseconds), so the next position's mask is
+                  the grammar's state after the drafts so far.
+
+The sequences' matchers themselves never move: the copies are dropped with the loop. A row stops
+being masked once its grammar has ended (an EOS was drafted), cannot take the draft (a row whose
+allowed tokens are all outside an EAGLE3 head's vocabulary keeps its unmasked logits there), or
+allows nothing: its later drafts are whatever the drafter proposes, which the target's verify
+judges as always (and StructuredOutputs.truncate_drafts cuts where that is exact).
+
+Exactness: a sampled draft is drawn from the masked logits, and the loop keeps the distribution
+it was drawn from (softmax of the masked, processed logits) as q for rejection sampling, so the
+verify stays exact; greedy drafts are the masked argmax. Only acceptance changes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from foretell.structured.bitmask import BitmaskBuffer, unpack_bitmask
+from foretell.structured.matcher import SequenceMatcher
+
+
+@dataclass
+class MaskTimer:
+    """Host seconds spent making grammar masks (StructuredOutputs keeps one; measurements read it)."""
+
+    seconds: float = 0.0
+
+
+class DraftMask:
+    def __init__(
+        self,
+        matchers: list[SequenceMatcher | None],  # per sequence of the DraftBatch: its grammar, or None
+        executor,  # llguidance.LLExecutor
+        buffer: BitmaskBuffer,
+        timer: MaskTimer,
+    ):
+        self.matchers = matchers
+        self.executor = executor
+        self.buffer = buffer
+        self.timer = timer
+
+    def begin(self, seq_indices: list[int], target_id_map: torch.Tensor | None) -> "DraftGrammar | None":
+        """The masks of a loop drafting for these sequences (row j = sequence seq_indices[j]);
+        target_id_map [draft_vocab] int64: the target id of each draft id (None: the same ids).
+        None when none of them has a grammar."""
+        rows = {j: self.matchers[i] for j, i in enumerate(seq_indices) if self.matchers[i] is not None}
+        if not rows:
+            return None
+        return DraftGrammar(len(seq_indices), rows, self.executor, self.buffer, target_id_map, self.timer)
+
+
+class DraftGrammar:
+    def __init__(self, num_rows: int, rows: dict[int, SequenceMatcher], executor, buffer: BitmaskBuffer,
+                 target_id_map: torch.Tensor | None, timer: MaskTimer):
+        self.timer = timer
+        self.num_rows = num_rows
+        self.sequences = rows  # row -> its sequence's matcher (EOS ids, end tokens)
+        self.copies = {j: m.matcher.deep_copy() for j, m in rows.items()}  # row -> llguidance.LLMatcher
+        self.executor = executor
+        self.buffer = buffer
+        self.target_id_map = target_id_map
+        self.host_rows: np.ndarray | None = None  # [num_rows, words] int32: the last mask()'s rows
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [num_rows, draft_vocab] -> the same with -inf where each live row's grammar
+        forbids the token (a new tensor; rows without a live grammar are unchanged)."""
+        started = time.perf_counter()
+        host = self.buffer.rows(self.num_rows)  # [num_rows, words]
+        host.fill(-1)  # every token allowed: rows without a live grammar
+        if self.copies:
+            self.executor.unsafe_compute_mask_ptr(list((m, j) for j, m in self.copies.items()),
+                                                  host.ctypes.data, host.shape[1] * 4, self.num_rows)
+        for j in list(self.copies):
+            copy = self.copies[j]
+            if copy.is_error() or not self.sequences[j].set_end_tokens(host[j], copy.is_accepting()):
+                self._drop(j, host)
+        self.host_rows = host
+        if not self.copies:
+            self.timer.seconds += time.perf_counter() - started
+            return logits
+        bits = self.buffer.to_device(self.num_rows)  # [num_rows, words]
+        if self.target_id_map is None:
+            allowed = unpack_bitmask(bits, logits.shape[1])  # [num_rows, draft_vocab] bool
+        else:
+            allowed = unpack_bitmask(bits, bits.shape[1] * 32).index_select(1, self.target_id_map)
+        # A row that allows none of the drafter's tokens (an EAGLE3 head's smaller vocabulary)
+        # keeps its logits: its draft will not be taken, and advance() drops its grammar.
+        forbid = ~allowed & allowed.any(dim=1, keepdim=True)  # [num_rows, draft_vocab]
+        masked = logits.masked_fill(forbid, float("-inf"))
+        self.timer.seconds += time.perf_counter() - started
+        return masked
+
+    def advance(self, tokens: torch.Tensor) -> None:
+        """tokens [num_rows] int64 target ids: the drafts mask()'s logits gave; each live row's
+        grammar takes its draft, or stops there (an EOS, a token it forbids)."""
+        if not self.copies:
+            return
+        drafted = tokens.tolist()
+        started = time.perf_counter()
+        for j in list(self.copies):
+            token = drafted[j]
+            sequence = self.sequences[j]
+            if (token in sequence.eos_token_ids or token >= self.host_rows.shape[1] * 32
+                    or not SequenceMatcher.allows(self.host_rows[j], token)
+                    or not self.copies[j].consume_token(token)):
+                self._drop(j, None)
+        self.timer.seconds += time.perf_counter() - started
+
+    def _drop(self, row: int, host: np.ndarray | None) -> None:
+        del self.copies[row]
+        if host is not None:
+            host[row] = -1
