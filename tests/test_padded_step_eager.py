@@ -177,7 +177,7 @@ def test_host_length_runner_takes_the_exact_bucket_and_real_lengths(num_seqs):
     assert torch.equal(out.hidden[: batch.num_tokens], want)
     assert torch.equal(out.greedy[: batch.num_tokens], batch.input_ids)
     runner.run(verify_batch(2), (2, 3))
-    assert list(runner.graphs) == [(2, 3)]  # exact buckets: only the latest outputs are kept
+    assert list(runner.graphs) == [(2, 3)]  # uncaptured: only the latest outputs are held
     # A graph-safe runner pads to its bucket, with placeholder lengths, as on a GPU.
     padded = host_length_runner(RecordingModel(), reads_host_lengths=False)
     assert padded.bucket_for(batch) == (next(b for b in padded.buckets if b >= num_seqs), 3)

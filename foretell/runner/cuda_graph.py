@@ -207,8 +207,7 @@ class CudaGraphRunner:
         """Run graph `key` on whatever the input buffers hold now."""
         if not self.captures:
             hidden, aux, logits, greedy = self._forward(*key)
-            if self.reads_host_lengths:  # exact buckets: keep only the latest outputs, not one per size
-                self.graphs.clear()
+            self.graphs.clear()  # uncaptured: only the latest outputs are held (none per bucket)
             self.graphs[key] = CapturedForward(None, hidden, list(aux), logits, greedy)
         else:
             self.graphs[key].graph.replay()
