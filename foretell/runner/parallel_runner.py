@@ -68,6 +68,14 @@ class RankRunner:
     def reset_pipeline(self) -> None:
         self.runner.reset_pipeline()
 
+    def graph_state(self) -> dict:
+        """Whether this rank captured its graphs and queues steps ahead, and why
+        (distributed/graph_capture.py)."""
+        runner = self.runner
+        return {"allowed": runner.graph_decision.allowed, "reason": runner.graph_decision.reason,
+                "captured": runner.graphs is not None and runner.graphs.captures,
+                "queue_ahead": runner.pipeline.queue_ahead}
+
 
 def build_rank_runner(tp: TensorParallel, device: torch.device, config: EngineConfig) -> RankRunner:
     """The worker's build function (run in each rank's process). On the CPU, without
@@ -120,6 +128,10 @@ class ParallelRunner:
     def num_logit_gathers(self) -> int:
         """Rank 0's count of whole-logits gathers (ModelRunner.num_logit_gathers)."""
         return self._call("num_logit_gathers")
+
+    def graph_state(self) -> dict:
+        """Rank 0's RankRunner.graph_state (every rank decides alike)."""
+        return self._call("graph_state")
 
     def abandon_step(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:

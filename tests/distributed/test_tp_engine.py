@@ -187,6 +187,8 @@ def test_greedy_steps_gather_no_logits(folders, baselines, target, method):
     llm = tp_engine(folders, target, method)
     runner = llm.engine.runner
     try:
+        state = runner.graph_state()  # gloo ranks: eager, nothing queued ahead (graph_capture.py)
+        assert (state["allowed"], state["captured"], state["queue_ahead"]) == (False, False, False)
         before = runner.num_logit_gathers()
         assert tokens(llm, greedy()) == baselines(target)
         assert runner.num_logit_gathers() == before
