@@ -155,10 +155,11 @@ def build_app(
     max_queued_requests: int | None = None,
     max_request_bytes: int = 32 * 2**20,
     ui: bool = True,
+    tool_call_parser: str = "auto",
 ) -> FastAPI:
     metrics = ServerMetrics(async_engine.stats, served_model_name)
     async_engine.on_request_finished = metrics.observe_finished
-    ctx = ServingContext(async_engine, served_model_name, max_queued_requests)
+    ctx = ServingContext(async_engine, served_model_name, max_queued_requests, tool_call_parser=tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -13,6 +13,7 @@ import argparse
 import os
 
 from foretell.cli_args import add_engine_args, engine_kwargs_from_args
+from foretell.server.tool_parsers import TOOL_CALL_PARSERS
 
 API_KEY_ENV = "FORETELL_API_KEY"
 
@@ -38,6 +39,10 @@ def add_serve_parser(subparsers) -> None:
                    help="seconds between engine stats log lines while busy (0: never)")
     g.add_argument("--timeout-graceful-shutdown", type=float, default=10.0,
                    help="seconds to wait for open responses on shutdown before cancelling them")
+    g.add_argument("--tool-call-parser", default="auto", choices=list(TOOL_CALL_PARSERS),
+                   help="the format of tool calls on /v1/chat/completions (parsed from the output, "
+                        "forced by a grammar for tool_choice required or named): hermes (Qwen3), "
+                        "llama3_json (Llama-3.1), deepseek_v3; auto (default): the chat template's")
     g.add_argument("--no-ui", dest="ui", action="store_false",
                    help="do not serve the playground page at / (it shows each token's origin under "
                         "speculation, acceptance charts and a with/without-speculation comparison)")
@@ -73,7 +78,8 @@ def run_serve(args: argparse.Namespace) -> int:
     served_name = args.served_model_name or args.model
     async_engine = AsyncEngine(config, engine_factory=engine_factory_that_logs(config, served_name))
     app = build_app(async_engine, served_name, args.api_key or None,
-                    args.max_queued_requests, args.max_request_bytes, ui=args.ui)
+                    args.max_queued_requests, args.max_request_bytes, ui=args.ui,
+                    tool_call_parser=args.tool_call_parser)
     return serve_forever(
         app, async_engine, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
         access_log=args.access_log, timeout_graceful_shutdown=args.timeout_graceful_shutdown,

@@ -35,6 +35,7 @@ from foretell.server.protocol import SamplingRequestFields, usage
 from foretell.server.streaming import Delta, request_failure, sse_response
 from foretell.server.tool_calls import ToolCallStream, ToolPlan, chat_message, message_dicts, plan_tools
 from foretell.server.tool_calls import render_with_tools, structured_outputs_of
+from foretell.server.tool_parsers import check_tool_call_parser
 from foretell.server.token_origins import origins_json
 
 GREEDY_EPS = 1e-5  # temperatures below this sample greedily (dividing logits by ~0 overflows)
@@ -52,8 +53,12 @@ class ServingContext:
     _tokenizer_thread: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="foretell-tokenizer"))
     chars_per_token_bound: int = 0  # 0: measured from the tokenizer's vocabulary
+    # Which format tool calls are parsed (and forced) in: tool_parsers.TOOL_CALL_PARSERS; "auto":
+    # the chat template's (--tool-call-parser).
+    tool_call_parser: str = "auto"
 
     def __post_init__(self) -> None:
+        check_tool_call_parser(self.tool_call_parser)
         if not self.chars_per_token_bound:
             self.chars_per_token_bound = longest_token_chars(self.engine.tokenizer)
 
@@ -355,7 +360,7 @@ async def create_chat_completion(req: ChatCompletionRequest, ctx: ServingContext
     num_top = req.top_logprobs or 0
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(req, max_tokens, num_top if req.logprobs else None)
-    plan = plan_tools(req, getattr(ctx.engine.tokenizer.hf, "chat_template", None))
+    plan = plan_tools(req, getattr(ctx.engine.tokenizer.hf, "chat_template", None), ctx.tool_call_parser)
     if plan.constraint is not None:  # tool_choice required or named: the call's grammar
         params = replace(params, structured_outputs=plan.constraint)
     request_id = new_id("chatcmpl")

@@ -19,7 +19,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from foretell.server.protocol import APIError, ChatCompletionRequest, SamplingRequestFields
-from foretell.server.tool_parsers import ToolCall, ToolParser, parser_for_template
+from foretell.server.tool_parsers import ToolCall, ToolParser, parser_named
 
 
 def structured_outputs_of(req: SamplingRequestFields) -> dict | None:
@@ -64,8 +64,9 @@ class ToolPlan:
         return self.parser is not None
 
 
-def plan_tools(req: ChatCompletionRequest, chat_template: str | None) -> ToolPlan:
-    """What the request's tools and tool_choice ask for (a 400 for a choice naming no tool)."""
+def plan_tools(req: ChatCompletionRequest, chat_template: str | None, parser_name: str = "auto") -> ToolPlan:
+    """What the request's tools and tool_choice ask for (a 400 for a choice naming no tool);
+    parser_name: the server's --tool-call-parser ("auto": the chat template's format)."""
     functions = [t.function.model_dump(exclude_none=True) for t in req.tools or []]
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if functions else "none")
     if choice != "none" and not functions:
@@ -73,7 +74,7 @@ def plan_tools(req: ChatCompletionRequest, chat_template: str | None) -> ToolPla
                        param="tool_choice")
     if choice == "none":
         return ToolPlan([], None)
-    parser = parser_for_template(chat_template)
+    parser = parser_named(parser_name, chat_template)
     if choice == "auto":
         return ToolPlan(functions, parser)
     chosen = functions

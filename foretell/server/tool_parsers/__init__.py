@@ -7,7 +7,8 @@ OpenAI tool calls; and the grammar that makes a model write one (tool_choice req
   deepseek_v3  DeepSeek-V3: <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME
                ```json ARGS ```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>
 
-parser_for_template() picks one from the chat template's text (hermes when nothing marks another).
+parser_for_template() picks one from the chat template's text (hermes when nothing marks another);
+parser_named() is the server's --tool-call-parser: one of them by name, or "auto" (the template's).
 """
 
 from __future__ import annotations
@@ -24,6 +25,22 @@ PARSERS: dict[str, type[ToolParser]] = {
 }
 
 
+TOOL_CALL_PARSERS = ("auto", *PARSERS)  # --tool-call-parser's choices
+
+
+def check_tool_call_parser(name: str) -> str:
+    if name not in TOOL_CALL_PARSERS:
+        raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}; got {name!r}")
+    return name
+
+
+def parser_named(name: str, chat_template: str | None) -> ToolParser:
+    """The parser called `name`, or with "auto" the one the chat template's markers say."""
+    if check_tool_call_parser(name) == "auto":
+        return parser_for_template(chat_template)
+    return PARSERS[name]()
+
+
 def parser_for_template(chat_template: str | None) -> ToolParser:
     """The parser of the family whose tool-call markers the chat template writes."""
     template = chat_template or ""
@@ -34,4 +51,5 @@ def parser_for_template(chat_template: str | None) -> ToolParser:
     return HermesToolParser()
 
 
-__all__ = ["PARSERS", "ToolCall", "ToolParser", "parser_for_template"]
+__all__ = ["PARSERS", "TOOL_CALL_PARSERS", "ToolCall", "ToolParser", "check_tool_call_parser", "parser_for_template",
+           "parser_named"]
