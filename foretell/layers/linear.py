@@ -346,7 +346,9 @@ class MergedLinear(Linear):
         kernels run the layer, the activation is their epilogue (no gate_up tensor, no launch)."""
         if len(self.output_sizes) != 2 or self.output_sizes[0] != self.output_sizes[1]:
             raise ValueError(f"forward_gated needs two equal parts (gate, up), this has {list(self.output_sizes)}")
-        if self.small_m is not None and not self.is_fp8:
+        if self.is_fp8:  # the FP8 few-row kernels apply it in their epilogue too
+            return fp8_linear(x, self.weight, self.weight_scale_inv, self.block_size, self.bias, gated=True)
+        if self.small_m is not None:
             return self.small_m(x, self.weight, self.bias, gated=True)
         return silu_and_mul(self.matmul(x, self.bias))
 

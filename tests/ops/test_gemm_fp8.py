@@ -24,6 +24,7 @@ from fixtures.triton_interpreter import HAS_CUDA, import_interpreted, interprete
 from foretell.loader import dequantize_fp8_blocks
 from foretell.ops.gemm import fp8_reference as ref
 from foretell.ops.gemm.fp8_dispatch import fp8_linear, fp8_path
+from foretell.ops.pointwise.reference import silu_and_mul_torch
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 few = import_interpreted("foretell.ops.gemm.triton_fp8_few_rows")
@@ -172,6 +173,92 @@ def test_mma_matches_float64(block_size, m, poisoned_empty):
                               torch.float16)
 
 
+@pytest.mark.parametrize("block_size", [BLOCK, (16, 64), None], ids=["128x128", "16x64", "channel"])
+@pytest.mark.parametrize("kind, m, dtype", [("gemv", 1, torch.float16), ("gemv", 3, torch.float32),
+                                            ("mma", 5, torch.float16)])
+def test_split_k_gives_the_product(block_size, kind, m, dtype, poisoned_empty):
+    """Two to four slices of K (the last one short): partials summed in split order by the last
+    program of each tile, the same result on every call; the counters are left at zero."""
+    seed = random.randrange(2**31)
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    n, k = rng.randint(20, 70), rng.randint(300, 450)
+    q, s = _weight(gen, n, k, block_size)
+    x = torch.randn(m, k, generator=gen).to(dtype).to(DEVICE)
+    bias = torch.randn(n, generator=gen).to(dtype).to(DEVICE)
+    with reports_seed(seed):
+        for split in (2, 4):
+            if kind == "gemv":
+                config = few.gemv_config(m, n, k, block_k=64, block_n=8, split=split)
+            else:
+                config = few.Fp8MmaConfig(block_k=32, num_stages=2, split=split)
+            got = few.fp8_few_rows_linear(x, q, s, block_size, bias, config)
+            check_product(got, x, q, s, block_size, bias, dtype)
+            assert torch.equal(got, few.fp8_few_rows_linear(x, q, s, block_size, bias, config))
+            assert not few._COUNTERS.get(torch.device(DEVICE), 1).any()
+
+
+@pytest.mark.parametrize("block_size", [BLOCK, (32, 64), None], ids=["128x128", "32x64", "channel"])
+@pytest.mark.parametrize("kind, m, dtype", [("gemv", 1, torch.float16), ("gemv", 2, torch.float32),
+                                            ("mma", 4, torch.float16)])
+def test_gated_epilogue_is_silu_and_mul_of_the_product(block_size, kind, m, dtype, poisoned_empty):
+    """W = [gate; up] (2I rows, I a multiple of the block's rows as in every MLP): the kernel's
+    silu(gate) * up equals silu_and_mul of its own ungated product (same sums, SiluAndMul's
+    roundings), with and without split-K and a bias; fp8_linear(gated=True) on the CPU is the twin's."""
+    seed = random.randrange(2**31)
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    inter = 128 if block_size == BLOCK else 32 * rng.randint(1, 3)
+    k = rng.randint(129, 300)
+    q, s = _weight(gen, 2 * inter, k, block_size)
+    x = torch.randn(m, k, generator=gen).to(dtype).to(DEVICE)
+    bias = torch.randn(2 * inter, generator=gen).to(dtype).to(DEVICE)
+    if kind == "gemv":
+        configs = [few.gemv_config(m, 2 * inter, k, block_n=16),
+                   few.gemv_config(m, 2 * inter, k, block_k=64, block_n=16, split=2)]
+    else:
+        configs = [few.mma_config(k, block_size), few.Fp8MmaConfig(block_k=32, num_stages=2, split=3)]
+    with reports_seed(seed):
+        for config, b in zip(configs, (None, bias)):
+            plain = few.fp8_few_rows_linear(x, q, s, block_size, b, config)  # [M, 2I]
+            gated = few.fp8_few_rows_linear(x, q, s, block_size, b, config, gated=True)  # [M, I]
+            assert gated.shape == (m, inter) and not torch.isnan(gated).any()
+            want = silu_and_mul_torch(plain)
+            torch.testing.assert_close(gated, want, rtol=2 * torch.finfo(dtype).eps, atol=1e-6)
+    xc, qc, sc = x.cpu(), q.cpu(), s.cpu()
+    assert torch.equal(fp8_linear(xc, qc, sc, block_size, gated=True),
+                       silu_and_mul_torch(ref.fp8_linear_torch(xc, qc, sc, block_size)))
+
+
+def test_candidate_configs_all_give_the_product(poisoned_empty):
+    """Every config the H200 sweep times (GEMV tiles and splits, MMA widths and splits) computes the
+    product, at a small shape with 128x128 blocks (the sweep checks them again at real shapes)."""
+    gen = torch.Generator().manual_seed(7)
+    n, k = 64, 512
+    q, s = _weight(gen, n, k, BLOCK)
+    for m in (1, 4):
+        x = torch.randn(m, k, generator=gen).half().to(DEVICE)
+        configs = few.candidate_configs(m, n, k, torch.float16, BLOCK, DEVICE)
+        assert configs[0] == few.default_config(m, n, k, torch.float16, BLOCK, DEVICE)
+        assert any(isinstance(c, few.Fp8MmaConfig) for c in configs) == (m > 1)
+        for config in configs:
+            check_product(few.fp8_few_rows_linear(x, q, s, BLOCK, None, config), x, q, s, BLOCK, None,
+                          torch.float16)
+
+
+def test_default_configs_split_k_where_tiles_are_few():
+    """The MMA splits K while its 64-row tiles are fewer than the multiprocessors (Llama-8B's o and
+    down projections at a 4-token verify), never below 512 columns a slice; the GEMV at one row
+    reads up to 4096 columns a tile, unsplit."""
+    cpu = torch.device("cpu")  # the interpreter's device limits: 132 multiprocessors
+    assert few.mma_config(4096, BLOCK, 4096, cpu).split == 4  # o
+    assert few.mma_config(14336, BLOCK, 4096, cpu).split == 4  # down
+    assert few.mma_config(4096, BLOCK, 6144, cpu).split == 2  # qkv
+    assert few.mma_config(4096, BLOCK, 28672, cpu).split == 1
+    assert few.mma_config(1024, BLOCK, 64, cpu).split == 2  # slices of 512 at least
+    assert few.mma_config(512, BLOCK, 64, cpu).split == 1
+    assert few.gemv_config(1, 4096, 14336) == few.Fp8GemvConfig(1, 4, 4096, 8, 1)
+    assert few.gemv_config(1, 6144, 100).block_k == 128
+
+
 def test_few_rows_bad_inputs_raise_clear_errors():
     q, s = ref.quantize_fp8_blocks(torch.randn(70, 200), BLOCK)
     x = torch.randn(2, 200).half()
@@ -188,6 +275,11 @@ def test_few_rows_bad_inputs_raise_clear_errors():
         few.fp8_few_rows_linear(x, q, s, BLOCK, config=few.Fp8MmaConfig(block_k=256))
     with pytest.raises(ValueError, match=r"bias must be a contiguous \[70\]"):
         few.fp8_few_rows_linear(x, q, s, BLOCK, torch.zeros(70))
+    q48, s48 = ref.quantize_fp8_blocks(torch.randn(96, 200), (48, 128))
+    with pytest.raises(ValueError, match="must lie in one block row"):
+        few.fp8_few_rows_linear(x[:1], q48, s48, (48, 128), config=few.gemv_config(1, 96, 200, block_n=32))
+    with pytest.raises(ValueError, match="even block_n"):
+        few.fp8_few_rows_linear(x[:1], q, s, BLOCK, config=few.gemv_config(1, 70, 200, block_n=1), gated=True)
 
 
 def test_activation_quantizer_kernel_gives_the_twins_bits(poisoned_empty):

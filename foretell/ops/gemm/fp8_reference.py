@@ -34,6 +34,15 @@ def blocks(n: int, block: int) -> int:
     return -(-n // block)
 
 
+def amax_to_scale(amax: torch.Tensor) -> torch.Tensor:
+    """max(amax, MIN_AMAX) / 448 in float32, correctly rounded on every device. (On CUDA, torch
+    divides by a Python scalar as a multiply by its reciprocal, which can be one ulp off the
+    quotient: the activation quantizer's kernel divides with div_rn, and its twin must give the
+    same bits; a 0-d tensor on the same device is a true division.)"""
+    divisor = torch.tensor(FP8_MAX, dtype=torch.float32, device=amax.device)
+    return amax.float().clamp(min=MIN_AMAX) / divisor
+
+
 def check_fp8_weight(
     weight: torch.Tensor,  # [N, K] float8_e4m3fn
     weight_scale: torch.Tensor,  # [ceil(N / bn), ceil(K / bk)] or [N, 1] float32
@@ -98,7 +107,7 @@ def quantize_fp8_per_token_group(
     padded = torch.zeros(m, groups * group, dtype=torch.float32, device=x.device)
     padded[:, :k] = x.float()
     tiles = padded.view(m, groups, group)  # [M, G, group]
-    scales = tiles.abs().amax(dim=-1).clamp(min=MIN_AMAX) / FP8_MAX  # [M, G]
+    scales = amax_to_scale(tiles.abs().amax(dim=-1))  # [M, G]
     q = (tiles / scales[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(m, groups * group)[:, :k].contiguous(), scales
 
@@ -139,7 +148,7 @@ def quantize_fp8_per_channel(
         raise ValueError(f"a weight to quantize must be a float [N, K] tensor, got {weight.dtype} "
                          f"{list(weight.shape)}")
     w = weight.float()
-    scale = w.abs().amax(dim=1, keepdim=True).clamp(min=MIN_AMAX) / FP8_MAX  # [N, 1]
+    scale = amax_to_scale(w.abs().amax(dim=1, keepdim=True))  # [N, 1]
     return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
@@ -155,6 +164,6 @@ def quantize_fp8_blocks(
     padded = torch.zeros(rows * bn, cols * bk, dtype=torch.float32, device=weight.device)
     padded[:n, :k] = weight.float()
     tiles = padded.view(rows, bn, cols, bk)
-    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=MIN_AMAX) / FP8_MAX  # [rows, cols]
+    scale = amax_to_scale(tiles.abs().amax(dim=(1, 3)))  # [rows, cols]
     q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(rows * bn, cols * bk)[:n, :k].contiguous(), scale

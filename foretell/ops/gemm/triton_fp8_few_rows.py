@@ -8,22 +8,31 @@ the weight bytes: these kernels read the weight in its 8 bits and scale it in-ke
 float32. x stays in its dtype (no activation quantization: the result is the dequantized weight's
 product, as the CPU path computes it).
 
-  GEMV (up to 4 rows, Fp8GemvConfig; M = 1 is decode at batch 1): program p owns BLOCK_N rows of W
-    over all of K in [BLOCK_N, BLOCK_K] tiles, as ops/gemm/triton_gemv.py. Per tile, the products
-    are summed per group of SUB columns (SUB = the quant block's width, 128, or the tile when
-    smaller), each group's sum times its block's scale, then summed: one scale multiply per
-    128 products. Per-channel scales multiply the row's sum once, in the epilogue.
-  MMA (up to 16 rows, fp16 / bf16 x, Fp8MmaConfig): program p owns 64 rows of W (one wgmma tile)
-    and multiplies [64, BLOCK_K] weight tiles, converted to x's dtype in registers (exact: every
-    e4m3 value is a bf16 and an fp16 value), by x^T tiles [BLOCK_K, 16] on tensor cores; with
-    BLOCK_K dividing the quant block's width, each tile's float32 product is scaled by one scale
-    per row of W before it is added.
+  GEMV (up to 4 rows, Fp8GemvConfig; M = 1 is decode at batch 1): program (p, s) owns BLOCK_N rows
+    of W over the s-th of SPLIT slices of K, in [BLOCK_N, BLOCK_K] tiles, as ops/gemm/triton_gemv.py
+    (whose bf16 tiles reached 256 tok/s on the H200's Llama-8B decode). A program's rows lie in one
+    128-row block (two with `gated`: gate rows and up rows), so per column block the scale is one
+    number per block row: the kernel multiplies x's columns by their block's scale (one multiply
+    per column of x, not per weight) and sums w * (x s) over the tile with no per-block reshape.
+    Per-channel scales multiply each row's sum once, in the epilogue.
+  MMA (up to 16 rows, fp16 / bf16 x, Fp8MmaConfig): program (p, s) owns 64 rows of W (one wgmma
+    tile) and the s-th slice of K, and multiplies [64, BLOCK_K] weight tiles, converted to x's
+    dtype in registers (exact: every e4m3 value is a bf16 and an fp16 value), by x^T tiles
+    [BLOCK_K, 16] on tensor cores; with BLOCK_K dividing the quant block's width, each tile's
+    float32 product is scaled by one scale per row of W before it is added.
+
+Split-K (both kernels, `split` > 1: layers with fewer programs than the device has
+multiprocessors, Llama-8B's o and down projections at M > 1): each split stores a float32 partial;
+the split arriving last at its tile's counter (acquire-release) sums the partials in split order
+(the same result whichever finished first), applies the epilogue and zeroes the counter, as
+ops/gemm/triton_mma.py does. `gated` (W = [gate; up] of an MLP): programs own (gate j, up j) row
+pairs and store silu(gate) * up with SiluAndMul's roundings (no gate_up tensor, no launch).
 
 Both request their first weight tile before waiting for the kernel before them and let the next
 kernel launch once their reads are done (programmatic dependent launch, ops/common/pdl.py). Grids
-depend only on shapes and the output is one torch.empty, so calls can be captured in CUDA graphs.
-Tiles are first guesses to be tuned on the H200 (no split-K yet: layers with fewer 64-row tiles
-than multiprocessors would gain from one, as triton_mma.py's do).
+depend only on shapes, partials are a torch.empty and the counters are allocated at the first
+(eager) launch, so calls can be captured in CUDA graphs. gemv_config / mma_config are the defaults;
+candidate_configs lists what scripts/sweep_low_precision_gpu.py times on the H200.
 
 This module imports triton: only ops/gemm/fp8_dispatch.py imports it, on CUDA (and the
 interpreter tests, tests/ops/test_gemm_fp8.py).
@@ -38,24 +47,31 @@ import triton
 import triton.language as tl
 
 from foretell.ops.common.pdl import launch_options, let_next_kernel_launch, pdl_enabled, wait_for_previous_kernel
+from foretell.ops.common.split_counters import SplitCounters
 from foretell.ops.gemm.fp8_reference import check_fp8_weight
+from foretell.ops.gemm.triton_gemv import program_rows_of_w, silu_mul_rounded
+from foretell.ops.gemm.triton_mma import device_limits
 
 GEMV_MAX_M = 4
 MAX_M = 16
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MMA_X_DTYPES = (torch.bfloat16, torch.float16)
 MMA_BLOCK_N = 64
+GEMV_TILE_BYTES = 4096  # columns of W per GEMV tile at one row of x (4 KiB of FP8 per row of W)
+# A counter per program tile, zero between launches (one set per process, as triton_mma.py's).
+_COUNTERS = SplitCounters(min_count=1 << 16)
 
 
 @dataclass(frozen=True)
 class Fp8GemvConfig:
     block_m: int  # power of two >= M
-    block_n: int  # rows of W per program
+    block_n: int  # rows of W per program (even when gated)
     block_k: int  # columns of W per tile (power of two)
     num_warps: int
+    split: int = 1  # slices of K, each its own program
 
     def __str__(self) -> str:
-        return f"fp8 gemv BM{self.block_m} BN{self.block_n} BK{self.block_k} w{self.num_warps}"
+        return f"fp8 gemv BM{self.block_m} BN{self.block_n} BK{self.block_k} w{self.num_warps} split{self.split}"
 
 
 @dataclass(frozen=True)
@@ -64,9 +80,10 @@ class Fp8MmaConfig:
     num_stages: int = 4
     num_warps: int = 4
     block_n: int = MMA_BLOCK_N
+    split: int = 1  # slices of K, each its own program
 
     def __str__(self) -> str:
-        return f"fp8 mma BN{self.block_n} BK{self.block_k} s{self.num_stages} w{self.num_warps}"
+        return f"fp8 mma BN{self.block_n} BK{self.block_k} s{self.num_stages} w{self.num_warps} split{self.split}"
 
 
 def _next_pow2(n: int) -> int:
@@ -79,60 +96,163 @@ def kernel_block_ok(block_size: tuple[int, int] | None) -> bool:
     return block_size is None or (block_size[1] & (block_size[1] - 1)) == 0
 
 
-def gemv_config(m: int, n: int, k: int, block_k: int | None = None, block_n: int | None = None) -> Fp8GemvConfig:
-    """1024-column tiles (1 KiB of FP8 per row of W), 4 rows per program at one row of x; fewer
-    columns with more rows of x, whose products all sit in registers at once."""
+def gemv_config(m: int, n: int, k: int, block_k: int | None = None, block_n: int | None = None,
+                num_warps: int | None = None, split: int = 1) -> Fp8GemvConfig:
+    """Modelled on the bf16 GEMV's H200 tiles (triton_gemv.pick_config: two to four rows of W over
+    whole-K tiles, 64 bytes of W per thread and tile): four rows of W per program over tiles of up
+    to 4096 columns at one row of x (4 KiB of FP8 per row), fewer columns for more rows of x,
+    whose products all sit in registers at once; eight warps for a full tile (64 weights a thread)."""
     if not 1 <= m <= GEMV_MAX_M or n < 1 or k < 1:
         raise ValueError(f"FP8 GEMV needs 1 <= M <= {GEMV_MAX_M}, N >= 1, K >= 1; got M={m}, N={n}, K={k}")
     block_m = _next_pow2(m)
-    if block_k is None:
-        block_k = min(_next_pow2(k), 1024 // block_m)
+    block_k = max(16, block_k or min(_next_pow2(k), GEMV_TILE_BYTES // block_m))
     block_n = block_n or 4
-    num_warps = max(1, min(8, block_m * block_n * block_k // (32 * 32)))
-    return Fp8GemvConfig(block_m, block_n, max(16, block_k), num_warps)
+    if num_warps is None:
+        num_warps = max(1, min(8, block_m * block_n * block_k // (64 * 32)))
+    return Fp8GemvConfig(block_m, block_n, block_k, num_warps, split)
 
 
-def mma_config(k: int, block_size: tuple[int, int] | None) -> Fp8MmaConfig:
-    """128-column tiles (one scale per row of W per tile for 128-wide blocks), 4 in flight."""
+def _mma_stages(block_n: int, block_k: int, smem_bytes: int, wanted: int = 4) -> int:
+    """Pipeline depth whose shared memory fits: num_stages + 1 FP8 tiles of W and x^T tiles."""
+    per_stage = block_n * block_k + MAX_M * block_k * 2
+    return max(1, min(wanted, smem_bytes // per_stage - 1))
+
+
+def mma_config(k: int, block_size: tuple[int, int] | None, n: int | None = None,
+               device: torch.device | None = None) -> Fp8MmaConfig:
+    """128-column tiles (one scale per row of W per tile for 128-wide blocks), up to 4 in flight;
+    given N, split-K while the 64-row tiles number fewer than the multiprocessors: splits doubled
+    while the programs stay within two per multiprocessor (at most 8, each slice at least 512
+    columns): Llama-8B's o and down projections split 4 ways as triton_mma.pick_config's, qkv 2."""
     block_k = min(128, max(16, _next_pow2(k)))
     if block_size is not None:
         block_k = max(16, min(block_k, block_size[1]))
-    return Fp8MmaConfig(block_k)
+    sms, smem = device_limits(device or torch.device("cpu"))
+    split = 1
+    if n is not None:
+        tiles = triton.cdiv(n, MMA_BLOCK_N)
+        while split < 8 and 2 * split * tiles <= 2 * sms and k // (2 * split) >= 512:
+            split *= 2
+    return Fp8MmaConfig(block_k, _mma_stages(MMA_BLOCK_N, block_k, smem), split=split)
 
 
-def default_config(m: int, n: int, k: int, dtype: torch.dtype, block_size: tuple[int, int] | None):
+def default_config(m: int, n: int, k: int, dtype: torch.dtype, block_size: tuple[int, int] | None,
+                   device: torch.device | None = None):
     """The GEMV for one row (or a float32 x), the MMA for more rows of fp16 / bf16."""
     if m == 1 or dtype not in MMA_X_DTYPES:
         return gemv_config(m, n, k)
-    return mma_config(k, block_size)
+    return mma_config(k, block_size, n, device)
+
+
+# GEMV candidates at one row of x: (rows of W per program, columns per tile, warps, splits of K)
+GEMV_CANDIDATES = ((2, 4096, 4, 1), (2, 4096, 8, 1), (4, 1024, 4, 1), (4, 2048, 4, 1), (4, 4096, 4, 1),
+                   (4, 4096, 8, 1), (4, 8192, 8, 1), (8, 1024, 4, 1), (8, 2048, 8, 1), (16, 1024, 8, 1),
+                   (4, 4096, 8, 2), (8, 2048, 8, 2))
+
+
+def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype, block_size: tuple[int, int] | None,
+                      device: torch.device | None = None) -> list:
+    """default_config first, then the GEMV tiles, warps and splits (columns per tile shrinking as
+    rows of x grow) and the MMA tile widths and splits that the H200 sweep times for this shape."""
+    configs = [default_config(m, n, k, dtype, block_size, device)]
+    if m <= GEMV_MAX_M:
+        for block_n, block_k, warps, split in GEMV_CANDIDATES:
+            block_k //= _next_pow2(m)
+            if block_k <= 2 * _next_pow2(k) and (split == 1 or k // split >= block_k):
+                configs.append(gemv_config(m, n, k, block_k, block_n, warps, split))
+    if m > 1 and dtype in MMA_X_DTYPES:
+        _, smem = device_limits(device or torch.device("cpu"))
+        for block_k in (64, 128, 256):
+            if block_size is not None and block_size[1] % block_k:
+                continue
+            for split in (1, 2, 4, 8):
+                if k // split >= max(block_k, 256):
+                    configs.append(Fp8MmaConfig(block_k, _mma_stages(MMA_BLOCK_N, block_k, smem), split=split))
+    return list(dict.fromkeys(configs))
 
 
 @triton.jit
-def _gemv_accumulate(acc, w, x_ptr, stride_xm, M, k0, K, scale_ptr, stride_scale, rows, row_ok,
-                     QBLOCK_N: tl.constexpr, QBLOCK_K: tl.constexpr, PER_CHANNEL: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr):
-    """acc [BLOCK_M, BLOCK_N] + the tile's products: w [BLOCK_N, BLOCK_K] (FP8 at columns k0..) with
-    x[:, k0..], summed per SUB columns and scaled per block (PER_CHANNEL: summed, scaled later)."""
-    NSUB: tl.constexpr = BLOCK_K // SUB
+def _gemv_accumulate(acc, w, x_ptr, stride_xm, M, cols, k_end, scale_gate, scale_up,
+                     QBLOCK_K: tl.constexpr, PER_CHANNEL: tl.constexpr, GATED: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] + the tile's products: w [BLOCK_N, BLOCK_K] (FP8 at columns `cols`)
+    with x[:, cols], x's columns first scaled by their block's scale in the program's block row
+    (scale_gate: the scales row of the program's rows; scale_up: of its up rows when GATED);
+    PER_CHANNEL: plain sums, scaled in the epilogue."""
     w = w.to(tl.float32)
-    cols = k0 + tl.arange(0, BLOCK_K)
+    col_ok = cols < k_end
+    if not PER_CHANNEL:
+        s_gate = tl.load(scale_gate + cols // QBLOCK_K, mask=col_ok, other=0.0)  # [BLOCK_K]
+        if GATED:
+            s_up = tl.load(scale_up + cols // QBLOCK_K, mask=col_ok, other=0.0)  # [BLOCK_K]
+            is_gate = (tl.arange(0, BLOCK_N) % 2) == 0  # rows of the program: (gate j, up j) pairs
     if BLOCK_M == 1:
-        x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)  # [BLOCK_K]
-        products = (w * x[None, :])[None, :, :]  # [1, BLOCK_N, BLOCK_K]
-    else:
-        m = tl.arange(0, BLOCK_M)
-        x = tl.load(x_ptr + m[:, None] * stride_xm + cols[None, :], mask=(m < M)[:, None] & (cols < K)[None, :],
-                    other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_K]
-        products = w[None, :, :] * x[:, None, :]  # [BLOCK_M, BLOCK_N, BLOCK_K]
+        x = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)  # [BLOCK_K]
+        if PER_CHANNEL:
+            xs = x[None, :]
+        elif GATED:
+            xs = tl.where(is_gate[:, None], (x * s_gate)[None, :], (x * s_up)[None, :])  # [BLOCK_N, BLOCK_K]
+        else:
+            xs = (x * s_gate)[None, :]
+        return acc + tl.sum(w * xs, axis=1)[None, :]
+    m = tl.arange(0, BLOCK_M)
+    x = tl.load(x_ptr + m[:, None] * stride_xm + cols[None, :], mask=(m < M)[:, None] & col_ok[None, :],
+                other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_K]
     if PER_CHANNEL:
-        acc += tl.sum(products, axis=2)
+        xs = x[:, None, :]
+    elif GATED:
+        xs = tl.where(is_gate[None, :, None], (x * s_gate[None, :])[:, None, :], (x * s_up[None, :])[:, None, :])
     else:
-        sub_cols = k0 + tl.arange(0, NSUB) * SUB
-        scales = tl.load(scale_ptr + (rows // QBLOCK_N)[:, None] * stride_scale + (sub_cols // QBLOCK_K)[None, :],
-                         mask=row_ok[:, None] & (sub_cols < K)[None, :], other=0.0)  # [BLOCK_N, NSUB]
-        sums = tl.sum(tl.reshape(products, [BLOCK_M, BLOCK_N, NSUB, SUB]), axis=3)  # [BLOCK_M, BLOCK_N, NSUB]
-        acc += tl.sum(sums * scales[None, :, :], axis=2)
-    return acc
+        xs = (x * s_gate[None, :])[:, None, :]
+    return acc + tl.sum(w[None, :, :] * xs, axis=2)  # [BLOCK_M, BLOCK_N]
+
+
+@triton.jit
+def _finish(acc, scale_ptr, stride_scale, bias_ptr, out_ptr, rows_w, w_ok, rows_x, x_ok, tile, N,
+            PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_X: tl.constexpr, dtype: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_X] (rows of W x rows of x, summed over K) -> out[rows_x, ...]: per-channel
+    scales, bias, rounding to dtype (x's); GATED: silu(gate) * up per (gate j, up j) pair of rows,
+    stored as out [M, N // 2]."""
+    if PER_CHANNEL:
+        acc *= tl.load(scale_ptr + rows_w * stride_scale, mask=w_ok, other=0.0)[:, None]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rows_w, mask=w_ok, other=0.0).to(tl.float32)[:, None]
+    out_dtype = out_ptr.dtype.element_ty  # results round to dtype (a float32 out holds them as they are)
+    if GATED:
+        pairs = tl.permute(tl.reshape(acc.to(dtype).to(tl.float32), [BLOCK_N // 2, 2, BLOCK_X]), (0, 2, 1))
+        gate, up = tl.split(pairs)  # [BLOCK_N // 2, BLOCK_X] each
+        acts = tile * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(out_ptr + rows_x[None, :] * (N // 2) + acts[:, None], silu_mul_rounded(gate, up, dtype).to(out_dtype),
+                 mask=(acts < N // 2)[:, None] & x_ok[None, :])
+    else:
+        tl.store(out_ptr + rows_x[None, :] * N + rows_w[:, None], acc.to(dtype).to(out_dtype),
+                 mask=w_ok[:, None] & x_ok[None, :])
+
+
+@triton.jit
+def _finish_split(acc, partial_ptr, counter_ptr, scale_ptr, stride_scale, bias_ptr, out_ptr, rows_w, w_ok,
+                  rows_x, x_ok, tile, split, M, N,
+                  PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, SPLIT: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_X: tl.constexpr, dtype: tl.constexpr):
+    """_finish, after the splits of the tile are summed: each stores its float32 partial
+    [BLOCK_N, BLOCK_X]; the last to arrive sums them in split order and finishes."""
+    if SPLIT == 1:
+        _finish(acc, scale_ptr, stride_scale, bias_ptr, out_ptr, rows_w, w_ok, rows_x, x_ok, tile, N,
+                PER_CHANNEL, HAS_BIAS, GATED, BLOCK_N, BLOCK_X, dtype)
+    else:
+        offsets = rows_x[None, :] * N + rows_w[:, None]  # [BLOCK_N, BLOCK_X] in a [M, N] partial
+        mask = w_ok[:, None] & x_ok[None, :]
+        tl.store(partial_ptr + split * M * N + offsets, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel")
+        if arrived == SPLIT - 1:  # the last split of this tile: every partial is visible now
+            total = tl.zeros_like(acc)
+            for s in range(SPLIT):  # split order: the same sum whichever split finished last
+                total += tl.load(partial_ptr + s * M * N + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+            _finish(total, scale_ptr, stride_scale, bias_ptr, out_ptr, rows_w, w_ok, rows_x, x_ok, tile, N,
+                    PER_CHANNEL, HAS_BIAS, GATED, BLOCK_N, BLOCK_X, dtype)
+            tl.atomic_xchg(counter_ptr + tile, 0)  # ready for the next launch
 
 
 @triton.jit
@@ -141,46 +261,57 @@ def _fp8_gemv_kernel(
     w_ptr,  # [N, K] float8e4nv, contiguous
     scale_ptr,  # [ceil(N / QBLOCK_N), ceil(K / QBLOCK_K)] float32 (PER_CHANNEL: [N, 1])
     bias_ptr,  # [N] (unread without HAS_BIAS)
-    out_ptr,  # [M, N] contiguous, x's dtype or float32
+    out_ptr,  # [M, N] contiguous ([M, N // 2] with GATED), x's dtype or float32
+    partial_ptr,  # [SPLIT, M, N] float32 (unused when SPLIT == 1)
+    counter_ptr,  # [>= programs along N] int32, zero (unused when SPLIT == 1)
     M,
     N,
     K,
     stride_xm,
     stride_scale,
-    QBLOCK_N: tl.constexpr,
-    QBLOCK_K: tl.constexpr,  # a power of two (unused with PER_CHANNEL)
+    k_per_split,  # a multiple of BLOCK_K
+    QBLOCK_N: tl.constexpr,  # a multiple of BLOCK_N (BLOCK_N // 2 and of N // 2 with GATED)
+    QBLOCK_K: tl.constexpr,  # unused with PER_CHANNEL
     PER_CHANNEL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    GATED: tl.constexpr,  # W is [gate; up] (N = 2I rows): out [M, I] = silu(x gate^T) * (x up^T)
     PDL: tl.constexpr,
+    SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SUB: tl.constexpr,  # columns per scale: min(BLOCK_K, QBLOCK_K), BLOCK_K with PER_CHANNEL
 ):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # rows of W = output columns
-    row_ok = rows < N
-    lanes = tl.arange(0, BLOCK_K)
-    w_tile = w_ptr + rows[:, None].to(tl.int64) * K + lanes[None, :]  # [BLOCK_N, BLOCK_K] at k = 0
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    rows, row_ok = program_rows_of_w(tile, N, BLOCK_N, GATED)  # rows of W = output columns
+    k_start = split * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    lanes = k_start + tl.arange(0, BLOCK_K)
+    w_tile = w_ptr + rows[:, None].to(tl.int64) * K + lanes[None, :]  # [BLOCK_N, BLOCK_K] at k_start
     # W is streamed once and no kernel of a step writes it: requested before the wait (pdl.py).
-    w = tl.load(w_tile, mask=row_ok[:, None] & (lanes < K)[None, :], other=0.0, eviction_policy="evict_first")
+    w = tl.load(w_tile, mask=row_ok[:, None] & (lanes < k_end)[None, :], other=0.0, eviction_policy="evict_first")
     wait_for_previous_kernel(PDL)
+    # The scales row of the program's rows (its up rows' too when GATED): one block row each.
+    if GATED:
+        first = tile * (BLOCK_N // 2)
+        scale_gate = scale_ptr + (first // QBLOCK_N) * stride_scale
+        scale_up = scale_ptr + ((N // 2 + first) // QBLOCK_N) * stride_scale
+    else:
+        scale_gate = scale_ptr + ((tile * BLOCK_N) // QBLOCK_N) * stride_scale
+        scale_up = scale_gate
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc = _gemv_accumulate(acc, w, x_ptr, stride_xm, M, 0, K, scale_ptr, stride_scale, rows, row_ok,
-                           QBLOCK_N, QBLOCK_K, PER_CHANNEL, BLOCK_M, BLOCK_N, BLOCK_K, SUB)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        w = tl.load(w_tile + k0, mask=row_ok[:, None] & ((k0 + lanes) < K)[None, :], other=0.0,
+    acc = _gemv_accumulate(acc, w, x_ptr, stride_xm, M, lanes, k_end, scale_gate, scale_up,
+                           QBLOCK_K, PER_CHANNEL, GATED, BLOCK_M, BLOCK_N)
+    for k0 in range(BLOCK_K, k_per_split, BLOCK_K):
+        w = tl.load(w_tile + k0, mask=row_ok[:, None] & ((k0 + lanes) < k_end)[None, :], other=0.0,
                     eviction_policy="evict_first")
-        acc = _gemv_accumulate(acc, w, x_ptr, stride_xm, M, k0, K, scale_ptr, stride_scale, rows, row_ok,
-                               QBLOCK_N, QBLOCK_K, PER_CHANNEL, BLOCK_M, BLOCK_N, BLOCK_K, SUB)
+        acc = _gemv_accumulate(acc, w, x_ptr, stride_xm, M, k0 + lanes, k_end, scale_gate, scale_up,
+                               QBLOCK_K, PER_CHANNEL, GATED, BLOCK_M, BLOCK_N)
     let_next_kernel_launch(PDL)
-    if PER_CHANNEL:
-        acc *= tl.load(scale_ptr + rows * stride_scale, mask=row_ok, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
     m = tl.arange(0, BLOCK_M)
-    dtype = x_ptr.dtype.element_ty  # results round to x's dtype (a float32 out holds them as they are)
-    tl.store(out_ptr + m[:, None] * N + rows[None, :], acc.to(dtype).to(out_ptr.dtype.element_ty),
-             mask=(m < M)[:, None] & row_ok[None, :])
+    _finish_split(tl.trans(acc), partial_ptr, counter_ptr, scale_ptr, stride_scale, bias_ptr, out_ptr, rows, row_ok,
+                  m, m < M, tile, split, M, N, PER_CHANNEL, HAS_BIAS, GATED, SPLIT, BLOCK_N, BLOCK_M,
+                  x_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -189,62 +320,68 @@ def _fp8_mma_kernel(
     w_ptr,  # [N, K] float8e4nv, contiguous
     scale_ptr,  # [ceil(N / QBLOCK_N), ceil(K / QBLOCK_K)] float32 (PER_CHANNEL: [N, 1])
     bias_ptr,  # [N] (unread without HAS_BIAS)
-    out_ptr,  # [M, N] contiguous, x's dtype or float32
+    out_ptr,  # [M, N] contiguous ([M, N // 2] with GATED), x's dtype or float32
+    partial_ptr,  # [SPLIT, M, N] float32 (unused when SPLIT == 1)
+    counter_ptr,  # [>= cdiv(N, BLOCK_N)] int32, zero (unused when SPLIT == 1)
     M,
     N,
     K,
     stride_xm,
     stride_scale,
+    k_per_split,  # a multiple of BLOCK_K
     QBLOCK_N: tl.constexpr,
     QBLOCK_K: tl.constexpr,  # a multiple of BLOCK_K (unused with PER_CHANNEL)
     PER_CHANNEL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    GATED: tl.constexpr,
     PDL: tl.constexpr,
+    SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    rows_w = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns
-    w_ok = rows_w < N
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    rows_w, w_ok = program_rows_of_w(tile, N, BLOCK_N, GATED)  # output columns
     rows_x = tl.arange(0, BLOCK_M)
     x_ok = rows_x < M
-    lanes = tl.arange(0, BLOCK_K)
+    k_start = split * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    lanes = k_start + tl.arange(0, BLOCK_K)
     w_tile = w_ptr + rows_w[:, None].to(tl.int64) * K + lanes[None, :]  # [BLOCK_N, BLOCK_K]
     x_tile = x_ptr + rows_x[None, :] * stride_xm + lanes[:, None]  # [BLOCK_K, BLOCK_M]
     scale_rows = scale_ptr + (rows_w // QBLOCK_N) * stride_scale  # [BLOCK_N]
     dtype = x_ptr.dtype.element_ty
-    w = tl.load(w_tile, mask=w_ok[:, None] & (lanes < K)[None, :], other=0.0, eviction_policy="evict_first")
+    w = tl.load(w_tile, mask=w_ok[:, None] & (lanes < k_end)[None, :], other=0.0, eviction_policy="evict_first")
     wait_for_previous_kernel(PDL)
-    x = tl.load(x_tile, mask=(lanes < K)[:, None] & x_ok[None, :], other=0.0)
+    x = tl.load(x_tile, mask=(lanes < k_end)[:, None] & x_ok[None, :], other=0.0)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     if PER_CHANNEL:
         acc = tl.dot(w.to(dtype), x, acc)
     else:
-        acc += tl.dot(w.to(dtype), x) * tl.load(scale_rows, mask=w_ok, other=0.0)[:, None]
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        k_ok = (lanes + k0) < K
+        acc += tl.dot(w.to(dtype), x) * tl.load(scale_rows + k_start // QBLOCK_K, mask=w_ok, other=0.0)[:, None]
+    for k0 in range(BLOCK_K, k_per_split, BLOCK_K):
+        k_ok = (lanes + k0) < k_end
         w = tl.load(w_tile + k0, mask=w_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
         x = tl.load(x_tile + k0, mask=k_ok[:, None] & x_ok[None, :], other=0.0)
         if PER_CHANNEL:
             acc = tl.dot(w.to(dtype), x, acc)
         else:
-            scales = tl.load(scale_rows + k0 // QBLOCK_K, mask=w_ok, other=0.0)  # [BLOCK_N]
+            scales = tl.load(scale_rows + (k_start + k0) // QBLOCK_K, mask=w_ok, other=0.0)  # [BLOCK_N]
             acc += tl.dot(w.to(dtype), x) * scales[:, None]
     let_next_kernel_launch(PDL)
-    if PER_CHANNEL:
-        acc *= tl.load(scale_rows, mask=w_ok, other=0.0)[:, None]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rows_w, mask=w_ok, other=0.0).to(tl.float32)[:, None]
-    tl.store(out_ptr + rows_x[None, :] * N + rows_w[:, None], acc.to(dtype).to(out_ptr.dtype.element_ty),
-             mask=w_ok[:, None] & x_ok[None, :])
+    _finish_split(acc, partial_ptr, counter_ptr, scale_ptr, stride_scale, bias_ptr, out_ptr, rows_w, w_ok,
+                  rows_x, x_ok, tile, split, M, N, PER_CHANNEL, HAS_BIAS, GATED, SPLIT, BLOCK_N, BLOCK_M, dtype)
 
 
-def check_few_rows_inputs(x, weight, weight_scale, block_size, bias, max_m: int, dtypes) -> None:
+def check_few_rows_inputs(x, weight, weight_scale, block_size, bias, max_m: int, dtypes, gated: bool = False) -> None:
     """Raise a ValueError naming what is wrong unless the few-row kernels can take these."""
     check_fp8_weight(weight, weight_scale, block_size)
     if not kernel_block_ok(block_size):
         raise ValueError(f"the FP8 kernels take blocks of a power-of-two width, got block_size {block_size}")
     n, k = weight.shape
+    if gated and n % 2:
+        raise ValueError(f"a gated weight is [gate; up] with an even number of rows, got {list(weight.shape)}")
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x must be [M, K={k}] for an FP8 weight {list(weight.shape)}, got {list(x.shape)}")
     if not 1 <= x.shape[0] <= max_m:
@@ -260,40 +397,63 @@ def check_few_rows_inputs(x, weight, weight_scale, block_size, bias, max_m: int,
         raise ValueError(f"x, weight, weight_scale and bias must be on one device, got {sorted(map(str, devices))}")
 
 
+def gemv_rows_fit_blocks(block_n: int, n: int, block_size: tuple[int, int] | None, gated: bool) -> bool:
+    """Whether every GEMV program's rows of W lie in one block row (gate rows in one and up rows
+    in one when gated), which its scaling of x by column block needs."""
+    if block_size is None:
+        return True
+    rows_per_part = block_n // 2 if gated else block_n
+    return block_size[0] % rows_per_part == 0 and (not gated or (n // 2) % rows_per_part == 0)
+
+
 def fp8_few_rows_linear(
     x: torch.Tensor,  # [M, K], 1 <= M <= 16; any row stride
-    weight: torch.Tensor,  # [N, K] float8_e4m3fn, contiguous
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn, contiguous ([gate; up] when gated)
     weight_scale: torch.Tensor,  # [ceil(N / bn), ceil(K / bk)] or [N, 1] float32, contiguous
     block_size: tuple[int, int] | None,  # None: per-channel scales
     bias: torch.Tensor | None = None,  # [N], x's dtype
     config: Fp8GemvConfig | Fp8MmaConfig | None = None,  # None: default_config's choice
     float32_out: bool = False,  # the values rounded to x's dtype, stored as float32
-) -> torch.Tensor:  # [M, N] contiguous, x's dtype (or float32)
+    gated: bool = False,  # silu(gate) * up of the product (SiluAndMul's roundings), [M, N // 2]
+) -> torch.Tensor:  # [M, N] contiguous ([M, N // 2] when gated), x's dtype (or float32)
     """fp8_linear_torch(x, weight, weight_scale, block_size, bias) reading the FP8 weight once."""
     m = x.shape[0] if x.dim() == 2 else 0
     n, k = weight.shape if weight.dim() == 2 else (0, 0)
     if config is None and 1 <= m <= MAX_M:
-        config = default_config(m, n, k, x.dtype, block_size)
+        config = default_config(m, n, k, x.dtype, block_size, x.device)
     mma = isinstance(config, Fp8MmaConfig)
     check_few_rows_inputs(x, weight, weight_scale, block_size, bias, MAX_M if mma else GEMV_MAX_M,
-                          MMA_X_DTYPES if mma else X_DTYPES)
+                          MMA_X_DTYPES if mma else X_DTYPES, gated)
     qblock_n, qblock_k = block_size if block_size is not None else (1, 1)
     if mma and block_size is not None and qblock_k % config.block_k:
         raise ValueError(f"config {config}: block_k must divide the quant block's width {qblock_k}")
     if not mma and config.block_m < m:
         raise ValueError(f"config {config} has block_m {config.block_m} < M={m}")
+    if gated and config.block_n % 2:
+        raise ValueError(f"config {config}: a gated product needs an even block_n (gate, up pairs)")
+    if not mma and not gemv_rows_fit_blocks(config.block_n, n, block_size, gated):
+        raise ValueError(f"config {config}: a program's rows of W must lie in one block row of {block_size}"
+                         f"{' (gate and up rows each)' if gated else ''}")
+    if config.split < 1:
+        raise ValueError(f"config {config}: split must be >= 1")
     x = x if x.stride(1) == 1 else x.contiguous()
-    out = torch.empty((m, n), dtype=torch.float32 if float32_out else x.dtype, device=x.device)
-    pdl = pdl_enabled(x)
-    common = dict(QBLOCK_N=qblock_n, QBLOCK_K=qblock_k, PER_CHANNEL=block_size is None, HAS_BIAS=bias is not None,
-                  PDL=pdl, BLOCK_K=config.block_k, num_warps=config.num_warps, **launch_options(pdl))
-    args = (x, weight, weight_scale, bias if bias is not None else out, out, m, n, k, x.stride(0),
-            weight_scale.stride(0))
-    if mma:
-        _fp8_mma_kernel[(triton.cdiv(n, config.block_n),)](
-            *args, BLOCK_M=MAX_M, BLOCK_N=config.block_n, num_stages=config.num_stages, **common)
+    out = torch.empty((m, n // 2 if gated else n), dtype=torch.float32 if float32_out else x.dtype, device=x.device)
+    tiles = triton.cdiv(n, config.block_n)
+    k_per_split = triton.cdiv(triton.cdiv(k, config.split), config.block_k) * config.block_k
+    split = triton.cdiv(k, k_per_split)  # no empty slice
+    if split > 1:
+        partials = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        counters = _COUNTERS.get(x.device, tiles)
     else:
-        sub = config.block_k if block_size is None else min(config.block_k, qblock_k)
-        _fp8_gemv_kernel[(triton.cdiv(n, config.block_n),)](
-            *args, BLOCK_M=config.block_m, BLOCK_N=config.block_n, SUB=sub, **common)
+        partials = counters = out  # unread
+    pdl = pdl_enabled(x)
+    args = (x, weight, weight_scale, bias if bias is not None else out, out, partials, counters, m, n, k, x.stride(0),
+            weight_scale.stride(0), k_per_split)
+    common = dict(QBLOCK_N=qblock_n, QBLOCK_K=qblock_k, PER_CHANNEL=block_size is None, HAS_BIAS=bias is not None,
+                  GATED=gated, PDL=pdl, SPLIT=split, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                  num_warps=config.num_warps, **launch_options(pdl))
+    if mma:
+        _fp8_mma_kernel[(tiles, split)](*args, BLOCK_M=MAX_M, num_stages=config.num_stages, **common)
+    else:
+        _fp8_gemv_kernel[(tiles, split)](*args, BLOCK_M=config.block_m, **common)
     return out
