@@ -126,6 +126,10 @@ def add_serve_parser(modes) -> None:
                    help="Prometheus endpoint (default: BASE_URL/metrics; '' to skip)")
     p.add_argument("--percentiles", default="50,90,99", help="latency percentiles to report")
     p.add_argument("--output-json", dest="serve_output_json", help="write the full report here")
+    p.add_argument("--per-request-json", dest="serve_per_request_json",
+                   help="write one row per request here (send time, TTFT, latency, tokens; per "
+                        "level with --concurrency) and print the first wave's and later "
+                        "requests' mean TTFT")
     add_dataset_args(p, "mt_bench")
     p.set_defaults(func=run_serve_command)
 
@@ -198,7 +202,7 @@ def run_serve_command(args: argparse.Namespace) -> int:
     from foretell.bench.report import write_json
     from foretell.bench.serve_load import (
         ServeSettings, format_serve_report, format_sweep_report, parse_concurrencies,
-        run_concurrency_sweep, run_serve_load,
+        per_request_tables, run_concurrency_sweep, run_serve_load,
     )
     from foretell.bench.sweep import parse_float_list
 
@@ -220,6 +224,7 @@ def run_serve_command(args: argparse.Namespace) -> int:
         max_concurrency=args.max_concurrency, seed=args.serve_seed, timeout_s=args.timeout,
         metrics_url=args.metrics_url, progress=args.progress,
         percentiles=parse_float_list(args.percentiles, "--percentiles"),
+        per_request=bool(args.serve_per_request_json),
     )
     if levels:
         report = asyncio.run(run_concurrency_sweep(settings, levels, args.num_prompts,
@@ -233,4 +238,7 @@ def run_serve_command(args: argparse.Namespace) -> int:
     if args.serve_output_json:
         write_json(args.serve_output_json, report)
         print(f"\nwrote {args.serve_output_json}")
+    if args.serve_per_request_json:
+        write_json(args.serve_per_request_json, per_request_tables(report))
+        print(f"wrote {args.serve_per_request_json}")
     return 0 if completed else 1

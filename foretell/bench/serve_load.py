@@ -14,6 +14,12 @@ Latency under load (`--concurrency 1,16,64`): one closed-loop run per level (tha
 in flight, a new one sent as one ends), each with prompts of its own (later levels must not
 find earlier levels' prompts in the prefix cache) and of distinct lengths (so that a server that
 compiles kernels per shape shows it); a table of TTFT, TPOT and ITL percentiles per level.
+
+Per request (`--per-request-json PATH`): when each request was sent (ms after the run's start),
+its TTFT, latency and token counts, in the order sent, so a burst's first wave (the first
+`concurrency` requests of a closed loop, sent together) can be told from later arrivals (each
+sent alone into a running batch); the table then adds the first wave's and the later requests'
+mean TTFT.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ class ServeSettings:
     metrics_url: str | None = None  # default: base_url + /metrics; "" to skip
     percentiles: list[float] = field(default_factory=lambda: [50.0, 90.0, 99.0])
     progress: bool = True
+    per_request: bool = False  # keep one row per request in the report ("requests")
 
 
 @dataclass
@@ -66,6 +73,7 @@ class RequestResult:
     prompt_tokens: int | None = None
     counted_from_usage: bool = False
     error: str | None = None
+    sent_s: float = 0.0  # when the request was sent, seconds after the run's start
 
 
 # ---- Prometheus text --------------------------------------------------------------------------
@@ -264,7 +272,9 @@ async def run_serve_load(s: ServeSettings) -> dict[str, Any]:
 
         async def one(payload):
             async with gate:
+                sent = time.perf_counter()
                 result = await send_request(client, url, payload, chat)
+            result.sent_s = sent - start
             bar.update(1)
             return result
 
@@ -279,6 +289,8 @@ async def run_serve_load(s: ServeSettings) -> dict[str, Any]:
         bar.close()
         metrics_after = await _fetch_metrics(client, metrics_url)
     report = summarize_results(results, duration, s.percentiles)
+    if s.per_request:
+        report["requests"] = per_request_rows(results)
     report.update(
         base_url=s.base_url, endpoint=path, model=model, num_prompts=len(payloads),
         max_tokens=s.max_tokens, temperature=s.temperature, ignore_eos=s.ignore_eos,
@@ -340,8 +352,11 @@ async def run_concurrency_sweep(
         prompts = [pool[(start + j) % len(pool)] for j in range(requests_per_level)]
         report = await run_serve_load(replace(s, prompts=prompts, max_concurrency=concurrency,
                                               request_rate=math.inf))
-        levels.append({"concurrency": concurrency,
-                       "prompt_lengths": sorted(prompt_length(p) for p in prompts), **report})
+        level = {"concurrency": concurrency,
+                 "prompt_lengths": sorted(prompt_length(p) for p in prompts), **report}
+        if "requests" in report:
+            level["ttft_by_wave_ms"] = wave_ttft(report["requests"], concurrency)
+        levels.append(level)
     return {
         "mode": "concurrency_sweep", "base_url": s.base_url, "model": levels[0]["model"],
         "concurrencies": concurrencies, "requests_per_level": requests_per_level,
@@ -375,6 +390,14 @@ def format_sweep_report(report: dict[str, Any]) -> str:
         "",
         table(headers, rows),
     ]
+    waves = [level for level in report["levels"] if "ttft_by_wave_ms" in level]
+    if waves:
+        lines += ["", "mean TTFT (ms), first wave (the first `concurrency` requests, sent "
+                  "together) / later requests (each sent alone into a running batch):"]
+        for level in waves:
+            wave = level["ttft_by_wave_ms"]
+            lines.append(f"  concurrency {level['concurrency']}: {fmt(wave['first_wave'])} / "
+                         f"{fmt(wave['later'])}")
     for level in report["levels"]:
         for error in level["errors"]:
             lines.append(f"error (concurrency {level['concurrency']}): {error}")
@@ -382,6 +405,42 @@ def format_sweep_report(report: dict[str, Any]) -> str:
 
 
 # ---- summary ----------------------------------------------------------------------------------
+
+
+def per_request_rows(results: list[RequestResult]) -> list[dict[str, Any]]:
+    """One row per request, in the order sent: send time, TTFT and latency in ms, tokens."""
+    def ms(seconds: float | None) -> float | None:
+        return None if seconds is None else seconds * 1000.0
+
+    return [
+        {"index": i, "sent_ms": ms(r.sent_s), "ok": r.ok, "ttft_ms": ms(r.ttft_s),
+         "latency_ms": ms(r.latency_s) if r.ok else None, "prompt_tokens": r.prompt_tokens,
+         "output_tokens": r.output_tokens, "error": r.error}
+        for i, r in enumerate(results)
+    ]
+
+
+def per_request_tables(report: dict[str, Any]) -> dict[str, Any]:
+    """What --per-request-json writes: the per-request rows of a run, or of each level of a
+    sweep (with the level's first-wave and later mean TTFT)."""
+    if report.get("mode") == "concurrency_sweep":
+        return {"mode": "concurrency_sweep", "base_url": report["base_url"], "levels": [
+            {"concurrency": level["concurrency"], "ttft_by_wave_ms": level.get("ttft_by_wave_ms"),
+             "requests": level.get("requests", [])}
+            for level in report["levels"]]}
+    return {"base_url": report["base_url"], "max_concurrency": report["max_concurrency"],
+            "requests": report.get("requests", [])}
+
+
+def wave_ttft(rows: list[dict[str, Any]], concurrency: int) -> dict[str, float | None]:
+    """Mean TTFT (ms) of a closed loop's first wave (the first `concurrency` requests, sent
+    together) and of the later requests (each sent as another one ended)."""
+    def mean(values: list[float]) -> float | None:
+        return sum(values) / len(values) if values else None
+
+    ttfts = [(row["index"], row["ttft_ms"]) for row in rows if row["ttft_ms"] is not None]
+    return {"first_wave": mean([t for i, t in ttfts if i < concurrency]),
+            "later": mean([t for i, t in ttfts if i >= concurrency])}
 
 
 def distribution(values_s: list[float], percentiles: list[float]) -> dict[str, float | None]:

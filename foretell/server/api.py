@@ -212,6 +212,7 @@ def build_app(
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus_metrics() -> Response:
         """Prometheus text exposition format."""
+        await async_engine.fresh_stats()  # the collector reads this snapshot
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 

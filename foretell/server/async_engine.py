@@ -6,6 +6,12 @@ run the commands handed to it (add, abort, abort all, stop) between steps, call 
 the outputs to the asyncio event loop in one call_soon_threadsafe per step. The event loop side
 owns the OutputStreams; nothing else is shared except the command queue and a stats snapshot.
 
+The stats snapshot is taken when someone asks, not after every step: stats() returns the last
+snapshot and asks for a new one after the next step, and fresh_stats() (what /metrics and /stats
+await) gets one taken between two steps. The engine thread also takes one after a step that
+finished a request (before its output goes out, so a client that saw its request finish sees it
+counted) and when it goes idle. Other steps cost no stats work while nobody looks.
+
 Outputs are cumulative (the whole text and token list so far), so a consumer that falls behind
 only needs the latest output of each request: an OutputStream keeps just that.
 A consumer that goes away aborts its requests, which frees their KV blocks at the next command
@@ -31,6 +37,10 @@ from foretell.sampling_params import SamplingParams
 from foretell.tokenizer import Tokenizer
 
 logger = logging.getLogger("foretell.server")
+
+# How long fresh_stats waits for the engine thread (a step in progress, then the snapshot) before
+# it answers with the last snapshot: a scrape must not hang on an engine that stopped.
+FRESH_STATS_TIMEOUT_S = 5.0
 
 
 class EngineDeadError(RuntimeError):
@@ -130,6 +140,7 @@ class AsyncEngine:
         self._wakeup = threading.Event()
         self._streams: dict[str, OutputStream] = {}  # event loop side only
         self._stats: dict[str, Any] = {}
+        self._stats_wanted = False  # set by stats(): snapshot again after the next step
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
@@ -220,8 +231,23 @@ class AsyncEngine:
                 del self._streams[request_id]
 
     def stats(self) -> dict[str, Any]:
-        """The engine's get_stats() as of the last step (a snapshot; never blocks)."""
+        """The engine's get_stats() as of the last snapshot (never blocks; safe from any
+        thread). While the engine runs, asks for a new snapshot after the next step; an idle
+        engine's snapshot was taken when it went idle."""
+        self._stats_wanted = True
         return self._stats
+
+    async def fresh_stats(self) -> dict[str, Any]:
+        """The engine's get_stats() taken between two steps after this call (within one step),
+        on the event loop; the last snapshot when the engine thread is not running."""
+        if not self.is_ready:
+            return self._stats
+        done: asyncio.Future = self._loop.create_future()
+        self._send(("stats", done))
+        try:  # a stopping or dying engine thread may never answer: then the last snapshot
+            return await asyncio.wait_for(done, FRESH_STATS_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return self._stats
 
     def not_ready_reason(self) -> str:
         if self.load_error is not None:
@@ -282,6 +308,7 @@ class AsyncEngine:
                 return
             if not engine.has_unfinished_requests():
                 self._stats = engine.get_stats()
+                self._stats_wanted = False
                 self._wakeup.wait(timeout=1.0)
                 self._wakeup.clear()
                 continue
@@ -292,7 +319,10 @@ class AsyncEngine:
                 error = RequestFailedError(f"the engine failed while running the request: {e!r}")
                 self._emit([(rid, error) for rid, _ in self._abort_all()])
                 continue
-            self._stats = engine.get_stats()
+            if self._stats_wanted or any(out.finished for out in outputs):
+                # Before the outputs go out: whoever sees a request finish sees it counted.
+                self._stats_wanted = False
+                self._stats = engine.get_stats()
             if outputs:
                 self._emit([(out.request_id, out) for out in outputs])
 
@@ -310,6 +340,9 @@ class AsyncEngine:
                 self._emit([(rid, out) for rid in command[1] if (out := self._abort(rid))])
             elif kind == "abort_all":
                 self._emit(self._abort_all())
+            elif kind == "stats":
+                self._stats = self.engine.get_stats()
+                self._loop.call_soon_threadsafe(_resolve, command[1], self._stats)
             elif kind == "stop":
                 self._emit(self._abort_all())
                 return False

@@ -4,18 +4,24 @@ FastAPI and uvicorn are imported only when the command runs, so the rest of the 
 without the `server` extra. On SIGTERM (or Ctrl+C) the server stops accepting connections,
 aborts what is in flight (streams end with finish_reason "abort", their KV blocks are freed),
 stops the engine thread and exits 0. The model loads in the engine thread while the server
-already listens: /health answers 503 until it is ready.
+already listens: /health answers 503 until it is ready. --switch-interval-ms sets the process's
+thread switch interval (the server owns its process).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from foretell.cli_args import add_engine_args, engine_kwargs_from_args
 from foretell.server.tool_parsers import TOOL_CALL_PARSERS
 
 API_KEY_ENV = "FORETELL_API_KEY"
+# Python's default (5 ms) is how long the event loop may wait for the interpreter lock while the
+# engine thread runs a step, at every hand-over (a new request, a streamed chunk); a few such
+# waits would explain a lone request's ~15 ms TTFT on the H200 where a step takes ~1 ms.
+DEFAULT_SWITCH_INTERVAL_MS = 0.5
 
 
 def add_serve_parser(subparsers) -> None:
@@ -39,6 +45,11 @@ def add_serve_parser(subparsers) -> None:
                    help="seconds between engine stats log lines while busy (0: never)")
     g.add_argument("--timeout-graceful-shutdown", type=float, default=10.0,
                    help="seconds to wait for open responses on shutdown before cancelling them")
+    g.add_argument("--switch-interval-ms", type=float, default=DEFAULT_SWITCH_INTERVAL_MS,
+                   help="Python's thread switch interval in this server process (sys."
+                        "setswitchinterval), default %(default)s ms (Python's own: 5): while the "
+                        "engine thread runs a step, the event loop (new requests, streamed "
+                        "chunks) waits up to this long for the interpreter lock at each hand-over")
     g.add_argument("--tool-call-parser", default="auto", choices=list(TOOL_CALL_PARSERS),
                    help="the format of tool calls on /v1/chat/completions (parsed from the output, "
                         "forced by a grammar for tool_choice required or named): hermes (Qwen3), "
@@ -61,6 +72,8 @@ def check_server_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     if args.max_queued_requests is not None and args.max_queued_requests < 0:
         raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
+    if not 0 < args.switch_interval_ms <= 1000:
+        raise ValueError(f"--switch-interval-ms must be in (0, 1000] milliseconds, got {args.switch_interval_ms}")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -80,6 +93,9 @@ def run_serve(args: argparse.Namespace) -> int:
     app = build_app(async_engine, served_name, args.api_key or None,
                     args.max_queued_requests, args.max_request_bytes, ui=args.ui,
                     tool_call_parser=args.tool_call_parser)
+    # The server owns its process: the engine thread and the event loop share one interpreter
+    # lock, and a hand-over from a busy engine thread waits for the switch interval.
+    sys.setswitchinterval(args.switch_interval_ms / 1000.0)
     return serve_forever(
         app, async_engine, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
         access_log=args.access_log, timeout_graceful_shutdown=args.timeout_graceful_shutdown,

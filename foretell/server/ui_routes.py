@@ -49,6 +49,7 @@ def add_stats_route(app: FastAPI, async_engine: AsyncEngine, served_model_name: 
     @app.get("/stats")
     async def stats() -> JSONResponse:
         """The engine's stats (as /metrics, in JSON), the served model and its drafter."""
+        await async_engine.fresh_stats()  # server_info reads this snapshot
         return JSONResponse(server_info(async_engine, served_model_name),
                             headers={"Cache-Control": "no-store"})
 
