@@ -98,6 +98,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
                     help="suffix: draft at most this many tokens per matched token (1.0)")
     sp.add_argument("--suffix-decoding-min-token-prob", type=float,
                     help="suffix: stop drafting below this empirical path probability (0.1)")
+    sp.add_argument("--suffix-decoding-min-match-length", type=int,
+                    help="suffix: draft only after a match of at least this many tokens (4)")
     sp.add_argument("--hybrid", choices=["eagle3", "mtp", "draft_model"],
                     help="suffix: the model drafter for sequences whose suffix match is short")
     sp.add_argument("--hybrid-num-speculative-tokens", type=int,
@@ -111,7 +113,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
 SUFFIX_FLAGS = (
     "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
     "suffix_decoding_max_cached_tokens", "suffix_decoding_max_spec_factor",
-    "suffix_decoding_min_token_prob", "hybrid", "hybrid_num_speculative_tokens",
+    "suffix_decoding_min_token_prob", "suffix_decoding_min_match_length", "hybrid", "hybrid_num_speculative_tokens",
     "hybrid_min_match_length",
 )
 

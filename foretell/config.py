@@ -189,12 +189,13 @@ class SpeculativeConfig:
     # suffix (vLLM's names; spec_decode/suffix.py): depth of the suffix tries (longest match
     # + draft per walk), finished responses kept in the global cache (and foretell's own bound on
     # their tokens, which bounds its memory), draft tokens per matched token, and the lowest
-    # empirical probability of a drafted path.
+    # empirical probability of a drafted path; foretell's shortest match that drafts at all.
     suffix_decoding_max_tree_depth: int = 24
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_cached_tokens: int = 1 << 17
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    suffix_decoding_min_match_length: int = 4
     # suffix with a model drafter (eagle3 | mtp | draft_model, spec_decode/hybrid.py): sequences
     # whose suffix match is shorter than hybrid_min_match_length take the model's k drafts,
     # hybrid_num_speculative_tokens (default: that method's k; at most num_speculative_tokens).
@@ -245,6 +246,7 @@ class SpeculativeConfig:
         integer("suffix_decoding_max_tree_depth", 2)
         integer("suffix_decoding_max_cached_requests", 0)
         integer("suffix_decoding_max_cached_tokens", 0)
+        integer("suffix_decoding_min_match_length", 1)
         integer("hybrid_min_match_length", 1)
         factor = self.suffix_decoding_max_spec_factor
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:

@@ -86,7 +86,8 @@ def test_default_model_suffix_equals_plain_and_accepts_long_drafts():
 
 
 def test_sampled_run_is_seeded_and_drafts(qwen3_checkpoint):
-    spec = {"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_min_token_prob": 0.0}
+    spec = {"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_min_token_prob": 0.0,
+            "suffix_decoding_min_match_length": 1}
     params = SamplingParams(temperature=0.8, max_tokens=MAX_TOKENS, ignore_eos=True, seed=7)
     runs = []
     for _ in range(2):
@@ -112,7 +113,7 @@ def draft_batch(histories: list[list[int]], seq_ids: list[int], k: int = 8) -> D
 
 
 def test_a_finished_response_drafts_for_the_next_request():
-    proposer = SuffixProposer(8, SuffixSettings(max_tree_depth=8))
+    proposer = SuffixProposer(8, SuffixSettings(max_tree_depth=8, min_match_length=2))
     prompt, answer = [1, 2, 3], [50, 51, 52, 53, 54, 55, 56, 57, 58, 59]
     history = prompt + answer[:1]
     proposer.propose(draft_batch([history], [1]))
@@ -147,6 +148,7 @@ def test_drafts_stop_at_the_useful_positions():
         ({"suffix_decoding_max_tree_depth": 1}, "suffix_decoding_max_tree_depth must be an integer >= 2"),
         ({"suffix_decoding_max_cached_requests": -1}, "suffix_decoding_max_cached_requests"),
         ({"suffix_decoding_max_spec_factor": 0}, "suffix_decoding_max_spec_factor must be a number > 0"),
+        ({"suffix_decoding_min_match_length": 0}, "suffix_decoding_min_match_length must be an integer >= 1"),
         ({"suffix_decoding_min_token_prob": 1.5}, r"suffix_decoding_min_token_prob must be a number in \[0, 1\]"),
         ({"hybrid": "ngram"}, "hybrid must be one of eagle3, mtp, draft_model"),
         ({"hybrid": "eagle3"}, "hybrid 'eagle3' needs a draft model folder"),
@@ -176,11 +178,13 @@ def test_cli_flags_build_the_suffix_config():
     parser = argparse.ArgumentParser()
     add_engine_args(parser, model_required=False)
     args = parser.parse_args(["--method", "suffix", "--suffix-decoding-max-tree-depth", "12",
-                              "--suffix-decoding-min-token-prob", "0.2", "--hybrid", "mtp",
+                              "--suffix-decoding-min-token-prob", "0.2", "--suffix-decoding-min-match-length", "3",
+                              "--hybrid", "mtp",
                               "--hybrid-min-match-length", "6"])
     config = speculative_config_from_args(args)
     assert config == {"method": "suffix", "num_speculative_tokens": 16, "suffix_decoding_max_tree_depth": 12,
-                      "suffix_decoding_min_token_prob": 0.2, "hybrid": "mtp", "hybrid_min_match_length": 6}
+                      "suffix_decoding_min_token_prob": 0.2, "suffix_decoding_min_match_length": 3, "hybrid": "mtp",
+                      "hybrid_min_match_length": 6}
 
 
 def test_host_time_per_step_is_measured():

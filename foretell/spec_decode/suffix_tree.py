@@ -1,31 +1,39 @@
-"""SuffixTrie: a bounded-depth suffix trie with occurrence counts, the data structure of suffix
-decoding (spec_decode/suffix.py).
+"""SuffixIndex: the suffix structure of suffix decoding (spec_decode/suffix.py), kept as positions
+in a token store instead of trie nodes, so that the host work of a step is proportional to the
+tokens new in it, not to the tokens times the tree depth.
 
-Every substring of at most max_depth tokens of the inserted sequences is a path from the root;
-a node counts how often its substring occurs (`count`) and how many of those occurrences go on
-with a next token (`out`, the sum of its children's counts), so child.count / node.out is the
-empirical probability of that next token after the substring. Each node also remembers its most
-frequent child (ties go to the newest), so a draft walks down in O(1) per token.
+A node of a suffix trie is a substring; what drafting reads from it is the list of the
+substring's occurrences and what follows each. SuffixIndex keeps exactly that, lazily:
+  - `tokens`, the store: one sequence (a request's prompt and output) or many (the global cache's
+    responses, SEPARATOR between them, the oldest evicted from the front);
+  - `index`, every gram of key_length tokens -> the store positions right after its occurrences
+    (oldest first), the entry points of matching. A gram is indexed once the token after it is
+    stored, so a sequence never matches its own end.
+A Match is a node of the implicit trie: how many tokens of the context's end matched (`length`)
+and the store positions right after each occurrence (`positions`, at most MAX_CANDIDATES, the
+most recent). It moves with the context: appending token x keeps the positions whose next token
+is x, one further on (O(candidates) per token, no re-matching). Once none is left, the next
+lookup starts again from the context's last key_length tokens, extends each occurrence
+backwards (up to max_depth tokens) and keeps the longest-matching ones: the deepest trie node.
 
-Nodes live in flat lists of ints indexed by node id (the root is 0) and one dict of edges,
-(parent id * TOKEN_STRIDE + token) -> child id: no Python object per node, so a trie of millions
-of nodes costs the garbage collector nothing and appending allocates almost nothing. Each node
-keeps its count, out, most frequent child (-1: none) and token; a removable trie (the global
-cache's) also keeps first child / next sibling, to list children when an eviction must find a
-new most frequent one. A node's depth is its index in an active list, or counted by the walk.
-
-Sequences grow one token at a time: an "active" list holds the nodes of the sequence's last 0 ..
-max_depth - 1 tokens, and appending token x extends each of them by x, so appending costs
-O(max_depth) dictionary operations whatever the sequence's length. Removing a sequence (the
-global cache's eviction, suffix_cache.py) replays the same walk with decrements and frees nodes
-whose count reaches zero.
+Drafting walks down from a Match like the trie walk: at each step the most frequent next token
+among the occurrences (ties: the most recent), its empirical probability count / occurrences
+that go on, the path's probability the product; it stops below min_token_prob. A single
+occurrence is copied in one slice. In a sequence's own store an occurrence that runs into the
+context's end keeps copying from the draft itself (a loop drafts on past the end).
+Costs: appending n tokens O(n) dict operations (a 512-token prompt ~0.2 ms), a step's advance
+O(new tokens x candidates), a lookup O(candidates x max_depth) at worst, a draft O(draft x
+candidates) and one slice for a single occurrence.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-TOKEN_STRIDE = 1 << 24  # above any vocabulary size
+SEPARATOR = -1  # between responses in the global cache's store: no context token equals it
+# Occurrences a match follows (the most recent): bounds a lookup's and a walk's host work; the
+# trie's counts over more occurrences would change the drafts of frequent short grams only.
+MAX_CANDIDATES = 16
 
 
 @dataclass
@@ -42,201 +50,183 @@ class Draft:
 EMPTY_DRAFT = Draft([], 0, 0.0)
 
 
-class SuffixTrie:
-    def __init__(self, max_depth: int, removable: bool = False):
-        if max_depth < 2:
-            raise ValueError(f"suffix trie max_depth must be >= 2, got {max_depth}")
+@dataclass
+class Match:
+    """The context's longest matched suffix in a SuffixIndex: its length, and the store positions
+    right after its occurrences (oldest first; empty: no match)."""
+
+    length: int = 0
+    positions: list[int] = field(default_factory=list)
+
+
+class SuffixIndex:
+    def __init__(self, key_length: int, max_depth: int):
+        if key_length < 1:
+            raise ValueError(f"suffix index key_length (the shortest match) must be >= 1, got {key_length}")
+        if max_depth < key_length:
+            raise ValueError(f"suffix index max_depth must be >= key_length {key_length}, got {max_depth}")
+        self.key_length = key_length
         self.max_depth = max_depth
-        self.count = [0]  # per node: occurrences of its substring
-        self.out = [0]  # per node: occurrences followed by a next token (sum of children's counts)
-        self.best = [-1]  # per node: its most frequent child (ties: the newest), -1 if none
-        self.token = [-1]  # per node: the last token of its substring
-        self.removable = removable
-        self.first_child = [-1]  # only kept when removable
-        self.next_sibling = [-1]
-        self.edges: dict[int, int] = {}  # parent * TOKEN_STRIDE + token -> child
-        self.free: list[int] = []  # ids of removed nodes, reused first
+        self.tokens: list[int] = []  # the store, from absolute position `base` on
+        self.base = 0  # absolute position of tokens[0] (a compacted store dropped what was before)
+        self.start = 0  # first live absolute position (the global cache evicts below it)
+        self.index: dict[tuple[int, ...], list[int]] = {}  # gram -> absolute positions after it
 
     @property
-    def num_nodes(self) -> int:
-        return len(self.count) - len(self.free)
+    def end(self) -> int:
+        """Absolute position one past the last stored token."""
+        return self.base + len(self.tokens)
 
-    def _new_node(self, parent: int, x: int) -> int:
-        """A new child x of parent with count 1 (a freed id when there is one)."""
-        if self.free:
-            node = self.free.pop()
-            self.count[node], self.out[node], self.best[node], self.token[node] = 1, 0, -1, x
-        else:
-            node = len(self.count)
-            self.count.append(1)
-            self.out.append(0)
-            self.best.append(-1)
-            self.token.append(x)
-            self.first_child.append(-1)
-            self.next_sibling.append(-1)
-        if self.removable:
-            self.first_child[node] = -1
-            self.next_sibling[node] = self.first_child[parent]
-            self.first_child[parent] = node
-        self.edges[parent * TOKEN_STRIDE + x] = node
-        return node
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
 
     # ---- building ------------------------------------------------------------------------
-    def extend(self, active: list[int], tokens: list[int]) -> list[int]:
-        """Append tokens to the sequence whose active suffix nodes (depths 0, 1, ..., in order,
-        the root first) are `active`; returns the new active list (at most max_depth nodes)."""
-        count, out, best, edges = self.count, self.out, self.best, self.edges
-        token, removable = self.token, self.removable
-        max_active = self.max_depth
-        for x in tokens:
-            fresh = [0]
-            for node in active:
-                key = node * TOKEN_STRIDE + x
-                child = edges.get(key)
-                if child is not None:
-                    count[child] += 1
-                elif removable:
-                    child = self._new_node(node, x)
-                else:  # _new_node inlined: in new text most appends create nodes
-                    child = edges[key] = len(count)
-                    count.append(1)
-                    out.append(0)
-                    best.append(-1)
-                    token.append(x)
-                out[node] += 1
-                b = best[node]
-                if b != child and (b < 0 or count[child] >= count[b]):
-                    best[node] = child
-                fresh.append(child)
-            count[0] += 1
-            active = fresh if len(fresh) <= max_active else fresh[:max_active]
-        return active
-
-    def insert(self, tokens: list[int]) -> None:
-        """Insert a whole sequence (every substring of at most max_depth tokens)."""
-        self.extend([0], tokens)
-
-    def remove(self, tokens: list[int]) -> None:
-        """Undo insert(tokens) of a sequence inserted earlier (counts down, empty nodes freed)."""
-        if not self.removable:
-            raise ValueError("this suffix trie was built without removable=True")
-        count, out, best, edges = self.count, self.out, self.best, self.edges
-        active = [0]
-        for x in tokens:
-            fresh = [0]
-            for node in active:
-                child = edges[node * TOKEN_STRIDE + x]
-                count[child] -= 1
-                out[node] -= 1
-                if count[child] == 0:
-                    self._unlink(node, child, x)
-                if best[node] == child:
-                    best[node] = self._most_frequent_child(node)
-                fresh.append(child)
-            count[0] -= 1
-            active = fresh[: self.max_depth]
-
-    def _unlink(self, parent: int, child: int, x: int) -> None:
-        del self.edges[parent * TOKEN_STRIDE + x]
-        previous, node = -1, self.first_child[parent]
-        while node != child:
-            previous, node = node, self.next_sibling[node]
-        if previous < 0:
-            self.first_child[parent] = self.next_sibling[child]
-        else:
-            self.next_sibling[previous] = self.next_sibling[child]
-        # Its own children are all at count 0 too (each of their occurrences was one of its
-        # own): the walk frees them as it reaches them.
-        self.free.append(child)
-
-    def _most_frequent_child(self, node: int) -> int:
-        best, best_count = -1, 0
-        child = self.first_child[node]
-        while child >= 0:
-            if self.count[child] > best_count:
-                best, best_count = child, self.count[child]
-            child = self.next_sibling[child]
-        return best
-
-    # ---- matching and drafting -----------------------------------------------------------
-    def find(self, tokens: list[int]) -> int:
-        """The node of the path `tokens` from the root, or -1."""
-        node, edges = 0, self.edges
-        for x in tokens:
-            node = edges.get(node * TOKEN_STRIDE + x, -1)
-            if node < 0:
-                return -1
-        return node
-
-    def suffix_nodes(self, context: list[int]) -> list[int]:
-        """The active list of a context against this trie: the nodes of its longest suffixes that
-        are paths here, depths 0 .. L in order (every suffix of a path is a path, so they are
-        contiguous), L < max_depth."""
-        length = min(len(context), self.max_depth - 1)
-        # the longest suffix that is a path, by bisection on its length (monotone, see above)
-        lo, hi = 0, length
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self.find(context[len(context) - mid :]) >= 0:
-                lo = mid
+    def extend(self, new: list[int]) -> None:
+        """Append tokens, indexing every gram the new tokens follow."""
+        tokens, index, m, base = self.tokens, self.index, self.key_length, self.base
+        first = len(tokens)
+        tokens.extend(new)
+        for i in range(max(first, m), len(tokens)):
+            key = tuple(tokens[i - m : i])
+            hits = index.get(key)
+            if hits is None:
+                index[key] = [base + i]
             else:
-                hi = mid - 1
-        return [self.find(context[len(context) - d :]) if d else 0 for d in range(lo + 1)]
+                hits.append(base + i)
 
-    def advance(self, active: list[int], tokens: list[int]) -> list[int]:
-        """Follow a context that grows by tokens without inserting it: `active` holds the
-        nodes of its suffixes that are paths here (depths 0 .. L, as suffix_nodes returns);
-        the new list likewise."""
-        edges, limit = self.edges, self.max_depth - 1
-        for x in tokens:
-            fresh = [0]
-            for node in active[:limit]:
-                child = edges.get(node * TOKEN_STRIDE + x)
-                if child is None:  # suffixes are nested: no longer one goes on with x either
-                    break
-                fresh.append(child)
-            active = fresh
-        return active
+    def append_sequence(self, sequence: list[int]) -> None:
+        """Append one sequence of many (the global cache): grams inside it only, SEPARATOR after
+        (so every occurrence that goes on has its next token in the store)."""
+        index, m, base, tokens = self.index, self.key_length, self.base, self.tokens
+        first = len(tokens)
+        tokens.extend(sequence)
+        tokens.append(SEPARATOR)
+        for i in range(first + m, len(tokens) - 1):
+            key = tuple(tokens[i - m : i])
+            hits = index.get(key)
+            if hits is None:
+                index[key] = [base + i]
+            else:
+                hits.append(base + i)
 
-    def longest_continuing(self, active: list[int]) -> tuple[int, int]:
-        """The deepest non-root node of an active list with a continuation (out > 0) and its
-        depth, or (-1, 0)."""
-        out = self.out
-        for depth in range(len(active) - 1, 0, -1):
-            if out[active[depth]] > 0:
-                return active[depth], depth
-        return -1, 0
+    def drop_oldest(self, length: int) -> None:
+        """Evict the oldest stored sequence (`length` tokens, appended by append_sequence): its
+        index entries are the first of their lists (positions grow, the oldest goes first)."""
+        tokens, index, m = self.tokens, self.index, self.key_length
+        first = self.start - self.base
+        for i in range(first + m, first + length):
+            key = tuple(tokens[i - m : i])
+            hits = index[key]
+            if len(hits) == 1:
+                del index[key]
+            else:
+                del hits[0]
+        self.start += length + 1  # its separator too
+        if self.start >= self.end:  # nothing left
+            self.tokens.clear()
+            self.base = self.start
+        elif self.start - self.base > len(self.tokens) // 2:  # compact: drop the dead front
+            del self.tokens[: self.start - self.base]
+            self.base = self.start
 
-    def draft(self, node: int, depth: int, context: list[int], max_tokens: int, min_token_prob: float,
-              anchor_length: int) -> tuple[list[int], float]:
-        """Walk down from `node` (the path of context's last `depth` tokens) by most
-        frequent child while the path's empirical probability stays >= min_token_prob, at most
-        max_tokens tokens. Where the path ends (max_depth, or a substring seen only at the end
-        of a sequence) the walk re-anchors on a shorter tail of context + draft: at most
-        anchor_length tokens, always a path (every suffix of a path is one). So drafts may be
-        longer than the trie is deep, and a loop near the end of the context keeps going.
-        Returns (tokens, score)."""
-        count, out, best, token = self.count, self.out, self.best, self.token
-        tokens: list[int] = []
-        prob, score = 1.0, 0.0
-        max_depth = self.max_depth
-        while len(tokens) < max_tokens:
-            if depth >= max_depth or out[node] == 0:
-                length = min(anchor_length, depth - 1)
-                if length < 1:
-                    break
-                tail = context[max(0, len(context) - length) :] + tokens if len(tokens) < length else tokens
-                node = self.find(tail[len(tail) - length :])
-                if node < 0:  # cannot happen for a path of this trie; stay safe
-                    break
-                depth = length
+    # ---- matching ------------------------------------------------------------------------
+    def lookup(self, context: list[int]) -> Match:
+        """The longest suffix of context (key_length .. max_depth tokens) that occurs here with
+        a next token, and its occurrences (at most MAX_CANDIDATES, the most recent)."""
+        m = self.key_length
+        n = len(context)
+        if n < m:
+            return Match()
+        hits = self.index.get(tuple(context[n - m :]))
+        if not hits:
+            return Match()
+        candidates = hits[-MAX_CANDIDATES:]
+        tokens, base, start, max_depth = self.tokens, self.base, self.start, self.max_depth
+        best_length, best = 0, []
+        for p in candidates:
+            if p < start:  # evicted
                 continue
-            child = best[node]
-            prob *= count[child] / out[node]
+            length = m
+            q = p - m - 1 - base  # store index of the token before the occurrence
+            c = n - m - 1  # and of the context's token to compare it with
+            low = start - base
+            while length < max_depth and q >= low and c >= 0 and tokens[q] == context[c]:
+                length += 1
+                q -= 1
+                c -= 1
+            if length > best_length:
+                best_length, best = length, [p]
+            elif length == best_length:
+                best.append(p)
+        return Match(best_length, best) if best else Match()
+
+    def advance(self, match: Match, new: list[int]) -> Match:
+        """The match of the context grown by `new` (already stored, for a sequence's own index):
+        the occurrences that go on with each new token; an empty Match when none does."""
+        positions = match.positions
+        if not positions:
+            return match
+        tokens, base, end, start = self.tokens, self.base, self.end, self.start
+        if positions[0] < start:
+            positions = [p for p in positions if p >= start]
+        for x in new:
+            positions = [p + 1 for p in positions if p < end and tokens[p - base] == x]
+            if not positions:
+                return Match()
+        return Match(match.length + len(new), positions)
+
+    # ---- drafting ------------------------------------------------------------------------
+    def draft(self, match: Match, max_tokens: int, min_token_prob: float) -> tuple[list[int], float]:
+        """Walk down from match by the most frequent next token while the path's empirical
+        probability stays >= min_token_prob, at most max_tokens tokens. Returns (tokens, score)."""
+        tokens, base, end = self.tokens, self.base, self.end
+        positions = [p for p in match.positions if p >= self.start]
+        draft: list[int] = []
+        prob, score = 1.0, 0.0
+        while positions and len(draft) < max_tokens:
+            if len(positions) == 1:  # one occurrence: copy it (its probability stays)
+                copied = self._copy(positions[0], max_tokens - len(draft), draft)
+                score += prob * copied
+                break
+            counts: dict[int, int] = {}
+            newest: dict[int, int] = {}  # token -> rank of its newest occurrence (ties)
+            for rank, p in enumerate(positions):
+                t = tokens[p - base] if p < end else (draft[p - end] if p - end < len(draft) else SEPARATOR)
+                if t != SEPARATOR:
+                    counts[t] = counts.get(t, 0) + 1
+                    newest[t] = rank
+            if not counts:
+                break
+            total = sum(counts.values())
+            choice = max(counts, key=lambda t: (counts[t], newest[t]))
+            prob *= counts[choice] / total
             if prob < min_token_prob:
                 break
-            tokens.append(token[child])
+            draft.append(choice)
             score += prob
-            node = child
-            depth += 1
-        return tokens, score
+            positions = [
+                p + 1 for p in positions
+                if (tokens[p - base] if p < end else (draft[p - end] if p - end < len(draft) - 1 else SEPARATOR))
+                == choice
+            ]
+        return draft, score
+
+    def _copy(self, p: int, n: int, draft: list[int]) -> int:
+        """Append up to n tokens following position p to draft (stopping at a SEPARATOR); past
+        the store's end the copy reads the draft itself (what it copies continues the context).
+        Returns how many were appended."""
+        tokens, base, end = self.tokens, self.base, self.end
+        before = len(draft)
+        if p < end:
+            piece = tokens[p - base : p - base + n]
+            if SEPARATOR in piece:
+                piece = piece[: piece.index(SEPARATOR)]
+                draft.extend(piece)
+                return len(draft) - before
+            draft.extend(piece)
+            p += len(piece)
+        while len(draft) - before < n and p - end < len(draft):
+            draft.append(draft[p - end])
+            p += 1
+        return len(draft) - before
