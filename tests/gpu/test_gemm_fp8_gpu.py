@@ -22,6 +22,7 @@ from foretell.ops.gemm import fp8_reference as ref
 from foretell.ops.gemm import triton_fp8_few_rows as few
 from foretell.ops.gemm import triton_fp8_gemm as gemm
 from foretell.ops.gemm.fp8_dispatch import fp8_linear
+from foretell.ops.pointwise.reference import silu_and_mul_torch
 
 DEVICE = torch.device("cuda")
 BLOCK = (128, 128)
@@ -60,13 +61,18 @@ def test_few_rows_match_float64(dtype, case):
                               None, dtype)
 
 
-@pytest.mark.xfail(
-    reason="H200, 2026-12-01 at 8bbcb5f: the large-M FP8 tensor-core GEMM exceeded the error bound "
-           "by 1.07-2.58x on 4 of the shapes (24576x1536 and 7168x2048 block, 6144x4096 and "
-           "4096x4096 per channel), likely Hopper's limited FP8 accumulation precision inside a "
-           "128-wide K block; the few-row kernels pass. Not used by the engine until this passes.",
-    strict=False)
-@pytest.mark.parametrize("case", _cases(), ids=_ids)
+# H200, 2026-12-01: at 8bbcb5f the large-M FP8 tensor-core GEMM exceeded the error bound by 1.07-2.58x
+# on 24576x1536 and 7168x2048 (blocks), 6144x4096 and 4096x4096 (per channel); at afbc179 those four and
+# 28672x4096 per channel failed again and the other shapes passed (random seeds). Likely Hopper's
+# limited FP8 accumulation precision inside a 128-wide K block; the few-row kernels pass.
+GEMM_OVER_BOUND = {((24576, 1536), BLOCK), ((7168, 2048), BLOCK), ((6144, 4096), None), ((4096, 4096), None),
+                   ((28672, 4096), None)}
+GEMM_XFAIL = pytest.mark.xfail(reason="the large-M FP8 GEMM's error exceeded the float64 bound on the H200 at "
+                                      "this shape (8bbcb5f, afbc179); see GEMM_OVER_BOUND", strict=False)
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=GEMM_XFAIL) if c in GEMM_OVER_BOUND else c for c in _cases()],
+                         ids=_ids)
 def test_gemm_matches_float64_of_the_quantized_activations(case):
     (n, k), block_size = case
     seed = random.randrange(2**31)
@@ -115,3 +121,26 @@ def test_captured_in_a_cuda_graph(m):
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(out, fp8_linear(x, q, s, BLOCK))
+
+
+@pytest.mark.parametrize("block_size", [BLOCK, None], ids=["block", "channel"])
+@pytest.mark.parametrize("m", [1, 4])
+def test_gated_gate_up_and_split_k_at_llama_shapes(block_size, m):
+    """Llama-8B's gate_up (28672 x 4096) with silu(gate) * up in the epilogue equals silu_and_mul of
+    the plain product (the fp8_linear path MergedLinear.forward_gated takes), and its o projection
+    split 2 / 4 / 8 ways gives the float64 product, in bf16."""
+    seed = random.randrange(2**31)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    q, s = random_fp8_weight(gen, 28672, 4096, block_size, DEVICE)
+    x = torch.randn(m, 4096, generator=gen, device=DEVICE).to(torch.bfloat16)
+    with torch.inference_mode(), reports_seed(seed):
+        config = few.default_config(m, 28672, 4096, x.dtype, block_size, DEVICE)
+        want = silu_and_mul_torch(few.fp8_few_rows_linear(x, q, s, block_size, None, config))
+        got = fp8_linear(x, q, s, block_size, gated=True)
+        torch.testing.assert_close(got, want, rtol=2 * 2**-8, atol=1e-6)
+        q, s = random_fp8_weight(gen, 4096, 4096, block_size, DEVICE)
+        for split in (2, 4, 8):
+            config = (few.gemv_config(m, 4096, 4096, split=split) if m == 1 else
+                      few.Fp8MmaConfig(block_k=128, split=split))
+            check_product(few.fp8_few_rows_linear(x, q, s, block_size, None, config), x, q, s, block_size, None,
+                          torch.bfloat16)

@@ -6,12 +6,18 @@ slot split of the down kernel and its counters), with the weight tiles read as p
   - a [BLOCK_N, BLOCK_K] weight tile is [BLOCK_N, BLOCK_K / 8] int32 words and [BLOCK_N,
     BLOCK_K / 32] scales, 4.25 bits a weight instead of 16: at one token the step is bound by
     these bytes;
-  - each word's 8 nibbles are shifted out (column 8 j + i is nibble i of word j), offset by -8, and
-    multiplied by their group's scale (the kernels are written for int4_reference's PACK 8 and
-    INT4_GROUP 32), the product rounded to the scales' dtype (as
-    compressed-tensors dequantizes, so the values are the bf16 weights of a dequantized
-    checkpoint); then the products with x are summed in float32 as in the bf16 kernels, with the
-    same roundings (projection, silu, product; each expert's output before its routing weight).
+  - each word's 8 nibbles are shifted out (column 8 j + i is nibble i of word j) and made floats
+    q - 8 by their bits (2^23 + q, minus 2^23 + 8: no integer-to-float conversion, a quarter-rate
+    instruction), nibble i of every word at once against x's columns 8 j + i, so nothing is
+    reshaped and the words stay in the layout they were loaded in (the first
+    version's reshapes compiled to shared-memory round trips and barriers in every tile for sm_90,
+    and ran at 12.6% of the H200's bandwidth at Kimi-K2.5's shapes); each word's 8 products are
+    summed, times the word's group scale (the kernels are written for int4_reference's PACK 8 and
+    INT4_GROUP 32), accumulated per row and word lane, and summed across lanes once at the end.
+    So the weights enter as q * s exactly, not rounded to the scales' dtype as the twin's
+    dequantized checkpoint (a relative difference of 2^-9 per weight in bf16, averaging out
+    in the sums); the bf16 kernels' other roundings stay (projection, silu, product; each
+    expert's output before its routing weight).
 
 Twin: int4_experts_forward_torch (int4_reference.py: the used experts dequantized, then
 experts_forward_torch) plus the shared output. Grids are fixed by shapes and the launch config and
@@ -33,23 +39,26 @@ KERNEL_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "SPLIT")
 
 
 @triton.jit
-def _int4_tile(packed_rows, scale_rows, k0, row_valid, num_words, num_groups,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr):
-    """The dequantized weights [BLOCK_N, BLOCK_K] (float32 holding values of dtype) at columns
-    k0 .. k0 + BLOCK_K of the rows whose packed words start at packed_rows [BLOCK_N, 1] and whose
-    scales start at scale_rows [BLOCK_N, 1]; columns past K come out as finite values (x is 0 there)."""
+def _int4_partial(packed_rows, scale_rows, x_row_ptr, k0, K, row_valid, num_words, num_groups,
+                  BLOCK_K: tl.constexpr, dtype: tl.constexpr):
+    """Per row and packed word of the tile at columns k0 .. k0 + BLOCK_K: scale * sum over the word's
+    8 nibbles of (q - 8) * x, [BLOCK_N, BLOCK_K / 8] float32. packed_rows / scale_rows [BLOCK_N, 1]:
+    the rows' packed words and scales; x_row_ptr: x's row (read in dtype, 0 past K)."""
     WORDS: tl.constexpr = BLOCK_K // 8
-    GROUPS: tl.constexpr = BLOCK_K // 32
     word = k0 // 8 + tl.arange(0, WORDS)
     packed = tl.load(packed_rows + word[None, :], mask=row_valid[:, None] & (word < num_words)[None, :], other=0,
                      eviction_policy="evict_first")  # [BLOCK_N, WORDS] int32
-    shifts = tl.arange(0, 8) * 4
-    q = ((packed[:, :, None] >> shifts[None, None, :]) & 0xF) - 8  # [BLOCK_N, WORDS, 8]
-    group = k0 // 32 + tl.arange(0, GROUPS)
+    sums = tl.zeros(packed.shape, tl.float32)
+    for i in tl.static_range(8):  # nibble i of word j is column 8 j + i: all in packed's own layout
+        # 2^23 + nibble as float32 bits, minus 2^23 + 8: q - 8 exactly, with no integer-to-float convert
+        q = (((packed >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+        cols = word * 8 + i
+        x = tl.load(x_row_ptr + cols, mask=cols < K, other=0.0).to(dtype).to(tl.float32)  # [WORDS]
+        sums += q * x[None, :]
+    group = word // 4  # 32 columns a scale: 4 words
     scales = tl.load(scale_rows + group[None, :], mask=row_valid[:, None] & (group < num_groups)[None, :],
-                     other=0.0).to(tl.float32)  # [BLOCK_N, GROUPS]
-    w = tl.reshape(q.to(tl.float32), [BLOCK_N, GROUPS, 32]) * scales[:, :, None]
-    return tl.reshape(w.to(dtype).to(tl.float32), [BLOCK_N, BLOCK_K])
+                     other=0.0).to(tl.float32)  # [BLOCK_N, WORDS]
+    return sums * scales
 
 
 @triton.jit
@@ -67,6 +76,8 @@ def _int4_gate_up_kernel(
     stride_packed_expert,
     stride_scale_expert,
     stride_act,
+    words_per_row,  # ceil(hidden / 8): passed, so Triton sees its divisibility (vector loads)
+    groups_per_row,  # ceil(hidden / 32)
     TOP_K: tl.constexpr,
     ZERO_COUNTERS: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -83,27 +94,23 @@ def _int4_gate_up_kernel(
     token = (pair // TOP_K).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_valid = cols < inter
-    num_words = tl.cdiv(hidden, 8)
-    num_groups = tl.cdiv(hidden, 32)
+    num_words, num_groups = words_per_row, groups_per_row
     up_rows = (cols + inter)[:, None].to(tl.int64)  # row I + j of [gate; up] is up's row j
     gate_packed = packed_ptr + expert * stride_packed_expert + cols[:, None].to(tl.int64) * num_words
     up_packed = packed_ptr + expert * stride_packed_expert + up_rows * num_words
     gate_scales = scale_ptr + expert * stride_scale_expert + cols[:, None].to(tl.int64) * num_groups
     up_scales = scale_ptr + expert * stride_scale_expert + up_rows * num_groups
     dtype = act_ptr.dtype.element_ty
-    ks = tl.arange(0, BLOCK_K)
-    gate = tl.zeros([BLOCK_N], dtype=tl.float32)
-    up = tl.zeros([BLOCK_N], dtype=tl.float32)
+    # x in the weights' dtype, as the bf16 kernels feed it (_int4_partial rounds it)
+    gate = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)  # per row and word lane: summed once, after
+    up = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
-        k = k0 + ks
-        # x in the weights' dtype, as the bf16 kernels feed it.
-        x = tl.load(x_ptr + token * stride_x + k, mask=k < hidden, other=0.0).to(dtype).to(tl.float32)
-        w_gate = _int4_tile(gate_packed, gate_scales, k0, col_valid, num_words, num_groups, BLOCK_N, BLOCK_K, dtype)
-        gate += tl.sum(w_gate * x[None, :], axis=1)
-        w_up = _int4_tile(up_packed, up_scales, k0, col_valid, num_words, num_groups, BLOCK_N, BLOCK_K, dtype)
-        up += tl.sum(w_up * x[None, :], axis=1)
-    gate = gate.to(dtype).to(tl.float32)
-    up = up.to(dtype).to(tl.float32)
+        x_row = x_ptr + token * stride_x
+        gate += _int4_partial(gate_packed, gate_scales, x_row, k0, hidden, col_valid, num_words, num_groups,
+                              BLOCK_K, dtype)
+        up += _int4_partial(up_packed, up_scales, x_row, k0, hidden, col_valid, num_words, num_groups, BLOCK_K, dtype)
+    gate = tl.sum(gate, axis=1).to(dtype).to(tl.float32)
+    up = tl.sum(up, axis=1).to(dtype).to(tl.float32)
     silu = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
     tl.store(act_ptr + pair.to(tl.int64) * stride_act + cols, (silu * up).to(dtype), mask=col_valid)
 
@@ -111,23 +118,20 @@ def _int4_gate_up_kernel(
 @triton.jit
 def _int4_down_slot(
     act_ptr, packed_ptr, scale_ptr, ids_ptr, weights_ptr, pair, cols, col_valid, inter, stride_act,
-    stride_packed_expert, stride_scale_expert, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    stride_packed_expert, stride_scale_expert, words_per_row, groups_per_row,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One slot's weighted output for BLOCK_N columns: round(W_down[e] . act[pair]) * weight."""
     expert = tl.load(ids_ptr + pair).to(tl.int64)
-    num_words = tl.cdiv(inter, 8)
-    num_groups = tl.cdiv(inter, 32)
+    num_words, num_groups = words_per_row, groups_per_row  # ceil(inter / 8), ceil(inter / 32)
     rows_packed = packed_ptr + expert * stride_packed_expert + cols[:, None].to(tl.int64) * num_words
     rows_scale = scale_ptr + expert * stride_scale_expert + cols[:, None].to(tl.int64) * num_groups
     dtype = act_ptr.dtype.element_ty
-    ks = tl.arange(0, BLOCK_K)
-    y = tl.zeros([BLOCK_N], dtype=tl.float32)
+    y = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)  # per row and word lane: summed once, after
     for k0 in range(0, inter, BLOCK_K):
-        k = k0 + ks
-        a = tl.load(act_ptr + pair * stride_act + k, mask=k < inter, other=0.0).to(tl.float32)  # [BLOCK_K]
-        w = _int4_tile(rows_packed, rows_scale, k0, col_valid, num_words, num_groups, BLOCK_N, BLOCK_K, dtype)
-        y += tl.sum(w * a[None, :], axis=1)
-    return y.to(dtype).to(tl.float32) * tl.load(weights_ptr + pair)
+        y += _int4_partial(rows_packed, rows_scale, act_ptr + pair * stride_act, k0, inter, col_valid, num_words,
+                           num_groups, BLOCK_K, dtype)
+    return tl.sum(y, axis=1).to(dtype).to(tl.float32) * tl.load(weights_ptr + pair)
 
 
 @triton.jit
@@ -148,6 +152,8 @@ def _int4_down_combine_kernel(
     stride_scale_expert,
     stride_shared,
     stride_out,
+    words_per_row,  # ceil(inter / 8)
+    groups_per_row,  # ceil(inter / 32)
     TOP_K: tl.constexpr,
     SLOTS: tl.constexpr,  # slots per program
     GROUPS: tl.constexpr,  # programs per (token, column block): cdiv(TOP_K, SLOTS)
@@ -165,6 +171,7 @@ def _int4_down_combine_kernel(
         for k in tl.static_range(TOP_K):  # slot order, as the twin sums
             acc += _int4_down_slot(act_ptr, packed_ptr, scale_ptr, ids_ptr, weights_ptr, token * TOP_K + k, cols,
                                    col_valid, inter, stride_act, stride_packed_expert, stride_scale_expert,
+                                   words_per_row, groups_per_row,
                                    BLOCK_N, BLOCK_K)
         _store_token(acc, shared_ptr, out_ptr, token, cols, col_valid, stride_shared, stride_out, HAS_SHARED)
     else:
@@ -174,6 +181,7 @@ def _int4_down_combine_kernel(
                 pair = token * TOP_K + slot
                 value = _int4_down_slot(act_ptr, packed_ptr, scale_ptr, ids_ptr, weights_ptr, pair, cols, col_valid,
                                         inter, stride_act, stride_packed_expert, stride_scale_expert,
+                                        words_per_row, groups_per_row,
                                         BLOCK_N, BLOCK_K)
                 tl.store(scratch_ptr + pair * hidden + cols, value, mask=col_valid)
         tl.debug_barrier()  # every thread's scratch stores before the release of the count
@@ -253,14 +261,14 @@ def fused_int4_experts_gemv_triton(
     _int4_gate_up_kernel[(num_pairs, triton.cdiv(inter, up_cfg["BLOCK_N"]))](
         hidden, gate_up_packed, gate_up_scale, flat_ids, act, counters, counters.numel() if groups > 1 else 0,
         hidden_size, inter, hidden.stride(0), gate_up_packed.stride(0), gate_up_scale.stride(0), act.stride(0),
-        TOP_K=top_k, ZERO_COUNTERS=groups > 1, BLOCK_N=up_cfg["BLOCK_N"], BLOCK_K=up_cfg["BLOCK_K"],
+        gate_up_packed.shape[2], gate_up_scale.shape[2], TOP_K=top_k, ZERO_COUNTERS=groups > 1, BLOCK_N=up_cfg["BLOCK_N"], BLOCK_K=up_cfg["BLOCK_K"],
         num_warps=up_cfg["num_warps"],
     )
     out = torch.empty(num_tokens, hidden_size, dtype=out_dtype, device=device)  # [T, H]
     _int4_down_combine_kernel[(num_tokens, column_blocks, groups)](
         act, down_packed, down_scale, flat_ids, pair_weights, shared if shared is not None else out, scratch,
         counters, out, hidden_size, inter, act.stride(0), down_packed.stride(0), down_scale.stride(0),
-        shared.stride(0) if shared is not None else 0, out.stride(0),
+        shared.stride(0) if shared is not None else 0, out.stride(0), down_packed.shape[2], down_scale.shape[2],
         TOP_K=top_k, SLOTS=slots, GROUPS=groups, HAS_SHARED=shared is not None,
         BLOCK_N=down_cfg["BLOCK_N"], BLOCK_K=down_cfg["BLOCK_K"], num_warps=down_cfg["num_warps"],
         enable_fp_fusion=False,  # each weighted slot output rounded to float32 before it is added
