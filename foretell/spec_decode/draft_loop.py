@@ -20,7 +20,8 @@ no whole logits rows are gathered.
 
 Structured outputs: when DraftBatch.draft_mask is set, each draft position's logits are masked
 by the grammar state after the drafts before it (structured/draft_mask.py) before the argmax or
-the draw, and a sampled draft's probabilities are those of the masked logits it was drawn from.
+the draw, and a sampled draft's probabilities are those of the masked logits it was drawn from;
+where the grammar forces the next token, that token is the draft (its probabilities one-hot).
 """
 
 from __future__ import annotations
@@ -166,6 +167,8 @@ class DraftLoopProposer(ProposerBase):
                 tokens, step_probs = logits, None  # the greedy drafts themselves
             else:
                 tokens, step_probs = self._sample(logits, params, [p + step for p in positions], batch, sampling)
+            if grammar is not None:  # where the grammar forces a token, it is the draft (q one-hot)
+                tokens, step_probs = grammar.force(tokens, step_probs)
             drafts.append(tokens)
             if step_probs is not None:
                 probs.append(step_probs)

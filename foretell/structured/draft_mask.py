@@ -10,6 +10,11 @@ loop (spec_decode/draft_loop.py) calls begin() with the rows it drafts for and g
                   the grammar forbids the token, row by row, in the drafter's own vocabulary (an
                   EAGLE3 head's d2t maps its ids to the target's; the target-id mask is read
                   through it); all rows' masks are computed in one llguidance call;
+  force(tokens, q) where the grammar forces the next token (llguidance's fast-forward tokens: the
+                  text only one continuation has, tokenized as the tokenizer would), that token is
+                  the row's draft, whatever the drafter chose, and its q is one-hot there (it was
+                  certain): an EAGLE3 head cannot propose a token outside its vocabulary, and a
+                  forced token is the one the target almost always takes;
   advance(tokens) the drafted tokens (target ids) consumed by each row's own copy of its matcher
                   (llguidance's deep_copy: a few microseconds), so the next position's mask is
                   the grammar's state after the drafts so far.
@@ -78,6 +83,7 @@ class DraftGrammar:
         self.buffer = buffer
         self.target_id_map = target_id_map
         self.host_rows: np.ndarray | None = None  # [num_rows, words] int32: the last mask()'s rows
+        self.forced: dict[int, int] = {}  # row -> the token its grammar forces next (from mask())
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [num_rows, draft_vocab] -> the same with -inf where each live row's grammar
@@ -88,10 +94,15 @@ class DraftGrammar:
         if self.copies:
             self.executor.unsafe_compute_mask_ptr(list((m, j) for j, m in self.copies.items()),
                                                   host.ctypes.data, host.shape[1] * 4, self.num_rows)
+        self.forced = {}
         for j in list(self.copies):
             copy = self.copies[j]
             if copy.is_error() or not self.sequences[j].set_end_tokens(host[j], copy.is_accepting()):
                 self._drop(j, host)
+                continue
+            fast_forward = copy.compute_ff_tokens()
+            if fast_forward and SequenceMatcher.allows(host[j], fast_forward[0]):
+                self.forced[j] = fast_forward[0]
         self.host_rows = host
         if not self.copies:
             self.timer.seconds += time.perf_counter() - started
@@ -107,6 +118,18 @@ class DraftGrammar:
         masked = logits.masked_fill(forbid, float("-inf"))
         self.timer.seconds += time.perf_counter() - started
         return masked
+
+    def force(self, tokens: torch.Tensor, probs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """tokens [num_rows] int64 target ids, probs [num_rows, target_vocab] or None: the rows
+        whose grammar forces a token get it, with one-hot probabilities (new tensors)."""
+        if not self.forced:
+            return tokens, probs
+        rows = torch.tensor(list(self.forced), dtype=torch.int64).to(tokens.device)  # [f]
+        forced = torch.tensor(list(self.forced.values()), dtype=torch.int64).to(tokens.device)  # [f]
+        tokens = tokens.index_put((rows,), forced)
+        if probs is not None:
+            probs = probs.index_put((rows,), probs.new_zeros(())).index_put((rows, forced), probs.new_ones(()))
+        return tokens, probs
 
     def advance(self, tokens: torch.Tensor) -> None:
         """tokens [num_rows] int64 target ids: the drafts mask()'s logits gave; each live row's

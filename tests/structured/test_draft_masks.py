@@ -5,7 +5,7 @@
 - DraftGrammar (the draft loop's masks): in target ids and through an EAGLE3-style d2t map, each
   position's mask equal to a fresh matcher's after the drafts so far, rows without a grammar
   unchanged, the sequence's own matcher never moved, a row ended by an EOS or outside the draft
-  vocabulary left unmasked;
+  vocabulary left unmasked, a forced token drafted with one-hot probabilities;
 - the engine: greedy output with masked drafters equals plain output (tests/structured/
   test_structured_spec.py holds that for every drafter); a masked self-drafting draft model accepts
   at least as much as the same drafter unmasked, and every draft under greedy; sampled output with
@@ -165,6 +165,25 @@ def test_draft_grammar_stops_at_eos(runtime, hf):
     grammar.advance(torch.tensor([eos]))
     logits = torch.randn(1, VOCAB)
     assert torch.equal(grammar.mask(logits), logits)  # after the end: unmasked
+
+
+def test_forced_tokens_are_the_drafts_with_one_hot_probabilities(runtime, hf):
+    """Where only one continuation is possible ("ye" -> "s"), that token is the draft whatever the
+    drafter chose, and its draft probabilities are one-hot; a free row is left alone."""
+    eos = hf.eos_token_id
+    params = SamplingParams(temperature=1.0, structured_outputs={"choice": ["yes", "no"]})
+    seq = FakeSeq(params, encode(hf, "ye"), frozenset({eos}), seq_id=5)
+    grammar = draft_mask_for(runtime, [seq, None]).begin([0, 1], None)
+    grammar.mask(torch.zeros(2, VOCAB))
+    forced = encode(hf, "s")[0]
+    assert grammar.forced == {0: forced}
+    probs = torch.softmax(torch.randn(2, VOCAB), dim=-1)
+    tokens, new_probs = grammar.force(torch.tensor([7, 9]), probs)
+    assert tokens.tolist() == [forced, 9]
+    assert torch.equal(new_probs[0], torch.nn.functional.one_hot(torch.tensor(forced), VOCAB).float())
+    assert torch.equal(new_probs[1], probs[1])
+    tokens, none = grammar.force(torch.tensor([7, 9]), None)  # greedy rows: no probabilities
+    assert tokens.tolist() == [forced, 9] and none is None
 
 
 # ---- the engine ---------------------------------------------------------------------------
