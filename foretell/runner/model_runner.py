@@ -49,7 +49,7 @@ from foretell.runner.graphed_verify import GraphedVerify
 from foretell.runner.input_batch import InputBatch, build_input_batch
 from foretell.runner.host_step import HostStep
 from foretell.runner.logprobs import add_prompt_logprobs
-from foretell.runner.kv_cache import CachePlan, DraftKVCache, KVCache, plan_cache
+from foretell.runner.kv_cache import CachePlan, DraftKVCache, KVCache, kv_cache_dtypes, plan_cache
 from foretell.models.loading import build_model, checkpoint_dtype
 from foretell.models.quantization import resolve_quantization
 from foretell.runner.step_pipeline import StepKind, StepPipeline
@@ -206,11 +206,13 @@ class ModelRunner:
         cc = self.config.cache
         draft_layers = self.proposer.kv_layers() if self.proposer else []
         spec = self.config.speculative
+        cache_dtype, draft_cache_dtype = kv_cache_dtypes(
+            cc.kv_cache_dtype, self.dtype, self.proposer.draft_dtype if self.proposer else None)
 
         def plan_for(budget: int | None, num_blocks: int | None) -> CachePlan:
             return plan_cache(
-                budget, num_blocks, self.model.attention_layers(), self.dtype, cc.block_size, draft_layers,
-                self.proposer.draft_dtype if self.proposer else None, spec.draft_block_size if spec else None,
+                budget, num_blocks, self.model.attention_layers(), cache_dtype, cc.block_size, draft_layers,
+                draft_cache_dtype, spec.draft_block_size if spec else None,
             )
 
         plan = plan_for(self._kv_budget(), cc.num_kv_blocks)
@@ -218,7 +220,7 @@ class ModelRunner:
         if fewest != plan.num_blocks:  # another rank has less memory free: every rank holds as few
             plan = plan_for(None, fewest)
         self.kv_cache = KVCache(
-            self.model.attention_layers(), plan.num_blocks, plan.block_size, self.dtype, self.device
+            self.model.attention_layers(), plan.num_blocks, plan.block_size, cache_dtype, self.device
         )
         self.draft_kv_cache = None
         if draft_layers:
@@ -226,7 +228,7 @@ class ModelRunner:
                 draft_layers,
                 plan.draft_num_blocks,
                 plan.draft_block_size,
-                self.proposer.draft_dtype or self.dtype,
+                draft_cache_dtype,
                 self.device,
             )
             self.proposer.bind_draft_cache(plan.draft_block_size)
