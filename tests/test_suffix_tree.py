@@ -49,7 +49,7 @@ def test_lookup_finds_the_longest_suffix_and_all_its_occurrences(seed):
         step = rng.randrange(1, 5)
         pieces.extend(text[i : i + step])
         i += step
-    assert pieces.index == whole.index
+    assert (pieces.head, pieces.prev) == (whole.head, whole.prev)
     length, positions = brute_lookup(text, text, key_length, depth, own=True)
     match = whole.lookup(text)
     if len(occurrences(text, text[len(text) - key_length :], len(text))) <= MAX_CANDIDATES:
@@ -128,6 +128,18 @@ def test_matches_do_not_cross_responses():
     assert cache.index.draft(match, 5, 0.0)[0] == [3]
 
 
+def chains(index: SuffixIndex) -> dict[int, list[int]]:
+    """Every gram key's live occurrences (positions after them, oldest first), by its chain."""
+    out = {}
+    for key, p in index.head.items():
+        positions = []
+        while p >= index.start:
+            positions.append(p)
+            p = index.prev[p - index.base]
+        out[key] = positions[::-1]
+    return out
+
+
 def index_as_responses(cache: GlobalSuffixCache) -> dict:
     """The cache's index with positions as (response number, offset), comparable between caches."""
     index, starts = cache.index, []
@@ -138,7 +150,7 @@ def index_as_responses(cache: GlobalSuffixCache) -> dict:
     def where(q):
         r = max(i for i, s in enumerate(starts) if s <= q)
         return r, q - starts[r]
-    return {key: [where(q) for q in hits] for key, hits in index.index.items()}
+    return {key: [where(q) for q in hits] for key, hits in chains(index).items()}
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -182,12 +194,12 @@ def test_global_cache_evicts_oldest_by_count_and_by_size():
     assert list(by_size.responses) == [b, c] and by_size.num_tokens == 7
     by_size.add(list(range(20, 40)))  # longer than the whole cache: its last 8 tokens stay
     assert list(by_size.responses) == [list(range(32, 40))]
-    assert Counter(len(h) for h in by_size.index.index.values()) == Counter({1: 7})
+    assert Counter(len(h) for h in chains(by_size.index).values()) == Counter({1: 7})
     by_size.add([])
     assert len(by_size) == 1
     off = GlobalSuffixCache(key_length=1, max_depth=4, max_requests=0, max_tokens=8)
     off.add(a)
-    assert len(off) == 0 and not off.index.index
+    assert len(off) == 0 and not off.index.head
 
 
 def test_bad_arguments():

@@ -6,9 +6,12 @@ A node of a suffix trie is a substring; what drafting reads from it is the list 
 substring's occurrences and what follows each. SuffixIndex keeps exactly that, lazily:
   - `tokens`, the store: one sequence (a request's prompt and output) or many (the global cache's
     responses, SEPARATOR between them, the oldest evicted from the front);
-  - `index`, every gram of key_length tokens -> the store positions right after its occurrences
-    (oldest first), the entry points of matching. A gram is indexed once the token after it is
-    stored, so a sequence never matches its own end.
+  - the occurrences of every gram of key_length tokens, as hash chains (LZ77's): `head` maps
+    the gram (its ids packed into one int) to the store position right after its newest
+    occurrence, `prev` each such position to the one after the gram's previous occurrence. Flat
+    ints only: no Python container per gram, so a large index costs the garbage collector
+    nothing. A gram is indexed once the token after it is stored, so a sequence never matches
+    its own end.
 A Match is a node of the implicit trie: how many tokens of the context's end matched (`length`)
 and the store positions right after each occurrence (`positions`, at most MAX_CANDIDATES, the
 most recent). It moves with the context: appending token x keeps the positions whose next token
@@ -31,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 SEPARATOR = -1  # between responses in the global cache's store: no context token equals it
+TOKEN_BITS = 24  # a gram's ids packed into one int key: every vocabulary is below 2 ** 24
 # Occurrences a match follows (the most recent): bounds a lookup's and a walk's host work; the
 # trie's counts over more occurrences would change the drafts of frequent short grams only.
 MAX_CANDIDATES = 16
@@ -67,67 +71,70 @@ class SuffixIndex:
             raise ValueError(f"suffix index max_depth must be >= key_length {key_length}, got {max_depth}")
         self.key_length = key_length
         self.max_depth = max_depth
+        self.key_mask = (1 << (TOKEN_BITS * key_length)) - 1
         self.tokens: list[int] = []  # the store, from absolute position `base` on
+        self.prev: list[int] = []  # per stored position: the previous one after the same gram, or -1
         self.base = 0  # absolute position of tokens[0] (a compacted store dropped what was before)
         self.start = 0  # first live absolute position (the global cache evicts below it)
-        self.index: dict[tuple[int, ...], list[int]] = {}  # gram -> absolute positions after it
+        self.head: dict[int, int] = {}  # gram key -> the newest absolute position after that gram
 
     @property
     def end(self) -> int:
         """Absolute position one past the last stored token."""
         return self.base + len(self.tokens)
 
-    @property
-    def num_tokens(self) -> int:
-        return self.end - self.start
+    def gram_key(self, gram: list[int]) -> int:
+        """The dictionary key of key_length tokens: their ids packed into one int."""
+        key = 0
+        for t in gram:
+            key = (key << TOKEN_BITS) | t
+        return key
 
     # ---- building ------------------------------------------------------------------------
+    def _index(self, lo: int, hi: int) -> None:
+        """Index the grams before store indices lo .. hi - 1 (lo >= key_length)."""
+        if lo >= hi:
+            return
+        tokens, prev, head, base, mask = self.tokens, self.prev, self.head, self.base, self.key_mask
+        key = self.gram_key(tokens[lo - self.key_length : lo])
+        for i in range(lo, hi):
+            prev[i] = head.get(key, -1)
+            head[key] = base + i
+            key = ((key << TOKEN_BITS) | tokens[i]) & mask
+
     def extend(self, new: list[int]) -> None:
-        """Append tokens, indexing every gram the new tokens follow."""
-        tokens, index, m, base = self.tokens, self.index, self.key_length, self.base
-        first = len(tokens)
-        tokens.extend(new)
-        for i in range(max(first, m), len(tokens)):
-            key = tuple(tokens[i - m : i])
-            hits = index.get(key)
-            if hits is None:
-                index[key] = [base + i]
-            else:
-                hits.append(base + i)
+        """Append tokens (one growing sequence), indexing every gram the new tokens follow."""
+        first = len(self.tokens)
+        self.tokens.extend(new)
+        self.prev.extend([-1] * len(new))
+        self._index(max(first, self.key_length), len(self.tokens))
 
     def append_sequence(self, sequence: list[int]) -> None:
         """Append one sequence of many (the global cache): grams inside it only, SEPARATOR after
         (so every occurrence that goes on has its next token in the store)."""
-        index, m, base, tokens = self.index, self.key_length, self.base, self.tokens
-        first = len(tokens)
-        tokens.extend(sequence)
-        tokens.append(SEPARATOR)
-        for i in range(first + m, len(tokens) - 1):
-            key = tuple(tokens[i - m : i])
-            hits = index.get(key)
-            if hits is None:
-                index[key] = [base + i]
-            else:
-                hits.append(base + i)
+        first = len(self.tokens)
+        self.tokens.extend(sequence)
+        self.tokens.append(SEPARATOR)
+        self.prev.extend([-1] * (len(sequence) + 1))
+        self._index(first + self.key_length, first + len(sequence))
 
     def drop_oldest(self, length: int) -> None:
-        """Evict the oldest stored sequence (`length` tokens, appended by append_sequence): its
-        index entries are the first of their lists (positions grow, the oldest goes first)."""
-        tokens, index, m = self.tokens, self.index, self.key_length
-        first = self.start - self.base
-        for i in range(first + m, first + length):
-            key = tuple(tokens[i - m : i])
-            hits = index[key]
-            if len(hits) == 1:
-                del index[key]
-            else:
-                del hits[0]
+        """Evict the oldest stored sequence (`length` tokens, appended by append_sequence): a gram
+        whose newest occurrence was in it leaves the dictionary; older links in the chains point
+        below `start` and end the walks there."""
+        tokens, head, m, base, mask = self.tokens, self.head, self.key_length, self.base, self.key_mask
+        first = self.start - base
+        if length > m:
+            key = self.gram_key(tokens[first : first + m])
+            for i in range(first + m, first + length):
+                if head.get(key) == base + i:
+                    del head[key]
+                key = ((key << TOKEN_BITS) | tokens[i]) & mask
         self.start += length + 1  # its separator too
-        if self.start >= self.end:  # nothing left
-            self.tokens.clear()
-            self.base = self.start
-        elif self.start - self.base > len(self.tokens) // 2:  # compact: drop the dead front
-            del self.tokens[: self.start - self.base]
+        dead = self.start - base
+        if dead >= len(tokens) or dead > len(tokens) // 2:  # compact: drop the dead front
+            del tokens[:dead]
+            del self.prev[:dead]
             self.base = self.start
 
     # ---- matching ------------------------------------------------------------------------
@@ -138,19 +145,16 @@ class SuffixIndex:
         n = len(context)
         if n < m:
             return Match()
-        hits = self.index.get(tuple(context[n - m :]))
-        if not hits:
-            return Match()
-        candidates = hits[-MAX_CANDIDATES:]
-        tokens, base, start, max_depth = self.tokens, self.base, self.start, self.max_depth
+        p = self.head.get(self.gram_key(context[n - m :]), -1)
+        tokens, prev, base, start, max_depth = self.tokens, self.prev, self.base, self.start, self.max_depth
+        low = start - base
         best_length, best = 0, []
-        for p in candidates:
-            if p < start:  # evicted
-                continue
+        for _ in range(MAX_CANDIDATES):  # newest first
+            if p < start:
+                break
             length = m
             q = p - m - 1 - base  # store index of the token before the occurrence
             c = n - m - 1  # and of the context's token to compare it with
-            low = start - base
             while length < max_depth and q >= low and c >= 0 and tokens[q] == context[c]:
                 length += 1
                 q -= 1
@@ -159,6 +163,8 @@ class SuffixIndex:
                 best_length, best = length, [p]
             elif length == best_length:
                 best.append(p)
+            p = prev[p - base]
+        best.reverse()  # oldest first
         return Match(best_length, best) if best else Match()
 
     def advance(self, match: Match, new: list[int]) -> Match:
