@@ -2,6 +2,7 @@
 
 - fill_verify_masks (one llguidance call for every sequence of a step) against SequenceMatcher's
   one-sequence walk, with valid, rejected, EOS and no drafts, and the matchers unmoved after;
+  matchers copied from one kept per grammar stay independent, the kept ones bounded;
 - DraftGrammar (the draft loop's masks): in target ids and through an EAGLE3-style d2t map, each
   position's mask equal to a fresh matcher's after the drafts so far, rows without a grammar
   unchanged, the sequence's own matcher never moved, a row ended by an EOS or outside the draft
@@ -88,6 +89,29 @@ def test_batched_fill_equals_the_one_sequence_walk(runtime, hf):
     for m, row in zip(matchers, after):
         m.fill_mask(row)
     assert (after == before).all()  # every matcher back where it was
+
+
+def test_sequences_of_one_grammar_get_independent_copies(runtime, hf, monkeypatch):
+    """Matchers are copies of one kept per grammar (the lexer built once): each sequence's state is
+    its own, and only the most recently used grammars are kept."""
+    import foretell.structured.runtime as runtime_module
+
+    monkeypatch.setattr(runtime_module, "MAX_CACHED_GRAMMARS", 2)
+    eos = hf.eos_token_id
+    params = SamplingParams(temperature=0, structured_outputs={"regex": PATTERN})
+    first = FakeSeq(params, encode(hf, "12-"), frozenset({eos}), seq_id=30)
+    second = FakeSeq(params, [], frozenset({eos}), seq_id=31)
+    rows = np.zeros((2, runtime.num_words), dtype=np.int32)
+    runtime.matcher_for(first).fill_mask(rows[0])
+    runtime.matcher_for(second).fill_mask(rows[1])
+    assert allowed_ids(rows[0]) == reference_mask(runtime, params, encode(hf, "12-"), eos)
+    assert allowed_ids(rows[1]) == reference_mask(runtime, params, [], eos)
+    assert allowed_ids(rows[0]) != allowed_ids(rows[1])
+    for regex_text in ("a+", "b+", "c+"):
+        runtime.matcher_for(FakeSeq(SamplingParams(temperature=0, structured_outputs={"regex": regex_text}), [],
+                                    frozenset({eos}), seq_id=40))
+        runtime.forget(40)
+    assert len(runtime._grammars) == 2
 
 
 def draft_mask_for(runtime, seqs, device="cpu") -> DraftMask:

@@ -1,0 +1,185 @@
+"""Issue 27's structured-output checks on the default family, in one process (< 3 min on the H200):
+
+    python scripts/check_structured_gpu.py OUT_DIR [--num-prompts 64] [--device auto]
+
+1. json: N GSM8K prompts with a JSON schema, greedy, EAGLE3 k=3 (--method): the share of
+   responses that validate with the jsonschema package, and the mean acceptance length
+   (1 + accepted / drafts) of the same prompts without the schema and with it (bar: >= 90%).
+2. overhead at batch 1 (one prompt, --overhead-tokens tokens, EOS ignored), plain and with the
+   drafter: tok/s with no controls, with a no-op logit bias (the host step that every request with
+   logits controls takes: off CUDA graphs and decode-ahead), and with an always-true grammar
+   (regex `(.|\\n)*`); the grammar's own cost is the third against the second, and the host time
+   the masks took (StructuredOutputs.timer: verify masks and draft-loop masks) per engine step.
+3. mask host time per step at batch 1 and 8 with the JSON schema (the batched llguidance fill).
+Writes OUT_DIR/check_structured_gpu.json and prints a short table. Runs on the CPU too (slowly;
+pass --num-prompts 8 --overhead-tokens 32 there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+
+import jsonschema  # noqa: E402
+
+from foretell import LLM, SamplingParams  # noqa: E402
+from foretell.bench.datasets import gsm8k_test_prompts  # noqa: E402
+from foretell.defaults import member_path  # noqa: E402
+
+# A GSM8K answer as JSON: the reasoning first (the kind of text the default family was trained
+# on), then the number. Bounded, so every response can close within --max-tokens.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "reasoning": {"type": "string", "maxLength": 160},
+        "answer": {"type": "integer", "minimum": -1000000, "maximum": 1000000},
+    },
+    "required": ["reasoning", "answer"],
+    "additionalProperties": False,
+}
+ALWAYS_TRUE = r"(.|\n)*"
+
+
+def structured_timer(llm: LLM):
+    """The engine's StructuredOutputs.timer (one-process runner only)."""
+    return llm.engine.runner.host_step.structured.timer
+
+
+class Window:
+    """Counters of an engine over one piece of work: steps, drafts, accepted tokens, mask time."""
+
+    def __init__(self, llm: LLM):
+        self.llm = llm
+        self.start = self._read()
+
+    def _read(self) -> dict:
+        stats = self.llm.get_stats()
+        return {"steps": stats["num_steps"], "drafts": stats.get("num_drafts", 0),
+                "accepted": stats.get("num_accepted_tokens", 0), "mask_s": structured_timer(self.llm).seconds,
+                "time": time.perf_counter()}
+
+    def close(self) -> dict:
+        end = self._read()
+        d = {k: end[k] - self.start[k] for k in end}
+        return {"steps": d["steps"], "seconds": d["time"], "num_drafts": d["drafts"],
+                "mean_acceptance_length": 1 + d["accepted"] / d["drafts"] if d["drafts"] else None,
+                "mask_ms_per_step": 1e3 * d["mask_s"] / max(d["steps"], 1)}
+
+
+def spec_config(method: str) -> dict | None:
+    if method == "none":
+        return None
+    config = {"method": method, "num_speculative_tokens": 3}
+    if method in ("eagle3", "draft_model"):
+        config["model"] = member_path(method)
+    return config
+
+
+def json_check(llm: LLM, prompts: list[str], max_tokens: int) -> dict:
+    free = SamplingParams(temperature=0, max_tokens=max_tokens)
+    constrained = SamplingParams(temperature=0, max_tokens=max_tokens,
+                                 structured_outputs={"json": SCHEMA, "disable_any_whitespace": True})
+    window = Window(llm)
+    llm.generate(prompts, free, use_tqdm=False)
+    without = window.close()
+    window = Window(llm)
+    outs = llm.generate(prompts, constrained, use_tqdm=False)
+    with_grammar = window.close()
+    valid, failures = 0, []
+    for o in outs:
+        text = o.outputs[0].text
+        try:
+            jsonschema.validate(json.loads(text), SCHEMA)
+            valid += 1
+        except (ValueError, jsonschema.ValidationError) as e:
+            failures.append({"text": text[:200], "finish_reason": o.outputs[0].finish_reason, "error": str(e)[:200]})
+    ratio = None
+    if without["mean_acceptance_length"] and with_grammar["mean_acceptance_length"]:
+        ratio = with_grammar["mean_acceptance_length"] / without["mean_acceptance_length"]
+    return {"num_prompts": len(prompts), "valid_percent": 100.0 * valid / len(prompts), "failures": failures[:5],
+            "without_grammar": without, "with_grammar": with_grammar, "acceptance_length_ratio": ratio,
+            "example": outs[0].outputs[0].text}
+
+
+def timed(llm: LLM, prompts: list[str], params: SamplingParams) -> dict:
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                             structured_outputs=params.structured_outputs,
+                                             logit_bias=params.logit_bias), use_tqdm=False)  # warm
+    window = Window(llm)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    result = window.close()
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    result.update(tokens=tokens, tok_s=tokens / result["seconds"], ms_per_step=1e3 * result["seconds"] / max(result["steps"], 1))
+    return result
+
+
+def overhead_check(llm: LLM, prompt: str, num_tokens: int) -> dict:
+    base = dict(temperature=0, max_tokens=num_tokens, ignore_eos=True)
+    runs = {
+        "none": timed(llm, [prompt], SamplingParams(**base)),
+        "host_step": timed(llm, [prompt], SamplingParams(**base, logit_bias={0: 0.0})),
+        "always_true_grammar": timed(llm, [prompt], SamplingParams(**base, structured_outputs={"regex": ALWAYS_TRUE})),
+    }
+    grammar, host = runs["always_true_grammar"]["ms_per_step"], runs["host_step"]["ms_per_step"]
+    runs["grammar_overhead_percent_vs_host_step"] = 100.0 * (grammar - host) / host
+    runs["grammar_overhead_percent_vs_none"] = 100.0 * (grammar - runs["none"]["ms_per_step"]) / runs["none"]["ms_per_step"]
+    return runs
+
+
+def mask_time_check(llm: LLM, prompts: list[str], num_tokens: int) -> dict:
+    params = SamplingParams(temperature=0, max_tokens=num_tokens,
+                            structured_outputs={"json": SCHEMA, "disable_any_whitespace": True})
+    return {f"batch_{n}": timed(llm, prompts[:n], params) for n in (1, 8)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_dir")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=224, help="per JSON response")
+    parser.add_argument("--overhead-tokens", type=int, default=256, help="tokens of each batch-1 timing run")
+    parser.add_argument("--method", default="eagle3", choices=["eagle3", "draft_model", "ngram"])
+    parser.add_argument("--device", default="auto")
+    args = parser.parse_args(argv)
+    if args.num_prompts < 8:
+        raise ValueError(f"--num-prompts must be >= 8 (the batch-8 mask timing), got {args.num_prompts}")
+    os.makedirs(args.out_dir, exist_ok=True)
+    prompts = [p + " Reply with JSON." for p in gsm8k_test_prompts(args.num_prompts)]
+    report: dict = {"method": args.method, "schema": SCHEMA}
+    started = time.perf_counter()
+    with LLM(member_path("target"), device=args.device, speculative_config=spec_config(args.method)) as llm:
+        report["json"] = json_check(llm, prompts, args.max_tokens)
+        report["overhead_batch1_spec"] = overhead_check(llm, prompts[0], args.overhead_tokens)
+        report["mask_time_spec"] = mask_time_check(llm, prompts, args.max_tokens)
+        report["device"] = str(llm.engine.runner.device) if hasattr(llm.engine.runner, "device") else args.device
+    with LLM(member_path("target"), device=args.device) as llm:
+        report["overhead_batch1_plain"] = overhead_check(llm, prompts[0], args.overhead_tokens)
+    report["seconds"] = time.perf_counter() - started
+    path = os.path.join(args.out_dir, "check_structured_gpu.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+
+    j = report["json"]
+    print(f"JSON schema, {j['num_prompts']} prompts, {args.method} k=3: {j['valid_percent']:.1f}% valid; mean "
+          f"acceptance length {j['without_grammar']['mean_acceptance_length']:.3f} without -> "
+          f"{j['with_grammar']['mean_acceptance_length']:.3f} with ({100 * (j['acceptance_length_ratio'] or 0):.1f}%)")
+    for name in ("overhead_batch1_plain", "overhead_batch1_spec"):
+        runs = report[name]
+        line = ", ".join(f"{k} {runs[k]['tok_s']:.0f} tok/s ({runs[k]['ms_per_step']:.2f} ms/step, masks "
+                         f"{runs[k]['mask_ms_per_step']:.3f} ms)" for k in ("none", "host_step", "always_true_grammar"))
+        print(f"{name}: {line}; grammar +{runs['grammar_overhead_percent_vs_host_step']:.1f}% vs the host step, "
+              f"+{runs['grammar_overhead_percent_vs_none']:.1f}% vs none")
+    for n, r in report["mask_time_spec"].items():
+        print(f"JSON masks at {n}: {r['mask_ms_per_step']:.3f} ms host per step of {r['ms_per_step']:.2f} ms")
+    print(f"wrote {path} ({report['seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
