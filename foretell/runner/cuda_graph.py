@@ -188,9 +188,9 @@ class CudaGraphRunner:
         """Replay for a batch bucket_for() accepted; the graph's static outputs (rows past
         batch.num_tokens are padding). Its inputs arrive in one copy and one launch
         (runner/graph_inputs.py)."""
-        host, layout = graph_inputs.pack(batch, *key)
+        host, layout, slot = graph_inputs.pack(batch, *key, self.side.uploads)
         staging = self.staging[: layout.size]
-        self.side.upload(staging, host)
+        self.side.upload(staging, host, slot)
         tokens = staging[layout.ids_offset :] if layout.ids_on_host else batch.token_ids
         self.side.before_input_write()
         unpack_graph_inputs(staging, tokens, self.buffers, layout)

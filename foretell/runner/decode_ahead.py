@@ -30,9 +30,10 @@ import torch
 
 from foretell.engine.scheduler import ScheduledSequence, SchedulerOutput
 from foretell.engine.sequence import Sequence
-from foretell.layers.sampler import Sampler, SamplingBatch, row_seed
+from foretell.layers.sampler import Sampler, SamplingBatch, argmax_rows, row_seed
 from foretell.runner.cuda_graph import CudaGraphRunner
 from foretell.runner.input_batch import InputBatch, build_decode_batch, cache_slot
+from foretell.runner.pinned_ring import PinnedRing
 from foretell.runner.sequence_result import SequenceResult
 from foretell.runner.step_pipeline import HostCopy
 
@@ -65,6 +66,15 @@ class DecodeAhead:
     vocab_size: int
     block_size: int
     max_model_len: int
+    # Pinned buffers and events for the tokens' copies to the host, reused (runner/pinned_ring.py);
+    # made at the first copy, on the device of the tokens.
+    token_copies: PinnedRing | None = None
+
+    def copy_tokens(self, token_ids: torch.Tensor) -> HostCopy:
+        """token_ids [num_seqs] int64 on the device: their copy to the host, queued."""
+        if self.token_copies is None:
+            self.token_copies = PinnedRing(torch.int64, token_ids.device)
+        return HostCopy.queue(token_ids, self.token_copies)
 
     def launch(self, sched: SchedulerOutput, batch: InputBatch) -> "LaunchedDecode | None":
         if not plain_decode(sched.scheduled):
@@ -73,18 +83,26 @@ class DecodeAhead:
 
     def launch_for(self, seqs: list[Sequence], batch: InputBatch) -> "LaunchedDecode":
         """Forward and sampling of a plain decode batch; the copy of its tokens to the host is
-        queued, nothing is waited for. A greedy batch on a CUDA graph takes the graph's own argmax."""
-        seeds = [
-            None if seq.sampling_params.seed is None else row_seed(seq.sampling_params.seed, seq.index, pos)
-            for seq, pos in zip(seqs, batch.row_positions)
-        ]
-        sampling = SamplingBatch.build([seq.sampling_params for seq in seqs], seeds, self.vocab_size, batch.device)
+        queued, nothing is waited for. A greedy batch on a CUDA graph takes the graph's own argmax.
+
+        An all-greedy batch builds no SamplingBatch (no seeds, no per-row parameter lists): every
+        step of plain greedy decoding comes through here, and argmax reads nothing else."""
+        all_greedy = all(seq.sampling_params.greedy for seq in seqs)
         key = self.graphs.bucket_for(batch) if self.graphs is not None else None
-        if key is not None and sampling.all_greedy:
+        if key is not None and all_greedy:
             token_ids = self.graphs.run(batch, key).greedy[: len(seqs)]  # [num_seqs] int64, until the next replay
             return LaunchedDecode.queue(self, seqs, batch, token_ids, graphed=True)
         _, _, logits = self.forward(batch)
-        token_ids = self.sampler(logits, sampling).token_ids  # [num_seqs] int64
+        if all_greedy:
+            token_ids = argmax_rows(logits)  # [num_seqs] int64: what the sampler picks for greedy rows
+        else:
+            seeds = [
+                None if seq.sampling_params.seed is None else row_seed(seq.sampling_params.seed, seq.index, pos)
+                for seq, pos in zip(seqs, batch.row_positions)
+            ]
+            sampling = SamplingBatch.build([seq.sampling_params for seq in seqs], seeds, self.vocab_size,
+                                           batch.device)
+            token_ids = self.sampler(logits, sampling).token_ids  # [num_seqs] int64
         return LaunchedDecode.queue(self, seqs, batch, token_ids)
 
 
@@ -110,7 +128,7 @@ class LaunchedDecode:
         positions = [p - 1 for p in batch.row_positions]  # a row predicts its position + 1
         block_size = batch.block_size
         slots = [cache_slot(seq.block_ids, p, block_size) for seq, p in zip(seqs, positions)]
-        copy = None if graphed else HostCopy.queue(token_ids)
+        copy = None if graphed else kind.copy_tokens(token_ids)
         return cls(kind, seqs, positions, slots, token_ids, copy, graphed)
 
     def launch_next(self) -> "LaunchedDecode | None":
@@ -132,7 +150,7 @@ class LaunchedDecode:
             if following is not None and following.graphed:  # the graph's inputs hold our tokens
                 self.copy = HostCopy(*self.kind.graphs.download_input_ids(len(self.seqs)))
             else:
-                self.copy = HostCopy.queue(self.token_ids)
+                self.copy = self.kind.copy_tokens(self.token_ids)
         return [SequenceResult(new_token_ids=[token]) for token in self.copy.read()]
 
     def matches(self, scheduled: list[ScheduledSequence], block_size: int) -> bool:

@@ -26,11 +26,15 @@ import torch
 
 from foretell.ops.step.inputs import PackedLayout
 from foretell.runner.input_batch import InputBatch, padded_block_rows
+from foretell.runner.pinned_ring import PinnedRing, RingSlot
 
 
-def pack(batch: InputBatch, bucket: int, q: int) -> tuple[torch.Tensor, PackedLayout]:
+def pack(batch: InputBatch, bucket: int, q: int, ring: "PinnedRing | None" = None
+         ) -> tuple[torch.Tensor, PackedLayout, "RingSlot | None"]:
     """The batch's inputs for graph (bucket, q), padded to the bucket, as one int64 host array
-    (pinned when the batch is on CUDA) and its layout."""
+    (pinned when the batch is on CUDA), its layout, and the ring slot holding it: written into the
+    next slot of `ring` when given (no pinned allocation per step; the upload records the slot's
+    event), else a new tensor (slot None)."""
     n = batch.num_seqs
     pad = bucket - n
     layout = PackedLayout(bucket, q, n, batch.block_table_width, not isinstance(batch.token_ids, torch.Tensor))
@@ -42,10 +46,14 @@ def pack(batch: InputBatch, bucket: int, q: int) -> tuple[torch.Tensor, PackedLa
         values += row
     if layout.ids_on_host:
         values += batch.token_ids
+    if ring is not None:
+        host, _, slot = ring.take(len(values))
+        host.copy_(torch.tensor(values, dtype=torch.int64))
+        return host, layout, slot
     host = torch.tensor(values, dtype=torch.int64)
     if batch.device.type == "cuda":
         host = host.pin_memory()
-    return host, layout
+    return host, layout, None
 
 
 class SideStream:
@@ -63,15 +71,28 @@ class SideStream:
     A graphed verify step's results (spec_decode's accepted counts, next tokens and drafts: static
     buffers) leave the same way (download_outputs), so the next step's bookkeeping follows the draft
     loop on the main stream without a concatenation and a DMA between them.
-    Off CUDA everything runs in order on the one stream and no event is made."""
+    Off CUDA everything runs in order on the one stream and no event is made.
+
+    Nothing is allocated per step: the host buffers of the uploads and downloads come from rings
+    (runner/pinned_ring.py), and an event another stream waits for at once (a wait takes the
+    event's latest record, so re-recording it later changes nothing for that wait) is one event
+    re-recorded each step; the events the host later waits on are their ring slots'."""
 
     def __init__(self, device: torch.device):
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if cuda else None
         self.inputs_written: "torch.cuda.Event | None" = None  # after the last unpack
         self.inputs_read: "torch.cuda.Event | None" = None  # after the last download of the inputs
         self.outputs_read: "torch.cuda.Event | None" = None  # after the last download_outputs
+        self.uploads = PinnedRing(torch.int64, device)  # packed steps (pack's ring)
+        self.downloads = PinnedRing(torch.int64, device)  # input ids and outputs to the host
+        self.unpacked = torch.cuda.Event() if cuda else None  # recorded after each unpack
+        self.uploaded = torch.cuda.Event() if cuda else None  # recorded after each upload
+        self.outputs_written = torch.cuda.Event() if cuda else None  # before each download_outputs
 
-    def upload(self, staging: torch.Tensor, host: torch.Tensor) -> None:
+    def upload(self, staging: torch.Tensor, host: torch.Tensor, slot: RingSlot | None = None) -> None:
+        """Copy host (pinned; in `slot` of self.uploads when given) to the staging buffer beside
+        the graphs; the current stream waits for the copy."""
         if self.stream is None:
             staging.copy_(host)
             return
@@ -79,9 +100,10 @@ class SideStream:
             if self.inputs_written is not None:
                 self.stream.wait_event(self.inputs_written)
             staging.copy_(host, non_blocking=True)
-            uploaded = torch.cuda.Event()
-            uploaded.record()
-        torch.cuda.current_stream().wait_event(uploaded)
+            if slot is not None:  # the slot's buffer is free again once this copy is done
+                self.uploads.events[slot.index].record()
+            self.uploaded.record()
+        torch.cuda.current_stream().wait_event(self.uploaded)
 
     def before_input_write(self) -> None:
         """Order a write of the input buffers (on the current stream) after their downloads."""
@@ -91,7 +113,7 @@ class SideStream:
 
     def after_input_write(self) -> None:
         if self.stream is not None:
-            self.inputs_written = torch.cuda.Event()
+            self.inputs_written = self.unpacked
             self.inputs_written.record()
 
     def download(self, source: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
@@ -101,11 +123,18 @@ class SideStream:
             return source.clone(), None
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(self.inputs_written)
-            host = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
+            host, self.inputs_read, _ = self._take_download(source)
             host.copy_(source, non_blocking=True)
-            self.inputs_read = torch.cuda.Event()
             self.inputs_read.record()
         return host, self.inputs_read
+
+    def _take_download(self, like: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event", RingSlot]:
+        """A host buffer shaped like `like` (int64: a ring slot's; else a new pinned tensor and
+        event), its event and slot."""
+        if like.dtype != torch.int64:
+            return torch.empty(like.shape, dtype=like.dtype, pin_memory=True), torch.cuda.Event(), None
+        host, event, slot = self.downloads.take(like.numel())
+        return host.view(like.shape), event, slot
 
     def download_outputs(self, outputs: list[torch.Tensor]) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
         """(pinned host copy of the outputs flattened and concatenated, its ready event), made here
@@ -116,14 +145,12 @@ class SideStream:
         Off CUDA: the concatenation and no event."""
         if self.stream is None:
             return torch.cat([out.reshape(-1) for out in outputs]), None
-        written = torch.cuda.Event()
-        written.record()
+        self.outputs_written.record()
         with torch.cuda.stream(self.stream):
-            self.stream.wait_event(written)
+            self.stream.wait_event(self.outputs_written)
             packed = torch.cat([out.reshape(-1) for out in outputs])
-            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host, self.outputs_read, _ = self._take_download(packed)
             host.copy_(packed, non_blocking=True)
-            self.outputs_read = torch.cuda.Event()
             self.outputs_read.record()
         return host, self.outputs_read
 

@@ -23,6 +23,7 @@ import torch
 
 from foretell.engine.scheduler import ScheduledSequence, SchedulerOutput
 from foretell.runner.input_batch import InputBatch
+from foretell.runner.pinned_ring import PinnedRing, RingSlot
 from foretell.runner.sequence_result import SequenceResult
 
 
@@ -33,20 +34,28 @@ class HostCopy:
 
     host: torch.Tensor  # pinned on CUDA; the tensor itself off CUDA
     ready: "torch.cuda.Event | None"
+    slot: RingSlot | None = None  # the ring slot `host` and `ready` belong to, when from a ring
 
     @classmethod
-    def queue(cls, values: torch.Tensor) -> "HostCopy":
+    def queue(cls, values: torch.Tensor, ring: PinnedRing | None = None) -> "HostCopy":
+        """values [n] copied to the host: into the next slot of `ring` (its buffer and event,
+        reused: no allocation per step) when given, else into a new pinned tensor."""
         if values.device.type != "cuda":
             return cls(values, None)
-        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        if ring is not None:
+            host, ready, slot = ring.take(values.numel())
+            host = host.view(values.shape)
+        else:
+            host, ready, slot = torch.empty(values.shape, dtype=values.dtype, pin_memory=True), torch.cuda.Event(), None
         host.copy_(values, non_blocking=True)
-        ready = torch.cuda.Event()
         ready.record()
-        return cls(host, ready)
+        return cls(host, ready, slot)
 
     def read(self) -> list:
         if self.ready is not None:
             self.ready.synchronize()
+        if self.slot is not None:
+            self.slot.check()
         return self.host.tolist()
 
 

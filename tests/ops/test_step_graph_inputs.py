@@ -14,6 +14,7 @@ from fixtures.triton_interpreter import HAS_CUDA, import_interpreted, interprete
 from foretell.ops.step import reference
 from foretell.ops.step.inputs import GraphInputBuffers
 from foretell.runner import graph_inputs
+from foretell.runner.pinned_ring import PinnedRing
 from foretell.runner.input_batch import InputBatch
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
@@ -63,13 +64,20 @@ def _expected(batch: InputBatch, bucket: int, q: int) -> GraphInputBuffers:
     return out
 
 
+@pytest.mark.parametrize("from_ring", [False, True])
 @pytest.mark.parametrize("ids_on_device", [False, True])
 @pytest.mark.parametrize("n, bucket, q", [(1, 1, 1), (3, 4, 1), (5, 8, 4), (8, 8, 2)])
-def test_unpack_fills_the_graph_buffers(n, bucket, q, ids_on_device):
+def test_unpack_fills_the_graph_buffers(n, bucket, q, ids_on_device, from_ring):
     seed = random.randrange(2**31)
     batch = _batch(random.Random(seed), n, q, ids_on_device)
-    host, layout = graph_inputs.pack(batch, bucket, q)
+    # A ring of tiny slots, already used: pack grows and overwrites its slot.
+    ring = PinnedRing(torch.int64, torch.device("cpu"), numel=2, depth=2) if from_ring else None
+    if ring is not None:
+        ring.take(2)[0].fill_(-7)
+        ring.take(2)[0].fill_(-7)
+    host, layout, slot = graph_inputs.pack(batch, bucket, q, ring)
     assert host.dtype == torch.int64 and host.numel() == layout.size
+    assert (slot is not None) == from_ring
     staging = host.to(DEVICE)
     tokens = staging[layout.ids_offset :] if layout.ids_on_host else batch.token_ids
     expected = _expected(batch, bucket, q)
