@@ -4,6 +4,11 @@ Runs on any device. Loops over sequences on the host (the metadata carries host 
 lengths, so there is no device sync); each sequence gathers its context from its block table and
 attends with a causal mask offset by its cached prefix. Scores and softmax are computed in float32.
 
+A tree verify passes tree_mask [num_tokens, W] bool: a query row sees its sequence's whole context
+before the step, and of the step's first W new rows only those its mask row marks (its ancestors
+and itself; combined with the causal limit, so tree nodes must be topologically ordered); new rows
+from W on stay causal. An all-true mask is plain causal attention.
+
 An FP8 cache (fp8_kv.py) stores x / scale in e4m3 and is read back as e4m3 * scale in float32, the
 layer's k_scale for keys and v_scale for values; other caches ignore the scales.
 """
@@ -53,6 +58,7 @@ def causal_attention(
     key: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
     value: torch.Tensor,  # [seq_len, num_kv_heads, v_head_dim]
     scale: float,
+    tree_mask: torch.Tensor | None = None,  # [q_len, W] bool: which of the first W new rows each row sees
 ) -> torch.Tensor:  # [q_len, num_heads, v_head_dim]
     """Queries are the last q_len positions of a seq_len context.
 
@@ -70,9 +76,13 @@ def causal_attention(
     k = key.float().permute(1, 2, 0)  # [num_kv_heads, head_dim, seq_len]
     v = value.float().permute(1, 0, 2)  # [num_kv_heads, seq_len, v_head_dim]
     scores = torch.bmm(q, k).mul_(scale)  # [num_kv_heads, group * q_len, seq_len]
-    if q_len > 1:
+    if q_len > 1 or tree_mask is not None:
         # query row j sits at position seq_len - q_len + j and sees keys 0..that position
         hidden = torch.ones(q_len, seq_len, dtype=torch.bool, device=query.device).triu_(seq_len - q_len + 1)
+        if tree_mask is not None:
+            width = min(tree_mask.shape[1], q_len)
+            new_keys = hidden[:, seq_len - q_len : seq_len - q_len + width]  # [q_len, width] (a view)
+            new_keys |= ~tree_mask[:, :width].to(device=query.device, dtype=torch.bool)
         scores = scores.view(num_kv_heads, group, q_len, seq_len).masked_fill_(hidden, float("-inf"))
         scores = scores.view(num_kv_heads, group * q_len, seq_len)
     probs = torch.softmax(scores, dim=-1)
@@ -100,18 +110,20 @@ class TorchAttentionBackend:
         scale: float,
         k_scale: float = 1.0,  # FP8 caches: what a stored key / value is multiplied by
         v_scale: float = 1.0,
+        tree_mask: torch.Tensor | None = None,  # [num_tokens, W] bool (a tree verify; see the module's docstring)
     ) -> torch.Tensor:
         starts = metadata.query_start_loc_cpu
         if len(starts) == 2 and starts[1] == query.shape[0] > 0:  # one sequence, every row: no output buffer
             key, value = gather_kv(kv_cache, metadata.block_table[0], metadata.seq_lens_cpu[0], k_scale, v_scale)
-            return causal_attention(query, key, value, scale)
+            return causal_attention(query, key, value, scale, tree_mask)
         out = torch.empty_like(query)
         for i, seq_len in enumerate(metadata.seq_lens_cpu):
             lo, hi = starts[i], starts[i + 1]
             if hi == lo:
                 continue
             key, value = gather_kv(kv_cache, metadata.block_table[i], seq_len, k_scale, v_scale)
-            out[lo:hi] = causal_attention(query[lo:hi], key, value, scale)
+            out[lo:hi] = causal_attention(query[lo:hi], key, value, scale,
+                                          None if tree_mask is None else tree_mask[lo:hi])
         return out
 
 

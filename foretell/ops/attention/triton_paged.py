@@ -25,6 +25,10 @@ seq_lens, so the split adapts to the real length), and the last to finish merges
 
 Rows of `out` past query_start_loc[-1] (padding) are left untouched.
 
+A tree verify passes tree_mask [num_tokens, W] (bool, int8 or uint8): on top of the causal limit, a
+row sees new key i < W of its sequence (the step's i-th new row) only where its mask row is set
+(reference.py's semantics). Without a mask the kernel is compiled without it (TREE_MASK off).
+
 An FP8 cache (fp8_kv.py): the write stores key / k_scale and value / v_scale in e4m3
 (triton_fp8_kv.to_cache); the attention converts each K/V tile to the query's dtype (exact) and
 runs its dots there, k_scale folded into the softmax scale and v_scale applied to the float32
@@ -158,6 +162,9 @@ def _paged_attention_kernel(
     block_table_ptr,  # [num_seqs, max_blocks] int32
     seq_lens_ptr,  # [num_seqs] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
+    tree_mask_ptr,  # [num_tokens, mask_width] int8 (used with TREE_MASK)
+    mask_width,
+    stride_mask_token,
     num_seqs,
     scale_log2,  # softmax scale * log2(e) (* k_scale for an FP8 cache)
     v_scale,  # FP8 caches: the accumulator's factor (unused otherwise)
@@ -182,6 +189,7 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     FP8_CACHE: tl.constexpr,  # e4m3 tiles, converted to the query's dtype on load
     PDL: tl.constexpr,  # launched with programmatic dependent launch (ops/common/pdl.py)
+    TREE_MASK: tl.constexpr,  # rows see only the new keys their tree_mask row marks
 ):
     join_dependent_chain(PDL)  # the next kernel (the o projection's GEMV) streams weights meanwhile
     q_block = tl.program_id(0)
@@ -236,6 +244,12 @@ def _paged_attention_kernel(
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         visible = (key_pos[None, :] <= row_pos[:, None]) & key_valid[None, :]
+        if TREE_MASK:
+            new_key = key_pos - prefix_len  # [TILE_N]: the step's new row this key is, < 0 for the context
+            in_mask = (new_key >= 0) & (new_key < mask_width) & key_valid
+            seen = tl.load(tree_mask_ptr + token_index[:, None] * stride_mask_token + new_key[None, :],
+                           mask=row_valid[:, None] & in_mask[None, :], other=1)
+            visible = visible & (seen != 0)
         scores = tl.where(visible, scores, float("-inf"))
         p, alpha, m_i, l_i = online_softmax_step(scores, m_i, l_i)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -265,6 +279,7 @@ def paged_attention_triton(
     k_scale: float = 1.0,  # FP8 caches: a stored key stands for key * k_scale
     v_scale: float = 1.0,
     launch_query_len: int | None = None,  # the query length tiles are sized for; None: max_query_len
+    tree_mask: torch.Tensor | None = None,  # [num_tokens, W] bool/int8/uint8: a tree verify's ancestor rows
 ) -> torch.Tensor:
     """Causal varlen attention of each sequence's queries to its paged context; returns `out`.
     With num_splits=1 and a constant launch_query_len a row's result depends on its own query and
@@ -284,6 +299,7 @@ def paged_attention_triton(
         return out
     query = _unit_last_stride(query)
     check_fp8_query(kv_cache, query.dtype)
+    mask_rows = _tree_mask_rows(tree_mask, num_tokens)
     fp8 = is_fp8(kv_cache.dtype)
     tiles = compute_dtype(kv_cache, query.dtype)
     group = num_heads // num_kv_heads
@@ -328,6 +344,9 @@ def paged_attention_triton(
         block_table,
         seq_lens,
         query_start_loc,
+        out if mask_rows is None else mask_rows,  # unread without TREE_MASK
+        0 if mask_rows is None else mask_rows.shape[1],
+        0 if mask_rows is None else mask_rows.stride(0),
         num_seqs,
         scale * _LOG2E * (check_scale("k_scale", k_scale) if fp8 else 1.0),
         check_scale("v_scale", v_scale) if fp8 else 1.0,
@@ -352,6 +371,7 @@ def paged_attention_triton(
         DOT_PRECISION=dot_precision(tiles),
         FP8_CACHE=fp8,
         PDL=pdl,
+        TREE_MASK=mask_rows is not None,
         num_warps=config["num_warps"],
         **launch_options(pdl),
     )
@@ -404,6 +424,19 @@ def _choose_num_splits(
 def _multiprocessor_count(device_index: int) -> int:
     # A fixed hardware fact, memoised so a launch never re-queries the driver.
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _tree_mask_rows(tree_mask: torch.Tensor | None, num_tokens: int) -> torch.Tensor | None:
+    """The mask as int8 rows with a unit stride (a bool or uint8 mask is viewed, not copied)."""
+    if tree_mask is None:
+        return None
+    if tree_mask.dim() != 2 or tree_mask.shape[0] < num_tokens or tree_mask.dtype not in (torch.bool, torch.int8, torch.uint8):
+        raise ValueError(
+            f"tree_mask must be [num_tokens={num_tokens}, W] bool, int8 or uint8; got "
+            f"{tuple(tree_mask.shape)} {tree_mask.dtype}"
+        )
+    tree_mask = _unit_last_stride(tree_mask)
+    return tree_mask if tree_mask.dtype == torch.int8 else tree_mask.view(torch.int8)
 
 
 def _unit_last_stride(tensor: torch.Tensor) -> torch.Tensor:

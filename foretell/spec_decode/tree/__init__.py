@@ -1,0 +1,10 @@
+"""Draft trees: the building blocks of a tree speculation step (issue 28).
+
+shape.py     TreeShape (num_speculative_tokens = depth, topk, num_draft_tokens) and DraftTree
+build.py     expanding per-depth draft logits into a tree of the best num_draft_tokens nodes
+verify.py    greedy longest matching path and multi-draft rejection sampling over a tree
+compact.py   the slot moves that place the accepted path's K/V contiguously after the context
+simulated.py simulated acceptance along the tree's best path (benchmarks with random weights)
+
+Nothing here is wired into the engine's step yet; docs/trees.md gives the integration plan.
+"""
