@@ -89,6 +89,7 @@ class CudaGraphRunner:
         # A packed step (graph_inputs.pack) of the largest bucket and query length.
         self.staging = torch.zeros(3 * max_rows + 2 * self.buckets[-1] + 1 + self.block_table.numel(), **i64)
         self.side = graph_inputs.SideStream(device)
+        self.unpack_launches: dict = {}  # the unpack's compiled kernels, launched directly (ops/step)
         self.table_rows: tuple | None = None  # the block ids advance_verify last uploaded, while they stand
         self.graphs: dict[tuple[int, int], CapturedForward] = {}
         self.pool = None
@@ -193,7 +194,7 @@ class CudaGraphRunner:
         self.side.upload(staging, host, slot)
         tokens = staging[layout.ids_offset :] if layout.ids_on_host else batch.token_ids
         self.side.before_input_write()
-        unpack_graph_inputs(staging, tokens, self.buffers, layout)
+        unpack_graph_inputs(staging, tokens, self.buffers, layout, self.unpack_launches)
         self.side.after_input_write()
         self.table_rows = None  # recorded only by advance_verify: no per-step host work on this path
         return self.replay(key)

@@ -102,3 +102,26 @@ def test_download_outputs_flattens_views_of_static_buffers():
     if ready is not None:
         ready.synchronize()
     assert host.tolist() == [1, 3, 7, 9, 0, 4, 8, 1, 5, 9]
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="the direct launch calls a compiled kernel's launcher: CUDA only")
+def test_direct_launches_fill_the_graph_buffers_as_the_first():
+    """unpack_graph_inputs_triton with a launch cache: the first launch compiles through Triton and
+    keeps the kernel, later ones call its launcher directly; every step (sizes and token sources
+    changing, token pointers at both alignments) fills the buffers as the reference does."""
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)
+    launches: dict = {}
+    for step in range(12):
+        n, q = rng.choice([(1, 1), (3, 1), (5, 4), (8, 2), (2, 4)])
+        bucket = next(b for b in (1, 2, 4, 8) if b >= n)
+        batch = _batch(rng, n, q, ids_on_device=step % 3 == 0)
+        host, layout, _ = graph_inputs.pack(batch, bucket, q)
+        staging = host.to(DEVICE)
+        tokens = staging[layout.ids_offset :] if layout.ids_on_host else batch.token_ids
+        got = _buffers()
+        kernel.unpack_graph_inputs_triton(staging, tokens, got, layout, launches)
+        expected = _expected(batch, bucket, q)
+        for name in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_table"):
+            assert torch.equal(getattr(got, name), getattr(expected, name)), f"step {step} {name} (seed {seed})"
+    assert launches, "no compiled kernel kept"

@@ -12,13 +12,14 @@ from foretell.ops.step.inputs import CatchUpInputs, GraphInputBuffers, PackedLay
 
 
 def unpack_graph_inputs(staging: torch.Tensor, tokens: torch.Tensor, buffers: GraphInputBuffers,
-                        layout: PackedLayout) -> None:
+                        layout: PackedLayout, launches: dict | None = None) -> None:
     """Scatter staging [layout.size] (int64, a packed step: runner/graph_inputs.py) and tokens
-    [live_rows] into a graph's input buffers."""
+    [live_rows] into a graph's input buffers. `launches`: a dict the caller keeps for the Triton
+    launch's compiled kernels (direct launches after the first: triton_kernels.py)."""
     if kernel_choice.use_triton(staging):
         from foretell.ops.step import triton_kernels  # imports triton: CUDA only
 
-        triton_kernels.unpack_graph_inputs_triton(staging, tokens, buffers, layout)
+        triton_kernels.unpack_graph_inputs_triton(staging, tokens, buffers, layout, launches)
         return
     reference.unpack_graph_inputs_torch(staging, tokens, buffers, layout)
 
