@@ -23,6 +23,12 @@ def test_slots_come_in_turn_and_grow():
     assert ring.buffers[0][:100].tolist() == list(range(100))
 
 
+def test_take_filled_writes_the_values_into_the_slot():
+    ring = PinnedRing(torch.int64, CPU, numel=2, depth=2)
+    host, _, slot = ring.take_filled([5, -1, 2**40])  # grows the slot
+    assert host.tolist() == [5, -1, 2**40] and ring.buffers[slot.index][:3].tolist() == [5, -1, 2**40]
+
+
 def test_a_slot_reused_before_its_read_is_reported():
     ring = PinnedRing(torch.int64, CPU, numel=4, depth=2)
     _, _, first = ring.take(1)

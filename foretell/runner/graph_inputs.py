@@ -47,8 +47,7 @@ def pack(batch: InputBatch, bucket: int, q: int, ring: "PinnedRing | None" = Non
     if layout.ids_on_host:
         values += batch.token_ids
     if ring is not None:
-        host, _, slot = ring.take(len(values))
-        host.copy_(torch.tensor(values, dtype=torch.int64))
+        host, _, slot = ring.take_filled(values)
         return host, layout, slot
     host = torch.tensor(values, dtype=torch.int64)
     if batch.device.type == "cuda":
