@@ -125,9 +125,9 @@ class LaunchedDecode:
     ) -> "LaunchedDecode":
         """Queue the copy of the tokens `batch` sampled to the host (a graph's: later, in read);
         waits for nothing."""
-        positions = [p - 1 for p in batch.row_positions]  # a row predicts its position + 1
-        block_size = batch.block_size
-        slots = [cache_slot(seq.block_ids, p, block_size) for seq, p in zip(seqs, positions)]
+        # One row per sequence (plain_decode): the batch's rows are the sequences' input positions
+        # and the slots their K/V went to, as the batch computed them.
+        positions, slots = batch.position_list, batch.slot_list
         copy = None if graphed else kind.copy_tokens(token_ids)
         return cls(kind, seqs, positions, slots, token_ids, copy, graphed)
 
