@@ -90,6 +90,34 @@ def kernel():
     return import_interpreted("foretell.ops.gemm.triton_batch_invariant")
 
 
+def _dot_in_k_order(self, a, b, d, input_precision, max_num_imprecise_acc):
+    """tl.dot for the interpreter as the kernel's claim has it on tensor cores: each element sums its
+    products over K in one order whatever the tile's shape (rank-1 updates in float32; fp16 and
+    float32 products of fp16 inputs are exact). numpy's matmul, the interpreter's own dot, blocks by
+    shape: the same column comes out in other bits beside 15 other columns than beside 63
+    (test_the_interpreters_own_dot_depends_on_the_tile)."""
+    import numpy as np
+    from triton.runtime.interpreter import TensorHandle
+
+    out_dtype = d.data.dtype
+    a_data, b_data = a.data.astype(out_dtype), b.data.astype(out_dtype)
+    acc = np.zeros(np.broadcast_shapes(a_data.shape[:-1] + (1,), b_data.shape[-1:]), dtype=out_dtype)
+    for kk in range(a_data.shape[-1]):
+        acc = acc + a_data[..., kk : kk + 1] * b_data[..., kk : kk + 1, :]
+    return TensorHandle(acc + d.data, d.dtype.scalar)
+
+
+@pytest.fixture
+def order_fixed_dot(interpreter_mode, monkeypatch):
+    """On a CPU: the interpreter's tl.dot replaced by _dot_in_k_order, so the tests check that nothing
+    but the dot instruction could make a row depend on its tile (slices, merge order, offsets,
+    masks). On a GPU the real dot runs: there the tests check the hardware's side of the claim too."""
+    if not HAS_CUDA:
+        from triton.runtime import interpreter
+
+        monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", _dot_in_k_order)
+
+
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 
@@ -99,12 +127,12 @@ DEVICE = "cuda" if HAS_CUDA else "cpu"
     (64, 200, False, True, False),  # K not a multiple of BLOCK_K; the LM head's float32
     (128, 72, True, False, False),  # gated [gate; up]
 ])
-def test_kernel_rows_do_not_depend_on_m(kernel, interpreter_mode, dtype, n, k, gated, float32_out, bias):
+def test_kernel_rows_do_not_depend_on_m(kernel, order_fixed_dot, dtype, n, k, gated, float32_out, bias):
     x, w, b = operands(n, k, 40, dtype, seed=3, device=DEVICE)
     run = lambda rows: kernel.linear_batch_invariant_triton(  # noqa: E731
         rows, w, b if bias else None, gated=gated, float32_out=float32_out)
     alone = [run(x[r : r + 1].clone()) for r in range(x.shape[0])]
-    for m in (2, 5, 16, 17, 40):
+    for m in (2, 5, 16, 17, 40):  # row tiles of 16 and 64
         together = run(x[:m])
         for r in range(m):
             assert torch.equal(together[r : r + 1], alone[r]), f"row {r} differs at M={m}"
@@ -114,9 +142,94 @@ def test_kernel_rows_do_not_depend_on_m(kernel, interpreter_mode, dtype, n, k, g
     assert torch.allclose(got, want, atol=tol, rtol=tol)
 
 
+ROW_COUNTS = (2, 17, 65, 130)  # row tiles of 16, 64 and 128 rows
+
+
+CHECKED_ROWS = (0, 1, 4, 15, 16, 33, 63, 64, 100, 129)  # first, last and middle slots of the tiles
+
+
+def assert_kernel_rows_invariant(run, x: torch.Tensor, row_counts=ROW_COUNTS) -> None:
+    alone = {r: run(x[r : r + 1].clone()) for r in CHECKED_ROWS}
+    for m in row_counts:
+        together = run(x[:m].clone())
+        for r in (r for r in CHECKED_ROWS if r < m):
+            assert torch.equal(together[r : r + 1], alone[r]), f"row {r} differs at M={m}"
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("split,block_k,k,gated,float32_out", [
+    (3, 16, 100, False, False),  # ragged slices: [0, 48), [48, 96), [96, 100)
+    (4, 32, 256, True, False),  # the o / down choice, gated epilogue after the split-order sum
+    (2, 16, 72, False, True),  # the LM head's float32 sum
+])
+def test_split_k_rows_do_not_depend_on_m(kernel, order_fixed_dot, dtype, split, block_k, k, gated, float32_out):
+    """Split-K whose slices and merge order are fixed by (N, K) is batch-invariant: row r alone equals
+    row r among 2..130 rows (row tiles of 16, 64 and 128), and the sum stays within rounding."""
+    from foretell.ops.common.split_counters import SplitCounters
+
+    x, w, b = operands(96, k, 130, dtype, seed=5, device=DEVICE)
+    config = kernel.ShapeConfig(block_k=block_k, split=split)
+    counters = SplitCounters(min_count=64)
+    run = lambda rows: kernel.linear_batch_invariant_triton(  # noqa: E731
+        rows, w, b, gated=gated, float32_out=float32_out, counters=counters, config=config)
+    assert_kernel_rows_invariant(run, x)
+    assert not counters.get(x.device, 1).any(), "every merging program leaves its counter zero"
+    want = linear_batch_invariant_torch(x.double(), w.double(), b.double(), gated=gated)
+    tol = 4e-3 if dtype == torch.float16 else 1e-5
+    assert torch.allclose(run(x).double(), want, atol=tol, rtol=tol)
+    # the split sum is another order than one pass over K: not bitwise, within float32 rounding
+    whole = kernel.linear_batch_invariant_triton(x, w, b, gated=gated, float32_out=float32_out,
+                                                 config=kernel.ShapeConfig(block_k=block_k, split=1))
+    assert torch.allclose(run(x).double(), whole.double(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_row_tile_size_does_not_change_a_row(kernel, order_fixed_dot, dtype):
+    """The claim the kernel rests on: with BLOCK_K and the dtype fixed, a row's bits are the same in a
+    16-, 32-, 64- or 128-row tile (each K step is the same dot per element, the steps in one order)."""
+    x, w, b = operands(128, 200, 64, dtype, seed=7, device=DEVICE)
+    config = kernel.ShapeConfig(block_k=32, split=2)
+    outs = [kernel.linear_batch_invariant_triton(x, w, b, config=config, fixed_block_m=bm) for bm in (16, 32, 64, 128)]
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="about the interpreter's numpy dot")
+def test_the_interpreters_own_dot_depends_on_the_tile(kernel, interpreter_mode):
+    """Why order_fixed_dot exists: with the interpreter's numpy dot, 16- and 64-row tiles give a
+    row other bits, so the interpreter cannot speak for the tensor cores (the GPU test does)."""
+    x, w, _ = operands(128, 256, 64, torch.float32, seed=7)
+    config = kernel.ShapeConfig(block_k=128, split=1)
+    small, large = (kernel.linear_batch_invariant_triton(x, w, config=config, fixed_block_m=bm) for bm in (16, 64))
+    assert not torch.equal(small, large)
+    assert torch.allclose(small, large, atol=1e-5, rtol=1e-5)
+
+
+def test_long_prefills_run_in_launches_of_bounded_rows(kernel, order_fixed_dot, monkeypatch):
+    x, w, b = operands(64, 96, 40, torch.float32, seed=9, device=DEVICE)
+    config = kernel.ShapeConfig(block_k=32, split=3)
+    whole = kernel.linear_batch_invariant_triton(x, w, b, config=config)
+    monkeypatch.setattr(kernel, "MAX_SPLIT_ROWS", 16)  # three launches of 16, 16 and 8 rows
+    assert torch.equal(kernel.linear_batch_invariant_triton(x, w, b, config=config), whole)
+
+
+def test_shape_configs_for_llama8b_never_see_m(kernel):
+    """The table in pick_shape_config's docstring (bf16 on a 132-multiprocessor device)."""
+    cpu = torch.device("cpu")  # device_limits: 132 multiprocessors, as the H100 / H200
+    table = {(6144, 4096): (256, 1), (4096, 4096): (128, 4), (28672, 4096): (128, 1), (4096, 14336): (128, 4),
+             (128256, 4096): (128, 1)}
+    for (n, k), (block_k, split) in table.items():
+        assert kernel.pick_shape_config(n, k, torch.bfloat16, cpu) == kernel.ShapeConfig(block_k, split)
+    assert kernel.pick_shape_config(4096, 4096, torch.float32, cpu).block_k == 32
+    with pytest.raises(ValueError, match="N >= 1 and K >= 1"):
+        kernel.pick_shape_config(0, 4096, torch.bfloat16, cpu)
+
+
 def test_kernel_refuses_bad_inputs(kernel, interpreter_mode):
     x, w, _ = operands(32, 16, 2, torch.float32, device=DEVICE)
     with pytest.raises(ValueError, match="share a dtype"):
         kernel.linear_batch_invariant_triton(x, w.half())
     with pytest.raises(ValueError, match="must be contiguous"):
         kernel.linear_batch_invariant_triton(x, w.t().contiguous().t())
+    with pytest.raises(ValueError, match="fixed_block_m must be 16, 32, 64 or 128"):
+        kernel.linear_batch_invariant_triton(x, w, fixed_block_m=24)

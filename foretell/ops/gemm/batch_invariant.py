@@ -11,8 +11,9 @@ A token decoded alone and the same token verified among k + 1 then get different
     one-row product of the same shape: the same kernel, whatever M; tests/ops/
     test_batch_invariant_gemm.py holds row r at M = 1 against M = 2..64). On CUDA, where cuBLAS
     may choose a batched kernel by the batch count, a loop of one-row F.linear calls.
-  Triton (CUDA): ops/gemm/triton_batch_invariant.py, one tensor-core kernel family for every M,
-    with fixed tiles and no split-K.
+  Triton (CUDA): ops/gemm/triton_batch_invariant.py, one tensor-core kernel for every M whose K
+    step and split-K count are fixed by the weight's shape (N, K), never by M: decode runs as fast
+    as the default few-row MMA, and the same per-row order serves verify and prefill.
 
 `float32_out` (the LM head): the products summed in float32 and kept in float32, not rounded to
 the model dtype first (fewer ties between logits; in torch the operands are taken to float32,
@@ -79,9 +80,20 @@ def linear_batch_invariant_torch(
 class BatchInvariantGemm:
     """Callable like F.linear(x, weight, bias) (and SmallMGemm's gated / float32_out): the Triton
     kernel where ops.common.kernel_choice allows it and it takes the dtype, else the torch rows.
-    Holds nothing per shape: a call depends only on its arguments."""
+    Holds nothing per shape (a call's bits depend only on its arguments), only the split-K
+    counters, allocated at the first eager call so that CUDA graphs can hold their address.
+
+    fixed_block_m: None lets the kernel's row tile grow with M (16, 64, 128 rows; the same sums);
+    16 runs one row tile for every M (the fallback should a device's tensor cores ever reduce a
+    K step differently by the tile's row count: tests/gpu/test_batch_invariant_gpu.py checks)."""
 
     mode = "batch_invariant"  # (SmallMGemm's attribute: logs and benchmarks read it)
+
+    def __init__(self, fixed_block_m: int | None = None):
+        from foretell.ops.common.split_counters import SplitCounters
+
+        self.fixed_block_m = fixed_block_m
+        self._counters = SplitCounters(min_count=1 << 16)
 
     def __call__(
         self,
@@ -96,7 +108,8 @@ class BatchInvariantGemm:
 
             rows = x.reshape(-1, x.shape[-1])  # [M, K]
             out = triton_batch_invariant.linear_batch_invariant_triton(
-                rows, weight, bias, gated=gated, float32_out=float32_out)  # [M, N]
+                rows, weight, bias, gated=gated, float32_out=float32_out, counters=self._counters,
+                fixed_block_m=self.fixed_block_m)  # [M, N]
             return out.view(*x.shape[:-1], out.shape[-1])
         return linear_batch_invariant_torch(x, weight, bias, gated, float32_out)
 
