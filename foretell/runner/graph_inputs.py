@@ -99,10 +99,10 @@ class SideStream:
             if self.inputs_written is not None:
                 self.stream.wait_event(self.inputs_written)
             staging.copy_(host, non_blocking=True)
-            if slot is not None:  # the slot's buffer is free again once this copy is done
-                self.uploads.events[slot.index].record()
-            self.uploaded.record()
-        torch.cuda.current_stream().wait_event(self.uploaded)
+            # One event both frees the slot's buffer (once recorded past the copy) and orders the unpack.
+            uploaded = slot.ring.events[slot.index] if slot is not None else self.uploaded
+            uploaded.record()
+        torch.cuda.current_stream().wait_event(uploaded)
 
     def before_input_write(self) -> None:
         """Order a write of the input buffers (on the current stream) after their downloads."""
