@@ -73,6 +73,19 @@ def test_long_prefill_launches_keep_rows():
     assert torch.allclose(gemm(x, w, float32_out=True).double(), want, atol=1e-3, rtol=1e-3)
 
 
+def test_moe_rows_run_the_kernel_and_do_not_depend_on_m():
+    """The mode's MoE experts and router call linear_rows_torch, which on CUDA runs the kernel (one
+    launch, not a loop of one-row products): rows alone == among others, float32 router included."""
+    from foretell.ops.gemm.batch_invariant import linear_rows_torch
+
+    for dtype, n, k in ((torch.bfloat16, 192, 96), (torch.bfloat16, 2 * 1408, 2048), (torch.float32, 256, 7168)):
+        x = torch.randn(64, k, device=DEVICE).to(dtype)
+        w = (torch.randn(n, k, device=DEVICE) / k**0.5).to(dtype)
+        assert_rows_invariant(lambda rows: linear_rows_torch(rows, w), x)
+        want = torch.nn.functional.linear(x.double(), w.double())
+        assert torch.allclose(linear_rows_torch(x, w).double(), want, atol=2e-2, rtol=2e-2)
+
+
 def test_linear_replays_in_a_graph_bit_for_bit():
     gemm = BatchInvariantGemm()
     for n, k in ((6144, 4096), (4096, 14336)):  # whole K, and split four ways (counters in the graph)

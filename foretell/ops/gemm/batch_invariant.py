@@ -10,7 +10,10 @@ A token decoded alone and the same token verified among k + 1 then get different
     that is one torch.bmm of [M, 1, K] against the weight broadcast to [M, K, N] (each batch item a
     one-row product of the same shape: the same kernel, whatever M; tests/ops/
     test_batch_invariant_gemm.py holds row r at M = 1 against M = 2..64). On CUDA, where cuBLAS
-    may choose a batched kernel by the batch count, a loop of one-row F.linear calls.
+    may choose a batched kernel by the batch count, the Triton kernel below (one launch: the MoE
+    experts and router of the mode call linear_rows_torch directly, and a loop of one-row
+    F.linear calls per expert made the DeepSeek-layout target crawl), or without triton a loop of
+    one-row F.linear calls.
   Triton (CUDA): ops/gemm/triton_batch_invariant.py, one tensor-core kernel for every M whose K
     step and split-K count are fixed by the weight's shape (N, K), never by M: decode runs as fast
     as the default few-row MMA, and the same per-row order serves verify and prefill.
@@ -50,6 +53,10 @@ def linear_rows_torch(
     rows = x.clone(memory_format=torch.contiguous_format)
     if x.device.type == "cpu":
         return torch.bmm(rows.unsqueeze(1), weight.t().unsqueeze(0).expand(m, k, n)).squeeze(1)
+    if BatchInvariantGemm._use_kernel(rows, weight, None):
+        from foretell.ops.gemm import triton_batch_invariant  # imports triton: CUDA only
+
+        return triton_batch_invariant.linear_batch_invariant_triton(rows, weight)  # [M, N]
     return torch.cat([F.linear(rows[i : i + 1].clone(), weight) for i in range(m)])
 
 
