@@ -13,12 +13,12 @@ from __future__ import annotations
 import torch
 
 from foretell.spec_decode.tree.shape import DraftTree, sibling_ranks
-from foretell.spec_decode.tree.verify import TreeVerifyResult, _first_child_where, _result, _walk
+from foretell.spec_decode.tree.verify import TreeVerifyResult, first_child_where, result_from_path, walk_down
 
 
 def best_path(tree: DraftTree) -> torch.Tensor:  # [B, depth + 1] node indices from the root, -1 past its end
     first_children = (sibling_ranks(tree.parents) == 0) & (tree.parents >= 0)
-    return _walk(tree, _first_child_where(tree, first_children))
+    return walk_down(tree, first_child_where(tree, first_children))
 
 
 def simulated_tree_accept(
@@ -33,4 +33,4 @@ def simulated_tree_accept(
     drawn = (rates.unsqueeze(0) > uniforms.unsqueeze(1).to(rates.dtype)).sum(1)  # [B]
     path = best_path(tree)
     keep = torch.arange(depth + 1, device=path.device).unsqueeze(0) <= drawn.unsqueeze(1)
-    return _result(tree, torch.where(keep, path, -1), bonus_tokens)
+    return result_from_path(tree, torch.where(keep, path, -1), bonus_tokens)

@@ -47,9 +47,9 @@ def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> TreeVerifyRes
     parents = tree.parents.clamp(min=0)
     matches = tree.tokens == target_ids.gather(1, parents)  # [B, T]
     matches[:, 0] = False
-    path = _walk(tree, _first_child_where(tree, matches))
-    last = _last_node(path)
-    return _result(tree, path, target_ids.gather(1, last.unsqueeze(1)).squeeze(1))
+    path = walk_down(tree, first_child_where(tree, matches))
+    last = last_node(path)
+    return result_from_path(tree, path, target_ids.gather(1, last.unsqueeze(1)).squeeze(1))
 
 
 def node_acceptance(
@@ -108,15 +108,15 @@ def verify_sampled(
     accept, residual = node_acceptance(tree, target_probs, draft_probs)
     uniforms = torch.rand(accept.shape, generator=generator, device=accept.device, dtype=accept.dtype)
     accepted = (uniforms < accept) & (tree.parents >= 0)
-    path = _walk(tree, _first_child_where(tree, accepted))
-    last = _last_node(path)
+    path = walk_down(tree, first_child_where(tree, accepted))
+    last = last_node(path)
     final = residual.gather(1, last.view(-1, 1, 1).expand(-1, 1, residual.shape[-1])).squeeze(1)  # [B, V]
     noise = torch.empty_like(final).exponential_(generator=generator)
     bonus = (final / noise).argmax(-1)  # an exponential race: token v wins with probability final[v]
-    return _result(tree, path, bonus)
+    return result_from_path(tree, path, bonus)
 
 
-def _first_child_where(tree: DraftTree, flags: torch.Tensor) -> torch.Tensor:  # [B, T]
+def first_child_where(tree: DraftTree, flags: torch.Tensor) -> torch.Tensor:  # [B, T]
     """For each node, its first child (in sibling order, i.e. by index) whose flag is set; T if none."""
     batch, num_nodes = flags.shape
     candidate = torch.where(flags, torch.arange(num_nodes, device=flags.device).expand(batch, -1), num_nodes)
@@ -125,7 +125,7 @@ def _first_child_where(tree: DraftTree, flags: torch.Tensor) -> torch.Tensor:  #
     return first[:, :num_nodes]
 
 
-def _walk(tree: DraftTree, next_node: torch.Tensor) -> torch.Tensor:  # [B, depth + 1]
+def walk_down(tree: DraftTree, next_node: torch.Tensor) -> torch.Tensor:  # [B, depth + 1]
     batch, num_nodes = next_node.shape
     node = torch.zeros(batch, dtype=torch.int64, device=next_node.device)
     alive = torch.ones(batch, dtype=torch.bool, device=next_node.device)
@@ -138,12 +138,12 @@ def _walk(tree: DraftTree, next_node: torch.Tensor) -> torch.Tensor:  # [B, dept
     return torch.stack(path, 1)
 
 
-def _last_node(path: torch.Tensor) -> torch.Tensor:  # [B]
+def last_node(path: torch.Tensor) -> torch.Tensor:  # [B]
     length = (path >= 0).sum(1)
     return path.gather(1, (length - 1).unsqueeze(1)).squeeze(1)
 
 
-def _result(tree: DraftTree, path: torch.Tensor, bonus: torch.Tensor) -> TreeVerifyResult:
+def result_from_path(tree: DraftTree, path: torch.Tensor, bonus: torch.Tensor) -> TreeVerifyResult:
     num_accepted = (path >= 0).sum(1) - 1
     drafts = torch.where(path >= 0, tree.tokens.gather(1, path.clamp(min=0)), -1)  # [B, depth + 1]
     # Shift the accepted drafts left over the root and put the bonus after them.
