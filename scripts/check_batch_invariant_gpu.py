@@ -1,6 +1,10 @@
 """The batch-invariant mode on a GPU (issue 23): what it costs and whether it is exact, in one process.
 
     python scripts/check_batch_invariant_gpu.py OUT_DIR [--quick] [--sections cost,agreement,sampling]
+        [--cost-runs plain,eagle3_k3_sim2.93] [--cost-tokens 128]
+
+The quick cost check (four Llama-8B engines, their graphs and timed runs; under 2 minutes once
+Triton's cache holds the kernels): --sections cost. Only plain decoding: --cost-runs plain.
 
 cost        Llama-3.1-8B shapes (bf16, dummy weights, CUDA graphs), batch 1 and 64, plain decoding and
             EAGLE3 k=3 at a simulated mean acceptance length of 2.93, with batch_invariant off and on:
@@ -10,10 +14,13 @@ agreement   the default family in bf16 with the mode on, 64 GSM8K test prompts x
             each drafter's output (qwen3: eagle3, draft_model, ngram; deepseek: mtp) against plain
             output, and plain output run one at a time, all at once, mixed into a batch of 128 with
             64 other prompts, and against a cold and a warm prefix cache (matches out of 64); the
-            same for eagle3 with the mode off, for contrast.
+            same for eagle3 with the mode off, for contrast. Sub-checks run most important first
+            (qwen3 batched / warm / mixed, its drafters, DeepSeek MTP, then one at a time, then the
+            contrast) and each writes the JSON as it finishes, with its time in agreement._seconds.
 sampling    seeded sampling (temperature 0.8, a seed per request) at batch 1 and 64, mode on.
 
-Prints a table per section and writes OUT_DIR/check_batch_invariant_gpu.json (after every section).
+Prints a table per section and writes OUT_DIR/check_batch_invariant_gpu.json (after every engine
+and sub-check).
 Engines are built as scripts/bench_gpu.py builds them (its make_llm / decode_tok_s); what it reads
 inside an engine goes through foretell.bench.engine_probe. About 6 minutes on an H200 (--quick: fewer
 prompts and tokens).
@@ -52,7 +59,8 @@ def run_section(name: str, fn, out_dir: str, *args) -> None:
     try:
         RESULTS[name] = fn(*args)
     except Exception as e:  # record and go on: one broken section must not hide the rest
-        RESULTS[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+        kept = RESULTS.get(name) if isinstance(RESULTS.get(name), dict) else {}
+        RESULTS[name] = {**kept, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
     gc.collect()
     torch.cuda.empty_cache()
     RESULTS.setdefault("_seconds", {})[name] = round(time.perf_counter() - t0, 1)
@@ -62,29 +70,40 @@ def run_section(name: str, fn, out_dir: str, *args) -> None:
 # ------------------------------------------------------------------------------------------ cost
 
 
-def cost(batches: list[int], new_tokens: int) -> dict:
+COST_RUNS = ("plain", "eagle3_k3_sim2.93")
+
+
+def cost(batches: list[int], new_tokens: int, runs: list[str], out_dir: str) -> dict:
+    """Each engine's row recorded (and the JSON written) as it finishes, with its seconds."""
     eagle3 = {"method": "eagle3", "model": f"{bench_gpu.CONFIGS}/llama-3.1-8b-eagle3", "num_speculative_tokens": 3,
               "simulate_acceptance": {"mean_acceptance_length": 2.93}}
-    rows = {}
+    rows = RESULTS.setdefault("cost", {})
     for label, spec in (("plain", None), ("eagle3_k3_sim2.93", eagle3)):
+        if label not in runs:
+            continue
         for mode in (False, True):
+            t0 = time.perf_counter()
             llm = bench_gpu.make_llm(f"{bench_gpu.CONFIGS}/llama-3.1-8b", spec, batch_invariant=mode)
-            row = {"decode_graph_ms_b1": probe.target_graph_replay_ms(llm, 1, 1)}
+            row = {"build_s": round(time.perf_counter() - t0, 1),
+                   "decode_graph_ms_b1": probe.target_graph_replay_ms(llm, 1, 1)}
             for b in batches:
                 row[f"b{b}"] = bench_gpu.decode_tok_s(llm, b, new_tokens=new_tokens)
+            row["total_s"] = round(time.perf_counter() - t0, 1)
             rows[f"{label}_{'on' if mode else 'off'}"] = row
+            save(out_dir)
             llm.close()
             del llm
             gc.collect()
         off, on = rows[f"{label}_off"], rows[f"{label}_on"]
         rows[f"{label}_cost"] = {f"b{b}": 1 - on[f"b{b}"]["tok_s"] / off[f"b{b}"]["tok_s"] for b in batches}
+        save(out_dir)
     return rows
 
 
 def print_cost(rows: dict, batches: list[int]) -> None:
     print("\nbatch-invariant cost, Llama-3.1-8B shapes (bf16, dummy weights, graphs)")
     print(f"{'run':<24}" + "".join(f"{'b' + str(b) + ' off':>12}{'b' + str(b) + ' on':>12}{'cost':>8}" for b in batches))
-    for label in ("plain", "eagle3_k3_sim2.93"):
+    for label in COST_RUNS:
         if f"{label}_cost" not in rows:
             continue
         line = f"{label:<24}"
@@ -105,7 +124,10 @@ def matches(a: list[list[int]], b: list[list[int]]) -> int:
     return sum(x == y for x, y in zip(a, b))
 
 
-def agreement(num_prompts: int, max_tokens: int) -> dict:
+def agreement(num_prompts: int, max_tokens: int, out_dir: str) -> dict:
+    """Sub-checks in the order of what matters most, each recorded (and the JSON written) as it
+    finishes, so a run cut short keeps what it did: the qwen3 reference and its drafters first, the
+    slow one-at-a-time run and DeepSeek's MTP after, the mode-off contrast last."""
     from foretell.bench.datasets import gsm8k_test_prompts
     from foretell.defaults import member_path
 
@@ -114,32 +136,46 @@ def agreement(num_prompts: int, max_tokens: int) -> dict:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     engine = dict(device="cuda", dtype="bfloat16", max_num_seqs=2 * num_prompts, kv_cache_memory_bytes=4 << 30,
                   log_stats_interval_s=0)
-    out: dict = {"num_prompts": num_prompts, "max_tokens": max_tokens}
-    for family, methods in (("qwen3", ("eagle3", "draft_model", "ngram")), ("deepseek", ("mtp",))):
-        target = member_path("target", family)
-        rows: dict = {}
-        with LLM(target, batch_invariant=True, enable_prefix_caching=True, **engine) as llm:
-            batched = outputs(llm, prompts, params)  # cold cache (first run of these prompts)
-            rows["warm_prefix_cache"] = matches(outputs(llm, prompts, params), batched)
-            alone = [outputs(llm, [p], params)[0] for p in prompts]
-            rows["one_at_a_time"] = matches(alone, batched)
-            mixed = outputs(llm, [x for pair in zip(others, prompts) for x in pair], params)[1::2]
-            rows["mixed_into_128"] = matches(mixed, batched)
-        with LLM(target, batch_invariant=True, enable_prefix_caching=False, **engine) as llm:
-            rows["no_prefix_cache"] = matches(outputs(llm, prompts, params), batched)
-        for method in methods:
-            spec = {"method": method, "num_speculative_tokens": 3}
-            if method in ("eagle3", "draft_model"):
-                spec["model"] = member_path(method, family)
-            with LLM(target, batch_invariant=True, speculative_config=spec, **engine) as llm:
-                rows[f"{method}_vs_plain"] = matches(outputs(llm, prompts, params), batched)
-        if family == "qwen3":  # the default path, for contrast
-            with LLM(target, **engine) as llm:
-                plain_off = outputs(llm, prompts, params)
-            spec = {"method": "eagle3", "num_speculative_tokens": 3, "model": member_path("eagle3", family)}
-            with LLM(target, speculative_config=spec, **engine) as llm:
-                rows["mode_off_eagle3_vs_plain"] = matches(outputs(llm, prompts, params), plain_off)
-        out[family] = rows
+    out = RESULTS.setdefault("agreement", {})
+    out.update(num_prompts=num_prompts, max_tokens=max_tokens)
+    seconds = out.setdefault("_seconds", {})
+    t0 = time.perf_counter()
+
+    def record(family: str, name: str, value) -> None:
+        out.setdefault(family, {})[name] = value
+        seconds[f"{family}.{name}"] = round(time.perf_counter() - t0, 1)  # since the section began
+        save(out_dir)
+
+    def drafter(family: str, method: str, reference: list[list[int]]) -> None:
+        spec = {"method": method, "num_speculative_tokens": 3}
+        if method in ("eagle3", "draft_model"):
+            spec["model"] = member_path(method, family)
+        with LLM(member_path("target", family), batch_invariant=True, speculative_config=spec, **engine) as llm:
+            record(family, f"{method}_vs_plain", matches(outputs(llm, prompts, params), reference))
+
+    qwen3 = member_path("target", "qwen3")
+    with LLM(qwen3, batch_invariant=True, enable_prefix_caching=True, **engine) as llm:
+        batched = outputs(llm, prompts, params)  # cold cache (first run of these prompts)
+        record("qwen3", "warm_prefix_cache", matches(outputs(llm, prompts, params), batched))
+        mixed = outputs(llm, [x for pair in zip(others, prompts) for x in pair], params)[1::2]
+        record("qwen3", "mixed_into_128", matches(mixed, batched))
+    for method in ("eagle3", "draft_model", "ngram"):
+        drafter("qwen3", method, batched)
+    deepseek = member_path("target", "deepseek")
+    with LLM(deepseek, batch_invariant=True, **engine) as llm:
+        deepseek_batched = outputs(llm, prompts, params)
+        record("deepseek", "plain_runs", 1)
+    drafter("deepseek", "mtp", deepseek_batched)
+    # One at a time: num_prompts runs of max_tokens steps each, the slowest sub-check; in an engine
+    # without a prefix cache, whose batched run is the cold / no-cache check as well.
+    with LLM(qwen3, batch_invariant=True, enable_prefix_caching=False, **engine) as llm:
+        record("qwen3", "no_prefix_cache", matches(outputs(llm, prompts, params), batched))
+        record("qwen3", "one_at_a_time", matches([outputs(llm, [p], params)[0] for p in prompts], batched))
+    with LLM(qwen3, **engine) as llm:  # the default path, for contrast
+        plain_off = outputs(llm, prompts, params)
+    spec = {"method": "eagle3", "num_speculative_tokens": 3, "model": member_path("eagle3", "qwen3")}
+    with LLM(qwen3, speculative_config=spec, **engine) as llm:
+        record("qwen3", "mode_off_eagle3_vs_plain", matches(outputs(llm, prompts, params), plain_off))
     return out
 
 
@@ -148,7 +184,9 @@ def print_agreement(rows: dict) -> None:
     print(f"\nbf16 agreement with the mode on ({n} GSM8K prompts x {rows.get('max_tokens')} tokens, greedy): matches of {n}")
     for family in ("qwen3", "deepseek"):
         for name, value in rows.get(family, {}).items():
-            print(f"  {family:<10}{name:<28}{value:>4} / {n}")
+            if name != "plain_runs":
+                print(f"  {family:<10}{name:<28}{value:>4} / {n}")
+    print(f"  seconds since the section began, per sub-check: {rows.get('_seconds')}")
 
 
 # -------------------------------------------------------------------------------------- sampling
@@ -173,19 +211,25 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--quick", action="store_true", help="fewer prompts and tokens (a smoke run)")
     parser.add_argument("--sections", default="cost,agreement,sampling")
+    parser.add_argument("--cost-runs", default=",".join(COST_RUNS),
+                        help=f"which of {','.join(COST_RUNS)} the cost section measures (each: two engines)")
+    parser.add_argument("--cost-tokens", type=int, default=128,
+                        help="tokens per timed decode request in the cost section (--quick: 32)")
     args = parser.parse_args()
+    cost_runs = args.cost_runs.split(",")
+    unknown = sorted(set(cost_runs) - set(COST_RUNS))
+    if unknown:
+        parser.error(f"--cost-runs: unknown {unknown}; expected some of {list(COST_RUNS)}")
     os.makedirs(args.out, exist_ok=True)
     sections = args.sections.split(",")
     batches = [1, 64]
     num_prompts, max_tokens = (8, 32) if args.quick else (64, 256)
     if "cost" in sections:
-        run_section("cost", cost, args.out, batches, 32 if args.quick else 128)
-        if "error" not in RESULTS["cost"]:
-            print_cost(RESULTS["cost"], batches)
+        run_section("cost", cost, args.out, batches, 32 if args.quick else args.cost_tokens, cost_runs, args.out)
+        print_cost(RESULTS["cost"], batches)
     if "agreement" in sections:
-        run_section("agreement", agreement, args.out, num_prompts, max_tokens)
-        if "error" not in RESULTS["agreement"]:
-            print_agreement(RESULTS["agreement"])
+        run_section("agreement", agreement, args.out, num_prompts, max_tokens, args.out)
+        print_agreement(RESULTS["agreement"])  # what finished, also when a sub-check failed
     if "sampling" in sections:
         run_section("sampling", sampling, args.out, num_prompts, max_tokens // 2)
     for name, value in RESULTS.items():
