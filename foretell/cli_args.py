@@ -108,6 +108,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
                     help="suffix with --hybrid: shortest suffix match that drafts instead of the model (4)")
     sp.add_argument("--draft-block-size", type=int,
                     help="KV block size of the draft's cache (default: --block-size)")
+    sp.add_argument("--draft-tensor-parallel-size", type=int,
+                    help="eagle3: 1 replicates the head on every rank (default); the target's "
+                         "--tensor-parallel-size splits it like the target (large heads)")
 
 
 SUFFIX_FLAGS = (
@@ -148,6 +151,7 @@ def speculative_config_from_args(args: argparse.Namespace) -> dict[str, Any] | N
         "prompt_lookup_min": args.prompt_lookup_min,
         "prompt_lookup_max": args.prompt_lookup_max,
         "draft_block_size": args.draft_block_size,
+        "draft_tensor_parallel_size": getattr(args, "draft_tensor_parallel_size", None),
         **{name: getattr(args, name, None) for name in SUFFIX_FLAGS},
     }
     if args.eagle3_aux_layer_ids:

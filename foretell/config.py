@@ -203,6 +203,10 @@ class SpeculativeConfig:
     hybrid_num_speculative_tokens: int | None = None
     hybrid_min_match_length: int = 4
     draft_block_size: int | None = None  # None: the target's block size
+    # An EAGLE3 head (also under hybrid) split over the target's tensor-parallel ranks (vLLM's
+    # name): 1 replicates it on every rank; the target's tensor_parallel_size splits its layers
+    # and vocabulary like the target's (large heads: Kimi-K2.5's is about 3B parameters).
+    draft_tensor_parallel_size: int = 1
     # Synthetic acceptance for benchmarks: per-position rates or a mean acceptance length.
     simulate_acceptance: dict[str, Any] | None = None
     revision: str | None = None  # of a draft model given as a Hub id
@@ -232,9 +236,31 @@ class SpeculativeConfig:
                 f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
             )
         self._check_suffix()
+        self._check_draft_tensor_parallel()
         if self.eagle3_aux_layer_ids is not None and len(self.eagle3_aux_layer_ids) != 3:
             raise ValueError(
                 f"eagle3_aux_layer_ids must name 3 layers, got {self.eagle3_aux_layer_ids}"
+            )
+
+    def _check_draft_tensor_parallel(self) -> None:
+        size = self.draft_tensor_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"draft_tensor_parallel_size must be an integer >= 1, got {size!r}")
+        if size != 1 and "eagle3" not in (self.method, self.hybrid):
+            raise ValueError(
+                f"draft_tensor_parallel_size = {size} splits an EAGLE3 head; method {self.method!r} "
+                f"takes 1 (MTP layers always run under the target's tensor parallelism, draft models "
+                f"are replicated on every rank, n-gram and suffix run on the front process)"
+            )
+
+    def check_draft_tensor_parallel(self, tensor_parallel_size: int) -> None:
+        """draft_tensor_parallel_size is 1 (replicated) or the target's tensor_parallel_size."""
+        size = self.draft_tensor_parallel_size
+        if size not in (1, tensor_parallel_size):
+            raise ValueError(
+                f"draft_tensor_parallel_size = {size} must be 1 (the head replicated on every rank) "
+                f"or the target's tensor_parallel_size = {tensor_parallel_size} (the head split like "
+                f"the target)"
             )
 
     def _check_suffix(self) -> None:
@@ -338,6 +364,8 @@ def build_engine_config(model: str, **kwargs: Any) -> EngineConfig:
     model_config = ModelConfig(model=model, **values["model"])
     parallel_config = ParallelConfig(**values["parallel"])
     speculative_config = SpeculativeConfig.from_any(speculative)
+    if speculative_config is not None:
+        speculative_config.check_draft_tensor_parallel(parallel_config.tensor_parallel_size)
     resolve_engine_sources(model_config, speculative_config)  # Hub ids -> local snapshot folders
     return EngineConfig(
         model=model_config,

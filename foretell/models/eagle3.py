@@ -20,6 +20,19 @@ rows after the attention block (`keep_rows`: every row's keys and values are cac
 only those rows' h are read), so the MLP and the LM head run on one row per sequence. (The o
 projection stays on every row: a gather before it breaks the launch chain that lets it stream its
 weights during the attention, and it ran 1.6 us slower on the H200.)
+
+Tensor parallel (options.tensor_parallel with several ranks: speculative_config
+draft_tensor_parallel_size equal to the target's tensor_parallel_size; the default, 1, builds the
+head whole on every rank). The layer splits like the target's: q/k/v and gate_up column-parallel
+(this rank's query heads, its KV heads or the one it shares when fewer than the ranks, its MLP
+columns), o_proj and down_proj row-parallel with the sum over ranks; the draft lm_head and an own
+embed_tokens split by vocabulary (greedy drafts take each rank's row maxima, no gather: step's
+greedy_only). fc is row-parallel: the aux hidden states are whole on every rank (after the
+target's all-reduce), so each rank multiplies its own columns of them with no communication
+first, and one all-reduce of [n, H] per catch-up gives g whole; each rank reads 1/N of fc's
+3 * Ht * H weights (0.3 GB of bf16 for a 7168-wide target). A replicated fc would skip that one
+all-reduce but read all of fc on every rank every step; a column-parallel one would need an
+all-gather of g (the norms and the residual need all of it). Norms, rotary and d2t are whole.
 """
 
 from __future__ import annotations
@@ -30,11 +43,14 @@ from torch import nn
 from foretell.ops.common import kernel_choice
 from foretell.layers.attention.layer import Attention
 from foretell.ops.attention.metadata import AttentionMetadata
-from foretell.layers.embedding import LMHead, VocabEmbedding
-from foretell.layers.linear import Linear, QKVLinear, make_param
+from foretell.layers.embedding import VocabEmbedding
+from foretell.layers.linear import QKVLinear, kv_head_shard, make_param, row_parallel_linear
 from foretell.layers.norm import RMSNorm
 from foretell.layers.rotary import RotaryEmbedding, rope_parameters_from_config
-from foretell.models.base import HFConfig, ModelOptions, WeightRule, WeightRules, side_by_side
+from foretell.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, lm_head, vocab_embedding
+from foretell.models.base import (
+    HFConfig, ModelOptions, WeightRule, WeightRules, check_tensor_parallel_sizes, side_by_side,
+)
 from foretell.models.llama import DecoderDims, DecoderMLP, DecoderSwitches
 
 HEAD_LAYER = r"^(?:midlayer|layers\.0)\."  # the draft layer in either published format
@@ -61,12 +77,14 @@ def eagle3_weight_rules(has_embed: bool, has_lm_head: bool) -> WeightRules:
 class Eagle3Attention(nn.Module):
     def __init__(self, dims: DecoderDims, rotary: RotaryEmbedding, options: ModelOptions, bias: bool):
         super().__init__()
-        kw = dict(dtype=options.dtype, device=options.device)
-        self.num_heads, self.num_kv_heads, self.head_dim = dims.num_heads, dims.num_kv_heads, dims.head_dim
+        kw = dict(dtype=options.dtype, device=options.device, tp=options.tensor_parallel)
         self.qkv_proj = QKVLinear(2 * dims.hidden_size, dims.head_dim, dims.num_heads, dims.num_kv_heads, bias, **kw)
-        self.o_proj = Linear(dims.num_heads * dims.head_dim, dims.hidden_size, bias, **kw)
+        # this rank's heads (all of them with one rank); the draft KV cache holds these KV heads
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = dims.head_dim
+        self.o_proj = row_parallel_linear(dims.num_heads * dims.head_dim, dims.hidden_size, bias, **kw)
         self.rotary_emb = rotary
-        self.attn = Attention(dims.num_heads, dims.head_dim, dims.num_kv_heads, dims.head_dim**-0.5, options.attention_backend)
+        self.attn = Attention(self.num_heads, dims.head_dim, self.num_kv_heads, dims.head_dim**-0.5, options.attention_backend)
 
     def forward(self, positions, x, metadata):  # x [n, 2H] -> [n, H]
         n = x.shape[0]
@@ -94,7 +112,9 @@ class Eagle3LayerBase(nn.Module):
         on CUDA: ops/pointwise/triton_eagle3_input.py), and the residual the attention's output is added to."""
         weight = getattr(embedding, "weight", None)
         norms = (self.input_layernorm, self.hidden_norm)
-        if (isinstance(embedding, VocabEmbedding) and weight.dtype == g.dtype
+        # the one-launch kernel gathers whole-vocabulary rows: not from a rank's share of them
+        if (isinstance(embedding, VocabEmbedding) and not isinstance(embedding, VocabParallelEmbedding)
+                and weight.dtype == g.dtype
                 and all(n.weight.dtype == g.dtype for n in norms) and kernel_choice.use_triton(input_ids, weight, g)):
             from foretell.ops.pointwise.triton_eagle3_input import eagle3_input_triton  # imports triton: CUDA only
 
@@ -147,21 +167,39 @@ class Eagle3Head(nn.Module):
     ):
         super().__init__()
         kw = dict(dtype=options.dtype, device=options.device)
+        tp = self.tensor_parallel = options.tensor_parallel
         hidden = config.hidden_size
         self.hidden_size = hidden
         self.vocab_size = config.vocab_size
         self.draft_vocab_size = config.get("draft_vocab_size", config.vocab_size)
         max_pos = max(config.get("max_position_embeddings", 2048), target_max_positions)
+        self.check_tensor_parallel(config)
         self.rotary_emb, self.midlayer = self.build_layer(config, max_pos, options)
-        self.fc = Linear(3 * target_hidden_size, hidden, **kw)
+        fc_input = 3 * target_hidden_size
+        try:  # this rank's columns of the concatenated aux states (all of them with one rank)
+            self.fc_input_start, self.fc_input_part = tp.even_shard(fc_input, "fc's input width (3 x the target's hidden_size)")
+        except ValueError as e:
+            raise ValueError(f"{config.source}: {e}") from None
+        self.fc = row_parallel_linear(fc_input, hidden, tp=tp, **kw)
         self.norm = RMSNorm(hidden, config.get("rms_norm_eps", 1e-6), **kw)
-        self.embed_tokens = VocabEmbedding(config.vocab_size, hidden, **kw) if has_embed else None
-        self.lm_head = LMHead(self.draft_vocab_size, hidden, **kw) if has_lm_head else None
+        self.embed_tokens = vocab_embedding(config.vocab_size, hidden, tp, **kw) if has_embed else None
+        self.lm_head = lm_head(self.draft_vocab_size, hidden, tp, **kw) if has_lm_head else None
         self.d2t = make_param((self.draft_vocab_size,), torch.int64, options.device)
         self.d2t.dummy_value = 0
         self.weight_rules = self.build_weight_rules(has_embed, has_lm_head)
         self.shared_embed: nn.Module | None = None  # the target's, when the head has none
         self.shared_lm_head: nn.Module | None = None
+
+    def check_tensor_parallel(self, config: HFConfig) -> None:
+        """Start-up check that the layer's heads and MLP split over the ranks (errors name the
+        head's config.json field)."""
+        dims = DecoderDims.from_config(config)
+        check_tensor_parallel_sizes(config, self.tensor_parallel, {
+            "num_attention_heads": dims.num_heads, "intermediate_size": dims.intermediate_size})
+        try:
+            kv_head_shard(dims.num_heads, dims.num_kv_heads, self.tensor_parallel)
+        except ValueError as e:
+            raise ValueError(f"{config.source}: {e}") from None
 
     def build_layer(self, config: HFConfig, max_pos: int, options: ModelOptions) -> tuple[RotaryEmbedding, nn.Module]:
         """The rotary embedding and the draft layer (`midlayer`): a Llama layer here."""
@@ -183,7 +221,10 @@ class Eagle3Head(nn.Module):
         return [self.midlayer.self_attn.attn]
 
     def combine(self, aux: list[torch.Tensor]) -> torch.Tensor:  # 3 x [n, Ht] -> [n, H]
-        return self.fc(side_by_side(aux))  # no copy when the aux states share the target's buffer
+        features = side_by_side(aux)  # [n, 3 * Ht]: no copy when the aux states share the target's buffer
+        if self.tensor_parallel.is_parallel:  # this rank's columns; fc sums the products over ranks
+            features = features.narrow(-1, self.fc_input_start, self.fc_input_part)
+        return self.fc(features)
 
     def _layer(self, input_ids, positions, g, metadata, keep_rows=None):  # -> (mlp_out, h_attn) [m, H]
         return self.midlayer(positions, input_ids, self.embed_tokens or self.shared_embed, g, metadata, keep_rows)
@@ -205,12 +246,22 @@ class Eagle3Head(nn.Module):
         g: torch.Tensor,  # [n, H]
         metadata: AttentionMetadata,
         keep_rows: torch.Tensor | None = None,  # [m] int64: the rows to draft from; None: all
+        greedy_only: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (logits [m, draft_vocab] float32, h [m, H])
         """compute_logits(forward(...)[keep_rows]) and those rows of h, the last add in the final
-        norm's launch and the layer past its attention on the kept rows only."""
+        norm's launch and the layer past its attention on the kept rows only. With greedy_only
+        (an lm_head split by vocabulary: splits_vocabulary), the rows' greedy draft ids [m] int64
+        in place of the logits, gathering none."""
         mlp_out, h_attn = self._layer(input_ids, positions, g, metadata, keep_rows)
         normed, h = self.norm(mlp_out, h_attn)
-        return (self.lm_head or self.shared_lm_head)(normed), h
+        head = self.lm_head or self.shared_lm_head
+        return (head.greedy_tokens(normed) if greedy_only else head(normed)), h
+
+    @property
+    def splits_vocabulary(self) -> bool:
+        """Whether the lm_head in use (the head's or the target's) holds a share of the vocabulary
+        per rank, so greedy drafts can skip gathering whole logits rows."""
+        return isinstance(self.lm_head or self.shared_lm_head, ParallelLMHead)
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:  # [n, draft_vocab] float32
         normed, _ = self.norm(h)

@@ -9,6 +9,11 @@ kv_a_proj_with_mqa [kv_lora_rank + rope, 2H], kv_a_layernorm, kv_b_proj, o_proj 
 and midlayer.mlp is a dense SiLU MLP of intermediate_size. Its rope is DeepSeek's (interleaved
 pairs, the head's own rope_theta / rope_scaling, YaRN softmax correction), and its DraftKVCache
 is a latent cache like the target's.
+
+Tensor parallel (draft_tensor_parallel_size = the target's tensor_parallel_size): the MLA
+projections split as in the DeepSeek target (q_b_proj or q_proj and kv_b_proj by heads, o_proj
+row-parallel; q_a / kv_a_proj_with_mqa whole, so every rank caches the same latent), the MLP's
+gate_up column- and down row-parallel; fc, embed_tokens and lm_head as in eagle3.py.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from torch import nn
 from foretell.layers.mla import MLAAttention, MLADims
 from foretell.layers.moe import GatedMLP
 from foretell.layers.rotary import RotaryEmbedding
-from foretell.models.base import HFConfig, ModelOptions, WeightRules
+from foretell.models.base import HFConfig, ModelOptions, WeightRules, check_tensor_parallel_sizes
 from foretell.models.deepseek_v2 import deepseek_rotary, fused_qkv_a_rules
 from foretell.models.eagle3 import HEAD_LAYER, Eagle3Head, Eagle3LayerBase, eagle3_weight_rules
 
@@ -39,18 +44,23 @@ class Eagle3MLALayer(Eagle3LayerBase):
     def __init__(self, config: HFConfig, rotary: RotaryEmbedding, scale: float, options: ModelOptions):
         super().__init__()
         kw = dict(dtype=options.dtype, device=options.device)
+        tp = options.tensor_parallel
         hidden, eps = config.hidden_size, config.get("rms_norm_eps", 1e-6)
         self.self_attn = MLAAttention(
             MLADims.from_config(config), rotary, scale, options.attention_backend.name,
-            bias=bool(config.get("attention_bias", False)), input_size=2 * hidden, **kw,
+            bias=bool(config.get("attention_bias", False)), input_size=2 * hidden, tp=tp, **kw,
         )
-        self.mlp = GatedMLP(hidden, config.intermediate_size, bool(config.get("mlp_bias", False)), **kw)
+        self.mlp = GatedMLP(hidden, config.intermediate_size, bool(config.get("mlp_bias", False)), tp=tp, **kw)
         self.add_norms(config, hidden, eps, **kw)
 
 
 class Eagle3MLAHead(Eagle3Head):
     """Eagle3Head's interface (combine, forward, compute_logits, target_ids, share) over an MLA
     draft layer; only the construction differs."""
+
+    def check_tensor_parallel(self, config: HFConfig) -> None:
+        check_tensor_parallel_sizes(config, self.tensor_parallel, {
+            "num_attention_heads": config.num_attention_heads, "intermediate_size": config.intermediate_size})
 
     def build_layer(self, config: HFConfig, max_pos: int, options: ModelOptions) -> tuple[RotaryEmbedding, nn.Module]:
         rotary, scale = deepseek_rotary(config, options.device, max_pos)  # DeepSeek's rope and scale

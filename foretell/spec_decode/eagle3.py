@@ -8,6 +8,12 @@ entering layer i), in order of precedence:
      read as SpecForge and SGLang write them, "output of layer j", so we capture the input of
      layer j + 1 (SpecForge's default [1, N//2 - 1, N - 4] is inputs 2, N//2, N - 3);
   3. the default inputs of layers 2, N//2, N - 3.
+
+The head is replicated on every tensor-parallel rank unless speculative_config
+draft_tensor_parallel_size is the target's tensor_parallel_size: then its layers and vocabulary
+split like the target's (models/eagle3.py). Whenever the lm_head in use is split by vocabulary
+(that head's own, or the target's shared one under the target's tensor parallelism), greedy
+batches draft with each rank's row maxima and gather no logits (greedy_without_logits).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import torch
 from torch import nn
 
 from foretell.device_util import to_device
+from foretell.distributed.tensor_parallel import TensorParallel
 from foretell.loader import checkpoint_keys, load_weights
 from foretell.models.base import HFConfig, ModelOptions
 from foretell.models.eagle3 import Eagle3Head
@@ -84,7 +91,10 @@ class Eagle3Proposer(DraftLoopProposer):
                 f"{self.head_config.source}: target_hidden_size {declared} does not match the "
                 f"target's hidden_size {self.target_hidden}; this head was trained for another target"
             )
-        self.options = ModelOptions(options.dtype, options.device, options.attention_backend)
+        target_tp = options.tensor_parallel
+        config.check_draft_tensor_parallel(target_tp.world_size)
+        head_tp = target_tp if config.draft_tensor_parallel_size > 1 else TensorParallel()
+        self.options = ModelOptions(options.dtype, options.device, options.attention_backend, tensor_parallel=head_tp)
         self.init_loop(options.device, self.target_vocab)
         self.head: Eagle3Head | None = None
 
@@ -132,6 +142,7 @@ class Eagle3Proposer(DraftLoopProposer):
             )
         self.head = head.eval()
         self.target_id_map = target_ids
+        self.greedy_without_logits = head.splits_vocabulary
 
     def kv_layers(self) -> list[nn.Module]:
         return self.head.attention_layers()
@@ -147,7 +158,7 @@ class Eagle3Proposer(DraftLoopProposer):
         out = probs.new_zeros(probs.shape[0], self.target_vocab)
         return out.index_copy_(1, self.target_id_map, probs)
 
-    def catch_up(self, batch: DraftBatch, last_rows: list[int]):
+    def catch_up(self, batch: DraftBatch, last_rows: list[int], greedy_only: bool = False):
         input_ids, starts, counts = catch_up_rows(batch, include_next=False)
         positions = torch.cat(
             [torch.arange(p, p + n, device=self.device) for p, n in zip(starts, counts)]
@@ -158,10 +169,17 @@ class Eagle3Proposer(DraftLoopProposer):
             self.head(input_ids, positions, g, metadata)
             return None, None
         ends = [metadata.query_start_loc_cpu[i + 1] - 1 for i in last_rows]
-        return self.head.step(input_ids, positions, g, metadata, to_device(ends, torch.int64, self.device))
+        keep_rows = to_device(ends, torch.int64, self.device)
+        return self._drafts(self.head.step(input_ids, positions, g, metadata, keep_rows, greedy_only), greedy_only)
 
     def padded_catch_up(self, input_ids, positions, metadata, hidden, aux, last_rows):
         return self.head.step(input_ids, positions, self.head.combine(aux), metadata, last_rows)
 
-    def chain_step(self, tokens, positions, metadata, state):
-        return self.head.step(tokens, positions, state, metadata)
+    def chain_step(self, tokens, positions, metadata, state, greedy_only: bool = False):
+        return self._drafts(self.head.step(tokens, positions, state, metadata, greedy_only=greedy_only), greedy_only)
+
+    def _drafts(self, stepped, greedy_only: bool):
+        """The head's (logits [m, draft_vocab], h) as they are, or with greedy_only its (greedy draft
+        ids [m], h) as (target ids [m] int64, h)."""
+        out, h = stepped
+        return (self.to_target_ids(out) if greedy_only else out), h
