@@ -3,9 +3,11 @@
 # suite. No -x: one failure must not hide the rest. --durations lists the slowest tests, the ones
 # to mark @pytest.mark.slow (`bash scripts/test.sh -m 'not gpu and not slow'` then skips them).
 #
-# With no arguments the suite runs in two parts: every test but those marked `serial` on two worker
-# processes (pytest-xdist; each test still runs torch on one thread, tests/conftest.py), then the
-# `serial` tests (they time the host) alone. With arguments, pytest runs them as given, in one process.
+# With no arguments the suite runs in two parts: every test but those marked `serial` or `slow` on
+# two worker processes (pytest-xdist; each test still runs torch on one thread, tests/conftest.py),
+# then the `serial` tests (they time the host) alone. The `slow` tests (interpreter-driven engine
+# runs of the GPU step, minutes each on 2 cores) run with `bash scripts/test.sh -m slow` (or
+# `-n 2 -m slow`). With arguments, pytest runs them as given, in one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # torch first, on its own: 2.13.0 resolves to the CPU build from the machine's local wheel index
@@ -23,6 +25,6 @@ if [ $# -gt 0 ]; then
   exec python3 -m pytest -q --durations=25 "$@"
 fi
 status=0
-python3 -m pytest -q --durations=25 -n 2 -m "not gpu and not serial" || status=$?
+python3 -m pytest -q --durations=25 -n 2 -m "not gpu and not serial and not slow" || status=$?
 python3 -m pytest -q -m "serial and not gpu" || status=$?
 exit $status
