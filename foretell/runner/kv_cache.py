@@ -126,3 +126,27 @@ class KVCache:
 
 class DraftKVCache(KVCache):
     """The draft's own cache: its block size, number of blocks and dtype, beside the target's."""
+
+
+CPU_KV_CACHE_BYTES = 256 << 20  # the CPU's cache when no size is given
+
+
+def kv_cache_budget(cache_config, device: torch.device) -> int | None:
+    """Bytes for the KV caches (target and draft): the configured size; on the CPU, 256 MiB; on a
+    GPU, what is free after the weights less (1 - gpu_memory_utilization) of the card and 2 GiB
+    for activations."""
+    if cache_config.kv_cache_memory_bytes is not None:
+        return cache_config.kv_cache_memory_bytes
+    if device.type != "cuda":
+        return CPU_KV_CACHE_BYTES
+    free, total = torch.cuda.mem_get_info(device)
+    reserve = (1 - cache_config.gpu_memory_utilization) * total + (2 << 30)
+    budget = int(free - reserve)
+    if budget <= 0:
+        raise ValueError(
+            f"no GPU memory left for the KV cache: {free / 2**30:.1f} GiB free of "
+            f"{total / 2**30:.1f} GiB after loading the weights, and {reserve / 2**30:.1f} GiB "
+            f"is kept back (1 - gpu_memory_utilization, plus 2 GiB for activations); raise "
+            f"--gpu-memory-utilization, or set --kv-cache-memory-bytes or --num-kv-blocks"
+        )
+    return budget

@@ -49,7 +49,7 @@ from foretell.runner.graphed_verify import GraphedVerify
 from foretell.runner.input_batch import InputBatch, build_input_batch
 from foretell.runner.host_step import HostStep
 from foretell.runner.logprobs import add_prompt_logprobs
-from foretell.runner.kv_cache import CachePlan, DraftKVCache, KVCache, kv_cache_dtypes, plan_cache
+from foretell.runner.kv_cache import CachePlan, DraftKVCache, KVCache, kv_cache_budget, kv_cache_dtypes, plan_cache
 from foretell.models.loading import build_model, checkpoint_dtype
 from foretell.models.quantization import resolve_quantization
 from foretell.runner.step_pipeline import StepKind, StepPipeline
@@ -59,7 +59,6 @@ from foretell.spec_decode.registry import build_proposer
 from foretell.spec_decode.verifier import build_verifier
 from foretell.structured.runtime import StructuredOutputs
 
-CPU_KV_CACHE_BYTES = 256 << 20
 logger = logging.getLogger("foretell")
 
 
@@ -184,24 +183,6 @@ class ModelRunner:
             )
         return max(1, min(asked or limit, capacity))
 
-    def _kv_budget(self) -> int | None:
-        cc = self.config.cache
-        if cc.kv_cache_memory_bytes is not None:
-            return cc.kv_cache_memory_bytes
-        if self.device.type != "cuda":
-            return CPU_KV_CACHE_BYTES
-        free, total = torch.cuda.mem_get_info(self.device)
-        reserve = (1 - cc.gpu_memory_utilization) * total + (2 << 30)
-        budget = int(free - reserve)
-        if budget <= 0:
-            raise ValueError(
-                f"no GPU memory left for the KV cache: {free / 2**30:.1f} GiB free of "
-                f"{total / 2**30:.1f} GiB after loading the weights, and {reserve / 2**30:.1f} GiB "
-                f"is kept back (1 - gpu_memory_utilization, plus 2 GiB for activations); raise "
-                f"--gpu-memory-utilization, or set --kv-cache-memory-bytes or --num-kv-blocks"
-            )
-        return budget
-
     def _allocate_cache(self) -> CachePlan:
         cc = self.config.cache
         draft_layers = self.proposer.kv_layers() if self.proposer else []
@@ -215,7 +196,7 @@ class ModelRunner:
                 draft_cache_dtype, spec.draft_block_size if spec else None,
             )
 
-        plan = plan_for(self._kv_budget(), cc.num_kv_blocks)
+        plan = plan_for(kv_cache_budget(cc, self.device), cc.num_kv_blocks)
         fewest = self._fewest_over_ranks(plan.num_blocks)
         if fewest != plan.num_blocks:  # another rank has less memory free: every rank holds as few
             plan = plan_for(None, fewest)
