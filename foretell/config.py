@@ -209,6 +209,11 @@ class SpeculativeConfig:
     draft_tensor_parallel_size: int = 1
     # Synthetic acceptance for benchmarks: per-position rates or a mean acceptance length.
     simulate_acceptance: dict[str, Any] | None = None
+    # Draft trees (SGLang's names; spec_decode/tree/, runner/tree_step.py): num_speculative_tokens is
+    # the depth, topk the children expanded per node and nodes kept per depth, num_draft_tokens the
+    # verify rows per sequence (the root included; None: depth * topk + 1). topk 1 is the chain.
+    topk: int = 1
+    num_draft_tokens: int | None = None
     revision: str | None = None  # of a draft model given as a Hub id
 
     def __post_init__(self) -> None:
@@ -241,6 +246,53 @@ class SpeculativeConfig:
             raise ValueError(
                 f"eagle3_aux_layer_ids must name 3 layers, got {self.eagle3_aux_layer_ids}"
             )
+        self._check_tree()
+
+    def _check_tree(self) -> None:
+        """topk / num_draft_tokens (TreeShape's rule, without torch): a chain for topk 1, else a
+        tree of at most the candidates depth steps of topk expansions draft, plus the root."""
+        topk, depth, nodes = self.topk, self.num_speculative_tokens, self.num_draft_tokens
+        if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+            raise ValueError(f"speculative_config topk must be an integer >= 1, got {topk!r}")
+        if topk == 1:
+            if nodes is not None and nodes != depth + 1:
+                raise ValueError(
+                    f"speculative_config topk 1 is a chain of num_speculative_tokens={depth} drafts: "
+                    f"num_draft_tokens must be {depth + 1} (or left out), got {nodes!r}"
+                )
+            self.num_draft_tokens = depth + 1
+            return
+        if self.method != "eagle3":
+            raise ValueError(
+                f"draft trees (speculative_config topk={topk} > 1) need method 'eagle3' for now, got "
+                f"method {self.method!r}; use topk 1 (a chain) with {self.method!r}"
+            )
+        taken = {"simulate_acceptance": self.simulate_acceptance is not None,
+                 "draft_tensor_parallel_size": self.draft_tensor_parallel_size != 1,
+                 "adaptive": bool(getattr(self, "adaptive", False))}
+        for name, set_ in taken.items():
+            if set_:
+                raise ValueError(f"draft trees (topk={topk} > 1) do not take speculative_config {name} yet")
+        pool = topk + (depth - 1) * topk * topk  # candidates drafted: topk, then topk x topk per depth
+        if nodes is None:
+            nodes = self.num_draft_tokens = depth * topk + 1
+        if isinstance(nodes, bool) or not isinstance(nodes, int) or not 2 <= nodes <= pool + 1:
+            raise ValueError(
+                f"speculative_config num_draft_tokens counts the tree's nodes with the root: with "
+                f"num_speculative_tokens={depth} and topk={topk} it must be an integer in [2, {pool + 1}], "
+                f"got {nodes!r}"
+            )
+
+    @property
+    def uses_tree(self) -> bool:
+        return self.topk > 1
+
+    @property
+    def num_draft_kv_slots(self) -> int:
+        """KV slots the drafter writes past a sequence's verified tokens: k for a chain; for a tree
+        the frontier rows of every depth but the last (topk each), at least the depth."""
+        depth = self.num_speculative_tokens
+        return max(depth, (depth - 1) * self.topk) if self.uses_tree else depth
 
     def _check_draft_tensor_parallel(self) -> None:
         size = self.draft_tensor_parallel_size

@@ -143,13 +143,27 @@ class HostStep:
                 results: list) -> None:
         """The proposer's catch-up over each sequence's final rows (hidden [rows, hidden]) and its
         next drafts, into results."""
+        proposal = self.proposer.propose(self.draft_batch(sched, batch, hidden, aux, results))
+        for i, item in enumerate(sched.scheduled):
+            results[i].next_drafts = proposal.token_ids[i]
+            probs = proposal.probs[i]
+            if probs is not None and not item.seq.sampling_params.greedy:
+                self.draft_probs[item.seq.seq_id] = probs
+        self.structured.truncate_drafts(sched.scheduled, results, proposal.probs)  # grammar-rejected drafts
+
+    def draft_batch(self, sched: SchedulerOutput, batch: InputBatch, hidden: torch.Tensor, aux: list[torch.Tensor],
+                    results: list, path_rows: dict[int, list[int]] | None = None) -> DraftBatch:
+        """What the proposer is handed: each sequence's rows whose target outputs are final. After a
+        tree verify (tree_step.py) path_rows names them (scheduled index -> the accepted path's rows,
+        as offsets from the sequence's first row; their K/V now sit at consecutive positions)."""
         rows, starts, valid, nexts, histories = [], [], [], [], []
         for i, item in enumerate(sched.scheduled):
             seq = item.seq
             n_real = item.num_new_tokens - len(item.draft_token_ids)
             v = n_real + results[i].num_accepted if item.samples else item.num_new_tokens
             row0 = batch.query_start[i]
-            rows.extend(range(row0, row0 + v))
+            path = path_rows.get(i) if path_rows else None
+            rows.extend(range(row0, row0 + v) if path is None else [row0 + r for r in path])
             p0 = seq.num_computed_tokens
             starts.append(p0)
             valid.append(v)
@@ -160,7 +174,7 @@ class HostStep:
                 nexts.append(seq.token_ids[p0 + v])
                 histories.append(seq.token_ids[: p0 + v + 1])
         index = to_device(rows, torch.int64, self.device)
-        draft_batch = DraftBatch(
+        return DraftBatch(
             start_positions=starts,
             num_valid_rows=valid,
             next_token_ids=nexts,
@@ -177,13 +191,6 @@ class HostStep:
             seq_ids=[item.seq.seq_id for item in sched.scheduled],
             draft_mask=self.structured.draft_mask(sched.scheduled, results, self.device),
         )
-        proposal = self.proposer.propose(draft_batch)
-        for i, item in enumerate(sched.scheduled):
-            results[i].next_drafts = proposal.token_ids[i]
-            probs = proposal.probs[i]
-            if probs is not None and not item.seq.sampling_params.greedy:
-                self.draft_probs[item.seq.seq_id] = probs
-        self.structured.truncate_drafts(sched.scheduled, results, proposal.probs)  # grammar-rejected drafts
 
     def forget(self, seq_id: int) -> None:
         """Drop a sequence's draft probabilities (finished, preempted, or its step failed) and

@@ -48,6 +48,7 @@ from foretell.runner.decode_ahead import DecodeAhead
 from foretell.runner.graphed_verify import GraphedVerify
 from foretell.runner.input_batch import InputBatch, build_input_batch
 from foretell.runner.host_step import HostStep
+from foretell.runner.tree_step import TreeStep
 from foretell.runner.logprobs import add_prompt_logprobs
 from foretell.runner.kv_cache import CachePlan, DraftKVCache, KVCache, kv_cache_budget, kv_cache_dtypes, plan_cache
 from foretell.models.loading import build_model, checkpoint_dtype
@@ -120,7 +121,9 @@ class ModelRunner:
         queue_ahead = mode == "on" or (mode == "auto" and self.device.type == "cuda")
         self.graph_decision = graph_capture_decision(self.tensor_parallel, self.device)
         queue_ahead = queue_ahead and self.graph_decision.allowed  # not over gloo (graph_capture.py)
-        k = config.speculative.num_speculative_tokens if config.speculative else 0
+        self.uses_tree = bool(config.speculative and config.speculative.uses_tree)  # tree_step.py: host steps only
+        queue_ahead = queue_ahead and not self.uses_tree
+        k = config.speculative.num_draft_kv_slots if config.speculative else 0
         # KV slots reserved past a sampling step's rows: the drafter's k, plus, when steps are
         # queued ahead, the k + 1 rows of the step after it (it is launched before the scheduler
         # can allocate for it).
@@ -139,6 +142,9 @@ class ModelRunner:
                                   tensor_parallel=self.tensor_parallel.is_parallel,
                                   structured=StructuredOutputs(mc.tokenizer or mc.model, self.vocab_size))
         self.pipeline = self._build_pipeline(queue_ahead, sampler)
+        self.tree_step = None if not self.uses_tree else TreeStep(
+            self.model, self.proposer, self.host_step, self.target_forward, config, self.cache_plan.block_size,
+            self.device, self.tensor_parallel.is_parallel)
         self.last_times = StepTimes()
 
     def describe(self) -> RunnerFacts:
@@ -270,6 +276,8 @@ class ModelRunner:
         buffers run eagerly. None without a drafter whose loop runs padded (none, n-gram), and
         under tensor parallelism (its forward gathers whole logits: the host step's
         greedy_without_logits avoids that)."""
+        if self.uses_tree:  # tree steps verify on the host (tree_step.py)
+            return None
         if self.graphs is not None:
             return self.graphs
         if self.proposer is None or self.proposer.padded_drafter() is None or self.tensor_parallel.is_parallel:
@@ -331,6 +339,10 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> list[SequenceResult]:
         t0 = time.perf_counter()
         self.check_step(sched)
+        if self.tree_step is not None:
+            results = self.tree_step.execute(sched)
+            self.last_times = StepTimes(target_s=time.perf_counter() - t0)
+            return results
         block_size = self.cache_plan.block_size
         step = self.pipeline.take(sched.scheduled, block_size)  # the step queued ahead, when it is this one
         if step is None:
@@ -401,6 +413,8 @@ class ModelRunner:
     def forget(self, seq_id: int) -> None:
         """Drop per-sequence state (draft probabilities) of a finished or preempted sequence."""
         self.host_step.forget(seq_id)
+        if self.tree_step is not None:
+            self.tree_step.forget(seq_id)
 
     def shutdown(self) -> None:
         """Nothing to stop in this process (RunnerHandle's; a ParallelRunner stops its workers)."""

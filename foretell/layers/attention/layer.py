@@ -67,6 +67,9 @@ class Attention(nn.Module):
             raise RuntimeError("attention layer has no KV cache bound; the runner must bind one")
         k_scale, v_scale = self.kv_scales.values
         self.backend.write_kv(key, value, self.kv_cache, metadata.slot_mapping, k_scale, v_scale)
+        if metadata.tree_mask is not None:  # a draft tree's rows (only the torch and Triton backends take it)
+            return self.backend.attend(query, self.kv_cache, metadata, self.scale, k_scale, v_scale,
+                                       tree_mask=metadata.tree_mask)
         return self.backend.attend(query, self.kv_cache, metadata, self.scale, k_scale, v_scale)
 
     def forward_rotary(
@@ -86,7 +89,7 @@ class Attention(nn.Module):
             raise RuntimeError("attention layer has no KV cache bound; the runner must bind one")
         norms_fit = qk_norm is None or all(n.weight.dtype == query.dtype for n in qk_norm)
         cache_fits = self.kv_cache.dtype == query.dtype or is_fp8(self.kv_cache.dtype)
-        if (self.backend.fuses_rope and norms_fit and cache_fits
+        if (self.backend.fuses_rope and norms_fit and cache_fits and metadata.tree_mask is None
                 and rotary_emb.fusable(positions, query, key)):
             k_scale, v_scale = self.kv_scales.values
             return self.backend.rope_attend(positions, query, key, value, rotary_emb, self.kv_cache, metadata,

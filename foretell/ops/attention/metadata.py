@@ -27,6 +27,9 @@ class AttentionMetadata:
     # Host copies: the torch backend loops over sequences with them, no device sync needed.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    # A tree verify (or a draft tree's frontier rows): [num_tokens, W] bool, which of its sequence's
+    # first W new rows each row sees (ops/attention/reference.py); None: causal.
+    tree_mask: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -56,6 +59,7 @@ class AttentionMetadata:
             max_seq_len=self.max_seq_len,
             query_start_loc_cpu=self.query_start_loc_cpu,
             seq_lens_cpu=self.seq_lens_cpu,
+            tree_mask=self.tree_mask,
         )
 
 

@@ -78,6 +78,7 @@ class TritonAttentionBackend:
         scale: float,
         k_scale: float = 1.0,  # FP8 caches: a stored key stands for key * k_scale
         v_scale: float = 1.0,
+        tree_mask: torch.Tensor | None = None,  # [num_tokens, W]: a draft tree's ancestor rows (triton_paged.py)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         self._check_block_size(kv_cache, metadata)
         out = torch.empty_like(query)
@@ -93,6 +94,7 @@ class TritonAttentionBackend:
             counters=self.split_counters,
             k_scale=k_scale,
             v_scale=v_scale,
+            tree_mask=tree_mask,
         )
 
     @staticmethod

@@ -1,0 +1,212 @@
+"""The draft-tree step (speculative_config topk > 1, issue 28): verify every sequence's tree in one
+target forward, accept a path, move its K/V into place, draft the next trees.
+
+A tree of T = num_draft_tokens nodes reaches the scheduler as T - 1 draft tokens in tree order
+(topologically ordered, siblings best first); the runner keeps the tree's structure per sequence
+until its verify. The scheduler runs it like a chain: 1 + (T - 1) rows at consecutive cache slots,
+advanced by the accepted count; where it keeps fewer drafts (near max_model_len or max_tokens) it
+keeps a prefix of the list, which is a smaller tree (a node's ancestors come before it).
+
+One step, eager on the host (no padded or graphed form yet: ModelRunner takes no other step):
+  1. the batch as build_input_batch makes it, with each tree's rows at position root + depth
+     (RoPE sees the depth, the cache the tree index) and an ancestor mask over the new rows
+     (AttentionMetadata.tree_mask; rows of other sequences all-true, i.e. causal);
+  2. greedy trees: verify_greedy (the longest path the target's argmax agrees with); sampled:
+     verify_sampled (multi-draft rejection sampling, one-hot q for top-k drafts) over the
+     processed target probabilities; sequences without a tree (prefill chunks, requests whose
+     logits are processed or that ask for logprobs: they draft nothing) sample as HostStep does;
+  3. the accepted path's target K/V moved to consecutive positions (tree/compact.py); rejected
+     nodes' slots lie past the sequence's length and are overwritten by later steps;
+  4. the drafter catches up over the path's rows and drafts the next trees (tree/proposer.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from dataclasses import replace
+
+from foretell.device_util import to_device
+from foretell.engine.scheduler import SchedulerOutput
+from foretell.layers.attention.layer import Attention
+from foretell.layers.sampler import SamplingBatch, processed_probs, row_seed
+from foretell.runner.host_step import HostStep
+from foretell.runner.input_batch import InputBatch, build_input_batch
+from foretell.runner.logprobs import add_prompt_logprobs
+from foretell.runner.sequence_result import SequenceResult
+from foretell.spec_decode.tree.compact import apply_slot_moves, compaction_slots
+from foretell.spec_decode.tree.proposer import Eagle3TreeDrafter
+from foretell.spec_decode.tree.shape import DraftTree, TreeShape
+from foretell.spec_decode.tree.verify import TreeVerifyResult, verify_greedy, verify_sampled
+
+TREE_SEED_SALT = 0x7EE5EED
+
+
+class TreeStep:
+    def __init__(self, model, proposer, host_step: HostStep, target_forward, config, block_size: int,
+                 device: torch.device, tensor_parallel: bool):
+        spec = config.speculative
+        if tensor_parallel:
+            raise ValueError("draft trees (speculative_config topk > 1) run on one rank for now: "
+                             "use tensor_parallel_size 1 or topk 1")
+        if config.model.batch_invariant:
+            raise ValueError("draft trees (speculative_config topk > 1) are not batch-invariant yet: "
+                             "turn batch_invariant off or use topk 1")
+        layers = [*model.attention_layers(), *proposer.kv_layers()]
+        if not all(type(layer) is Attention for layer in layers):
+            raise ValueError("draft trees (speculative_config topk > 1) need GQA attention in the target "
+                             "and the EAGLE3 head (Llama / Qwen3 layouts) for now; MLA has no tree mask yet")
+        self.shape = TreeShape(spec.num_speculative_tokens, spec.topk, spec.num_draft_tokens)
+        self.model = model
+        self.host_step = host_step
+        self.target_forward = target_forward  # the runner's (graphs when a batch fits), for tree-less steps
+        self.drafter = Eagle3TreeDrafter(proposer, self.shape)
+        self.block_size = block_size
+        self.device = device
+        self.trees: dict[int, DraftTree] = {}  # seq_id -> its drafted tree [1, T], until its verify
+        self.generator = torch.Generator(device=device)  # unseeded sampled trees' draws
+        self.generator.manual_seed(config.model.seed ^ TREE_SEED_SALT)
+
+    # ---- the step ----------------------------------------------------------------------------
+    def execute(self, sched: SchedulerOutput) -> list[SequenceResult]:
+        batch = build_input_batch(sched.scheduled, self.block_size, self.device)
+        results = [SequenceResult() for _ in sched.scheduled]
+        trees = self._scheduled_trees(sched)  # scheduled index -> its tree, cut to its drafts
+        if trees:
+            batch = self._tree_batch(sched, batch, trees)
+            hidden, aux = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
+            logits = self.model.compute_logits(hidden[batch.logits_rows])  # [sampling rows, vocab] float32
+        else:
+            hidden, aux, logits = self.target_forward(batch)
+        add_prompt_logprobs(self.model, sched, batch, hidden, results)
+        path_rows = self._sample(sched, batch, logits, trees, results)
+        self._draft(sched, batch, hidden, aux, results, path_rows)
+        return results
+
+    def forget(self, seq_id: int) -> None:
+        self.trees.pop(seq_id, None)
+
+    # ---- 1. inputs -----------------------------------------------------------------------------
+    def _scheduled_trees(self, sched: SchedulerOutput) -> dict[int, DraftTree]:
+        trees = {}
+        for i, item in enumerate(sched.scheduled):
+            tree = self.trees.pop(item.seq.seq_id, None)
+            drafts = item.draft_token_ids
+            if not drafts:
+                continue
+            if item.accept_limit is not None:
+                raise RuntimeError("a tree verify got an accept_limit: the scheduler must cut tree drafts instead")
+            num_nodes = len(drafts) + 1
+            root = item.seq.token_ids[item.seq.num_computed_tokens + item.num_new_tokens - num_nodes]
+            if tree is None or num_nodes > tree.num_nodes or tree.tokens[0, :num_nodes].tolist() != [root, *drafts]:
+                raise RuntimeError(f"sequence {item.seq.request_id!r} carries drafts that are not its drafted tree")
+            trees[i] = _cut(tree, num_nodes)
+        return trees
+
+    def _tree_batch(self, sched: SchedulerOutput, batch: InputBatch, trees: dict[int, DraftTree]) -> InputBatch:
+        """Tree rows at position root + depth, and the ancestor mask over every sequence's first W
+        new rows (W: the largest tree sequence's row count; all-true rows elsewhere)."""
+        positions = list(batch.position_list)
+        width = max(batch.query_start[i + 1] - batch.query_start[i] for i in trees)
+        mask = torch.ones(batch.num_tokens, width, dtype=torch.bool, device=self.device)
+        for i, tree in trees.items():
+            root_row = batch.query_start[i + 1] - tree.num_nodes  # the sequence's last real row
+            offset = root_row - batch.query_start[i]
+            root_position = positions[root_row]
+            positions[root_row: root_row + tree.num_nodes] = [root_position + d for d in tree.depths[0].tolist()]
+            mask[root_row: root_row + tree.num_nodes, offset: offset + tree.num_nodes] = tree.ancestor_mask[0]
+        tree_batch = replace(batch, position_list=positions)
+        tree_batch.attn_metadata = replace(batch.attn_metadata, tree_mask=mask)  # (a cached property)
+        return tree_batch
+
+    # ---- 2 + 3. verify, compact ---------------------------------------------------------------
+    def _sample(self, sched, batch: InputBatch, logits: torch.Tensor, trees: dict[int, DraftTree],
+                results: list) -> dict[int, list[int]]:
+        """Each sampling sequence's tokens into results; returns the accepted paths' rows (offsets
+        from each tree sequence's first row) for the drafter's catch-up."""
+        plain, plain_rows, plain_positions, tree_rows = [], [], [], {}
+        row = 0
+        for j, i in enumerate(batch.sampling_seq_index):
+            count = len(sched.scheduled[i].draft_token_ids) + 1
+            if i in trees:
+                tree_rows[i] = row
+            else:
+                plain.append(i)
+                plain_rows.append(row)
+                plain_positions.append(batch.row_positions[row])
+            row += count
+        if plain:
+            sub = replace(batch, sampling_seq_index=plain, logits_row_ids=[batch.logits_row_ids[r] for r in plain_rows],
+                          row_positions=plain_positions)
+            self.host_step.sample(sched, sub, logits[to_device(plain_rows, torch.int64, self.device)], results)
+        if not trees:
+            return {}
+        verified = {i: self._verify(sched.scheduled[i], trees[i], logits[r: r + trees[i].num_nodes])
+                    for i, r in tree_rows.items()}
+        self._compact(sched, batch, trees, verified)
+        path_rows = {}
+        for i, verify in verified.items():
+            item, tree = sched.scheduled[i], trees[i]
+            accepted = int(verify.num_accepted[0])
+            results[i].new_token_ids = verify.output_tokens[0, : accepted + 1].tolist()
+            results[i].num_accepted = accepted
+            results[i].num_drafts = item.num_usable_drafts
+            n_real = item.num_new_tokens - len(item.draft_token_ids)
+            path = verify.accepted_nodes[0, 1: accepted + 1].tolist()
+            path_rows[i] = list(range(n_real)) + [n_real - 1 + node for node in path]
+        return path_rows
+
+    def _verify(self, item, tree: DraftTree, logits: torch.Tensor) -> TreeVerifyResult:  # logits [T, vocab]
+        params = item.seq.sampling_params
+        if params.greedy:
+            return verify_greedy(tree, logits.unsqueeze(0))
+        root_position = item.seq.num_computed_tokens + item.num_new_tokens - tree.num_nodes
+        generator = self.generator
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(row_seed(params.seed ^ TREE_SEED_SALT, item.seq.index, root_position))
+        sampling = SamplingBatch.build([params] * tree.num_nodes, [None] * tree.num_nodes, logits.shape[-1], self.device)
+        probs = processed_probs(logits, sampling)  # [T, vocab]
+        return verify_sampled(tree, probs.unsqueeze(0), None, generator)
+
+    def _compact(self, sched, batch: InputBatch, trees: dict[int, DraftTree], verified: dict) -> None:
+        """Every target layer's K/V of the accepted paths to consecutive positions after the root."""
+        order = list(trees)
+        nodes = torch.cat([verified[i].accepted_nodes for i in order])  # [n, depth + 1]
+        roots = [batch.position_list[batch.query_start[i + 1] - trees[i].num_nodes] for i in order]
+        table = batch.attn_metadata.block_table[to_device(order, torch.int64, self.device)]
+        src, dst = compaction_slots(nodes, to_device(roots, torch.int64, self.device), table, self.block_size)
+        for layer in self.model.attention_layers():
+            apply_slot_moves(layer.kv_cache, src, dst)
+
+    # ---- 4. draft ------------------------------------------------------------------------------
+    def _draft(self, sched, batch: InputBatch, hidden, aux, results: list, path_rows: dict[int, list[int]]) -> None:
+        draft_batch = self.host_step.draft_batch(sched, batch, hidden, aux, results, path_rows)
+        depth = self.shape.depth
+        drafting = [i for i, item in enumerate(sched.scheduled)
+                    if draft_batch.num_useful_drafts(i, depth) > 0 and _drafts_trees(item.seq.sampling_params)]
+        tree = self.drafter.draft(draft_batch, drafting)
+        if tree is None:
+            return
+        tokens = tree.tokens.tolist()
+        for j, i in enumerate(drafting):
+            self.trees[sched.scheduled[i].seq.seq_id] = _row(tree, j)
+            results[i].next_drafts = tokens[j][1:]
+
+
+def _drafts_trees(params) -> bool:
+    """Requests whose rows read more than their logits (penalties, biases, grammars) or that ask
+    for logprobs run without drafts under trees."""
+    return params.use_speculation and not params.needs_logits_processing and params.logprobs is None
+
+
+def _row(tree: DraftTree, j: int) -> DraftTree:
+    return DraftTree(tree.shape, tree.tokens[j: j + 1], tree.parents[j: j + 1], tree.depths[j: j + 1],
+                     tree.ancestor_mask[j: j + 1], tree.scores[j: j + 1])
+
+
+def _cut(tree: DraftTree, num_nodes: int) -> DraftTree:
+    """The first num_nodes nodes: a tree again (topological order), the verify rows the scheduler kept."""
+    if num_nodes == tree.num_nodes:
+        return tree
+    return DraftTree(tree.shape, tree.tokens[:, :num_nodes], tree.parents[:, :num_nodes], tree.depths[:, :num_nodes],
+                     tree.ancestor_mask[:, :num_nodes, :num_nodes], tree.scores[:, :num_nodes])
