@@ -83,8 +83,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
     sp.add_argument("--default-family", choices=["qwen3", "deepseek"], default="qwen3",
                     help="with no --model: the shipped Qwen3-layout target, or the DeepSeek-V3-layout "
                          "(MLA + MoE) one with its MTP layer (--method mtp) and EAGLE3 head")
-    sp.add_argument("--num-speculative-tokens", type=int,
-                    help="k, draft tokens per step (default: 1 for mtp, 3 for the others)")
+    sp.add_argument("--num-speculative-tokens", type=int_or_auto,
+                    help="k, draft tokens per step (default: 1 for mtp, 3 for the others); auto: "
+                         "adaptive, 0 to 4 per step as the batch's costs and acceptance say")
+    sp.add_argument("--adaptive-speculation", dest="adaptive", action="store_true", default=None,
+                    help="draft 0 to --num-speculative-tokens tokens per step, the count with the most "
+                         "expected tokens per second (step costs measured at start-up)")
     sp.add_argument("--eagle3-aux-layer-ids", help="comma-separated, read as inputs of layers i")
     sp.add_argument("--prompt-lookup-min", type=int, help="ngram: shortest n-gram to look up (2)")
     sp.add_argument("--prompt-lookup-max", type=int, help="ngram: longest n-gram to look up (5)")
@@ -121,6 +125,16 @@ SUFFIX_FLAGS = (
 )
 
 
+def int_or_auto(text: str) -> int | str:
+    """--num-speculative-tokens: an integer, or auto (adaptive speculation)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or auto, got {text!r}") from None
+
+
 def take_model_positional(args: argparse.Namespace) -> None:
     """`foretell serve DIR` means `foretell serve --model DIR`; both, naming different folders,
     is a mistake."""
@@ -152,6 +166,7 @@ def speculative_config_from_args(args: argparse.Namespace) -> dict[str, Any] | N
         "prompt_lookup_max": args.prompt_lookup_max,
         "draft_block_size": args.draft_block_size,
         "draft_tensor_parallel_size": getattr(args, "draft_tensor_parallel_size", None),
+        "adaptive": getattr(args, "adaptive", None),
         **{name: getattr(args, name, None) for name in SUFFIX_FLAGS},
     }
     if args.eagle3_aux_layer_ids:

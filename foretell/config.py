@@ -180,8 +180,13 @@ class SpeculativeConfig:
     method: str
     model: str | None = None
     # None: 1 for mtp (DeepSeek trained its layer one token ahead; acceptance falls fast past
-    # it), 3 for the other methods.
-    num_speculative_tokens: int | None = None
+    # it), 3 for the other methods. "auto": adaptive speculation up to 4 drafts.
+    num_speculative_tokens: int | str | None = None
+    # Adaptive speculation (spec_decode/adaptive.py): each step drafts 0..num_speculative_tokens
+    # tokens, the count with the most expected tokens per second for the batch, from step costs
+    # measured at start-up and running acceptance estimates.
+    # None: as num_speculative_tokens says (true for "auto", else false).
+    adaptive: bool | None = None
     # Read as "input of layer i" (vLLM's reading). None: the head's config, else 2, N//2, N-3.
     eagle3_aux_layer_ids: list[int] | None = None
     prompt_lookup_min: int = 2
@@ -227,14 +232,17 @@ class SpeculativeConfig:
                 f"speculative method {self.method!r} needs a draft model folder: set "
                 f"speculative_config['model'] (CLI: --draft-model DIR)"
             )
+        self._resolve_adaptive()
         if self.num_speculative_tokens is None:
             from foretell.defaults import default_num_speculative_tokens
 
             self.num_speculative_tokens = default_num_speculative_tokens(self.method)
-        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(
-                f"num_speculative_tokens must be an integer >= 1, got {self.num_speculative_tokens!r}"
+                f"num_speculative_tokens must be an integer >= 1 or 'auto', got {self.num_speculative_tokens!r}"
             )
+        self._check_adaptive()
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(
                 f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
@@ -293,6 +301,37 @@ class SpeculativeConfig:
         the frontier rows of every depth but the last (topk each), at least the depth."""
         depth = self.num_speculative_tokens
         return max(depth, (depth - 1) * self.topk) if self.uses_tree else depth
+
+    def _resolve_adaptive(self) -> None:
+        """num_speculative_tokens "auto" is adaptive with its default maximum; adaptive true takes
+        num_speculative_tokens as the maximum (the default maximum when it is not given)."""
+        from foretell.spec_decode.adaptive import ADAPTIVE_DEFAULT_MAX_K
+
+        if self.adaptive is not None and not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative_config adaptive must be true or false, got {self.adaptive!r}")
+        k = self.num_speculative_tokens
+        if isinstance(k, str):
+            if k != "auto":
+                raise ValueError(f"num_speculative_tokens must be an integer >= 1 or 'auto', got {k!r}")
+            if self.adaptive is False:
+                raise ValueError(
+                    "num_speculative_tokens 'auto' is adaptive speculation, but adaptive is false: "
+                    "drop adaptive, or give num_speculative_tokens an integer"
+                )
+            self.adaptive, self.num_speculative_tokens = True, ADAPTIVE_DEFAULT_MAX_K
+        elif self.adaptive and k is None:
+            self.num_speculative_tokens = ADAPTIVE_DEFAULT_MAX_K
+        self.adaptive = bool(self.adaptive)
+
+    def _check_adaptive(self) -> None:
+        from foretell.spec_decode.adaptive import ADAPTIVE_LARGEST_MAX_K
+
+        if self.adaptive and self.num_speculative_tokens > ADAPTIVE_LARGEST_MAX_K:
+            raise ValueError(
+                f"adaptive speculation measures every draft length 0..num_speculative_tokens at "
+                f"start-up: num_speculative_tokens must be at most {ADAPTIVE_LARGEST_MAX_K}, got "
+                f"{self.num_speculative_tokens}"
+            )
 
     def _check_draft_tensor_parallel(self) -> None:
         size = self.draft_tensor_parallel_size

@@ -21,6 +21,7 @@ from foretell.engine.output_processor import Request
 from foretell.engine.outputs import RequestMetrics, RequestOutput
 from foretell.engine.scheduler import Scheduler
 from foretell.engine.sequence import Sequence
+from foretell.engine.step_costs import start_adaptive_speculation
 from foretell.engine.warm_up import warm_up
 from foretell.runner.handle import RUNNER_LOST, start_runner
 from foretell.runner.jit_counter import jit_compile_counter
@@ -65,6 +66,8 @@ class Engine:
         if mode == "on" or (mode == "auto" and facts.device.startswith("cuda")):
             self.warm_up_seconds = warm_up(self)
             logger.info("warm-up: %.1f s of dummy requests (Triton kernels compiled)", self.warm_up_seconds)
+        # Adaptive speculation: step costs measured now (after the warm-up compiled the kernels).
+        self.adaptive = start_adaptive_speculation(self) if config.speculative and config.speculative.adaptive else None
 
     @property
     def max_model_len(self) -> int:
@@ -255,6 +258,8 @@ class Engine:
     # ---- stats ---------------------------------------------------------------------
     def get_stats(self) -> dict:
         stats = self.metrics.as_dict()
+        if self.adaptive is not None:
+            stats.update(self.adaptive.stats())  # the chosen draft lengths, estimates, step costs
         if self.facts.synthetic_acceptance:
             stats["synthetic_acceptance"] = True  # accept decisions were drawn, text is synthetic
         stats.update(

@@ -8,6 +8,11 @@ drafter writes its KV for the next k drafts. When blocks run out, the most recen
 running sequence is preempted by recompute: its blocks are freed and it goes back to the front of
 the queue, to be prefilled again (prompt and output so far) and continue exactly where it was.
 
+Under adaptive speculation (spec_decode/adaptive.py) a DraftLength policy chooses, each step,
+how many drafts the proposer makes for the next one (SchedulerOutput.num_next_drafts) from the
+number of sequences that sample; the next step verifies at most that many (draft_limit), and
+postprocess() reports every verify's drafted and accepted counts back to it.
+
 postprocess() applies what the runner produced: accepted drafts plus one new token per sampling
 sequence, stop conditions, and the commit of newly full blocks to the prefix cache. Rejected draft
 slots need no undo: num_computed_tokens simply does not cover them.
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from foretell.config import SchedulerConfig
 from foretell.engine.block_manager import BlockManager
@@ -49,6 +55,9 @@ class ScheduledSequence:
 class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Drafts per sampling sequence the proposer makes for the next step (None: its k); set under
+    # adaptive speculation.
+    num_next_drafts: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -57,6 +66,14 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+class DraftLength(Protocol):
+    """How many drafts to make for the next step (spec_decode/adaptive.py)."""
+
+    def choose(self, batch_size: int) -> int: ...
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None: ...
 
 
 class Scheduler:
@@ -76,6 +93,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.draft_length: DraftLength | None = None  # adaptive speculation's policy
+        self.draft_limit: int | None = None  # most drafts a verify takes (the last choice)
 
     # ---- queue management -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -115,6 +134,8 @@ class Scheduler:
                 return 0, [], None
             return min(remaining, budget), [], None
         room = min(budget - 1, self.max_model_len - seq.num_tokens)
+        if self.draft_limit is not None:
+            room = min(room, self.draft_limit)
         drafts = seq.spec_token_ids[: max(0, room)]
         params = seq.sampling_params
         if params.max_tokens is None:
@@ -184,6 +205,9 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSequence(seq, num_new, drafts, samples, limit))
             budget -= num_new
+        if self.draft_length is not None:
+            num_sampling = sum(1 for item in out.scheduled if item.samples)
+            out.num_next_drafts = self.draft_limit = self.draft_length.choose(num_sampling)
         return out
 
     # ---- applying results ------------------------------------------------------------------
@@ -200,6 +224,8 @@ class Scheduler:
         if seq.status is SequenceStatus.FINISHED:
             return []
         seq.num_computed_tokens += item.num_new_tokens - len(item.draft_token_ids) + num_accepted
+        if self.draft_length is not None and item.draft_token_ids:
+            self.draft_length.observe(item.num_usable_drafts, num_accepted)
         params = seq.sampling_params
         token_ids = seq.token_ids
         # The stop checks with what is constant over the loop read once (a step of one

@@ -190,6 +190,7 @@ class HostStep:
             histories=histories,
             seq_ids=[item.seq.seq_id for item in sched.scheduled],
             draft_mask=self.structured.draft_mask(sched.scheduled, results, self.device),
+            max_drafts=sched.num_next_drafts,
         )
 
     def forget(self, seq_id: int) -> None:

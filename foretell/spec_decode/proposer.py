@@ -47,6 +47,9 @@ class DraftBatch:
     # structured/draft_mask.DraftMask: the grammars a model drafter's loop masks its logits with
     # (None: no drafting sequence has structured outputs, and the loop does nothing extra)
     draft_mask: Any = None
+    # At most this many drafts per sequence this step (None: the proposer's k): the choice of
+    # adaptive speculation (spec_decode/adaptive.py); 0 only catches up.
+    max_drafts: int | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -63,6 +66,8 @@ class DraftBatch:
         step ends it at the limit."""
         if not self.samples[i]:
             return 0
+        if self.max_drafts is not None:
+            k = min(k, self.max_drafts)
         return max(0, min(k, self.max_model_len - self.num_tokens_after_step(i)))
 
     def valid_row_offsets(self) -> list[int]:
