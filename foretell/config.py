@@ -326,6 +326,10 @@ class SpeculativeConfig:
     def _check_adaptive(self) -> None:
         from foretell.spec_decode.adaptive import ADAPTIVE_LARGEST_MAX_K
 
+        if self.adaptive and self.topk != 1:
+            raise ValueError(
+                f"adaptive speculation sizes chains: it takes topk 1, got topk {self.topk} (a draft tree)"
+            )
         if self.adaptive and self.num_speculative_tokens > ADAPTIVE_LARGEST_MAX_K:
             raise ValueError(
                 f"adaptive speculation measures every draft length 0..num_speculative_tokens at "

@@ -197,3 +197,30 @@ def test_nothing_accepted_drives_k_to_zero_and_probes(qwen3_checkpoint, eagle3_h
     stats = llm.get_stats()
     assert stats["num_accepted_tokens"] == 0 and stats["num_drafts"] > 0
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+
+
+def test_trees_are_refused():
+    with pytest.raises(ValueError, match="adaptive speculation sizes chains: it takes topk 1, got topk 2"):
+        SpeculativeConfig(method="eagle3", model="head", num_speculative_tokens="auto", topk=2)
+
+
+def test_bench_k_lists_take_auto():
+    from foretell.bench.sweep import adaptive_counters, parse_k_list
+
+    assert parse_k_list("1,3,auto") == [1, 3, "auto"]
+    with pytest.raises(ValueError, match="auto twice"):
+        parse_k_list("auto,2,auto")
+    with pytest.raises(ValueError, match="'x' is not an integer"):
+        parse_k_list("1,x")
+    counters = adaptive_counters({"adaptive_chosen_k_histogram": [1, 0, 2]}, {"adaptive_chosen_k_histogram": [3, 0, 4]})
+    assert counters == {"adaptive_chosen_k_histogram": [2, 0, 2], "adaptive_mean_chosen_k": 1.0}
+
+
+def test_tensor_parallel_plans_carry_the_choice():
+    from foretell.engine.scheduler import ScheduledSequence, SchedulerOutput
+    from foretell.engine.sequence import Sequence
+    from foretell.runner.step_plan import PlanEncoder, SequenceMirrors
+
+    seq = Sequence(0, "r", 0, [1, 2, 3], SamplingParams(max_tokens=4), frozenset())
+    sched = SchedulerOutput([ScheduledSequence(seq, 3, [], True)], num_next_drafts=2)
+    assert SequenceMirrors().apply(PlanEncoder().encode(sched)).num_next_drafts == 2

@@ -74,8 +74,8 @@ def add_bench_parser(sub) -> None:
     add_engine_args(p, model_required=False, model_positional=False)  # MODEL: see ModeOrModel
     g = p.add_argument_group("sweep")
     g.add_argument("--methods", help="comma-separated methods to sweep (default: --method)")
-    g.add_argument("--k", help="comma-separated num_speculative_tokens values, e.g. 1,2,3 "
-                   "(default: --num-speculative-tokens, else 3)")
+    g.add_argument("--k", help="comma-separated num_speculative_tokens values, e.g. 1,2,3,auto "
+                   "(auto: adaptive, 0 to 4 drafts per step; default: --num-speculative-tokens, else 3)")
     g.add_argument("--batch-sizes", default="1",
                    help="comma-separated numbers of concurrent requests, e.g. 1,8")
     g.add_argument("--method-model", action="append", metavar="METHOD=DIR",
@@ -137,7 +137,7 @@ def add_serve_parser(modes) -> None:
 def build_bench_settings(args: argparse.Namespace):
     from foretell.bench.offline import BenchSettings
     from foretell.bench.sweep import (
-        DRAFT_MODEL_METHODS, parse_int_list, parse_methods, speculative_configs,
+        DRAFT_MODEL_METHODS, parse_int_list, parse_k_list, parse_methods, speculative_configs,
     )
 
     default_members: dict[str, str] = {}
@@ -155,7 +155,7 @@ def build_bench_settings(args: argparse.Namespace):
     methods = parse_methods(args.methods) if args.methods else ([method] if method else [])
     if args.k and not methods:
         raise ValueError("--k needs speculative methods: add --methods (or --method)")
-    ks = parse_int_list(args.k, "--k") if args.k else [single_k or 3]
+    ks = parse_k_list(args.k) if args.k else [single_k or 3]
     batch_sizes = parse_int_list(args.batch_sizes, "--batch-sizes")
     method_models = {m: draft for m in methods if draft and m in DRAFT_MODEL_METHODS}
     for m in methods:

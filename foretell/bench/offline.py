@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from foretell.bench.datasets import Prompt, load_prompts, ordinary_vocab
+from foretell.config import SpeculativeConfig
 from foretell.bench.sweep import add_comparisons, release, run_closed_loop, summarize
 from foretell.progress import progress_bar
 
@@ -53,7 +54,7 @@ def tokenize_prompts(prompts: list[Prompt], tokenizer, chat: bool) -> list[list[
     return ids
 
 
-def config_label(method: str, k: int) -> str:
+def config_label(method: str, k: int | str) -> str:
     return "none" if method == "none" else f"{method} k={k}"
 
 
@@ -120,7 +121,10 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
     with progress_bar(total, "bench", s.progress, unit="req") as bar:
         for config in configs:
             method = config["method"] if config else "none"
-            k = config["num_speculative_tokens"] if config else 0
+            resolved = SpeculativeConfig.from_any(config) if config else None
+            k = resolved.num_speculative_tokens if resolved else 0  # adaptive: its maximum
+            adaptive = bool(resolved and resolved.adaptive)
+            label = f"auto<={k}" if adaptive else k
             if config is not None:
                 llm = LLM(s.model, speculative_config=config, **engine_kwargs)
             if s.warmup:
@@ -132,9 +136,10 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
                     first = requests_for(batch_size)[:batch_size]
                     run_closed_loop(llm, first, warmup_params, batch_size)
             for batch_size in s.batch_sizes:
-                bar.set_description(f"bench {config_label(method, k)} bs={batch_size}")
+                bar.set_description(f"bench {config_label(method, label)} bs={batch_size}")
                 run = run_closed_loop(llm, requests_for(batch_size), params, batch_size, bar.update)
                 row = summarize(run, method, k, batch_size)
+                row["adaptive"] = adaptive
                 row["speculative_config"] = config
                 if config is None:
                     baselines[batch_size] = row
@@ -144,7 +149,7 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
                     run.outputs, exact,
                 )
                 rows.append(row)
-                outputs[(method, k, batch_size)] = run.outputs
+                outputs.setdefault((method, k, batch_size), run.outputs)  # fixed k first (hf_compare's)
             release(llm)
             llm = None
 

@@ -49,7 +49,7 @@ def sweep_table(report: dict[str, Any]) -> str:
     rows = []
     for r in report["results"]:
         rows.append([
-            r["method"], str(r["k"]), str(r["batch_size"]), fmt(r["tokens_per_s"], ".1f"),
+            r["method"], k_label(r), str(r["batch_size"]), fmt(r["tokens_per_s"], ".1f"),
             fmt(r.get("speedup"), ".2f"), fmt(r.get("predicted_speedup"), ".2f"),
             fmt(r.get("predicted_speedup_step_model"), ".2f"), fmt(r.get("acceptance_rate"), ".2f"),
             fmt(r.get("mean_acceptance_length"), ".2f"),
@@ -58,6 +58,26 @@ def sweep_table(report: dict[str, Any]) -> str:
             fmt(r.get("draft_verify_ratio"), ".2f"), fmt(r.get("matches_baseline")),
         ])
     return table(SWEEP_HEADERS, rows)
+
+
+def k_label(row: dict[str, Any]) -> str:
+    """The k column: k, or for adaptive speculation auto<=K and the mean k it chose."""
+    if not row.get("adaptive"):
+        return str(row["k"])
+    mean = row.get("adaptive_mean_chosen_k")
+    return f"auto<={row['k']} ({fmt(mean, '.2f')})"
+
+
+def adaptive_lines(report: dict[str, Any]) -> list[str]:
+    """Per adaptive row: how often each k was chosen."""
+    lines = []
+    for r in report["results"]:
+        histogram = r.get("adaptive_chosen_k_histogram")
+        if r.get("adaptive") and histogram is not None:
+            total = sum(histogram) or 1
+            shares = ", ".join(f"k={k} {100 * n / total:.0f}%" for k, n in enumerate(histogram))
+            lines.append(f"{r['method']} auto bs={r['batch_size']}: chose {shares} (mean {fmt(r.get('adaptive_mean_chosen_k'))})")
+    return lines
 
 
 def hf_table(comparison: dict[str, Any]) -> str:
@@ -79,6 +99,9 @@ def sweep_summary(report: dict[str, Any]) -> str:
         f"max_tokens {d['max_tokens']}, temperature {d['temperature']}"
     )
     parts = [head, "", sweep_table(report), "", SWEEP_NOTE]
+    chosen = adaptive_lines(report)
+    if chosen:
+        parts += ["", "adaptive speculation, steps per chosen k (auto<=K (mean chosen k) in the table):", *chosen]
     if "hf_comparison" in report:
         parts += ["", "Hugging Face transformers, same prompts and token counts:", "",
                   hf_table(report["hf_comparison"])]

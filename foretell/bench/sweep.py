@@ -45,6 +45,30 @@ def parse_int_list(text: str, flag: str, minimum: int = 1) -> list[int]:
     return values
 
 
+def parse_k_list(text: str) -> list[int | str]:
+    """--k: "1,2,4,auto" -> [1, 2, 4, "auto"] (auto: adaptive speculation)."""
+    items = [item.strip() for item in str(text).split(",")]
+    numbers = ",".join(item for item in items if item != "auto")
+    values: list[int | str] = parse_int_list(numbers, "--k") if numbers else []
+    if items.count("auto") > 1:
+        raise ValueError(f"--k lists auto twice: {text!r}")
+    return values + (["auto"] if "auto" in items else [])
+
+
+def adaptive_counters(before: dict, after: dict) -> dict[str, Any]:
+    """What adaptive speculation chose over a run: its histogram of chosen k and their mean."""
+    after_hist = after.get("adaptive_chosen_k_histogram")
+    if after_hist is None:
+        return {}
+    before_hist = before.get("adaptive_chosen_k_histogram") or [0] * len(after_hist)
+    histogram = [a - b for a, b in zip(after_hist, before_hist)]
+    steps = sum(histogram)
+    return {
+        "adaptive_chosen_k_histogram": histogram,
+        "adaptive_mean_chosen_k": sum(k * n for k, n in enumerate(histogram)) / steps if steps else None,
+    }
+
+
 def parse_float_list(text: str, flag: str) -> list[float]:
     """"50,90,99" -> [50.0, 90.0, 99.0]: percentiles, each in (0, 100]."""
     try:
@@ -224,6 +248,7 @@ def summarize(run: LoadRun, method: str, k: int, batch_size: int) -> dict[str, A
     ratio = draft_step / target_step if target_step else None
     mean_len = counters["mean_acceptance_length"]
     row.update(counters)
+    row.update(adaptive_counters(before, after))
     row.update(
         draft_verify_ratio=ratio,
         draft_token_ms=draft_step / k if draft_step is not None else None,

@@ -231,6 +231,8 @@ class ModelRunner:
     def _graph_runner(self, capture_graphs: bool, reads_host_lengths: bool) -> CudaGraphRunner:
         spec = self.config.speculative
         query_lens = (1,) if spec is None else (1, spec.num_speculative_tokens + 1)
+        if spec is not None and spec.adaptive:  # a verify of any length adaptive speculation chooses
+            query_lens = tuple(range(1, spec.num_speculative_tokens + 2))
         return CudaGraphRunner(
             self.model,
             self.config.scheduler.max_num_seqs,

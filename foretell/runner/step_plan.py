@@ -63,6 +63,7 @@ class PlannedSequence(NamedTuple):
 class StepPlan(NamedTuple):
     new: list[NewSequence]
     scheduled: list[PlannedSequence]
+    num_next_drafts: int | None = None  # SchedulerOutput's (adaptive speculation's choice)
 
 
 class _Sent:
@@ -103,7 +104,7 @@ class PlanEncoder:
                 item.accept_limit, len(seq.prompt_logprobs) if wants_prompt_logprobs else None,
             ))
             sent.num_tokens, sent.blocks, sent.num_blocks = len(tokens), blocks, len(blocks)
-        return StepPlan(new, scheduled)
+        return StepPlan(new, scheduled, sched.num_next_drafts)
 
     def forget(self, seq_id: int) -> None:
         self.sent.pop(seq_id, None)
@@ -124,7 +125,7 @@ class SequenceMirrors:
                            new.eos_token_ids)
             seq.status = SequenceStatus.RUNNING
             self.seqs[new.seq_id] = seq
-        out = SchedulerOutput()
+        out = SchedulerOutput(num_next_drafts=plan.num_next_drafts)
         for planned in plan.scheduled:
             seq = self.seqs.get(planned.seq_id)
             if seq is None:
