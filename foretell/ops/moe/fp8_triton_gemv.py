@@ -4,7 +4,7 @@ QBLOCK_K) block (fp8_reference.py), read in 8 bits and scaled in-kernel.
 
 The same two GEMV kernels as the bf16 path (triton_gemv.py: read its docstring for the grids, the
 slot split of the down kernel and its counters) and the int4 one (triton_int4_gemv.py), with the
-weight tiles read as FP8:
+weight tiles read as FP8 (all that does not read weights is gemv_common.py's):
   - a [BLOCK_N, BLOCK_K] weight tile is BLOCK_N * BLOCK_K bytes (half the bf16 tile) and one float32
     scale per row of the tile and SUB = min(BLOCK_K, QBLOCK_K) columns (one per row for 128-wide
     blocks and tiles up to 128 columns);
@@ -27,9 +27,17 @@ import triton
 import triton.language as tl
 
 from foretell.ops.moe.fp8_reference import check_fp8_experts
-from foretell.ops.moe.triton_gemv import _store_token
-
-KERNEL_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "SPLIT")
+from foretell.ops.moe.gemv_common import (
+    _combine_split_slots,
+    _down_program,
+    _store_silu_product,
+    _store_token,
+    _zero_counters,
+    launch_options,
+    no_pairs_output,
+    override_kernel_configs,
+    plan_gemv,
+)
 
 
 @triton.jit
@@ -74,12 +82,8 @@ def _fp8_gate_up_kernel(
     BLOCK_K: tl.constexpr,
 ):
     pair = tl.program_id(0)
-    if ZERO_COUNTERS:  # noqa: SIM102  (a constexpr test of its own: pruned when False)
-        if pair + tl.program_id(1) == 0:
-            lanes = tl.arange(0, 256)
-            for start in range(0, num_counters, 256):
-                tl.store(counters_ptr + start + lanes, tl.zeros([256], dtype=tl.int32),
-                         mask=start + lanes < num_counters)
+    if ZERO_COUNTERS:
+        _zero_counters(counters_ptr, num_counters)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     token = (pair // TOP_K).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -104,10 +108,7 @@ def _fp8_gate_up_kernel(
         gate += tl.sum(w_gate * x[None, :], axis=1)
         w_up = _fp8_tile(up_w, up_s, k0, col_valid, hidden, num_scale_cols, BLOCK_N, BLOCK_K, QBLOCK_K, SUB, dtype)
         up += tl.sum(w_up * x[None, :], axis=1)
-    gate = gate.to(dtype).to(tl.float32)
-    up = up.to(dtype).to(tl.float32)
-    silu = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-    tl.store(act_ptr + pair.to(tl.int64) * stride_act + cols, (silu * up).to(dtype), mask=col_valid)
+    _store_silu_product(gate, up, act_ptr, pair, stride_act, cols, col_valid)
 
 
 @triton.jit
@@ -161,11 +162,7 @@ def _fp8_down_combine_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
-    col_block = tl.program_id(1)
-    group = tl.program_id(2)
-    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_valid = cols < hidden
+    token, col_block, group, cols, col_valid = _down_program(hidden, BLOCK_N)
     if GROUPS == 1:
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k in tl.static_range(TOP_K):  # slot order, as the twin sums
@@ -182,16 +179,8 @@ def _fp8_down_combine_kernel(
                                        stride_act, stride_w_expert, stride_scale_expert, QBLOCK_N, QBLOCK_K, SUB,
                                        BLOCK_N, BLOCK_K)
                 tl.store(scratch_ptr + pair * hidden + cols, value, mask=col_valid)
-        tl.debug_barrier()  # every thread's scratch stores before the release of the count
-        arrived = tl.atomic_add(counters_ptr + token * tl.num_programs(1) + col_block, 1, sem="acq_rel",
-                                scope="gpu")
-        if arrived == GROUPS - 1:
-            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for k in tl.static_range(TOP_K):
-                acc += tl.load(scratch_ptr + (token * TOP_K + k) * hidden + cols, mask=col_valid, other=0.0,
-                               cache_modifier=".cg")
-            _store_token(acc, shared_ptr, out_ptr, token, cols, col_valid, stride_shared, stride_out,
-                         HAS_SHARED)
+        _combine_split_slots(scratch_ptr, counters_ptr, shared_ptr, out_ptr, token, col_block, cols, col_valid, hidden,
+                             stride_shared, stride_out, TOP_K, GROUPS, HAS_SHARED, BLOCK_N)
 
 
 def fp8_launch_config(num_tokens: int, top_k: int) -> dict:
@@ -209,14 +198,7 @@ def kernel_block_ok(block: tuple[int, int]) -> bool:
 
 
 def _resolve(config: dict | None, num_tokens: int, top_k: int) -> dict:
-    resolved = fp8_launch_config(num_tokens, top_k)
-    for name, overrides in (config or {}).items():
-        if name not in resolved or not isinstance(overrides, dict):
-            raise ValueError(f"FP8 MoE config keys are 'gate_up' and 'down' (dicts), got {name!r}")
-        unknown = sorted(set(overrides) - set(KERNEL_KEYS))
-        if unknown:
-            raise ValueError(f"unknown FP8 MoE {name} config keys {unknown}; expected {list(KERNEL_KEYS)}")
-        resolved[name].update(overrides)
+    resolved = override_kernel_configs(fp8_launch_config(num_tokens, top_k), config, "FP8 MoE")
     for name, cfg in resolved.items():
         if cfg["BLOCK_K"] & (cfg["BLOCK_K"] - 1) or cfg["BLOCK_N"] & (cfg["BLOCK_N"] - 1):
             raise ValueError(f"FP8 MoE {name}: BLOCK_K and BLOCK_N must be powers of two, got {cfg}")
@@ -242,41 +224,26 @@ def fused_fp8_experts_gemv_triton(
     if not kernel_block_ok(block):
         raise ValueError(f"the FP8 MoE kernels need a power-of-two block width, got {list(block)}")
     out_dtype = out_dtype or hidden.dtype
-    num_pairs = num_tokens * top_k
-    device = hidden.device
-    if num_pairs == 0:
-        out = torch.zeros(num_tokens, hidden_size, dtype=torch.float32, device=device)
-        return (out if shared is None else out + shared).to(out_dtype)
+    if num_tokens * top_k == 0:
+        return no_pairs_output(num_tokens, hidden_size, shared, out_dtype, hidden.device)
     cfg = _resolve(config, num_tokens, top_k)
     up_cfg, down_cfg = cfg["gate_up"], cfg["down"]
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     gate_up, gate_up_scale, down, down_scale = (t.contiguous() for t in (gate_up, gate_up_scale, down, down_scale))
-    flat_ids = ids.reshape(num_pairs).contiguous()  # [num_pairs]
-    pair_weights = weights.reshape(num_pairs).float().contiguous()  # [num_pairs]
-    slots = min(top_k, triton.cdiv(top_k, down_cfg["SPLIT"]))
-    groups = triton.cdiv(top_k, slots)
-    column_blocks = triton.cdiv(hidden_size, down_cfg["BLOCK_N"])
-    if groups > 1:
-        scratch = torch.empty(num_pairs, hidden_size, dtype=torch.float32, device=device)
-        counters = torch.empty(num_tokens * column_blocks, dtype=torch.int32, device=device)
-    else:
-        scratch = counters = pair_weights  # not read
-    act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=device)  # [num_pairs, I]
+    plan = plan_gemv(hidden, weights, ids, shared, inter, hidden.dtype, out_dtype, down_cfg["SPLIT"],
+                     down_cfg["BLOCK_N"])
     b0, b1 = block
-    _fp8_gate_up_kernel[(num_pairs, triton.cdiv(inter, up_cfg["BLOCK_N"]))](
-        hidden, gate_up, gate_up_scale, flat_ids, act, counters, counters.numel() if groups > 1 else 0,
-        hidden_size, inter, hidden.stride(0), gate_up.stride(0), gate_up_scale.stride(0), act.stride(0),
-        TOP_K=top_k, ZERO_COUNTERS=groups > 1, QBLOCK_N=b0, QBLOCK_K=b1, SUB=min(up_cfg["BLOCK_K"], b1),
-        BLOCK_N=up_cfg["BLOCK_N"], BLOCK_K=up_cfg["BLOCK_K"], num_warps=up_cfg["num_warps"],
+    _fp8_gate_up_kernel[plan.gate_up_grid(up_cfg["BLOCK_N"])](
+        hidden, gate_up, gate_up_scale, plan.flat_ids, plan.act, plan.counters, plan.num_counters,
+        hidden_size, inter, hidden.stride(0), gate_up.stride(0), gate_up_scale.stride(0), plan.act.stride(0),
+        QBLOCK_N=b0, QBLOCK_K=b1, SUB=min(up_cfg["BLOCK_K"], b1), **plan.gate_up_constexprs, **launch_options(up_cfg),
     )
-    out = torch.empty(num_tokens, hidden_size, dtype=out_dtype, device=device)  # [T, H]
-    _fp8_down_combine_kernel[(num_tokens, column_blocks, groups)](
-        act, down, down_scale, flat_ids, pair_weights, shared if shared is not None else out, scratch,
-        counters, out, hidden_size, inter, act.stride(0), down.stride(0), down_scale.stride(0),
-        shared.stride(0) if shared is not None else 0, out.stride(0),
-        TOP_K=top_k, SLOTS=slots, GROUPS=groups, HAS_SHARED=shared is not None,
-        QBLOCK_N=b0, QBLOCK_K=b1, SUB=min(down_cfg["BLOCK_K"], b1),
-        BLOCK_N=down_cfg["BLOCK_N"], BLOCK_K=down_cfg["BLOCK_K"], num_warps=down_cfg["num_warps"],
+    _fp8_down_combine_kernel[plan.down_grid](
+        plan.act, down, down_scale, plan.flat_ids, plan.pair_weights, plan.shared_or_out, plan.scratch,
+        plan.counters, plan.out, hidden_size, inter, plan.act.stride(0), down.stride(0), down_scale.stride(0),
+        plan.stride_shared, plan.out.stride(0),
+        QBLOCK_N=b0, QBLOCK_K=b1, SUB=min(down_cfg["BLOCK_K"], b1), **plan.down_constexprs,
+        **launch_options(down_cfg),
         enable_fp_fusion=False,  # each weighted slot output rounded to float32 before it is added
     )
-    return out
+    return plan.out

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from foretell.ops.moe.gemv_common import no_pairs_output
 from foretell.ops.moe.triton_gemv import (
     GEMV_MAX_TOKENS,
     check_expert_inputs,
@@ -292,8 +293,7 @@ def fused_experts_triton(
     num_experts = gate_up.shape[0]
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
-        out = torch.zeros(num_tokens, hidden_size, dtype=torch.float32, device=hidden.device)
-        return (out if shared is None else out + shared).to(out_dtype)
+        return no_pairs_output(num_tokens, hidden_size, shared, out_dtype, hidden.device)
     hidden, gate_up, down = (t if t.stride(-1) == 1 else t.contiguous() for t in (hidden, gate_up, down))
     cfg = {**moe_launch_config(num_pairs, num_experts, gate_up.dtype), **(config or {})}
     block_m = cfg["BLOCK_M"]

@@ -21,7 +21,9 @@ sums all top_k slots in slot order. The sum is therefore the same, bit for bit, 
 is: the down kernel is compiled without FMA contraction, so a weighted slot output is rounded to
 float32 before it is added, as a stored one is (with contraction, SPLIT 1 and 2 differed in the
 last bit on the H200). The counters are zeroed by the gate_up kernel, which runs before on the
-same stream, so no memset launch is needed.
+same stream, so no memset launch is needed. The steps that do not read the weights (the counters,
+the roundings of silu(gate) * up, the split combine, the host's launch plan) are gemv_common.py's,
+shared with the FP8 and int4 paths.
 
 Every grid is fixed by shapes and the launch config; nothing reads a device value on the host,
 so the forward can be captured in a CUDA graph. Twin: `experts_forward_torch` in reference.py (plus
@@ -35,6 +37,17 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from foretell.ops.moe.gemv_common import (
+    _combine_split_slots,
+    _down_program,
+    _store_silu_product,
+    _store_token,
+    _zero_counters,
+    launch_options,
+    no_pairs_output,
+    plan_gemv,
+)
 
 # Up to this many tokens fused_experts_triton takes the GEMV path; past it, tokens that share
 # experts (the shared ones always) re-read their weights. A first H200 probe at V2-Lite shapes
@@ -67,12 +80,8 @@ def _gate_up_gemv_kernel(
     BLOCK_K: tl.constexpr,
 ):
     pair = tl.program_id(0)
-    if ZERO_COUNTERS:  # noqa: SIM102  (a constexpr test of its own: pruned when False)
-        if pair + tl.program_id(1) == 0:
-            lanes = tl.arange(0, 256)
-            for start in range(0, num_counters, 256):
-                tl.store(counters_ptr + start + lanes, tl.zeros([256], dtype=tl.int32),
-                         mask=start + lanes < num_counters)
+    if ZERO_COUNTERS:
+        _zero_counters(counters_ptr, num_counters)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     token = (pair // TOP_K).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -93,12 +102,7 @@ def _gate_up_gemv_kernel(
         x = tl.load(x_row + k, mask=k_valid, other=0.0).to(w_gate.dtype).to(tl.float32)  # [BLOCK_K]
         gate += tl.sum(w_gate.to(tl.float32) * x[None, :], axis=1)
         up += tl.sum(w_up.to(tl.float32) * x[None, :], axis=1)
-    # Round where the twin does: the projection, silu(gate), then the product.
-    dtype = act_ptr.dtype.element_ty
-    gate = gate.to(dtype).to(tl.float32)
-    up = up.to(dtype).to(tl.float32)
-    silu = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-    tl.store(act_ptr + pair.to(tl.int64) * stride_act + cols, (silu * up).to(dtype), mask=col_valid)
+    _store_silu_product(gate, up, act_ptr, pair, stride_act, cols, col_valid)
 
 
 @triton.jit
@@ -120,14 +124,6 @@ def _down_slot(
         y += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
     # The twin rounds the expert's output to the model dtype before weighting it in float32.
     return y.to(act_ptr.dtype.element_ty).to(tl.float32) * tl.load(weights_ptr + pair)
-
-
-@triton.jit
-def _store_token(acc, shared_ptr, out_ptr, token, cols, col_valid, stride_shared, stride_out,
-                 HAS_SHARED: tl.constexpr):
-    if HAS_SHARED:
-        acc += tl.load(shared_ptr + token * stride_shared + cols, mask=col_valid, other=0.0).to(tl.float32)
-    tl.store(out_ptr + token * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=col_valid)
 
 
 @triton.jit
@@ -154,11 +150,7 @@ def _down_combine_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
-    col_block = tl.program_id(1)
-    group = tl.program_id(2)
-    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_valid = cols < hidden
+    token, col_block, group, cols, col_valid = _down_program(hidden, BLOCK_N)
     if GROUPS == 1:
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k in tl.static_range(TOP_K):  # slot order, as the combine kernel sums
@@ -173,18 +165,8 @@ def _down_combine_kernel(
                 value = _down_slot(act_ptr, w_ptr, ids_ptr, weights_ptr, pair, cols, col_valid, inter,
                                    stride_act, stride_w_expert, stride_w_row, BLOCK_N, BLOCK_K)
                 tl.store(scratch_ptr + pair * hidden + cols, value, mask=col_valid)
-        # Every thread's scratch stores happen before the (single-thread) release of the count;
-        # the last of the GROUPS programs then sees all of them.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(counters_ptr + token * tl.num_programs(1) + col_block, 1, sem="acq_rel",
-                                scope="gpu")
-        if arrived == GROUPS - 1:
-            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for k in tl.static_range(TOP_K):
-                acc += tl.load(scratch_ptr + (token * TOP_K + k) * hidden + cols, mask=col_valid, other=0.0,
-                               cache_modifier=".cg")
-            _store_token(acc, shared_ptr, out_ptr, token, cols, col_valid, stride_shared, stride_out,
-                         HAS_SHARED)
+        _combine_split_slots(scratch_ptr, counters_ptr, shared_ptr, out_ptr, token, col_block, cols, col_valid, hidden,
+                             stride_shared, stride_out, TOP_K, GROUPS, HAS_SHARED, BLOCK_N)
 
 
 def check_expert_inputs(
@@ -276,43 +258,22 @@ def launch_gemv_experts(hidden, gate_up, down, weights, ids, shared, out_dtype, 
     """fused_experts_gemv_triton on inputs check_expert_inputs has accepted."""
     num_tokens, top_k = ids.shape
     hidden_size, inter = gate_up.shape[2], gate_up.shape[1] // 2
-    num_pairs = num_tokens * top_k
-    if num_pairs == 0:
-        out = torch.zeros(num_tokens, hidden_size, dtype=torch.float32, device=hidden.device)
-        return (out if shared is None else out + shared).to(out_dtype)
+    if num_tokens * top_k == 0:
+        return no_pairs_output(num_tokens, hidden_size, shared, out_dtype, hidden.device)
     cfg = resolve_gemv_config(gemv_launch_config(num_tokens, top_k, gate_up.dtype), config)
     up_cfg, down_cfg = cfg["gate_up"], cfg["down"]
     hidden, gate_up, down = (t if t.stride(-1) == 1 else t.contiguous() for t in (hidden, gate_up, down))
-    device = hidden.device
-    flat_ids = ids.reshape(num_pairs)  # [num_pairs]
-    pair_weights = weights.reshape(num_pairs).float().contiguous()  # [num_pairs]
-    if not flat_ids.is_contiguous():
-        flat_ids = flat_ids.contiguous()
-
-    slots = min(top_k, triton.cdiv(top_k, down_cfg["SPLIT"]))
-    groups = triton.cdiv(top_k, slots)
-    column_blocks = triton.cdiv(hidden_size, down_cfg["BLOCK_N"])
-    if groups > 1:
-        scratch = torch.empty(num_pairs, hidden_size, dtype=torch.float32, device=device)
-        counters = torch.empty(num_tokens * column_blocks, dtype=torch.int32, device=device)
-    else:
-        scratch = counters = pair_weights  # not read
-
-    act = torch.empty(num_pairs, inter, dtype=gate_up.dtype, device=device)  # [num_pairs, I]
-    _gate_up_gemv_kernel[(num_pairs, triton.cdiv(inter, up_cfg["BLOCK_N"]))](
-        hidden, gate_up, flat_ids, act, counters, counters.numel() if groups > 1 else 0,
-        hidden_size, inter, hidden.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
-        TOP_K=top_k, ZERO_COUNTERS=groups > 1, BLOCK_N=up_cfg["BLOCK_N"], BLOCK_K=up_cfg["BLOCK_K"],
-        num_warps=up_cfg["num_warps"], num_stages=up_cfg["num_stages"],
+    plan = plan_gemv(hidden, weights, ids, shared, inter, gate_up.dtype, out_dtype, down_cfg["SPLIT"],
+                     down_cfg["BLOCK_N"])
+    _gate_up_gemv_kernel[plan.gate_up_grid(up_cfg["BLOCK_N"])](
+        hidden, gate_up, plan.flat_ids, plan.act, plan.counters, plan.num_counters,
+        hidden_size, inter, hidden.stride(0), gate_up.stride(0), gate_up.stride(1), plan.act.stride(0),
+        **plan.gate_up_constexprs, **launch_options(up_cfg),
     )
-    out = torch.empty(num_tokens, hidden_size, dtype=out_dtype, device=device)  # [T, H]
-    _down_combine_kernel[(num_tokens, column_blocks, groups)](
-        act, down, flat_ids, pair_weights, shared if shared is not None else out, scratch, counters, out,
-        hidden_size, inter, act.stride(0), down.stride(0), down.stride(1),
-        shared.stride(0) if shared is not None else 0, out.stride(0),
-        TOP_K=top_k, SLOTS=slots, GROUPS=groups, HAS_SHARED=shared is not None,
-        BLOCK_N=down_cfg["BLOCK_N"], BLOCK_K=down_cfg["BLOCK_K"],
-        num_warps=down_cfg["num_warps"], num_stages=down_cfg["num_stages"],
+    _down_combine_kernel[plan.down_grid](
+        plan.act, down, plan.flat_ids, plan.pair_weights, plan.shared_or_out, plan.scratch, plan.counters, plan.out,
+        hidden_size, inter, plan.act.stride(0), down.stride(0), down.stride(1), plan.stride_shared,
+        plan.out.stride(0), **plan.down_constexprs, **launch_options(down_cfg),
         enable_fp_fusion=False,  # no FMA: each weighted slot output is rounded, as stored ones are
     )
-    return out
+    return plan.out

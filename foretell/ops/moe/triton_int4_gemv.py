@@ -2,7 +2,8 @@
 compressed-tensors pack-quantized layout (int4_reference.py), unpacked and scaled in-kernel.
 
 The same two GEMV kernels as the bf16 path (triton_gemv.py; read its docstring for the shapes, the
-slot split of the down kernel and its counters), with the weight tiles read as packed words:
+slot split of the down kernel and its counters), with the weight tiles read as packed words (all
+that does not read weights is gemv_common.py's):
   - a [BLOCK_N, BLOCK_K] weight tile is [BLOCK_N, BLOCK_K / 8] int32 words and [BLOCK_N,
     BLOCK_K / 32] scales, 4.25 bits a weight instead of 16: at one token the step is bound by
     these bytes;
@@ -33,9 +34,17 @@ import triton
 import triton.language as tl
 
 from foretell.ops.moe.int4_reference import INT4_GROUP, check_int4_expert_inputs
-from foretell.ops.moe.triton_gemv import _store_token
-
-KERNEL_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "SPLIT")
+from foretell.ops.moe.gemv_common import (
+    _combine_split_slots,
+    _down_program,
+    _store_silu_product,
+    _store_token,
+    _zero_counters,
+    launch_options,
+    no_pairs_output,
+    override_kernel_configs,
+    plan_gemv,
+)
 
 
 @triton.jit
@@ -84,12 +93,8 @@ def _int4_gate_up_kernel(
     BLOCK_K: tl.constexpr,
 ):
     pair = tl.program_id(0)
-    if ZERO_COUNTERS:  # noqa: SIM102  (a constexpr test of its own: pruned when False)
-        if pair + tl.program_id(1) == 0:
-            lanes = tl.arange(0, 256)
-            for start in range(0, num_counters, 256):
-                tl.store(counters_ptr + start + lanes, tl.zeros([256], dtype=tl.int32),
-                         mask=start + lanes < num_counters)
+    if ZERO_COUNTERS:
+        _zero_counters(counters_ptr, num_counters)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     token = (pair // TOP_K).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -109,10 +114,7 @@ def _int4_gate_up_kernel(
         gate += _int4_partial(gate_packed, gate_scales, x_row, k0, hidden, col_valid, num_words, num_groups,
                               BLOCK_K, dtype)
         up += _int4_partial(up_packed, up_scales, x_row, k0, hidden, col_valid, num_words, num_groups, BLOCK_K, dtype)
-    gate = tl.sum(gate, axis=1).to(dtype).to(tl.float32)
-    up = tl.sum(up, axis=1).to(dtype).to(tl.float32)
-    silu = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-    tl.store(act_ptr + pair.to(tl.int64) * stride_act + cols, (silu * up).to(dtype), mask=col_valid)
+    _store_silu_product(tl.sum(gate, axis=1), tl.sum(up, axis=1), act_ptr, pair, stride_act, cols, col_valid)
 
 
 @triton.jit
@@ -161,11 +163,7 @@ def _int4_down_combine_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
-    col_block = tl.program_id(1)
-    group = tl.program_id(2)
-    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_valid = cols < hidden
+    token, col_block, group, cols, col_valid = _down_program(hidden, BLOCK_N)
     if GROUPS == 1:
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k in tl.static_range(TOP_K):  # slot order, as the twin sums
@@ -184,16 +182,8 @@ def _int4_down_combine_kernel(
                                         words_per_row, groups_per_row,
                                         BLOCK_N, BLOCK_K)
                 tl.store(scratch_ptr + pair * hidden + cols, value, mask=col_valid)
-        tl.debug_barrier()  # every thread's scratch stores before the release of the count
-        arrived = tl.atomic_add(counters_ptr + token * tl.num_programs(1) + col_block, 1, sem="acq_rel",
-                                scope="gpu")
-        if arrived == GROUPS - 1:
-            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for k in tl.static_range(TOP_K):
-                acc += tl.load(scratch_ptr + (token * TOP_K + k) * hidden + cols, mask=col_valid, other=0.0,
-                               cache_modifier=".cg")
-            _store_token(acc, shared_ptr, out_ptr, token, cols, col_valid, stride_shared, stride_out,
-                         HAS_SHARED)
+        _combine_split_slots(scratch_ptr, counters_ptr, shared_ptr, out_ptr, token, col_block, cols, col_valid, hidden,
+                             stride_shared, stride_out, TOP_K, GROUPS, HAS_SHARED, BLOCK_N)
 
 
 def int4_launch_config(num_tokens: int, top_k: int) -> dict:
@@ -206,14 +196,7 @@ def int4_launch_config(num_tokens: int, top_k: int) -> dict:
 
 
 def _resolve(config: dict | None, num_tokens: int, top_k: int) -> dict:
-    resolved = int4_launch_config(num_tokens, top_k)
-    for name, overrides in (config or {}).items():
-        if name not in resolved or not isinstance(overrides, dict):
-            raise ValueError(f"int4 MoE config keys are 'gate_up' and 'down' (dicts), got {name!r}")
-        unknown = sorted(set(overrides) - set(KERNEL_KEYS))
-        if unknown:
-            raise ValueError(f"unknown int4 MoE {name} config keys {unknown}; expected {list(KERNEL_KEYS)}")
-        resolved[name].update(overrides)
+    resolved = override_kernel_configs(int4_launch_config(num_tokens, top_k), config, "int4 MoE")
     for name, cfg in resolved.items():
         block_k = cfg["BLOCK_K"]
         if block_k < INT4_GROUP or block_k & (block_k - 1) or cfg["BLOCK_N"] & (cfg["BLOCK_N"] - 1):
@@ -237,40 +220,25 @@ def fused_int4_experts_gemv_triton(
     """int4_experts_forward_torch (+ shared) in two launches, reading each expert's packed words once."""
     num_tokens, top_k, hidden_size, inter = check_int4_expert_inputs(
         hidden, gate_up_packed, gate_up_scale, down_packed, down_scale, weights, ids, shared)
-    num_pairs = num_tokens * top_k
-    device = hidden.device
-    if num_pairs == 0:
-        out = torch.zeros(num_tokens, hidden_size, dtype=torch.float32, device=device)
-        return (out if shared is None else out + shared).to(out_dtype)
+    if num_tokens * top_k == 0:
+        return no_pairs_output(num_tokens, hidden_size, shared, out_dtype, hidden.device)
     cfg = _resolve(config, num_tokens, top_k)
     up_cfg, down_cfg = cfg["gate_up"], cfg["down"]
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     gate_up_packed, gate_up_scale, down_packed, down_scale = (
         t.contiguous() for t in (gate_up_packed, gate_up_scale, down_packed, down_scale))
-    flat_ids = ids.reshape(num_pairs).contiguous()  # [num_pairs]
-    pair_weights = weights.reshape(num_pairs).float().contiguous()  # [num_pairs]
-    slots = min(top_k, triton.cdiv(top_k, down_cfg["SPLIT"]))
-    groups = triton.cdiv(top_k, slots)
-    column_blocks = triton.cdiv(hidden_size, down_cfg["BLOCK_N"])
-    if groups > 1:
-        scratch = torch.empty(num_pairs, hidden_size, dtype=torch.float32, device=device)
-        counters = torch.empty(num_tokens * column_blocks, dtype=torch.int32, device=device)
-    else:
-        scratch = counters = pair_weights  # not read
-    act = torch.empty(num_pairs, inter, dtype=gate_up_scale.dtype, device=device)  # [num_pairs, I]
-    _int4_gate_up_kernel[(num_pairs, triton.cdiv(inter, up_cfg["BLOCK_N"]))](
-        hidden, gate_up_packed, gate_up_scale, flat_ids, act, counters, counters.numel() if groups > 1 else 0,
-        hidden_size, inter, hidden.stride(0), gate_up_packed.stride(0), gate_up_scale.stride(0), act.stride(0),
-        gate_up_packed.shape[2], gate_up_scale.shape[2], TOP_K=top_k, ZERO_COUNTERS=groups > 1, BLOCK_N=up_cfg["BLOCK_N"], BLOCK_K=up_cfg["BLOCK_K"],
-        num_warps=up_cfg["num_warps"],
+    plan = plan_gemv(hidden, weights, ids, shared, inter, gate_up_scale.dtype, out_dtype, down_cfg["SPLIT"],
+                     down_cfg["BLOCK_N"])
+    _int4_gate_up_kernel[plan.gate_up_grid(up_cfg["BLOCK_N"])](
+        hidden, gate_up_packed, gate_up_scale, plan.flat_ids, plan.act, plan.counters, plan.num_counters,
+        hidden_size, inter, hidden.stride(0), gate_up_packed.stride(0), gate_up_scale.stride(0), plan.act.stride(0),
+        gate_up_packed.shape[2], gate_up_scale.shape[2], **plan.gate_up_constexprs, **launch_options(up_cfg),
     )
-    out = torch.empty(num_tokens, hidden_size, dtype=out_dtype, device=device)  # [T, H]
-    _int4_down_combine_kernel[(num_tokens, column_blocks, groups)](
-        act, down_packed, down_scale, flat_ids, pair_weights, shared if shared is not None else out, scratch,
-        counters, out, hidden_size, inter, act.stride(0), down_packed.stride(0), down_scale.stride(0),
-        shared.stride(0) if shared is not None else 0, out.stride(0), down_packed.shape[2], down_scale.shape[2],
-        TOP_K=top_k, SLOTS=slots, GROUPS=groups, HAS_SHARED=shared is not None,
-        BLOCK_N=down_cfg["BLOCK_N"], BLOCK_K=down_cfg["BLOCK_K"], num_warps=down_cfg["num_warps"],
+    _int4_down_combine_kernel[plan.down_grid](
+        plan.act, down_packed, down_scale, plan.flat_ids, plan.pair_weights, plan.shared_or_out, plan.scratch,
+        plan.counters, plan.out, hidden_size, inter, plan.act.stride(0), down_packed.stride(0), down_scale.stride(0),
+        plan.stride_shared, plan.out.stride(0), down_packed.shape[2], down_scale.shape[2],
+        **plan.down_constexprs, **launch_options(down_cfg),
         enable_fp_fusion=False,  # each weighted slot output rounded to float32 before it is added
     )
-    return out
+    return plan.out
