@@ -1,0 +1,150 @@
+"""Issue 28's adaptive-speculation bar on the GPU: at every batch size, adaptive speculation
+(num_speculative_tokens "auto", K = 4) is never more than 3% slower than the better of fixed-k
+EAGLE3 (k = 1..4) and no speculation.
+
+    python scripts/check_adaptive_gpu.py OUT_DIR [--lengths 2.93,1.5] [--batches 1,4,16,64,256]
+        [--ks 1,2,3,4] [--new-tokens 128] [--tiny]
+
+Llama-3.1-8B shape with its EAGLE3 head (foretell/configs, bf16, random weights, CUDA graphs),
+acceptance simulated: for a mean acceptance length L the conditional rate a with 1 + a + a^2 + a^3
+= L (simulated_acceptance.py's fit at k = 3), the same per-position rates a^j for every k (fixed
+k takes the first k; adaptive all 4), so every configuration meets the same acceptance. Each
+configuration is one engine (adaptive measures its step costs at start-up: reported as
+start_s); each batch size one closed-loop run of `batch` requests of 128-token prompts and
+--new-tokens tokens (EOS ignored), after a warm-up run of the same shape; tok/s is generated
+tokens over the run's wall time. Writes OUT_DIR/check_adaptive_gpu.json after every engine (a
+partial result survives a time-out), prints a table per length: tok/s of none, each k, auto, the
+ratio of auto to the best of the others and the bar (>= 0.97), and the k auto chose.
+
+--tiny runs the same flow on a tiny random Qwen3 + EAGLE3 head (the CPU works: a smoke test).
+Budget on the H200: about 8 engines per length (each loads dummy 8B weights and captures graphs up
+to max_num_seqs = the largest batch); split --lengths / --batches over calls when time is short.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+
+from foretell import LLM, SamplingParams  # noqa: E402
+from foretell.spec_decode.simulated_acceptance import rates_from_config  # noqa: E402
+
+CONFIGS = os.path.join(ROOT, "foretell", "configs")
+MAX_K = 4
+BAR = 0.97
+
+
+def models(tiny: bool) -> tuple[str, str, dict]:
+    """(target folder, EAGLE3 head folder, engine options)."""
+    if not tiny:
+        return (f"{CONFIGS}/llama-3.1-8b", f"{CONFIGS}/llama-3.1-8b-eagle3",
+                dict(dtype="bfloat16", device="cuda", load_format="dummy"))
+    from foretell.bench.tiny_checkpoints import write_tiny_eagle3_head, write_tiny_qwen3
+
+    folder = tempfile.mkdtemp()
+    target = write_tiny_qwen3(os.path.join(folder, "target"))
+    head = write_tiny_eagle3_head(os.path.join(folder, "head"), target, draft_vocab_size=256, aux_layer_ids=[0, 1, 2])
+    return target, head, dict(dtype="float32", device="cpu")
+
+
+def conditional_rate(mean_length: float) -> float:
+    """The constant conditional acceptance a of a chain of 3 with that mean acceptance length."""
+    return rates_from_config({"mean_acceptance_length": mean_length}, 3)[0]
+
+
+def spec_config(head: str, k: int | str, rate: float) -> dict | None:
+    if k == 0:
+        return None
+    drafts = MAX_K if k == "auto" else k
+    return {"method": "eagle3", "model": head, "num_speculative_tokens": k,
+            "simulate_acceptance": {"rates": [rate ** j for j in range(1, drafts + 1)]}}
+
+
+def run_batch(llm: LLM, batch: int, new_tokens: int) -> dict:
+    prompts = [{"prompt_token_ids": [(7 * i + j) % 1000 + 1 for j in range(128)]} for i in range(batch)]
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)  # every shape of the run compiled / captured
+    before = llm.get_stats()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    after = llm.get_stats()
+    row = {"batch": batch, "tok_s": sum(len(o.outputs[0].token_ids) for o in outs) / wall, "wall_s": wall}
+    if after.get("num_drafts"):
+        drafts = after["num_drafts"] - before.get("num_drafts", 0)
+        accepted = after["num_accepted_tokens"] - before.get("num_accepted_tokens", 0)
+        row["mean_acceptance_length"] = 1 + accepted / drafts if drafts else None
+    if "adaptive_chosen_k_histogram" in after:
+        hist = [a - b for a, b in zip(after["adaptive_chosen_k_histogram"], before["adaptive_chosen_k_histogram"])]
+        row["chosen_k_histogram"] = hist
+        row["mean_chosen_k"] = sum(k * n for k, n in enumerate(hist)) / max(sum(hist), 1)
+    return row
+
+
+def table(length: float, results: dict, batches: list[int], ks: list) -> str:
+    names = ["none"] + [f"k={k}" for k in ks if k != "auto"] + ["auto"]
+    lines = [f"mean acceptance length {length} (conditional rate {conditional_rate(length):.3f}), tok/s:",
+             "| batch | " + " | ".join(names) + " | auto / best other | bar | auto mean k |"]
+    for b in batches:
+        cells, rates = [], {}
+        for name in names:
+            row = results.get(name, {}).get(str(b))
+            rates[name] = row["tok_s"] if row else None
+            cells.append(f"{row['tok_s']:.1f}" if row else "-")
+        others = [v for n, v in rates.items() if n != "auto" and v is not None]
+        if rates["auto"] is None or not others:
+            lines.append(f"| {b} | " + " | ".join(cells) + " | - | - | - |")
+            continue
+        ratio = rates["auto"] / max(others)
+        mean_k = results["auto"][str(b)].get("mean_chosen_k", 0.0)
+        lines.append(f"| {b} | " + " | ".join(cells) + f" | {ratio:.3f} | {'ok' if ratio >= BAR else 'MISS'} | {mean_k:.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_dir")
+    parser.add_argument("--lengths", default="2.93,1.5", help="simulated mean acceptance lengths")
+    parser.add_argument("--batches", default="1,4,16,64,256")
+    parser.add_argument("--ks", default="1,2,3,4", help="fixed k to compare against (auto and none always run)")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--tiny", action="store_true", help="tiny random models (CPU smoke test)")
+    args = parser.parse_args()
+    os.makedirs(args.out_dir, exist_ok=True)
+    out_path = os.path.join(args.out_dir, "check_adaptive_gpu.json")
+    batches = [int(b) for b in args.batches.split(",")]
+    ks: list = [int(k) for k in args.ks.split(",")] + ["auto"]
+    target, head, options = models(args.tiny)
+    report: dict = {"batches": batches, "bar": BAR, "lengths": {}}
+    for length in [float(x) for x in args.lengths.split(",")]:
+        rate = conditional_rate(length)
+        results: dict = {}
+        report["lengths"][str(length)] = results
+        for k in [0] + ks:
+            name = "none" if k == 0 else ("auto" if k == "auto" else f"k={k}")
+            start = time.perf_counter()
+            llm = LLM(target, speculative_config=spec_config(head, k, rate), skip_tokenizer_init=True,
+                      max_num_seqs=max(batches), log_stats_interval_s=0, **options)
+            results[name] = {"start_s": time.perf_counter() - start}
+            if k == "auto":
+                results[name]["step_costs"] = llm.get_stats()["adaptive_step_costs"]
+            for b in batches:
+                results[name][str(b)] = run_batch(llm, b, args.new_tokens)
+                print(name, results[name][str(b)], flush=True)
+            llm.close()
+            with open(out_path, "w") as f:
+                json.dump(report, f, indent=2)
+        print(table(length, results, batches, ks), flush=True)
+    print(f"wrote {out_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
