@@ -18,7 +18,8 @@ tests/ops/test_attention_rope_kv.py holds kernel and twin together in Triton's i
 tests/gpu/test_pointwise_kernels_gpu.py on CUDA.
 
 An FP8 cache (fp8_kv.py): the key is normed and rotated with the query's roundings, then stored
-as key / k_scale in e4m3 (value / v_scale likewise), as write_kv_torch stores the twin's rotated key.
+as key / k_scale in e4m3 (value / v_scale likewise), as write_kv_torch stores the twin's rotated key;
+_rope_heads quantizes by the destination's dtype, so the same call serves both caches.
 """
 
 from __future__ import annotations
@@ -37,66 +38,7 @@ from foretell.ops.pointwise.triton_kernels import (
     _next_pow2,
     _num_warps,
     _rope_heads,
-    rms_norm_heads,
-    rotate_pairs,
 )
-
-
-@triton.jit
-def _rope_heads_to_fp8(
-    x_ptr,
-    dst_ptr,  # this token's slot in an e4m3 K cache
-    token,
-    first_head,
-    stride_token,
-    stride_head,
-    dst_stride_head,
-    cos,  # [HALF_P] float32, already rounded to dtype
-    sin,
-    norm_w_ptr,
-    eps,
-    inv_scale,  # 1 / k_scale
-    NUM_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HALF: tl.constexpr,
-    HALF_P: tl.constexpr,
-    TAIL_P: tl.constexpr,
-    BLOCK_HEADS: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
-    HAS_NORM: tl.constexpr,
-):
-    """pointwise's _rope_heads into an FP8 slot: the same norm and rotation, rounded to the
-    input's dtype (where the twin rounds its rotated key), then quantized with the layer's scale."""
-    dtype = x_ptr.dtype.element_ty
-    cache_dtype = dst_ptr.dtype.element_ty
-    heads = first_head + tl.arange(0, BLOCK_HEADS)
-    head_ok = (heads < NUM_HEADS)[:, None]
-    dims = tl.arange(0, HALF_P)[None, :]
-    mask = head_ok & (dims < HALF)
-    src = x_ptr + token * stride_token + heads[:, None] * stride_head
-    dst = dst_ptr + heads[:, None] * dst_stride_head
-    if INTERLEAVED:
-        first, second = 2 * dims, 2 * dims + 1
-    else:
-        first, second = dims, HALF + dims
-    x1 = tl.load(src + first, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_HEADS, HALF_P]
-    x2 = tl.load(src + second, mask=mask, other=0.0).to(tl.float32)
-    tail = 2 * HALF + tl.arange(0, TAIL_P)[None, :]
-    tail_mask = head_ok & (tail < HEAD_DIM)
-    if HEAD_DIM > 2 * HALF:
-        rest = tl.load(src + tail, mask=tail_mask, other=0.0).to(tl.float32)
-    else:
-        rest = tl.zeros([BLOCK_HEADS, TAIL_P], dtype=tl.float32)
-    if HAS_NORM:
-        w1 = tl.load(norm_w_ptr + first, mask=dims < HALF, other=0.0).to(tl.float32)
-        w2 = tl.load(norm_w_ptr + second, mask=dims < HALF, other=0.0).to(tl.float32)
-        w_rest = tl.load(norm_w_ptr + tail, mask=tail < HEAD_DIM, other=0.0).to(tl.float32)
-        x1, x2, rest = rms_norm_heads(x1, x2, rest, w1, w2, w_rest, eps, HEAD_DIM, dtype)
-    o1, o2 = rotate_pairs(x1, x2, cos[None, :], sin[None, :], dtype)
-    tl.store(dst + first, to_cache(o1.to(dtype), inv_scale, cache_dtype), mask=mask)
-    tl.store(dst + second, to_cache(o2.to(dtype), inv_scale, cache_dtype), mask=mask)
-    if HEAD_DIM > 2 * HALF:
-        tl.store(dst + tail, to_cache(rest.to(dtype), inv_scale, cache_dtype), mask=tail_mask)
 
 
 @triton.jit
@@ -115,7 +57,7 @@ def _rope_write_kv_kernel(
     k_norm_ptr,  # [HEAD_DIM] k_norm weight
     q_eps,
     k_eps,
-    k_inv_scale,  # 1 / k_scale (FP8 caches; unused otherwise)
+    k_inv_scale,  # 1 / k_scale (FP8 caches: keys and values stored scaled; unused otherwise)
     v_inv_scale,
     stride_q_token,
     stride_q_head,
@@ -138,7 +80,6 @@ def _rope_write_kv_kernel(
     BLOCK_SIZE: tl.constexpr,  # cache block size
     INTERLEAVED: tl.constexpr,
     HAS_NORM: tl.constexpr,  # per-head RMSNorm of q and k before the rotation (Qwen3)
-    FP8_CACHE: tl.constexpr,  # e4m3 cache: keys and values stored scaled
     PDL: tl.constexpr,  # launched with programmatic dependent launch (ops/common/pdl.py)
 ):
     join_dependent_chain(PDL)
@@ -154,7 +95,7 @@ def _rope_write_kv_kernel(
     if block < q_blocks:
         _rope_heads(
             q_ptr, q_out_ptr + token * NUM_Q_HEADS * HEAD_DIM, token, block * BLOCK_HEADS, stride_q_token,
-            stride_q_head, HEAD_DIM, cos, sin, q_norm_ptr, q_eps, NUM_Q_HEADS, HEAD_DIM, HALF, HALF_P, TAIL_P,
+            stride_q_head, HEAD_DIM, cos, sin, q_norm_ptr, q_eps, 1.0, NUM_Q_HEADS, HEAD_DIM, HALF, HALF_P, TAIL_P,
             BLOCK_HEADS, INTERLEAVED, HAS_NORM,
         )
     else:
@@ -163,18 +104,11 @@ def _rope_write_kv_kernel(
             slot_offset = (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_slot
             kv_block = block - q_blocks
             if kv_block < k_blocks:
-                if FP8_CACHE:
-                    _rope_heads_to_fp8(
-                        k_ptr, k_cache_ptr + slot_offset, token, kv_block * BLOCK_HEADS, stride_k_token,
-                        stride_k_head, stride_cache_head, cos, sin, k_norm_ptr, k_eps, k_inv_scale, NUM_K_HEADS,
-                        HEAD_DIM, HALF, HALF_P, TAIL_P, BLOCK_HEADS, INTERLEAVED, HAS_NORM,
-                    )
-                else:
-                    _rope_heads(
-                        k_ptr, k_cache_ptr + slot_offset, token, kv_block * BLOCK_HEADS, stride_k_token,
-                        stride_k_head, stride_cache_head, cos, sin, k_norm_ptr, k_eps, NUM_K_HEADS, HEAD_DIM, HALF,
-                        HALF_P, TAIL_P, BLOCK_HEADS, INTERLEAVED, HAS_NORM,
-                    )
+                _rope_heads(
+                    k_ptr, k_cache_ptr + slot_offset, token, kv_block * BLOCK_HEADS, stride_k_token,
+                    stride_k_head, stride_cache_head, cos, sin, k_norm_ptr, k_eps, k_inv_scale, NUM_K_HEADS,
+                    HEAD_DIM, HALF, HALF_P, TAIL_P, BLOCK_HEADS, INTERLEAVED, HAS_NORM,
+                )
             else:
                 heads = (kv_block - k_blocks) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)
                 dims = tl.arange(0, HEAD_DIM_P)
@@ -211,8 +145,7 @@ def rope_write_kv_triton(
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[3:] != (num_k_heads, head_dim):
         raise ValueError(f"kv_cache must be [2, num_blocks, block_size, {num_k_heads}, {head_dim}], "
                          f"got {list(kv_cache.shape)}")
-    fp8 = is_fp8(kv_cache.dtype)
-    cache_ok = fp8 or kv_cache.dtype == query.dtype
+    cache_ok = is_fp8(kv_cache.dtype) or kv_cache.dtype == query.dtype
     if not (query.dtype == key.dtype == value.dtype and cache_ok) or kv_cache.stride(-1) != 1:
         raise ValueError(f"query, key, value and the cache must share a dtype, or the cache be FP8 (got "
                          f"{query.dtype}, {key.dtype}, {value.dtype}, {kv_cache.dtype}) and the cache a unit "
@@ -254,7 +187,6 @@ def rope_write_kv_triton(
         BLOCK_SIZE=kv_cache.shape[2],
         INTERLEAVED=style == "gptj",
         HAS_NORM=qk_norm is not None,
-        FP8_CACHE=fp8,
         PDL=pdl,
         num_warps=_num_warps(2 * block_heads * half_p),
         **launch_options(pdl),

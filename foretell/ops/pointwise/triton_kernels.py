@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from foretell.ops.attention.triton_fp8_kv import to_cache
 from foretell.ops.common.pdl import join_dependent_chain, launch_options, pdl_enabled
 
 
@@ -200,6 +201,7 @@ def _rope_heads(
     sin,
     norm_w_ptr,  # [HEAD_DIM] per-head RMSNorm weight (read when HAS_NORM)
     eps,
+    inv_scale,  # 1 / scale of an e4m3 destination (an FP8 KV cache); not read for others
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr,  # rotary_dim // 2
@@ -209,7 +211,12 @@ def _rope_heads(
     INTERLEAVED: tl.constexpr,  # gptj: pairs (2i, 2i + 1); neox: pairs (i, i + HALF)
     HAS_NORM: tl.constexpr,  # RMSNorm each head first (Qwen3's q_norm / k_norm), with its roundings
 ):
-    dtype = dst_ptr.dtype.element_ty
+    """RoPE (after the per-head RMSNorm when HAS_NORM) of BLOCK_HEADS heads from first_head of
+    x's token into dst, rounded to x's dtype where the twin rounds; a destination of x's dtype
+    stores that, an e4m3 one (an FP8 KV cache) that quantized with inv_scale (to_cache), as the
+    twin quantizes its rotated key."""
+    dtype = x_ptr.dtype.element_ty
+    dst_dtype = dst_ptr.dtype.element_ty
     heads = first_head + tl.arange(0, BLOCK_HEADS)
     head_ok = (heads < NUM_HEADS)[:, None]
     dims = tl.arange(0, HALF_P)[None, :]
@@ -234,10 +241,10 @@ def _rope_heads(
         w_rest = tl.load(norm_w_ptr + tail, mask=tail < HEAD_DIM, other=0.0).to(tl.float32)
         x1, x2, rest = rms_norm_heads(x1, x2, rest, w1, w2, w_rest, eps, HEAD_DIM, dtype)
     o1, o2 = rotate_pairs(x1, x2, cos[None, :], sin[None, :], dtype)
-    tl.store(dst + first, o1.to(dtype), mask=mask)
-    tl.store(dst + second, o2.to(dtype), mask=mask)
+    tl.store(dst + first, to_cache(o1.to(dtype), inv_scale, dst_dtype), mask=mask)
+    tl.store(dst + second, to_cache(o2.to(dtype), inv_scale, dst_dtype), mask=mask)
     if HEAD_DIM > 2 * HALF:  # the channels past rotary_dim pass through (normed when HAS_NORM)
-        tl.store(dst + tail, rest.to(dtype), mask=tail_mask)
+        tl.store(dst + tail, to_cache(rest.to(dtype), inv_scale, dst_dtype), mask=tail_mask)
 
 
 @triton.jit
@@ -275,14 +282,14 @@ def _rope_kernel(
     if block < q_blocks:
         _rope_heads(
             q_ptr, q_out_ptr + token * NUM_Q_HEADS * HEAD_DIM, token, block * BLOCK_HEADS, stride_q_token,
-            stride_q_head, HEAD_DIM, cos, sin, q_ptr, 0.0, NUM_Q_HEADS, HEAD_DIM, HALF, HALF_P, TAIL_P,
+            stride_q_head, HEAD_DIM, cos, sin, q_ptr, 0.0, 1.0, NUM_Q_HEADS, HEAD_DIM, HALF, HALF_P, TAIL_P,
             BLOCK_HEADS, INTERLEAVED, False,
         )
     else:
         _rope_heads(
             k_ptr, k_out_ptr + token * NUM_K_HEADS * HEAD_DIM, token, (block - q_blocks) * BLOCK_HEADS,
-            stride_k_token, stride_k_head, HEAD_DIM, cos, sin, k_ptr, 0.0, NUM_K_HEADS, HEAD_DIM, HALF, HALF_P,
-            TAIL_P, BLOCK_HEADS, INTERLEAVED, False,
+            stride_k_token, stride_k_head, HEAD_DIM, cos, sin, k_ptr, 0.0, 1.0, NUM_K_HEADS, HEAD_DIM, HALF,
+            HALF_P, TAIL_P, BLOCK_HEADS, INTERLEAVED, False,
         )
 
 
