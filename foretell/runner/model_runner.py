@@ -154,7 +154,7 @@ class ModelRunner:
             vocab_size=self.vocab_size,
             cache_plan=self.cache_plan,
             num_lookahead_tokens=self.num_lookahead_tokens,
-            keep_draft_rows=self.padded_forward is not None,
+            keep_draft_rows=self.padded_forward is not None or self.uses_tree,  # (trees cap their path)
             draft_kv_reads_next_token=bool(capabilities and capabilities.draft_kv_reads_next_token),
             synthetic_acceptance=self.verifier.synthetic,
             device=str(self.device),

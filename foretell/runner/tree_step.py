@@ -4,8 +4,9 @@ target forward, accept a path, move its K/V into place, draft the next trees.
 A tree of T = num_draft_tokens nodes reaches the scheduler as T - 1 draft tokens in tree order
 (topologically ordered, siblings best first); the runner keeps the tree's structure per sequence
 until its verify. The scheduler runs it like a chain: 1 + (T - 1) rows at consecutive cache slots,
-advanced by the accepted count; where it keeps fewer drafts (near max_model_len or max_tokens) it
-keeps a prefix of the list, which is a smaller tree (a node's ancestors come before it).
+advanced by the accepted count. Near max_model_len it keeps a prefix of the list, which is a
+smaller tree (a node's ancestors come before it); near max_tokens a greedy request keeps every row
+and an accept_limit (the path is cut there), others keep a prefix.
 
 One step, eager on the host (no padded or graphed form yet: ModelRunner takes no other step):
   1. the batch as build_input_batch makes it, with each tree's rows at position root + depth
@@ -36,7 +37,7 @@ from foretell.runner.sequence_result import SequenceResult
 from foretell.spec_decode.tree.compact import apply_slot_moves, compaction_slots
 from foretell.spec_decode.tree.proposer import Eagle3TreeDrafter
 from foretell.spec_decode.tree.shape import DraftTree, TreeShape
-from foretell.spec_decode.tree.verify import TreeVerifyResult, verify_greedy, verify_sampled
+from foretell.spec_decode.tree.verify import TreeVerifyResult, result_from_path, verify_greedy, verify_sampled
 
 TREE_SEED_SALT = 0x7EE5EED
 
@@ -93,8 +94,6 @@ class TreeStep:
             drafts = item.draft_token_ids
             if not drafts:
                 continue
-            if item.accept_limit is not None:
-                raise RuntimeError("a tree verify got an accept_limit: the scheduler must cut tree drafts instead")
             num_nodes = len(drafts) + 1
             root = item.seq.token_ids[item.seq.num_computed_tokens + item.num_new_tokens - num_nodes]
             if tree is None or num_nodes > tree.num_nodes or tree.tokens[0, :num_nodes].tolist() != [root, *drafts]:
@@ -158,7 +157,15 @@ class TreeStep:
     def _verify(self, item, tree: DraftTree, logits: torch.Tensor) -> TreeVerifyResult:  # logits [T, vocab]
         params = item.seq.sampling_params
         if params.greedy:
-            return verify_greedy(tree, logits.unsqueeze(0))
+            verify = verify_greedy(tree, logits.unsqueeze(0))
+            limit = item.accept_limit  # near max_tokens: every row verified, at most this many accepted
+            if limit is None or int(verify.num_accepted[0]) <= limit:
+                return verify
+            path = verify.accepted_nodes.clone()
+            path[:, limit + 1:] = -1
+            return result_from_path(tree, path, logits[path[:, limit]].argmax(-1))
+        if item.accept_limit is not None:
+            raise RuntimeError("a sampled tree verify got an accept_limit (the scheduler caps greedy rows only)")
         root_position = item.seq.num_computed_tokens + item.num_new_tokens - tree.num_nodes
         generator = self.generator
         if params.seed is not None:
