@@ -5,11 +5,12 @@ Whole engine steps are timed, not the target forward alone: a step that verifies
 drafts k for the next one, schedules and detokenizes, and which path it takes (the padded verify
 step, CUDA graphs of k + 1 rows, the host step) depends on k. So for each batch size B (powers of
 two up to max_num_seqs, and max_num_seqs itself) and each k the measurement runs B dummy greedy
-requests with the scheduler's draft length fixed at k, lets SETTLE_STEPS steps pass (the first
-verify of k drafts, kernels compiled on first use) and keeps the median of TIMED_STEPS steps
-where every sequence verifies k drafts. Batch sizes stop where the KV cache, the token budget or
-max_model_len cannot hold them (the cost model scales per sequence past the largest). Afterwards
-nothing of it remains: no requests, fresh counters, an empty prefix cache.
+requests and fixes the scheduler's draft length at each k in turn, ROUNDS times: SETTLE_STEPS
+steps pass (the first one verifies the drafts made before the switch), then TIMED_STEPS steps where
+every sequence verifies k drafts are timed; the cost is the median over the rounds. Batch sizes
+stop where the KV cache, the token budget or max_model_len cannot hold them (the cost model
+scales per sequence past the largest). Afterwards nothing of it remains: no requests, fresh
+counters, an empty prefix cache.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from foretell.spec_decode.adaptive import AdaptiveDraftLength, FixedDraftLength,
 logger = logging.getLogger("foretell")
 
 PROMPT_TOKENS = 8
-SETTLE_STEPS = 2
-TIMED_STEPS = 4
+ROUNDS = 3
+SETTLE_STEPS = 1
+TIMED_STEPS = 2
 
 
 def measurement_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -38,9 +40,10 @@ def measurement_batch_sizes(max_num_seqs: int) -> list[int]:
     return sizes + [max_num_seqs]
 
 
-def _max_tokens(k: int) -> int:
-    """Output tokens a measured request needs: the prefill's token and every step verifying k."""
-    return 1 + (SETTLE_STEPS + TIMED_STEPS + 1) * (k + 1)
+def _max_tokens(max_k: int) -> int:
+    """Output tokens a measured request needs: the prefill's token and every round's steps."""
+    steps_per_round = sum((SETTLE_STEPS + TIMED_STEPS) * (k + 1) for k in range(max_k + 1))
+    return 1 + ROUNDS * steps_per_round + max_k + 1
 
 
 def _fits(engine, batch_size: int, max_k: int) -> bool:
@@ -55,15 +58,18 @@ def _fits(engine, batch_size: int, max_k: int) -> bool:
     )
 
 
-def _time_one(engine, batch_size: int, k: int) -> float | None:
-    """Median seconds of a step where batch_size sequences verify k drafts each; None when the
-    steps did not run as planned (a preemption, a sequence left out)."""
-    engine.scheduler.draft_length = FixedDraftLength(k)
+def _time_batch(engine, batch_size: int, max_k: int) -> tuple[float, ...] | None:
+    """Median seconds of a step where batch_size sequences verify k drafts each, for k = 0..max_k;
+    None when the steps did not run as planned (a preemption, a sequence that ended early). The
+    draft lengths take turns (ROUNDS rounds of every k), so that a slow spell of a shared machine
+    or the contexts growing weigh on every k alike."""
     vocab = engine.facts.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=_max_tokens(k), ignore_eos=True)
-    ids = [f"step-cost-{batch_size}-{k}-{i}" for i in range(batch_size)]
+    params = SamplingParams(temperature=0.0, max_tokens=_max_tokens(max_k), ignore_eos=True)
+    ids = [f"step-cost-{batch_size}-{i}" for i in range(batch_size)]
     preemptions = engine.scheduler.num_preemptions
+    times: list[list[float]] = [[] for _ in range(max_k + 1)]
     try:
+        engine.scheduler.draft_length = FixedDraftLength(0)
         for i, request_id in enumerate(ids):
             prompt = [(31 * i + 7 * j + 3) % vocab for j in range(PROMPT_TOKENS)]
             engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
@@ -72,16 +78,19 @@ def _time_one(engine, batch_size: int, k: int) -> float | None:
             if all(seq.num_output_tokens >= 1 for seq in seqs):
                 break
             engine.step()
-        times = []
-        for step in range(SETTLE_STEPS + TIMED_STEPS):
-            start = time.perf_counter()
-            engine.step()
-            if step >= SETTLE_STEPS:
-                times.append(time.perf_counter() - start)
-        verified_all = all(not seq.is_finished for seq in seqs)
-        if engine.scheduler.num_preemptions != preemptions or not verified_all:
+        for _ in range(ROUNDS):
+            for k in range(max_k + 1):
+                # The step after the switch verifies the drafts made before it: settle first.
+                engine.scheduler.draft_length = FixedDraftLength(k)
+                for step in range(SETTLE_STEPS + TIMED_STEPS):
+                    start = time.perf_counter()
+                    engine.step()
+                    if step >= SETTLE_STEPS:
+                        times[k].append(time.perf_counter() - start)
+        ran_as_planned = all(not seq.is_finished for seq in seqs)
+        if engine.scheduler.num_preemptions != preemptions or not ran_as_planned:
             return None
-        return statistics.median(times)
+        return tuple(statistics.median(t) for t in times)
     finally:
         for request_id in ids:
             engine.abort_request(request_id)
@@ -96,11 +105,11 @@ def measure_step_costs(engine, max_k: int) -> StepCostModel:
         for batch_size in measurement_batch_sizes(engine.config.scheduler.max_num_seqs):
             if not _fits(engine, batch_size, max_k):
                 break
-            row = [_time_one(engine, batch_size, k) for k in range(max_k + 1)]
-            if any(t is None for t in row):
+            row = _time_batch(engine, batch_size, max_k)
+            if row is None:
                 break
             sizes.append(batch_size)
-            rows.append(tuple(row))
+            rows.append(row)
     finally:
         engine.scheduler.draft_length = saved
         engine.scheduler.draft_limit = None
