@@ -89,6 +89,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
     sp.add_argument("--adaptive-speculation", dest="adaptive", action="store_true", default=None,
                     help="draft 0 to --num-speculative-tokens tokens per step, the count with the most "
                          "expected tokens per second (step costs measured at start-up)")
+    sp.add_argument("--topk", type=int,
+                    help="eagle3: draft a tree, expanding this many children per node and keeping this many "
+                         "nodes per depth (--num-speculative-tokens is its depth); 1 (default): a chain")
+    sp.add_argument("--num-draft-tokens", type=int,
+                    help="with --topk > 1: verify rows per sequence, the root included (default depth x topk + 1)")
     sp.add_argument("--eagle3-aux-layer-ids", help="comma-separated, read as inputs of layers i")
     sp.add_argument("--prompt-lookup-min", type=int, help="ngram: shortest n-gram to look up (2)")
     sp.add_argument("--prompt-lookup-max", type=int, help="ngram: longest n-gram to look up (5)")
@@ -165,6 +170,8 @@ def speculative_config_from_args(args: argparse.Namespace) -> dict[str, Any] | N
         "prompt_lookup_min": args.prompt_lookup_min,
         "prompt_lookup_max": args.prompt_lookup_max,
         "draft_block_size": args.draft_block_size,
+        "topk": getattr(args, "topk", None),
+        "num_draft_tokens": getattr(args, "num_draft_tokens", None),
         "draft_tensor_parallel_size": getattr(args, "draft_tensor_parallel_size", None),
         "adaptive": getattr(args, "adaptive", None),
         **{name: getattr(args, name, None) for name in SUFFIX_FLAGS},

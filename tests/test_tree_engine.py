@@ -235,3 +235,18 @@ def test_default_num_draft_tokens(qwen3_checkpoint, eagle3_head):
     llm = tree_llm(qwen3_checkpoint, eagle3_head, {"num_speculative_tokens": 2, "topk": 2})
     assert llm.engine.config.speculative.num_draft_tokens == 5
     assert llm.engine.runner.num_lookahead_tokens == 2  # (depth - 1) * topk draft slots
+
+
+def test_cli_flags_build_the_tree_config():
+    import argparse
+
+    from foretell.cli_args import add_engine_args, speculative_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser, model_required=False)
+    args = parser.parse_args(["--method", "eagle3", "--draft-model", "head", "--num-speculative-tokens", "5",
+                              "--topk", "4", "--num-draft-tokens", "16"])
+    config = speculative_config_from_args(args)
+    assert (config["num_speculative_tokens"], config["topk"], config["num_draft_tokens"]) == (5, 4, 16)
+    args = parser.parse_args(["--method", "eagle3", "--draft-model", "head"])
+    assert "topk" not in speculative_config_from_args(args)
