@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from foretell.ops.attention.metadata import AttentionMetadata
-from foretell.ops.attention.reference import causal_attention, gather_kv, write_kv_torch
+from foretell.ops.attention.reference import causal_attention, gather_kv, sequence_rows, write_kv_torch
 
 
 def attend_rows_torch(
@@ -55,11 +55,7 @@ class BatchInvariantTorchAttention:
         v_scale: float = 1.0,
     ) -> torch.Tensor:  # [num_tokens, num_heads, v_head_dim]
         out = torch.empty_like(query)
-        starts = metadata.query_start_loc_cpu
-        for i, seq_len in enumerate(metadata.seq_lens_cpu):
-            lo, hi = starts[i], starts[i + 1]
-            if hi == lo:
-                continue
+        for i, lo, hi, seq_len in sequence_rows(metadata):
             key, value = gather_kv(kv_cache, metadata.block_table[i], seq_len, k_scale, v_scale)
             attend_rows_torch(query[lo:hi], key, value, scale, out[lo:hi])
         return out

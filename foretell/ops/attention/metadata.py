@@ -39,6 +39,13 @@ class AttentionMetadata:
     def num_tokens(self) -> int:
         return self.query_start_loc_cpu[-1]
 
+    def check_cache_block_size(self, cache_block_size: int, cache: str = "cache") -> None:
+        """A kernel reads the cache paged as this metadata says: ValueError naming both sizes if
+        the cache (`cache` names it in the message) has blocks of another size."""
+        if cache_block_size != self.block_size:
+            raise ValueError(f"metadata is paged with block_size {self.block_size} but the {cache} has blocks of "
+                             f"{cache_block_size}; derive it with AttentionMetadata.with_block_size")
+
     def with_block_size(self, block_size: int) -> "AttentionMetadata":
         """The same batch seen through a cache paged with a smaller block size.
 

@@ -15,6 +15,8 @@ layer's k_scale for keys and v_scale for values; other caches ignore the scales.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from foretell.ops.attention.fp8_kv import dequantize_from_cache, index_copy_slots, is_fp8, quantize_for_cache
@@ -40,6 +42,16 @@ def write_kv_torch(
         key, value = key.to(kv_cache.dtype), value.to(kv_cache.dtype)
     flat[0].index_copy_(0, slot_mapping, key)
     flat[1].index_copy_(0, slot_mapping, value)
+
+
+def sequence_rows(metadata: AttentionMetadata) -> Iterator[tuple[int, int, int, int]]:
+    """(i, lo, hi, seq_len) of each sequence with query rows in the step, from the metadata's host
+    copies: its rows are query[lo:hi], its context the first seq_len entries of block_table[i]."""
+    starts = metadata.query_start_loc_cpu
+    for i, seq_len in enumerate(metadata.seq_lens_cpu):
+        lo, hi = starts[i], starts[i + 1]
+        if hi > lo:
+            yield i, lo, hi, seq_len
 
 
 def gather_context(
@@ -117,10 +129,7 @@ class TorchAttentionBackend:
             key, value = gather_kv(kv_cache, metadata.block_table[0], metadata.seq_lens_cpu[0], k_scale, v_scale)
             return causal_attention(query, key, value, scale, tree_mask)
         out = torch.empty_like(query)
-        for i, seq_len in enumerate(metadata.seq_lens_cpu):
-            lo, hi = starts[i], starts[i + 1]
-            if hi == lo:
-                continue
+        for i, lo, hi, seq_len in sequence_rows(metadata):
             key, value = gather_kv(kv_cache, metadata.block_table[i], seq_len, k_scale, v_scale)
             out[lo:hi] = causal_attention(query[lo:hi], key, value, scale,
                                           None if tree_mask is None else tree_mask[lo:hi])

@@ -57,7 +57,7 @@ class TritonAttentionBackend:
         from foretell.ops.attention import triton_rope_paged
         from foretell.ops.attention.triton_rope_kv import rope_write_kv_triton
 
-        self._check_block_size(kv_cache, metadata)
+        metadata.check_cache_block_size(kv_cache.shape[2])
         if triton_rope_paged.fits(query, metadata.max_query_len, rotary_emb.rotary_dim, kv_cache):
             return triton_rope_paged.rope_paged_attention_triton(
                 positions, query, key, value, rotary_emb.cos_cache, rotary_emb.sin_cache, kv_cache,
@@ -80,7 +80,7 @@ class TritonAttentionBackend:
         v_scale: float = 1.0,
         tree_mask: torch.Tensor | None = None,  # [num_tokens, W]: a draft tree's ancestor rows (triton_paged.py)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        self._check_block_size(kv_cache, metadata)
+        metadata.check_cache_block_size(kv_cache.shape[2])
         out = torch.empty_like(query)
         return paged_attention_triton(
             query,
@@ -96,11 +96,3 @@ class TritonAttentionBackend:
             v_scale=v_scale,
             tree_mask=tree_mask,
         )
-
-    @staticmethod
-    def _check_block_size(kv_cache: torch.Tensor, metadata: AttentionMetadata) -> None:
-        if kv_cache.shape[2] != metadata.block_size:
-            raise ValueError(
-                f"metadata is paged with block_size {metadata.block_size} but the cache has "
-                f"blocks of {kv_cache.shape[2]}; derive it with AttentionMetadata.with_block_size"
-            )

@@ -46,9 +46,7 @@ class BatchInvariantTritonAttention:
         k_scale: float = 1.0,
         v_scale: float = 1.0,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        if kv_cache.shape[2] != metadata.block_size:
-            raise ValueError(f"metadata is paged with block_size {metadata.block_size} but the cache has blocks "
-                             f"of {kv_cache.shape[2]}; derive it with AttentionMetadata.with_block_size")
+        metadata.check_cache_block_size(kv_cache.shape[2])
         out = torch.empty_like(query)
         return paged_attention_triton(
             query, kv_cache, metadata.block_table, metadata.seq_lens, metadata.query_start_loc,

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from foretell.ops.attention.fp8_kv import dequantize_from_cache
 from foretell.ops.attention.metadata import AttentionMetadata
-from foretell.ops.attention.reference import gather_context
-from foretell.ops.mla.reference import TorchMLABackend, absorbed_attention, split_kv_b
+from foretell.ops.attention.reference import sequence_rows
+from foretell.ops.mla.reference import TorchMLABackend, absorbed_attention, gather_latents, split_kv_b
 
 
 class BatchInvariantTorchMLABackend(TorchMLABackend):
@@ -41,11 +40,8 @@ class BatchInvariantTorchMLABackend(TorchMLABackend):
         num_tokens, num_heads, nope = q_nope.shape
         w_uk, w_uv = split_kv_b(kv_b_weight, num_heads, nope, v_head_dim)
         out = q_nope.new_empty(num_tokens, num_heads, v_head_dim)
-        starts = metadata.query_start_loc_cpu
-        for i, seq_len in enumerate(metadata.seq_lens_cpu):
-            lo, hi = starts[i], starts[i + 1]
-            context = gather_context(kv_cache, metadata.block_table[i], seq_len)  # [S, rank + rope]
-            context = dequantize_from_cache(context, k_scale, q_nope.dtype)
+        for i, lo, hi, seq_len in sequence_rows(metadata):
+            context = gather_latents(kv_cache, metadata.block_table[i], seq_len, k_scale, q_nope.dtype)
             for t in range(lo, hi):
                 context_len = seq_len - (hi - t) + 1
                 # Fresh copies: the row's operands look the same wherever it sat in the batch.

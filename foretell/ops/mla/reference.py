@@ -29,7 +29,7 @@ import torch
 
 from foretell.ops.attention.fp8_kv import dequantize_from_cache, index_copy_slots, quantize_for_cache
 from foretell.ops.attention.metadata import AttentionMetadata
-from foretell.ops.attention.reference import causal_attention, gather_context
+from foretell.ops.attention.reference import causal_attention, gather_context, sequence_rows
 from foretell.ops.common.protocols import NormModule, RotaryModule
 from foretell.ops.pointwise.reference import APPLY_STYLES
 
@@ -118,19 +118,25 @@ class TorchMLABackend:
         num_tokens, num_heads, nope = q_nope.shape
         w_uk, w_uv = split_kv_b(kv_b_weight, num_heads, nope, v_head_dim)
         out = q_nope.new_empty(num_tokens, num_heads, v_head_dim)
-        starts = metadata.query_start_loc_cpu
-        for i, seq_len in enumerate(metadata.seq_lens_cpu):
-            lo, hi = starts[i], starts[i + 1]
-            if hi == lo:
-                continue
-            context = gather_context(kv_cache, metadata.block_table[i], seq_len)  # [S, rank+rope]
-            context = dequantize_from_cache(context, k_scale, q_nope.dtype)
+        for i, lo, hi, seq_len in sequence_rows(metadata):
+            context = gather_latents(kv_cache, metadata.block_table[i], seq_len, k_scale, q_nope.dtype)
             use_absorbed = hi - lo <= ABSORB_MAX_QUERY_LEN if absorb is None else absorb
             if use_absorbed:
                 out[lo:hi] = absorbed_attention(q_nope[lo:hi], q_pe[lo:hi], w_uk, w_uv, context, scale)
             else:
                 out[lo:hi] = expanded_attention(q_nope[lo:hi], q_pe[lo:hi], w_uk, w_uv, context, scale)
         return out
+
+
+def gather_latents(
+    kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]
+    block_table_row: torch.Tensor,  # [max_blocks] int
+    seq_len: int,
+    k_scale: float,
+    dtype: torch.dtype,
+) -> torch.Tensor:  # [seq_len, kv_lora_rank + qk_rope_head_dim] dtype
+    """A sequence's cache entries [c | k_pe] (an FP8 cache's dequantized with k_scale)."""
+    return dequantize_from_cache(gather_context(kv_cache, block_table_row, seq_len), k_scale, dtype)
 
 
 def split_kv_b(kv_b_weight: torch.Tensor, num_heads: int, nope: int, v_head_dim: int):

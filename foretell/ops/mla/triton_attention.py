@@ -375,7 +375,7 @@ class TritonMLABackend:
         k_scale: float = 1.0,  # FP8 caches: stored entries are [c | k_pe] / k_scale
     ) -> torch.Tensor:  # [num_tokens, num_heads, v_head_dim]
         nope, rank, _ = projection_widths(q, kv_a, rotary_emb, kv_a_layernorm, kv_b_weight, kv_cache, v_head_dim)
-        _check_block_size(kv_cache, metadata)
+        metadata.check_cache_block_size(kv_cache.shape[1], "MLA cache")
         num_tokens, num_heads, _ = q.shape
         w_uk, w_uv = split_kv_b(kv_b_weight, num_heads, nope, v_head_dim)
         latent_write_triton(kv_a, positions, kv_a_layernorm, rotary_emb, kv_cache, metadata.slot_mapping, k_scale)
@@ -413,7 +413,7 @@ class TritonMLABackend:
             return TorchMLABackend().attend(
                 q_nope, q_pe, kv_b_weight, kv_cache, metadata, scale, v_head_dim, absorb=False, k_scale=k_scale
             )
-        _check_block_size(kv_cache, metadata)
+        metadata.check_cache_block_size(kv_cache.shape[1], "MLA cache")
         num_tokens, num_heads, nope = q_nope.shape
         rank = kv_cache.shape[-1] - q_pe.shape[-1]
         w_uk, w_uv = split_kv_b(kv_b_weight, num_heads, nope, v_head_dim)
@@ -424,11 +424,3 @@ class TritonMLABackend:
             metadata.query_start_loc, metadata.max_query_len, scale, o_lat, k_scale=k_scale,
         )
         return torch.einsum("thr,hvr->thv", o_lat, w_uv)  # [T, heads, v]
-
-
-def _check_block_size(kv_cache: torch.Tensor, metadata: AttentionMetadata) -> None:
-    if kv_cache.shape[1] != metadata.block_size:
-        raise ValueError(
-            f"metadata is paged with block_size {metadata.block_size} but the MLA cache has "
-            f"blocks of {kv_cache.shape[1]}; derive it with AttentionMetadata.with_block_size"
-        )
