@@ -10,6 +10,31 @@ from typing import Any
 from foretell.defaults import default_num_speculative_tokens
 
 
+# Suffix decoding's flags: each sets the SpeculativeConfig field it is named after (--field-name),
+# with these add_argument options.
+SUFFIX_FLAGS: dict[str, dict[str, Any]] = {
+    "suffix_decoding_max_tree_depth": dict(
+        type=int, help="suffix: depth of the suffix tries, longest match + draft per walk (24)"),
+    "suffix_decoding_max_cached_requests": dict(
+        type=int, help="suffix: finished responses kept in the global cache (10000; 0: none)"),
+    "suffix_decoding_max_cached_tokens": dict(
+        type=int, help="suffix: tokens the global cache holds at most, oldest evicted (131072)"),
+    "suffix_decoding_max_spec_factor": dict(
+        type=float, help="suffix: draft at most this many tokens per matched token (1.0)"),
+    "suffix_decoding_min_token_prob": dict(
+        type=float, help="suffix: stop drafting below this empirical path probability (0.1)"),
+    "suffix_decoding_min_match_length": dict(
+        type=int, help="suffix: draft only after a match of at least this many tokens (4)"),
+    "hybrid": dict(
+        choices=["eagle3", "mtp", "draft_model"],
+        help="suffix: the model drafter for sequences whose suffix match is short"),
+    "hybrid_num_speculative_tokens": dict(
+        type=int, help="suffix with --hybrid: the model drafter's k (default: its method's)"),
+    "hybrid_min_match_length": dict(
+        type=int, help="suffix with --hybrid: shortest suffix match that drafts instead of the model (4)"),
+}
+
+
 def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True,
                     model_positional: bool = True) -> None:
     """The engine flags; with model_positional, the model folder may also come first without
@@ -97,37 +122,13 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
     sp.add_argument("--eagle3-aux-layer-ids", help="comma-separated, read as inputs of layers i")
     sp.add_argument("--prompt-lookup-min", type=int, help="ngram: shortest n-gram to look up (2)")
     sp.add_argument("--prompt-lookup-max", type=int, help="ngram: longest n-gram to look up (5)")
-    sp.add_argument("--suffix-decoding-max-tree-depth", type=int,
-                    help="suffix: depth of the suffix tries, longest match + draft per walk (24)")
-    sp.add_argument("--suffix-decoding-max-cached-requests", type=int,
-                    help="suffix: finished responses kept in the global cache (10000; 0: none)")
-    sp.add_argument("--suffix-decoding-max-cached-tokens", type=int,
-                    help="suffix: tokens the global cache holds at most, oldest evicted (131072)")
-    sp.add_argument("--suffix-decoding-max-spec-factor", type=float,
-                    help="suffix: draft at most this many tokens per matched token (1.0)")
-    sp.add_argument("--suffix-decoding-min-token-prob", type=float,
-                    help="suffix: stop drafting below this empirical path probability (0.1)")
-    sp.add_argument("--suffix-decoding-min-match-length", type=int,
-                    help="suffix: draft only after a match of at least this many tokens (4)")
-    sp.add_argument("--hybrid", choices=["eagle3", "mtp", "draft_model"],
-                    help="suffix: the model drafter for sequences whose suffix match is short")
-    sp.add_argument("--hybrid-num-speculative-tokens", type=int,
-                    help="suffix with --hybrid: the model drafter's k (default: its method's)")
-    sp.add_argument("--hybrid-min-match-length", type=int,
-                    help="suffix with --hybrid: shortest suffix match that drafts instead of the model (4)")
+    for field, options in SUFFIX_FLAGS.items():
+        sp.add_argument("--" + field.replace("_", "-"), **options)
     sp.add_argument("--draft-block-size", type=int,
                     help="KV block size of the draft's cache (default: --block-size)")
     sp.add_argument("--draft-tensor-parallel-size", type=int,
                     help="eagle3: 1 replicates the head on every rank (default); the target's "
                          "--tensor-parallel-size splits it like the target (large heads)")
-
-
-SUFFIX_FLAGS = (
-    "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
-    "suffix_decoding_max_cached_tokens", "suffix_decoding_max_spec_factor",
-    "suffix_decoding_min_token_prob", "suffix_decoding_min_match_length", "hybrid", "hybrid_num_speculative_tokens",
-    "hybrid_min_match_length",
-)
 
 
 def int_or_auto(text: str) -> int | str:
