@@ -2,9 +2,14 @@
 
 `SamplingBatch` holds one row of parameters per logits row. Sampling from a distribution uses the
 exponential race (argmax of p / E with E ~ Exp(1)), which is exact and needs no cumulative sums.
-Rows of a request with a seed draw their noise from a generator seeded by (seed, sample index,
-token position), so a seeded request gives the same tokens whatever it is batched with and even
-after preemption.
+Rows of a request with a seed draw counter-based noise: each value a hash of (seed, sample index,
+token position, column), so a seeded request gives the same tokens whatever it is batched with,
+after preemption, and whichever step form draws it: the host step computes the row seeds on the
+host (row_seed), the padded verify step on the device from each sequence's key and the positions
+in its buffers (row_seeds_on_device, the same arithmetic), with no generator to seed per row (a
+CUDA graph could not re-seed one, and a step queued ahead does not know its positions on the host).
+Rows without a seed draw from the engine's generator on the host step; on the padded step from a
+key per sequence derived from the engine's seed (NoiseSource.unseeded_key).
 """
 
 from __future__ import annotations
@@ -18,14 +23,65 @@ from foretell.device_util import to_device
 from foretell.ops.common.kernel_choice import use_triton
 from foretell.sampling_params import SamplingParams
 
-_MASK64 = (1 << 63) - 1
+_MASK63 = (1 << 63) - 1
+_MASK32 = 0xFFFFFFFF
+_MASK31 = 0x7FFFFFFF
+_HASH_MULTIPLIER = 0x45D9F3B  # < 2**27: a 32-bit value times it stays below 2**59 (no int64 overflow)
+# Streams of counter-based noise: a row's exponential draws (the race) and its uniform draws (accept
+# tests) must not share values.
+EXPONENTIAL_STREAM = 0x2F6B1C3D
+UNIFORM_STREAM = 0x5DEECE66
+UNSEEDED_SALT = 0x6A09E667F3BCC909  # keys of sequences without a seed, from the engine's seed
+
+
+def mix32(x):
+    """A 32-bit integer hash (int in [0, 2**32), or an int64 tensor of such values): the same
+    arithmetic on Python ints and on tensors, none of it overflowing int64."""
+    x = ((x >> 16) ^ x) * _HASH_MULTIPLIER & _MASK32
+    x = ((x >> 16) ^ x) * _HASH_MULTIPLIER & _MASK32
+    return (x >> 16) ^ x
+
+
+def sequence_key(seed: int, sample_index: int) -> int:
+    """A 63-bit key per (request seed, sample): the part of a row's seed the host knows for good."""
+    x = seed * 0x9E3779B97F4A7C15 + sample_index * 0xBF58476D1CE4E5B9
+    x ^= x >> 31
+    return (x * 0xD6E8FEB86659FD93) & _MASK63
+
+
+def seed_at_position(key, position):
+    """A 63-bit row seed from a sequence's key and a token position (ints, or int64 tensors that
+    broadcast): the same arithmetic on the host and on the device."""
+    low = mix32((key & _MASK32) ^ mix32((position & _MASK32) ^ 0x9E3779B9))
+    high = mix32(((key >> 32) & _MASK31) ^ mix32(low ^ 0x85EBCA6B))
+    return ((high & _MASK31) << 32) | low
 
 
 def row_seed(seed: int, sample_index: int, position: int) -> int:
     """A 63-bit seed that differs for every (request seed, sample, position)."""
-    x = (seed * 0x9E3779B97F4A7C15 + sample_index * 0xBF58476D1CE4E5B9 + position * 0x94D049BB133111EB)
-    x ^= x >> 31
-    return (x * 0xD6E8FEB86659FD93) & _MASK64
+    return seed_at_position(sequence_key(seed, sample_index), position)
+
+
+def row_seeds_on_device(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """keys [n] int64 (sequence_key), positions [n, r] int64 -> row seeds [n, r] int64, equal to
+    row_seed on the host: the padded step's, whose positions live on the device."""
+    return seed_at_position(keys[:, None], positions)
+
+
+def hashed_uniform(seeds: torch.Tensor, width: int, stream: int) -> torch.Tensor:
+    """Counter-based U(0, 1) draws: seeds [rows] int64 (63-bit row seeds) -> [rows, width] float32,
+    value (r, c) a hash of (seeds[r], stream, c) with 24 random bits, never 0 or 1. Fixed shapes and
+    no host reads: capturable, and equal wherever the same seeds are drawn."""
+    low = mix32((seeds & _MASK32) ^ stream)[:, None]  # [rows, 1]
+    high = ((seeds >> 32) & _MASK31)[:, None]
+    columns = torch.arange(width, dtype=torch.int64, device=seeds.device)[None, :]  # [1, width]
+    bits = mix32((mix32(columns ^ low) + high) & _MASK32)  # [rows, width]
+    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def hashed_exponential(seeds: torch.Tensor, width: int) -> torch.Tensor:
+    """Counter-based Exp(1) draws [rows, width] float32 (the exponential race's noise)."""
+    return -torch.log(hashed_uniform(seeds, width, EXPONENTIAL_STREAM))
 
 
 @dataclass
@@ -124,41 +180,38 @@ def processed_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 class NoiseSource:
-    """Random draws per row: from the row's own seeded generator, or from the engine's."""
+    """Random draws per row: counter-based from the row's seed (hashed_uniform), or from the
+    engine's generator for rows without one."""
 
     def __init__(self, device: torch.device, seed: int):
         self.device = device
+        self.seed = seed
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    def _generators(self, row_seeds: list[int | None]) -> list[torch.Generator | None]:
-        gens: list[torch.Generator | None] = []
-        for s in row_seeds:
-            if s is None:
-                gens.append(None)
-            else:
-                g = torch.Generator(device=self.device)
-                g.manual_seed(s)
-                gens.append(g)
-        return gens
+    def unseeded_key(self, seq_id: int) -> int:
+        """The padded step's key for a sequence without a seed (it cannot draw from the generator
+        on the host): a function of the engine's seed and the sequence, so a run repeats."""
+        return sequence_key(self.seed ^ UNSEEDED_SALT, seq_id)
+
+    def _seeded(self, out: torch.Tensor, row_seeds: list[int | None], draw) -> torch.Tensor:
+        """out with the rows that have a seed replaced by draw(seeds [m] int64) [m, width]."""
+        rows = [i for i, s in enumerate(row_seeds) if s is not None]
+        if rows:
+            seeds = to_device([row_seeds[i] for i in rows], torch.int64, self.device)
+            out[to_device(rows, torch.int64, self.device)] = draw(seeds)
+        return out
 
     def exponential(self, row_seeds: list[int | None], width: int) -> torch.Tensor:
         """[rows, width] draws of Exp(1)."""
         out = torch.empty(len(row_seeds), width, device=self.device)
         out.exponential_(generator=self.generator)
-        for i, g in enumerate(self._generators(row_seeds)):
-            if g is not None:
-                out[i].exponential_(generator=g)
-        return out
+        return self._seeded(out, row_seeds, lambda seeds: hashed_exponential(seeds, width))
 
     def uniform(self, row_seeds: list[int | None], width: int) -> torch.Tensor:
         """[rows, width] draws of U[0, 1); a seeded row uses a stream apart from exponential()."""
         out = torch.rand(len(row_seeds), width, device=self.device, generator=self.generator)
-        shifted = [None if s is None else s ^ 0x5DEECE66D for s in row_seeds]
-        for i, g in enumerate(self._generators(shifted)):
-            if g is not None:
-                out[i] = torch.rand(width, device=self.device, generator=g)
-        return out
+        return self._seeded(out, row_seeds, lambda seeds: hashed_uniform(seeds, width, UNIFORM_STREAM))
 
 
 def sample_from_probs(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,13 @@ min-p (the same processing as without speculation) and q the proposer's real dra
 (a one-hot at d when the proposer does not sample); at the first rejection, draw from the
 residual max(0, p_i - q_i) renormalized; if all k pass, draw the bonus token from p_k.
 The output distribution is exactly the target's.
+
+Two input forms, one core (rejection_core): RejectionSampler takes the host step's lists (any
+draft counts, draft probabilities per sequence); sample_padded takes the padded verify step's
+device tensors of fixed shape ([n, k + 1, vocab] logits, [n, k] drafts, the row seeds computed on
+the device from each sequence's key and first position: layers/sampler.py), waits for nothing and
+leaves its results on the device. For the same logits, drafts, draft probabilities and seeded rows
+both give the same tokens.
 """
 
 from __future__ import annotations
@@ -20,7 +27,17 @@ from dataclasses import dataclass
 import torch
 
 from foretell.device_util import to_device
-from foretell.layers.sampler import NoiseSource, SamplingBatch, argmax_rows, processed_probs, sample_from_probs
+from foretell.layers.sampler import (
+    UNIFORM_STREAM,
+    NoiseSource,
+    SamplingBatch,
+    argmax_rows,
+    hashed_exponential,
+    hashed_uniform,
+    processed_probs,
+    row_seeds_on_device,
+    sample_from_probs,
+)
 from foretell.ops.step.dispatch import greedy_accepted
 
 
@@ -79,38 +96,15 @@ class RejectionSampler:
         if batch.all_greedy:
             num_accepted_t, final_tokens = greedy_acceptance(argmax_rows(logits)[row_index], drafts, lengths_t)
         else:
-            valid = torch.arange(max_k, device=device)[None, :] < lengths_t[:, None]
             probs = processed_probs(logits, batch)  # [rows, vocab]
             vocab = probs.shape[-1]
-            p = probs[row_index]  # [num_seqs, max_k + 1, vocab]
-            q = torch.zeros(num_seqs, max_k, vocab, device=device)
-            for s, dp in enumerate(draft_probs):
-                if lengths[s] == 0:
-                    continue
-                if dp is None:
-                    q[s, : lengths[s]].scatter_(-1, drafts[s, : lengths[s], None], 1.0)
-                else:
-                    q[s, : lengths[s]] = dp.to(device=device, dtype=torch.float32)
-            p_draft = p[:, :max_k].gather(-1, drafts[..., None]).squeeze(-1)  # [num_seqs, max_k]
-            q_draft = q.gather(-1, drafts[..., None]).squeeze(-1)
+            q = dense_draft_probs(drafts, lengths, draft_probs, vocab)  # [num_seqs, max_k, vocab]
             seeds = [batch.row_seeds[rows[0]] for rows in row_index_host]
             uniform = self.noise.uniform(seeds, max(max_k, 1))[:, :max_k]
-            accept = (uniform * q_draft < p_draft) & valid
-            # Residual distribution for the row after the accepted prefix; the bonus row uses p.
-            residual = (p[:, :max_k] - q).clamp_min(0.0)
-            mass = residual.sum(dim=-1, keepdim=True)
-            residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p[:, :max_k])
-            candidates = torch.cat([residual, p[:, max_k:]], dim=1)  # [num_seqs, max_k+1, vocab]
-            # The bonus row of a sequence with fewer than max_k drafts is its own row k_s.
-            bonus = p[torch.arange(num_seqs, device=device), lengths_t]
-            candidates[torch.arange(num_seqs, device=device), lengths_t] = bonus
             noise = self.noise.exponential(
                 [batch.row_seeds[r] for rows in row_index_host for r in rows], vocab
             ).view(num_seqs, max_k + 1, vocab)
-            sampled = sample_from_probs(candidates.flatten(0, 1), noise.flatten(0, 1))
-            final_choice = sampled.view(num_seqs, max_k + 1)
-            # Accepted count = length of the all-accepted prefix.
-            num_accepted_t = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [num_seqs]
+            num_accepted_t, final_choice = rejection_core(probs[row_index], drafts, q, lengths_t, uniform, noise)
             final_tokens = final_choice.gather(1, num_accepted_t[:, None]).squeeze(1)
             if batch.any_greedy:
                 greedy_seq = batch.greedy_rows[row_index[:, 0]]
@@ -120,6 +114,103 @@ class RejectionSampler:
 
         num_accepted, finals = torch.stack([num_accepted_t, final_tokens]).tolist()  # one sync
         return VerifyResult.from_counts(draft_token_ids, starts, num_accepted, finals, device)
+
+
+def dense_draft_probs(
+    drafts: torch.Tensor,  # [num_seqs, max_k] int64 on the device, padded past each sequence's drafts
+    lengths: list[int],  # per sequence: its number of drafts
+    draft_probs: list[torch.Tensor | None],  # per sequence [>= k_i, vocab], or None: a one-hot at each draft
+    vocab: int,
+) -> torch.Tensor:
+    """The draft distributions q [num_seqs, max_k, vocab] float32 (zero past a sequence's drafts)."""
+    num_seqs, max_k = drafts.shape
+    q = torch.zeros(num_seqs, max_k, vocab, device=drafts.device)
+    for s, dp in enumerate(draft_probs):
+        n = lengths[s]
+        if n == 0:
+            continue
+        if dp is None:
+            q[s, :n].scatter_(-1, drafts[s, :n, None], 1.0)
+        else:
+            q[s, :n] = dp[:n].to(device=drafts.device, dtype=torch.float32)
+    return q
+
+
+def rejection_core(
+    p: torch.Tensor,  # [num_seqs, max_k + 1, vocab] float32: the target's processed distribution per row
+    drafts: torch.Tensor,  # [num_seqs, max_k] int64
+    q: torch.Tensor,  # [num_seqs, max_k, vocab] float32: the draft distributions (one-hot: deterministic)
+    lengths: torch.Tensor,  # [num_seqs] int64: each sequence's number of drafts
+    uniform: torch.Tensor,  # [num_seqs, max_k] float32: the accept tests' draws
+    noise: torch.Tensor,  # [num_seqs, max_k + 1, vocab] float32: Exp(1) draws for the race
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(accepted [num_seqs] int64, each row's candidate token [num_seqs, max_k + 1] int64): a
+    sequence accepts the prefix of drafts that pass u * q(d) < p(d); the token after them is
+    candidate[accepted]: drawn from the residual max(0, p - q) renormalized at a rejected row,
+    from p at the sequence's bonus row (its own k). Fixed shapes, no host reads."""
+    num_seqs, max_k = drafts.shape
+    device = p.device
+    valid = torch.arange(max_k, device=device)[None, :] < lengths[:, None]
+    p_draft = p[:, :max_k].gather(-1, drafts[..., None]).squeeze(-1)  # [num_seqs, max_k]
+    q_draft = q.gather(-1, drafts[..., None]).squeeze(-1)
+    accept = (uniform * q_draft < p_draft) & valid
+    # Residual distribution for the row after the accepted prefix; the bonus row uses p.
+    residual = (p[:, :max_k] - q).clamp_min(0.0)
+    mass = residual.sum(dim=-1, keepdim=True)
+    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p[:, :max_k])
+    candidates = torch.cat([residual, p[:, max_k:]], dim=1)  # [num_seqs, max_k + 1, vocab]
+    # The bonus row of a sequence with fewer than max_k drafts is its own row k_s.
+    seq = torch.arange(num_seqs, device=device)
+    candidates[seq, lengths] = p[seq, lengths]
+    choice = sample_from_probs(candidates.flatten(0, 1), noise.flatten(0, 1)).view(num_seqs, max_k + 1)
+    accepted = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)  # the all-accepted prefix's length
+    return accepted, choice
+
+
+@dataclass
+class PaddedSampling:
+    """The sampling rows of a padded verify step, for its sequences in order: their parameters and
+    where their noise comes from, on the device (a step queued ahead reuses it: the same sequences,
+    their positions advanced in the buffers)."""
+
+    sampling: SamplingBatch  # one entry per verify row (k + 1 per sequence); row_seeds unused
+    keys: torch.Tensor  # [num_seqs] int64: each sequence's noise key (layers/sampler.py sequence_key)
+
+
+def sample_padded(
+    logits: torch.Tensor,  # [n, k + 1, vocab] float32: the target's logits at each verify row
+    drafts: torch.Tensor,  # [n, k] int64
+    draft_probs: torch.Tensor | None,  # [n, k, vocab] float32, or None: every draft deterministic (one-hot)
+    rows: PaddedSampling,
+    first_positions: torch.Tensor,  # [n] int64: each sequence's first verify position (its buffers')
+    caps: torch.Tensor | None,  # [n] int64: most drafts each may accept, or None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rejection sampling of the padded step for every row as if sampled (greedy rows get a one-hot
+    p: the caller takes greedy acceptance for them): (accepted [n], next token [n]), on the device,
+    waiting for nothing. Row r of sequence i draws from the seed of (keys[i], first_positions[i] + r),
+    as the host step does for a seeded row at that position."""
+    n, q_rows, vocab = logits.shape
+    k = q_rows - 1
+    device = logits.device
+    probs = processed_probs(logits.reshape(n * q_rows, vocab), rows.sampling).view(n, q_rows, vocab)
+    offsets = torch.arange(q_rows, dtype=torch.int64, device=device)
+    seeds = row_seeds_on_device(rows.keys, first_positions[:, None] + offsets[None, :])  # [n, k + 1]
+    uniform = hashed_uniform(seeds[:, 0], max(k, 1), UNIFORM_STREAM)[:, :k]
+    noise = hashed_exponential(seeds.reshape(-1), vocab).view(n, q_rows, vocab)
+    if draft_probs is None:
+        q = torch.zeros(n, k, vocab, device=device).scatter_(-1, drafts[..., None], 1.0)
+    else:
+        q = draft_probs
+    lengths = torch.full((n,), k, dtype=torch.int64, device=device)
+    accepted, choice = rejection_core(probs, drafts, q, lengths, uniform, noise)
+    next_token = choice.gather(1, accepted[:, None]).squeeze(1)
+    if caps is not None:
+        # Past its cap a sequence keeps the next (accepted) draft as its last token, as cap_accepted.
+        over = accepted > caps
+        capped = caps.clamp(0, max(k - 1, 0))
+        next_token = torch.where(over, drafts.gather(1, capped[:, None]).squeeze(1), next_token)
+        accepted = torch.minimum(accepted, caps)
+    return accepted, next_token
 
 
 def greedy_acceptance(

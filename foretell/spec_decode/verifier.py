@@ -9,8 +9,10 @@ them. The runner builds one when it is built (build_verifier) and never asks whi
 
 Each has the two input forms of the step: `accept_padded` for the padded device step
 (runner/graphed_verify.py: [B, k + 1] greedy tokens on the device, results written into the draft
-loop's static buffers, one launch on CUDA), and `verify` for a step built from host lists (any
-mix of draft counts, sampled rows with draft probabilities, logprobs). `accept_limits` /
+loop's static buffers, one launch on CUDA) and `sample_padded` for a padded step with sampled rows
+(rejection sampling over the [B, k + 1, vocab] logits, the noise from keys and positions on the
+device: the same tokens as `verify` for seeded rows), and `verify` for a step built from host
+lists (any mix of draft counts, sampled rows with draft probabilities, logprobs). `accept_limits` /
 `caps` bound what a sequence may accept near its max_tokens. `verify_greedy` is `verify` for a
 step of greedy rows only given the target's greedy tokens instead of its logits (under tensor
 parallelism: picked without gathering the vocabulary, runner/host_step.py).
@@ -25,7 +27,14 @@ import torch
 from foretell.device_util import to_device
 from foretell.layers.sampler import NoiseSource, SamplingBatch, argmax_rows
 from foretell.ops.step.dispatch import accept_drafts, accept_drawn, drawn_accepted
-from foretell.spec_decode.rejection_sampler import RejectionSampler, VerifyResult, cap_accepted, greedy_acceptance
+from foretell.spec_decode.rejection_sampler import (
+    PaddedSampling,
+    RejectionSampler,
+    VerifyResult,
+    cap_accepted,
+    greedy_acceptance,
+    sample_padded,
+)
 from foretell.spec_decode.simulated_acceptance import ROW_STRIDE, SimulatedAcceptance, rates_from_config
 
 
@@ -65,6 +74,23 @@ class Verifier(Protocol):
         """The padded greedy step, on the device, waiting for nothing."""
         ...
 
+    def sample_padded(
+        self,
+        logits: torch.Tensor,  # [B, k + 1, vocab] float32: the target's logits at each verify row
+        greedy: torch.Tensor,  # [B, k + 1] int64: their argmax
+        drafts: torch.Tensor,  # [B, k] int64
+        draft_probs: torch.Tensor | None,  # [B, k, vocab] float32, or None: deterministic drafts
+        rows: PaddedSampling,  # the rows' sampling parameters and noise keys
+        first_positions: torch.Tensor,  # [B] int64: each sequence's first verify position
+        caps: torch.Tensor | None,  # [B] int64, or None
+        accepted_out: torch.Tensor,  # [>= B] int64, written
+        next_token_out: torch.Tensor,  # [>= B] int64, written
+        num_live_out: torch.Tensor,  # 0-d int64, set to B
+    ) -> None:
+        """The padded step with sampled rows (greedy rows as accept_padded), on the device,
+        waiting for nothing."""
+        ...
+
 
 class ExactVerifier:
     synthetic = False
@@ -89,6 +115,15 @@ class ExactVerifier:
 
     def accept_padded(self, greedy, drafts, caps, accepted_out, next_token_out, num_live_out) -> None:
         accept_drafts(greedy, drafts, caps, accepted_out, next_token_out, num_live_out)
+
+    def sample_padded(self, logits, greedy, drafts, draft_probs, rows, first_positions, caps, accepted_out,
+                      next_token_out, num_live_out) -> None:
+        accept_drafts(greedy, drafts, caps, accepted_out, next_token_out, num_live_out)  # the greedy rows'
+        n, q = greedy.shape
+        sampled = ~rows.sampling.greedy_rows.view(n, q)[:, 0]  # [n] bool
+        accepted, next_token = sample_padded(logits, drafts, draft_probs, rows, first_positions, caps)
+        accepted_out[:n] = torch.where(sampled, accepted, accepted_out[:n])
+        next_token_out[:n] = torch.where(sampled, next_token, next_token_out[:n])
 
 
 class SimulatedVerifier:
@@ -127,6 +162,11 @@ class SimulatedVerifier:
     def accept_padded(self, greedy, drafts, caps, accepted_out, next_token_out, num_live_out) -> None:
         start, rates = self.draws.device_step(greedy.device)
         accept_drawn(greedy, start, rates, ROW_STRIDE, caps, accepted_out, next_token_out, num_live_out)
+
+    def sample_padded(self, logits, greedy, drafts, draft_probs, rows, first_positions, caps, accepted_out,
+                      next_token_out, num_live_out) -> None:
+        # As verify(): the drawn counts and the target's greedy token after them, sampled or not.
+        self.accept_padded(greedy, drafts, caps, accepted_out, next_token_out, num_live_out)
 
 
 def padded_rows(lengths: list[int]) -> tuple[list[int], list[list[int]]]:
