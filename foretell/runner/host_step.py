@@ -133,6 +133,11 @@ class HostStep:
             results[i].num_accepted = a
             results[i].num_drafts = sched.scheduled[i].num_usable_drafts
 
+    def take_draft_probs(self, item) -> torch.Tensor | None:
+        """The draft probabilities kept for item's drafts (None: deterministic drafts), forgotten
+        here: the padded step (graphed_verify.py) verifies those drafts."""
+        return self._pop_draft_probs(item)
+
     def _pop_draft_probs(self, item) -> torch.Tensor | None:
         probs = self.draft_probs.pop(item.seq.seq_id, None)
         if probs is None or item.seq.sampling_params.greedy:

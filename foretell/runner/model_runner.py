@@ -313,7 +313,8 @@ class ModelRunner:
                                      self.max_model_len))
         if self.draft_graphs is not None:
             kinds.append(GraphedVerify(self.padded_forward, self.draft_graphs, self.verifier, block_size,
-                                       self.max_model_len))
+                                       self.max_model_len, sampler.noise, self.vocab_size,
+                                       self.host_step.take_draft_probs))
         # A drafter's general-path loop needs the host's accept counts: nothing is queued past it.
         queue_ahead = queue_ahead and (self.proposer is None or self.draft_graphs is not None)
         return StepPipeline(queue_ahead, kinds)
