@@ -8,6 +8,22 @@ import os
 from typing import Any, Sequence
 
 
+def acceptance_counters(drafts: float, draft_tokens: float, accepted: float,
+                        accepted_per_position: list[float]) -> dict[str, Any]:
+    """A run's speculative counters and the rates that follow from them (None / 0.0 where the run
+    drafted nothing): acceptance rate, mean acceptance length (1 + accepted / drafts: the
+    target's own token counts once per verify) and acceptance per position."""
+    return {
+        "num_drafts": drafts,
+        "num_draft_tokens": draft_tokens,
+        "num_accepted_tokens": accepted,
+        "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+        "mean_acceptance_length": 1.0 + accepted / drafts if drafts else None,
+        "accepted_per_position": accepted_per_position,
+        "acceptance_per_position": [a / drafts if drafts else 0.0 for a in accepted_per_position],
+    }
+
+
 def fmt(value: Any, spec: str = ".2f") -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"

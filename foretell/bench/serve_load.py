@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from foretell.bench.datasets import Prompt
+from foretell.bench.report import acceptance_counters
 
 SPEC_METRIC = re.compile(
     r"^(?:[A-Za-z_][A-Za-z0-9_]*:)?spec_decode_"
@@ -133,15 +134,7 @@ def spec_delta(before: dict | None, after: dict | None) -> dict[str, Any] | None
     accepted = d("num_accepted_tokens")
     positions = sorted(after["per_position"])
     per_pos = [after["per_position"][p] - before["per_position"].get(p, 0.0) for p in positions]
-    return {
-        "num_drafts": drafts,
-        "num_draft_tokens": draft_tokens,
-        "num_accepted_tokens": accepted,
-        "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
-        "mean_acceptance_length": 1.0 + accepted / drafts if drafts else None,
-        "accepted_per_position": per_pos,
-        "acceptance_per_position": [a / drafts if drafts else 0.0 for a in per_pos],
-    }
+    return acceptance_counters(drafts, draft_tokens, accepted, per_pos)
 
 
 # ---- requests ---------------------------------------------------------------------------------

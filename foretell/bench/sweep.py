@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from foretell.bench.report import acceptance_counters
 from foretell.config import SPECULATIVE_METHODS, SpeculativeConfig
 
 DRAFT_MODEL_METHODS = ("eagle3", "draft_model")  # methods that need speculative_config["model"]
@@ -190,13 +191,7 @@ def spec_counters(before: dict, after: dict, k: int) -> dict[str, Any]:
     total = sum(histogram)
     per_position = delta_list("accepted_per_position", k)
     return {
-        "num_drafts": drafts,
-        "num_draft_tokens": draft_tokens,
-        "num_accepted_tokens": accepted,
-        "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
-        "mean_acceptance_length": 1.0 + accepted / drafts if drafts else None,
-        "accepted_per_position": per_position,
-        "acceptance_per_position": [a / drafts if drafts else 0.0 for a in per_position],
+        **acceptance_counters(drafts, draft_tokens, accepted, per_position),
         "accepted_count_histogram": histogram,
         "accepted_count_distribution": [c / total if total else 0.0 for c in histogram],
     }

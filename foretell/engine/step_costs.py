@@ -19,7 +19,7 @@ import logging
 import statistics
 import time
 
-from foretell.engine.metrics import EngineMetrics
+from foretell.engine.warm_up import leave_no_trace
 from foretell.sampling_params import SamplingParams
 from foretell.spec_decode.adaptive import AdaptiveDraftLength, FixedDraftLength, StepCostModel
 
@@ -113,7 +113,7 @@ def measure_step_costs(engine, max_k: int) -> StepCostModel:
     finally:
         engine.scheduler.draft_length = saved
         engine.scheduler.draft_limit = None
-        _leave_no_trace(engine)
+        leave_no_trace(engine)
     if not sizes:
         raise ValueError(
             f"adaptive speculation measures step costs at start-up with requests of "
@@ -136,15 +136,3 @@ def start_adaptive_speculation(engine) -> AdaptiveDraftLength:
         max_k, list(costs.batch_sizes), time.perf_counter() - start,
     )
     return policy
-
-
-def _leave_no_trace(engine) -> None:
-    """Fresh counters, no cached prefixes, no step queued ahead (as after the warm-up)."""
-    engine.runner.reset_pipeline()
-    engine.scheduler.num_preemptions = 0
-    engine.block_manager.reset_prefix_cache()
-    old = engine.metrics
-    engine.metrics = EngineMetrics(
-        spec=type(old.spec)(old.spec.num_speculative_tokens) if old.spec is not None else None,
-        synthetic_acceptance=old.synthetic_acceptance,
-    )

@@ -40,7 +40,7 @@ def warm_up(engine) -> float:
         for request_id, tokens in prompts.items():
             _run(engine, {f"{request_id}-cached": tokens}, params)
     _run(engine, {f"{r}-batched": t for r, t in prompts.items()}, params)  # mixed batches
-    _forget(engine)
+    leave_no_trace(engine)
     return time.perf_counter() - start
 
 
@@ -54,8 +54,9 @@ def _run(engine, prompts: dict[str, list[int]], params: SamplingParams) -> None:
         engine.step()
 
 
-def _forget(engine) -> None:
-    """Leave no trace: fresh counters, no cached prefixes, no step queued ahead."""
+def leave_no_trace(engine) -> None:
+    """After synthetic requests (the warm-up, step-cost probes): fresh counters, no cached
+    prefixes, no step queued ahead."""
     engine.runner.reset_pipeline()
     engine.scheduler.num_preemptions = 0
     engine.block_manager.reset_prefix_cache()
