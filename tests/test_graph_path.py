@@ -1,6 +1,12 @@
 """The CUDA-graph path (static buffers, padded buckets, device-side verification, the draft-loop
 graph) run without capture on the CPU through Triton's interpreter: greedy output equals the
-plain engine's, with real and with simulated acceptance. On a GPU the same code is captured."""
+plain engine's, with real and with simulated acceptance. On a GPU the same code is captured.
+
+The engine-level checks of the step pipeline (queued-ahead verifies, preemption, capped and mixed
+batches) run on the CPU's default torch attention backend, which takes the same padded step and
+pipeline eagerly with exact buckets (runner/cuda_graph.py reads_host_lengths), in a fraction of a
+second; their Triton-interpreter variants (padding buckets, the Triton attention: about 0.3 s of
+CPU per interpreted attention call, minutes per test) are marked slow."""
 
 from __future__ import annotations
 
@@ -39,14 +45,19 @@ def count_padded_verify_steps(monkeypatch) -> list:
     return calls
 
 
+# The attention backend of the pipeline tests: the default torch one, and the Triton interpreter's
+# (padding buckets) with the slow tests.
+BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.slow)]
+
+
 def generate(folder, **kwargs):
     llm = LLM(folder, dtype="float32", num_kv_blocks=64, max_num_seqs=4, **kwargs)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     return llm, [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
-@pytest.mark.slow  # interpreter-driven: minutes on 2 cores
-def test_graph_path_matches_plain_greedy(qwen3_checkpoint, qwen3_tied_checkpoint, eagle3_head, monkeypatch):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_graph_path_matches_plain_greedy(qwen3_checkpoint, qwen3_tied_checkpoint, eagle3_head, monkeypatch, backend):
     calls = count_padded_verify_steps(monkeypatch)
     _, plain = generate(qwen3_checkpoint)
     configs = [
@@ -60,7 +71,7 @@ def test_graph_path_matches_plain_greedy(qwen3_checkpoint, qwen3_tied_checkpoint
     ]
     for config in configs:
         before = len(calls)
-        llm, got = generate(qwen3_checkpoint, attention_backend="triton", speculative_config=config)
+        llm, got = generate(qwen3_checkpoint, attention_backend=backend, speculative_config=config)
         assert got == plain, config
         assert llm.engine.runner.draft_graphs is not None and len(calls) > before, config
         stats = llm.get_stats()
@@ -98,8 +109,8 @@ def test_requests_ending_mid_verify_stay_on_the_graph_path(qwen3_checkpoint, mon
     assert s["num_free_kv_blocks"] == s["num_kv_blocks"]
 
 
-@pytest.mark.slow  # interpreter-driven: minutes on 2 cores
-def test_capped_and_uncapped_requests_mixed_with_prefills(qwen3_checkpoint, eagle3_head):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_capped_and_uncapped_requests_mixed_with_prefills(qwen3_checkpoint, eagle3_head, backend):
     """Different max_tokens per request, one sampled request (its drafts are trimmed instead),
     prompts arriving while others verify: greedy outputs equal the plain engine's."""
     prompts = PROMPTS + ["The dog runs and the dog", "x"]
@@ -109,7 +120,7 @@ def test_capped_and_uncapped_requests_mixed_with_prefills(qwen3_checkpoint, eagl
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy, use_tqdm=False)]
     for spec in ({"method": "draft_model", "model": qwen3_checkpoint, "num_speculative_tokens": 3},
                  {"method": "eagle3", "model": eagle3_head, "num_speculative_tokens": 3}):
-        llm = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=64, max_num_seqs=4, attention_backend="triton",
+        llm = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=64, max_num_seqs=4, attention_backend=backend,
                   speculative_config=spec)
         outs = llm.generate(prompts + ["The cat"], greedy + [sampled], use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs[:-1]] == expected, spec["method"]
@@ -119,8 +130,8 @@ def test_capped_and_uncapped_requests_mixed_with_prefills(qwen3_checkpoint, eagl
         assert s["num_accepted_tokens"] <= s["num_draft_tokens"]
 
 
-@pytest.mark.slow  # interpreter-driven: minutes on 2 cores
-def test_verify_steps_queued_ahead_give_the_same_tokens(qwen3_checkpoint, eagle3_head):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_verify_steps_queued_ahead_give_the_same_tokens(qwen3_checkpoint, eagle3_head, backend):
     """async_scheduling on: each graphed verify step queues the next one from its device outputs
     before the host reads them. Requests of different lengths (capped near max_tokens, so the
     launch ahead stops or goes unused), arrivals, blocks of 4 (the scheduler adds blocks between a
@@ -132,7 +143,7 @@ def test_verify_steps_queued_ahead_give_the_same_tokens(qwen3_checkpoint, eagle3
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     for spec in ({"method": "draft_model", "model": qwen3_checkpoint, "num_speculative_tokens": 2},
                  {"method": "eagle3", "model": eagle3_head, "num_speculative_tokens": 3}):
-        llm = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=128, max_num_seqs=4, attention_backend="triton",
+        llm = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=128, max_num_seqs=4, attention_backend=backend,
                   block_size=4, async_scheduling="on", speculative_config=spec)
         runner = llm.engine.runner
         assert runner.pipeline.queue_ahead and runner.num_lookahead_tokens == 2 * spec["num_speculative_tokens"] + 1
@@ -153,8 +164,8 @@ def test_verify_ahead_with_simulated_acceptance(qwen3_checkpoint, eagle3_head):
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
 
 
-@pytest.mark.slow  # interpreter-driven: minutes on 2 cores
-def test_verify_ahead_under_preemption(qwen3_checkpoint, eagle3_head):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_verify_ahead_under_preemption(qwen3_checkpoint, eagle3_head, backend):
     """A cache so small that sequences are preempted between a queued verify step and its use:
     the queued step is dropped (its KV writes land in freed blocks before their next owner's) and
     greedy output still equals plain greedy."""
@@ -164,7 +175,7 @@ def test_verify_ahead_under_preemption(qwen3_checkpoint, eagle3_head):
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     spec = {"method": "eagle3", "model": eagle3_head, "num_speculative_tokens": 2}
     llm = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=26, block_size=4, max_num_seqs=4,
-              attention_backend="triton", async_scheduling="on", speculative_config=spec)
+              attention_backend=backend, async_scheduling="on", speculative_config=spec)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     s = llm.get_stats()
     assert got == expected
