@@ -15,9 +15,10 @@ past it: their KV is overwritten by later steps). The captured loop:
 Near max_model_len, a chained step whose draft sits at or past the limit (never verified: the
 scheduler's room cap) runs at position max_model_len - 1 (ops/step dispatch.catch_up_inputs), and the
 runner graphs a batch only when its catch-up rows fit below the limit (catch_up_fits).
-Rows of padding sequences write no KV (slot -1). Only greedy batches use it; sampled requests
-and any other batch shape take the proposer's own loop (draft_loop.py) in the host step
-(runner/host_step.py). With an attention backend that loops over host copies of the lengths
+Rows of padding sequences write no KV (slot -1). It drafts greedily for every row, sampled ones
+included (the verifier checks a deterministic draft against a one-hot q: exact); any other batch
+shape takes the proposer's own loop (draft_loop.py, which samples a sampled request's drafts) in
+the host step (runner/host_step.py). With an attention backend that loops over host copies of the lengths
 (the torch reference), each forward of the loop reads its lengths from the device (one small
 copy; such a loop is never captured).
 

@@ -9,9 +9,10 @@ only the positions below it (DraftBatch.num_useful_drafts) and no row goes past 
 requests draw from the drafter's own distribution (the same temperature / top-k / top-p / min-p)
 and keep those probabilities for exact rejection sampling.
 
-This loop serves the step from host inputs (runner/host_step.py). A greedy batch where every
-sequence verifies k drafts runs the same drafter through padded_catch_up() and chain_step() in the
-padded step's draft loop instead (draft_graph.py): DraftLoopProposer is a PaddedDrafter.
+This loop serves the step from host inputs (runner/host_step.py). A batch where every sequence
+verifies k drafts runs the same drafter through padded_catch_up() and chain_step() in the padded
+step's draft loop instead (draft_graph.py, greedy drafts for every row): DraftLoopProposer is a
+PaddedDrafter.
 
 A drafter whose head splits the vocabulary over tensor-parallel ranks (MTP under the target's
 tensor parallelism) sets greedy_without_logits: when every drafting sequence is greedy, the loop
