@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from foretell.ops.gemm.fp8_reference import FP8_DTYPE, blocks
-from foretell.ops.moe.reference import experts_forward_torch
+from foretell.ops.moe.reference import check_routing, experts_forward_torch
 
 
 def check_fp8_experts(
@@ -52,14 +52,7 @@ def check_fp8_experts(
             raise ValueError(f"FP8 experts: {name} must be {dtype} {list(shape)} for hidden {hidden_size}, "
                              f"{num_experts} experts of {inter} in {b0}x{b1} blocks; got {tensor.dtype} "
                              f"{list(tensor.shape)}")
-    if ids.dim() != 2 or ids.shape[0] != num_tokens or ids.is_floating_point():
-        raise ValueError(f"ids must be an integer tensor [{num_tokens}, top_k], got {ids.dtype} {list(ids.shape)}")
-    if weights.shape != ids.shape:
-        raise ValueError(f"weights must have the shape of ids {list(ids.shape)}, got {list(weights.shape)}")
-    if shared is not None and (shared.shape != (num_tokens, hidden_size) or shared.stride(-1) != 1):
-        raise ValueError(f"shared must be [{num_tokens}, {hidden_size}] with a unit last stride, got "
-                         f"{list(shared.shape)}")
-    return num_tokens, ids.shape[1], hidden_size, inter
+    return num_tokens, check_routing(ids, weights, shared, num_tokens, hidden_size), hidden_size, inter
 
 
 def dequantize_fp8_experts(

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from foretell.ops.moe.reference import experts_forward_torch
+from foretell.ops.moe.reference import check_routing, experts_forward_torch
 
 INT4_GROUP = 32  # columns per scale
 PACK = 8  # int4 values per int32 word
@@ -70,14 +70,7 @@ def check_int4_expert_inputs(hidden, gate_up_packed, gate_up_scale, down_packed,
     if gate_up_scale.dtype != down_scale.dtype or not gate_up_scale.dtype.is_floating_point:
         raise ValueError(f"gate_up and down scales must share a float dtype, got {gate_up_scale.dtype} and "
                          f"{down_scale.dtype}")
-    if ids.dim() != 2 or ids.shape[0] != num_tokens or ids.is_floating_point():
-        raise ValueError(f"ids must be an integer tensor [{num_tokens}, top_k], got {ids.dtype} {list(ids.shape)}")
-    if weights.shape != ids.shape:
-        raise ValueError(f"weights must have the shape of ids {list(ids.shape)}, got {list(weights.shape)}")
-    if shared is not None and (shared.shape != (num_tokens, hidden_size) or shared.stride(-1) != 1):
-        raise ValueError(f"shared must be [{num_tokens}, {hidden_size}] with a unit last stride, got "
-                         f"{list(shared.shape)}")
-    return num_tokens, ids.shape[1], hidden_size, inter
+    return num_tokens, check_routing(ids, weights, shared, num_tokens, hidden_size), hidden_size, inter
 
 
 def unpack_int4(

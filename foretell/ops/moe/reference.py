@@ -120,6 +120,27 @@ def append_shared_experts(
     )
 
 
+def check_routing(
+    ids: torch.Tensor,  # [num_tokens, top_k] int
+    weights: torch.Tensor,  # [num_tokens, top_k]
+    shared: torch.Tensor | None,  # [num_tokens, hidden_size]
+    num_tokens: int,
+    hidden_size: int,
+) -> int:  # top_k
+    """The routing a fused experts forward gets beside its hidden states [num_tokens, hidden_size],
+    whatever its weights' format; ValueError naming the mismatch. Expert ids are not range-checked
+    (that would read them on the host)."""
+    if ids.dim() != 2 or ids.shape[0] != num_tokens or ids.is_floating_point():
+        raise ValueError(f"ids must be an integer tensor [{num_tokens}, top_k] (one row per token of hidden), "
+                         f"got {ids.dtype} {tuple(ids.shape)}")
+    if weights.shape != ids.shape:
+        raise ValueError(f"weights must have the shape of ids {tuple(ids.shape)}, got {tuple(weights.shape)}")
+    if shared is not None and (shared.shape != (num_tokens, hidden_size) or shared.stride(-1) != 1):
+        raise ValueError(f"shared must be [{num_tokens}, {hidden_size}] with a unit last stride, "
+                         f"got {tuple(shared.shape)} stride {shared.stride()}")
+    return ids.shape[1]
+
+
 def experts_forward_torch(
     hidden: torch.Tensor,  # [num_tokens, hidden]
     gate_up: torch.Tensor,  # [E, 2 * I, hidden]

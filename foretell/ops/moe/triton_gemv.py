@@ -48,6 +48,7 @@ from foretell.ops.moe.gemv_common import (
     no_pairs_output,
     plan_gemv,
 )
+from foretell.ops.moe.reference import check_routing
 
 # Up to this many tokens fused_experts_triton takes the GEMV path; past it, tokens that share
 # experts (the shared ones always) re-read their weights. A first H200 probe at V2-Lite shapes
@@ -187,15 +188,8 @@ def check_expert_inputs(
             f"down {tuple(down.shape)}; expected hidden [T, H], gate_up [E, 2 * I, H], down [E, H, I]"
         )
     num_tokens, hidden_size = hidden.shape
-    if ids.dim() != 2 or ids.shape[0] != num_tokens or ids.is_floating_point():
-        raise ValueError(f"ids must be an integer tensor [{num_tokens}, top_k] (one row per token of hidden), "
-                         f"got {ids.dtype} {tuple(ids.shape)}")
-    if weights.shape != ids.shape:
-        raise ValueError(f"weights must have the shape of ids {tuple(ids.shape)}, got {tuple(weights.shape)}")
-    if shared is not None and (shared.shape != (num_tokens, hidden_size) or shared.stride(-1) != 1):
-        raise ValueError(f"shared must be [{num_tokens}, {hidden_size}] with a unit last stride, "
-                         f"got {tuple(shared.shape)} stride {shared.stride()}")
-    return num_tokens, ids.shape[1], hidden_size, gate_up.shape[1] // 2
+    top_k = check_routing(ids, weights, shared, num_tokens, hidden_size)
+    return num_tokens, top_k, hidden_size, gate_up.shape[1] // 2
 
 
 def gemv_launch_config(num_tokens: int, top_k: int, dtype: torch.dtype) -> dict:
