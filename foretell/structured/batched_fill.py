@@ -10,6 +10,8 @@ become the sequence's EOS ids (SequenceMatcher.set_end_tokens, with "may end her
 grammar's own end token's bit, which llguidance sets exactly where its parser accepts), the walk
 is cut at an EOS draft or one our row forbids, and the rows past the cut repeat the cut's row.
 The result is the same as verify_masks' (tests/structured/test_draft_masks.py holds them together).
+The two halves are walk_drafts() (llguidance's calls: what a worker thread runs, runtime.fill_ahead)
+and finish_rows() (ours, on the engine's thread).
 """
 
 from __future__ import annotations
@@ -42,12 +44,18 @@ def fill_verify_masks(
 ) -> list[int]:
     """Fill every sequence's k_i + 1 rows; returns how many drafts each one's grammar takes in a
     row (its rows up to that one are exact masks). The matchers end where they started."""
-    jobs, first_rows, row = [], [], 0
+    walk_drafts(executor, matchers, drafts, out)
+    return finish_rows(matchers, drafts, out)
+
+
+def walk_drafts(executor, matchers: list[SequenceMatcher], drafts: list[list[int]], out: np.ndarray) -> None:
+    """llguidance's part of fill_verify_masks: its rows as it writes them, in calls that hold no
+    GIL and almost no Python around them (StructuredOutputs runs this on its worker thread)."""
+    jobs, row = [], 0
     for matcher, draft in zip(matchers, drafts):
         # An EOS ends the output: the walk stops before it (it is no grammar text).
         cut = next((j for j, t in enumerate(draft) if t in matcher.eos_token_ids), len(draft))
         jobs.append((matcher.matcher, row, list(draft[:cut])))
-        first_rows.append(row)
         row += len(draft) + 1
     if row != out.shape[0] or not out.flags["C_CONTIGUOUS"]:
         raise ValueError(f"fill_verify_masks needs {row} contiguous rows, got {out.shape[0]}")
@@ -58,11 +66,16 @@ def fill_verify_masks(
         executor.unsafe_compute_mask_ptr_with_draft_token(with_drafts, out.ctypes.data, out.shape[1] * 4, out.shape[0])
     if without:
         executor.unsafe_compute_mask_ptr(without, out.ctypes.data, out.shape[1] * 4, out.shape[0])
-    taken_counts = []
-    for index, (matcher, draft, first) in enumerate(zip(matchers, drafts, first_rows)):
+
+
+def finish_rows(matchers: list[SequenceMatcher], drafts: list[list[int]], out: np.ndarray) -> list[int]:
+    """Our part: the end tokens, the walk's cut, the rows past it (see the module docstring)."""
+    taken_counts, first = [], 0
+    for index, (matcher, draft) in enumerate(zip(matchers, drafts)):
         if matcher.matcher.is_error():
             raise SequenceGrammarViolation(index, f"the grammar failed: {matcher.matcher.get_error()}")
         rows = out[first: first + len(draft) + 1]
+        first += len(draft) + 1
         taken = 0
         while True:
             if not matcher.set_end_tokens(rows[taken], grammar_may_end(matcher, rows[taken])):

@@ -16,16 +16,30 @@ def num_mask_words(vocab_size: int) -> int:
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """bitmask [rows, words] int32 -> allowed [rows, vocab_size] bool (tokens past the words: False)."""
-    bits = torch.arange(32, device=bitmask.device, dtype=torch.int32)  # [32]
-    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(1)  # [rows, words * 32]
-    if allowed.shape[1] < vocab_size:
-        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]), value=False)
-    return allowed[:, :vocab_size]
+    return ~forbidden_tokens(bitmask, vocab_size)
+
+
+def forbidden_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bitmask [rows, words] int32 -> forbidden [rows, vocab_size] bool: one shift, one and, one
+    compare over the packed words (no separate negation: the caller's masked_fill takes it as is)."""
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)  # [32]
+    forbidden = ((bitmask.unsqueeze(-1) >> shifts) & 1).eq(0).flatten(1)  # [rows, words * 32]
+    if forbidden.shape[1] < vocab_size:
+        forbidden = torch.nn.functional.pad(forbidden, (0, vocab_size - forbidden.shape[1]), value=True)
+    return forbidden[:, :vocab_size]
+
+
+def contiguous_rows(row_index: list[int]) -> slice | None:
+    """The rows as one slice where they are consecutive (then the mask is applied in place on a
+    view: no gather, scatter or index upload), else None."""
+    if row_index and row_index == list(range(row_index[0], row_index[0] + len(row_index))):
+        return slice(row_index[0], row_index[0] + len(row_index))
+    return None
 
 
 def apply_token_bitmask(
     logits: torch.Tensor,  # [num_rows, vocab] float32, changed in place
-    row_index: torch.Tensor | None,  # [m] int64: the rows the masks are for (None: every row, m = num_rows)
+    row_index: torch.Tensor | slice | None,  # [m] int64 or a slice: the rows the masks are for (None: every row)
     bitmask: torch.Tensor,  # [m, words] int32, on logits' device
     fallback: torch.Tensor | None = None,  # [num_rows, vocab]: the logits before other controls
 ) -> None:
@@ -33,18 +47,22 @@ def apply_token_bitmask(
     logits controls left with no finite allowed logit (an allow list or a bias that excludes
     every token the grammar allows, an overflowing penalty) takes the fallback's logits under the
     mask instead, so the token drawn always satisfies the grammar; +inf and NaN become the
-    largest float and -inf there (softmax stays defined)."""
-    allowed = unpack_bitmask(bitmask, logits.shape[1])  # [m, vocab] bool
-    if row_index is None and fallback is None:
-        logits.masked_fill_(~allowed, float("-inf"))
+    largest float and -inf there (softmax stays defined). Without fallback and with the rows a
+    slice (or all of them), it is one in-place masked fill: four small kernels in all."""
+    forbidden = forbidden_tokens(bitmask, logits.shape[1])  # [m, vocab] bool
+    if fallback is None and not isinstance(row_index, torch.Tensor):
+        rows = logits if row_index is None else logits[row_index]  # [m, vocab], a view
+        rows.masked_fill_(forbidden, float("-inf"))
         return
+    if isinstance(row_index, slice):
+        row_index = torch.arange(logits.shape[0], device=logits.device)[row_index]
     rows = logits if row_index is None else logits[row_index]  # [m, vocab]
-    masked = rows.masked_fill(~allowed, float("-inf"))  # [m, vocab]
+    masked = rows.masked_fill(forbidden, float("-inf"))  # [m, vocab]
     if fallback is not None:
         masked = masked.nan_to_num(nan=float("-inf"), posinf=torch.finfo(masked.dtype).max, neginf=float("-inf"))
         alive = torch.isfinite(masked).any(dim=1, keepdim=True)  # [m, 1]
         fallback_rows = fallback if row_index is None else fallback[row_index]  # [m, vocab]
-        masked = torch.where(alive, masked, fallback_rows.masked_fill(~allowed, float("-inf")))
+        masked = torch.where(alive, masked, fallback_rows.masked_fill(forbidden, float("-inf")))
     if row_index is None:
         logits.copy_(masked)
     else:

@@ -38,15 +38,25 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from foretell.structured.bitmask import BitmaskBuffer, unpack_bitmask
+from foretell.device_util import to_device
+from foretell.structured.bitmask import BitmaskBuffer, forbidden_tokens
 from foretell.structured.matcher import SequenceMatcher
 
 
 @dataclass
 class MaskTimer:
-    """Host seconds spent making grammar masks (StructuredOutputs keeps one; measurements read it)."""
+    """Host seconds spent on grammar masks on the engine's thread (StructuredOutputs keeps one;
+    measurements read it): seconds is all of it, the others its parts."""
 
     seconds: float = 0.0
+    verify_fill_seconds: float = 0.0  # a verify's rows: filled here, or waited for from the worker
+    verify_apply_seconds: float = 0.0  # their copy to the device and the masking op
+    draft_seconds: float = 0.0  # the drafter loop's masks (DraftGrammar)
+    rows_filled_ahead: int = 0  # verify rows the worker thread had ready (StructuredOutputs.fill_ahead)
+
+    def add_draft(self, seconds: float) -> None:
+        self.draft_seconds += seconds
+        self.seconds += seconds
 
 
 class DraftMask:
@@ -105,18 +115,18 @@ class DraftGrammar:
                 self.forced[j] = fast_forward[0]
         self.host_rows = host
         if not self.copies:
-            self.timer.seconds += time.perf_counter() - started
+            self.timer.add_draft(time.perf_counter() - started)
             return logits
         bits = self.buffer.to_device(self.num_rows)  # [num_rows, words]
         if self.target_id_map is None:
-            allowed = unpack_bitmask(bits, logits.shape[1])  # [num_rows, draft_vocab] bool
+            forbid = forbidden_tokens(bits, logits.shape[1])  # [num_rows, draft_vocab] bool
         else:
-            allowed = unpack_bitmask(bits, bits.shape[1] * 32).index_select(1, self.target_id_map)
+            forbid = forbidden_tokens(bits, bits.shape[1] * 32).index_select(1, self.target_id_map)
         # A row that allows none of the drafter's tokens (an EAGLE3 head's smaller vocabulary)
         # keeps its logits: its draft will not be taken, and advance() drops its grammar.
-        forbid = ~allowed & allowed.any(dim=1, keepdim=True)  # [num_rows, draft_vocab]
+        forbid &= ~forbid.all(dim=1, keepdim=True)  # [num_rows, draft_vocab]
         masked = logits.masked_fill(forbid, float("-inf"))
-        self.timer.seconds += time.perf_counter() - started
+        self.timer.add_draft(time.perf_counter() - started)
         return masked
 
     def force(self, tokens: torch.Tensor, probs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -124,8 +134,8 @@ class DraftGrammar:
         whose grammar forces a token get it, with one-hot probabilities (new tensors)."""
         if not self.forced:
             return tokens, probs
-        rows = torch.tensor(list(self.forced), dtype=torch.int64).to(tokens.device)  # [f]
-        forced = torch.tensor(list(self.forced.values()), dtype=torch.int64).to(tokens.device)  # [f]
+        # One upload: the rows and their forced tokens.
+        rows, forced = to_device([list(self.forced), list(self.forced.values())], torch.int64, tokens.device)  # [f] each
         tokens = tokens.index_put((rows,), forced)
         if probs is not None:
             probs = probs.index_put((rows,), probs.new_zeros(())).index_put((rows, forced), probs.new_ones(()))
@@ -145,7 +155,7 @@ class DraftGrammar:
                     or not SequenceMatcher.allows(self.host_rows[j], token)
                     or not self.copies[j].consume_token(token)):
                 self._drop(j, None)
-        self.timer.seconds += time.perf_counter() - started
+        self.timer.add_draft(time.perf_counter() - started)
 
     def _drop(self, row: int, host: np.ndarray | None) -> None:
         del self.copies[row]

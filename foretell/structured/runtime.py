@@ -12,6 +12,12 @@ Greedy verification then accepts a draft only where the masked target picks it, 
 sampling runs against the masked distribution, so the output is exactly what plain masked
 decoding gives, under every drafter.
 
+fill_ahead(): at the end of a step (HostStep, after the drafts are known) the next step's rows
+are walked by llguidance on a worker thread while the engine finishes this step, schedules and
+launches the next (llguidance holds no GIL meanwhile); mask_logits() then only finishes them. The
+device op is one in-place masked fill when the structured rows are consecutive (batch 1, or every
+sequence structured), without the fallback when no other control changed the logits.
+
 draft_mask(): the same grammars for a model drafter's loop (draft_mask.py), so its drafts follow
 them too; None when no sequence that drafts this step has one.
 
@@ -34,12 +40,15 @@ from __future__ import annotations
 import os
 import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
 import torch
 
+from foretell.device_util import to_device
 from foretell.engine.errors import SequenceError
-from foretell.structured.batched_fill import SequenceGrammarViolation, fill_verify_masks
-from foretell.structured.bitmask import BitmaskBuffer, apply_token_bitmask, num_mask_words
+from foretell.structured.batched_fill import SequenceGrammarViolation, fill_verify_masks, finish_rows, walk_drafts
+from foretell.structured.bitmask import BitmaskBuffer, apply_token_bitmask, contiguous_rows, num_mask_words
 from foretell.structured.draft_mask import DraftMask, MaskTimer
 from foretell.structured.matcher import GrammarViolation, SequenceMatcher
 
@@ -61,6 +70,8 @@ class StructuredOutputs:
         self._grammars: OrderedDict[str, object] = OrderedDict()  # compiled grammar -> llguidance.LLMatcher
         self._buffers: dict[str, BitmaskBuffer] = {}  # "verify" / "draft" -> host rows, reused
         self.timer = MaskTimer()  # host time spent on masks (verify rows and draft loops)
+        self._worker: ThreadPoolExecutor | None = None  # fill_ahead()'s one thread, made when first used
+        self._ahead: Future | tuple | None = None  # the next step's rows filled ahead: (jobs, rows) once waited for
 
     # ---- matchers ------------------------------------------------------------------------
     def _tokenizer(self):
@@ -79,6 +90,7 @@ class StructuredOutputs:
 
     def matcher_for(self, seq) -> SequenceMatcher:
         """The sequence's matcher, advanced through its output tokens so far."""
+        self._wait_for_worker()
         matcher = self.matchers.get(seq.seq_id)
         try:
             if matcher is None:
@@ -139,13 +151,16 @@ class StructuredOutputs:
     ) -> torch.Tensor:
         """The logits with every structured row's grammar mask applied (`logits` itself when no
         sequence of the step has structured outputs). A row the other controls leave with no
-        allowed token takes `fallback`'s logits under the mask (bitmask.apply_token_bitmask)."""
+        allowed token takes `fallback`'s logits under the mask (bitmask.apply_token_bitmask);
+        fallback `logits` itself (no other control changed them) is no fallback."""
         spans, row0 = [], 0
         for item in items:
             num_rows = len(item.draft_token_ids) + 1
             if item.seq.sampling_params.structured_outputs is not None:
                 spans.append((item, row0, num_rows))
             row0 += num_rows
+        self._wait_for_worker()
+        ahead, self._ahead = self._ahead, None
         if not spans:
             return logits
         started = time.perf_counter()
@@ -153,18 +168,103 @@ class StructuredOutputs:
         num_masked = sum(n for _, _, n in spans)
         buffer = self.buffer("verify", logits.device)
         bitmask = buffer.rows(num_masked)  # [masked rows, words]
-        try:
-            fill_verify_masks(self.executor, matchers, [list(item.draft_token_ids) for item, _, _ in spans], bitmask)
-        except SequenceGrammarViolation as e:
-            seq = spans[e.index][0].seq
-            raise SequenceError(seq.seq_id, f"structured outputs of request {seq.request_id!r}: {e}") from e
+        if not self._take_rows_filled_ahead(ahead, spans, bitmask):
+            try:
+                fill_verify_masks(self.executor, matchers, [list(item.draft_token_ids) for item, _, _ in spans], bitmask)
+            except SequenceGrammarViolation as e:
+                seq = spans[e.index][0].seq
+                raise SequenceError(seq.seq_id, f"structured outputs of request {seq.request_id!r}: {e}") from e
+        filled = time.perf_counter()
         if copy:
             logits = logits.clone()
-        rows = None if num_masked == logits.shape[0] else torch.tensor(
-            [r for _, first, n in spans for r in range(first, first + n)], dtype=torch.int64).to(logits.device)
+        if fallback is logits:
+            fallback = None
+        row_list = [r for _, first, n in spans for r in range(first, first + n)]
+        rows = None if num_masked == logits.shape[0] else contiguous_rows(row_list)
+        if rows is None and num_masked != logits.shape[0]:
+            rows = to_device(row_list, torch.int64, logits.device)
         apply_token_bitmask(logits, rows, buffer.to_device(num_masked), fallback)
-        self.timer.seconds += time.perf_counter() - started
+        done = time.perf_counter()
+        self.timer.verify_fill_seconds += filled - started
+        self.timer.verify_apply_seconds += done - filled
+        self.timer.seconds += done - started
         return logits
+
+    # ---- the next step's rows, filled ahead on a worker thread ---------------------------
+    def fill_ahead(self, scheduled: list, results: list) -> None:
+        """Start filling the next step's verify rows of every structured sequence of this step
+        (its matcher advanced through the tokens this step emits, the drafts it will verify:
+        results[i].next_drafts) on the worker thread, while the engine finishes this step and
+        builds and launches the next one. llguidance releases the GIL, so the fill runs beside
+        the engine's Python. The next mask_logits() takes the rows of every sequence whose output
+        length and drafts are what they were filled for (all of them, or it fills them all
+        itself); the matchers are not touched by anything else until the worker is done."""
+        started = time.perf_counter()
+        self._wait_for_worker()
+        self._ahead = None
+        jobs = []
+        for item, result in zip(scheduled, results):
+            seq = item.seq
+            matcher = self.matchers.get(seq.seq_id)
+            if matcher is None or seq.sampling_params.structured_outputs is None or not item.samples:
+                continue
+            new_tokens = list(result.new_token_ids)
+            if not new_tokens or any(t in matcher.eos_token_ids for t in new_tokens):
+                continue  # nothing emitted (a failed row) or the output ends here
+            outputs = seq.output_token_ids + new_tokens
+            try:
+                matcher.advance(outputs)
+            except GrammarViolation:
+                continue  # the next matcher_for() raises it for this request
+            drafts = list(result.next_drafts or [])
+            jobs.append(((seq.seq_id, len(outputs), tuple(drafts)), matcher, drafts))
+        if jobs:
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="foretell-grammar-masks")
+            self._ahead = self._worker.submit(self._fill_on_worker, jobs, self.executor, self.num_words)
+        self.timer.seconds += time.perf_counter() - started
+
+    @staticmethod
+    def _fill_on_worker(jobs: list, executor, num_words: int) -> tuple[list, np.ndarray]:
+        """llguidance's walk of every job's drafts into fresh rows (finish_rows: on the engine's thread)."""
+        out = np.empty((sum(len(drafts) + 1 for _, _, drafts in jobs), num_words), dtype=np.int32)
+        walk_drafts(executor, [m for _, m, _ in jobs], [d for _, _, d in jobs], out)
+        return jobs, out
+
+    def _wait_for_worker(self) -> None:
+        """Wait for the rows being filled ahead (the matchers are the worker's until then)."""
+        if isinstance(self._ahead, Future):
+            try:
+                self._ahead = self._ahead.result()
+            except (ValueError, RuntimeError):  # llguidance's; the step's own fill meets it and names the request
+                self._ahead = None
+
+    def _take_rows_filled_ahead(self, ahead: tuple | None, spans: list, bitmask: np.ndarray) -> bool:
+        """Finish the rows filled ahead and copy them into bitmask when every span's were (False:
+        fill them all here; a grammar error found is raised there, naming the request)."""
+        if ahead is None:
+            return False
+        jobs, out = ahead
+        first_rows, row0 = {}, 0
+        for key, _, drafts in jobs:
+            first_rows[key] = row0
+            row0 += len(drafts) + 1
+        starts = []
+        for item, _, _ in spans:
+            start = first_rows.get((item.seq.seq_id, item.seq.num_output_tokens, tuple(item.draft_token_ids)))
+            if start is None:
+                return False
+            starts.append(start)
+        try:
+            finish_rows([m for _, m, _ in jobs], [d for _, _, d in jobs], out)
+        except GrammarViolation:
+            return False
+        row = 0
+        for (item, _, num_rows), start in zip(spans, starts):
+            bitmask[row: row + num_rows] = out[start: start + num_rows]
+            row += num_rows
+        self.timer.rows_filled_ahead += row
+        return True
 
     def draft_mask(self, scheduled: list, results: list, device: torch.device) -> DraftMask | None:
         """The grammars of this step's drafting sequences, advanced through the tokens the step

@@ -1,0 +1,170 @@
+"""What a grammar costs per engine step at batch 1 (issue 27's overhead bar), on any device.
+
+One prompt, --tokens greedy tokens (EOS ignored), the default family (or --model), with the
+drafter of --method. Three runs in one engine, each repeated --repeats times (the median is kept):
+
+  host_step     a no-op logit_bias: the host step every request with logits controls takes
+  always_true   an always-true grammar (regex `(.|\\n)*`): the grammar's machinery, no constraint
+  json          the JSON schema of scripts/check_structured_gpu.py (what users send)
+
+For each: milliseconds per engine step (wall, and this thread's CPU time, steadier on a shared
+machine), and the grammar's host time per step on the engine's thread from StructuredOutputs'
+MaskTimer: the verify rows' fill (llguidance, or the wait for the rows filled ahead on the
+worker thread), their copy and device op, and the drafter loop's masks. The overhead is
+always_true's step time against host_step's. Then the device op alone: apply_token_bitmask on
+[k + 1, vocab] logits for the default family's vocabulary and a 151,936-token one.
+
+    python -m foretell.bench.structured_overhead --method eagle3 --device cpu --tokens 64
+    python -m foretell.bench.structured_overhead --method none --json-out out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+ALWAYS_TRUE = r"(.|\n)*"
+JSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "reasoning": {"type": "string", "maxLength": 160},
+        "answer": {"type": "integer", "minimum": -1000000, "maximum": 1000000},
+    },
+    "required": ["reasoning", "answer"],
+    "additionalProperties": False,
+}
+TIMER_FIELDS = ("seconds", "verify_fill_seconds", "verify_apply_seconds", "draft_seconds")
+
+
+def structured_of(llm):
+    """The engine's StructuredOutputs (one-process runner)."""
+    return llm.engine.runner.host_step.structured
+
+
+def _counters(llm) -> dict:
+    timer = structured_of(llm).timer
+    stats = llm.get_stats()
+    out = {name: getattr(timer, name, 0.0) for name in TIMER_FIELDS}
+    out.update(steps=stats["num_steps"], drafts=stats.get("num_drafts", 0),
+               accepted=stats.get("num_accepted_tokens", 0), wall=time.perf_counter(), cpu=time.thread_time())
+    return out
+
+
+def measure(llm, prompt: str, params, repeats: int) -> dict:
+    """Median over repeats of one request's per-step figures (the first, warm-up run dropped)."""
+    llm.generate([prompt], params, use_tqdm=False)
+    runs = []
+    for _ in range(repeats):
+        start = _counters(llm)
+        outs = llm.generate([prompt], params, use_tqdm=False)
+        end = _counters(llm)
+        d = {k: end[k] - start[k] for k in end}
+        steps = max(d["steps"], 1)
+        runs.append({
+            "tokens": len(outs[0].outputs[0].token_ids),
+            "steps": d["steps"],
+            "mean_acceptance_length": 1 + d["accepted"] / d["drafts"] if d["drafts"] else None,
+            "ms_per_step": 1e3 * d["wall"] / steps,
+            "cpu_ms_per_step": 1e3 * d["cpu"] / steps,
+            "mask_ms_per_step": 1e3 * d["seconds"] / steps,
+            "verify_fill_ms_per_step": 1e3 * d["verify_fill_seconds"] / steps,
+            "verify_apply_ms_per_step": 1e3 * d["verify_apply_seconds"] / steps,
+            "draft_mask_ms_per_step": 1e3 * d["draft_seconds"] / steps,
+        })
+    return {key: statistics.median(r[key] for r in runs) if runs[0][key] is not None else None for key in runs[0]}
+
+
+def bitmask_op_us(vocab_size: int, num_rows: int, device: str, repeats: int = 200) -> float:
+    """Median microseconds of apply_token_bitmask on [num_rows, vocab_size] float32 logits."""
+    import torch
+
+    from foretell.structured.bitmask import apply_token_bitmask, num_mask_words
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(num_rows, vocab_size, generator=generator).to(device)  # [rows, vocab]
+    bitmask = torch.randint(-2**31, 2**31 - 1, (num_rows, num_mask_words(vocab_size)), dtype=torch.int32,
+                            generator=generator).to(device)  # [rows, words]
+    times = []
+    for _ in range(repeats):
+        if logits.device.type == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        apply_token_bitmask(logits, None, bitmask)
+        if logits.device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    return 1e6 * statistics.median(times)
+
+
+def run(model: str | None, method: str, device: str, dtype: str, tokens: int, repeats: int,
+        fill_ahead: bool = True) -> dict:
+    from foretell import LLM, SamplingParams
+    from foretell.bench.datasets import gsm8k_test_prompts
+    from foretell.defaults import member_path
+
+    spec = None
+    if method != "none":
+        spec = {"method": method, "num_speculative_tokens": 3}
+        if method in ("eagle3", "draft_model"):
+            spec["model"] = member_path(method)
+    prompt = gsm8k_test_prompts(1)[0] + " Reply with JSON."
+    base = dict(temperature=0, max_tokens=tokens, ignore_eos=True)
+    report: dict = {"method": method, "device": device, "dtype": dtype, "tokens": tokens, "fill_ahead": fill_ahead}
+    with LLM(model or member_path("target"), device=device, dtype=dtype, speculative_config=spec) as llm:
+        if not fill_ahead:  # every step fills its own rows (an instance attribute: the class is untouched)
+            structured_of(llm).fill_ahead = lambda scheduled, results: None
+        report["host_step"] = measure(llm, prompt, SamplingParams(**base, logit_bias={0: 0.0}), repeats)
+        report["always_true"] = measure(llm, prompt, SamplingParams(**base, structured_outputs={"regex": ALWAYS_TRUE}), repeats)
+        # The JSON document ends where it ends: no ignore_eos (a closed document allows only EOS).
+        report["json"] = measure(llm, prompt, SamplingParams(temperature=0, max_tokens=tokens, structured_outputs={
+            "json": JSON_SCHEMA, "disable_any_whitespace": True}), repeats)
+        vocab = llm.engine.runner.vocab_size
+    host, grammar = report["host_step"], report["always_true"]
+    for key in ("ms_per_step", "cpu_ms_per_step"):
+        report[f"overhead_percent_{key}"] = 100.0 * (grammar[key] - host[key]) / host[key]
+    report["bitmask_op_us"] = {f"{rows}x{v}": bitmask_op_us(v, rows, device) for v in (vocab, 151936) for rows in (1, 4)}
+    return report
+
+
+def print_report(report: dict) -> None:
+    print(f"batch 1, {report['method']}, {report['device']} {report['dtype']}, {report['tokens']} tokens, "
+          f"fill ahead {'on' if report['fill_ahead'] else 'off'}")
+    print(f"{'run':12} {'ms/step':>8} {'cpu ms':>8} {'masks ms':>9} {'fill':>7} {'apply':>7} {'draft':>7} {'accept':>7}")
+    for name in ("host_step", "always_true", "json"):
+        r = report[name]
+        accept = f"{r['mean_acceptance_length']:.3f}" if r["mean_acceptance_length"] else "-"
+        print(f"{name:12} {r['ms_per_step']:8.3f} {r['cpu_ms_per_step']:8.3f} {r['mask_ms_per_step']:9.3f} "
+              f"{r['verify_fill_ms_per_step']:7.3f} {r['verify_apply_ms_per_step']:7.3f} "
+              f"{r['draft_mask_ms_per_step']:7.3f} {accept:>7}")
+    print(f"always-true grammar vs host step: {report['overhead_percent_ms_per_step']:+.1f}% wall, "
+          f"{report['overhead_percent_cpu_ms_per_step']:+.1f}% thread CPU")
+    print("apply_token_bitmask: " + ", ".join(f"{k} {v:.1f} us" for k, v in report["bitmask_op_us"].items()))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="target folder (default: the shipped default family's)")
+    parser.add_argument("--method", default="eagle3", choices=["none", "eagle3", "draft_model", "ngram"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--tokens", type=int, default=64, help="tokens of each timed request")
+    parser.add_argument("--repeats", type=int, default=3, help="timed requests per run (the median is kept)")
+    parser.add_argument("--no-fill-ahead", action="store_true",
+                        help="fill each step's verify rows in the step (no worker thread), for an A/B")
+    parser.add_argument("--json-out", default=None)
+    args = parser.parse_args(argv)
+    if args.tokens < 1 or args.repeats < 1:
+        raise ValueError(f"--tokens and --repeats must be >= 1, got {args.tokens} and {args.repeats}")
+    report = run(args.model, args.method, args.device, args.dtype, args.tokens, args.repeats,
+                 fill_ahead=not args.no_fill_ahead)
+    print_report(report)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
