@@ -107,7 +107,8 @@ class HostStep:
         items = [sched.scheduled[i] for i in batch.sampling_seq_index]
         keep_raw = sampling.max_num_logprobs >= 0 or self.structured.any_structured(items)  # the grammar's fallback
         raw_logits, logits = logits, apply_sampling_controls(logits, items, keep_raw=keep_raw)
-        logits = self.structured.mask_logits(logits, items, copy=logits is raw_logits and keep_raw, fallback=raw_logits)
+        logits = self.structured.mask_logits(logits, items, copy=logits is raw_logits and sampling.max_num_logprobs >= 0,
+                                             fallback=raw_logits)
         if any(item.draft_token_ids for item in items):
             drafts = [item.draft_token_ids for item in items]
             probs = [self._pop_draft_probs(item) for item in items]
@@ -122,6 +123,8 @@ class HostStep:
             outputs, accepted = [[t] for t in tokens], [0] * len(tokens)
             chosen_rows, chosen_tokens = None, sampled.token_ids
         self._set_results(sched, batch, outputs, accepted, results)
+        if self.proposer is None:  # the next step's grammar masks, filled while this one finishes
+            self.structured.fill_ahead(sched.scheduled, results)
         if sampling.max_num_logprobs >= 0:
             add_logprobs(raw_logits, chosen_rows, chosen_tokens, sampling, batch, sched, results)
 
@@ -155,6 +158,7 @@ class HostStep:
             if probs is not None and not item.seq.sampling_params.greedy:
                 self.draft_probs[item.seq.seq_id] = probs
         self.structured.truncate_drafts(sched.scheduled, results, proposal.probs)  # grammar-rejected drafts
+        self.structured.fill_ahead(sched.scheduled, results)  # the next step's grammar masks, on a worker
 
     def draft_batch(self, sched: SchedulerOutput, batch: InputBatch, hidden: torch.Tensor, aux: list[torch.Tensor],
                     results: list, path_rows: dict[int, list[int]] | None = None) -> DraftBatch:
