@@ -74,16 +74,24 @@ class Window:
 
     def _read(self) -> dict:
         stats = self.llm.get_stats()
+        timer = structured_timer(self.llm)
         return {"steps": stats["num_steps"], "drafts": stats.get("num_drafts", 0),
-                "accepted": stats.get("num_accepted_tokens", 0), "mask_s": structured_timer(self.llm).seconds,
-                "time": time.perf_counter()}
+                "accepted": stats.get("num_accepted_tokens", 0), "mask_s": timer.seconds,
+                "fill_s": timer.verify_fill_seconds, "apply_s": timer.verify_apply_seconds,
+                "draft_s": timer.draft_seconds, "ahead": timer.rows_filled_ahead, "time": time.perf_counter()}
 
     def close(self) -> dict:
         end = self._read()
         d = {k: end[k] - self.start[k] for k in end}
         return {"steps": d["steps"], "seconds": d["time"], "num_drafts": d["drafts"],
                 "mean_acceptance_length": 1 + d["accepted"] / d["drafts"] if d["drafts"] else None,
-                "mask_ms_per_step": 1e3 * d["mask_s"] / max(d["steps"], 1)}
+                "mask_ms_per_step": 1e3 * d["mask_s"] / max(d["steps"], 1),
+                # its parts: verify rows filled (or finished after the worker's walk), their copy
+                # and device op, the drafter loop's masks; rows the worker had filled ahead
+                "verify_fill_ms_per_step": 1e3 * d["fill_s"] / max(d["steps"], 1),
+                "verify_apply_ms_per_step": 1e3 * d["apply_s"] / max(d["steps"], 1),
+                "draft_mask_ms_per_step": 1e3 * d["draft_s"] / max(d["steps"], 1),
+                "rows_filled_ahead": d["ahead"]}
 
 
 def spec_config(method: str) -> dict | None:
@@ -194,7 +202,9 @@ def main(argv=None) -> int:
         print(f"{name}: {line}; grammar +{runs['grammar_overhead_percent_vs_host_step']:.1f}% vs the host step, "
               f"+{runs['grammar_overhead_percent_vs_none']:.1f}% vs none")
     for n, r in report["mask_time_spec"].items():
-        print(f"JSON masks at {n}: {r['mask_ms_per_step']:.3f} ms host per step of {r['ms_per_step']:.2f} ms")
+        print(f"JSON masks at {n}: {r['mask_ms_per_step']:.3f} ms host per step of {r['ms_per_step']:.2f} ms "
+              f"(verify fill {r['verify_fill_ms_per_step']:.3f}, apply {r['verify_apply_ms_per_step']:.3f}, "
+              f"draft loop {r['draft_mask_ms_per_step']:.3f}; {r['rows_filled_ahead']} rows filled ahead)")
     print(f"wrote {path} ({report['seconds']:.0f} s)")
     return 0
 
