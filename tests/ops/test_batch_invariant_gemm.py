@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fixtures.order_fixed_dot import order_fixed_dot  # noqa: F401  (a fixture: tl.dot summed in K order)
 from fixtures.triton_interpreter import HAS_CUDA, import_interpreted, interpreter_mode  # noqa: F401
 from foretell.ops.gemm.batch_invariant import BatchInvariantGemm, linear_batch_invariant_torch, linear_rows_torch
 from foretell.ops.pointwise.batch_invariant import silu_and_mul_batch_invariant
@@ -88,34 +89,6 @@ KERNEL_DTYPES = [torch.float16, torch.float32]  # the interpreter's bf16 dot is 
 @pytest.fixture(scope="module")
 def kernel():
     return import_interpreted("foretell.ops.gemm.triton_batch_invariant")
-
-
-def _dot_in_k_order(self, a, b, d, input_precision, max_num_imprecise_acc):
-    """tl.dot for the interpreter as the kernel's claim has it on tensor cores: each element sums its
-    products over K in one order whatever the tile's shape (rank-1 updates in float32; fp16 and
-    float32 products of fp16 inputs are exact). numpy's matmul, the interpreter's own dot, blocks by
-    shape: the same column comes out in other bits beside 15 other columns than beside 63
-    (test_the_interpreters_own_dot_depends_on_the_tile)."""
-    import numpy as np
-    from triton.runtime.interpreter import TensorHandle
-
-    out_dtype = d.data.dtype
-    a_data, b_data = a.data.astype(out_dtype), b.data.astype(out_dtype)
-    acc = np.zeros(np.broadcast_shapes(a_data.shape[:-1] + (1,), b_data.shape[-1:]), dtype=out_dtype)
-    for kk in range(a_data.shape[-1]):
-        acc = acc + a_data[..., kk : kk + 1] * b_data[..., kk : kk + 1, :]
-    return TensorHandle(acc + d.data, d.dtype.scalar)
-
-
-@pytest.fixture
-def order_fixed_dot(interpreter_mode, monkeypatch):
-    """On a CPU: the interpreter's tl.dot replaced by _dot_in_k_order, so the tests check that nothing
-    but the dot instruction could make a row depend on its tile (slices, merge order, offsets,
-    masks). On a GPU the real dot runs: there the tests check the hardware's side of the claim too."""
-    if not HAS_CUDA:
-        from triton.runtime import interpreter
-
-        monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", _dot_in_k_order)
 
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -196,7 +169,7 @@ def test_row_tile_size_does_not_change_a_row(kernel, order_fixed_dot, dtype):
 
 @pytest.mark.skipif(HAS_CUDA, reason="about the interpreter's numpy dot")
 def test_the_interpreters_own_dot_depends_on_the_tile(kernel, interpreter_mode):
-    """Why order_fixed_dot exists: with the interpreter's numpy dot, 16- and 64-row tiles give a
+    """Why order_fixed_dot (fixtures/order_fixed_dot.py) exists: with the interpreter's numpy dot, 16- and 64-row tiles give a
     row other bits, so the interpreter cannot speak for the tensor cores (the GPU test does)."""
     x, w, _ = operands(128, 256, 64, torch.float32, seed=7)
     config = kernel.ShapeConfig(block_k=128, split=1)

@@ -8,14 +8,17 @@ experts), each weighted output added in float32 to a zero row, then `shared`. Ex
 (select_experts) runs per row, on float64 scores (ops/pointwise/batch_invariant.py says why); the
 activation is silu_and_mul_batch_invariant.
 
-On CUDA this torch path runs too (the fused expert kernels pick their tiles by the token count);
-it syncs with the host once per layer (which experts have tokens), so it is not captured in graphs.
+On CUDA (where ops.common.kernel_choice.use_triton allows) the experts run batch_invariant_triton.py
+instead: the grouped kernels at one tile shape for every batch, sync-free, so graphs capture them.
+This torch form syncs with the host once per layer (which experts have tokens): the CPU's path, and
+CUDA's without triton. The router's product is ops/gemm's batch-invariant linear on either device.
 """
 
 from __future__ import annotations
 
 import torch
 
+from foretell.ops.common.kernel_choice import use_triton
 from foretell.ops.gemm.batch_invariant import linear_rows_torch
 from foretell.ops.moe.reference import RouterConfig, select_experts
 from foretell.ops.pointwise.batch_invariant import silu_and_mul_batch_invariant
@@ -46,6 +49,10 @@ def experts_forward_batch_invariant(
     if weights.shape != ids.shape:
         raise ValueError(f"weights and ids must have one shape [num_tokens, k], got {list(weights.shape)} "
                          f"and {list(ids.shape)}")
+    if use_triton(hidden, gate_up) and gate_up.dtype in (torch.bfloat16, torch.float16, torch.float32):
+        from foretell.ops.moe.batch_invariant_triton import experts_forward_batch_invariant_triton  # imports triton
+
+        return experts_forward_batch_invariant_triton(hidden, gate_up, down, weights, ids, shared)
     # Each (token, slot) pair's weighted expert output, computed per expert (rows independent).
     per_slot = torch.zeros(num_tokens, top_k, hidden.shape[-1], dtype=torch.float32, device=hidden.device)
     flat_ids = ids.flatten()  # [T * k]
