@@ -2,8 +2,9 @@
 is decoded alone, verified among k + 1 rows, prefilled in a chunk of any size, or batched with other
 sequences in any order. Torch (ops/attention/batch_invariant.py: what the CPU runs) and the Triton
 launch (ops/attention/triton_batch_invariant.py, in Triton's interpreter on a CPU machine, float32
-and float16) both; each agrees with the reference backend within rounding. The MLA twin
-(ops/mla/batch_invariant.py) likewise, against the reference's absorbed form.
+and float16) both; each agrees with the reference backend within rounding. The MLA twins
+(ops/mla/batch_invariant.py in torch, ops/mla/batch_invariant_triton.py in Triton, attend and
+attend_projections) likewise, against the reference's absorbed form.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fixtures.order_fixed_dot import order_fixed_dot  # noqa: F401  (a fixture: tl.dot summed in K order)
 from fixtures.triton_interpreter import HAS_CUDA, import_interpreted, interpreter_mode  # noqa: F401
 from foretell.ops.attention.batch_invariant import BatchInvariantTorchAttention
 from foretell.ops.attention.metadata import AttentionMetadata
@@ -40,23 +42,29 @@ def run(backend, world, segments):
     """segments: (sequence, first row, end row) in batch order; rows lo..hi-1 are this step's
     queries and the context after the step is hi. -> {(sequence, row): output [heads, dim]}."""
     cache, tables, queries = world
-    width = max(len(t) for t in tables)
     query = torch.cat([queries[s][lo:hi] for s, lo, hi in segments])
+    out = backend.attend(query, cache, step_metadata(tables, segments), HEAD_DIM**-0.5)
+    rows = [(s, r) for s, lo, hi in segments for r in range(lo, hi)]
+    return {key: out[i].cpu() for i, key in enumerate(rows)}
+
+
+def step_metadata(tables, segments) -> AttentionMetadata:
+    """The metadata of a step made of `segments` (run's), over block tables `tables`."""
+    width = max(len(t) for t in tables)
     starts = [0]
     for _, lo, hi in segments:
         starts.append(starts[-1] + hi - lo)
     table = torch.tensor([tables[s] + [0] * (width - len(tables[s])) for s, _, _ in segments], dtype=torch.int32)
     seq_lens = [hi for _, _, hi in segments]
+    slots = [tables[s][r // BLOCK_SIZE] * BLOCK_SIZE + r % BLOCK_SIZE for s, lo, hi in segments for r in range(lo, hi)]
     metadata = AttentionMetadata(
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-        block_table=table.to(DEVICE), slot_mapping=torch.zeros(len(query), dtype=torch.int64, device=DEVICE),
+        block_table=table.to(DEVICE), slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
         block_size=BLOCK_SIZE, max_query_len=max(hi - lo for _, lo, hi in segments), max_seq_len=max(seq_lens),
         query_start_loc_cpu=starts, seq_lens_cpu=seq_lens,
     )
-    out = backend.attend(query, cache, metadata, HEAD_DIM**-0.5)
-    rows = [(s, r) for s, lo, hi in segments for r in range(lo, hi)]
-    return {key: out[i].cpu() for i, key in enumerate(rows)}
+    return metadata
 
 
 FORMATIONS = [
@@ -69,17 +77,6 @@ FORMATIONS = [
 
 
 ALONE = [[(s, r, r + 1)] for s in range(3) for r in (0, 5, 8)]  # rows decoded alone
-# Triton's interpreter runs tl.dot through numpy, whose float32 matmul rounds a row by its position
-# in the tile (a GPU's MMA treats rows alike); there, rows keep their tile slot: chunks start at
-# multiples of the launch's 8 query rows and rows alone are those at a multiple of 8.
-ALIGNED = [
-    [(0, 0, 37), (1, 0, 9), (2, 0, 70)],
-    [(2, 0, 32), (0, 0, 16), (1, 0, 9)],
-    [(0, 16, 24), (2, 32, 40), (1, 8, 9)],
-    [(2, 40, 70), (0, 24, 37)],
-] + [[(s, r, r + 1)] for s, r in [(0, 0), (0, 8), (0, 32), (1, 0), (1, 8), (2, 0), (2, 8), (2, 64)]]
-
-
 def assert_formations_agree(backend, world, formations=FORMATIONS + ALONE) -> dict:
     seen: dict = {}
     for segments in formations:
@@ -102,11 +99,12 @@ def test_torch_rows_do_not_depend_on_their_step(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])  # the interpreter's bf16 dot is broken
-def test_triton_rows_do_not_depend_on_their_step(interpreter_mode, dtype):
+def test_triton_rows_do_not_depend_on_their_step(order_fixed_dot, dtype):
+    """Every formation, rows in any tile slot: on a CPU through order_fixed_dot (the interpreter's
+    numpy dot rounds a row by its slot in the tile; fixtures/order_fixed_dot.py)."""
     kernels = import_interpreted("foretell.ops.attention.triton_batch_invariant")
     world = make_world(dtype, seed=1)
-    got = assert_formations_agree(kernels.BatchInvariantTritonAttention(), world,
-                                  FORMATIONS + ALONE if HAS_CUDA else ALIGNED)
+    got = assert_formations_agree(kernels.BatchInvariantTritonAttention(), world, FORMATIONS + ALONE)
     want = run(TorchAttentionBackend(), world, FORMATIONS[0])
     tol = 2e-3 if dtype == torch.float16 else 1e-5
     for key, row in want.items():
@@ -151,3 +149,98 @@ def test_mla_rows_do_not_depend_on_their_step():
     assert torch.allclose(whole.float(), attend(TorchMLABackend(), 0, n, absorb=True).float(), atol=3e-2, rtol=3e-2)
     with pytest.raises(ValueError, match="absorbed form"):
         attend(backend, 0, 2, absorb=False)
+
+
+# ------------------------------------------------------------------------------ MLA in Triton
+
+MLA_HEADS, NOPE, ROPE, RANK, V_DIM = 4, 16, 8, 32, 16
+
+
+def make_mla_world(dtype, seed=0):
+    """A latent cache holding every sequence's whole context ([c | k_pe] per token), every
+    position's q_nope / q_pe and fused kv_a rows, and kv_b_proj's weight (SEQ_LENS as the GQA world)."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // BLOCK_SIZE) for n in SEQ_LENS]
+    num_blocks = sum(blocks_per_seq) + 3
+    cache = torch.randn(num_blocks, BLOCK_SIZE, RANK + ROPE, generator=gen).to(dtype)  # [blocks, block, rank + rope]
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables, start = [], 0
+    for count in blocks_per_seq:
+        tables.append(perm[start : start + count].tolist())
+        start += count
+    q = [torch.randn(n, MLA_HEADS, NOPE + ROPE, generator=gen).to(dtype).to(DEVICE) for n in SEQ_LENS]
+    kv_a = [torch.randn(n, RANK + ROPE, generator=gen).to(dtype).to(DEVICE) for n in SEQ_LENS]
+    kv_b = (torch.randn(MLA_HEADS * (NOPE + V_DIM), RANK, generator=gen) / RANK**0.5).to(dtype).to(DEVICE)
+    return cache.to(DEVICE), tables, q, kv_a, kv_b
+
+
+def run_mla(backend, world, segments, projections=False):
+    """run's formations for an MLA backend: attend (q_nope, rotated q_pe given) or, with projections,
+    attend_projections (norm + RoPE + cache write of the step's rows, then attend)."""
+    from foretell.layers.norm import RMSNorm
+    from foretell.layers.rotary import RotaryEmbedding
+
+    cache, tables, q, kv_a, kv_b = world
+    metadata = step_metadata(tables, segments)
+    rows = [(s, r) for s, lo, hi in segments for r in range(lo, hi)]
+    q_step = torch.cat([q[s][lo:hi] for s, lo, hi in segments])  # [T, heads, nope + rope]
+    if projections:
+        norm = RMSNorm(RANK, eps=1e-6).to(device=DEVICE, dtype=q_step.dtype)
+        rotary = RotaryEmbedding(ROPE, 4096, 10000.0, None, "gptj").to(DEVICE)
+        positions = torch.tensor([r for _, r in rows], device=DEVICE)
+        kv_step = torch.cat([kv_a[s][lo:hi] for s, lo, hi in segments])
+        out = backend.attend_projections(q_step, kv_step, positions, rotary, norm, kv_b, cache, metadata, 0.2, V_DIM)
+    else:
+        out = backend.attend(q_step[..., :NOPE], q_step[..., NOPE:], kv_b, cache, metadata, 0.2, V_DIM)
+    return {key: out[i].cpu() for i, key in enumerate(rows)}
+
+
+def assert_mla_formations_agree(backend, world, formations, projections=False) -> dict:
+    seen: dict = {}
+    for segments in formations:
+        for key, row in run_mla(backend, world, segments, projections).items():
+            if key in seen:
+                assert torch.equal(seen[key], row), f"sequence {key[0]} row {key[1]} differs in {segments}"
+            else:
+                seen[key] = row
+    return seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])  # the interpreter's bf16 dot is broken
+def test_triton_mla_rows_do_not_depend_on_their_step(order_fixed_dot, dtype):
+    """BatchInvariantTritonMLABackend (ops/mla/batch_invariant_triton.py): a row's output is the same
+    bits decoded alone, verified, in chunks of any size and batched in any order; close to the
+    float64 absorbed reference."""
+    from foretell.ops.mla.reference import TorchMLABackend
+
+    kernels = import_interpreted("foretell.ops.mla.batch_invariant_triton")
+    world = make_mla_world(dtype, seed=3)
+    got = assert_mla_formations_agree(kernels.BatchInvariantTritonMLABackend(), world, FORMATIONS + ALONE)
+    cache, tables, q, kv_a, kv_b = world
+    wide = (cache.double(), tables, [t.double() for t in q], kv_a, kv_b.double())
+    want = run_mla(TorchMLABackend(), wide, FORMATIONS[0])
+    tol = 3e-3 if dtype == torch.float16 else 1e-5
+    for key, row in want.items():
+        assert torch.allclose(got[key].double(), row, atol=tol, rtol=tol), key
+    with pytest.raises(ValueError, match="absorbed form"):
+        kernels.BatchInvariantTritonMLABackend().attend(q[0][:1, :, :NOPE], q[0][:1, :, NOPE:], kv_b, cache,
+                                                         step_metadata(tables, [(0, 0, 1)]), 0.2, V_DIM, absorb=False)
+
+
+def test_triton_mla_projections_rows_do_not_depend_on_their_step(order_fixed_dot):
+    """attend_projections (latent norm, RoPE and cache write of the step's rows, absorbed query with
+    its RoPE, attention, value projection): the same bits per row in every formation, float16."""
+    kernels = import_interpreted("foretell.ops.mla.batch_invariant_triton")
+    world = make_mla_world(torch.float16, seed=4)
+    backend = kernels.BatchInvariantTritonMLABackend()
+    formations = [FORMATIONS[0], FORMATIONS[2], FORMATIONS[4], ALONE[1]]  # the first writes every row
+    assert_mla_formations_agree(backend, world, formations, projections=True)
+
+
+def test_mla_dispatch_gives_the_triton_mode_its_kernels(interpreter_mode):
+    from foretell.ops.mla.dispatch import build_mla_backend
+
+    import_interpreted("foretell.ops.mla.batch_invariant_triton")
+    backend = build_mla_backend("triton_batch_invariant")
+    assert backend.name == "triton_batch_invariant" and backend.graph_safe
+    assert build_mla_backend("torch_batch_invariant").name == "torch_batch_invariant"

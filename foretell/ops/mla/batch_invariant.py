@@ -5,7 +5,8 @@ TorchMLABackend (reference.py) picks the form by the chunk's query length (absor
 expanded above) and runs a sequence's rows through one einsum and one attention, so a row's bits
 depend on its chunk. Here each row is absorbed_attention of one row over the first
 `position + 1` cache entries: its W_UK fold, scores, softmax, value sum and W_UV projection are
-calls whose shapes are set by the row's own context length.
+calls whose shapes are set by the row's own context length. What the CPU runs; on CUDA the mode's
+MLA layers get batch_invariant_triton.py's kernels (ops/mla/dispatch.py).
 """
 
 from __future__ import annotations

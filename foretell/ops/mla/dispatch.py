@@ -2,8 +2,8 @@
 (reference.py), "triton" TritonMLABackend (triton_attention.py, imported only when asked for: it
 imports triton). Unknown names fall back to torch, as the GQA layers' "auto" does off CUDA.
 The batch-invariant mode's GQA backends ("torch_batch_invariant", "triton_batch_invariant") give
-their MLA layers BatchInvariantTorchMLABackend (batch_invariant.py; on CUDA too, eagerly: MLA has
-no batch-invariant kernel yet).
+their MLA layers the batch-invariant twins: BatchInvariantTorchMLABackend (batch_invariant.py) and
+BatchInvariantTritonMLABackend (batch_invariant_triton.py, graph safe; imported only when asked for).
 """
 
 from __future__ import annotations
@@ -18,11 +18,17 @@ def _triton_mla_backend():
     return TritonMLABackend()
 
 
+def _triton_batch_invariant_mla_backend():
+    from foretell.ops.mla.batch_invariant_triton import BatchInvariantTritonMLABackend  # imports triton
+
+    return BatchInvariantTritonMLABackend()
+
+
 MLA_BACKENDS = {
     "torch": TorchMLABackend,
     "triton": _triton_mla_backend,
     "torch_batch_invariant": BatchInvariantTorchMLABackend,
-    "triton_batch_invariant": BatchInvariantTorchMLABackend,
+    "triton_batch_invariant": _triton_batch_invariant_mla_backend,
 }
 
 

@@ -442,6 +442,7 @@ def absorb_query_triton(
     rotary_emb: RotaryModule,  # rotary_dim == rope
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, kv_lora_rank + rope], unit last stride
     config: dict | None = None,  # overrides of head_matmul_config (benchmarks sweep these)
+    fused_rope: bool | None = None,  # None: by token count (FUSED_ROPE_MAX_TOKENS); the batch-invariant mode fixes it
 ) -> torch.Tensor:  # q_abs [num_tokens, num_heads, kv_lora_rank + rope]: [q_lat | rotated q_pe]
     """q_lat = q_nope . W_UK per head and RoPE of q_pe, written side by side, one launch."""
     if q.dim() != 3 or w_uk.dim() != 3:
@@ -464,7 +465,7 @@ def absorb_query_triton(
     q_nope, q_pe = q[..., :nope], q[..., nope:]
     interleaved = rotary_emb.style == "gptj"
     w_uk_strides = (w_uk.stride(0), w_uk.stride(1), 1)  # B[h][k=d, j=r] = W_UK[h, d, r]
-    if num_tokens <= FUSED_ROPE_MAX_TOKENS:
+    if (num_tokens <= FUSED_ROPE_MAX_TOKENS) if fused_rope is None else fused_rope:
         rope_args = (q_pe, positions, cos, sin, interleaved)
         return _launch_head_matmul(q_nope, w_uk, w_uk_strides, out, rank, rope_args, config)
     _launch_head_matmul(q_nope, w_uk, w_uk_strides, out, rank, config=config)
