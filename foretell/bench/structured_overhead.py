@@ -10,7 +10,8 @@ drafter of --method. Three runs in one engine, each repeated --repeats times (th
 For each: milliseconds per engine step (wall, and this thread's CPU time, steadier on a shared
 machine), and the grammar's host time per step on the engine's thread from StructuredOutputs'
 MaskTimer: the verify rows' fill (llguidance, or the wait for the rows filled ahead on the
-worker thread), their copy and device op, and the drafter loop's masks. The overhead is
+worker thread), their copy and device op, the drafter loop's masks, and handing the next step's
+rows to the worker (fill_ahead). The overhead is
 always_true's step time against host_step's. Then the device op alone: apply_token_bitmask on
 [k + 1, vocab] logits for the default family's vocabulary and a 151,936-token one.
 
@@ -35,7 +36,7 @@ JSON_SCHEMA = {
     "required": ["reasoning", "answer"],
     "additionalProperties": False,
 }
-TIMER_FIELDS = ("seconds", "verify_fill_seconds", "verify_apply_seconds", "draft_seconds")
+TIMER_FIELDS = ("seconds", "verify_fill_seconds", "verify_apply_seconds", "draft_seconds", "fill_ahead_seconds")
 
 
 def structured_of(llm):
@@ -72,6 +73,7 @@ def measure(llm, prompt: str, params, repeats: int) -> dict:
             "verify_fill_ms_per_step": 1e3 * d["verify_fill_seconds"] / steps,
             "verify_apply_ms_per_step": 1e3 * d["verify_apply_seconds"] / steps,
             "draft_mask_ms_per_step": 1e3 * d["draft_seconds"] / steps,
+            "fill_ahead_ms_per_step": 1e3 * d["fill_ahead_seconds"] / steps,
         })
     return {key: statistics.median(r[key] for r in runs) if runs[0][key] is not None else None for key in runs[0]}
 
@@ -131,13 +133,14 @@ def run(model: str | None, method: str, device: str, dtype: str, tokens: int, re
 def print_report(report: dict) -> None:
     print(f"batch 1, {report['method']}, {report['device']} {report['dtype']}, {report['tokens']} tokens, "
           f"fill ahead {'on' if report['fill_ahead'] else 'off'}")
-    print(f"{'run':12} {'ms/step':>8} {'cpu ms':>8} {'masks ms':>9} {'fill':>7} {'apply':>7} {'draft':>7} {'accept':>7}")
+    print(f"{'run':12} {'ms/step':>8} {'cpu ms':>8} {'masks ms':>9} {'fill':>7} {'apply':>7} {'draft':>7} "
+          f"{'ahead':>7} {'accept':>7}")
     for name in ("host_step", "always_true", "json"):
         r = report[name]
         accept = f"{r['mean_acceptance_length']:.3f}" if r["mean_acceptance_length"] else "-"
         print(f"{name:12} {r['ms_per_step']:8.3f} {r['cpu_ms_per_step']:8.3f} {r['mask_ms_per_step']:9.3f} "
               f"{r['verify_fill_ms_per_step']:7.3f} {r['verify_apply_ms_per_step']:7.3f} "
-              f"{r['draft_mask_ms_per_step']:7.3f} {accept:>7}")
+              f"{r['draft_mask_ms_per_step']:7.3f} {r['fill_ahead_ms_per_step']:7.3f} {accept:>7}")
     print(f"always-true grammar vs host step: {report['overhead_percent_ms_per_step']:+.1f}% wall, "
           f"{report['overhead_percent_cpu_ms_per_step']:+.1f}% thread CPU")
     print("apply_token_bitmask: " + ", ".join(f"{k} {v:.1f} us" for k, v in report["bitmask_op_us"].items()))

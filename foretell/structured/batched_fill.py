@@ -10,8 +10,8 @@ become the sequence's EOS ids (SequenceMatcher.set_end_tokens, with "may end her
 grammar's own end token's bit, which llguidance sets exactly where its parser accepts), the walk
 is cut at an EOS draft or one our row forbids, and the rows past the cut repeat the cut's row.
 The result is the same as verify_masks' (tests/structured/test_draft_masks.py holds them together).
-The two halves are walk_drafts() (llguidance's calls: what a worker thread runs, runtime.fill_ahead)
-and finish_rows() (ours, on the engine's thread).
+The two halves are walk_drafts() (llguidance's calls: walk_calls() builds them, a worker thread
+may run them: runtime.fill_ahead) and finish_rows() (ours, on the engine's thread).
 """
 
 from __future__ import annotations
@@ -49,8 +49,14 @@ def fill_verify_masks(
 
 
 def walk_drafts(executor, matchers: list[SequenceMatcher], drafts: list[list[int]], out: np.ndarray) -> None:
-    """llguidance's part of fill_verify_masks: its rows as it writes them, in calls that hold no
-    GIL and almost no Python around them (StructuredOutputs runs this on its worker thread)."""
+    """llguidance's part of fill_verify_masks: its rows as it writes them."""
+    for call, args in walk_calls(executor, matchers, drafts, out):
+        call(*args)
+
+
+def walk_calls(executor, matchers: list[SequenceMatcher], drafts: list[list[int]], out: np.ndarray) -> list:
+    """walk_drafts' llguidance calls as (bound method, arguments), built here: a worker thread
+    that runs them holds the GIL only to enter and leave each (llguidance releases it inside)."""
     jobs, row = [], 0
     for matcher, draft in zip(matchers, drafts):
         # An EOS ends the output: the walk stops before it (it is no grammar text).
@@ -62,10 +68,13 @@ def walk_drafts(executor, matchers: list[SequenceMatcher], drafts: list[list[int
     # llguidance refuses an empty draft list: rows with no drafts to walk take the plain call.
     with_drafts = [job for job in jobs if job[2]]
     without = [(matcher, row) for matcher, row, draft in jobs if not draft]
+    where = (out.ctypes.data, out.shape[1] * 4, out.shape[0])
+    calls = []
     if with_drafts:
-        executor.unsafe_compute_mask_ptr_with_draft_token(with_drafts, out.ctypes.data, out.shape[1] * 4, out.shape[0])
+        calls.append((executor.unsafe_compute_mask_ptr_with_draft_token, (with_drafts, *where)))
     if without:
-        executor.unsafe_compute_mask_ptr(without, out.ctypes.data, out.shape[1] * 4, out.shape[0])
+        calls.append((executor.unsafe_compute_mask_ptr, (without, *where)))
+    return calls
 
 
 def finish_rows(matchers: list[SequenceMatcher], drafts: list[list[int]], out: np.ndarray) -> list[int]:

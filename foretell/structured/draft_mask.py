@@ -52,6 +52,7 @@ class MaskTimer:
     verify_fill_seconds: float = 0.0  # a verify's rows: filled here, or waited for from the worker
     verify_apply_seconds: float = 0.0  # their copy to the device and the masking op
     draft_seconds: float = 0.0  # the drafter loop's masks (DraftGrammar)
+    fill_ahead_seconds: float = 0.0  # handing the next step's rows to the worker thread (fill_ahead)
     rows_filled_ahead: int = 0  # verify rows the worker thread had ready (StructuredOutputs.fill_ahead)
 
     def add_draft(self, seconds: float) -> None:

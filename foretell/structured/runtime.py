@@ -40,14 +40,14 @@ from __future__ import annotations
 import os
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
 from foretell.device_util import to_device
 from foretell.engine.errors import SequenceError
-from foretell.structured.batched_fill import SequenceGrammarViolation, fill_verify_masks, finish_rows, walk_drafts
+from foretell.structured.batched_fill import SequenceGrammarViolation, fill_verify_masks, finish_rows, walk_calls
 from foretell.structured.bitmask import BitmaskBuffer, apply_token_bitmask, contiguous_rows, num_mask_words
 from foretell.structured.draft_mask import DraftMask, MaskTimer
 from foretell.structured.matcher import GrammarViolation, SequenceMatcher
@@ -71,7 +71,7 @@ class StructuredOutputs:
         self._buffers: dict[str, BitmaskBuffer] = {}  # "verify" / "draft" -> host rows, reused
         self.timer = MaskTimer()  # host time spent on masks (verify rows and draft loops)
         self._worker: ThreadPoolExecutor | None = None  # fill_ahead()'s one thread, made when first used
-        self._ahead: Future | tuple | None = None  # the next step's rows filled ahead: (jobs, rows) once waited for
+        self._ahead: tuple | None = None  # the next step's rows filled ahead: (jobs, rows, futures); (jobs, rows) once done
 
     # ---- matchers ------------------------------------------------------------------------
     def _tokenizer(self):
@@ -221,23 +221,24 @@ class StructuredOutputs:
         if jobs:
             if self._worker is None:
                 self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="foretell-grammar-masks")
-            self._ahead = self._worker.submit(self._fill_on_worker, jobs, self.executor, self.num_words)
-        self.timer.seconds += time.perf_counter() - started
-
-    @staticmethod
-    def _fill_on_worker(jobs: list, executor, num_words: int) -> tuple[list, np.ndarray]:
-        """llguidance's walk of every job's drafts into fresh rows (finish_rows: on the engine's thread)."""
-        out = np.empty((sum(len(drafts) + 1 for _, _, drafts in jobs), num_words), dtype=np.int32)
-        walk_drafts(executor, [m for _, m, _ in jobs], [d for _, _, d in jobs], out)
-        return jobs, out
+            out = np.empty((sum(len(drafts) + 1 for _, _, drafts in jobs), self.num_words), dtype=np.int32)
+            calls = walk_calls(self.executor, [m for _, m, _ in jobs], [d for _, _, d in jobs], out)
+            # The worker runs llguidance's bound methods themselves: no Python of ours holds the GIL there.
+            self._ahead = (jobs, out, [self._worker.submit(call, *args) for call, args in calls])
+        elapsed = time.perf_counter() - started
+        self.timer.fill_ahead_seconds += elapsed
+        self.timer.seconds += elapsed
 
     def _wait_for_worker(self) -> None:
         """Wait for the rows being filled ahead (the matchers are the worker's until then)."""
-        if isinstance(self._ahead, Future):
-            try:
-                self._ahead = self._ahead.result()
-            except (ValueError, RuntimeError):  # llguidance's; the step's own fill meets it and names the request
-                self._ahead = None
+        if self._ahead is not None and len(self._ahead) == 3:
+            jobs, out, futures = self._ahead
+            self._ahead = (jobs, out)
+            for future in futures:
+                try:
+                    future.result()
+                except (ValueError, RuntimeError):  # llguidance's; the step's own fill meets it and names the request
+                    self._ahead = None
 
     def _take_rows_filled_ahead(self, ahead: tuple | None, spans: list, bitmask: np.ndarray) -> bool:
         """Finish the rows filled ahead and copy them into bitmask when every span's were (False:
