@@ -1,10 +1,9 @@
 """The batch-invariant mode on a CUDA device in bf16 (issue 23): for each kernel the mode runs, row r
 computed at M = 1 equals row r computed among M = 2..512, bit for bit (the linear at Llama-3.1-8B
 shapes with split-K fixed by shape, across row tiles of 16 / 64 / 128 rows, gated and float32
-LM-head epilogues; RMSNorm, RoPE, SiLU-and-mul, argmax); the attention
-launch gives a row the same bits alone, verified, in chunks and batched in any order (every row,
-not only the tile-slot-aligned ones the interpreter can check); the linear replays bit-identically
-in a CUDA graph; and end to end on the default family with graphs, one at a time / batched /
+LM-head epilogues; RMSNorm, RoPE, SiLU-and-mul, argmax; the MoE experts at V2-Lite shapes and the
+router); the GQA and MLA attention launches give a row the same bits alone, verified, in chunks and
+batched in any order; the linear and the MoE experts replay bit-identically in a CUDA graph; and end to end on the default family with graphs, one at a time / batched /
 EAGLE3 / n-gram give the same tokens and logprob bits.
 """
 
@@ -91,6 +90,110 @@ def test_moe_rows_run_the_kernel_and_do_not_depend_on_m():
         assert_rows_invariant(lambda rows: linear_rows_torch(rows, w), x)
         want = torch.nn.functional.linear(x.double(), w.double())
         assert torch.allclose(linear_rows_torch(x, w).double(), want, atol=2e-2, rtol=2e-2)
+
+
+def _moe_world(num_tokens=64, seed=0, dtype=torch.bfloat16, hidden=2048, inter=1408, routed=64, shared=2, top_k=6):
+    """DeepSeek-V2-Lite's expert shapes: each token's top_k distinct routed experts, then the shared
+    experts as slots of weight 1 (append_shared_experts' layout)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    experts = routed + shared
+    x = torch.randn(num_tokens, hidden, device=DEVICE, generator=gen).to(dtype)
+    gate_up = (torch.randn(experts, 2 * inter, hidden, device=DEVICE, generator=gen) / hidden**0.5).to(dtype)
+    down = (torch.randn(experts, hidden, inter, device=DEVICE, generator=gen) / inter**0.5).to(dtype)
+    routed_ids = torch.rand(num_tokens, routed, device=DEVICE, generator=gen).argsort(dim=1)[:, :top_k]
+    ids = torch.cat([routed_ids, torch.arange(routed, experts, device=DEVICE).expand(num_tokens, shared)], dim=1)
+    weights = torch.cat([torch.rand(num_tokens, top_k, device=DEVICE, generator=gen),
+                         torch.ones(num_tokens, shared, device=DEVICE)], dim=1)  # float32
+    extra = torch.randn(num_tokens, hidden, device=DEVICE, generator=gen).to(dtype)
+    return x, gate_up, down, weights, ids, extra
+
+
+def test_moe_experts_rows_do_not_depend_on_m():
+    """The mode's MoE (ops/moe/batch_invariant_triton.py through batch_invariant.py's dispatch): a
+    token's output alone equals its output among M = 2..64 tokens and in a shuffled batch, bit for
+    bit, at V2-Lite expert shapes in bf16 (both align steps); within rounding of float64."""
+    from foretell.ops.moe.batch_invariant import experts_forward_batch_invariant
+    from foretell.ops.moe.batch_invariant_triton import experts_forward_batch_invariant_triton
+    from foretell.ops.moe.reference import experts_forward_torch
+
+    x, gate_up, down, weights, ids, extra = _moe_world()
+
+    def run(rows, align_kernel=None):
+        return experts_forward_batch_invariant_triton(x[rows].clone(), gate_up, down, weights[rows].clone(),
+                                                      ids[rows].clone(), extra[rows].clone(), align_kernel=align_kernel)
+
+    alone = [run([r]) for r in range(64)]
+    for m in M_VALUES:
+        for align_kernel in (True, False):
+            out = run(list(range(m)), align_kernel)
+            for r in range(m):
+                assert torch.equal(out[r : r + 1], alone[r]), f"token {r} differs at M={m} (align kernel {align_kernel})"
+    order = torch.randperm(64).tolist()
+    out = run(order)
+    for i, r in enumerate(order):
+        assert torch.equal(out[i : i + 1], alone[r]), f"token {r} differs in a shuffled batch"
+    dispatched = experts_forward_batch_invariant(x, gate_up, down, weights, ids, extra)
+    assert torch.equal(dispatched, torch.cat(alone)), "the mode's dispatch runs the kernel on CUDA"
+    want = experts_forward_torch(x.double(), gate_up.double(), down.double(), weights, ids) + extra.double()
+    assert torch.allclose(dispatched.double(), want, atol=3e-2, rtol=3e-2)
+
+
+def test_moe_router_rows_do_not_depend_on_m():
+    """The mode's router on CUDA (float32 linear kernel, float64 selection in torch): a token's
+    weights and ids alone equal those among M = 2..64 (V2-Lite: softmax, greedy; V3: sigmoid,
+    grouped noaux_tc with a correction bias)."""
+    from foretell.ops.moe.batch_invariant import route_batch_invariant
+    from foretell.ops.moe.reference import RouterConfig
+
+    configs = [
+        (RouterConfig(num_experts=64, top_k=6, scoring_func="softmax", topk_method="greedy", n_group=1,
+                      topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0, num_shared_experts=2), None),
+        (RouterConfig(num_experts=256, top_k=8, scoring_func="sigmoid", topk_method="noaux_tc", n_group=8,
+                      topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5, num_shared_experts=1),
+         torch.randn(256, device=DEVICE) * 0.01),
+    ]
+    for config, bias in configs:
+        hidden = 2048
+        x = torch.randn(64, hidden, device=DEVICE).to(torch.bfloat16)
+        w = torch.randn(config.num_experts, hidden, device=DEVICE) / hidden**0.5  # float32, as checkpoints hold it
+        assert_rows_invariant(lambda rows: torch.cat([t.double() for t in route_batch_invariant(rows, w, config, bias)],
+                                                     dim=1), x)
+
+
+def test_moe_replays_in_a_graph_bit_for_bit():
+    """No host sync: the mode's experts are captured in a CUDA graph and replay the eager bits."""
+    from foretell.ops.moe.batch_invariant_triton import experts_forward_batch_invariant_triton
+
+    x, gate_up, down, weights, ids, extra = _moe_world(num_tokens=4, seed=1)
+    eager = experts_forward_batch_invariant_triton(x, gate_up, down, weights, ids, extra)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = experts_forward_batch_invariant_triton(x, gate_up, down, weights, ids, extra)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, eager)
+
+
+V2_LITE_MLA = dict(heads=16, nope=128, rope=64, rank=512, v=128)
+
+
+def test_mla_rows_do_not_depend_on_their_step():
+    """The mode's MLA (ops/mla/batch_invariant_triton.py) at V2-Lite's dims in bf16: a row decoded
+    alone, verified, prefilled in chunks and batched in any order gives the same bits, through
+    attend and through attend_projections (latent write, absorbed query, attention, W_UV)."""
+    from ops.test_batch_invariant_attention import ALONE, FORMATIONS, assert_mla_formations_agree, make_mla_world
+    from foretell.ops.mla.batch_invariant_triton import BatchInvariantTritonMLABackend
+    from foretell.ops.mla.dispatch import build_mla_backend
+
+    backend = build_mla_backend("triton_batch_invariant")
+    assert isinstance(backend, BatchInvariantTritonMLABackend)
+    assert_mla_formations_agree(backend, make_mla_world(torch.bfloat16, seed=5, dims=V2_LITE_MLA), FORMATIONS + ALONE)
+    world = make_mla_world(torch.bfloat16, seed=6, dims=V2_LITE_MLA)
+    assert_mla_formations_agree(backend, world, FORMATIONS + ALONE, projections=True)  # the first writes every row
+    # 128 heads (V3 / Kimi): 32-row tiles of one token's heads
+    v3 = dict(V2_LITE_MLA, heads=128)
+    assert_mla_formations_agree(backend, make_mla_world(torch.bfloat16, seed=7, dims=v3), FORMATIONS[:3] + ALONE[:4])
 
 
 def test_linear_replays_in_a_graph_bit_for_bit():

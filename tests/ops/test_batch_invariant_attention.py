@@ -153,25 +153,27 @@ def test_mla_rows_do_not_depend_on_their_step():
 
 # ------------------------------------------------------------------------------ MLA in Triton
 
-MLA_HEADS, NOPE, ROPE, RANK, V_DIM = 4, 16, 8, 32, 16
+SMALL_MLA = dict(heads=4, nope=16, rope=8, rank=32, v=16)
 
 
-def make_mla_world(dtype, seed=0):
+def make_mla_world(dtype, seed=0, dims=SMALL_MLA):
     """A latent cache holding every sequence's whole context ([c | k_pe] per token), every
-    position's q_nope / q_pe and fused kv_a rows, and kv_b_proj's weight (SEQ_LENS as the GQA world)."""
+    position's q (nope + rope) and fused kv_a rows, and kv_b_proj's weight (SEQ_LENS as the GQA
+    world): (cache, tables, q, kv_a, kv_b, dims)."""
+    heads, nope, rope, rank, v = (dims[k] for k in ("heads", "nope", "rope", "rank", "v"))
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-n // BLOCK_SIZE) for n in SEQ_LENS]
     num_blocks = sum(blocks_per_seq) + 3
-    cache = torch.randn(num_blocks, BLOCK_SIZE, RANK + ROPE, generator=gen).to(dtype)  # [blocks, block, rank + rope]
+    cache = torch.randn(num_blocks, BLOCK_SIZE, rank + rope, generator=gen).to(dtype)  # [blocks, block, rank + rope]
     perm = torch.randperm(num_blocks, generator=gen)
     tables, start = [], 0
     for count in blocks_per_seq:
         tables.append(perm[start : start + count].tolist())
         start += count
-    q = [torch.randn(n, MLA_HEADS, NOPE + ROPE, generator=gen).to(dtype).to(DEVICE) for n in SEQ_LENS]
-    kv_a = [torch.randn(n, RANK + ROPE, generator=gen).to(dtype).to(DEVICE) for n in SEQ_LENS]
-    kv_b = (torch.randn(MLA_HEADS * (NOPE + V_DIM), RANK, generator=gen) / RANK**0.5).to(dtype).to(DEVICE)
-    return cache.to(DEVICE), tables, q, kv_a, kv_b
+    q = [torch.randn(n, heads, nope + rope, generator=gen).to(dtype).to(DEVICE) for n in SEQ_LENS]
+    kv_a = [torch.randn(n, rank + rope, generator=gen).to(dtype).to(DEVICE) for n in SEQ_LENS]
+    kv_b = (torch.randn(heads * (nope + v), rank, generator=gen) / rank**0.5).to(dtype).to(DEVICE)
+    return cache.to(DEVICE), tables, q, kv_a, kv_b, dims
 
 
 def run_mla(backend, world, segments, projections=False):
@@ -180,18 +182,20 @@ def run_mla(backend, world, segments, projections=False):
     from foretell.layers.norm import RMSNorm
     from foretell.layers.rotary import RotaryEmbedding
 
-    cache, tables, q, kv_a, kv_b = world
+    cache, tables, q, kv_a, kv_b, dims = world
     metadata = step_metadata(tables, segments)
     rows = [(s, r) for s, lo, hi in segments for r in range(lo, hi)]
     q_step = torch.cat([q[s][lo:hi] for s, lo, hi in segments])  # [T, heads, nope + rope]
     if projections:
-        norm = RMSNorm(RANK, eps=1e-6).to(device=DEVICE, dtype=q_step.dtype)
-        rotary = RotaryEmbedding(ROPE, 4096, 10000.0, None, "gptj").to(DEVICE)
+        norm = RMSNorm(dims["rank"], eps=1e-6).to(device=DEVICE, dtype=q_step.dtype)
+        rotary = RotaryEmbedding(dims["rope"], 4096, 10000.0, None, "gptj").to(DEVICE)
         positions = torch.tensor([r for _, r in rows], device=DEVICE)
         kv_step = torch.cat([kv_a[s][lo:hi] for s, lo, hi in segments])
-        out = backend.attend_projections(q_step, kv_step, positions, rotary, norm, kv_b, cache, metadata, 0.2, V_DIM)
+        out = backend.attend_projections(q_step, kv_step, positions, rotary, norm, kv_b, cache, metadata, 0.2,
+                                         dims["v"])
     else:
-        out = backend.attend(q_step[..., :NOPE], q_step[..., NOPE:], kv_b, cache, metadata, 0.2, V_DIM)
+        nope = dims["nope"]
+        out = backend.attend(q_step[..., :nope], q_step[..., nope:], kv_b, cache, metadata, 0.2, dims["v"])
     return {key: out[i].cpu() for i, key in enumerate(rows)}
 
 
@@ -216,15 +220,17 @@ def test_triton_mla_rows_do_not_depend_on_their_step(order_fixed_dot, dtype):
     kernels = import_interpreted("foretell.ops.mla.batch_invariant_triton")
     world = make_mla_world(dtype, seed=3)
     got = assert_mla_formations_agree(kernels.BatchInvariantTritonMLABackend(), world, FORMATIONS + ALONE)
-    cache, tables, q, kv_a, kv_b = world
-    wide = (cache.double(), tables, [t.double() for t in q], kv_a, kv_b.double())
+    cache, tables, q, kv_a, kv_b, dims = world
+    wide = (cache.double(), tables, [t.double() for t in q], kv_a, kv_b.double(), dims)
     want = run_mla(TorchMLABackend(), wide, FORMATIONS[0])
     tol = 3e-3 if dtype == torch.float16 else 1e-5
     for key, row in want.items():
         assert torch.allclose(got[key].double(), row, atol=tol, rtol=tol), key
     with pytest.raises(ValueError, match="absorbed form"):
-        kernels.BatchInvariantTritonMLABackend().attend(q[0][:1, :, :NOPE], q[0][:1, :, NOPE:], kv_b, cache,
-                                                         step_metadata(tables, [(0, 0, 1)]), 0.2, V_DIM, absorb=False)
+        nope = dims["nope"]
+        kernels.BatchInvariantTritonMLABackend().attend(q[0][:1, :, :nope], q[0][:1, :, nope:], kv_b, cache,
+                                                         step_metadata(tables, [(0, 0, 1)]), 0.2, dims["v"],
+                                                         absorb=False)
 
 
 def test_triton_mla_projections_rows_do_not_depend_on_their_step(order_fixed_dot):

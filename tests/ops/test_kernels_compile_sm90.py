@@ -34,6 +34,11 @@ CASES = [
     "rope + gqa attention, split decode, Llama", "rope + gqa attention, verify, Qwen3 norms", "graph inputs unpack",
     "verify step: accept drawn (simulated), capped", "verify step: accept, greedy", "verify step: draft catch-up inputs",
     "verify step: next verify inputs",
+    "batch-invariant linear, split-K 4, 128-row tiles", "batch-invariant linear, gated, decode tiles",
+    "batch-invariant linear, LM head float32 out", "batch-invariant moe align, V2-Lite",
+    "batch-invariant moe gate_up, V2-Lite", "batch-invariant moe down, V2-Lite", "batch-invariant moe combine, shared",
+    "batch-invariant mla attention, V2-Lite", "batch-invariant mla attention, V3 heads",
+    "batch-invariant mla absorbed query with rope", "batch-invariant mla value projection",
 ]
 
 
