@@ -24,7 +24,7 @@ One step, eager on the host (no padded or graphed form yet: ModelRunner takes no
 from __future__ import annotations
 
 import torch
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from foretell.device_util import to_device
 from foretell.engine.scheduler import SchedulerOutput
@@ -37,7 +37,8 @@ from foretell.runner.sequence_result import SequenceResult
 from foretell.spec_decode.tree.compact import apply_slot_moves, compaction_slots
 from foretell.spec_decode.tree.proposer import Eagle3TreeDrafter
 from foretell.spec_decode.tree.shape import DraftTree, TreeShape
-from foretell.spec_decode.tree.verify import TreeVerifyResult, result_from_path, verify_greedy, verify_sampled
+from foretell.spec_decode.tree.simulated import rank_logprobs, simulated_tree_accept
+from foretell.spec_decode.tree.verify import TreeVerifyResult, last_node, result_from_path, verify_greedy, verify_sampled
 
 TREE_SEED_SALT = 0x7EE5EED
 
@@ -60,7 +61,13 @@ class TreeStep:
         self.model = model
         self.host_step = host_step
         self.target_forward = target_forward  # the runner's (graphs when a batch fits), for tree-less steps
-        self.drafter = Eagle3TreeDrafter(proposer, self.shape)
+        # Simulated acceptance (tree/simulated.py): the verifier's draws, per-depth rates for the best
+        # path, and trees shaped as a draft calibrated to those rates would shape them.
+        verifier = host_step.verifier
+        self.draws = verifier.draws if verifier.synthetic else None
+        self.rates = None if self.draws is None else torch.tensor(self.draws.rates, dtype=torch.float64, device=device)
+        shaped = None if self.draws is None else rank_logprobs(self.shape, self.draws.rates).to(device)
+        self.drafter = Eagle3TreeDrafter(proposer, self.shape, shaped)
         self.block_size = block_size
         self.device = device
         self.trees: dict[int, DraftTree] = {}  # seq_id -> its drafted tree [1, T], until its verify
@@ -71,15 +78,15 @@ class TreeStep:
     def execute(self, sched: SchedulerOutput) -> list[SequenceResult]:
         batch = build_input_batch(sched.scheduled, self.block_size, self.device)
         results = [SequenceResult() for _ in sched.scheduled]
-        trees = self._scheduled_trees(sched)  # scheduled index -> its tree, cut to its drafts
-        if trees:
-            batch = self._tree_batch(sched, batch, trees)
+        groups = self._scheduled_trees(sched, batch)
+        if groups:
+            batch = self._tree_batch(batch, groups)
             hidden, aux = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
             logits = self.model.compute_logits(hidden[batch.logits_rows])  # [sampling rows, vocab] float32
         else:
             hidden, aux, logits = self.target_forward(batch)
         add_prompt_logprobs(self.model, sched, batch, hidden, results)
-        path_rows = self._sample(sched, batch, logits, trees, results)
+        path_rows = self._sample(sched, batch, logits, groups, results)
         self._draft(sched, batch, hidden, aux, results, path_rows)
         return results
 
@@ -87,8 +94,10 @@ class TreeStep:
         self.trees.pop(seq_id, None)
 
     # ---- 1. inputs -----------------------------------------------------------------------------
-    def _scheduled_trees(self, sched: SchedulerOutput) -> dict[int, DraftTree]:
-        trees = {}
+    def _scheduled_trees(self, sched: SchedulerOutput, batch: InputBatch) -> list[TreeGroup]:
+        """The step's trees, cut to the drafts the scheduler kept, stacked by node count (one group
+        unless a tree was cut near max_model_len)."""
+        by_size: dict[int, list[tuple[int, DraftTree]]] = {}
         for i, item in enumerate(sched.scheduled):
             tree = self.trees.pop(item.seq.seq_id, None)
             drafts = item.draft_token_ids
@@ -98,63 +107,102 @@ class TreeStep:
             root = item.seq.token_ids[item.seq.num_computed_tokens + item.num_new_tokens - num_nodes]
             if tree is None or num_nodes > tree.num_nodes or tree.tokens[0, :num_nodes].tolist() != [root, *drafts]:
                 raise RuntimeError(f"sequence {item.seq.request_id!r} carries drafts that are not its drafted tree")
-            trees[i] = _cut(tree, num_nodes)
-        return trees
+            by_size.setdefault(num_nodes, []).append((i, _cut(tree, num_nodes)))
+        groups = []
+        for num_nodes, members in by_size.items():
+            index = [i for i, _ in members]
+            root_rows = [batch.query_start[i + 1] - num_nodes for i in index]  # each sequence's last real row
+            groups.append(TreeGroup(index, _stack([t for _, t in members]), root_rows,
+                                    [batch.position_list[r] for r in root_rows]))
+        return groups
 
-    def _tree_batch(self, sched: SchedulerOutput, batch: InputBatch, trees: dict[int, DraftTree]) -> InputBatch:
+    def _tree_batch(self, batch: InputBatch, groups: list[TreeGroup]) -> InputBatch:
         """Tree rows at position root + depth, and the ancestor mask over every sequence's first W
         new rows (W: the largest tree sequence's row count; all-true rows elsewhere)."""
         positions = list(batch.position_list)
-        width = max(batch.query_start[i + 1] - batch.query_start[i] for i in trees)
+        width = max(batch.query_start[i + 1] - batch.query_start[i] for g in groups for i in g.index)
         mask = torch.ones(batch.num_tokens, width, dtype=torch.bool, device=self.device)
-        for i, tree in trees.items():
-            root_row = batch.query_start[i + 1] - tree.num_nodes  # the sequence's last real row
-            offset = root_row - batch.query_start[i]
-            root_position = positions[root_row]
-            positions[root_row: root_row + tree.num_nodes] = [root_position + d for d in tree.depths[0].tolist()]
-            mask[root_row: root_row + tree.num_nodes, offset: offset + tree.num_nodes] = tree.ancestor_mask[0]
+        for g in groups:
+            num_nodes = g.tree.num_nodes
+            for root_row, root_position, depths in zip(g.root_rows, g.root_positions, g.tree.depths.tolist()):
+                positions[root_row: root_row + num_nodes] = [root_position + d for d in depths]
+            offsets = [r - batch.query_start[i] for r, i in zip(g.root_rows, g.index)]
+            nodes = torch.arange(num_nodes, device=self.device)
+            rows = to_device(g.root_rows, torch.int64, self.device).unsqueeze(1) + nodes  # [n, T]
+            cols = to_device(offsets, torch.int64, self.device).unsqueeze(1) + nodes  # [n, T]
+            mask[rows.unsqueeze(2), cols.unsqueeze(1)] = g.tree.ancestor_mask  # one scatter for the group
         tree_batch = replace(batch, position_list=positions)
         tree_batch.attn_metadata = replace(batch.attn_metadata, tree_mask=mask)  # (a cached property)
         return tree_batch
 
     # ---- 2 + 3. verify, compact ---------------------------------------------------------------
-    def _sample(self, sched, batch: InputBatch, logits: torch.Tensor, trees: dict[int, DraftTree],
+    def _sample(self, sched, batch: InputBatch, logits: torch.Tensor, groups: list[TreeGroup],
                 results: list) -> dict[int, list[int]]:
         """Each sampling sequence's tokens into results; returns the accepted paths' rows (offsets
         from each tree sequence's first row) for the drafter's catch-up."""
-        plain, plain_rows, plain_positions, tree_rows = [], [], [], {}
+        in_tree = {i for g in groups for i in g.index}
+        plain, plain_rows, plain_positions, first_row = [], [], [], {}
         row = 0
-        for j, i in enumerate(batch.sampling_seq_index):
-            count = len(sched.scheduled[i].draft_token_ids) + 1
-            if i in trees:
-                tree_rows[i] = row
-            else:
+        for i in batch.sampling_seq_index:
+            first_row[i] = row
+            if i not in in_tree:
                 plain.append(i)
                 plain_rows.append(row)
                 plain_positions.append(batch.row_positions[row])
-            row += count
+            row += len(sched.scheduled[i].draft_token_ids) + 1
         if plain:
             sub = replace(batch, sampling_seq_index=plain, logits_row_ids=[batch.logits_row_ids[r] for r in plain_rows],
                           row_positions=plain_positions)
             self.host_step.sample(sched, sub, logits[to_device(plain_rows, torch.int64, self.device)], results)
-        if not trees:
+        if not groups:
             return {}
-        verified = {i: self._verify(sched.scheduled[i], trees[i], logits[r: r + trees[i].num_nodes])
-                    for i, r in tree_rows.items()}
-        self._compact(sched, batch, trees, verified)
+        target_ids = logits.argmax(-1)  # [sampling rows]: greedy verifies and simulated bonuses read it
+        uniforms = iter(self.draws.uniforms(len(in_tree)) if self.draws is not None else ())  # one draw per tree
         path_rows = {}
-        for i, verify in verified.items():
-            item, tree = sched.scheduled[i], trees[i]
-            accepted = int(verify.num_accepted[0])
-            results[i].new_token_ids = verify.output_tokens[0, : accepted + 1].tolist()
-            results[i].num_accepted = accepted
-            results[i].num_drafts = item.num_usable_drafts
-            n_real = item.num_new_tokens - len(item.draft_token_ids)
-            path = verify.accepted_nodes[0, 1: accepted + 1].tolist()
-            path_rows[i] = list(range(n_real)) + [n_real - 1 + node for node in path]
+        for g in groups:
+            rows = to_device([first_row[i] for i in g.index], torch.int64, self.device).unsqueeze(1)
+            rows = rows + torch.arange(g.tree.num_nodes, device=self.device)  # [n, T] logits rows
+            verify = self._verify(sched, g, logits, target_ids, rows, [next(uniforms) for _ in g.index]
+                                  if self.draws is not None else None)
+            self._compact(g, batch, verify.accepted_nodes)
+            packed = torch.cat([verify.num_accepted.unsqueeze(1), verify.output_tokens, verify.accepted_nodes], 1)
+            width = verify.output_tokens.shape[1]
+            for i, values in zip(g.index, packed.tolist()):  # one sync per group
+                item, accepted = sched.scheduled[i], values[0]
+                results[i].new_token_ids = values[1: 2 + accepted]
+                results[i].num_accepted = accepted
+                results[i].num_drafts = item.num_usable_drafts
+                n_real = item.num_new_tokens - len(item.draft_token_ids)
+                path = values[1 + width + 1: 1 + width + 1 + accepted]
+                path_rows[i] = list(range(n_real)) + [n_real - 1 + node for node in path]
         return path_rows
 
-    def _verify(self, item, tree: DraftTree, logits: torch.Tensor) -> TreeVerifyResult:  # logits [T, vocab]
+    def _verify(self, sched, g: TreeGroup, logits: torch.Tensor, target_ids: torch.Tensor, rows: torch.Tensor,
+                uniforms: list[float] | None) -> TreeVerifyResult:
+        """One group's trees at once: drawn (simulated), greedy, or sampled (multi-draft rejection
+        sampling; a seeded request draws from its own generator)."""
+        items = [sched.scheduled[i] for i in g.index]
+        depth = self.shape.depth
+        limits = [depth if item.accept_limit is None else item.accept_limit for item in items]
+        limit_tensor = None if all(x == depth for x in limits) else to_device(limits, torch.int64, self.device)
+        ids = target_ids[rows]  # [n, T]
+        if uniforms is not None:
+            return simulated_tree_accept(g.tree, torch.tensor(uniforms, dtype=torch.float64, device=self.device),
+                                         self.rates, ids, limit_tensor)
+        greedy = [item.seq.sampling_params.greedy for item in items]
+        if all(greedy):
+            verify = verify_greedy(g.tree, ids)
+            if limit_tensor is None:
+                return verify
+            # near max_tokens: every row verified, at most accept_limit accepted
+            keep = torch.arange(depth + 1, device=self.device).unsqueeze(0) <= limit_tensor.unsqueeze(1)
+            path = torch.where(keep, verify.accepted_nodes, -1)
+            return result_from_path(g.tree, path, ids.gather(1, last_node(path).unsqueeze(1)).squeeze(1))
+        parts = [self._verify_one(item, _row(g.tree, j), logits[rows[j]]) for j, item in enumerate(items)]
+        return TreeVerifyResult(*(torch.cat([getattr(p, f) for p in parts]) for f in
+                                  ("accepted_nodes", "num_accepted", "bonus_tokens", "output_tokens")))
+
+    def _verify_one(self, item, tree: DraftTree, logits: torch.Tensor) -> TreeVerifyResult:  # logits [T, vocab]
         params = item.seq.sampling_params
         if params.greedy:
             verify = verify_greedy(tree, logits.unsqueeze(0))
@@ -175,13 +223,12 @@ class TreeStep:
         probs = processed_probs(logits, sampling)  # [T, vocab]
         return verify_sampled(tree, probs.unsqueeze(0), None, generator)
 
-    def _compact(self, sched, batch: InputBatch, trees: dict[int, DraftTree], verified: dict) -> None:
-        """Every target layer's K/V of the accepted paths to consecutive positions after the root."""
-        order = list(trees)
-        nodes = torch.cat([verified[i].accepted_nodes for i in order])  # [n, depth + 1]
-        roots = [batch.position_list[batch.query_start[i + 1] - trees[i].num_nodes] for i in order]
-        table = batch.attn_metadata.block_table[to_device(order, torch.int64, self.device)]
-        src, dst = compaction_slots(nodes, to_device(roots, torch.int64, self.device), table, self.block_size)
+    def _compact(self, g: TreeGroup, batch: InputBatch, accepted_nodes: torch.Tensor) -> None:
+        """Every target layer's K/V of the accepted paths to consecutive positions after the root:
+        the moves of all the group's sequences in one gather and one scatter per layer."""
+        table = batch.attn_metadata.block_table[to_device(g.index, torch.int64, self.device)]
+        roots = to_device(g.root_positions, torch.int64, self.device)
+        src, dst = compaction_slots(accepted_nodes, roots, table, self.block_size)
         for layer in self.model.attention_layers():
             apply_slot_moves(layer.kv_cache, src, dst)
 
@@ -198,6 +245,23 @@ class TreeStep:
         for j, i in enumerate(drafting):
             self.trees[sched.scheduled[i].seq.seq_id] = _row(tree, j)
             results[i].next_drafts = tokens[j][1:]
+
+
+@dataclass
+class TreeGroup:
+    """The step's trees of one node count, stacked: scheduled indices, trees [n, T], each
+    sequence's root row in the batch and the root's position."""
+    index: list[int]
+    tree: DraftTree
+    root_rows: list[int]
+    root_positions: list[int]
+
+
+def _stack(trees: list[DraftTree]) -> DraftTree:
+    if len(trees) == 1:
+        return trees[0]
+    return DraftTree(trees[0].shape, *(torch.cat([getattr(t, f) for t in trees]) for f in
+                                       ("tokens", "parents", "depths", "ancestor_mask", "scores")))
 
 
 def _drafts_trees(params) -> bool:

@@ -12,6 +12,10 @@ children in the pool, a better-ranked sibling before a worse one), so no node is
 parent. Kept nodes are ordered by pool index, which makes them topologically ordered with siblings
 best first.
 
+A builder given `rank_logprobs` [depth, topk] (simulated acceptance, tree/simulated.py) keeps the
+draft's top-k tokens but scores the rank-j child at depth d with rank_logprobs[d - 1, j] instead of
+its draft log-probability: the tree takes the shape a draft calibrated to those rates would give.
+
 The drafter drives the loop: TreeBuilder.frontier tells it which tokens to run next and which node
 of the previous frontier each came from (its hidden state / KV parent); `build_tree` runs the
 loop for a drafter given as a function.
@@ -27,8 +31,13 @@ from foretell.spec_decode.tree.shape import DraftTree, TreeShape, ancestor_mask_
 
 
 class TreeBuilder:
-    def __init__(self, shape: TreeShape, root_tokens: torch.Tensor):  # root_tokens: [B] int64
+    def __init__(self, shape: TreeShape, root_tokens: torch.Tensor,  # root_tokens: [B] int64
+                 rank_logprobs: torch.Tensor | None = None):  # [depth, topk] float32: scores by rank
+        if rank_logprobs is not None and tuple(rank_logprobs.shape) != (shape.depth, shape.topk):
+            raise ValueError(f"rank_logprobs must be [depth, topk] = [{shape.depth}, {shape.topk}], "
+                             f"got {tuple(rank_logprobs.shape)}")
         self.shape = shape
+        self.rank_logprobs = rank_logprobs
         self.root_tokens = root_tokens
         self.batch = root_tokens.shape[0]
         self.depth_done = 0
@@ -57,6 +66,8 @@ class TreeBuilder:
             _check_logits(draft_logits, (self.batch,), topk, "the root's draft logits")
             logprobs = torch.log_softmax(draft_logits.float(), dim=-1)  # [B, V]
             scores, tokens = logprobs.topk(topk, dim=-1, sorted=True)  # [B, topk] each
+            if self.rank_logprobs is not None:
+                scores = self.rank_logprobs[0].to(scores.device).expand(self.batch, -1)
             parents = torch.full_like(tokens, -1)
             self._append(tokens, scores, parents, depth)
             self.frontier_pool_index = torch.arange(topk, device=tokens.device).expand(self.batch, -1)
@@ -66,6 +77,8 @@ class TreeBuilder:
             _check_logits(draft_logits, (self.batch, topk), topk, f"the depth-{depth} draft logits")
             logprobs = torch.log_softmax(draft_logits.float(), dim=-1)  # [B, topk, V]
             child_logprobs, child_tokens = logprobs.topk(topk, dim=-1, sorted=True)  # [B, topk, topk]
+            if self.rank_logprobs is not None:
+                child_logprobs = self.rank_logprobs[depth - 1].to(child_logprobs.device).expand(self.batch, topk, -1)
             scores = (self.frontier_scores.unsqueeze(-1) + child_logprobs).flatten(1)  # [B, topk * topk]
             tokens = child_tokens.flatten(1)
             parents = self.frontier_pool_index.unsqueeze(-1).expand(-1, -1, topk).flatten(1)
@@ -124,10 +137,10 @@ DraftStep = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
 def build_tree(shape: TreeShape, root_tokens: torch.Tensor, root_draft_logits: torch.Tensor,
-               draft_step: DraftStep) -> DraftTree:
+               draft_step: DraftStep, rank_logprobs: torch.Tensor | None = None) -> DraftTree:
     """Run the draft loop: draft_step(frontier_tokens [B, topk], parent_slot [B, topk], depth)
     returns the draft logits [B, topk, V] after each frontier node (depth = the frontier's)."""
-    builder = TreeBuilder(shape, root_tokens)
+    builder = TreeBuilder(shape, root_tokens, rank_logprobs)
     frontier, parent_slot = builder.add_depth(root_draft_logits)
     for depth in range(1, shape.depth):
         frontier, parent_slot = builder.add_depth(draft_step(frontier, parent_slot, depth))

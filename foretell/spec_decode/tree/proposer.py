@@ -32,9 +32,10 @@ from foretell.spec_decode.tree.shape import DraftTree, TreeShape
 
 
 class Eagle3TreeDrafter:
-    def __init__(self, eagle, shape: TreeShape):  # eagle: a loaded Eagle3Proposer
-        self.eagle = eagle
+    def __init__(self, eagle, shape: TreeShape, rank_logprobs: torch.Tensor | None = None):
+        self.eagle = eagle  # a loaded Eagle3Proposer
         self.shape = shape
+        self.rank_logprobs = rank_logprobs  # [depth, topk]: simulated acceptance's tree shape (tree/simulated.py)
 
     def draft(self, batch: DraftBatch, drafting: list[int]) -> DraftTree | None:
         """Catch up every sequence of the batch; draft a tree for the sequences `drafting` names
@@ -47,7 +48,7 @@ class Eagle3TreeDrafter:
         n = len(drafting)
         device = h.device
         root_tokens = to_device([batch.next_token_ids[i] for i in drafting], torch.int64, device)
-        builder = TreeBuilder(self.shape, root_tokens)
+        builder = TreeBuilder(self.shape, root_tokens, self.rank_logprobs)
         frontier, parent_slot = builder.add_depth(logits)  # draft ids [n, topk], [n, topk]
         # Row positions: the root sits at num_tokens_after_step - 1; a depth-d node's row at root + d - 1.
         roots = [batch.num_tokens_after_step(i) - 1 for i in drafting]
