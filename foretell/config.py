@@ -275,8 +275,7 @@ class SpeculativeConfig:
                 f"draft trees (speculative_config topk={topk} > 1) need method 'eagle3' for now, got "
                 f"method {self.method!r}; use topk 1 (a chain) with {self.method!r}"
             )
-        taken = {"simulate_acceptance": self.simulate_acceptance is not None,
-                 "draft_tensor_parallel_size": self.draft_tensor_parallel_size != 1,
+        taken = {"draft_tensor_parallel_size": self.draft_tensor_parallel_size != 1,
                  "adaptive": bool(getattr(self, "adaptive", False))}
         for name, set_ in taken.items():
             if set_:
