@@ -1,0 +1,271 @@
+"""Issue 28's draft-tree bars on the GPU, one script, JSON into OUT_DIR after every part:
+
+  (a) verify cost: Llama-3.1-8B shape (foretell/configs, bf16, dummy weights), one target forward
+      over a 16-node tree (positions root + depth, the ancestor mask through the Triton attention)
+      against one decode row, batch 1, both eager with the logits; also the graphed decode step
+      (the engine's) and 16 causal rows (a chain verify of 15). Bar: tree verify <= 1.2x decode.
+  (b) engine tok/s at batch 1, acceptance simulated (spec_decode/tree/simulated.py: per-depth
+      rates for the best path): trees at a best-path mean length of 5.4 against the chain (k = 3)
+      at 2.93 and plain decoding. Bar: trees >= 900 tok/s (SpecForge/SGLang's figure: 638 at 5.40).
+  (c) real acceptance of the default Qwen3-layout family (its target and EAGLE3 head) on GSM8K
+      test prompts, greedy, per dtype (float32: output must equal plain; bfloat16: reported):
+      mean acceptance length, per depth, prompts equal to plain. Bar: trees >= 3.3.
+
+    python scripts/check_trees_gpu.py OUT_DIR [--parts a,b,c] [--trees 6,4,16 5,4,16]
+        [--new-tokens 256] [--num-prompts 64] [--max-tokens 128] [--tiny]
+
+--tiny runs every part on the CPU with tiny random models (a smoke test of the script). On the
+H200: part (a) one engine, (b) 2 + len(--trees) engines of dummy 8B weights, (c) 2 engines per
+dtype per tree on the default family (tiny): a few minutes in all; split --parts over calls
+when time is short. The tree step is the eager host step (no CUDA graphs for trees yet), so
+(b) measures its launch overhead too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+from foretell import LLM, SamplingParams  # noqa: E402
+from foretell.ops.attention.metadata import AttentionMetadata  # noqa: E402
+from foretell.spec_decode.tree.build import build_tree  # noqa: E402
+from foretell.spec_decode.tree.shape import TreeShape  # noqa: E402
+
+CONFIGS = os.path.join(ROOT, "foretell", "configs")
+DEFAULTS = os.path.join(ROOT, "foretell", "default_models")
+VERIFY_BAR, TOK_S_BAR, ACCEPTANCE_BAR = 1.2, 900.0, 3.3
+TREE_LENGTH, CHAIN_LENGTH, CHAIN_K = 5.4, 2.93, 3
+VERIFY_TREE = TreeShape(5, 4, 16)  # 16 verify rows; the shape only sets the mask
+
+
+def parse_tree(text: str) -> dict:
+    depth, topk, nodes = (int(x) for x in text.split(","))
+    return {"num_speculative_tokens": depth, "topk": topk, "num_draft_tokens": nodes}
+
+
+def models(tiny: bool) -> tuple[str, str, dict]:
+    """(target folder, EAGLE3 head folder, engine options) for parts (a) and (b)."""
+    if not tiny:
+        return (f"{CONFIGS}/llama-3.1-8b", f"{CONFIGS}/llama-3.1-8b-eagle3",
+                dict(dtype="bfloat16", device="cuda", load_format="dummy"))
+    from foretell.bench.tiny_checkpoints import write_tiny_eagle3_head, write_tiny_qwen3
+
+    folder = tempfile.mkdtemp()
+    target = write_tiny_qwen3(os.path.join(folder, "target"))
+    head = write_tiny_eagle3_head(os.path.join(folder, "head"), target, draft_vocab_size=256, aux_layer_ids=[0, 1, 2])
+    return target, head, dict(dtype="float32", device="cpu")
+
+
+def write(out_path: str, report: dict) -> None:
+    with open(out_path, "w") as f:
+        json.dump(report, f, indent=2)
+
+
+# ---- (a) one verify forward over a 16-node tree against a decode row ---------------------------------
+def step_metadata(block_table: torch.Tensor, block_size: int, context: int, rows: int,
+                  tree_mask: torch.Tensor | None) -> AttentionMetadata:
+    device = block_table.device
+    positions = torch.arange(context, context + rows, device=device)
+    slots = block_table[0, positions // block_size].to(torch.int64) * block_size + positions % block_size
+    return AttentionMetadata(
+        query_start_loc=torch.tensor([0, rows], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([context + rows], dtype=torch.int32, device=device),
+        block_table=block_table, slot_mapping=slots, block_size=block_size, max_query_len=rows,
+        max_seq_len=context + rows, query_start_loc_cpu=[0, rows], seq_lens_cpu=[context + rows], tree_mask=tree_mask)
+
+
+def time_call(fn, device: torch.device, iters: int) -> float:
+    """Median seconds of fn() over iters calls, after warm-up."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def part_verify_cost(target: str, options: dict, context: int, iters: int) -> dict:
+    llm = LLM(target, skip_tokenizer_init=True, max_num_seqs=1, log_stats_interval_s=0, **options)
+    runner = llm.engine.runner
+    model, device, block_size = runner.model, runner.device, runner.cache_plan.block_size
+    rows = VERIFY_TREE.num_draft_tokens
+    num_blocks = -(-(context + rows) // block_size)
+    block_table = torch.arange(num_blocks, dtype=torch.int32, device=device).unsqueeze(0)  # no request runs
+    vocab = runner.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    tree = build_tree(VERIFY_TREE, torch.zeros(1, dtype=torch.int64), torch.randn(1, vocab, generator=gen),
+                      lambda t, s, d: torch.randn(1, VERIFY_TREE.topk, vocab, generator=gen))
+    ids = torch.randint(0, vocab, (rows,), generator=gen).to(device)
+    tree_positions = (context + tree.depths[0]).to(device)
+    tree_meta = step_metadata(block_table, block_size, context, rows, tree.ancestor_mask[0].to(device))
+    chain_meta = step_metadata(block_table, block_size, context, rows, None)
+    decode_meta = step_metadata(block_table, block_size, context, 1, None)
+    chain_positions = torch.arange(context, context + rows, device=device)
+
+    def forward(input_ids, positions, metadata):
+        with torch.inference_mode():
+            hidden, _ = model(input_ids, positions, metadata)
+            return model.compute_logits(hidden)
+
+    row = {"context": context, "tree": list(map(int, (VERIFY_TREE.depth, VERIFY_TREE.topk, rows)))}
+    row["decode_s"] = time_call(lambda: forward(ids[:1], chain_positions[:1], decode_meta), device, iters)
+    row["tree_verify_s"] = time_call(lambda: forward(ids, tree_positions, tree_meta), device, iters)
+    row["causal_16_rows_s"] = time_call(lambda: forward(ids, chain_positions, chain_meta), device, iters)
+    row["tree_over_decode"] = row["tree_verify_s"] / row["decode_s"]
+    row["bar"] = VERIFY_BAR
+    row["ok"] = row["tree_over_decode"] <= VERIFY_BAR
+    # The engine's own decode step (CUDA graphs on the GPU) over a long request, for scale.
+    prompt = synthetic_prompt(llm, context)
+    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    llm.generate([prompt], params, use_tqdm=False)
+    start = time.perf_counter()
+    llm.generate([prompt], params, use_tqdm=False)
+    row["engine_decode_step_s"] = (time.perf_counter() - start) / 128  # prefill included: an upper bound
+    llm.close()
+    return row
+
+
+# ---- (b) engine tok/s at batch 1, simulated acceptance -------------------------------------------------
+def synthetic_prompt(llm: LLM, length: int) -> dict:
+    vocab = min(llm.engine.runner.vocab_size - 1, 1000)
+    return {"prompt_token_ids": [(7 * j) % vocab + 1 for j in range(length)]}
+
+
+def run_batch1(llm: LLM, new_tokens: int) -> dict:
+    prompt = synthetic_prompt(llm, 128)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    llm.generate([prompt], params, use_tqdm=False)  # compiled / captured
+    before = llm.get_stats()
+    start = time.perf_counter()
+    outs = llm.generate([prompt], params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    after = llm.get_stats()
+    row = {"tok_s": len(outs[0].outputs[0].token_ids) / wall, "wall_s": wall}
+    drafts = after.get("num_drafts", 0) - before.get("num_drafts", 0)
+    if drafts:
+        accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+        row["mean_acceptance_length"] = 1 + accepted / drafts
+        row["steps"] = drafts
+        row["step_s"] = wall / drafts
+    return row
+
+
+def part_tok_s(target: str, head: str, options: dict, trees: list[str], new_tokens: int) -> dict:
+    configs = {"plain": None,
+               f"chain k={CHAIN_K} at {CHAIN_LENGTH}": {"num_speculative_tokens": CHAIN_K,
+                                                     "simulate_acceptance": {"mean_acceptance_length": CHAIN_LENGTH}}}
+    for t in trees:
+        configs[f"tree {t} at {TREE_LENGTH}"] = {**parse_tree(t),
+                                                 "simulate_acceptance": {"mean_acceptance_length": TREE_LENGTH}}
+    rows = {}
+    for name, spec in configs.items():
+        speculative = None if spec is None else {"method": "eagle3", "model": head, **spec}
+        start = time.perf_counter()
+        llm = LLM(target, speculative_config=speculative, skip_tokenizer_init=True, max_num_seqs=1,
+                  log_stats_interval_s=0, **options)
+        row = {"speculative_config": speculative, "start_s": time.perf_counter() - start,
+               **run_batch1(llm, new_tokens)}
+        if name.startswith("tree"):
+            row["bar"], row["ok"] = TOK_S_BAR, row["tok_s"] >= TOK_S_BAR
+        rows[name] = row
+        print(name, json.dumps(row), flush=True)
+        llm.close()
+    return rows
+
+
+# ---- (c) real acceptance of the default family ---------------------------------------------------------
+def part_acceptance(trees: list[str], dtypes: list[str], device: str, num_prompts: int, max_tokens: int) -> dict:
+    from foretell.bench.datasets import gsm8k_test_prompts
+
+    prompts = gsm8k_test_prompts(num_prompts)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    target, head = os.path.join(DEFAULTS, "qwen3-target"), os.path.join(DEFAULTS, "qwen3-eagle3")
+    out = {}
+    for dtype in dtypes:
+        engine = dict(dtype=dtype, device=device, max_num_seqs=64, log_stats_interval_s=0)
+        configs = {"plain": None, f"chain k={CHAIN_K}": {"num_speculative_tokens": CHAIN_K}}
+        configs.update({f"tree {t}": parse_tree(t) for t in trees})
+        rows, baseline = {}, None
+        for name, shape in configs.items():
+            spec = None if shape is None else {"method": "eagle3", "model": head, **shape}
+            llm = LLM(target, speculative_config=spec, **engine)
+            start = time.perf_counter()
+            tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            row = {"seconds": time.perf_counter() - start, "output_tokens": sum(map(len, tokens))}
+            if baseline is None:
+                baseline = tokens
+            else:
+                stats = llm.get_stats()
+                drafts = stats["num_drafts"]
+                row.update(mean_acceptance_length=stats["mean_acceptance_length"],
+                           acceptance_per_depth=[a / drafts for a in stats["accepted_per_position"]],
+                           greedy_equal_prompts=sum(x == y for x, y in zip(tokens, baseline)), prompts=len(prompts))
+                if name.startswith("tree"):
+                    row["bar"], row["ok"] = ACCEPTANCE_BAR, row["mean_acceptance_length"] >= ACCEPTANCE_BAR
+                    if dtype == "float32":
+                        row["ok"] = row["ok"] and row["greedy_equal_prompts"] == len(prompts)
+            rows[name] = row
+            print(dtype, name, json.dumps(row), flush=True)
+            llm.close()
+        out[dtype] = rows
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_dir")
+    parser.add_argument("--parts", default="a,b,c", help="which of a (verify cost), b (tok/s), c (acceptance)")
+    parser.add_argument("--trees", nargs="+", default=["6,4,16"], help="depth,topk,num_draft_tokens for (b)")
+    parser.add_argument("--acceptance-trees", nargs="+", default=["5,4,16", "6,8,32"], help="trees for (c)")
+    parser.add_argument("--acceptance-dtypes", default="float32,bfloat16")
+    parser.add_argument("--context", type=int, default=512, help="(a): context tokens before the step")
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--tiny", action="store_true", help="tiny random models on the CPU (a smoke test)")
+    args = parser.parse_args()
+    if args.tiny:
+        args.iters, args.new_tokens, args.context = min(args.iters, 5), min(args.new_tokens, 32), min(args.context, 64)
+        args.num_prompts, args.max_tokens = min(args.num_prompts, 3), min(args.max_tokens, 16)
+        args.acceptance_dtypes, args.acceptance_trees = "float32", args.acceptance_trees[:1]
+    parts = set(args.parts.split(","))
+    if not parts <= {"a", "b", "c"}:
+        parser.error(f"--parts takes a, b and c, got {args.parts!r}")
+    os.makedirs(args.out_dir, exist_ok=True)
+    out_path = os.path.join(args.out_dir, "check_trees_gpu.json")
+    device = "cpu" if args.tiny else "cuda"
+    report: dict = {"tiny": args.tiny, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
+    target, head, options = models(args.tiny)
+    if "a" in parts:
+        report["a_verify_cost"] = part_verify_cost(target, options, args.context, args.iters)
+        print("a", json.dumps(report["a_verify_cost"]), flush=True)
+        write(out_path, report)
+    if "b" in parts:
+        report["b_tok_s_batch1"] = part_tok_s(target, head, options, args.trees, args.new_tokens)
+        write(out_path, report)
+    if "c" in parts:
+        report["c_acceptance"] = part_acceptance(args.acceptance_trees, args.acceptance_dtypes.split(","), device,
+                                                 args.num_prompts, args.max_tokens)
+        write(out_path, report)
+    print(f"wrote {out_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
