@@ -40,7 +40,9 @@ from __future__ import annotations
 import os
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+import queue
+import threading
+import weakref
 
 import numpy as np
 import torch
@@ -59,6 +61,49 @@ MAX_CACHED_GRAMMARS = 64
 MAX_MASK_THREADS = 8
 
 
+class MaskWorker:
+    """One daemon thread that runs llguidance calls handed to it (bound methods with their
+    arguments; llguidance drops the GIL inside them). Almost no Python runs on it, so it needs the
+    GIL only to enter and leave each call. start() hands one batch over, wait() waits for it."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._done = threading.Lock()  # held while a batch runs
+        self._failed = False
+        self.busy = False
+        threading.Thread(target=self._serve, name="foretell-grammar-masks", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            calls = self._queue.get()
+            if calls is None:
+                return
+            try:
+                for call, args in calls:
+                    call(*args)
+            except (ValueError, RuntimeError):
+                self._failed = True
+            finally:
+                self._done.release()
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+    def start(self, calls: list) -> None:
+        self.wait()
+        self._done.acquire()
+        self.busy, self._failed = True, False
+        self._queue.put(calls)
+
+    def wait(self) -> bool:
+        """Wait for the batch handed over last; False when llguidance raised."""
+        if self.busy:
+            self._done.acquire()
+            self._done.release()
+            self.busy = False
+        return not self._failed
+
+
 class StructuredOutputs:
     def __init__(self, tokenizer_source: str | None, vocab_size: int):
         self.tokenizer_source = tokenizer_source  # a folder or Hub id (foretell.tokenizer.Tokenizer)
@@ -70,8 +115,8 @@ class StructuredOutputs:
         self._grammars: OrderedDict[str, object] = OrderedDict()  # compiled grammar -> llguidance.LLMatcher
         self._buffers: dict[str, BitmaskBuffer] = {}  # "verify" / "draft" -> host rows, reused
         self.timer = MaskTimer()  # host time spent on masks (verify rows and draft loops)
-        self._worker: ThreadPoolExecutor | None = None  # fill_ahead()'s one thread, made when first used
-        self._ahead: tuple | None = None  # the next step's rows filled ahead: (jobs, rows, futures); (jobs, rows) once done
+        self._worker: MaskWorker | None = None  # fill_ahead()'s thread, started when first used
+        self._ahead: tuple | None = None  # the next step's rows filled ahead: (jobs, rows), valid once waited for
 
     # ---- matchers ------------------------------------------------------------------------
     def _tokenizer(self):
@@ -220,25 +265,20 @@ class StructuredOutputs:
             jobs.append(((seq.seq_id, len(outputs), tuple(drafts)), matcher, drafts))
         if jobs:
             if self._worker is None:
-                self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="foretell-grammar-masks")
+                self._worker = MaskWorker()
+                weakref.finalize(self, self._worker.stop)  # the thread ends with this object
             out = np.empty((sum(len(drafts) + 1 for _, _, drafts in jobs), self.num_words), dtype=np.int32)
             calls = walk_calls(self.executor, [m for _, m, _ in jobs], [d for _, _, d in jobs], out)
-            # The worker runs llguidance's bound methods themselves: no Python of ours holds the GIL there.
-            self._ahead = (jobs, out, [self._worker.submit(call, *args) for call, args in calls])
+            self._worker.start(calls)
+            self._ahead = (jobs, out)
         elapsed = time.perf_counter() - started
         self.timer.fill_ahead_seconds += elapsed
         self.timer.seconds += elapsed
 
     def _wait_for_worker(self) -> None:
         """Wait for the rows being filled ahead (the matchers are the worker's until then)."""
-        if self._ahead is not None and len(self._ahead) == 3:
-            jobs, out, futures = self._ahead
-            self._ahead = (jobs, out)
-            for future in futures:
-                try:
-                    future.result()
-                except (ValueError, RuntimeError):  # llguidance's; the step's own fill meets it and names the request
-                    self._ahead = None
+        if self._worker is not None and self._worker.busy and not self._worker.wait():
+            self._ahead = None  # llguidance failed: the step's own fill meets it and names the request
 
     def _take_rows_filled_ahead(self, ahead: tuple | None, spans: list, bitmask: np.ndarray) -> bool:
         """Finish the rows filled ahead and copy them into bitmask when every span's were (False:
