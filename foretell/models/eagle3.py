@@ -42,6 +42,7 @@ from torch import nn
 
 from foretell.ops.common import kernel_choice
 from foretell.layers.attention.layer import Attention
+from foretell.layers.attention.qkv_block import attend_qkv
 from foretell.ops.attention.metadata import AttentionMetadata
 from foretell.layers.embedding import VocabEmbedding
 from foretell.layers.linear import QKVLinear, kv_head_shard, make_param, row_parallel_linear
@@ -87,12 +88,8 @@ class Eagle3Attention(nn.Module):
         self.attn = Attention(self.num_heads, dims.head_dim, self.num_kv_heads, dims.head_dim**-0.5, options.attention_backend)
 
     def forward(self, positions, x, metadata):  # x [n, 2H] -> [n, H]
-        n = x.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        return self.o_proj(self.attn.forward_rotary(positions, q, k, v, self.rotary_emb, metadata).reshape(n, -1))
+        # RoPE, the KV write and attention: few torch calls on the CPU, the module path elsewhere
+        return self.o_proj(attend_qkv(self.attn, self.qkv_proj(x), positions, self.rotary_emb, metadata))
 
 
 class Eagle3LayerBase(nn.Module):

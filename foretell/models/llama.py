@@ -31,9 +31,10 @@ from torch import nn
 
 from foretell.layers.attention.kv_scales import kv_scale_rules
 from foretell.layers.attention.layer import Attention
+from foretell.layers.attention.qkv_block import ForwardRows, attend_qkv
 from foretell.ops.attention.metadata import AttentionMetadata
 from foretell.layers.linear import MergedLinear, QKVLinear, kv_head_shard, row_parallel_linear
-from foretell.layers.norm import RMSNorm
+from foretell.layers.norm import RMSNorm, rms_norm_torch
 from foretell.layers.rotary import RotaryEmbedding, rope_parameters_from_config
 from foretell.layers.vocab_parallel import vocab_embedding
 from foretell.models.base import (
@@ -133,15 +134,11 @@ class DecoderAttention(nn.Module):
         positions: torch.Tensor,  # [num_tokens]
         hidden: torch.Tensor,  # [num_tokens, hidden_size]
         metadata: AttentionMetadata,
+        shared: ForwardRows | None = None,  # what every layer's block shares, gathered once (torch path)
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
-        num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         qk_norm = (self.q_norm, self.k_norm) if self.q_norm is not None else None  # Qwen3
-        out = self.attn.forward_rotary(positions, q, k, v, self.rotary_emb, metadata, qk_norm)  # [T, heads, head_dim]
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        out = attend_qkv(self.attn, self.qkv_proj(hidden), positions, self.rotary_emb, metadata, qk_norm, shared)
+        return self.o_proj(out)  # out [T, heads * head_dim]
 
 
 class DecoderMLP(nn.Module):
@@ -177,6 +174,29 @@ class DecoderLayer(PreNormDecoderLayer):
         self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, **kw)
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, **kw)
 
+    def forward_torch(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        residual: torch.Tensor | None,  # [num_tokens, hidden_size]; None entering the first layer
+        metadata: AttentionMetadata,
+        shared: ForwardRows | None,
+        stream_out: torch.Tensor | None = None,  # [num_tokens, hidden_size]: gets the stream entering it
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward's arithmetic on the torch path (the CPU) in fewer calls: the residual adds and the
+        norms inline (RMSNorm's torch form; no kernel to choose), what the layers share given."""
+        if residual is None:
+            residual = hidden
+        elif stream_out is not None:
+            residual = torch.add(residual, hidden, out=stream_out)
+        else:
+            residual = residual + hidden
+        norm = self.input_layernorm
+        hidden = self.self_attn(positions, rms_norm_torch(residual, norm.weight, norm.eps), metadata, shared)
+        residual = residual + hidden
+        norm = self.post_attention_layernorm
+        return self.mlp(rms_norm_torch(residual, norm.weight, norm.eps)), residual
+
 
 class DecoderModel(nn.Module):
     """The `model.` prefix of the checkpoint: embeddings, layers, final norm."""
@@ -207,9 +227,34 @@ class DecoderModel(nn.Module):
         metadata: AttentionMetadata,
         aux_layers: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        return run_decoder_stack(
-            self.embed_tokens, self.layers, self.norm, input_ids, positions, metadata, aux_layers
-        )
+        if input_ids.is_cuda:
+            return run_decoder_stack(
+                self.embed_tokens, self.layers, self.norm, input_ids, positions, metadata, aux_layers
+            )
+        return self.forward_torch(input_ids, positions, metadata, aux_layers)
+
+    def forward_torch(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        metadata: AttentionMetadata,
+        aux_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """run_decoder_stack's arithmetic, bit for bit, in fewer torch calls (a small model's CPU step
+        is mostly per-call overhead, issue 32): the layers' forward_torch, and what their attention
+        blocks share (the RoPE rows of `positions`, a one-sequence step's context blocks) gathered once."""
+        hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        shared = ForwardRows.gather(self.rotary_emb, positions, metadata, self.dims.head_dim, hidden.dtype)
+        column = {layer: j for j, layer in reversed(list(enumerate(aux_layers)))}  # a layer named twice: its first
+        streams = hidden.new_empty(hidden.shape[0], len(aux_layers), hidden.shape[1])  # [num_tokens, aux, hidden]
+        residual = None
+        for i, layer in enumerate(self.layers):
+            stream_out = streams[:, column[i]] if i in column else None
+            if stream_out is not None and residual is None:  # the first layer: the stream is the embedding
+                stream_out.copy_(hidden)
+            hidden, residual = layer.forward_torch(positions, hidden, residual, metadata, shared, stream_out)
+        hidden = rms_norm_torch(residual + hidden, self.norm.weight, self.norm.eps)
+        return hidden, [streams[:, column[i]] for i in aux_layers]
 
 
 class LlamaForCausalLM(CausalLM):
