@@ -242,8 +242,9 @@ def test_requests_with_controls_stay_off_the_paths_that_sample_without_them():
 
     batch = SimpleNamespace(sampling_seq_index=[0])
     host = HostStep(None, None, None, VOCAB, 16, 100, torch.device("cpu"), tensor_parallel=True)
-    padded = SimpleNamespace(draft_graphs=SimpleNamespace(k=2, catch_up_fits=lambda n: True),
-                             graphs=SimpleNamespace(bucket_for=lambda b: (1, 3)))
+    loop = SimpleNamespace(k=2, verify_lens=(3,), catch_up_fits=lambda n, q=None: True)
+    padded = SimpleNamespace(draft_graphs=loop, graphs=SimpleNamespace(bucket_for=lambda b: (1, 3)))
+    padded.verify_length = lambda sched: GraphedVerify.verify_length(padded, sched)
     for params, plain in ((SamplingParams(temperature=0), True),
                           (SamplingParams(temperature=0, presence_penalty=0.1), False),
                           (SamplingParams(temperature=0, min_tokens=1), False)):

@@ -23,7 +23,7 @@ class FakeStep:
     def matches(self, scheduled, block_size):
         return scheduled == self.expected
 
-    def launch_next(self):
+    def launch_next(self, num_next_drafts=None):
         self.log.append(("launch_next", self.name))
         if not self.followable:
             return None

@@ -66,9 +66,10 @@ def draft_loop_replay_ms(llm, num_seqs: int = 1, iters: int = 50, warmup: int = 
     if draft_graphs is None or not draft_graphs.graphs:
         raise ValueError("this engine has no captured draft loop: it needs a drafter with a graphed loop "
                          "(eagle3, mtp, draft_model) on CUDA with enforce_eager=False")
-    if num_seqs not in draft_graphs.graphs:
+    key = (num_seqs, draft_graphs.k + 1, draft_graphs.k)  # (bucket, q, m): a step verifying and drafting K
+    if key not in draft_graphs.graphs:
         raise ValueError(f"no draft-loop graph for {num_seqs} sequences; captured: {sorted(draft_graphs.graphs)}")
-    return _event_ms(draft_graphs.graphs[num_seqs].graph.replay, _runner(llm).device, iters, warmup)
+    return _event_ms(draft_graphs.graphs[key].graph.replay, _runner(llm).device, iters, warmup)
 
 
 def draft_chain_step_ms(llm, context_len: int = 100, iters: int = 50, warmup: int = 5) -> float:

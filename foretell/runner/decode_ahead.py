@@ -131,9 +131,9 @@ class LaunchedDecode:
         copy = None if graphed else kind.copy_tokens(token_ids)
         return cls(kind, seqs, positions, slots, token_ids, copy, graphed)
 
-    def launch_next(self) -> "LaunchedDecode | None":
+    def launch_next(self, num_next_drafts: int | None = None) -> "LaunchedDecode | None":
         """The step after this one for the same sequences, its input tokens this one's (still on
-        the device), when next_positions() allows it."""
+        the device), when next_positions() allows it (no drafter: num_next_drafts is None)."""
         positions = next_positions(self, self.kind.block_size, self.kind.max_model_len)
         if positions is None:
             return None

@@ -2,9 +2,18 @@
 on the device, the draft loop over the same buffers, and a single host read for the whole step.
 
 GraphedVerify is the step kind (runner/step_pipeline.py): it takes a batch where every sequence
-verifies exactly k drafts, greedy or sampled (temperature, top-k, top-p, min-p), and asks for no
-logprobs and no logits processing (penalties, logit_bias, grammars: those stay on the host step,
-logits_processing.py). It runs on the
+feeds one row plus its drafts (0..K of them) and samples, greedy or sampled (temperature, top-k,
+top-p, min-p), and asks for no logprobs and no logits processing (penalties, logit_bias,
+grammars: those stay on the host step, logits_processing.py). The step verifies q - 1 drafts per
+sequence, q the shortest verify length of the draft loop that holds the most drafts (K + 1, or
+under adaptive speculation 1..K + 1: the chosen k + 1, k = 0 being a padded decode whose draft
+loop catches the drafter up); a sequence with fewer drafts (a budget or length cut) is padded to
+q - 1 with PAD_DRAFT_TOKEN rows and accepts none of them (caps for greedy and drawn acceptance,
+lengths for rejection sampling, whose bonus token comes from the sequence's own row). The padded
+rows write K/V in the sequence's lookahead slots, past anything it has computed (overwritten
+before being read, as rejected drafts' are). The draft loop drafts m per sequence: q - 1, or K
+when the scheduler's choice for the next step asks for more than q - 1 (num_drafts; the
+scheduler takes the first k). It runs on the
 target's padded forward and the draft loop (spec_decode/draft_graph.py) whether they are captured
 CUDA graphs or not: off CUDA, under --enforce-eager, after a refused capture, or with an attention
 backend that reads host lengths (the CPU's default torch backend: then the bucket is the exact
@@ -25,8 +34,10 @@ against a one-hot q, which is exact (it accepts with probability p(d) instead of
 sum(min(p, q)) of a draft sampled from the drafter's distribution).
 
 Everything the next verify step needs is on the device when this one ends (each sequence's
-accepted count, its next token and its k new drafts), so with async scheduling the pipeline queues
-that step (LaunchedVerify.launch_next) before reading this one's results, as decode_ahead.py does
+accepted count, its next token and its m new drafts), so with async scheduling the pipeline queues
+that step (LaunchedVerify.launch_next) before reading this one's results when it verifies as many
+drafts as this one (the scheduler's choice for it, known then: SchedulerOutput.num_next_drafts;
+a changed length is launched from host inputs at the next execute), as decode_ahead.py does
 for plain decoding: the buffers advance on the device, the forwards run (or replay), and the launch
 is used if the scheduler's next decision is that batch, dropped otherwise (why dropping is safe:
 there).
@@ -44,12 +55,17 @@ from foretell.engine.scheduler import ScheduledSequence, SchedulerOutput
 from foretell.engine.sequence import Sequence
 from foretell.layers.sampler import NoiseSource, SamplingBatch, sequence_key
 from foretell.runner.cuda_graph import CudaGraphRunner
-from foretell.runner.input_batch import InputBatch
+from foretell.runner.input_batch import InputBatch, build_input_batch
 from foretell.runner.sequence_result import SequenceResult
 from foretell.runner.step_pipeline import HostCopy
 from foretell.spec_decode.draft_graph import DraftGraphRunner
 from foretell.spec_decode.rejection_sampler import PaddedSampling, dense_draft_probs
 from foretell.spec_decode.verifier import Verifier
+
+
+#: The input id fed at a padded draft row (a sequence with fewer drafts than the step verifies):
+#: any token id; the row's outputs are never used (acceptance stops before it).
+PAD_DRAFT_TOKEN = 0
 
 
 @dataclass
@@ -68,47 +84,101 @@ class GraphedVerify:
     # The draft probabilities the host step kept for a sequence's drafts (None: deterministic
     # drafts), handed over and forgotten there: HostStep.take_draft_probs.
     take_draft_probs: Callable[[ScheduledSequence], "torch.Tensor | None"]
-    num_sampled_steps: int = 0  # padded steps launched with sampled rows (queued ahead included)
+    num_steps: int = 0  # padded steps launched (queued ahead included)
+    num_sampled_steps: int = 0  # ... with sampled rows
+    num_mixed_steps: int = 0  # ... with a sequence verifying fewer drafts than the step (padded rows)
+
+    def verify_length(self, sched: SchedulerOutput) -> int | None:
+        """q, the rows per sequence of this batch's padded step: the shortest verify length the
+        draft loop takes (K + 1; any of 1..K + 1 under adaptive speculation) that holds 1 + the
+        most drafts a sequence verifies, when every sequence feeds one row plus its drafts and samples, wants no logprobs or logits processing, and has
+        its draft loop's catch-up rows below max_model_len (a draft LM one short of the limit takes
+        the host step: nothing it drafts there is used). None: the host step."""
+        items = sched.scheduled
+        if not items:
+            return None
+        loop = self.draft_graphs
+        most = 1 + max(len(item.draft_token_ids) for item in items)
+        q = next((q for q in loop.verify_lens if q >= most), None)  # without adaptive speculation: K + 1
+        if q is None:
+            return None
+        fits = all(
+            item.samples
+            and item.num_new_tokens == 1 + len(item.draft_token_ids)  # a verify (or decode), no prefill rows
+            and item.seq.sampling_params.logprobs is None
+            and not item.seq.sampling_params.needs_logits_processing
+            and loop.catch_up_fits(item.seq.num_computed_tokens, q)
+            for item in items
+        )
+        return q if fits else None
 
     def fits(self, sched: SchedulerOutput, batch: InputBatch) -> bool:
-        """A batch where every sequence verifies exactly k drafts and wants no logprobs or logits
-        processing, on a bucket of the padded forward, and the draft loop's catch-up rows below
-        max_model_len (a draft LM one short of the limit takes the host step: nothing it drafts
-        there is used)."""
-        k = self.draft_graphs.k
+        """Whether the batch takes the padded step (verify_length); a batch of equal draft counts
+        also needs a bucket of the padded forward (a batch of mixed counts: checked at launch, on
+        the padded batch)."""
+        q = self.verify_length(sched)
+        if q is None:
+            return False
+        if any(len(item.draft_token_ids) != q - 1 for item in sched.scheduled):
+            return True
         key = self.graphs.bucket_for(batch)
-        return (
-            key is not None
-            and key[1] == k + 1
-            and all(
-                item.samples
-                and len(item.draft_token_ids) == k
-                and item.seq.sampling_params.logprobs is None
-                and not item.seq.sampling_params.needs_logits_processing
-                and self.draft_graphs.catch_up_fits(item.seq.num_computed_tokens)
-                for item in sched.scheduled
-            )
-        )
+        return key is not None and key[1] == q
+
+    def num_drafts(self, q: int, num_next_drafts: int | None) -> int:
+        """m, the drafts a step of q rows makes: q - 1 (what it verified: adaptive speculation's
+        steady state) unless the scheduler's choice for the next step (None: K, not adaptive)
+        asks for more, then K (the scheduler takes the first num_next_drafts)."""
+        k = self.draft_graphs.k
+        wanted = k if num_next_drafts is None else num_next_drafts
+        return q - 1 if wanted <= q - 1 else k
 
     def launch(self, sched: SchedulerOutput, batch: InputBatch) -> "LaunchedVerify | None":
-        """The step the scheduler decided, its inputs from `batch`, when the batch fits."""
+        """The step the scheduler decided, its inputs from `batch` (sequences with fewer drafts
+        padded to the step's q - 1), when the batch fits."""
         if not self.fits(sched, batch):
             return None
-        key = self.graphs.bucket_for(batch)
-        self.graphs.run(batch, key)
+        q = self.verify_length(sched)
         items = sched.scheduled
+        lengths = [len(item.draft_token_ids) for item in items]
+        short = any(n != q - 1 for n in lengths)
+        if short:
+            batch = self._padded_batch(items, q, batch.device)
+            if batch is None:
+                return None
+        key = self.graphs.bucket_for(batch)
+        if key is None or key[1] != q:
+            return None
+        self.graphs.run(batch, key)
         seqs = [item.seq for item in items]
         limits = [item.accept_limit for item in items]
         draft_ids = [item.draft_token_ids for item in items]
         kept = [self.take_draft_probs(item) for item in items]  # forgotten there: this step verifies them
-        sampled = self._sampling(seqs, key[1])
+        sampled = self._sampling(seqs, q)
         draft_probs = None
         if sampled is not None and any(probs is not None for probs in kept):  # drafts the host step sampled
-            drafts = self.graphs.input_ids[: len(items) * key[1]].view(len(items), key[1])[:, 1:]
-            draft_probs = dense_draft_probs(drafts, [len(d) for d in draft_ids], kept, self.vocab_size)
-        accepted, next_token, drafts = self._verify_on_device(key, len(items), limits, sampled, draft_probs)
+            drafts = self.graphs.input_ids[: len(items) * q].view(len(items), q)[:, 1:]
+            draft_probs = dense_draft_probs(drafts, lengths, kept, self.vocab_size)
+        caps = None
+        if short or any(limit is not None for limit in limits):  # acceptance stops at each one's cap
+            caps = [n if limit is None else min(n, limit) for n, limit in zip(lengths, limits)]
+        self.num_mixed_steps += short
+        m = self.num_drafts(q, sched.num_next_drafts)
+        accepted, next_token, drafts = self._verify_on_device(key, len(items), caps, sampled, draft_probs,
+                                                              lengths if short else None, m)
         return self._launched(seqs, key, accepted, next_token, drafts,
                               [seq.num_computed_tokens for seq in seqs], draft_ids, limits, sampled)
+
+    def _padded_batch(self, items: list[ScheduledSequence], q: int, device: torch.device) -> InputBatch | None:
+        """The batch with every sequence's drafts padded to q - 1 (PAD_DRAFT_TOKEN), None when a
+        padded row would lie past the sequence's blocks (the scheduler reserves the drafter's
+        lookahead slots past a sampling step, so it does not: a guard)."""
+        padded = []
+        for item in items:
+            seq, drafts = item.seq, item.draft_token_ids
+            if (seq.num_computed_tokens + q - 1) // self.block_size >= len(seq.block_ids):
+                return None
+            padded.append(ScheduledSequence(seq, q, drafts + [PAD_DRAFT_TOKEN] * (q - 1 - len(drafts)), True))
+        return build_input_batch(padded, self.block_size, device)
 
     def _sampling(self, seqs: list[Sequence], q: int) -> PaddedSampling | None:
         """The sampled rows' parameters and noise keys; None for a batch of greedy sequences."""
@@ -122,14 +192,24 @@ class GraphedVerify:
         sampling = SamplingBatch.build(rows, [None] * len(rows), self.vocab_size, device)
         return PaddedSampling(sampling, to_device(keys, torch.int64, device))
 
-    def can_follow(self, launched: "LaunchedVerify") -> bool:
-        """Whether the step after `launched` can be queued before its results are known: whatever
-        `launched` accepts, no sequence may reach max_tokens or max_model_len within the next step
-        (the scheduler would cap or cut it), and every slot the next step writes (its k + 1 target
-        rows, then the draft loop's rows up to k positions further) must sit in allocated blocks,
-        and the block tables fit the graphs' (max_blocks per sequence)."""
+    def next_verify_length(self, launched: "LaunchedVerify", num_next_drafts: int | None) -> int:
+        """The rows per sequence of the step after `launched`: 1 + the drafts the scheduler will
+        take of those `launched` makes (its choice num_next_drafts; None: all)."""
+        taken = launched.num_drafts if num_next_drafts is None else min(num_next_drafts, launched.num_drafts)
+        return taken + 1
+
+    def can_follow(self, launched: "LaunchedVerify", num_next_drafts: int | None = None) -> bool:
+        """Whether the step after `launched` can be queued before its results are known: it
+        verifies as many drafts as `launched` did (the same buffers' layout: a changed draft length
+        launches from host inputs); whatever `launched` accepts, no sequence may reach max_tokens
+        or max_model_len within the next step (the scheduler would cap or cut it), and every slot
+        the next step writes (its q target rows, then the draft loop's rows up to m positions
+        further) must sit in allocated blocks, and the block tables fit the graphs' (max_blocks
+        per sequence)."""
         q = launched.key[1]
-        k = q - 1
+        if self.next_verify_length(launched, num_next_drafts) != q:
+            return False
+        m = self.num_drafts(q, num_next_drafts)
         max_blocks = self.graphs.block_table.shape[1]
         for seq, start in zip(launched.seqs, launched.start_positions):
             max_tokens = seq.sampling_params.max_tokens
@@ -137,51 +217,54 @@ class GraphedVerify:
                 return False
             if seq.num_tokens + 2 * q > self.max_model_len:
                 return False
-            last_slot = start + q + k + k  # next start <= start + q; its rows and drafts follow
+            last_slot = start + 2 * q + m - 1  # next start <= start + q; its rows and drafts follow
             if not last_slot // self.block_size < len(seq.block_ids) <= max_blocks:
                 return False
         return True
 
-    def launch_after(self, launched: "LaunchedVerify") -> "LaunchedVerify":
+    def launch_after(self, launched: "LaunchedVerify", num_next_drafts: int | None = None) -> "LaunchedVerify":
         """Queue the verify step after `launched` (can_follow() said it may be): its inputs are
         computed on the device from `launched`'s outputs; its host-side expectations are filled
         in by expect() once `launched` is read."""
-        n = len(launched.seqs)
+        n, q = len(launched.seqs), launched.key[1]
         block_ids = [seq.block_ids for seq in launched.seqs]
-        self.graphs.advance_verify(n, launched.accepted, launched.next_token, launched.drafts, block_ids)
+        self.graphs.advance_verify(n, launched.accepted, launched.next_token, launched.drafts[:, : q - 1], block_ids)
         self.graphs.replay(launched.key)
         limits = [None] * n
         # The same sequences: the same parameters and keys; their positions advanced in the buffers.
-        accepted, next_token, drafts = self._verify_on_device(launched.key, n, limits, launched.sampled, None)
+        accepted, next_token, drafts = self._verify_on_device(launched.key, n, None, launched.sampled, None, None,
+                                                              self.num_drafts(q, num_next_drafts))
         return self._launched(launched.seqs, launched.key, accepted, next_token, drafts, [], [], limits,
                               launched.sampled)
 
-    def _verify_on_device(self, key: tuple[int, int], n: int, limits: list[int | None],
-                          sampled: PaddedSampling | None, draft_probs: "torch.Tensor | None"):
+    def _verify_on_device(self, key: tuple[int, int], n: int, caps: list[int] | None,
+                          sampled: PaddedSampling | None, draft_probs: "torch.Tensor | None",
+                          lengths: list[int] | None, m: int):
         """After the target graph `key` ran: verification (rejection sampling when `sampled`; the
-        drafts' distributions draft_probs [n, k, vocab], None: deterministic drafts), the next token
-        and the draft-loop graph, all on the device. Returns (accepted [n], next_token [n], drafts
-        [n, k]), views of static buffers that the next step overwrites (in stream order, after this
-        step used them)."""
+        drafts' distributions draft_probs [n, q - 1, vocab], None: deterministic drafts; caps: the
+        most drafts each may accept, its real drafts included; lengths: each sequence's real
+        drafts when some are padded), the next token and the draft loop drafting m, all on the
+        device. Returns (accepted [n], next_token [n], drafts [n, m]), views of static buffers that
+        the next step overwrites (in stream order, after this step used them)."""
         bucket, q = key
-        k = q - 1
         outputs = self.graphs.graphs[key]
         greedy = outputs.greedy[: n * q].view(n, q)  # the target's greedy token per row
         drafts_in = self.graphs.input_ids[: n * q].view(n, q)[:, 1:]
-        caps = None
-        if any(limit is not None for limit in limits):  # near max_tokens: the rows stay, acceptance is capped
-            caps = torch.tensor([k if limit is None else limit for limit in limits], device=greedy.device)
+        device = greedy.device
+        caps_t = None if caps is None else to_device(caps, torch.int64, device)  # [n]
         self.graphs.side.before_output_write()  # the last step's results have left for the host
         loop = self.draft_graphs
+        self.num_steps += 1
         if sampled is None:
-            self.verifier.accept_padded(greedy, drafts_in, caps, loop.accepted, loop.next_token, loop.num_live)
+            self.verifier.accept_padded(greedy, drafts_in, caps_t, loop.accepted, loop.next_token, loop.num_live)
         else:
             self.num_sampled_steps += 1
-            logits = outputs.logits[: n * q].view(n, q, -1)  # [n, k + 1, vocab] float32
+            logits = outputs.logits[: n * q].view(n, q, -1)  # [n, q, vocab] float32
             first_positions = self.graphs.positions[: n * q].view(n, q)[:, 0]  # [n], as the buffers hold them
-            self.verifier.sample_padded(logits, greedy, drafts_in, draft_probs, sampled, first_positions, caps,
-                                        loop.accepted, loop.next_token, loop.num_live)
-        drafts = loop.run(bucket, n)  # [n, k]
+            lengths_t = None if lengths is None else to_device(lengths, torch.int64, device)  # [n]
+            self.verifier.sample_padded(logits, greedy, drafts_in, draft_probs, sampled, first_positions, caps_t,
+                                        loop.accepted, loop.next_token, loop.num_live, lengths_t)
+        drafts = loop.run(bucket, n, q, m)  # [n, m]
         return loop.accepted[:n], loop.next_token[:n], drafts
 
     def _launched(self, seqs, key, accepted, next_token, drafts, starts, draft_ids, limits,
@@ -200,7 +283,7 @@ class LaunchedVerify:
     key: tuple[int, int]  # (batch bucket, k + 1)
     accepted: torch.Tensor  # [num_seqs] int64 on the device
     next_token: torch.Tensor  # [num_seqs] int64
-    drafts: torch.Tensor  # [num_seqs, k] int64: the drafts for the step after this one
+    drafts: torch.Tensor  # [num_seqs, m] int64: the drafts for the step after this one
     copy: HostCopy  # of [accepted, next_token, drafts]
     # What the step verifies, on the host: its first position per sequence and its drafts. A
     # step launched ahead learns them when the step before it is read (expect()).
@@ -209,10 +292,17 @@ class LaunchedVerify:
     accept_limits: list[int | None]
     sampled: PaddedSampling | None  # the sampled rows' parameters and keys (None: greedy only)
 
-    def launch_next(self) -> "LaunchedVerify | None":
-        if not self.kind.can_follow(self):
+    @property
+    def num_drafts(self) -> int:
+        """m: the drafts per sequence this step makes."""
+        return self.drafts.shape[1]
+
+    def launch_next(self, num_next_drafts: int | None = None) -> "LaunchedVerify | None":
+        """The step after this one (num_next_drafts: the scheduler's choice of drafts for it,
+        None: all), queued when can_follow() allows."""
+        if not self.kind.can_follow(self, num_next_drafts):
             return None
-        return self.kind.launch_after(self)
+        return self.kind.launch_after(self, num_next_drafts)
 
     def read(self, following: "LaunchedVerify | None") -> list[SequenceResult]:
         """This step's results; the step queued after it learns what it verifies from them."""
@@ -222,14 +312,14 @@ class LaunchedVerify:
         return results
 
     def results(self) -> list[SequenceResult]:
-        n, k = len(self.seqs), self.key[1] - 1
+        n, m = len(self.seqs), self.num_drafts
         host = self.copy.read()
         return [
             SequenceResult(
                 new_token_ids=drafts[: host[i]] + [host[n + i]],
                 num_accepted=host[i],
                 num_drafts=len(drafts) if limit is None else min(len(drafts), limit),
-                next_drafts=host[2 * n + i * k : 2 * n + (i + 1) * k],
+                next_drafts=host[2 * n + i * m : 2 * n + (i + 1) * m],
             )
             for i, (drafts, limit) in enumerate(zip(self.draft_token_ids, self.accept_limits))
         ]
@@ -239,7 +329,8 @@ class LaunchedVerify:
         self.start_positions = [
             p + r.num_accepted + 1 for p, r in zip(previous.start_positions, previous_results)
         ]
-        self.draft_token_ids = [r.next_drafts for r in previous_results]
+        q = self.key[1]
+        self.draft_token_ids = [r.next_drafts[: q - 1] for r in previous_results]
 
     def matches(self, scheduled: list[ScheduledSequence], block_size: int) -> bool:
         """Whether the scheduler's decision is this step: its sequences in order, each verifying

@@ -66,9 +66,10 @@ class QueuedStep(Protocol):
         """Whether the scheduler's decision is exactly this step."""
         ...
 
-    def launch_next(self) -> "QueuedStep | None":
+    def launch_next(self, num_next_drafts: int | None = None) -> "QueuedStep | None":
         """Queue the step after this one on the device, before this one is read, when it can be
-        queued whatever this one's results are; None when it cannot."""
+        queued whatever this one's results are; None when it cannot. num_next_drafts: the
+        scheduler's choice of drafts for that step (adaptive speculation; None: all)."""
         ...
 
     def read(self, following: "QueuedStep | None") -> list[SequenceResult]:
@@ -107,9 +108,10 @@ class StepPipeline:
                 return step
         return None
 
-    def finish(self, step: QueuedStep) -> list[SequenceResult]:
-        """Queue the step after `step` when the pipeline may and can, then read `step`."""
-        following = step.launch_next() if self.queue_ahead else None
+    def finish(self, step: QueuedStep, num_next_drafts: int | None = None) -> list[SequenceResult]:
+        """Queue the step after `step` when the pipeline may and can, then read `step`.
+        num_next_drafts: the drafts the scheduler chose for the step after (SchedulerOutput's)."""
+        following = step.launch_next(num_next_drafts) if self.queue_ahead else None
         results = step.read(following)
         if following is not None:
             self.queued = following

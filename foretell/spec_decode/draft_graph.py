@@ -2,16 +2,18 @@
 the same loop run eagerly where nothing is captured (off CUDA, --enforce-eager, a capture that
 failed, a drafter whose attention backend reads host lengths).
 
-For a batch where every sequence verified k drafts (the target ran its (bucket, k + 1) graph),
+For a batch where every sequence verified q - 1 drafts (the target ran its (bucket, q) graph; a
+sequence with fewer real drafts was padded to q - 1 and accepts none of the padding),
 everything the drafter needs is already on the device: the verify's input tokens and positions
 and block table (the target graph's static buffers), the hidden and aux hidden states (its static
 outputs), and, from the greedy verification, each sequence's accepted count a and next token x.
 The tokens at positions p0, p0 + 1, ... are then [t, d_1 .. d_a, x] (x also fills the positions
 past it: their KV is overwritten by later steps). The captured loop:
   1. catches up over a fixed number of rows per sequence: EAGLE3/MTP rows (row_offset -1) pair
-     the target's features at p0 + r with the token at p0 + r + 1 (k + 1 rows, row a drafts);
-     a draft LM (row_offset 0) feeds the token at p0 + r itself (k + 2 rows, row a + 1 drafts);
-  2. drafts token 1 by argmax (through d2t for EAGLE3), then k - 1 single-row steps.
+     the target's features at p0 + r with the token at p0 + r + 1 (q rows, row a drafts);
+     a draft LM (row_offset 0) feeds the token at p0 + r itself (q + 1 rows, row a + 1 drafts);
+  2. drafts token 1 by argmax (through d2t for EAGLE3), then m - 1 single-row steps (m drafts,
+     0..K: m = 0 only catches up, the drafter's side of a k = 0 step under adaptive speculation).
 Near max_model_len, a chained step whose draft sits at or past the limit (never verified: the
 scheduler's room cap) runs at position max_model_len - 1 (ops/step dispatch.catch_up_inputs), and the
 runner graphs a batch only when its catch-up rows fit below the limit (catch_up_fits).
@@ -97,10 +99,21 @@ class CapturedDraft:
 
 
 class DraftGraphRunner:
-    def __init__(self, proposer: PaddedDrafter, target: PaddedForward, k: int, reads_host_lengths: bool = False):
+    """The padded step's draft loop, one per (bucket, q, m): after the target's (bucket, q) verify
+    forward (q - 1 drafts verified, 1..K + 1 under adaptive speculation), the catch-up over its
+    rows and m drafts (m in 0..K: 0 only catches up, a k = 0 step's drafter). Captured for the
+    verify lengths the runner asks for (verify_lens) with m = K and m = q - 1 (a step drafting as
+    many as it verified, adaptive speculation's steady state); any other (q, m) runs eagerly."""
+
+    def __init__(self, proposer: PaddedDrafter, target: PaddedForward, k: int, reads_host_lengths: bool = False,
+                 verify_lens: tuple[int, ...] | None = None):
         self.proposer = proposer
         self.target = target
-        self.k = k
+        self.k = k  # K: the most drafts a step makes or verifies
+        # The verify lengths q the padded step takes (its target graphs'): K + 1, or 1..K + 1.
+        self.verify_lens = tuple(sorted(set(verify_lens or (k + 1,))))
+        if not all(1 <= q <= k + 1 for q in self.verify_lens):
+            raise ValueError(f"draft loop verify lengths must lie in 1..{k + 1} (K + 1), got {self.verify_lens}")
         # The drafter's attention backend loops over host copies of the lengths: the loop is never
         # captured and reads each forward's lengths from the device (one small sync per forward).
         self.reads_host_lengths = reads_host_lengths
@@ -112,22 +125,33 @@ class DraftGraphRunner:
         self.num_live = torch.zeros((), dtype=torch.int64, device=device)  # live sequences of the bucket
         # Rows fed per sequence: the token shift is 1 for EAGLE3/MTP (row t reads token t + 1).
         self.shift = -proposer.row_offset
-        self.rows_per_seq = k + 2 - self.shift
         i32 = dict(dtype=torch.int32, device=device)
-        self.catch_up_starts = torch.arange(max_bucket + 1, **i32) * self.rows_per_seq
+        # Query starts of the catch-up, per rows-per-sequence count n (one per verify length).
+        self.catch_up_starts = {
+            self.rows_per_seq(q): torch.arange(max_bucket + 1, **i32) * self.rows_per_seq(q) for q in self.verify_lens
+        }
         self.single_starts = torch.arange(max_bucket + 1, **i32)
-        self.graphs: dict[int, CapturedDraft] = {}
+        self.graphs: dict[tuple[int, int, int], CapturedDraft] = {}  # (bucket, q, m) -> its captured loop
 
-    def catch_up_fits(self, first_position: int) -> bool:
-        """Whether a verify step starting at first_position (p0) has every catch-up row, at
-        p0 .. p0 + n - 1, below max_model_len (a draft LM's last row sits one past the verify's)."""
-        return first_position + self.rows_per_seq <= self.target.max_model_len
+    def rows_per_seq(self, q: int) -> int:
+        """Catch-up rows per sequence after a verify of q rows: q (EAGLE3, MTP: row t pairs the
+        target's features at t with the token at t + 1), q + 1 (a draft LM feeds each token)."""
+        return q + 1 - self.shift
 
-    def _loop(self, bucket: int) -> torch.Tensor:
-        k, t, p = self.k, self.target, self.proposer
-        q = k + 1
+    def loop_keys(self) -> list[tuple[int, int]]:
+        """The (q, m) loops captured per bucket: m = K for every verify length, and m = q - 1."""
+        return sorted({(q, m) for q in self.verify_lens for m in (self.k, q - 1)})
+
+    def catch_up_fits(self, first_position: int, q: int | None = None) -> bool:
+        """Whether a verify step of q rows (None: K + 1) starting at first_position (p0) has every
+        catch-up row, at p0 .. p0 + n - 1, below max_model_len (a draft LM's last row sits one past
+        the verify's)."""
+        return first_position + self.rows_per_seq(self.k + 1 if q is None else q) <= self.target.max_model_len
+
+    def _loop(self, bucket: int, q: int, m: int) -> torch.Tensor:
+        t, p = self.target, self.proposer
         rows = bucket * q
-        n = self.rows_per_seq
+        n = self.rows_per_seq(q)
         table = t.block_table[:bucket]
         # The draft's view of the block table, once for the catch-up and every chained step.
         draft_table = subdivide_block_table(table, t.block_size, p.draft_block_size)
@@ -138,21 +162,24 @@ class DraftGraphRunner:
 
         catch_up = catch_up_inputs(
             t.input_ids[:rows].view(bucket, q), t.positions[:rows].view(bucket, q)[:, 0], self.accepted[:bucket],
-            self.next_token[:bucket], self.num_live, table, t.block_size, n, self.shift, k - 1, t.max_model_len - 1,
+            self.next_token[:bucket], self.num_live, table, t.block_size, n, self.shift, max(m - 1, 0),
+            t.max_model_len - 1,
         )
-        meta = metadata(self.catch_up_starts[: bucket + 1], catch_up.seq_lens, catch_up.slots, n)
+        meta = metadata(self.catch_up_starts[n][: bucket + 1], catch_up.seq_lens, catch_up.slots, n)
         aux = [a_[:rows] for a_ in t.graphs[(bucket, q)].aux]
         hidden = t.graphs[(bucket, q)].hidden[:rows]
         logits, state = p.padded_catch_up(catch_up.tokens, catch_up.positions, meta, hidden, aux,
                                           catch_up.last_rows)
-        by_step = torch.empty((k, bucket), dtype=torch.int64, device=t.device)  # each step's argmax writes a row
+        by_step = torch.empty((m, bucket), dtype=torch.int64, device=t.device)  # each step's argmax writes a row
+        if m == 0:  # a catch-up only (the drafter's KV for the accepted tokens)
+            return by_step.t()
         p.greedy_target_ids(logits, by_step[0])
-        for j in range(1, k):
+        for j in range(1, m):
             step = catch_up.chain_step(j)
             meta = metadata(self.single_starts[: bucket + 1], step.seq_lens, step.slots, 1)
             logits, state = p.chain_step(by_step[j - 1], step.positions, meta, state)
             p.greedy_target_ids(logits, by_step[j])
-        return by_step.t()  # [bucket, k], strided
+        return by_step.t()  # [bucket, m], strided
 
     @property
     def captures(self) -> bool:
@@ -161,8 +188,9 @@ class DraftGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """One graph per bucket; when capturing fails part-way (RuntimeError), none is kept and
-        the loop runs uncaptured, still in the padded step."""
+        """One graph per bucket and loop_keys() entry whose target graph exists; when capturing
+        fails part-way (RuntimeError), none is kept and the loop runs uncaptured, still in the
+        padded step."""
         if not self.captures:
             return
         try:
@@ -173,23 +201,29 @@ class DraftGraphRunner:
 
     def _capture(self) -> None:
         torch.cuda.synchronize(self.target.device)
-        for bucket in reversed(self.target.buckets):
-            self.num_live.fill_(0)
-            for _ in range(2):
-                self._loop(bucket)
-            torch.cuda.synchronize(self.target.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.target.pool):
-                drafts = self._loop(bucket)
-            self.graphs[bucket] = CapturedDraft(graph, drafts)
+        for q, m in self.loop_keys():
+            for bucket in reversed(self.target.buckets):
+                if (bucket, q) not in self.target.graphs:
+                    continue
+                self.num_live.fill_(0)
+                for _ in range(2):
+                    self._loop(bucket, q, m)
+                torch.cuda.synchronize(self.target.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.target.pool):
+                    drafts = self._loop(bucket, q, m)
+                self.graphs[(bucket, q, m)] = CapturedDraft(graph, drafts)
         torch.cuda.synchronize(self.target.device)
 
-    def run(self, bucket: int, num_seqs: int) -> torch.Tensor:
-        """Replay after the target's (bucket, k + 1) forward and the verifier's accept_padded into
-        accepted / next_token / num_live; returns drafts [num_seqs, k]. Uncaptured (no graph for
-        the bucket: off CUDA, --enforce-eager, a capture that failed) the same loop runs eagerly."""
-        captured = self.graphs.get(bucket)
+    def run(self, bucket: int, num_seqs: int, q: int | None = None, m: int | None = None) -> torch.Tensor:
+        """Replay after the target's (bucket, q) forward (None: K + 1) and the verifier's
+        acceptance into accepted / next_token / num_live; returns m drafts (None: K) per sequence
+        [num_seqs, m]. Uncaptured (no graph for the key: off CUDA, --enforce-eager, a capture that
+        failed, a (q, m) not in loop_keys()) the same loop runs eagerly."""
+        q = self.k + 1 if q is None else q
+        m = self.k if m is None else m
+        captured = self.graphs.get((bucket, q, m))
         if captured is None:
-            return self._loop(bucket)[:num_seqs]
+            return self._loop(bucket, q, m)[:num_seqs]
         captured.graph.replay()
         return captured.drafts[:num_seqs]

@@ -184,11 +184,14 @@ def sample_padded(
     rows: PaddedSampling,
     first_positions: torch.Tensor,  # [n] int64: each sequence's first verify position (its buffers')
     caps: torch.Tensor | None,  # [n] int64: most drafts each may accept, or None
+    lengths: torch.Tensor | None = None,  # [n] int64: each sequence's real drafts (<= k), or None: all k
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rejection sampling of the padded step for every row as if sampled (greedy rows get a one-hot
     p: the caller takes greedy acceptance for them): (accepted [n], next token [n]), on the device,
     waiting for nothing. Row r of sequence i draws from the seed of (keys[i], first_positions[i] + r),
-    as the host step does for a seeded row at that position."""
+    as the host step does for a seeded row at that position. A sequence with fewer real drafts than
+    k (lengths: its drafts padded to the step's k) accepts none of the padding and draws its bonus
+    token from p at its own row lengths[i], as the host step does for a sequence of that many drafts."""
     n, q_rows, vocab = logits.shape
     k = q_rows - 1
     device = logits.device
@@ -201,7 +204,8 @@ def sample_padded(
         q = torch.zeros(n, k, vocab, device=device).scatter_(-1, drafts[..., None], 1.0)
     else:
         q = draft_probs
-    lengths = torch.full((n,), k, dtype=torch.int64, device=device)
+    if lengths is None:
+        lengths = torch.full((n,), k, dtype=torch.int64, device=device)
     accepted, choice = rejection_core(probs, drafts, q, lengths, uniform, noise)
     next_token = choice.gather(1, accepted[:, None]).squeeze(1)
     if caps is not None:

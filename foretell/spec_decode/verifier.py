@@ -86,9 +86,12 @@ class Verifier(Protocol):
         accepted_out: torch.Tensor,  # [>= B] int64, written
         next_token_out: torch.Tensor,  # [>= B] int64, written
         num_live_out: torch.Tensor,  # 0-d int64, set to B
+        lengths: torch.Tensor | None = None,  # [B] int64: real drafts per sequence (<= k), None: all k
     ) -> None:
         """The padded step with sampled rows (greedy rows as accept_padded), on the device,
-        waiting for nothing."""
+        waiting for nothing. A sequence with fewer real drafts than the step's k (padded) has
+        caps <= lengths: greedy and drawn acceptance stop there; a sampled row draws its bonus
+        token at its own row (rejection_sampler.sample_padded)."""
         ...
 
 
@@ -117,11 +120,11 @@ class ExactVerifier:
         accept_drafts(greedy, drafts, caps, accepted_out, next_token_out, num_live_out)
 
     def sample_padded(self, logits, greedy, drafts, draft_probs, rows, first_positions, caps, accepted_out,
-                      next_token_out, num_live_out) -> None:
+                      next_token_out, num_live_out, lengths=None) -> None:
         accept_drafts(greedy, drafts, caps, accepted_out, next_token_out, num_live_out)  # the greedy rows'
         n, q = greedy.shape
         sampled = ~rows.sampling.greedy_rows.view(n, q)[:, 0]  # [n] bool
-        accepted, next_token = sample_padded(logits, drafts, draft_probs, rows, first_positions, caps)
+        accepted, next_token = sample_padded(logits, drafts, draft_probs, rows, first_positions, caps, lengths)
         accepted_out[:n] = torch.where(sampled, accepted, accepted_out[:n])
         next_token_out[:n] = torch.where(sampled, next_token, next_token_out[:n])
 
@@ -161,10 +164,13 @@ class SimulatedVerifier:
 
     def accept_padded(self, greedy, drafts, caps, accepted_out, next_token_out, num_live_out) -> None:
         start, rates = self.draws.device_step(greedy.device)
+        # A step verifying k < K drafts (adaptive speculation) counts the first k rates: the same
+        # as the host step's count capped at k (the rates do not increase).
+        rates = rates[: greedy.shape[1] - 1]
         accept_drawn(greedy, start, rates, ROW_STRIDE, caps, accepted_out, next_token_out, num_live_out)
 
     def sample_padded(self, logits, greedy, drafts, draft_probs, rows, first_positions, caps, accepted_out,
-                      next_token_out, num_live_out) -> None:
+                      next_token_out, num_live_out, lengths=None) -> None:
         # As verify(): the drawn counts and the target's greedy token after them, sampled or not.
         self.accept_padded(greedy, drafts, caps, accepted_out, next_token_out, num_live_out)
 

@@ -172,7 +172,7 @@ def accept_drafts_triton(greedy, drafts, caps, accepted_out, next_token_out, num
     _accept_kernel[(triton.cdiv(num_seqs, BLOCK_SEQS),)](
         greedy, drafts, caps if caps is not None else greedy, accepted_out, next_token_out, num_live_out,
         num_seqs, drafts.stride(0),
-        K=k, K_P=triton.next_power_of_2(k), HAS_CAPS=caps is not None, BLOCK=BLOCK_SEQS, **_pdl(greedy),
+        K=k, K_P=triton.next_power_of_2(max(k, 1)), HAS_CAPS=caps is not None, BLOCK=BLOCK_SEQS, **_pdl(greedy),
     )
 
 
@@ -212,7 +212,7 @@ def accept_drawn_triton(greedy, start, rates, row_stride, caps, accepted_out, ne
     _accept_drawn_kernel[(triton.cdiv(num_seqs, BLOCK_SEQS),)](
         greedy, caps if caps is not None else greedy, rates, accepted_out, next_token_out, num_live_out,
         num_seqs, float(start), row_stride,
-        K=k, K_P=triton.next_power_of_2(k), HAS_CAPS=caps is not None, BLOCK=BLOCK_SEQS, **_pdl(greedy),
+        K=k, K_P=triton.next_power_of_2(max(k, 1)), HAS_CAPS=caps is not None, BLOCK=BLOCK_SEQS, **_pdl(greedy),
     )
 
 
