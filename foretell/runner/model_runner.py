@@ -294,8 +294,10 @@ class ModelRunner:
         if self.padded_forward is None or drafter is None:
             return None
         graph_safe = all(layer.backend.graph_safe for layer in self.proposer.kv_layers())
-        loop = DraftGraphRunner(drafter, self.padded_forward, self.config.speculative.num_speculative_tokens,
-                                reads_host_lengths=not graph_safe)
+        spec = self.config.speculative
+        loop = DraftGraphRunner(drafter, self.padded_forward, spec.num_speculative_tokens,
+                                reads_host_lengths=not graph_safe,  # adaptive: verifies of 0..K drafts
+                                verify_lens=tuple(range(1, spec.num_speculative_tokens + 2)) if spec.adaptive else None)
         try:
             loop.capture()
         except RuntimeError as e:
@@ -352,7 +354,7 @@ class ModelRunner:
             batch = build_input_batch(sched.scheduled, block_size, self.device)
             step = self.pipeline.launch(sched, batch)
         if step is not None:  # queues the step after it when it can, then reads its results
-            results = self.pipeline.finish(step)
+            results = self.pipeline.finish(step, sched.num_next_drafts)
             self.last_times = StepTimes(target_s=time.perf_counter() - t0)
             return results
         results = [SequenceResult() for _ in sched.scheduled]
