@@ -1,16 +1,20 @@
 """Where a CPU decode step of the default family goes: per-step time by part, and cProfile.
 
     python scripts/profile_cpu_step.py [--method none|eagle3] [--num-prompts 4] [--max-tokens 64]
-        [--cprofile 30] [--torch-profile 30] [--dtype auto]
+        [--cprofile 30] [--torch-profile 30] [--count-ops] [--forward-loop 200] [--dtype auto]
 
 The shipped default Qwen3 family (foretell/default_models), GSM8K prompts one at a time (batch 1),
 on the CPU with one torch thread. Each part of Engine.step is wrapped in a timer for the measured
 run (after one warm-up request): the scheduler, input tensor building, the target forward (with
 the LM head), sampling / acceptance, the drafter, the scheduler's postprocess and the incremental
-detokenizer; "rest" is the step's time outside them. Both wall time and this thread's CPU time
-are reported: on a machine shared with other processes the wall time swings, the CPU time much
-less. --cprofile N prints the N functions with the most own time; --torch-profile N the N torch
-ops with the most CPU time (torch.profiler), each over a second measured run.
+detokenizer; with a drafter whose loop runs padded (EAGLE3), the verify step's target forward over
+the padded buffers and its draft loop instead of the host step's; "rest" is the step's time
+outside them. Both wall time and this thread's CPU time are reported: on a machine shared with
+other processes the wall time swings, the CPU time much less. --cprofile N prints the N functions
+with the most own time; --torch-profile N the N torch ops with the most CPU time (torch.profiler),
+each over a second measured run. --count-ops counts the torch calls of one target forward: those
+Python makes (a dispatch mode sees them) and every aten op the profiler records under them (a
+count that does not move with the machine's load, unlike the timings).
 """
 
 from __future__ import annotations
@@ -70,6 +74,10 @@ def instrument(llm: LLM, timer: PartTimer) -> None:
     runner.target_forward = timer.wrap("target forward + LM head", runner.target_forward)
     runner.host_step.sample = timer.wrap("sampling / acceptance", runner.host_step.sample)
     runner.host_step.propose = timer.wrap("drafter", runner.host_step.propose)
+    if runner.padded_forward is not None:  # the padded verify step (graphed_verify.py), captured or not
+        runner.padded_forward.replay = timer.wrap("target forward (padded verify)", runner.padded_forward.replay)
+    if runner.draft_graphs is not None:
+        runner.draft_graphs.run = timer.wrap("draft loop (padded verify)", runner.draft_graphs.run)
     model_runner_module.build_input_batch = timer.wrap(
         "input tensors", model_runner_module.build_input_batch
     )
@@ -122,6 +130,43 @@ def time_forward_loop(llm, prompt: list[int], n: int) -> None:
           f"median {statistics.median(cpu) * 1e3:.3f} ms")
 
 
+def count_forward_ops(llm, prompt: list[int]) -> None:
+    """Torch calls of one target forward (with the LM head) after the prefill, a decode row (or a
+    verify's 1 + k rows with a drafter): top-level (what Python dispatches) and every aten op under
+    them (torch.profiler's events)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from foretell.runner.input_batch import build_input_batch
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    engine = llm.engine
+    engine.add_request("count", {"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    engine.step()  # the prefill
+    item = engine.scheduler.schedule().scheduled[0]
+    runner = engine.runner
+    with torch.inference_mode():
+        runner.target_forward(build_input_batch([item], runner.cache_plan.block_size, runner.device))
+        batch = build_input_batch([item], runner.cache_plan.block_size, runner.device)
+        with Count() as count:
+            runner.target_forward(batch)
+        batch = build_input_batch([item], runner.cache_plan.block_size, runner.device)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            runner.target_forward(batch)
+    engine.abort_request("count")
+    aten = sum(1 for e in prof.events() if e.name.startswith("aten::"))
+    print(f"target forward of {batch.num_tokens} row(s): {count.calls} top-level torch calls, {aten} aten ops in all")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--method", default="none", choices=["none", "eagle3", "draft_model", "ngram"])
@@ -132,6 +177,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--cprofile", type=int, default=0, metavar="N")
     parser.add_argument("--torch-profile", type=int, default=0, metavar="N")
+    parser.add_argument("--count-ops", action="store_true",
+                        help="count the torch calls of one target forward (top-level and all aten ops)")
     parser.add_argument("--forward-loop", type=int, default=0, metavar="N",
                         help="also time N target forwards of one decode step (min and median)")
     args = parser.parse_args()
@@ -167,6 +214,8 @@ def main() -> None:
     print(f"{'step (all)':<28}{steps:>7}{step_wall / steps * 1e3:>14.3f}{step_cpu / steps * 1e3:>13.3f}")
     print("(the detokenizer runs inside postprocess's caller, the engine loop: counted in rest)")
 
+    if args.count_ops:
+        count_forward_ops(llm, prompts[0])
     if args.forward_loop:
         time_forward_loop(llm, prompts[0], args.forward_loop)
     if args.cprofile:
