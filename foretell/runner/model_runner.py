@@ -1,10 +1,11 @@
 """ModelRunner: one step of the target (and the drafter) on a device.
 
-Set-up: the model, the proposer (spec_decode/registry.py), the KV caches, the CUDA graphs of the
-target and of the draft loop, the sampler and the verifier (spec_decode/verifier.py: exact, or
-simulated acceptance, chosen here once), and the step pipeline (step_pipeline.py) with the kinds
-of device step it may launch. The runner never asks which model or which drafter it runs:
-capabilities come from the proposer's typed ProposerCapabilities.
+Set-up, in order: the model, the proposer (spec_decode/registry.py), the KV caches and
+max_model_len (here), the CUDA graphs of the target and of the draft loop (graph_setup.py), the
+sampler and the verifier (spec_decode/verifier.py: exact, or simulated acceptance, chosen here
+once), and the step pipeline with the kinds of device step it may launch (graph_setup.py's
+build_step_pipeline; step_pipeline.py). The runner never asks which model or which drafter it
+runs: capabilities come from the proposer's typed ProposerCapabilities.
 
 Under tensor parallelism one runner runs in each rank's worker process (worker_entry.py), built
 with the rank's TensorParallel and device: the target (and MTP layers) hold the rank's slices,
@@ -19,7 +20,8 @@ device step the pipeline launches for the batch (a plain decode step, decode_ahe
 verify step, graphed_verify.py, on the target's graphs or, without them, on the same static
 buffers run eagerly: padded_forward); else the step from host inputs: target forward -> logits
 of the sampling rows -> Sampler (no drafts in the step) or the verifier -> Proposer (catch-up +
-k drafts) -> per-sequence results for the scheduler (host_step.py).
+k drafts) -> per-sequence results for the scheduler (host_step.py). Before any of it, each
+sequence is checked on its own (step_checks.py), so a bad one fails alone.
 """
 
 from __future__ import annotations
@@ -33,28 +35,23 @@ import torch
 from foretell.config import EngineConfig
 from foretell.distributed.graph_capture import graph_capture_decision
 from foretell.distributed.tensor_parallel import TensorParallel
-from foretell.engine.errors import SequenceError
 from foretell.engine.scheduler import SchedulerOutput
 from foretell.runner.sequence_result import SequenceResult
 from foretell.ops.attention.dispatch import build_attention_backend
 from foretell.layers.sampler import NoiseSource, Sampler
-from foretell.layers.small_m import prepare_small_m_linears
 from foretell.layers.batch_invariant import prepare_batch_invariant
 from foretell.layers.vocab_parallel import ParallelLMHead
 from foretell.ops.gemm.dispatch import SmallMGemm
 from foretell.models.base import HFConfig, ModelOptions
-from foretell.runner.cuda_graph import CudaGraphRunner
-from foretell.runner.decode_ahead import DecodeAhead
-from foretell.runner.graphed_verify import GraphedVerify
+from foretell.runner.graph_setup import StepGraphSetup, build_step_pipeline
 from foretell.runner.input_batch import InputBatch, build_input_batch
 from foretell.runner.host_step import HostStep
+from foretell.runner.step_checks import check_step
 from foretell.runner.tree_step import TreeStep
 from foretell.runner.logprobs import add_prompt_logprobs
 from foretell.runner.kv_cache import CachePlan, DraftKVCache, KVCache, kv_cache_budget, kv_cache_dtypes, plan_cache
 from foretell.models.loading import build_model, checkpoint_dtype
 from foretell.models.quantization import resolve_quantization
-from foretell.runner.step_pipeline import StepKind, StepPipeline
-from foretell.spec_decode.draft_graph import DraftGraphRunner
 from foretell.spec_decode.proposer import Proposer
 from foretell.spec_decode.registry import build_proposer
 from foretell.spec_decode.verifier import build_verifier
@@ -130,10 +127,13 @@ class ModelRunner:
         self.num_lookahead_tokens = k + (k + 1 if queue_ahead else 0)
         self.cache_plan = self._allocate_cache()
         self.max_model_len = self._max_model_len()
-        self.small_m_gemm: SmallMGemm | None = None  # bound with the graphs, before capture
-        self.graphs = self._capture_graphs()
-        self.padded_forward = self._padded_forward()
-        self.draft_graphs = self._draft_loop()
+        step_graphs = StepGraphSetup(config, self.model, self.proposer, self.cache_plan, self.max_model_len,
+                                     self.num_lookahead_tokens, self.device, self.tensor_parallel,
+                                     self.graph_decision, self.uses_tree).build()
+        self.small_m_gemm: SmallMGemm | None = step_graphs.small_m_gemm
+        self.graphs = step_graphs.target
+        self.padded_forward = step_graphs.padded_forward
+        self.draft_graphs = step_graphs.draft_loop
         noise = NoiseSource(self.device, mc.seed)  # the sampler's and the verifier's: one stream of draws
         sampler = Sampler(noise)
         self.verifier = build_verifier(config.speculative, noise, mc.seed)
@@ -141,7 +141,11 @@ class ModelRunner:
                                   self.cache_plan.block_size, self.max_model_len, self.device,
                                   tensor_parallel=self.tensor_parallel.is_parallel,
                                   structured=StructuredOutputs(mc.tokenizer or mc.model, self.vocab_size))
-        self.pipeline = self._build_pipeline(queue_ahead, sampler)
+        self.pipeline = build_step_pipeline(
+            step_graphs, queue_ahead=queue_ahead, has_drafter=self.proposer is not None,
+            target_forward=self.target_forward, sampler=sampler, verifier=self.verifier,
+            take_draft_probs=self.host_step.take_draft_probs, vocab_size=self.vocab_size,
+            block_size=self.cache_plan.block_size, max_model_len=self.max_model_len)
         self.tree_step = None if not self.uses_tree else TreeStep(
             self.model, self.proposer, self.host_step, self.target_forward, config, self.cache_plan.block_size,
             self.device, self.tensor_parallel.is_parallel)
@@ -228,99 +232,6 @@ class ModelRunner:
         every = self.tensor_parallel.all_gather(torch.tensor([value], dtype=torch.int64, device=self.device), dim=0)
         return int(every.min())
 
-    def _graph_runner(self, capture_graphs: bool, reads_host_lengths: bool) -> CudaGraphRunner:
-        spec = self.config.speculative
-        query_lens = (1,) if spec is None else (1, spec.num_speculative_tokens + 1)
-        if spec is not None and spec.adaptive:  # a verify of any length adaptive speculation chooses
-            query_lens = tuple(range(1, spec.num_speculative_tokens + 2))
-        return CudaGraphRunner(
-            self.model,
-            self.config.scheduler.max_num_seqs,
-            query_lens,
-            max_blocks_per_seq=-(-(self.max_model_len + self.num_lookahead_tokens) // self.cache_plan.block_size) + 1,
-            block_size=self.cache_plan.block_size,
-            max_model_len=self.max_model_len,
-            device=self.device,
-            capture_graphs=capture_graphs,
-            reads_host_lengths=reads_host_lengths,
-        )
-
-    def _capture_graphs(self) -> CudaGraphRunner | None:
-        """The target's graphs (captured on CUDA; on the CPU with a graph-safe backend the same
-        buffers, uncaptured), used by every batch that fits one; None: eager forwards."""
-        layers = self.model.attention_layers()
-        mc = self.config.model
-        if mc.enforce_eager or not all(layer.backend.graph_safe for layer in layers):
-            return None
-        if not self.graph_decision.allowed:  # tensor parallel over gloo (graph_capture.py)
-            return None
-        graphs = self._graph_runner(capture_graphs=True, reads_host_lengths=False)
-        if graphs.captures and not mc.batch_invariant:  # (the mode binds its own GEMM)
-            # cuBLAS or the batch-1 GEMV, per shape, decided now: nothing is timed in a capture.
-            # Rows: a graph's batch bucket x query length, + 1 for a draft LM's catch-up rows.
-            drafter = self.proposer.draft_modules() if self.proposer else []
-            self.small_m_gemm = prepare_small_m_linears(
-                [self.model, *drafter], graphs.buckets[-1] * (max(graphs.query_lens) + 1), mc.small_m_gemm
-            )
-        try:
-            graphs.capture()
-        except RuntimeError as e:  # e.g. a layer that reads host values: run eagerly instead
-            if self.tensor_parallel.is_parallel:  # one rank cannot fall back alone (graph_capture.py)
-                raise
-            logger.warning("CUDA graph capture failed, running eagerly: %s", e)
-            torch.cuda.synchronize(self.device)
-            return None
-        return graphs
-
-    def _padded_forward(self) -> CudaGraphRunner | None:
-        """The target forward the padded verify step runs on: the graphs, or without them
-        (--enforce-eager, a backend that reads host lengths, a refused capture) the same static
-        buffers run eagerly. None without a drafter whose loop runs padded (none, n-gram), and
-        under tensor parallelism (its forward gathers whole logits: the host step's
-        greedy_without_logits avoids that)."""
-        if self.uses_tree:  # tree steps verify on the host (tree_step.py)
-            return None
-        if self.graphs is not None:
-            return self.graphs
-        if self.proposer is None or self.proposer.padded_drafter() is None or self.tensor_parallel.is_parallel:
-            return None
-        graph_safe = all(layer.backend.graph_safe for layer in self.model.attention_layers())
-        return self._graph_runner(capture_graphs=False, reads_host_lengths=not graph_safe)
-
-    def _draft_loop(self) -> DraftGraphRunner | None:
-        """The padded step's draft loop, captured after the target's graphs when its drafter's
-        backend allows (else run eagerly: the same code)."""
-        drafter = self.proposer.padded_drafter() if self.proposer is not None else None
-        if self.padded_forward is None or drafter is None:
-            return None
-        graph_safe = all(layer.backend.graph_safe for layer in self.proposer.kv_layers())
-        spec = self.config.speculative
-        loop = DraftGraphRunner(drafter, self.padded_forward, spec.num_speculative_tokens,
-                                reads_host_lengths=not graph_safe,  # adaptive: verifies of 0..K drafts
-                                verify_lens=tuple(range(1, spec.num_speculative_tokens + 2)) if spec.adaptive else None)
-        try:
-            loop.capture()
-        except RuntimeError as e:
-            logger.warning("draft-loop graph capture failed, drafting eagerly: %s", e)
-            torch.cuda.synchronize(self.device)
-        return loop
-
-    def _build_pipeline(self, queue_ahead: bool, sampler: Sampler) -> StepPipeline:
-        """The device steps this runner may launch: plain decoding one step ahead (without a
-        drafter), the padded verify (with a drafter whose loop runs padded, captured or not)."""
-        block_size = self.cache_plan.block_size
-        kinds: list[StepKind] = []
-        if self.proposer is None and queue_ahead:
-            kinds.append(DecodeAhead(self.graphs, self.target_forward, sampler, self.vocab_size, block_size,
-                                     self.max_model_len))
-        if self.draft_graphs is not None:
-            kinds.append(GraphedVerify(self.padded_forward, self.draft_graphs, self.verifier, block_size,
-                                       self.max_model_len, sampler.noise, self.vocab_size,
-                                       self.host_step.take_draft_probs))
-        # A drafter's general-path loop needs the host's accept counts: nothing is queued past it.
-        queue_ahead = queue_ahead and (self.proposer is None or self.draft_graphs is not None)
-        return StepPipeline(queue_ahead, kinds)
-
     def target_forward(self, batch: InputBatch, greedy_tokens: bool = False):
         """(hidden, aux, logits of the sampling rows [rows, vocab] float32): a graph replay when
         one fits. With greedy_tokens (a tensor-parallel step HostStep.greedy_without_logits chose),
@@ -343,7 +254,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> list[SequenceResult]:
         t0 = time.perf_counter()
-        self.check_step(sched)
+        check_step(sched, self.max_model_len, self.vocab_size)
         if self.tree_step is not None:
             results = self.tree_step.execute(sched)
             self.last_times = StepTimes(target_s=time.perf_counter() - t0)
@@ -378,25 +289,6 @@ class ModelRunner:
 
     def _device_sync_needed(self) -> bool:
         return self.device.type == "cuda"
-
-    def check_step(self, sched: SchedulerOutput) -> None:
-        """Per-sequence checks before anything runs, so a bad sequence fails alone (SequenceError)
-        instead of breaking the whole batch's forward: every row below max_model_len (the
-        rotary tables and block tables end there), every draft a token id of the target."""
-        for item in sched.scheduled:
-            seq = item.seq
-            end = seq.num_computed_tokens + item.num_new_tokens
-            if end > self.max_model_len:
-                raise SequenceError(
-                    seq.seq_id, f"sequence {seq.request_id!r} would run positions up to {end - 1}, past "
-                                f"max_model_len {self.max_model_len}"
-                )
-            drafts = item.draft_token_ids
-            if drafts and not 0 <= min(drafts) <= max(drafts) < self.vocab_size:
-                raise SequenceError(
-                    seq.seq_id, f"sequence {seq.request_id!r} got draft tokens outside the target's "
-                                f"vocabulary [0, {self.vocab_size}): {drafts}"
-                )
 
     def num_logit_gathers(self) -> int:
         """How many times the vocabulary-parallel heads (the target's, MTP's) have gathered whole
