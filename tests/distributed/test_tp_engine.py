@@ -23,6 +23,7 @@ import pytest
 from fixtures import deepseek as ds
 from foretell import LLM, SamplingParams
 from foretell.distributed.executor import WorkerDied
+from foretell.runner.graphed_verify import GraphedVerify
 
 PROMPTS = [[5, 17, 250, 3, 99, 41, 7], [300, 12, 8, 8, 61, 2, 19, 77, 140, 33], [44], [9, 9, 9, 9, 9, 9]]
 MAX_TOKENS = 10
@@ -159,13 +160,17 @@ def test_two_ranks_equal_one_rank(folders, baselines, case):
     check_tp_equals_one_rank(folders, baselines, target, method, expert_parallel)
 
 
-def test_qwen3_eagle3_under_chunked_prefill_and_preemption_and_sampling(folders, baselines):
+def test_qwen3_eagle3_under_chunked_prefill_and_preemption_and_sampling(folders, baselines, monkeypatch):
     """EAGLE3 on Qwen3 (the head whole on every rank) in a small cache: greedy equals one rank
     without speculation; seeded sampling (every rank draws from the same noise) equals one rank
-    with the same head."""
+    with the same head on the same step form. Tensor-parallel ranks verify on the host step, whose
+    drafter samples its drafts, where one rank's padded step drafts greedily (exact both ways, but
+    other drafts give other tokens), so the one-rank engine is held to the host step here."""
     spec = spec_config(folders, "qwen3", "eagle3")
     one_rank = LLM(folders["qwen3"], dtype="float32", speculative_config=spec, **STRESS)
-    expected_sampled = tokens(one_rank, sampled())
+    with monkeypatch.context() as patch:
+        patch.setattr(GraphedVerify, "fits", lambda self, sched, batch: False)
+        expected_sampled = tokens(one_rank, sampled())
     llm = tp_engine(folders, "qwen3", "eagle3", **STRESS)
     try:
         assert tokens(llm, greedy()) == baselines("qwen3")
