@@ -36,7 +36,8 @@ def build_proposer(config, target_hf_config, options) -> Proposer:
     proposer = PROPOSERS[config.method].from_config(config, target_hf_config, options)
     if getattr(config, "hybrid", None):
         model_config = replace(config, method=config.hybrid, hybrid=None, hybrid_num_speculative_tokens=None,
-                               num_speculative_tokens=config.hybrid_num_speculative_tokens)
+                               num_speculative_tokens=config.hybrid_num_speculative_tokens,
+                               num_draft_tokens=None)  # the model drafter's own chain: k + 1 nodes
         model = PROPOSERS[config.hybrid].from_config(model_config, target_hf_config, options)
         return HybridProposer(proposer, model, config.hybrid_min_match_length)
     return proposer
