@@ -41,6 +41,8 @@ from foretell.layers.sampler import (
     row_seed,
     sample_from_probs,
 )
+from foretell.ops.attention.metadata import AttentionMetadata
+from foretell.ops.step import reference
 from foretell.spec_decode.proposer import (
     DraftBatch,
     PaddedDrafter,
@@ -210,26 +212,63 @@ class DraftLoopProposer(ProposerBase):
         return self.to_target_ids(draft_ids), self.to_target_probs(q)
 
 
-def catch_up_rows(batch: DraftBatch, include_next: bool) -> tuple[torch.Tensor, list[int], list[int]]:
-    """Input tokens, start positions and row counts of a catch-up pass.
+def catch_up_rows(
+    batch: DraftBatch, row_offset: int, draft_block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """A catch-up pass of the step from host inputs: (input tokens [rows] int64, positions [rows]
+    int64, attention metadata over the draft cache).
 
-    include_next=False (EAGLE3, MTP): rows p0..p0+v-1 fed the token one ahead (x_{t+1});
-    include_next=True (draft LM): rows p0..p0+v fed their own tokens, the last being next_token
-    (for sequences that sampled; chunked-prefill rows stop at p0+v-1).
+    Which token each row is fed, its position and its KV slot are the padded step's definition
+    (ops/step reference.catch_up_rows_torch), run on this batch padded to its longest sequence:
+    a sequence's valid rows t_0 .. t_{v-1} and next token x stand as a verify that accepted v - 1
+    drafts. Row r sits at p0 + r and is fed the token at p0 + r + shift (shift = -row_offset).
+    Each sequence keeps its rows through the one fed x (EAGLE3, MTP: v rows; a draft LM: v + 1),
+    except that a draft LM sequence that does not sample (a chunked prefill, or a step that ends
+    it at max_model_len) keeps only its v valid rows. The row counts and context lengths stay on
+    the host too (the metadata's host copies): nothing is read back from the device.
     """
-    offsets = batch.valid_row_offsets()
-    pieces, counts = [], []
-    next_ids = to_device(batch.next_token_ids, torch.int64, batch.token_ids.device)
-    for i in range(batch.num_seqs):
-        rows = batch.token_ids[offsets[i] : offsets[i + 1]]
-        if include_next:
-            if batch.samples[i]:
-                pieces += [rows, next_ids[i : i + 1]]
-                counts.append(len(rows) + 1)
-            else:
-                pieces.append(rows)
-                counts.append(len(rows))
-        else:
-            pieces += [rows[1:], next_ids[i : i + 1]]
-            counts.append(len(rows))
-    return torch.cat(pieces), list(batch.start_positions), counts
+    shift = -row_offset
+    valid = batch.num_valid_rows
+    counts = [v + 1 - shift if sampled else v for v, sampled in zip(valid, batch.samples)]
+    num_seqs, width, rows_per_seq = batch.num_seqs, max(valid), max(counts)
+    # Host ints in one copy: p0, v - 1 and x per sequence, then (only where the sequences differ in
+    # length) where the valid rows sit in the padded grid and which padded rows are kept.
+    pieces = [torch.tensor([*batch.start_positions, *[v - 1 for v in valid], *batch.next_token_ids])]
+    if min(valid) < width:
+        pieces.append(_row_index(valid, width))  # [sum v]
+    if min(counts) < rows_per_seq:
+        pieces.append(_row_index(counts, rows_per_seq))  # [sum counts]
+    host_ints = to_device(torch.cat(pieces), torch.int64, batch.token_ids.device)
+    first_pos, accepted, next_token = host_ints[: 3 * num_seqs].view(3, num_seqs)  # each [B]
+    grid = batch.token_ids  # [B * width]: each sequence's valid rows, then padding
+    if min(valid) < width:
+        grid_index = host_ints[3 * num_seqs : 3 * num_seqs + len(batch.token_ids)]
+        grid = grid.new_zeros(num_seqs * width).index_copy_(0, grid_index, batch.token_ids)
+    keep = host_ints[-sum(counts) :] if min(counts) < rows_per_seq else None  # None: every padded row
+    # A shorter sequence's padding rows (dropped below) may sit past the blocks the table lists.
+    last_padded = min(max(batch.start_positions) + rows_per_seq, batch.max_model_len) - 1
+    table = batch.block_table  # [B, W] int32
+    if last_padded // batch.block_size >= table.shape[1]:
+        table = torch.nn.functional.pad(table, (0, last_padded // batch.block_size + 1 - table.shape[1]))
+    tokens, positions, slots = reference.catch_up_rows_torch(
+        grid.view(num_seqs, width), first_pos, accepted, next_token,  # as if each accepted v - 1 drafts
+        None,  # every sequence is live
+        table, batch.block_size, rows_per_seq, shift, batch.max_model_len - 1,
+    )  # each [B, rows_per_seq]
+    metadata = catch_up_metadata(
+        list(batch.start_positions), counts, batch.block_table, batch.block_size, draft_block_size,
+        slot_mapping=_kept(slots, keep),
+    )
+    return _kept(tokens, keep), _kept(positions, keep), metadata
+
+
+def _kept(padded: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """padded [B, n] -> [rows]: its rows listed in keep (None: all), flattened."""
+    return padded.flatten() if keep is None else padded.flatten().index_select(0, keep)
+
+
+def _row_index(lengths: list[int], stride: int) -> torch.Tensor:
+    """[sum lengths] int64 on the host: i * stride + r for each sequence i and each r < lengths[i]
+    (stride >= max(lengths)): where each sequence's rows sit in a [B, stride] grid."""
+    in_grid = torch.arange(stride)[None, :] < torch.tensor(lengths)[:, None]  # [B, stride]
+    return in_grid.flatten().nonzero().squeeze(1)

@@ -12,7 +12,7 @@ from foretell.device_util import to_device
 from foretell.models.base import HFConfig, ModelOptions
 from foretell.models.loading import build_model
 from foretell.spec_decode.draft_loop import DraftLoopProposer, catch_up_rows
-from foretell.spec_decode.proposer import DraftBatch, catch_up_metadata
+from foretell.spec_decode.proposer import DraftBatch
 
 
 def check_same_tokenizer(target_folder: str | None, draft_folder: str, target_vocab: int, draft_vocab: int) -> None:
@@ -77,11 +77,7 @@ class DraftModelProposer(DraftLoopProposer):
         return self.options.dtype
 
     def catch_up(self, batch: DraftBatch, last_rows: list[int]):
-        input_ids, starts, counts = catch_up_rows(batch, include_next=True)
-        positions = torch.cat(
-            [torch.arange(p, p + n, device=self.device) for p, n in zip(starts, counts)]
-        )
-        metadata = catch_up_metadata(starts, counts, batch.block_table, batch.block_size, self.draft_block_size)
+        input_ids, positions, metadata = catch_up_rows(batch, self.row_offset, self.draft_block_size)
         hidden, _ = self.model(input_ids, positions, metadata)
         if not last_rows:
             return None, None

@@ -27,7 +27,7 @@ from foretell.loader import checkpoint_keys, load_weights
 from foretell.models.base import HFConfig, ModelOptions
 from foretell.models.eagle3 import Eagle3Head
 from foretell.spec_decode.draft_loop import DraftLoopProposer, catch_up_rows
-from foretell.spec_decode.proposer import DraftBatch, catch_up_metadata
+from foretell.spec_decode.proposer import DraftBatch
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
@@ -159,11 +159,7 @@ class Eagle3Proposer(DraftLoopProposer):
         return out.index_copy_(1, self.target_id_map, probs)
 
     def catch_up(self, batch: DraftBatch, last_rows: list[int], greedy_only: bool = False):
-        input_ids, starts, counts = catch_up_rows(batch, include_next=False)
-        positions = torch.cat(
-            [torch.arange(p, p + n, device=self.device) for p, n in zip(starts, counts)]
-        )
-        metadata = catch_up_metadata(starts, counts, batch.block_table, batch.block_size, self.draft_block_size)
+        input_ids, positions, metadata = catch_up_rows(batch, self.row_offset, self.draft_block_size)
         g = self.head.combine(batch.aux_hidden_states)
         if not last_rows:  # nothing drafts: the forward only caches the rows' keys and values
             self.head(input_ids, positions, g, metadata)

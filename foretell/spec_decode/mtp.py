@@ -34,7 +34,7 @@ from foretell.models.loading import load_model_weights
 from foretell.models.base import HFConfig, ModelOptions
 from foretell.models.mtp import DeepseekMTP
 from foretell.spec_decode.draft_loop import DraftLoopProposer, catch_up_rows
-from foretell.spec_decode.proposer import DraftBatch, catch_up_metadata
+from foretell.spec_decode.proposer import DraftBatch
 
 # Architectures whose MTP layers DeepseekMTP builds: (key prefix, default scoring, topk method).
 MTP_ARCHITECTURES = {
@@ -98,9 +98,7 @@ class MTPProposer(DraftLoopProposer):
         return self.options.dtype
 
     def catch_up(self, batch: DraftBatch, last_rows: list[int], greedy_only: bool = False):
-        input_ids, starts, counts = catch_up_rows(batch, include_next=False)
-        positions = torch.cat([torch.arange(p, p + n, device=self.device) for p, n in zip(starts, counts)])
-        metadata = catch_up_metadata(starts, counts, batch.block_table, batch.block_size, self.draft_block_size)
+        input_ids, positions, metadata = catch_up_rows(batch, self.row_offset, self.draft_block_size)
         out = self.mtp.step(0, positions, input_ids, batch.hidden_states, metadata)  # [rows, H]
         previous = out
         for layer in range(1, self.mtp.num_layers):

@@ -209,23 +209,26 @@ def catch_up_metadata(
     block_table: torch.Tensor,
     block_size: int,
     draft_block_size: int,
+    slot_mapping: torch.Tensor | None = None,
 ) -> AttentionMetadata:
     """Metadata for a drafter forward of num_rows[i] rows per sequence starting at position
-    start_positions[i], over the draft cache (same slots, its own block size)."""
+    start_positions[i], over the draft cache (same slots, its own block size). slot_mapping
+    [sum num_rows] int64: the rows' slots when the caller has them (a catch-up pass:
+    draft_loop.catch_up_rows), else each position's slot in block_table."""
     device = block_table.device
     query_start = [0]
     seq_lens: list[int] = []
-    positions: list[int] = []
     for p0, n in zip(start_positions, num_rows):
         query_start.append(query_start[-1] + n)
         seq_lens.append(p0 + n)
-        positions.extend(range(p0, p0 + n))
-    pos = to_device(positions, torch.int64, device)
-    seq_index = torch.repeat_interleave(
-        torch.arange(len(num_rows), device=device), to_device(num_rows, torch.int64, device)
-    )
-    blocks = block_table[seq_index, pos // block_size].to(torch.int64)
-    slot_mapping = blocks * block_size + pos % block_size
+    if slot_mapping is None:
+        positions = [p for p0, n in zip(start_positions, num_rows) for p in range(p0, p0 + n)]
+        pos = to_device(positions, torch.int64, device)
+        seq_index = torch.repeat_interleave(
+            torch.arange(len(num_rows), device=device), to_device(num_rows, torch.int64, device)
+        )
+        blocks = block_table[seq_index, pos // block_size].to(torch.int64)
+        slot_mapping = blocks * block_size + pos % block_size
     metadata = AttentionMetadata(
         query_start_loc=to_device(query_start, torch.int32, device),
         seq_lens=to_device(seq_lens, torch.int32, device),

@@ -1,5 +1,7 @@
 """Plain-torch twins of the step bookkeeping kernels (triton_kernels.py): what the CPU runs, and
 what the kernels are held to (tests/ops/test_step_inputs.py, tests/ops/test_step_graph_inputs.py).
+catch_up_rows_torch is also the step from host inputs' catch-up (spec_decode/draft_loop.py): one
+definition of the rows a drafter catches up over, for both step forms.
 
 Between the target's verify graph and the draft layers, and between the draft loop and the next
 verify graph, a step computes small integer tensors: how many drafts each sequence accepted and
@@ -21,10 +23,11 @@ import torch
 from foretell.ops.step.inputs import CatchUpInputs, ChainStepInputs, GraphInputBuffers, PackedLayout
 
 
-def _slots(table: torch.Tensor, positions: torch.Tensor, live: torch.Tensor, block_size: int) -> torch.Tensor:
-    """table [B, W] int32, positions [B, r] int64, live [B] bool -> slots [B, r] int64."""
+def _slots(table: torch.Tensor, positions: torch.Tensor, live: torch.Tensor | None, block_size: int) -> torch.Tensor:
+    """table [B, W] int32, positions [B, r] int64, live [B] bool (None: all) -> slots [B, r] int64."""
     blocks = table.gather(1, positions // block_size).to(torch.int64)
-    return torch.where(live[:, None], blocks * block_size + positions % block_size, -1)
+    slots = blocks * block_size + positions % block_size
+    return slots if live is None else torch.where(live[:, None], slots, -1)
 
 
 def unpack_graph_inputs_torch(staging: torch.Tensor, tokens: torch.Tensor, buffers: GraphInputBuffers,
@@ -79,22 +82,35 @@ def accept_drawn_torch(greedy, start, rates, row_stride, caps, accepted_out, nex
     _write(drawn_accepted_torch(greedy, start, rates, row_stride, caps), accepted_out, next_token_out, num_live_out)
 
 
-def catch_up_inputs_torch(tokens, first_pos, accepted, next_token, num_live, table, block_size, rows_per_seq,
-                          shift, chained_steps, last_position) -> CatchUpInputs:
-    num_seqs, q = tokens.shape
-    n = rows_per_seq
+def catch_up_rows_torch(tokens, first_pos, accepted, next_token, live, table, block_size, rows_per_seq, shift,
+                        last_position) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Which token each catch-up row is fed, its position and its KV slot: the one definition, for
+    the padded step (catch_up_inputs_torch, and the Triton twin held to it) and the step from host
+    inputs (spec_decode/draft_loop.catch_up_rows). Row r of a sequence sits at p0 + r (at most
+    last_position) and is fed the token at p0 + r + shift of [t, d_1 .. d_a, x] (x also past it).
+    tokens [B, q], first_pos / accepted / next_token [B], live [B] bool (None: all), table [B, W]
+    -> (tokens [B, n], positions [B, n], slots [B, n]), n = rows_per_seq <= q + 1 - shift."""
+    q, n = tokens.shape[1], rows_per_seq
     offset = torch.arange(q + 1, device=tokens.device)  # position offsets p0 + 0 .. p0 + q
     at_position = torch.cat([tokens, next_token[:, None]], dim=1)  # [B, q + 1]
     at_position = torch.where(offset[None, :] <= accepted[:, None], at_position, next_token[:, None])
     positions = (first_pos[:, None] + offset[None, :n]).clamp(max=last_position)  # [B, n]
+    return at_position[:, shift : shift + n], positions, _slots(table, positions, live, block_size)
+
+
+def catch_up_inputs_torch(tokens, first_pos, accepted, next_token, num_live, table, block_size, rows_per_seq,
+                          shift, chained_steps, last_position) -> CatchUpInputs:
+    num_seqs, n = tokens.shape[0], rows_per_seq
     live = torch.arange(num_seqs, device=tokens.device) < num_live
+    fed, positions, slots = catch_up_rows_torch(tokens, first_pos, accepted, next_token, live, table, block_size, n,
+                                                shift, last_position)
     next_row = accepted + (1 - shift)
     steps = torch.arange(1, chained_steps + 1, device=tokens.device)
     chained = (first_pos[:, None] + next_row[:, None] + steps).clamp(max=last_position)  # [B, S]: step j's position
     return CatchUpInputs(
-        tokens=at_position[:, shift : shift + n].flatten(),
+        tokens=fed.flatten(),
         positions=positions.flatten(),
-        slots=_slots(table, positions, live, block_size).flatten(),
+        slots=slots.flatten(),
         seq_lens=(first_pos + n).clamp(max=last_position + 1).to(torch.int32),
         last_rows=torch.arange(num_seqs, device=tokens.device) * n + next_row,
         chained=ChainStepInputs(chained.t().contiguous(), (chained + 1).t().to(torch.int32).contiguous(),
