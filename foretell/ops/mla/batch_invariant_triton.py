@@ -31,16 +31,9 @@ import torch
 
 from foretell.ops.attention.metadata import AttentionMetadata
 from foretell.ops.attention.triton_fp8_kv import compute_dtype
-from foretell.ops.common.protocols import NormModule, RotaryModule
-from foretell.ops.mla.reference import projection_widths, split_kv_b
+from foretell.ops.mla.reference import split_kv_b
 from foretell.ops.mla.triton_attention import TritonMLABackend, mla_attention_triton, mla_launch_config
-from foretell.ops.mla.triton_fused import (
-    _launch_head_matmul,
-    absorb_query_triton,
-    head_matmul_config,
-    latent_write_triton,
-    project_values_triton,
-)
+from foretell.ops.mla.triton_fused import _launch_head_matmul, head_matmul_config, project_values_triton
 
 # The query length every attention launch is sized for: with DeepSeek's 16 or 128 heads a program
 # holds one token's heads (BLOCK_Q = 1), so a row walks exactly its own context.
@@ -60,29 +53,14 @@ class BatchInvariantTritonMLABackend(TritonMLABackend):
     graph_safe = True
     name = "triton_batch_invariant"
 
-    def attend_projections(
-        self,
-        q: torch.Tensor,  # [num_tokens, num_heads, qk_nope + qk_rope], may be a strided view
-        kv_a: torch.Tensor,  # [num_tokens, kv_lora_rank + qk_rope], may be a strided view
-        positions: torch.Tensor,  # [num_tokens]
-        rotary_emb: RotaryModule,
-        kv_a_layernorm: NormModule,
-        kv_b_weight: torch.Tensor,  # [num_heads * (qk_nope + v), kv_lora_rank]
-        kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_lora_rank + qk_rope]
-        metadata: AttentionMetadata,
-        scale: float,
-        v_head_dim: int,
-        k_scale: float = 1.0,  # FP8 caches: stored entries are [c | k_pe] / k_scale
-    ) -> torch.Tensor:  # [num_tokens, num_heads, v_head_dim]
-        nope, rank, _ = projection_widths(q, kv_a, rotary_emb, kv_a_layernorm, kv_b_weight, kv_cache, v_head_dim)
-        metadata.check_cache_block_size(kv_cache.shape[1], "MLA cache")
-        num_tokens, num_heads, _ = q.shape
-        w_uk, w_uv = split_kv_b(kv_b_weight, num_heads, nope, v_head_dim)
-        latent_write_triton(kv_a, positions, kv_a_layernorm, rotary_emb, kv_cache, metadata.slot_mapping, k_scale)
-        q_abs = absorb_query_triton(q, w_uk, positions, rotary_emb, fused_rope=True,
-                                    config=head_matmul_config(TILE_TOKENS, nope, rank, q.dtype))  # [T, heads, rank + rope]
-        o_lat = self._attend_latent(q_abs[..., :rank], q_abs[..., rank:], kv_cache, metadata, scale, k_scale)
-        return project_values_triton(o_lat, w_uv, config=head_matmul_config(TILE_TOKENS, rank, v_head_dim, q.dtype))
+    def absorb_launch(self, nope: int, rank: int, dtype: torch.dtype) -> dict:
+        return {"fused_rope": True, "config": head_matmul_config(TILE_TOKENS, nope, rank, dtype)}
+
+    def attention_launch(self, num_heads: int, kv_cache: torch.Tensor, dtype: torch.dtype) -> dict:
+        return {"num_splits": 1, "config": attention_tiles(num_heads, compute_dtype(kv_cache, dtype))}
+
+    def project_launch(self, rank: int, v_head_dim: int, dtype: torch.dtype) -> dict:
+        return {"config": head_matmul_config(TILE_TOKENS, rank, v_head_dim, dtype)}
 
     def attend(
         self,
@@ -109,23 +87,8 @@ class BatchInvariantTritonMLABackend(TritonMLABackend):
             _launch_head_matmul(q_nope if q_nope.stride(-1) == 1 else q_nope.contiguous(), w_uk,
                                 (w_uk.stride(0), w_uk.stride(1), 1), q_lat, rank,
                                 config=head_matmul_config(TILE_TOKENS, nope, rank, q_nope.dtype))
-        o_lat = self._attend_latent(q_lat, q_pe, kv_cache, metadata, scale, k_scale)
-        return project_values_triton(o_lat, w_uv, config=head_matmul_config(TILE_TOKENS, rank, v_head_dim,
-                                                                            q_nope.dtype))
-
-    @staticmethod
-    def _attend_latent(
-        q_lat: torch.Tensor,  # [num_tokens, num_heads, kv_lora_rank]
-        q_pe: torch.Tensor,  # [num_tokens, num_heads, qk_rope_head_dim], rotated
-        kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]
-        metadata: AttentionMetadata,
-        scale: float,
-        k_scale: float,
-    ) -> torch.Tensor:  # o_lat [num_tokens, num_heads, kv_lora_rank]
-        num_tokens, num_heads, rank = q_lat.shape
         o_lat = torch.empty(num_tokens, num_heads, rank, dtype=q_lat.dtype, device=q_lat.device)
-        return mla_attention_triton(
-            q_lat, q_pe, kv_cache, metadata.block_table, metadata.seq_lens, metadata.query_start_loc,
-            metadata.max_query_len, scale, o_lat, num_splits=1, k_scale=k_scale,
-            config=attention_tiles(num_heads, compute_dtype(kv_cache, q_lat.dtype)),
-        )
+        mla_attention_triton(q_lat, q_pe, kv_cache, metadata.block_table, metadata.seq_lens,
+                             metadata.query_start_loc, metadata.max_query_len, scale, o_lat, k_scale=k_scale,
+                             **self.attention_launch(num_heads, kv_cache, q_lat.dtype))
+        return project_values_triton(o_lat, w_uv, **self.project_launch(rank, v_head_dim, q_nope.dtype))

@@ -379,13 +379,27 @@ class TritonMLABackend:
         num_tokens, num_heads, _ = q.shape
         w_uk, w_uv = split_kv_b(kv_b_weight, num_heads, nope, v_head_dim)
         latent_write_triton(kv_a, positions, kv_a_layernorm, rotary_emb, kv_cache, metadata.slot_mapping, k_scale)
-        q_abs = absorb_query_triton(q, w_uk, positions, rotary_emb)  # [T, heads, rank + rope]
+        q_abs = absorb_query_triton(q, w_uk, positions, rotary_emb,
+                                    **self.absorb_launch(nope, rank, q.dtype))  # [T, heads, rank + rope]
         o_lat = torch.empty(num_tokens, num_heads, rank, dtype=q.dtype, device=q.device)
         mla_attention_triton(
             q_abs[..., :rank], q_abs[..., rank:], kv_cache, metadata.block_table, metadata.seq_lens,
             metadata.query_start_loc, metadata.max_query_len, scale, o_lat, k_scale=k_scale,
+            **self.attention_launch(num_heads, kv_cache, q.dtype),
         )
-        return project_values_triton(o_lat, w_uv)  # [T, heads, v]
+        return project_values_triton(o_lat, w_uv, **self.project_launch(rank, v_head_dim, q.dtype))  # [T, heads, v]
+
+    # The launch choices of attend_projections' three kernels: empty here (each kernel picks its
+    # tiles, split count and RoPE placement from the step's shapes); the batch-invariant backend
+    # fixes them (batch_invariant_triton.py).
+    def absorb_launch(self, nope: int, rank: int, dtype: torch.dtype) -> dict:
+        return {}
+
+    def attention_launch(self, num_heads: int, kv_cache: torch.Tensor, dtype: torch.dtype) -> dict:
+        return {}
+
+    def project_launch(self, rank: int, v_head_dim: int, dtype: torch.dtype) -> dict:
+        return {}
 
     def write_kv(
         self,
