@@ -136,6 +136,7 @@ def part_verify_cost(target: str, options: dict, context: int, iters: int) -> di
     start = time.perf_counter()
     llm.generate([prompt], params, use_tqdm=False)
     row["engine_decode_step_s"] = (time.perf_counter() - start) / 128  # prefill included: an upper bound
+    del runner, model, forward  # the closures hold the weights: drop them so close() can free the memory
     llm.close()
     return row
 
