@@ -1,9 +1,12 @@
 """Tree attention over the paged cache: the torch reference's and the Triton kernel's tree_mask
 against a dense float64 computation, and a chain-shaped mask against plain causal attention.
 
-Each sequence of a batch has a cached prefix and q_len new rows; a tree verify's rows carry its
-ancestor mask, other rows (decode, a prefill chunk longer than the mask width) carry all-true mask
-rows, which must leave them causal. The Triton kernel runs in the interpreter on a CPU (fp16, fp32).
+Each sequence of a batch has a cached prefix and q_len new rows; the mask's W columns address the
+sequence's last W keys. A tree verify's rows carry its ancestor mask over its own rows; a drafter's
+frontier rows (q_len = topk new rows) carry a mask over more keys than their own rows (the earlier
+frontier rows, already cached); other rows (decode, a prefill chunk longer than the mask width, a
+context shorter than it) carry all-true mask rows, which must leave them causal. The Triton kernel
+runs in the interpreter on a CPU (fp16, fp32).
 """
 
 from __future__ import annotations
@@ -34,8 +37,17 @@ def _random_tree_mask(shape: TreeShape, gen: torch.Generator) -> torch.Tensor:  
     return tree.ancestor_mask[0]
 
 
+def _random_frontier_mask(q_len: int, width: int, gen: torch.Generator) -> torch.Tensor:  # [q_len, width] bool
+    """Any rows over the last `width` keys (the q_len new rows are the last q_len of them), each row
+    seeing at least itself: the dense truth takes whatever the mask marks."""
+    mask = torch.rand(q_len, width, generator=gen) < 0.5
+    mask[torch.arange(q_len), width - q_len + torch.arange(q_len)] = True
+    return mask
+
+
 class TreeBatch:
-    """specs: per sequence (prefix_len, q_len, mask [q_len, q_len] or None: causal rows)."""
+    """specs: per sequence (prefix_len, q_len, mask [q_len, w] over its last w keys (w <= MASK_WIDTH)
+    or None: causal rows)."""
 
     def __init__(self, specs, num_kv_heads, group, head_dim, block_size, dtype, seed):
         gen = torch.Generator().manual_seed(seed)
@@ -67,8 +79,8 @@ class TreeBatch:
         self.query = torch.cat(self.queries).to(DEVICE)
         mask = torch.ones(starts[-1], MASK_WIDTH, dtype=torch.bool)
         for (_, q, tree_mask), lo in zip(specs, starts):
-            if tree_mask is not None:
-                mask[lo:lo + q, :q] = tree_mask
+            if tree_mask is not None:  # columns: the last MASK_WIDTH keys; this mask's w are the last w of those
+                mask[lo:lo + q, MASK_WIDTH - tree_mask.shape[1]:] = tree_mask
         self.tree_mask = mask.to(DEVICE)
         self.metadata = AttentionMetadata(
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
@@ -87,12 +99,11 @@ class TreeBatch:
     def dense_float64(self) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         outs = []
         for (prefix, q_len, tree_mask), query, key, value in zip(self.specs, self.queries, self.keys, self.values):
-            visible = torch.zeros(q_len, prefix + q_len, dtype=torch.bool)
-            visible[:, :prefix] = True
-            new_visible = torch.ones(q_len, q_len, dtype=torch.bool).tril_()
+            seq_len = prefix + q_len
+            row_position = torch.arange(prefix, seq_len).unsqueeze(1)  # [q_len, 1]
+            visible = torch.arange(seq_len).unsqueeze(0) <= row_position  # [q_len, seq_len] causal
             if tree_mask is not None:
-                new_visible &= tree_mask
-            visible[:, prefix:] = new_visible
+                visible[:, seq_len - tree_mask.shape[1]:] &= tree_mask
             k = key.double().repeat_interleave(self.group, dim=1)  # [n, num_heads, head_dim]
             v = value.double().repeat_interleave(self.group, dim=1)
             scores = torch.einsum("qhd,khd->hqk", query.double(), k) * self.scale
@@ -108,9 +119,22 @@ def _specs(gen: torch.Generator, with_other_rows: bool):
         (37, 5, _random_tree_mask(TreeShape(2, 4, 5), gen)),  # a wide, shallow tree
         (20, 4, _random_tree_mask(TreeShape.chain(3), gen)),
     ]
-    if with_other_rows:
-        specs += [(29, 1, None), (5, 19, None)]  # a decode row; a chunk longer than the mask width
+    if with_other_rows:  # a decode row; a chunk longer than the mask width; contexts shorter than it
+        specs += [(29, 1, None), (5, 19, None), (0, 1, None), (2, 3, None)]
     return specs
+
+
+def _frontier_specs(gen: torch.Generator):
+    """A drafter's depth forwards: topk new rows whose mask reaches the (d - 1) * topk frontier rows
+    cached just before them (and a tree verify that is shorter than the mask width)."""
+    return [
+        (17, 2, _random_frontier_mask(2, 6, gen)),  # depth 3 of topk 2 over a 13-token context
+        (4, 4, _random_frontier_mask(4, 8, gen)),  # depth 2 of topk 4 with no verified context: every key masked
+        (3, 2, _random_frontier_mask(2, 4, gen)),  # the mask's columns start past the context's first keys
+        (9, 3, _random_frontier_mask(3, 3, gen)),  # depth 1: only its own rows
+        (25, 5, _random_tree_mask(TreeShape(2, 4, 5), gen)),  # a verify tree narrower than the mask
+        (11, 1, None),
+    ]
 
 
 @pytest.mark.parametrize("with_other_rows", [False, True])
@@ -136,11 +160,45 @@ def test_tree_mask_matches_dense_float64(dtype, with_other_rows):
     assert not torch.allclose(causal.double().cpu(), truth, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_frontier_rows_mask_cached_keys(dtype):
+    """The mask's columns are the last W keys, so rows fewer than W reach keys cached by an earlier
+    forward (a drafter's earlier frontier rows) through their mask; keys before those stay visible."""
+    seed = random.randrange(2**31)
+    gen = torch.Generator().manual_seed(seed)
+    batch = TreeBatch(_frontier_specs(gen), num_kv_heads=2, group=2, head_dim=32, block_size=4,
+                      dtype=dtype, seed=seed)
+    truth = batch.dense_float64()
+    md = batch.metadata
+    backend = TorchAttentionBackend()
+    reference = backend.attend(batch.query, batch.cache, md, batch.scale, tree_mask=batch.tree_mask)
+    out = torch.full_like(batch.query, float("nan"))
+    kernels.paged_attention_triton(batch.query, batch.cache, md.block_table, md.seq_lens, md.query_start_loc,
+                                   md.max_query_len, batch.scale, out, tree_mask=batch.tree_mask)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(reference.double().cpu(), truth, rtol=tol, atol=tol,
+                               msg=lambda m: f"torch reference vs float64 (seed {seed}): {m}")
+    torch.testing.assert_close(out.double().cpu(), truth, rtol=tol, atol=tol,
+                               msg=lambda m: f"Triton vs float64 (seed {seed}): {m}")
+    # one sequence alone takes the reference's no-output-buffer path: same semantics
+    one = TreeBatch(batch.specs[:1], num_kv_heads=2, group=2, head_dim=32, block_size=4, dtype=dtype, seed=seed)
+    torch.testing.assert_close(backend.attend(one.query, one.cache, one.metadata, one.scale, tree_mask=one.tree_mask),
+                               one.dense_float64().to(dtype).to(one.query.device), rtol=tol, atol=tol)
+    # the columns before a sequence's own rows matter: masking only its own rows (as the old
+    # first-W-new-rows reading did) gives other outputs
+    own_rows_only = batch.tree_mask.clone()
+    for (_, q_len, _), lo in zip(batch.specs, md.query_start_loc_cpu):
+        own_rows_only[lo:lo + q_len, :MASK_WIDTH - q_len] = True
+    loose = backend.attend(batch.query, batch.cache, md, batch.scale, tree_mask=own_rows_only)
+    assert not torch.allclose(loose.double().cpu(), truth, rtol=tol, atol=tol)
+
+
 def test_split_context_with_tree_mask():
     """Flash-decoding splits see the same mask (long contexts, forced splits)."""
     seed = random.randrange(2**31)
     gen = torch.Generator().manual_seed(seed)
-    specs = [(130, 6, _random_tree_mask(TreeShape(3, 2, 6), gen)), (61, 8, _random_tree_mask(TreeShape(4, 2, 8), gen))]
+    specs = [(130, 6, _random_tree_mask(TreeShape(3, 2, 6), gen)), (61, 8, _random_tree_mask(TreeShape(4, 2, 8), gen)),
+             (90, 2, _random_frontier_mask(2, 8, gen))]  # frontier rows reaching cached keys across splits
     batch = TreeBatch(specs, num_kv_heads=1, group=4, head_dim=32, block_size=16, dtype=torch.float16, seed=seed)
     md = batch.metadata
     out = torch.full_like(batch.query, float("nan"))

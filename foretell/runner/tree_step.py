@@ -10,8 +10,8 @@ and an accept_limit (the path is cut there), others keep a prefix.
 
 One step, eager on the host (no padded or graphed form yet: ModelRunner takes no other step):
   1. the batch as build_input_batch makes it, with each tree's rows at position root + depth
-     (RoPE sees the depth, the cache the tree index) and an ancestor mask over the new rows
-     (AttentionMetadata.tree_mask; rows of other sequences all-true, i.e. causal);
+     (RoPE sees the depth, the cache the tree index) and an ancestor mask over the sequence's last
+     keys, its tree rows (AttentionMetadata.tree_mask; rows of other sequences all-true, i.e. causal);
   2. greedy trees: verify_greedy (the longest path the target's argmax agrees with); sampled:
      verify_sampled (multi-draft rejection sampling, one-hot q for top-k drafts) over the
      processed target probabilities; sequences without a tree (prefill chunks, requests whose
@@ -117,20 +117,19 @@ class TreeStep:
         return groups
 
     def _tree_batch(self, batch: InputBatch, groups: list[TreeGroup]) -> InputBatch:
-        """Tree rows at position root + depth, and the ancestor mask over every sequence's first W
-        new rows (W: the largest tree sequence's row count; all-true rows elsewhere)."""
+        """Tree rows at position root + depth, and the ancestor mask over every sequence's last W
+        keys (W: the largest tree; a tree's nodes are its sequence's last keys; all-true rows elsewhere)."""
         positions = list(batch.position_list)
-        width = max(batch.query_start[i + 1] - batch.query_start[i] for g in groups for i in g.index)
+        width = max(g.tree.num_nodes for g in groups)
         mask = torch.ones(batch.num_tokens, width, dtype=torch.bool, device=self.device)
         for g in groups:
             num_nodes = g.tree.num_nodes
             for root_row, root_position, depths in zip(g.root_rows, g.root_positions, g.tree.depths.tolist()):
                 positions[root_row: root_row + num_nodes] = [root_position + d for d in depths]
-            offsets = [r - batch.query_start[i] for r, i in zip(g.root_rows, g.index)]
             nodes = torch.arange(num_nodes, device=self.device)
             rows = to_device(g.root_rows, torch.int64, self.device).unsqueeze(1) + nodes  # [n, T]
-            cols = to_device(offsets, torch.int64, self.device).unsqueeze(1) + nodes  # [n, T]
-            mask[rows.unsqueeze(2), cols.unsqueeze(1)] = g.tree.ancestor_mask  # one scatter for the group
+            cols = width - num_nodes + nodes  # [T]: the mask columns of the sequence's last T keys
+            mask[rows.unsqueeze(2), cols] = g.tree.ancestor_mask  # one scatter for the group
         tree_batch = replace(batch, position_list=positions)
         tree_batch.attn_metadata = replace(batch.attn_metadata, tree_mask=mask)  # (a cached property)
         return tree_batch

@@ -28,7 +28,7 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     # A tree verify (or a draft tree's frontier rows): [num_tokens, W] bool, which of its sequence's
-    # first W new rows each row sees (ops/attention/reference.py); None: causal.
+    # last W keys each row sees (ops/attention/reference.py); None: causal.
     tree_mask: torch.Tensor | None = None
 
     @property

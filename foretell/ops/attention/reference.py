@@ -4,10 +4,14 @@ Runs on any device. Loops over sequences on the host (the metadata carries host 
 lengths, so there is no device sync); each sequence gathers its context from its block table and
 attends with a causal mask offset by its cached prefix. Scores and softmax are computed in float32.
 
-A tree verify passes tree_mask [num_tokens, W] bool: a query row sees its sequence's whole context
-before the step, and of the step's first W new rows only those its mask row marks (its ancestors
-and itself; combined with the causal limit, so tree nodes must be topologically ordered); new rows
-from W on stay causal. An all-true mask is plain causal attention.
+A draft tree's forward passes tree_mask [num_tokens, W] bool whose W columns address each
+sequence's last W keys (positions seq_len - W .. seq_len - 1, after the step's writes): a query row
+sees every key before those, and of the last W only those its mask row marks (its ancestors and
+itself), always combined with the causal limit (tree nodes are topologically ordered). For a tree
+verify the last W keys are the tree's own rows; a drafter's depth forward runs only its newest
+frontier rows and reaches the earlier ones, cached at the keys just before, through the same
+columns. Columns before a sequence's first key are ignored. An all-true mask is plain causal
+attention.
 
 An FP8 cache (fp8_kv.py) stores x / scale in e4m3 and is read back as e4m3 * scale in float32, the
 layer's k_scale for keys and v_scale for values; other caches ignore the scales.
@@ -70,7 +74,7 @@ def causal_attention(
     key: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
     value: torch.Tensor,  # [seq_len, num_kv_heads, v_head_dim]
     scale: float,
-    tree_mask: torch.Tensor | None = None,  # [q_len, W] bool: which of the first W new rows each row sees
+    tree_mask: torch.Tensor | None = None,  # [q_len, W] bool: which of the last W keys each row sees
 ) -> torch.Tensor:  # [q_len, num_heads, v_head_dim]
     """Queries are the last q_len positions of a seq_len context.
 
@@ -92,9 +96,9 @@ def causal_attention(
         # query row j sits at position seq_len - q_len + j and sees keys 0..that position
         hidden = torch.ones(q_len, seq_len, dtype=torch.bool, device=query.device).triu_(seq_len - q_len + 1)
         if tree_mask is not None:
-            width = min(tree_mask.shape[1], q_len)
-            new_keys = hidden[:, seq_len - q_len : seq_len - q_len + width]  # [q_len, width] (a view)
-            new_keys |= ~tree_mask[:, :width].to(device=query.device, dtype=torch.bool)
+            width = min(tree_mask.shape[1], seq_len)  # a mask wider than the context: its first columns address nothing
+            last_keys = hidden[:, seq_len - width :]  # [q_len, width] (a view)
+            last_keys |= ~tree_mask[:, tree_mask.shape[1] - width :].to(device=query.device, dtype=torch.bool)
         scores = scores.view(num_kv_heads, group, q_len, seq_len).masked_fill_(hidden, float("-inf"))
         scores = scores.view(num_kv_heads, group * q_len, seq_len)
     probs = torch.softmax(scores, dim=-1)
@@ -122,7 +126,7 @@ class TorchAttentionBackend:
         scale: float,
         k_scale: float = 1.0,  # FP8 caches: what a stored key / value is multiplied by
         v_scale: float = 1.0,
-        tree_mask: torch.Tensor | None = None,  # [num_tokens, W] bool (a tree verify; see the module's docstring)
+        tree_mask: torch.Tensor | None = None,  # [num_tokens, W] bool over each sequence's last W keys (module docstring)
     ) -> torch.Tensor:
         starts = metadata.query_start_loc_cpu
         if len(starts) == 2 and starts[1] == query.shape[0] > 0:  # one sequence, every row: no output buffer

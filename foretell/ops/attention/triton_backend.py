@@ -78,7 +78,7 @@ class TritonAttentionBackend:
         scale: float,
         k_scale: float = 1.0,  # FP8 caches: a stored key stands for key * k_scale
         v_scale: float = 1.0,
-        tree_mask: torch.Tensor | None = None,  # [num_tokens, W]: a draft tree's ancestor rows (triton_paged.py)
+        tree_mask: torch.Tensor | None = None,  # [num_tokens, W]: a draft tree's rows over each sequence's last W keys (triton_paged.py)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         metadata.check_cache_block_size(kv_cache.shape[2])
         out = torch.empty_like(query)

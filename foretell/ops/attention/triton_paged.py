@@ -25,9 +25,10 @@ seq_lens, so the split adapts to the real length), and the last to finish merges
 
 Rows of `out` past query_start_loc[-1] (padding) are left untouched.
 
-A tree verify passes tree_mask [num_tokens, W] (bool, int8 or uint8): on top of the causal limit, a
-row sees new key i < W of its sequence (the step's i-th new row) only where its mask row is set
-(reference.py's semantics). Without a mask the kernel is compiled without it (TREE_MASK off).
+A draft tree's forward passes tree_mask [num_tokens, W] (bool, int8 or uint8): on top of the causal
+limit, a row sees key seq_len - W + c of its sequence (column c: the last W keys, a verify's tree
+rows or a drafter's frontier rows so far) only where its mask row is set (reference.py's semantics). Without a mask the kernel is compiled
+without it (TREE_MASK off).
 
 An FP8 cache (fp8_kv.py): the write stores key / k_scale and value / v_scale in e4m3
 (triton_fp8_kv.to_cache); the attention converts each K/V tile to the query's dtype (exact) and
@@ -189,7 +190,7 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     FP8_CACHE: tl.constexpr,  # e4m3 tiles, converted to the query's dtype on load
     PDL: tl.constexpr,  # launched with programmatic dependent launch (ops/common/pdl.py)
-    TREE_MASK: tl.constexpr,  # rows see only the new keys their tree_mask row marks
+    TREE_MASK: tl.constexpr,  # rows see, of the sequence's last mask_width keys, only those their tree_mask row marks
 ):
     join_dependent_chain(PDL)  # the next kernel (the o projection's GEMV) streams weights meanwhile
     q_block = tl.program_id(0)
@@ -245,9 +246,10 @@ def _paged_attention_kernel(
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         visible = (key_pos[None, :] <= row_pos[:, None]) & key_valid[None, :]
         if TREE_MASK:
-            new_key = key_pos - prefix_len  # [TILE_N]: the step's new row this key is, < 0 for the context
-            in_mask = (new_key >= 0) & (new_key < mask_width) & key_valid
-            seen = tl.load(tree_mask_ptr + token_index[:, None] * stride_mask_token + new_key[None, :],
+            # [TILE_N]: the mask column of this key, the sequence's last mask_width keys (< 0: before them)
+            column = key_pos - (prefix_len + q_len - mask_width)
+            in_mask = (column >= 0) & (column < mask_width) & key_valid
+            seen = tl.load(tree_mask_ptr + token_index[:, None] * stride_mask_token + column[None, :],
                            mask=row_valid[:, None] & in_mask[None, :], other=1)
             visible = visible & (seen != 0)
         scores = tl.where(visible, scores, float("-inf"))
@@ -279,7 +281,7 @@ def paged_attention_triton(
     k_scale: float = 1.0,  # FP8 caches: a stored key stands for key * k_scale
     v_scale: float = 1.0,
     launch_query_len: int | None = None,  # the query length tiles are sized for; None: max_query_len
-    tree_mask: torch.Tensor | None = None,  # [num_tokens, W] bool/int8/uint8: a tree verify's ancestor rows
+    tree_mask: torch.Tensor | None = None,  # [num_tokens, W] bool/int8/uint8 over each sequence's last W keys
 ) -> torch.Tensor:
     """Causal varlen attention of each sequence's queries to its paged context; returns `out`.
     With num_splits=1 and a constant launch_query_len a row's result depends on its own query and

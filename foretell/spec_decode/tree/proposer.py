@@ -8,11 +8,12 @@ root position + depth - 1 (EAGLE3 rows pair features at t with the token at t + 
 
 The frontier rows' keys and values go to scratch slots of the draft cache, right after the
 sequence's verified tokens: depth d's topk rows at slots root position + (d - 1) * topk + j. The
-tree attention mask of ops/attention applies to a forward's new rows, so the forward at depth d
-runs every frontier row so far (d * topk per sequence: the earlier ones again, as EAGLE re-runs
-its tree) with their ancestor mask, and keeps the outputs of the newest topk rows. None of the
-scratch survives the step: the next catch-up writes the accepted path's draft KV in place (the
-rows of the path, from the target's verify), so the draft cache never needs compaction.
+forward at depth d runs only that depth's topk new rows per sequence; the earlier frontier rows'
+K/V are already cached at the (d - 1) * topk slots just before them, so each new row reaches its
+ancestors through the tree mask's columns, which address the sequence's last d * topk keys
+(ops/attention: a [topk, d * topk] ancestor mask per sequence, the verified context seen whole).
+None of the scratch survives the step: the next catch-up writes the accepted path's draft KV in
+place (the rows of the path, from the target's verify), so the draft cache never needs compaction.
 
 Trees are drafted from the head's plain logits for greedy and sampled requests alike (top-k
 drafts are deterministic: verify_sampled takes them with one-hot q). The runner keeps the
@@ -54,24 +55,20 @@ class Eagle3TreeDrafter:
         roots = [batch.num_tokens_after_step(i) - 1 for i in drafting]
         last_position = batch.max_model_len - 1
         table = batch.block_table[to_device(drafting, torch.int64, device)]
-        tokens: list[torch.Tensor] = []  # per depth: [n, topk] target ids of the frontier rows
-        states: list[torch.Tensor] = []  # per depth: [n, topk, H] each row's g (its parent's h)
         parent_h = h.unsqueeze(1).expand(n, topk, h.shape[-1])  # depth-1 rows: the root's h
-        mask = torch.eye(topk, dtype=torch.bool, device=device).expand(n, topk, topk)  # [n, W, W]
+        eye = torch.eye(topk, dtype=torch.bool, device=device).expand(n, topk, topk)
+        mask = eye  # [n, topk, d * topk]: the newest frontier rows' ancestors (and themselves) so far
         for depth in range(1, self.shape.depth):
-            tokens.append(eagle.to_target_ids(frontier))
-            states.append(parent_h.gather(1, parent_slot.unsqueeze(-1).expand(-1, -1, parent_h.shape[-1])))
-            if depth > 1:
-                mask = _grow_mask(mask, parent_slot, topk)
-            width = depth * topk
-            positions = [min(r + d, last_position) for r in roots for d in range(1, depth + 1) for _ in range(topk)]
-            metadata = catch_up_metadata(roots, [width] * n, table, batch.block_size, eagle.draft_block_size)
-            metadata = replace(metadata, tree_mask=mask.reshape(n * width, width))
-            keep = (torch.arange(n, device=device).unsqueeze(1) * width + width - topk
-                    + torch.arange(topk, device=device)).flatten()  # [n * topk]: the newest rows
+            tokens = eagle.to_target_ids(frontier).flatten()  # [n * topk]
+            states = parent_h.gather(1, parent_slot.unsqueeze(-1).expand(-1, -1, parent_h.shape[-1]))  # [n, topk, H]
+            if depth > 1:  # a row sees what its parent sees, and itself
+                mask = torch.cat([mask.gather(1, parent_slot.unsqueeze(-1).expand(-1, -1, mask.shape[-1])), eye], 2)
+            first = [r + (depth - 1) * topk for r in roots]  # this depth's scratch slots start here
+            positions = [min(r + depth, last_position) for r in roots for _ in range(topk)]
+            metadata = catch_up_metadata(first, [topk] * n, table, batch.block_size, eagle.draft_block_size)
+            metadata = replace(metadata, tree_mask=mask.reshape(n * topk, depth * topk))
             out, new_h = eagle.head.step(
-                torch.cat(tokens, 1).flatten(), to_device(positions, torch.int64, device),
-                torch.cat(states, 1).flatten(0, 1), metadata, keep,
+                tokens, to_device(positions, torch.int64, device), states.flatten(0, 1), metadata,
             )  # [n * topk, draft_vocab], [n * topk, H]
             frontier, parent_slot = builder.add_depth(out.view(n, topk, -1))
             parent_h = new_h.view(n, topk, -1)
@@ -79,16 +76,3 @@ class Eagle3TreeDrafter:
         nodes = eagle.to_target_ids(tree.tokens[:, 1:])
         tree.tokens = torch.cat([tree.tokens[:, :1], nodes], 1)
         return tree
-
-
-def _grow_mask(mask: torch.Tensor, parent_slot: torch.Tensor, topk: int) -> torch.Tensor:
-    """[n, W, W] ancestor mask of the frontier rows so far -> [n, W + topk, W + topk] with the
-    newest depth's topk rows: each sees its parent (row W - topk + parent_slot), that row's
-    ancestors, and itself."""
-    n, width, _ = mask.shape
-    parent_rows = (width - topk + parent_slot).unsqueeze(-1).expand(-1, -1, width)  # [n, topk, W]
-    grown = torch.zeros(n, width + topk, width + topk, dtype=torch.bool, device=mask.device)
-    grown[:, :width, :width] = mask
-    grown[:, width:, :width] = mask.gather(1, parent_rows)
-    grown[:, width:, width:] = torch.eye(topk, dtype=torch.bool, device=mask.device)
-    return grown
