@@ -3,8 +3,8 @@ on the device, the draft loop over the same buffers, and a single host read for 
 
 GraphedVerify is the step kind (runner/step_pipeline.py): it takes a batch where every sequence
 feeds one row plus its drafts (0..K of them) and samples, greedy or sampled (temperature, top-k,
-top-p, min-p), and asks for no logprobs and no logits processing (penalties, logit_bias,
-grammars: those stay on the host step, logits_processing.py). The step verifies q - 1 drafts per
+top-p, min-p), with or without logprobs, and asks for no logits processing (penalties,
+logit_bias, grammars: those stay on the host step, logits_processing.py). The step verifies q - 1 drafts per
 sequence, q the shortest verify length of the draft loop that holds the most drafts (K + 1, or
 under adaptive speculation 1..K + 1: the chosen k + 1, k = 0 being a padded decode whose draft
 loop catches the drafter up); a sequence with fewer drafts (a budget or length cut) is padded to
@@ -33,6 +33,14 @@ the padded draft loop, which drafts greedily for every row: a deterministic draf
 against a one-hot q, which is exact (it accepts with probability p(d) instead of the
 sum(min(p, q)) of a draft sampled from the drafter's distribution).
 
+Logprobs (runner/logprobs.py's padded_step_logprobs): after verification, the device takes the
+log-softmax of the target's raw logits (the host step's raw_logits: no logits processing runs on
+this step) at every verify row of the sequences that ask, the top-n of the most any of them asks
+for, and the log-prob of the token each row emits (draft j + 1 while j < accepted, then the next
+token), into a static buffer that leaves with the accepted counts, next tokens and drafts in the
+step's one read-back; the host keeps each sequence's emitted rows (as many as the host step
+reports: accepted + 1) and its own top-n. Prompt logprobs come from prefill rows: the host step.
+
 Everything the next verify step needs is on the device when this one ends (each sequence's
 accepted count, its next token and its m new drafts), so with async scheduling the pipeline queues
 that step (LaunchedVerify.launch_next) before reading this one's results when it verifies as many
@@ -56,6 +64,7 @@ from foretell.engine.sequence import Sequence
 from foretell.layers.sampler import NoiseSource, SamplingBatch, sequence_key
 from foretell.runner.cuda_graph import CudaGraphRunner
 from foretell.runner.input_batch import InputBatch, build_input_batch
+from foretell.runner.logprobs import PaddedLogprobs, padded_step_logprobs, read_padded_logprobs
 from foretell.runner.sequence_result import SequenceResult
 from foretell.runner.step_pipeline import HostCopy
 from foretell.spec_decode.draft_graph import DraftGraphRunner
@@ -87,12 +96,18 @@ class GraphedVerify:
     num_steps: int = 0  # padded steps launched (queued ahead included)
     num_sampled_steps: int = 0  # ... with sampled rows
     num_mixed_steps: int = 0  # ... with a sequence verifying fewer drafts than the step (padded rows)
+    num_logprob_steps: int = 0  # ... with a sequence asking for logprobs
+    # The int64 buffer a step's logprobs are packed into (padded_step_logprobs), made at the first
+    # step that asks and grown when a step asks for more alternatives: the read-back copies from
+    # it beside the stream (graph_inputs.SideStream.download_outputs), so it outlives the copy.
+    logprob_buffer: "torch.Tensor | None" = None
 
     def verify_length(self, sched: SchedulerOutput) -> int | None:
         """q, the rows per sequence of this batch's padded step: the shortest verify length the
         draft loop takes (K + 1; any of 1..K + 1 under adaptive speculation) that holds 1 + the
-        most drafts a sequence verifies, when every sequence feeds one row plus its drafts and samples, wants no logprobs or logits processing, and has
-        its draft loop's catch-up rows below max_model_len (a draft LM one short of the limit takes
+        most drafts a sequence verifies, when every sequence feeds one row plus its drafts and
+        samples (logprobs or not), wants no logits processing, and has its draft loop's catch-up
+        rows below max_model_len (a draft LM one short of the limit takes
         the host step: nothing it drafts there is used). None: the host step."""
         items = sched.scheduled
         if not items:
@@ -105,7 +120,6 @@ class GraphedVerify:
         fits = all(
             item.samples
             and item.num_new_tokens == 1 + len(item.draft_token_ids)  # a verify (or decode), no prefill rows
-            and item.seq.sampling_params.logprobs is None
             and not item.seq.sampling_params.needs_logits_processing
             and loop.catch_up_fits(item.seq.num_computed_tokens, q)
             for item in items
@@ -154,6 +168,7 @@ class GraphedVerify:
         draft_ids = [item.draft_token_ids for item in items]
         kept = [self.take_draft_probs(item) for item in items]  # forgotten there: this step verifies them
         sampled = self._sampling(seqs, q)
+        logprobs = PaddedLogprobs.for_params([seq.sampling_params for seq in seqs], self.graphs.device)
         draft_probs = None
         if sampled is not None and any(probs is not None for probs in kept):  # drafts the host step sampled
             drafts = self.graphs.input_ids[: len(items) * q].view(len(items), q)[:, 1:]
@@ -163,10 +178,10 @@ class GraphedVerify:
             caps = [n if limit is None else min(n, limit) for n, limit in zip(lengths, limits)]
         self.num_mixed_steps += short
         m = self.num_drafts(q, sched.num_next_drafts)
-        accepted, next_token, drafts = self._verify_on_device(key, len(items), caps, sampled, draft_probs,
-                                                              lengths if short else None, m)
-        return self._launched(seqs, key, accepted, next_token, drafts,
-                              [seq.num_computed_tokens for seq in seqs], draft_ids, limits, sampled)
+        outputs = self._verify_on_device(key, len(items), caps, sampled, draft_probs, lengths if short else None, m,
+                                         logprobs)
+        return self._launched(seqs, key, outputs, [seq.num_computed_tokens for seq in seqs], draft_ids, limits,
+                              sampled, logprobs)
 
     def _padded_batch(self, items: list[ScheduledSequence], q: int, device: torch.device) -> InputBatch | None:
         """The batch with every sequence's drafts padded to q - 1 (PAD_DRAFT_TOKEN), None when a
@@ -231,21 +246,22 @@ class GraphedVerify:
         self.graphs.advance_verify(n, launched.accepted, launched.next_token, launched.drafts[:, : q - 1], block_ids)
         self.graphs.replay(launched.key)
         limits = [None] * n
-        # The same sequences: the same parameters and keys; their positions advanced in the buffers.
-        accepted, next_token, drafts = self._verify_on_device(launched.key, n, None, launched.sampled, None, None,
-                                                              self.num_drafts(q, num_next_drafts))
-        return self._launched(launched.seqs, launched.key, accepted, next_token, drafts, [], [], limits,
-                              launched.sampled)
+        # The same sequences: the same parameters, keys and logprobs; their positions advanced in the buffers.
+        outputs = self._verify_on_device(launched.key, n, None, launched.sampled, None, None,
+                                         self.num_drafts(q, num_next_drafts), launched.logprobs)
+        return self._launched(launched.seqs, launched.key, outputs, [], [], limits, launched.sampled,
+                              launched.logprobs)
 
     def _verify_on_device(self, key: tuple[int, int], n: int, caps: list[int] | None,
                           sampled: PaddedSampling | None, draft_probs: "torch.Tensor | None",
-                          lengths: list[int] | None, m: int):
+                          lengths: list[int] | None, m: int, logprobs: PaddedLogprobs | None):
         """After the target graph `key` ran: verification (rejection sampling when `sampled`; the
         drafts' distributions draft_probs [n, q - 1, vocab], None: deterministic drafts; caps: the
         most drafts each may accept, its real drafts included; lengths: each sequence's real
-        drafts when some are padded), the next token and the draft loop drafting m, all on the
-        device. Returns (accepted [n], next_token [n], drafts [n, m]), views of static buffers that
-        the next step overwrites (in stream order, after this step used them)."""
+        drafts when some are padded), the next token, the logprobs of the sequences that ask, and
+        the draft loop drafting m, all on the device. Returns (accepted [n], next_token [n],
+        drafts [n, m], packed logprobs [num_wanting, q, width] or None), views of static buffers
+        that the next step overwrites (in stream order, after this step used them)."""
         bucket, q = key
         outputs = self.graphs.graphs[key]
         greedy = outputs.greedy[: n * q].view(n, q)  # the target's greedy token per row
@@ -264,14 +280,31 @@ class GraphedVerify:
             lengths_t = None if lengths is None else to_device(lengths, torch.int64, device)  # [n]
             self.verifier.sample_padded(logits, greedy, drafts_in, draft_probs, sampled, first_positions, caps_t,
                                         loop.accepted, loop.next_token, loop.num_live, lengths_t)
+        packed = None
+        if logprobs is not None:  # after verification (it decides the emitted tokens)
+            self.num_logprob_steps += 1
+            logits = outputs.logits[: n * q].view(n, q, -1)  # [n, q, vocab] float32, raw
+            packed = padded_step_logprobs(logprobs, logits, drafts_in, loop.accepted[:n], loop.next_token[:n],
+                                          self._logprob_out(logprobs))
         drafts = loop.run(bucket, n, q, m)  # [n, m]
-        return loop.accepted[:n], loop.next_token[:n], drafts
+        return loop.accepted[:n], loop.next_token[:n], drafts, packed
 
-    def _launched(self, seqs, key, accepted, next_token, drafts, starts, draft_ids, limits,
-                  sampled) -> "LaunchedVerify":
-        copy = HostCopy(*self.graphs.side.download_outputs([accepted, next_token, drafts]))
+    def _logprob_out(self, logprobs: PaddedLogprobs) -> torch.Tensor:
+        """The buffer a step's packed logprobs go to, grown to the most rows a step holds at this
+        step's width when it is too small. Called after before_output_write: the last read-back
+        from the old buffer is done when anything the stream runs next reuses its memory."""
+        rows = self.graphs.input_ids.numel()  # the padded forward's most rows (largest bucket x q)
+        if self.logprob_buffer is None or self.logprob_buffer.numel() < rows * logprobs.row_width:
+            self.logprob_buffer = torch.empty(rows * logprobs.row_width, dtype=torch.int64, device=self.graphs.device)
+        return self.logprob_buffer
+
+    def _launched(self, seqs, key, outputs, starts, draft_ids, limits, sampled,
+                  logprobs: PaddedLogprobs | None) -> "LaunchedVerify":
+        accepted, next_token, drafts, packed = outputs
+        read_back = [accepted, next_token, drafts] + ([] if packed is None else [packed])
+        copy = HostCopy(*self.graphs.side.download_outputs(read_back))
         return LaunchedVerify(self, seqs, key, accepted, next_token, drafts, copy, starts, draft_ids, limits,
-                              sampled)
+                              sampled, logprobs)
 
 
 @dataclass
@@ -291,6 +324,7 @@ class LaunchedVerify:
     draft_token_ids: list[list[int]]
     accept_limits: list[int | None]
     sampled: PaddedSampling | None  # the sampled rows' parameters and keys (None: greedy only)
+    logprobs: PaddedLogprobs | None = None  # which sequences want logprobs (None: none); in the copy after the drafts
 
     @property
     def num_drafts(self) -> int:
@@ -314,7 +348,7 @@ class LaunchedVerify:
     def results(self) -> list[SequenceResult]:
         n, m = len(self.seqs), self.num_drafts
         host = self.copy.read()
-        return [
+        results = [
             SequenceResult(
                 new_token_ids=drafts[: host[i]] + [host[n + i]],
                 num_accepted=host[i],
@@ -323,6 +357,12 @@ class LaunchedVerify:
             )
             for i, (drafts, limit) in enumerate(zip(self.draft_token_ids, self.accept_limits))
         ]
+        if self.logprobs is not None:
+            packed = host[2 * n + n * m :]
+            per_seq = read_padded_logprobs(self.logprobs, self.key[1], packed, [r.new_token_ids for r in results])
+            for result, logprobs in zip(results, per_seq):
+                result.logprobs = logprobs
+        return results
 
     def expect(self, previous: "LaunchedVerify", previous_results: list) -> None:
         """Fill in what this step (launched after `previous`) verifies, from previous's results."""
