@@ -6,7 +6,8 @@ Rows of a request with a seed draw counter-based noise: each value a hash of (se
 token position, column), so a seeded request gives the same tokens whatever it is batched with,
 after preemption, and whichever step form draws it: the host step computes the row seeds on the
 host (row_seed), the padded verify step on the device from each sequence's key and the positions
-in its buffers (row_seeds_on_device, the same arithmetic), with no generator to seed per row (a
+in its buffers (row_seeds_on_device, the same arithmetic; the hash and the draws made from it live
+in ops/sampling/hashed_noise.py, with Triton kernels on CUDA), with no generator to seed per row (a
 CUDA graph could not re-seed one, and a step queued ahead does not know its positions on the host).
 Rows without a seed draw from the engine's generator on the host step; on the padded step from a
 key per sequence derived from the engine's seed (NoiseSource.unseeded_key).
@@ -21,25 +22,18 @@ import torch
 
 from foretell.device_util import to_device
 from foretell.ops.common.kernel_choice import use_triton
+from foretell.ops.sampling.hashed_noise import (  # noqa: F401  (the noise's names, re-exported)
+    EXPONENTIAL_STREAM,
+    UNIFORM_STREAM,
+    hashed_exponential,
+    hashed_uniform,
+    row_seeds,
+    seed_at_position,
+)
 from foretell.sampling_params import SamplingParams
 
 _MASK63 = (1 << 63) - 1
-_MASK32 = 0xFFFFFFFF
-_MASK31 = 0x7FFFFFFF
-_HASH_MULTIPLIER = 0x45D9F3B  # < 2**27: a 32-bit value times it stays below 2**59 (no int64 overflow)
-# Streams of counter-based noise: a row's exponential draws (the race) and its uniform draws (accept
-# tests) must not share values.
-EXPONENTIAL_STREAM = 0x2F6B1C3D
-UNIFORM_STREAM = 0x5DEECE66
 UNSEEDED_SALT = 0x6A09E667F3BCC909  # keys of sequences without a seed, from the engine's seed
-
-
-def mix32(x):
-    """A 32-bit integer hash (int in [0, 2**32), or an int64 tensor of such values): the same
-    arithmetic on Python ints and on tensors, none of it overflowing int64."""
-    x = ((x >> 16) ^ x) * _HASH_MULTIPLIER & _MASK32
-    x = ((x >> 16) ^ x) * _HASH_MULTIPLIER & _MASK32
-    return (x >> 16) ^ x
 
 
 def sequence_key(seed: int, sample_index: int) -> int:
@@ -49,14 +43,6 @@ def sequence_key(seed: int, sample_index: int) -> int:
     return (x * 0xD6E8FEB86659FD93) & _MASK63
 
 
-def seed_at_position(key, position):
-    """A 63-bit row seed from a sequence's key and a token position (ints, or int64 tensors that
-    broadcast): the same arithmetic on the host and on the device."""
-    low = mix32((key & _MASK32) ^ mix32((position & _MASK32) ^ 0x9E3779B9))
-    high = mix32(((key >> 32) & _MASK31) ^ mix32(low ^ 0x85EBCA6B))
-    return ((high & _MASK31) << 32) | low
-
-
 def row_seed(seed: int, sample_index: int, position: int) -> int:
     """A 63-bit seed that differs for every (request seed, sample, position)."""
     return seed_at_position(sequence_key(seed, sample_index), position)
@@ -64,24 +50,8 @@ def row_seed(seed: int, sample_index: int, position: int) -> int:
 
 def row_seeds_on_device(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """keys [n] int64 (sequence_key), positions [n, r] int64 -> row seeds [n, r] int64, equal to
-    row_seed on the host: the padded step's, whose positions live on the device."""
-    return seed_at_position(keys[:, None], positions)
-
-
-def hashed_uniform(seeds: torch.Tensor, width: int, stream: int) -> torch.Tensor:
-    """Counter-based U(0, 1) draws: seeds [rows] int64 (63-bit row seeds) -> [rows, width] float32,
-    value (r, c) a hash of (seeds[r], stream, c) with 24 random bits, never 0 or 1. Fixed shapes and
-    no host reads: capturable, and equal wherever the same seeds are drawn."""
-    low = mix32((seeds & _MASK32) ^ stream)[:, None]  # [rows, 1]
-    high = ((seeds >> 32) & _MASK31)[:, None]
-    columns = torch.arange(width, dtype=torch.int64, device=seeds.device)[None, :]  # [1, width]
-    bits = mix32((mix32(columns ^ low) + high) & _MASK32)  # [rows, width]
-    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-
-
-def hashed_exponential(seeds: torch.Tensor, width: int) -> torch.Tensor:
-    """Counter-based Exp(1) draws [rows, width] float32 (the exponential race's noise)."""
-    return -torch.log(hashed_uniform(seeds, width, EXPONENTIAL_STREAM))
+    row_seed on the host: the padded step's, whose positions live on the device (one kernel on CUDA)."""
+    return row_seeds(keys, positions)
 
 
 @dataclass
@@ -217,6 +187,20 @@ class NoiseSource:
 def sample_from_probs(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """Exponential race: argmax p / E. probs [rows, vocab], noise [rows, vocab] -> [rows] int64."""
     return argmax_rows(probs / noise)
+
+
+def sample_from_probs_seeded(probs: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+    """sample_from_probs(probs, hashed_exponential(seeds, vocab)), the same tokens bit for bit:
+    probs [rows, vocab] float32, seeds [rows] int64 -> [rows] int64. On CUDA, at the vocabularies
+    where argmax_rows takes the Triton argmax (whose NaN and tie rules the fused kernel shares), one
+    fused race that never stores the [rows, vocab] noise."""
+    vocab = probs.shape[-1]
+    if (probs.dim() == 2 and vocab >= TRITON_ARGMAX_MIN_VOCAB and probs.dtype == torch.float32
+            and probs.stride(-1) == 1 and use_triton(probs, seeds)):
+        from foretell.ops.sampling.triton_hashed_noise import exponential_race_triton  # imports triton
+
+        return exponential_race_triton(probs, seeds)
+    return sample_from_probs(probs, hashed_exponential(seeds, vocab))
 
 
 @dataclass

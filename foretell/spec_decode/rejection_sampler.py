@@ -32,11 +32,11 @@ from foretell.layers.sampler import (
     NoiseSource,
     SamplingBatch,
     argmax_rows,
-    hashed_exponential,
     hashed_uniform,
     processed_probs,
     row_seeds_on_device,
     sample_from_probs,
+    sample_from_probs_seeded,
 )
 from foretell.ops.step.dispatch import greedy_accepted
 
@@ -148,6 +148,20 @@ def rejection_core(
     sequence accepts the prefix of drafts that pass u * q(d) < p(d); the token after them is
     candidate[accepted]: drawn from the residual max(0, p - q) renormalized at a rejected row,
     from p at the sequence's bonus row (its own k). Fixed shapes, no host reads."""
+    accepted, candidates = rejection_candidates(p, drafts, q, lengths, uniform)
+    choice = sample_from_probs(candidates.flatten(0, 1), noise.flatten(0, 1)).view(drafts.shape[0], -1)
+    return accepted, choice
+
+
+def rejection_candidates(
+    p: torch.Tensor,  # [num_seqs, max_k + 1, vocab] float32
+    drafts: torch.Tensor,  # [num_seqs, max_k] int64
+    q: torch.Tensor,  # [num_seqs, max_k, vocab] float32
+    lengths: torch.Tensor,  # [num_seqs] int64
+    uniform: torch.Tensor,  # [num_seqs, max_k] float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """rejection_core before its race: (accepted [num_seqs] int64, the distribution each row's
+    candidate token is drawn from [num_seqs, max_k + 1, vocab] float32)."""
     num_seqs, max_k = drafts.shape
     device = p.device
     valid = torch.arange(max_k, device=device)[None, :] < lengths[:, None]
@@ -162,9 +176,8 @@ def rejection_core(
     # The bonus row of a sequence with fewer than max_k drafts is its own row k_s.
     seq = torch.arange(num_seqs, device=device)
     candidates[seq, lengths] = p[seq, lengths]
-    choice = sample_from_probs(candidates.flatten(0, 1), noise.flatten(0, 1)).view(num_seqs, max_k + 1)
     accepted = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)  # the all-accepted prefix's length
-    return accepted, choice
+    return accepted, candidates
 
 
 @dataclass
@@ -199,14 +212,15 @@ def sample_padded(
     offsets = torch.arange(q_rows, dtype=torch.int64, device=device)
     seeds = row_seeds_on_device(rows.keys, first_positions[:, None] + offsets[None, :])  # [n, k + 1]
     uniform = hashed_uniform(seeds[:, 0], max(k, 1), UNIFORM_STREAM)[:, :k]
-    noise = hashed_exponential(seeds.reshape(-1), vocab).view(n, q_rows, vocab)
     if draft_probs is None:
         q = torch.zeros(n, k, vocab, device=device).scatter_(-1, drafts[..., None], 1.0)
     else:
         q = draft_probs
     if lengths is None:
         lengths = torch.full((n,), k, dtype=torch.int64, device=device)
-    accepted, choice = rejection_core(probs, drafts, q, lengths, uniform, noise)
+    accepted, candidates = rejection_candidates(probs, drafts, q, lengths, uniform)
+    # rejection_core's race, its [n * (k + 1), vocab] noise never stored on CUDA (the same tokens).
+    choice = sample_from_probs_seeded(candidates.flatten(0, 1), seeds.reshape(-1)).view(n, q_rows)
     next_token = choice.gather(1, accepted[:, None]).squeeze(1)
     if caps is not None:
         # Past its cap a sequence keeps the next (accepted) draft as its last token, as cap_accepted.

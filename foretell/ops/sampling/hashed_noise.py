@@ -1,0 +1,122 @@
+"""Counter-based noise: the hash of (row seed, stream, column) and the draws made from it, in torch,
+with the dispatch to the Triton kernels (triton_hashed_noise.py) on CUDA.
+
+A row seed is a 63-bit int (layers/sampler.py derives it from a request's seed, its sample index and
+a token position; seed_at_position is the part the padded step computes on the device). Column c of
+a row's stream s is 32 hash bits; they become
+  - a U(0, 1) draw (hashed_uniform): ((bits >> 9) + 0.5) / 2**23 in float32, exact, never 0 or 1;
+  - an Exp(1) draw (hashed_exponential): -ln(((bits >> 8) + 0.5) / 2**24) computed in float64 and
+    rounded to float32. Each of the 2**24 values' exact logarithm lies at least 19 float64 ulps
+    from a float32 rounding boundary (checked over all of them, tests/ops/test_hashed_noise_triton.py),
+    so any float64 log within 19 ulps (torch on CPU and CUDA, numpy, CUDA's libdevice: <= 1 ulp)
+    gives the same float32: the noise is the same bits on every device and in every kernel.
+    (A float32 log would not be: torch's CPU log and numpy's differ on a fifth of these inputs.)
+
+All of it is integer arithmetic that stays below 2**63 and exact float conversions: capturable
+(fixed shapes, no host reads) and equal wherever the same seeds are drawn.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from foretell.ops.common import kernel_choice
+
+MASK32 = 0xFFFFFFFF
+MASK31 = 0x7FFFFFFF
+HASH_MULTIPLIER = 0x45D9F3B  # < 2**27: a 32-bit value times it stays below 2**59 (no int64 overflow)
+# Streams of counter-based noise: a row's exponential draws (the race) and its uniform draws (accept
+# tests) must not share values.
+EXPONENTIAL_STREAM = 0x2F6B1C3D
+UNIFORM_STREAM = 0x5DEECE66
+POSITION_SALT = 0x9E3779B9
+KEY_SALT = 0x85EBCA6B
+UNIFORM_BITS = 23  # float32 holds (b + 0.5) exactly only for b < 2**23
+EXPONENTIAL_BITS = 24  # made in float64, where (b + 0.5) / 2**24 is exact
+
+
+def mix32(x):
+    """A 32-bit integer hash (int in [0, 2**32), or an int64 tensor of such values): the same
+    arithmetic on Python ints and on tensors, none of it overflowing int64."""
+    x = ((x >> 16) ^ x) * HASH_MULTIPLIER & MASK32
+    x = ((x >> 16) ^ x) * HASH_MULTIPLIER & MASK32
+    return (x >> 16) ^ x
+
+
+def seed_at_position(key, position):
+    """A 63-bit row seed from a sequence's key and a token position (ints, or int64 tensors that
+    broadcast): the same arithmetic on the host and on the device."""
+    low = mix32((key & MASK32) ^ mix32((position & MASK32) ^ POSITION_SALT))
+    high = mix32(((key >> 32) & MASK31) ^ mix32(low ^ KEY_SALT))
+    return ((high & MASK31) << 32) | low
+
+
+def hashed_bits_torch(seeds: torch.Tensor, width: int, stream: int) -> torch.Tensor:
+    """seeds [rows] int64 (63-bit row seeds) -> [rows, width] int64 in [0, 2**32): the hash of
+    (seeds[r], stream, c) at (r, c)."""
+    low = mix32((seeds & MASK32) ^ stream)[:, None]  # [rows, 1]
+    high = ((seeds >> 32) & MASK31)[:, None]  # [rows, 1]
+    columns = torch.arange(width, dtype=torch.int64, device=seeds.device)[None, :]  # [1, width]
+    return mix32((mix32(columns ^ low) + high) & MASK32)  # [rows, width]
+
+
+def row_seeds_torch(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """keys [n] int64, positions [n, r] int64 -> [n, r] int64: seed_at_position(keys[i], positions[i, j])."""
+    return seed_at_position(keys[:, None], positions)
+
+
+def hashed_uniform_torch(seeds: torch.Tensor, width: int, stream: int) -> torch.Tensor:
+    """seeds [rows] int64 -> [rows, width] float32 U(0, 1) draws with 23 random bits."""
+    bits = hashed_bits_torch(seeds, width, stream) >> (32 - UNIFORM_BITS)
+    return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << UNIFORM_BITS))
+
+
+def hashed_exponential_torch(seeds: torch.Tensor, width: int) -> torch.Tensor:
+    """seeds [rows] int64 -> [rows, width] float32 Exp(1) draws (the EXPONENTIAL_STREAM's)."""
+    bits = hashed_bits_torch(seeds, width, EXPONENTIAL_STREAM) >> (32 - EXPONENTIAL_BITS)
+    uniform = (bits.to(torch.float64) + 0.5) * (1.0 / (1 << EXPONENTIAL_BITS))  # [rows, width], exact
+    return uniform.log_().neg_().to(torch.float32)
+
+
+def _check_seeds(seeds: torch.Tensor, width: int) -> None:
+    if seeds.dim() != 1 or seeds.dtype != torch.int64:
+        raise ValueError(f"seeds must be a [rows] int64 tensor of row seeds, got {list(seeds.shape)} {seeds.dtype}")
+    if width < 0:
+        raise ValueError(f"width must be >= 0 (columns of noise per row), got {width}")
+
+
+def row_seeds(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """keys [n] int64 (sequence keys), positions [n, r] int64 -> row seeds [n, r] int64; one
+    launch on CUDA instead of some thirty small torch ops."""
+    if keys.dim() != 1 or positions.dim() != 2 or positions.shape[0] != keys.shape[0] \
+            or keys.dtype != torch.int64 or positions.dtype != torch.int64:
+        raise ValueError(f"row_seeds needs keys [n] int64 and positions [n, r] int64, got "
+                         f"{list(keys.shape)} {keys.dtype} and {list(positions.shape)} {positions.dtype}")
+    if kernel_choice.use_triton(keys, positions):
+        from foretell.ops.sampling import triton_hashed_noise  # imports triton: CUDA only
+
+        return triton_hashed_noise.row_seeds_triton(keys, positions)
+    return row_seeds_torch(keys, positions)
+
+
+def hashed_uniform(seeds: torch.Tensor, width: int, stream: int) -> torch.Tensor:
+    """Counter-based U(0, 1) draws: seeds [rows] int64 (63-bit row seeds) -> [rows, width] float32,
+    value (r, c) a function of (seeds[r], stream, c) with 23 random bits, never 0 or 1; one kernel
+    on CUDA, bit for bit the torch twin's."""
+    _check_seeds(seeds, width)
+    if kernel_choice.use_triton(seeds):
+        from foretell.ops.sampling import triton_hashed_noise
+
+        return triton_hashed_noise.hashed_uniform_triton(seeds, width, stream)
+    return hashed_uniform_torch(seeds, width, stream)
+
+
+def hashed_exponential(seeds: torch.Tensor, width: int) -> torch.Tensor:
+    """Counter-based Exp(1) draws [rows, width] float32 (the exponential race's noise); one kernel
+    on CUDA, bit for bit the torch twin's."""
+    _check_seeds(seeds, width)
+    if kernel_choice.use_triton(seeds):
+        from foretell.ops.sampling import triton_hashed_noise
+
+        return triton_hashed_noise.hashed_exponential_triton(seeds, width)
+    return hashed_exponential_torch(seeds, width)
