@@ -188,7 +188,7 @@ def run_mla(backend, world, segments, projections=False):
     q_step = torch.cat([q[s][lo:hi] for s, lo, hi in segments])  # [T, heads, nope + rope]
     if projections:
         norm = RMSNorm(dims["rank"], eps=1e-6).to(device=DEVICE, dtype=q_step.dtype)
-        rotary = RotaryEmbedding(dims["rope"], 4096, 10000.0, None, "gptj").to(DEVICE)
+        rotary = RotaryEmbedding(dims["rope"], 4096, 10000.0, None, "gptj", device=DEVICE)  # tables are not buffers: .to() leaves them
         positions = torch.tensor([r for _, r in rows], device=DEVICE)
         kv_step = torch.cat([kv_a[s][lo:hi] for s, lo, hi in segments])
         out = backend.attend_projections(q_step, kv_step, positions, rotary, norm, kv_b, cache, metadata, 0.2,
