@@ -11,8 +11,8 @@ host step's add_logprobs gives (mixed top-n, sequences without logprobs, k = 0, 
 logprobs take the padded step, queued ahead or not, and their logprobs equal an independent
 reference: plain decoding on the host step (greedy), or the target scoring the generated tokens as
 a prompt (seeded sampling); adding logprobs leaves a seeded request's tokens as they were; k = 0
-steps of adaptive speculation and a request without speculation in the batch; bad top-n values
-still fail with their clear errors.
+steps of adaptive speculation, a request without speculation in the batch, and acceptance capped
+near max_tokens; bad top-n values still fail with their clear errors.
 """
 
 from __future__ import annotations
@@ -160,7 +160,9 @@ def test_greedy_logprobs_take_the_padded_step_and_equal_plain_decoding(qwen3_che
     got = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     assert all(steps), "a verify batch with logprobs took the host step"
     kind = padded_kind(llm)
-    assert kind.num_logprob_steps == kind.num_steps > 0 and (mode == "on" or kind.num_mixed_steps > 0)
+    # Near max_tokens a greedy request's acceptance is capped (its rows kept), not its drafts cut:
+    # only the request without speculation makes a step mixed.
+    assert kind.num_logprob_steps == kind.num_steps > 0 and (kind.num_mixed_steps > 0) == (mode == "off")
     if mode == "on":
         assert llm.engine.runner.pipeline.num_used > 0
     if drafter == "draft_model":
@@ -170,6 +172,23 @@ def test_greedy_logprobs_take_the_padded_step_and_equal_plain_decoding(qwen3_che
     _assert_outputs_match(got, expected)
     assert [len(o.logprobs) for o in got if o.logprobs is not None] == [24, 24, 24]
     assert [len(lp.top) for lp in got[3].logprobs] == [5] * 24 and all(lp.top == {} for lp in got[2].logprobs)
+
+
+def test_capped_acceptance_near_max_tokens_keeps_its_logprobs(qwen3_checkpoint, monkeypatch):
+    """A greedy request with logprobs near max_tokens keeps its draft rows with acceptance capped
+    (the scheduler's accept_limit; the target drafting for itself accepts every draft, so the cap
+    bites): its logprobs follow the capped emitted rows and equal plain decoding's."""
+    caps = []
+    verify = GraphedVerify._verify_on_device
+    monkeypatch.setattr(GraphedVerify, "_verify_on_device",
+                        lambda self, key, n, c, *args: caps.append(c) or verify(self, key, n, c, *args))
+    llm = spec_llm(qwen3_checkpoint, qwen3_checkpoint)
+    params = greedy(23, 2)
+    got = [o.outputs[0] for o in llm.generate(PROMPTS[:2], params, use_tqdm=False)]
+    assert [c for c in caps if c is not None] == [[1, 1]]  # 1 + 4 * 5 tokens, then 2 more: one draft
+    assert [len(o.logprobs) for o in got] == [23, 23]
+    plain = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=128, max_num_seqs=4)
+    _assert_outputs_match(got, [o.outputs[0] for o in plain.generate(PROMPTS[:2], params, use_tqdm=False)])
 
 
 def test_k_zero_steps_give_plain_decodings_logprobs(qwen3_checkpoint, monkeypatch):

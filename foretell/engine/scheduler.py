@@ -144,10 +144,10 @@ class Scheduler:
         usable = max(0, params.max_tokens - seq.num_output_tokens - 1)
         if usable >= len(drafts):
             return 1 + len(drafts), drafts, None
-        if self.keep_draft_rows and params.greedy and params.logprobs is None:
-            # Keep the rows (the verify stays on its graph) and cap what may be accepted. Only
-            # greedy requests without logprobs (the graphed verify step's): a capped sampled
-            # request would draw other tokens than an eager engine's for the same seed.
+        if self.keep_draft_rows and params.greedy:
+            # Keep the rows (the verify stays on its graph) and cap what may be accepted (logprobs
+            # follow the emitted rows, capped). Only greedy requests: a capped sampled request
+            # would draw other tokens than an eager engine's for the same seed.
             return 1 + len(drafts), drafts, usable
         return 1 + usable, drafts[:usable], None
 
