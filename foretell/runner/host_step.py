@@ -1,15 +1,14 @@
 """The speculative step from host inputs: the form every batch takes that the padded device step
 (graphed_verify.py, captured or eager) does not cover:
   - prefill chunks, and batches mixing them with verifies (rows per sequence differ);
-  - requests asking for logprobs, and requests whose logits are processed from the tokens before
-    each row (penalties, logit_bias, bad words, min_tokens, structured outputs:
-    logits_processing.py, below);
+  - requests whose logits are processed from the tokens before each row (penalties, logit_bias,
+    bad words, min_tokens, structured outputs: logits_processing.py, below);
   - the last steps of a sequence whose drafter's catch-up rows would pass max_model_len;
   - draft trees (tree_step.py verifies them, this step drafts them);
   - drafters without a padded loop (n-gram and other host drafters: their drafts come from the
     token history on the host), and tensor parallelism (greedy_without_logits below).
-Greedy and sampled rows, and sequences with fewer drafts than the step verifies (padded, accepting
-none of the padding), take the padded step.
+Greedy and sampled rows, requests asking for logprobs (runner/logprobs.py), and sequences with
+fewer drafts than the step verifies (padded, accepting none of the padding), take the padded step.
 
 After the target's forward (ModelRunner.target_forward), sample() turns the logits of the
 sampling rows into each sequence's tokens: the sampler when the step verifies no drafts, else the
