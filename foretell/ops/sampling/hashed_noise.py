@@ -65,17 +65,26 @@ def row_seeds_torch(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor
     return seed_at_position(keys[:, None], positions)
 
 
+def uniform_of_bits(bits: torch.Tensor) -> torch.Tensor:
+    """int64 hash bits in [0, 2**32) -> float32 U(0, 1): ((bits >> 9) + 0.5) / 2**23, exact."""
+    return ((bits >> (32 - UNIFORM_BITS)).to(torch.float32) + 0.5) * (1.0 / (1 << UNIFORM_BITS))
+
+
+def exponential_of_bits(bits: torch.Tensor) -> torch.Tensor:
+    """int64 hash bits in [0, 2**32) -> float32 Exp(1): -ln(((bits >> 8) + 0.5) / 2**24) in float64,
+    rounded to float32 (in (0, 17.33], never 0)."""
+    uniform = ((bits >> (32 - EXPONENTIAL_BITS)).to(torch.float64) + 0.5) * (1.0 / (1 << EXPONENTIAL_BITS))
+    return uniform.log_().neg_().to(torch.float32)
+
+
 def hashed_uniform_torch(seeds: torch.Tensor, width: int, stream: int) -> torch.Tensor:
     """seeds [rows] int64 -> [rows, width] float32 U(0, 1) draws with 23 random bits."""
-    bits = hashed_bits_torch(seeds, width, stream) >> (32 - UNIFORM_BITS)
-    return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << UNIFORM_BITS))
+    return uniform_of_bits(hashed_bits_torch(seeds, width, stream))
 
 
 def hashed_exponential_torch(seeds: torch.Tensor, width: int) -> torch.Tensor:
     """seeds [rows] int64 -> [rows, width] float32 Exp(1) draws (the EXPONENTIAL_STREAM's)."""
-    bits = hashed_bits_torch(seeds, width, EXPONENTIAL_STREAM) >> (32 - EXPONENTIAL_BITS)
-    uniform = (bits.to(torch.float64) + 0.5) * (1.0 / (1 << EXPONENTIAL_BITS))  # [rows, width], exact
-    return uniform.log_().neg_().to(torch.float32)
+    return exponential_of_bits(hashed_bits_torch(seeds, width, EXPONENTIAL_STREAM))
 
 
 def _check_seeds(seeds: torch.Tensor, width: int) -> None:

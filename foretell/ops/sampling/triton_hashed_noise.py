@@ -65,9 +65,15 @@ def _stream_bits(seed_low, seed_high, columns, stream):
 
 @triton.jit
 def _exponential_of_bits(bits):
-    """-ln(((bits >> 8) + 0.5) / 2**24) in float64, rounded to float32: hashed_exponential_torch."""
-    uniform = ((bits >> EXPONENTIAL_SHIFT).to(tl.float64) + 0.5) * EXPONENTIAL_SCALE  # exact
+    """-ln(((bits >> 8) + 0.5) / 2**24) in float64, rounded to float32: hashed_noise.exponential_of_bits."""
+    uniform = ((bits >> EXPONENTIAL_SHIFT).to(tl.float64) + 0.5) * EXPONENTIAL_SCALE  # exact in float64
     return (-tl.log(uniform)).to(tl.float32)  # float64 log: libdevice's __nv_log on CUDA
+
+
+@triton.jit
+def _uniform_of_bits(bits):
+    """((bits >> 9) + 0.5) / 2**23 in float32, exact: hashed_noise.uniform_of_bits."""
+    return ((bits >> UNIFORM_SHIFT).to(tl.float32) + 0.5) * UNIFORM_SCALE
 
 
 @triton.jit
@@ -112,7 +118,7 @@ def _hashed_noise_kernel(
     if EXPONENTIAL:
         values = _exponential_of_bits(bits)
     else:
-        values = ((bits >> UNIFORM_SHIFT).to(tl.float32) + 0.5) * UNIFORM_SCALE  # exact
+        values = _uniform_of_bits(bits)
     tl.store(out_ptr + row * width + columns, values, mask=columns < width)
 
 
