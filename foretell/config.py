@@ -331,8 +331,8 @@ class SpeculativeConfig:
             )
         if self.adaptive and self.num_speculative_tokens > ADAPTIVE_LARGEST_MAX_K:
             raise ValueError(
-                f"adaptive speculation measures every draft length 0..num_speculative_tokens at "
-                f"start-up: num_speculative_tokens must be at most {ADAPTIVE_LARGEST_MAX_K}, got "
+                f"adaptive speculation learns the step cost of every draft length 0..num_speculative_tokens: "
+                f"num_speculative_tokens must be at most {ADAPTIVE_LARGEST_MAX_K}, got "
                 f"{self.num_speculative_tokens}"
             )
 

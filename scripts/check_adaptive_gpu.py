@@ -9,12 +9,13 @@ Llama-3.1-8B shape with its EAGLE3 head (foretell/configs, bf16, random weights,
 acceptance simulated: for a mean acceptance length L the conditional rate a with 1 + a + a^2 + a^3
 = L (simulated_acceptance.py's fit at k = 3), the same per-position rates a^j for every k (fixed
 k takes the first k; adaptive all 4), so every configuration meets the same acceptance. Each
-configuration is one engine (adaptive measures its step costs at start-up: reported as
-start_s); each batch size one closed-loop run of `batch` requests of 128-token prompts and
---new-tokens tokens (EOS ignored), after a warm-up run of the same shape; tok/s is generated
-tokens over the run's wall time. Writes OUT_DIR/check_adaptive_gpu.json after every engine (a
-partial result survives a time-out), prints a table per length: tok/s of none, each k, auto, the
-ratio of auto to the best of the others and the bar (>= 0.97), and the k auto chose.
+configuration is one engine (start-up reported as start_s; adaptive learns its step costs from
+its own steps, the warm-up runs' included); each batch size one closed-loop run of `batch`
+requests of 128-token prompts and --new-tokens tokens (EOS ignored), after a warm-up run of the
+same shape; tok/s is generated tokens over the run's wall time. Writes
+OUT_DIR/check_adaptive_gpu.json after every engine (a partial result survives a time-out), prints
+a table per length: tok/s of none, each k, auto, the ratio of auto to the best of the others and
+the bar (>= 0.97), and the k auto chose.
 
 --tiny runs the same flow on a tiny random Qwen3 + EAGLE3 head (the CPU works: a smoke test).
 Budget on the H200: about 8 engines per length (each loads dummy 8B weights and captures graphs up
@@ -133,11 +134,11 @@ def main() -> int:
             llm = LLM(target, speculative_config=spec_config(head, k, rate), skip_tokenizer_init=True,
                       max_num_seqs=max(batches), log_stats_interval_s=0, **options)
             results[name] = {"start_s": time.perf_counter() - start}
-            if k == "auto":
-                results[name]["step_costs"] = llm.get_stats()["adaptive_step_costs"]
             for b in batches:
                 results[name][str(b)] = run_batch(llm, b, args.new_tokens)
                 print(name, results[name][str(b)], flush=True)
+            if k == "auto":  # learned from the runs' own steps
+                results[name]["step_costs"] = llm.get_stats()["adaptive_step_costs"]
             llm.close()
             with open(out_path, "w") as f:
                 json.dump(report, f, indent=2)

@@ -66,7 +66,7 @@ class Engine:
         if mode == "on" or (mode == "auto" and facts.device.startswith("cuda")):
             self.warm_up_seconds = warm_up(self)
             logger.info("warm-up: %.1f s of dummy requests (Triton kernels compiled)", self.warm_up_seconds)
-        # Adaptive speculation: step costs measured now (after the warm-up compiled the kernels).
+        # Adaptive speculation: its step costs are learned from the steps as they run (step()).
         self.adaptive = start_adaptive_speculation(self) if config.speculative and config.speculative.adaptive else None
 
     @property
@@ -163,6 +163,7 @@ class Engine:
 
     # ---- the step --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
         sched = self.scheduler.schedule()
         for seq in sched.preempted:
             self.runner.forget(seq.seq_id)
@@ -191,7 +192,10 @@ class Engine:
             except Exception as error:  # noqa: BLE001 -- one sequence's failure is its request's alone
                 touched[request.request_id] = request
                 self._fail_request(request, error)
-        return self._finish_step(touched, now)
+        outputs = self._finish_step(touched, now)
+        if self.adaptive is not None:  # its cost model learns from the step (results read: no sync)
+            self.adaptive.record_step(time.perf_counter() - start, len(sched.scheduled), sched.num_tokens)
+        return outputs
 
     def _fail_step(self, sched, error: Exception) -> list[RequestOutput]:
         """The runner raised inside a step. A SequenceError names its sequence: that request

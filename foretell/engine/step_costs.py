@@ -1,138 +1,184 @@
-"""Start-up measurement for adaptive speculation: what one engine step costs, by batch size and by
-the number of drafts k each sequence verifies (0..K), as a StepCostModel (spec_decode/adaptive.py).
+"""Step costs for adaptive speculation, learned from the engine's own steps: what one engine step
+costs by batch size and by the number of drafts k each sequence verifies (0..K), the T(batch, k)
+of spec_decode/adaptive.py's choice.
 
-Whole engine steps are timed, not the target forward alone: a step that verifies k drafts also
-drafts k for the next one, schedules and detokenizes, and which path it takes (the padded verify
-step, CUDA graphs of k + 1 rows, the host step) depends on k. So for each batch size B (powers of
-two up to max_num_seqs, and max_num_seqs itself) and each k the measurement runs B dummy greedy
-requests and fixes the scheduler's draft length at each k in turn, ROUNDS times: SETTLE_STEPS
-steps pass (the first one verifies the drafts made before the switch), then TIMED_STEPS steps where
-every sequence verifies k drafts are timed; the cost is the median over the rounds. Batch sizes
-stop where the KV cache, the token budget or max_model_len cannot hold them (the cost model
-scales per sequence past the largest). Afterwards nothing of it remains: no requests, fresh
-counters, an empty prefix cache.
+Nothing is measured at start-up (a start-up measurement of whole dummy steps at batches 1, 2, 4 ..
+max_num_seqs for every k took 43 s on a 2-core CPU before the first request). The engine times
+each of its steps instead: wall clock around Engine.step(), which ends after the step's results
+were read back, so timing adds no device sync. The policy passes on the steady ones (every
+scheduled sequence samples and verifies k drafts, and the choice before was k too: a step right
+after a switch verifies the old k and drafts the new one), and they land here in a cell per
+(batch bucket, k). Buckets are powers of two: batch 1, 2-3, 4-7, 8-15, ... (a bucket is named by
+its smallest batch).
+
+A cell's cost is the lower median of its last COST_WINDOW steps (robust to a slow spell of a shared
+machine, and it follows contexts that grow); its first steady step is dropped, since the first run
+of a shape may compile kernels. The cells not timed yet are estimated, as the cost of a step is
+about linear in k (k + 1 verify rows, k draft passes): with two or more k timed in the bucket,
+piecewise linear through them (extrapolated with the slope of the nearest two, never falling with
+k); with one, that cost times the relative costs of the nearest bucket that timed two or more (else
+of the prior profile 1 + PRIOR_COST_PER_DRAFT * k); a bucket with nothing timed borrows the
+nearest one's curve. The policy times a k it lacks (or one gone stale) when that k might compete:
+it holds it for a few steps now and then (AdaptiveDraftLength's exploration).
 """
 
 from __future__ import annotations
 
 import logging
-import statistics
-import time
+from collections import deque
 
-from foretell.engine.warm_up import leave_no_trace
-from foretell.sampling_params import SamplingParams
-from foretell.spec_decode.adaptive import AdaptiveDraftLength, FixedDraftLength, StepCostModel
+from foretell.spec_decode.adaptive import AdaptiveDraftLength
 
 logger = logging.getLogger("foretell")
 
-PROMPT_TOKENS = 8
-ROUNDS = 3
-SETTLE_STEPS = 1
-TIMED_STEPS = 2
+#: Steady steps a cell keeps; its cost is their lower median.
+COST_WINDOW = 5
+#: Relative cost of each draft before any bucket has timed two k: a step drafting k costs
+#: 1 + PRIOR_COST_PER_DRAFT * k plain steps (cheap drafts: the policy starts high and learns).
+PRIOR_COST_PER_DRAFT = 0.1
+#: A cell untouched for this many steady steps (of any cell) is timed again.
+STALE_AFTER_STEPS = 4096
+#: Extrapolating down in k never gives less than this share of the nearest timed cost.
+MIN_EXTRAPOLATED_SHARE = 0.1
 
 
-def measurement_batch_sizes(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, ... up to max_num_seqs, and max_num_seqs itself."""
-    sizes, b = [], 1
-    while b < max_num_seqs:
-        sizes.append(b)
-        b *= 2
-    return sizes + [max_num_seqs]
+class _Cell:
+    """One (batch bucket, k): its last steady step times."""
+
+    __slots__ = ("samples", "seen", "last_tick", "seconds")
+
+    def __init__(self):
+        self.samples: deque[float] = deque(maxlen=COST_WINDOW)
+        self.seen = False  # the first steady step (dropped) has passed
+        self.last_tick = 0
+        self.seconds: float | None = None  # the lower median of samples; None until one is kept
+
+    def add(self, seconds: float, tick: int) -> None:
+        self.last_tick = tick
+        if not self.seen:
+            self.seen = True
+            return
+        self.samples.append(seconds)
+        ordered = sorted(self.samples)
+        self.seconds = ordered[(len(ordered) - 1) // 2]
 
 
-def _max_tokens(max_k: int) -> int:
-    """Output tokens a measured request needs: the prefill's token and every round's steps."""
-    steps_per_round = sum((SETTLE_STEPS + TIMED_STEPS) * (k + 1) for k in range(max_k + 1))
-    return 1 + ROUNDS * steps_per_round + max_k + 1
+class LearnedStepCosts:
+    """A StepCosts (spec_decode/adaptive.py) learned from timed engine steps (module docstring)."""
 
+    def __init__(self, max_k: int, stale_after_steps: int = STALE_AFTER_STEPS):
+        if max_k < 1:
+            raise ValueError(f"LearnedStepCosts needs max_k >= 1, got {max_k}")
+        if stale_after_steps < 1:
+            raise ValueError(f"LearnedStepCosts needs stale_after_steps >= 1, got {stale_after_steps}")
+        self._max_k = max_k
+        self.stale_after_steps = stale_after_steps
+        self.buckets: dict[int, list[_Cell]] = {}  # bucket (its smallest batch) -> [K + 1] cells
+        self.num_steps = 0  # steady steps recorded (the clock of staleness)
+        self._curves: dict[int, list[float]] = {}  # bucket -> step_seconds by k, until the next record
 
-def _fits(engine, batch_size: int, max_k: int) -> bool:
-    longest = PROMPT_TOKENS + _max_tokens(max_k) + engine.scheduler.num_lookahead_tokens
-    block_size = engine.block_manager.block_size
-    blocks = batch_size * (-(-longest // block_size) + 1)
-    budget = engine.config.scheduler.max_num_batched_tokens
-    return (
-        longest <= engine.max_model_len
-        and blocks <= engine.block_manager.num_free_blocks
-        and batch_size * max(max_k + 1, PROMPT_TOKENS) <= budget
-    )
+    @property
+    def max_k(self) -> int:
+        return self._max_k
 
+    @staticmethod
+    def bucket_of(batch_size: int) -> int:
+        """The power of two at or below batch_size: the smallest batch of its bucket."""
+        return 1 << (max(1, batch_size).bit_length() - 1)
 
-def _time_batch(engine, batch_size: int, max_k: int) -> tuple[float, ...] | None:
-    """Median seconds of a step where batch_size sequences verify k drafts each, for k = 0..max_k;
-    None when the steps did not run as planned (a preemption, a sequence that ended early). The
-    draft lengths take turns (ROUNDS rounds of every k), so that a slow spell of a shared machine
-    or the contexts growing weigh on every k alike."""
-    vocab = engine.facts.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=_max_tokens(max_k), ignore_eos=True)
-    ids = [f"step-cost-{batch_size}-{i}" for i in range(batch_size)]
-    preemptions = engine.scheduler.num_preemptions
-    times: list[list[float]] = [[] for _ in range(max_k + 1)]
-    try:
-        engine.scheduler.draft_length = FixedDraftLength(0)
-        for i, request_id in enumerate(ids):
-            prompt = [(31 * i + 7 * j + 3) % vocab for j in range(PROMPT_TOKENS)]
-            engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
-        seqs = [seq for request_id in ids for seq in engine.requests[request_id].seqs]
-        for _ in range(4 * PROMPT_TOKENS):  # prefill (chunked prefills take a few steps)
-            if all(seq.num_output_tokens >= 1 for seq in seqs):
-                break
-            engine.step()
-        for _ in range(ROUNDS):
-            for k in range(max_k + 1):
-                # The step after the switch verifies the drafts made before it: settle first.
-                engine.scheduler.draft_length = FixedDraftLength(k)
-                for step in range(SETTLE_STEPS + TIMED_STEPS):
-                    start = time.perf_counter()
-                    engine.step()
-                    if step >= SETTLE_STEPS:
-                        times[k].append(time.perf_counter() - start)
-        ran_as_planned = all(not seq.is_finished for seq in seqs)
-        if engine.scheduler.num_preemptions != preemptions or not ran_as_planned:
+    def record(self, batch_size: int, k: int, seconds: float) -> None:
+        """A steady step: batch_size sequences verified k drafts each and drafted k, in seconds."""
+        if not 0 <= k <= self._max_k or batch_size < 1 or not seconds > 0:
+            raise ValueError(
+                f"a timed step needs batch_size >= 1, k in 0..{self._max_k} and seconds > 0; "
+                f"got {batch_size}, {k}, {seconds}"
+            )
+        self.num_steps += 1
+        bucket = self.bucket_of(batch_size)
+        cells = self.buckets.get(bucket)
+        if cells is None:
+            cells = self.buckets[bucket] = [_Cell() for _ in range(self._max_k + 1)]
+        cells[k].add(seconds, self.num_steps)
+        self._curves.clear()
+
+    def needs_timing(self, batch_size: int) -> list[int]:
+        """The k whose cost at this batch has no kept step yet, or none for STALE_AFTER_STEPS."""
+        cells = self.buckets.get(self.bucket_of(batch_size))
+        if cells is None:
+            return list(range(self._max_k + 1))
+        oldest = self.num_steps - self.stale_after_steps
+        return [k for k, cell in enumerate(cells) if cell.seconds is None or cell.last_tick < oldest]
+
+    def step_seconds(self, batch_size: int, k: int) -> float:
+        """T(batch, k): the cell's own cost when timed, else an estimate (module docstring)."""
+        bucket = self.bucket_of(batch_size)
+        curve = self._curves.get(bucket)
+        if curve is None:  # computed once per bucket between two records (the policy asks every k)
+            curve = self._curves[bucket] = self._curve(bucket)
+        return curve[k]
+
+    def _timed(self, bucket: int) -> list[tuple[int, float]]:
+        return [(k, cell.seconds) for k, cell in enumerate(self.buckets[bucket]) if cell.seconds is not None]
+
+    def _nearest(self, bucket: int, min_timed: int, exclude: int | None = None) -> int | None:
+        """The bucket nearest to `bucket` (itself included; ties: the smaller batch) with at least
+        min_timed timed cells, other than `exclude`."""
+        found = [b for b in self.buckets if b != exclude and len(self._timed(b)) >= min_timed]
+        if not found:
             return None
-        return tuple(statistics.median(t) for t in times)
-    finally:
-        for request_id in ids:
-            engine.abort_request(request_id)
+        return min(found, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
 
+    def _curve(self, bucket: int) -> list[float]:
+        """[K + 1] seconds by k at this bucket: timed cells and estimates."""
+        prior = [1.0 + PRIOR_COST_PER_DRAFT * k for k in range(self._max_k + 1)]
+        source = self._nearest(bucket, 1)
+        if source is None:  # nothing timed anywhere yet: only the relative costs matter
+            return prior
+        timed = self._timed(source)
+        if len(timed) >= 2:
+            return self._piecewise_linear(timed)
+        ref, ref_seconds = timed[0]
+        shaper = self._nearest(source, 2, exclude=source)
+        shape = self._piecewise_linear(self._timed(shaper)) if shaper is not None else prior
+        return [ref_seconds * shape[k] / shape[ref] for k in range(self._max_k + 1)]
 
-def measure_step_costs(engine, max_k: int) -> StepCostModel:
-    """The engine's StepCostModel for k = 0..max_k (see the module docstring)."""
-    saved = engine.scheduler.draft_length
-    sizes: list[int] = []
-    rows: list[tuple[float, ...]] = []
-    try:
-        for batch_size in measurement_batch_sizes(engine.config.scheduler.max_num_seqs):
-            if not _fits(engine, batch_size, max_k):
-                break
-            row = _time_batch(engine, batch_size, max_k)
-            if row is None:
-                break
-            sizes.append(batch_size)
-            rows.append(row)
-    finally:
-        engine.scheduler.draft_length = saved
-        engine.scheduler.draft_limit = None
-        leave_no_trace(engine)
-    if not sizes:
-        raise ValueError(
-            f"adaptive speculation measures step costs at start-up with requests of "
-            f"{PROMPT_TOKENS + _max_tokens(max_k)} tokens, but the engine cannot run one (max_model_len "
-            f"{engine.max_model_len}, {engine.block_manager.num_blocks} KV blocks): raise max_model_len or "
-            f"the KV cache, or lower num_speculative_tokens"
-        )
-    return StepCostModel(tuple(sizes), tuple(rows))
+    def _piecewise_linear(self, timed: list[tuple[int, float]]) -> list[float]:
+        """[K + 1]: through the timed (k, seconds), ascending in k, two at least; outside them the
+        slope of the nearest two, made >= 0 (a draft never makes a step cheaper)."""
+        curve = []
+        for k in range(self._max_k + 1):
+            hi = next((i for i, (j, _) in enumerate(timed) if j >= k), len(timed) - 1)
+            hi = min(max(hi, 1), len(timed) - 1)
+            (k0, s0), (k1, s1) = timed[hi - 1], timed[hi]
+            slope = (s1 - s0) / (k1 - k0)
+            if k < k0:
+                curve.append(max(s0 - max(slope, 0.0) * (k0 - k), MIN_EXTRAPOLATED_SHARE * s0))
+            elif k > k1:
+                curve.append(s1 + max(slope, 0.0) * (k - k1))
+            else:
+                curve.append(s0 + slope * (k - k0))
+        return curve
+
+    def as_dict(self) -> dict:
+        """For get_stats(): per bucket (named by its smallest batch), each k's cost in ms (None: not
+        timed yet, the choice uses an estimate) and how many steady steps it kept."""
+        sizes = sorted(self.buckets)
+        return {
+            "learned": True,
+            "batch_sizes": sizes,
+            "step_ms": [
+                [None if c.seconds is None else round(1000 * c.seconds, 4) for c in self.buckets[b]] for b in sizes
+            ],
+            "timed_steps": [[len(c.samples) for c in self.buckets[b]] for b in sizes],
+            "num_steady_steps": self.num_steps,
+        }
 
 
 def start_adaptive_speculation(engine) -> AdaptiveDraftLength:
-    """Measure the step costs and hand the scheduler its adaptive draft-length policy."""
+    """Hand the scheduler its adaptive draft-length policy; its step costs are learned as it runs
+    (Engine.step() reports every step's time), nothing is measured now."""
     max_k = engine.config.speculative.num_speculative_tokens
-    start = time.perf_counter()
-    costs = measure_step_costs(engine, max_k)
-    policy = AdaptiveDraftLength(costs)
+    policy = AdaptiveDraftLength(LearnedStepCosts(max_k))
     engine.scheduler.draft_length = policy
-    logger.info(
-        "adaptive speculation: step costs of k = 0..%d at batch sizes %s measured in %.1f s",
-        max_k, list(costs.batch_sizes), time.perf_counter() - start,
-    )
+    logger.info("adaptive speculation: k = 0..%d, step costs learned from the engine's own steps", max_k)
     return policy
