@@ -64,6 +64,8 @@ def test_untimed_cells_are_estimated():
     # Timed k = 0 and 1 at batch 8 (a falling noisy slope): extrapolated up, never cheaper than k = 1.
     timed(costs, 8, 0, 9.0, 5.0)
     assert [costs.step_seconds(8, k) for k in range(5)] == pytest.approx([5.0, 4.6, 4.6, 4.6, 4.6])
+    assert costs.step_seconds(16, 0) == pytest.approx(5.0)  # now the nearest bucket with a cost is 8
+    assert costs.seconds_by_k(1) == pytest.approx([2.2, 2.3, 2.4, 2.5, 3.0])  # batch 1's own, unchanged
     # Extrapolating down stops at a tenth of the nearest timed cost.
     steep = LearnedStepCosts(4)
     timed(steep, 1, 3, 9.0, 1.0)

@@ -53,14 +53,16 @@ class _Cell:
         self.last_tick = 0
         self.seconds: float | None = None  # the lower median of samples; None until one is kept
 
-    def add(self, seconds: float, tick: int) -> None:
+    def add(self, seconds: float, tick: int) -> bool:
+        """Keep a steady step's time; returns whether the cell's cost changed."""
         self.last_tick = tick
         if not self.seen:
             self.seen = True
-            return
+            return False
         self.samples.append(seconds)
         ordered = sorted(self.samples)
-        self.seconds = ordered[(len(ordered) - 1) // 2]
+        old, self.seconds = self.seconds, ordered[(len(ordered) - 1) // 2]
+        return self.seconds != old
 
 
 class LearnedStepCosts:
@@ -75,7 +77,8 @@ class LearnedStepCosts:
         self.stale_after_steps = stale_after_steps
         self.buckets: dict[int, list[_Cell]] = {}  # bucket (its smallest batch) -> [K + 1] cells
         self.num_steps = 0  # steady steps recorded (the clock of staleness)
-        self._curves: dict[int, list[float]] = {}  # bucket -> step_seconds by k, until the next record
+        self._curves: dict[int, list[float]] = {}  # bucket -> step_seconds by k, until a cost it uses changes
+        self._num_timed: dict[int, int] = {}  # bucket -> how many of its k have a cost
 
     @property
     def max_k(self) -> int:
@@ -98,8 +101,12 @@ class LearnedStepCosts:
         cells = self.buckets.get(bucket)
         if cells is None:
             cells = self.buckets[bucket] = [_Cell() for _ in range(self._max_k + 1)]
-        cells[k].add(seconds, self.num_steps)
-        self._curves.clear()
+        was_timed = cells[k].seconds is not None
+        if cells[k].add(seconds, self.num_steps):
+            if not was_timed:
+                self._num_timed[bucket] = self._num_timed.get(bucket, 0) + 1
+            # This bucket's curve, and those of buckets that borrow (fewer than two k timed).
+            self._curves = {b: c for b, c in self._curves.items() if b != bucket and self._num_timed.get(b, 0) >= 2}
 
     def needs_timing(self, batch_size: int) -> list[int]:
         """The k whose cost at this batch has no kept step yet, or none for STALE_AFTER_STEPS."""
@@ -111,11 +118,15 @@ class LearnedStepCosts:
 
     def step_seconds(self, batch_size: int, k: int) -> float:
         """T(batch, k): the cell's own cost when timed, else an estimate (module docstring)."""
+        return self.seconds_by_k(batch_size)[k]
+
+    def seconds_by_k(self, batch_size: int) -> list[float]:
+        """[K + 1]: step_seconds(batch_size, k) for every k (the caller must not change it)."""
         bucket = self.bucket_of(batch_size)
         curve = self._curves.get(bucket)
-        if curve is None:  # computed once per bucket between two records (the policy asks every k)
+        if curve is None:  # computed once per bucket until a cost it uses changes
             curve = self._curves[bucket] = self._curve(bucket)
-        return curve[k]
+        return curve
 
     def _timed(self, bucket: int) -> list[tuple[int, float]]:
         return [(k, cell.seconds) for k, cell in enumerate(self.buckets[bucket]) if cell.seconds is not None]
@@ -123,13 +134,15 @@ class LearnedStepCosts:
     def _nearest(self, bucket: int, min_timed: int, exclude: int | None = None) -> int | None:
         """The bucket nearest to `bucket` (itself included; ties: the smaller batch) with at least
         min_timed timed cells, other than `exclude`."""
-        found = [b for b in self.buckets if b != exclude and len(self._timed(b)) >= min_timed]
+        found = [b for b, n in self._num_timed.items() if b != exclude and n >= min_timed]
         if not found:
             return None
         return min(found, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
 
     def _curve(self, bucket: int) -> list[float]:
         """[K + 1] seconds by k at this bucket: timed cells and estimates."""
+        if self._num_timed.get(bucket, 0) >= 2:  # the common case, once a bucket has run a while
+            return self._piecewise_linear(self._timed(bucket))
         prior = [1.0 + PRIOR_COST_PER_DRAFT * k for k in range(self._max_k + 1)]
         source = self._nearest(bucket, 1)
         if source is None:  # nothing timed anywhere yet: only the relative costs matter
@@ -145,18 +158,19 @@ class LearnedStepCosts:
     def _piecewise_linear(self, timed: list[tuple[int, float]]) -> list[float]:
         """[K + 1]: through the timed (k, seconds), ascending in k, two at least; outside them the
         slope of the nearest two, made >= 0 (a draft never makes a step cheaper)."""
-        curve = []
-        for k in range(self._max_k + 1):
-            hi = next((i for i, (j, _) in enumerate(timed) if j >= k), len(timed) - 1)
-            hi = min(max(hi, 1), len(timed) - 1)
-            (k0, s0), (k1, s1) = timed[hi - 1], timed[hi]
+        curve = [0.0] * (self._max_k + 1)
+        for (k0, s0), (k1, s1) in zip(timed, timed[1:]):
             slope = (s1 - s0) / (k1 - k0)
-            if k < k0:
-                curve.append(max(s0 - max(slope, 0.0) * (k0 - k), MIN_EXTRAPOLATED_SHARE * s0))
-            elif k > k1:
-                curve.append(s1 + max(slope, 0.0) * (k - k1))
-            else:
-                curve.append(s0 + slope * (k - k0))
+            for k in range(k0, k1 + 1):
+                curve[k] = s0 + slope * (k - k0)
+        (k0, s0), (k1, s1) = timed[0], timed[1]
+        down = max((s1 - s0) / (k1 - k0), 0.0)
+        for k in range(k0):
+            curve[k] = max(s0 - down * (k0 - k), MIN_EXTRAPOLATED_SHARE * s0)
+        (k0, s0), (k1, s1) = timed[-2], timed[-1]
+        up = max((s1 - s0) / (k1 - k0), 0.0)
+        for k in range(k1 + 1, self._max_k + 1):
+            curve[k] = s1 + up * (k - k1)
         return curve
 
     def as_dict(self) -> dict:

@@ -116,6 +116,10 @@ class StepCosts(Protocol):
 
     def step_seconds(self, batch_size: int, k: int) -> float: ...
 
+    def seconds_by_k(self, batch_size: int) -> Sequence[float]:
+        """[K + 1]: step_seconds(batch_size, k) for every k."""
+        ...
+
     def record(self, batch_size: int, k: int, seconds: float) -> None:
         """A steady step's wall time (batch_size sequences verified k drafts and drafted k)."""
         ...
@@ -168,6 +172,9 @@ class StepCostModel:
         t = (batch_size - lo) / (hi - lo)
         return rows[i - 1][k] * (1 - t) + rows[i][k] * t
 
+    def seconds_by_k(self, batch_size: int) -> list[float]:
+        return [self.step_seconds(batch_size, k) for k in range(self.max_k + 1)]
+
     def record(self, batch_size: int, k: int, seconds: float) -> None:
         pass
 
@@ -207,8 +214,7 @@ class AdaptiveDraftLength:
 
     def rates(self, batch_size: int) -> list[float]:
         """[K + 1]: expected tokens per second of a sequence at this batch size, by k."""
-        expected = self.estimate.expected_tokens()
-        return [expected[k] / self.costs.step_seconds(batch_size, k) for k in range(self.max_k + 1)]
+        return [e / t for e, t in zip(self.estimate.expected_tokens(), self.costs.seconds_by_k(batch_size))]
 
     def best(self, batch_size: int) -> int:
         """The k with the most expected tokens per second at this batch size (ties: the smaller)."""
@@ -242,6 +248,7 @@ class AdaptiveDraftLength:
         self.steps_since_exploration += 1
         if self.steps_since_exploration < EXPLORE_EVERY:
             return None
+        self.steps_since_exploration = 0  # looked now: next look in EXPLORE_EVERY steps
         wanted = self.costs.needs_timing(batch_size)
         if not wanted:
             return None
@@ -249,7 +256,6 @@ class AdaptiveDraftLength:
         k = max(wanted, key=lambda j: rates[j])  # the most promising (ties: the smaller)
         if rates[k] < EXPLORE_WITHIN * max(rates):
             return None
-        self.steps_since_exploration = 0
         self.num_explorations += 1
         self.exploring_k, self.exploring_steps_left = k, EXPLORE_STEPS - 1
         return k
