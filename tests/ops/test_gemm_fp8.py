@@ -244,19 +244,29 @@ def test_candidate_configs_all_give_the_product(poisoned_empty):
                           torch.float16)
 
 
-def test_default_configs_split_k_where_tiles_are_few():
-    """The MMA splits K while its 64-row tiles are fewer than the multiprocessors (Llama-8B's o and
-    down projections at a 4-token verify), never below 512 columns a slice; the GEMV at one row
-    reads up to 4096 columns a tile, unsplit."""
+def test_default_configs_follow_the_h200_sweep():
+    """The defaults reproduce the H200 sweep's winners at Llama-8B's shapes (b3ec0f8) by rule: the
+    MMA splits K while its programs stay within eight per multiprocessor (qkv, o, down 8 ways,
+    gate_up 2), never below 512 columns a slice; the GEMV at one row reads 8 KiB tiles over four
+    warps, eight rows of 1024 columns where that leaves four programs a multiprocessor, else four
+    rows of 2048; shapes the sweep did not time follow the same rule."""
     cpu = torch.device("cpu")  # the interpreter's device limits: 132 multiprocessors
-    assert few.mma_config(4096, BLOCK, 4096, cpu).split == 4  # o
-    assert few.mma_config(14336, BLOCK, 4096, cpu).split == 4  # down
-    assert few.mma_config(4096, BLOCK, 6144, cpu).split == 2  # qkv
-    assert few.mma_config(4096, BLOCK, 28672, cpu).split == 1
+    assert few.mma_config(4096, BLOCK, 4096, cpu).split == 8  # o
+    assert few.mma_config(14336, BLOCK, 4096, cpu).split == 8  # down
+    assert few.mma_config(4096, BLOCK, 6144, cpu).split == 8  # qkv
+    assert few.mma_config(4096, BLOCK, 28672, cpu).split == 2  # gate_up
+    assert few.mma_config(4096, BLOCK, 28672, cpu).block_k == 128
     assert few.mma_config(1024, BLOCK, 64, cpu).split == 2  # slices of 512 at least
     assert few.mma_config(512, BLOCK, 64, cpu).split == 1
-    assert few.gemv_config(1, 4096, 14336) == few.Fp8GemvConfig(1, 4, 4096, 8, 1)
-    assert few.gemv_config(1, 6144, 100).block_k == 128
+    assert few.mma_config(4096, BLOCK, 200_000, cpu).split == 1  # a vocabulary: programs enough
+    gemv = few.Fp8GemvConfig
+    for n, k, want in (((6144, 4096, gemv(1, 8, 1024, 4))), (28672, 4096, gemv(1, 8, 1024, 4)),
+                       (4096, 4096, gemv(1, 4, 2048, 4)), (4096, 14336, gemv(1, 4, 2048, 4))):
+        assert few.default_config(1, n, k, torch.bfloat16, BLOCK, cpu) == want, (n, k)
+    assert few.gemv_config(1, 6144, 100).block_k == 128  # K in one tile
+    assert few.gemv_config(4, 6144, 4096) == gemv(4, 4, 1024, 4)  # float32 x at 4 rows
+    # blocks of 4 rows: eight rows a program would straddle two, so four
+    assert few.default_config(1, 8192, 256, torch.bfloat16, (4, 128), cpu).block_n == 4
 
 
 def test_few_rows_bad_inputs_raise_clear_errors():

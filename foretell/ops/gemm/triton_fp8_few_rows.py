@@ -57,7 +57,7 @@ MAX_M = 16
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MMA_X_DTYPES = (torch.bfloat16, torch.float16)
 MMA_BLOCK_N = 64
-GEMV_TILE_BYTES = 4096  # columns of W per GEMV tile at one row of x (4 KiB of FP8 per row of W)
+GEMV_TILE_BYTES = 8192  # bytes of FP8 a GEMV tile reads at one row of x (64 a thread over 4 warps)
 # A counter per program tile, zero between launches (one set per process, as triton_mma.py's).
 _COUNTERS = SplitCounters(min_count=1 << 16)
 
@@ -97,19 +97,23 @@ def kernel_block_ok(block_size: tuple[int, int] | None) -> bool:
 
 
 def gemv_config(m: int, n: int, k: int, block_k: int | None = None, block_n: int | None = None,
-                num_warps: int | None = None, split: int = 1) -> Fp8GemvConfig:
-    """Modelled on the bf16 GEMV's H200 tiles (triton_gemv.pick_config: two to four rows of W over
-    whole-K tiles, 64 bytes of W per thread and tile): four rows of W per program over tiles of up
-    to 4096 columns at one row of x (4 KiB of FP8 per row), fewer columns for more rows of x,
-    whose products all sit in registers at once; eight warps for a full tile (64 weights a thread)."""
+                num_warps: int | None = None, split: int = 1, device: torch.device | None = None) -> Fp8GemvConfig:
+    """The H200 sweep's winners at Llama-8B's shapes (sweep_low_precision_gpu.py, b3ec0f8): at one
+    row of x, 8 KiB of FP8 a tile over four warps (64 bytes a thread), as eight rows of 1024 columns
+    while that still gives four programs a multiprocessor (qkv 6144, gate_up 28672: 768 and 3584
+    programs), else as four rows of 2048 (o and down, N = 4096: 1024 programs, where eight rows
+    left 512 and ran 8% slower); more rows of x keep four rows of W and 4096 / M columns (their
+    products all sit in registers at once), still four warps (eight ran 40-60% slower at M = 4)."""
     if not 1 <= m <= GEMV_MAX_M or n < 1 or k < 1:
         raise ValueError(f"FP8 GEMV needs 1 <= M <= {GEMV_MAX_M}, N >= 1, K >= 1; got M={m}, N={n}, K={k}")
     block_m = _next_pow2(m)
-    block_k = max(16, block_k or min(_next_pow2(k), GEMV_TILE_BYTES // block_m))
-    block_n = block_n or 4
-    if num_warps is None:
-        num_warps = max(1, min(8, block_m * block_n * block_k // (64 * 32)))
-    return Fp8GemvConfig(block_m, block_n, block_k, num_warps, split)
+    if block_n is None:
+        sms, _ = device_limits(device or torch.device("cpu"))
+        block_n = 8 if m == 1 and triton.cdiv(n, 8) >= 4 * sms else 4
+    if block_k is None:
+        block_k = min(_next_pow2(k), GEMV_TILE_BYTES // block_n if m == 1 else GEMV_TILE_BYTES // 2 // block_m)
+    block_k = max(16, block_k)
+    return Fp8GemvConfig(block_m, block_n, block_k, num_warps or 4, split)
 
 
 def _mma_stages(block_n: int, block_k: int, smem_bytes: int, wanted: int = 4) -> int:
@@ -121,9 +125,10 @@ def _mma_stages(block_n: int, block_k: int, smem_bytes: int, wanted: int = 4) ->
 def mma_config(k: int, block_size: tuple[int, int] | None, n: int | None = None,
                device: torch.device | None = None) -> Fp8MmaConfig:
     """128-column tiles (one scale per row of W per tile for 128-wide blocks), up to 4 in flight;
-    given N, split-K while the 64-row tiles number fewer than the multiprocessors: splits doubled
-    while the programs stay within two per multiprocessor (at most 8, each slice at least 512
-    columns): Llama-8B's o and down projections split 4 ways as triton_mma.pick_config's, qkv 2."""
+    given N, split-K doubled (up to 8 ways, each slice at least 512 columns) while the programs stay
+    within eight per multiprocessor: the H200 sweep's winners at a 4-row verify (b3ec0f8) split
+    Llama-8B's qkv, o and down 8 ways (96, 64, 64 tiles: 17-25% faster than 2 or 4) and gate_up
+    (448 tiles) 2 ways."""
     block_k = min(128, max(16, _next_pow2(k)))
     if block_size is not None:
         block_k = max(16, min(block_k, block_size[1]))
@@ -131,16 +136,20 @@ def mma_config(k: int, block_size: tuple[int, int] | None, n: int | None = None,
     split = 1
     if n is not None:
         tiles = triton.cdiv(n, MMA_BLOCK_N)
-        while split < 8 and 2 * split * tiles <= 2 * sms and k // (2 * split) >= 512:
+        while split < 8 and 2 * split * tiles <= 8 * sms and k // (2 * split) >= 512:
             split *= 2
     return Fp8MmaConfig(block_k, _mma_stages(MMA_BLOCK_N, block_k, smem), split=split)
 
 
 def default_config(m: int, n: int, k: int, dtype: torch.dtype, block_size: tuple[int, int] | None,
                    device: torch.device | None = None):
-    """The GEMV for one row (or a float32 x), the MMA for more rows of fp16 / bf16."""
+    """The GEMV for one row (or a float32 x), the MMA for more rows of fp16 / bf16. The GEMV's
+    rows of W per program stay within one block row (four when eight would not fit the blocks)."""
     if m == 1 or dtype not in MMA_X_DTYPES:
-        return gemv_config(m, n, k)
+        config = gemv_config(m, n, k, device=device)
+        if not gemv_rows_fit_blocks(config.block_n, n, block_size, gated=False):
+            config = gemv_config(m, n, k, block_n=4, device=device)
+        return config
     return mma_config(k, block_size, n, device)
 
 
