@@ -16,9 +16,11 @@ def outputs(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("spec", [None, "draft_model"])
+@pytest.mark.parametrize("spec", [None, "draft_model", "adaptive"])
 def test_warm_up_leaves_no_trace(qwen3_checkpoint, spec):
-    config = None if spec is None else {"method": spec, "model": qwen3_checkpoint, "num_speculative_tokens": 2}
+    config = None if spec is None else {"method": "draft_model", "model": qwen3_checkpoint, "num_speculative_tokens": 2}
+    if spec == "adaptive":  # its step costs are learned from real steps: the warm-up's must not count
+        config["num_speculative_tokens"] = "auto"
     cold = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=64, warm_up="off", speculative_config=config)
     warm = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=64, warm_up="on", max_num_batched_tokens=64,
                speculative_config=config)
@@ -29,6 +31,8 @@ def test_warm_up_leaves_no_trace(qwen3_checkpoint, spec):
     assert stats["prefix_cache_hit_rate"] == 0.0 and not warm.engine.block_manager.cached
     if spec is not None:
         assert stats["num_drafts"] == 0
+    if spec == "adaptive":
+        assert stats["adaptive_timed_steps"] == 0
     assert outputs(warm) == outputs(cold)
 
 

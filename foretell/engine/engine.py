@@ -63,6 +63,7 @@ class Engine:
         self._seq_ids = itertools.count()
         mode = config.model.warm_up
         self.warm_up_seconds = 0.0
+        self.adaptive = None  # set after the warm-up, whose compile-bound steps must not teach it costs
         if mode == "on" or (mode == "auto" and facts.device.startswith("cuda")):
             self.warm_up_seconds = warm_up(self)
             logger.info("warm-up: %.1f s of dummy requests (Triton kernels compiled)", self.warm_up_seconds)
