@@ -98,6 +98,11 @@ def _rms_norm_kernel(
     tl.store(out_ptr + out_offsets, (weight[None, :] * normed).to(dtype), mask=mask)
 
 
+def norm_rows_per_program(block_h: int) -> int:
+    """Rows of width block_h (a power of two) per RMSNorm program: about 4096 elements a tile."""
+    return max(1, 4096 // block_h)
+
+
 def _as_token_head_rows(t: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [tokens, heads, hidden]
     if t.dim() != 3:
         t = t.reshape(-1, 1, t.shape[-1])
@@ -137,8 +142,11 @@ def rms_norm_triton(
     res_rows = _as_token_head_rows(residual) if residual is not None else rows
     num_rows = rows.shape[0] * rows.shape[1]
     block_h = _next_pow2(hidden)
-    # Short rows (per-head norms) share a program so each program still moves a few KiB.
-    block_rows = min(max(1, 4096 // block_h), _next_pow2(num_rows))
+    # Short rows (per-head norms) share a program so each program still moves a few KiB. The tile
+    # (and its warps) is set by the row width alone, never by num_rows: Triton lays a smaller tile
+    # out with fewer elements per thread, which changes a row's sum-of-squares order (a 2-row
+    # k_norm at batch 1 against 4+ rows, issue 23's batch-invariant mode).
+    block_rows = norm_rows_per_program(block_h)
     pdl = pdl_enabled(x)
     _rms_norm_kernel[(triton.cdiv(num_rows, block_rows),)](
         rows, res_rows, weight, out, residual_out,
