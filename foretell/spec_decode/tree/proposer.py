@@ -55,20 +55,32 @@ class Eagle3TreeDrafter:
         roots = [batch.num_tokens_after_step(i) - 1 for i in drafting]
         last_position = batch.max_model_len - 1
         table = batch.block_table[to_device(drafting, torch.int64, device)]
+        expansions = self.shape.depth - 1
+        # Every depth's scratch rows and positions, built once: depth d's slice per forward.
+        scratch = catch_up_metadata(roots, [expansions * topk] * n, table, batch.block_size, eagle.draft_block_size)
+        slots = scratch.slot_mapping.view(n, expansions, topk)  # [n, depth - 1, topk]
+        all_positions = to_device([[min(r + d, last_position) for r in roots for _ in range(topk)]
+                                   for d in range(1, expansions + 1)], torch.int64, device)  # [depth - 1, n * topk]
+        row_starts = [i * topk for i in range(n + 1)]
+        row_starts_device = to_device(row_starts, torch.int32, device)
+        roots_device = to_device(roots, torch.int32, device)
         parent_h = h.unsqueeze(1).expand(n, topk, h.shape[-1])  # depth-1 rows: the root's h
         eye = torch.eye(topk, dtype=torch.bool, device=device).expand(n, topk, topk)
         mask = eye  # [n, topk, d * topk]: the newest frontier rows' ancestors (and themselves) so far
-        for depth in range(1, self.shape.depth):
+        for depth in range(1, expansions + 1):
             tokens = eagle.to_target_ids(frontier).flatten()  # [n * topk]
             states = parent_h.gather(1, parent_slot.unsqueeze(-1).expand(-1, -1, parent_h.shape[-1]))  # [n, topk, H]
             if depth > 1:  # a row sees what its parent sees, and itself
                 mask = torch.cat([mask.gather(1, parent_slot.unsqueeze(-1).expand(-1, -1, mask.shape[-1])), eye], 2)
-            first = [r + (depth - 1) * topk for r in roots]  # this depth's scratch slots start here
-            positions = [min(r + depth, last_position) for r in roots for _ in range(topk)]
-            metadata = catch_up_metadata(first, [topk] * n, table, batch.block_size, eagle.draft_block_size)
-            metadata = replace(metadata, tree_mask=mask.reshape(n * topk, depth * topk))
+            width = depth * topk  # the frontier rows so far: this depth's are the last topk of them
+            metadata = replace(
+                scratch, query_start_loc=row_starts_device, seq_lens=roots_device + width,
+                slot_mapping=slots[:, depth - 1].flatten(), max_query_len=topk, max_seq_len=max(roots) + width,
+                query_start_loc_cpu=row_starts, seq_lens_cpu=[r + width for r in roots],
+                tree_mask=mask.reshape(n * topk, width),
+            )
             out, new_h = eagle.head.step(
-                tokens, to_device(positions, torch.int64, device), states.flatten(0, 1), metadata,
+                tokens, all_positions[depth - 1], states.flatten(0, 1), metadata,
             )  # [n * topk, draft_vocab], [n * topk, H]
             frontier, parent_slot = builder.add_depth(out.view(n, topk, -1))
             parent_h = new_h.view(n, topk, -1)
