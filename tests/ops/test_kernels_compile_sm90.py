@@ -28,7 +28,7 @@ CASES = [
     "mla attention, split, V2-Lite", "mla latent write", "mla merge", "moe gemv down + combine",
     "moe gemv gate_up", "rope + kv write, Qwen3 norms", "rope + kv write, partial rotary", "route, Kimi-K2",
     "route, V2-Lite", "rope (q and k), gptj partial", "select experts, Kimi-K2", "router logits",
-    "gqa attention, unsplit prefill", "gemv with pdl, Llama qkv", "gemv with pdl, 4 rows, bias",
+    "gqa attention, unsplit prefill", "gqa attention, tree mask, split verify", "gemv with pdl, Llama qkv", "gemv with pdl, 4 rows, bias",
     "rms norm + residual, pdl trigger", "eagle3 input, Llama, pdl", "mma with pdl, split-K 4, Llama o", "mma with pdl, bias",
     "gemv with pdl, gated output (gate_up), bias", "mma with pdl, gated output (gate_up), split-K 2",
     "rope + gqa attention, split decode, Llama", "rope + gqa attention, verify, Qwen3 norms", "graph inputs unpack",
