@@ -226,8 +226,10 @@ def test_generate_cli_flags(qwen3_checkpoint, capsys):
 
 
 def test_requests_with_controls_stay_off_the_paths_that_sample_without_them():
-    """The padded greedy verify, decode-ahead and the TP greedy-without-logits shortcut sample
-    without the host's token lists: a request with controls must take the host step."""
+    """The TP greedy-without-logits shortcut samples without any controls: a request with some
+    takes the host step there. The padded verify and decode-ahead carry the controls' state on
+    the device (runner/padded_logits_controls.py) and take them; a grammar (its matcher lives on
+    the host) takes the host step everywhere."""
     from types import SimpleNamespace
 
     from foretell.engine.scheduler import SchedulerOutput
@@ -245,9 +247,10 @@ def test_requests_with_controls_stay_off_the_paths_that_sample_without_them():
     loop = SimpleNamespace(k=2, verify_lens=(3,), catch_up_fits=lambda n, q=None: True)
     padded = SimpleNamespace(draft_graphs=loop, graphs=SimpleNamespace(bucket_for=lambda b: (1, 3)))
     padded.verify_length = lambda sched: GraphedVerify.verify_length(padded, sched)
-    for params, plain in ((SamplingParams(temperature=0), True),
-                          (SamplingParams(temperature=0, presence_penalty=0.1), False),
-                          (SamplingParams(temperature=0, min_tokens=1), False)):
-        assert plain_decode(sched_for(params, []).scheduled) is plain
+    for params, plain, padded_ok in ((SamplingParams(temperature=0), True, True),
+                                     (SamplingParams(temperature=0, presence_penalty=0.1), False, True),
+                                     (SamplingParams(temperature=0, min_tokens=1), False, True),
+                                     (SamplingParams(temperature=0, structured_outputs={"regex": "a+"}), False, False)):
+        assert plain_decode(sched_for(params, []).scheduled) is padded_ok
         assert host.greedy_without_logits(sched_for(params, []), batch) is plain
-        assert GraphedVerify.fits(padded, sched_for(params, [4, 5]), batch) is plain
+        assert GraphedVerify.fits(padded, sched_for(params, [4, 5]), batch) is padded_ok

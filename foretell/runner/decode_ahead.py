@@ -2,8 +2,13 @@
 before the host reads step N's tokens, so the host's work between two steps (the engine's
 postprocess and schedule, the next batch's tensors) runs while the GPU computes, not between.
 
-A plain decode step (every sequence feeds one row and samples; no drafts, no logprobs) samples on
-the device and queues the copy of its tokens to pinned host memory. Before waiting for that copy,
+A plain decode step (every sequence feeds one row and samples; no drafts; logprobs and logits
+controls allowed, grammars not) samples on the device and queues the copy of its tokens (and the
+logprobs of the sequences that ask, runner/logprobs.py's padded form with one row per sequence) to
+pinned host memory. Logits controls (penalties, logit_bias, min_tokens, bad words, allowed tokens)
+run on device state built from the host's lists at a launch from host inputs and advanced by each
+step's own sampled tokens (runner/padded_logits_controls.py), so a step queued before the host
+has the previous token processes its logits as the host step would. Before waiting for that copy,
 the step pipeline (runner/step_pipeline.py) launches the next step for the same sequences: the
 sampled tokens, still on the device, are its inputs and every position moves one on. When the
 scheduler's next decision is exactly that batch (the same sequences in the same order, one row
@@ -33,24 +38,25 @@ from foretell.engine.sequence import Sequence
 from foretell.layers.sampler import Sampler, SamplingBatch, argmax_rows, row_seed
 from foretell.runner.cuda_graph import CudaGraphRunner
 from foretell.runner.input_batch import InputBatch, build_decode_batch, cache_slot
+from foretell.runner.logprobs import PaddedLogprobs, padded_step_logprobs, read_padded_logprobs
+from foretell.runner.padded_logits_controls import PaddedLogitsControls, padded_step_takes
 from foretell.runner.pinned_ring import PinnedRing
 from foretell.runner.sequence_result import SequenceResult
 from foretell.runner.step_pipeline import HostCopy
 
 
 def plain_decode(scheduled: list[ScheduledSequence]) -> bool:
-    """Every sequence feeds one row, samples, carries no drafts and asks for no logprobs.
+    """Every sequence feeds one row, samples, carries no drafts and follows no grammar.
 
     A queued step samples before the host has appended the previous token, which is exact
-    because sampling reads only the row's parameters and position (seeds), never the tokens
-    generated so far: a sampling option that did (repetition penalties, min_tokens) would have to
-    keep its requests out of this path."""
+    because sampling reads only the row's parameters and position (seeds) and the logits
+    controls' device state (advanced by the step before it on the device), never the host's
+    token lists: a grammar, whose matcher state lives on the host, keeps its requests out."""
     return all(
         item.num_new_tokens == 1
         and item.samples
         and not item.draft_token_ids
-        and item.seq.sampling_params.logprobs is None
-        and not item.seq.sampling_params.needs_logits_processing
+        and padded_step_takes(item.seq.sampling_params)
         for item in scheduled
     )
 
@@ -71,7 +77,8 @@ class DecodeAhead:
     token_copies: PinnedRing | None = None
 
     def copy_tokens(self, token_ids: torch.Tensor) -> HostCopy:
-        """token_ids [num_seqs] int64 on the device: their copy to the host, queued."""
+        """token_ids [num_seqs] int64 on the device (then, with logprobs, their packed values): their
+        copy to the host, queued."""
         if self.token_copies is None:
             self.token_copies = PinnedRing(torch.int64, token_ids.device)
         return HostCopy.queue(token_ids, self.token_copies)
@@ -79,20 +86,30 @@ class DecodeAhead:
     def launch(self, sched: SchedulerOutput, batch: InputBatch) -> "LaunchedDecode | None":
         if not plain_decode(sched.scheduled):
             return None
-        return self.launch_for([item.seq for item in sched.scheduled], batch)
+        seqs = [item.seq for item in sched.scheduled]
+        # Rebuilt from the host's lists at every launch from host inputs (padded_logits_controls.py).
+        controls = PaddedLogitsControls.for_sequences(seqs, self.vocab_size, batch.device)
+        logprobs = PaddedLogprobs.for_params([seq.sampling_params for seq in seqs], batch.device)
+        return self.launch_for(seqs, batch, controls, logprobs)
 
-    def launch_for(self, seqs: list[Sequence], batch: InputBatch) -> "LaunchedDecode":
-        """Forward and sampling of a plain decode batch; the copy of its tokens to the host is
-        queued, nothing is waited for. A greedy batch on a CUDA graph takes the graph's own argmax.
+    def launch_for(self, seqs: list[Sequence], batch: InputBatch, controls: PaddedLogitsControls | None = None,
+                   logprobs: PaddedLogprobs | None = None) -> "LaunchedDecode":
+        """Forward and sampling of a plain decode batch (its logits processed by `controls`, its
+        logprobs taken from the raw logits for `logprobs`); the copy of its tokens to the host is
+        queued, nothing is waited for. A greedy batch without either on a CUDA graph takes the
+        graph's own argmax.
 
         An all-greedy batch builds no SamplingBatch (no seeds, no per-row parameter lists): every
         step of plain greedy decoding comes through here, and argmax reads nothing else."""
         all_greedy = all(seq.sampling_params.greedy for seq in seqs)
         key = self.graphs.bucket_for(batch) if self.graphs is not None else None
-        if key is not None and all_greedy:
+        if key is not None and all_greedy and controls is None and logprobs is None:
             token_ids = self.graphs.run(batch, key).greedy[: len(seqs)]  # [num_seqs] int64, until the next replay
             return LaunchedDecode.queue(self, seqs, batch, token_ids, graphed=True)
-        _, _, logits = self.forward(batch)
+        _, _, raw_logits = self.forward(batch)  # [num_seqs, vocab] float32 (a graph's: until its next replay)
+        n = len(seqs)
+        no_drafts = torch.zeros(n, 0, dtype=torch.int64, device=raw_logits.device)  # [n, 0]
+        logits = raw_logits if controls is None else controls.apply(raw_logits[:, None, :], no_drafts)[:, 0]
         if all_greedy:
             token_ids = argmax_rows(logits)  # [num_seqs] int64: what the sampler picks for greedy rows
         else:
@@ -103,7 +120,15 @@ class DecodeAhead:
             sampling = SamplingBatch.build([seq.sampling_params for seq in seqs], seeds, self.vocab_size,
                                            batch.device)
             token_ids = self.sampler(logits, sampling).token_ids  # [num_seqs] int64
-        return LaunchedDecode.queue(self, seqs, batch, token_ids)
+        if controls is not None:  # what the step queued after this one processes with
+            controls.advance(no_drafts, torch.zeros_like(token_ids), token_ids)
+        packed = None
+        if logprobs is not None:
+            out = torch.empty(logprobs.size(1), dtype=torch.int64, device=raw_logits.device)
+            packed = padded_step_logprobs(logprobs, raw_logits[:, None, :], no_drafts, torch.zeros_like(token_ids),
+                                          token_ids, out)
+        return LaunchedDecode.queue(self, seqs, batch, token_ids, controls=controls, logprobs=logprobs,
+                                    packed_logprobs=packed)
 
 
 @dataclass
@@ -117,19 +142,23 @@ class LaunchedDecode:
     token_ids: torch.Tensor  # [num_seqs] int64 on the device: what the step sampled
     copy: HostCopy | None  # of token_ids; None: a graph's argmax, copied once the next step is queued
     graphed: bool  # token_ids is a CUDA graph's argmax output (the next replay overwrites it)
+    controls: PaddedLogitsControls | None = None  # the logits controls' device state (None: none)
+    logprobs: PaddedLogprobs | None = None  # which sequences want logprobs; in the copy after the tokens
 
     @classmethod
     def queue(
         cls, kind: DecodeAhead, seqs: list[Sequence], batch: InputBatch, token_ids: torch.Tensor,
-        graphed: bool = False,
+        graphed: bool = False, controls: PaddedLogitsControls | None = None,
+        logprobs: PaddedLogprobs | None = None, packed_logprobs: torch.Tensor | None = None,
     ) -> "LaunchedDecode":
-        """Queue the copy of the tokens `batch` sampled to the host (a graph's: later, in read);
-        waits for nothing."""
+        """Queue the copy of the tokens `batch` sampled (and of their packed logprobs) to the host
+        (a graph's: later, in read); waits for nothing."""
         # One row per sequence (plain_decode): the batch's rows are the sequences' input positions
         # and the slots their K/V went to, as the batch computed them.
         positions, slots = batch.position_list, batch.slot_list
-        copy = None if graphed else kind.copy_tokens(token_ids)
-        return cls(kind, seqs, positions, slots, token_ids, copy, graphed)
+        values = token_ids if packed_logprobs is None else torch.cat([token_ids, packed_logprobs.reshape(-1)])
+        copy = None if graphed else kind.copy_tokens(values)
+        return cls(kind, seqs, positions, slots, token_ids, copy, graphed, controls, logprobs)
 
     def launch_next(self, num_next_drafts: int | None = None) -> "LaunchedDecode | None":
         """The step after this one for the same sequences, its input tokens this one's (still on
@@ -138,7 +167,7 @@ class LaunchedDecode:
         if positions is None:
             return None
         batch = build_decode_batch(self.seqs, positions, self.token_ids, self.kind.block_size)
-        return self.kind.launch_for(self.seqs, batch)
+        return self.kind.launch_for(self.seqs, batch, self.controls, self.logprobs)
 
     def read(self, following: "LaunchedDecode | None") -> list[SequenceResult]:
         """Wait for this step's tokens (only: not for the one queued after it).
@@ -151,7 +180,13 @@ class LaunchedDecode:
                 self.copy = HostCopy(*self.kind.graphs.download_input_ids(len(self.seqs)))
             else:
                 self.copy = self.kind.copy_tokens(self.token_ids)
-        return [SequenceResult(new_token_ids=[token]) for token in self.copy.read()]
+        host, n = self.copy.read(), len(self.seqs)
+        results = [SequenceResult(new_token_ids=[token]) for token in host[:n]]
+        if self.logprobs is not None:
+            per_seq = read_padded_logprobs(self.logprobs, 1, host[n:], [r.new_token_ids for r in results])
+            for result, logprobs in zip(results, per_seq):
+                result.logprobs = logprobs
+        return results
 
     def matches(self, scheduled: list[ScheduledSequence], block_size: int) -> bool:
         """Whether the scheduler's decision is this step: its sequences in order, one sampling row

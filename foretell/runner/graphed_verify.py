@@ -3,8 +3,9 @@ on the device, the draft loop over the same buffers, and a single host read for 
 
 GraphedVerify is the step kind (runner/step_pipeline.py): it takes a batch where every sequence
 feeds one row plus its drafts (0..K of them) and samples, greedy or sampled (temperature, top-k,
-top-p, min-p), with or without logprobs, and asks for no logits processing (penalties,
-logit_bias, grammars: those stay on the host step, logits_processing.py). The step verifies q - 1 drafts per
+top-p, min-p), with or without logprobs and logits controls (penalties, logit_bias, min_tokens,
+bad words, allowed tokens: padded_logits_controls.py; grammars stay on the host step,
+logits_processing.py). The step verifies q - 1 drafts per
 sequence, q the shortest verify length of the draft loop that holds the most drafts (K + 1, or
 under adaptive speculation 1..K + 1: the chosen k + 1, k = 0 being a padded decode whose draft
 loop catches the drafter up); a sequence with fewer drafts (a budget or length cut) is padded to
@@ -33,9 +34,17 @@ the padded draft loop, which drafts greedily for every row: a deterministic draf
 against a one-hot q, which is exact (it accepts with probability p(d) instead of the
 sum(min(p, q)) of a draft sampled from the drafter's distribution).
 
+Logits controls (runner/padded_logits_controls.py): the sequences that have some carry their
+state on the device (output counts, bias and allow tables, min_tokens counts, bad words' last
+tokens), built from the host's lists when a step is launched from host inputs and advanced by the
+step's own emitted tokens right after its verification, so a step queued ahead processes its
+logits as the host step would; every verify row is processed as if the drafts before it had been
+accepted, and verification (greedy acceptance over the processed logits' argmax, or rejection
+sampling over them) reads the processed logits.
+
 Logprobs (runner/logprobs.py's padded_step_logprobs): after verification, the device takes the
-log-softmax of the target's raw logits (the host step's raw_logits: no logits processing runs on
-this step) at every verify row of the sequences that ask, the top-n of the most any of them asks
+log-softmax of the target's raw logits (the host step's raw_logits: before logits processing)
+at every verify row of the sequences that ask, the top-n of the most any of them asks
 for, and the log-prob of the token each row emits (draft j + 1 while j < accepted, then the next
 token), into a static buffer that leaves with the accepted counts, next tokens and drafts in the
 step's one read-back; the host keeps each sequence's emitted rows (as many as the host step
@@ -61,10 +70,11 @@ import torch
 from foretell.device_util import to_device
 from foretell.engine.scheduler import ScheduledSequence, SchedulerOutput
 from foretell.engine.sequence import Sequence
-from foretell.layers.sampler import NoiseSource, SamplingBatch, sequence_key
+from foretell.layers.sampler import NoiseSource, SamplingBatch, argmax_rows, sequence_key
 from foretell.runner.cuda_graph import CudaGraphRunner
 from foretell.runner.input_batch import InputBatch, build_input_batch
 from foretell.runner.logprobs import PaddedLogprobs, padded_step_logprobs, read_padded_logprobs
+from foretell.runner.padded_logits_controls import PaddedLogitsControls, padded_step_takes
 from foretell.runner.sequence_result import SequenceResult
 from foretell.runner.step_pipeline import HostCopy
 from foretell.spec_decode.draft_graph import DraftGraphRunner
@@ -97,6 +107,7 @@ class GraphedVerify:
     num_sampled_steps: int = 0  # ... with sampled rows
     num_mixed_steps: int = 0  # ... with a sequence verifying fewer drafts than the step (padded rows)
     num_logprob_steps: int = 0  # ... with a sequence asking for logprobs
+    num_controlled_steps: int = 0  # ... with a sequence whose logits are processed (penalties, bias, ...)
     # The int64 buffer a step's logprobs are packed into (padded_step_logprobs), made at the first
     # step that asks and grown when a step asks for more alternatives: the read-back copies from
     # it beside the stream (graph_inputs.SideStream.download_outputs), so it outlives the copy.
@@ -106,7 +117,7 @@ class GraphedVerify:
         """q, the rows per sequence of this batch's padded step: the shortest verify length the
         draft loop takes (K + 1; any of 1..K + 1 under adaptive speculation) that holds 1 + the
         most drafts a sequence verifies, when every sequence feeds one row plus its drafts and
-        samples (logprobs or not), wants no logits processing, and has its draft loop's catch-up
+        samples (logprobs or logits controls or not), follows no grammar, and has its draft loop's catch-up
         rows below max_model_len (a draft LM one short of the limit takes
         the host step: nothing it drafts there is used). None: the host step."""
         items = sched.scheduled
@@ -120,7 +131,7 @@ class GraphedVerify:
         fits = all(
             item.samples
             and item.num_new_tokens == 1 + len(item.draft_token_ids)  # a verify (or decode), no prefill rows
-            and not item.seq.sampling_params.needs_logits_processing
+            and padded_step_takes(item.seq.sampling_params)  # grammars: the host step
             and loop.catch_up_fits(item.seq.num_computed_tokens, q)
             for item in items
         )
@@ -169,6 +180,9 @@ class GraphedVerify:
         kept = [self.take_draft_probs(item) for item in items]  # forgotten there: this step verifies them
         sampled = self._sampling(seqs, q)
         logprobs = PaddedLogprobs.for_params([seq.sampling_params for seq in seqs], self.graphs.device)
+        # Rebuilt from the host's lists at every launch from host inputs: the batch may differ from
+        # the last step's in any sequence (padded_logits_controls.py).
+        controls = PaddedLogitsControls.for_sequences(seqs, self.vocab_size, self.graphs.device)
         draft_probs = None
         if sampled is not None and any(probs is not None for probs in kept):  # drafts the host step sampled
             drafts = self.graphs.input_ids[: len(items) * q].view(len(items), q)[:, 1:]
@@ -179,9 +193,9 @@ class GraphedVerify:
         self.num_mixed_steps += short
         m = self.num_drafts(q, sched.num_next_drafts)
         outputs = self._verify_on_device(key, len(items), caps, sampled, draft_probs, lengths if short else None, m,
-                                         logprobs)
+                                         logprobs, controls)
         return self._launched(seqs, key, outputs, [seq.num_computed_tokens for seq in seqs], draft_ids, limits,
-                              sampled, logprobs)
+                              sampled, logprobs, controls)
 
     def _padded_batch(self, items: list[ScheduledSequence], q: int, device: torch.device) -> InputBatch | None:
         """The batch with every sequence's drafts padded to q - 1 (PAD_DRAFT_TOKEN), None when a
@@ -246,16 +260,19 @@ class GraphedVerify:
         self.graphs.advance_verify(n, launched.accepted, launched.next_token, launched.drafts[:, : q - 1], block_ids)
         self.graphs.replay(launched.key)
         limits = [None] * n
-        # The same sequences: the same parameters, keys and logprobs; their positions advanced in the buffers.
+        # The same sequences: the same parameters, keys, logprobs and controls (their state advanced
+        # by `launched`'s verification); their positions advanced in the buffers.
         outputs = self._verify_on_device(launched.key, n, None, launched.sampled, None, None,
-                                         self.num_drafts(q, num_next_drafts), launched.logprobs)
+                                         self.num_drafts(q, num_next_drafts), launched.logprobs, launched.controls)
         return self._launched(launched.seqs, launched.key, outputs, [], [], limits, launched.sampled,
-                              launched.logprobs)
+                              launched.logprobs, launched.controls)
 
     def _verify_on_device(self, key: tuple[int, int], n: int, caps: list[int] | None,
                           sampled: PaddedSampling | None, draft_probs: "torch.Tensor | None",
-                          lengths: list[int] | None, m: int, logprobs: PaddedLogprobs | None):
-        """After the target graph `key` ran: verification (rejection sampling when `sampled`; the
+                          lengths: list[int] | None, m: int, logprobs: PaddedLogprobs | None,
+                          controls: PaddedLogitsControls | None = None):
+        """After the target graph `key` ran: the logits controls of the sequences that have some
+        (their state then advanced past this step's emitted tokens), verification (rejection sampling when `sampled`; the
         drafts' distributions draft_probs [n, q - 1, vocab], None: deterministic drafts; caps: the
         most drafts each may accept, its real drafts included; lengths: each sequence's real
         drafts when some are padded), the next token, the logprobs of the sequences that ask, and
@@ -271,20 +288,26 @@ class GraphedVerify:
         self.graphs.side.before_output_write()  # the last step's results have left for the host
         loop = self.draft_graphs
         self.num_steps += 1
+        raw_logits = outputs.logits[: n * q].view(n, q, -1)  # [n, q, vocab] float32
+        logits = raw_logits
+        if controls is not None:
+            self.num_controlled_steps += 1
+            logits = controls.apply(raw_logits, drafts_in)  # [n, q, vocab] float32, a new tensor
+            greedy = argmax_rows(logits.view(n * q, -1)).view(n, q)  # what greedy rows pick now
         if sampled is None:
             self.verifier.accept_padded(greedy, drafts_in, caps_t, loop.accepted, loop.next_token, loop.num_live)
         else:
             self.num_sampled_steps += 1
-            logits = outputs.logits[: n * q].view(n, q, -1)  # [n, q, vocab] float32
             first_positions = self.graphs.positions[: n * q].view(n, q)[:, 0]  # [n], as the buffers hold them
             lengths_t = None if lengths is None else to_device(lengths, torch.int64, device)  # [n]
             self.verifier.sample_padded(logits, greedy, drafts_in, draft_probs, sampled, first_positions, caps_t,
                                         loop.accepted, loop.next_token, loop.num_live, lengths_t)
+        if controls is not None:  # what a step queued after this one processes with
+            controls.advance(drafts_in, loop.accepted[:n], loop.next_token[:n])
         packed = None
         if logprobs is not None:  # after verification (it decides the emitted tokens)
             self.num_logprob_steps += 1
-            logits = outputs.logits[: n * q].view(n, q, -1)  # [n, q, vocab] float32, raw
-            packed = padded_step_logprobs(logprobs, logits, drafts_in, loop.accepted[:n], loop.next_token[:n],
+            packed = padded_step_logprobs(logprobs, raw_logits, drafts_in, loop.accepted[:n], loop.next_token[:n],
                                           self._logprob_out(logprobs))
         drafts = loop.run(bucket, n, q, m)  # [n, m]
         return loop.accepted[:n], loop.next_token[:n], drafts, packed
@@ -299,12 +322,12 @@ class GraphedVerify:
         return self.logprob_buffer
 
     def _launched(self, seqs, key, outputs, starts, draft_ids, limits, sampled,
-                  logprobs: PaddedLogprobs | None) -> "LaunchedVerify":
+                  logprobs: PaddedLogprobs | None, controls: PaddedLogitsControls | None) -> "LaunchedVerify":
         accepted, next_token, drafts, packed = outputs
         read_back = [accepted, next_token, drafts] + ([] if packed is None else [packed])
         copy = HostCopy(*self.graphs.side.download_outputs(read_back))
         return LaunchedVerify(self, seqs, key, accepted, next_token, drafts, copy, starts, draft_ids, limits,
-                              sampled, logprobs)
+                              sampled, logprobs, controls)
 
 
 @dataclass
@@ -325,6 +348,7 @@ class LaunchedVerify:
     accept_limits: list[int | None]
     sampled: PaddedSampling | None  # the sampled rows' parameters and keys (None: greedy only)
     logprobs: PaddedLogprobs | None = None  # which sequences want logprobs (None: none); in the copy after the drafts
+    controls: PaddedLogitsControls | None = None  # the logits controls' device state (None: no sequence has any)
 
     @property
     def num_drafts(self) -> int:
