@@ -1,14 +1,16 @@
 """The speculative step from host inputs: the form every batch takes that the padded device step
 (graphed_verify.py, captured or eager) does not cover:
   - prefill chunks, and batches mixing them with verifies (rows per sequence differ);
-  - requests whose logits are processed from the tokens before each row (penalties, logit_bias,
-    bad words, min_tokens, structured outputs: logits_processing.py, below);
+  - requests under a grammar (structured outputs: its matcher state lives on the host);
   - the last steps of a sequence whose drafter's catch-up rows would pass max_model_len;
   - draft trees (tree_step.py verifies them, this step drafts them);
   - drafters without a padded loop (n-gram and other host drafters: their drafts come from the
     token history on the host), and tensor parallelism (greedy_without_logits below).
-Greedy and sampled rows, requests asking for logprobs (runner/logprobs.py), and sequences with
-fewer drafts than the step verifies (padded, accepting none of the padding), take the padded step.
+Greedy and sampled rows, requests asking for logprobs (runner/logprobs.py) or using the other
+logits controls (penalties, logit_bias, bad words, min_tokens, allowed tokens: device state,
+runner/padded_logits_controls.py), and sequences with fewer drafts than the step verifies
+(padded, accepting none of the padding), take the padded step; this step still processes the
+controls of the batches it gets (logits_processing.py, below).
 
 After the target's forward (ModelRunner.target_forward), sample() turns the logits of the
 sampling rows into each sequence's tokens: the sampler when the step verifies no drafts, else the
