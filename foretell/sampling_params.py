@@ -160,8 +160,9 @@ class SamplingParams:
     @property
     def needs_logits_processing(self) -> bool:
         """Whether a sampling row of this request reads more than its logits: its penalties, bans,
-        biases or min_tokens depend on the tokens before it (runner/logits_processing.py). Such
-        requests stay off the device steps that sample without the host's token lists."""
+        biases or min_tokens depend on the tokens before it (runner/logits_processing.py; on the
+        padded device steps runner/padded_logits_controls.py keeps what they need on the device,
+        except a grammar's state, which keeps its requests on the host step)."""
         return bool(
             self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
