@@ -71,7 +71,7 @@ def test_seeded_sampling_equal_without_decode_ahead(qwen3_checkpoint):
 
 def test_stops_and_logprob_requests_mixed_in(qwen3_checkpoint):
     """An EOS-like stop ends a sequence at an unknown step (its launched step is dropped); a
-    request with logprobs makes the batch a general one for as long as it runs."""
+    request with logprobs is decoded ahead too (its logprobs read back with the tokens)."""
     probe = tokens(make(qwen3_checkpoint, "off"), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     params = [
         SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[probe[0][5]]),
