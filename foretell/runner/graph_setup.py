@@ -36,6 +36,7 @@ from foretell.runner.decode_ahead import DecodeAhead
 from foretell.runner.graphed_verify import GraphedVerify
 from foretell.runner.kv_cache import CachePlan
 from foretell.runner.step_pipeline import StepKind, StepPipeline
+from foretell.runner.tree_graphs import TreeVerifyGraphs
 from foretell.spec_decode.draft_graph import DraftGraphRunner
 from foretell.spec_decode.proposer import Proposer
 from foretell.spec_decode.verifier import Verifier
@@ -51,6 +52,7 @@ class StepGraphs:
     padded_forward: CudaGraphRunner | None  # the padded verify step's target forward
     draft_loop: DraftGraphRunner | None  # the padded verify step's draft loop
     small_m_gemm: SmallMGemm | None  # the few-row GEMMs bound before the capture
+    tree_verify: TreeVerifyGraphs | None = None  # the tree step's verify forward (tree_graphs.py)
 
 
 class StepGraphSetup:
@@ -85,7 +87,7 @@ class StepGraphSetup:
         target = self.target_graphs()
         padded_forward = self.padded_forward(target)
         draft_loop = self.draft_loop(padded_forward)
-        return StepGraphs(target, padded_forward, draft_loop, self.small_m_gemm)
+        return StepGraphs(target, padded_forward, draft_loop, self.small_m_gemm, self.tree_verify(target))
 
     def graph_runner(self, capture_graphs: bool, reads_host_lengths: bool) -> CudaGraphRunner:
         """A CudaGraphRunner over this runner's batch buckets and verify lengths (uncaptured)."""
@@ -93,6 +95,8 @@ class StepGraphSetup:
         query_lens = (1,) if spec is None else (1, spec.num_speculative_tokens + 1)
         if spec is not None and spec.adaptive:  # a verify of any length adaptive speculation chooses
             query_lens = tuple(range(1, spec.num_speculative_tokens + 2))
+        if self.uses_tree:  # trees verify on their own graphs (tree_verify); the rest decodes
+            query_lens = (1,)
         return CudaGraphRunner(
             self.model,
             self.config.scheduler.max_num_seqs,
@@ -128,6 +132,24 @@ class StepGraphSetup:
             if self.tensor_parallel.is_parallel:  # one rank cannot fall back alone (graph_capture.py)
                 raise
             logger.warning("CUDA graph capture failed, running eagerly: %s", e)
+            torch.cuda.synchronize(self.device)
+            return None
+        return graphs
+
+    def tree_verify(self, target: CudaGraphRunner | None) -> TreeVerifyGraphs | None:
+        """The tree step's verify graphs per (bucket, num_draft_tokens), captured after the target's
+        into its pool (uncaptured on the CPU, as the target's); None without trees or without the
+        target's graphs (--enforce-eager, a backend that is not graph-safe, ...): eager tree steps."""
+        if not self.uses_tree or target is None:
+            return None
+        graphs = TreeVerifyGraphs(self.model, self.config.scheduler.max_num_seqs,
+                                  self.config.speculative.num_draft_tokens, target.block_table.shape[1],
+                                  target.block_size, self.max_model_len, self.device)
+        graphs.pool = target.pool
+        try:
+            graphs.capture()
+        except RuntimeError as e:
+            logger.warning("tree verify graph capture failed, verifying trees eagerly: %s", e)
             torch.cuda.synchronize(self.device)
             return None
         return graphs

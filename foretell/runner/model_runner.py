@@ -148,7 +148,7 @@ class ModelRunner:
             block_size=self.cache_plan.block_size, max_model_len=self.max_model_len)
         self.tree_step = None if not self.uses_tree else TreeStep(
             self.model, self.proposer, self.host_step, self.target_forward, config, self.cache_plan.block_size,
-            self.device, self.tensor_parallel.is_parallel)
+            self.device, self.tensor_parallel.is_parallel, step_graphs.tree_verify)
         self.last_times = StepTimes()
 
     def describe(self) -> RunnerFacts:

@@ -8,10 +8,13 @@ advanced by the accepted count. Near max_model_len it keeps a prefix of the list
 smaller tree (a node's ancestors come before it); near max_tokens a greedy request keeps every row
 and an accept_limit (the path is cut there), others keep a prefix.
 
-One step, eager on the host (no padded or graphed form yet: ModelRunner takes no other step):
+One step (ModelRunner takes no other step under trees):
   1. the batch as build_input_batch makes it, with each tree's rows at position root + depth
      (RoPE sees the depth, the cache the tree index) and an ancestor mask over the sequence's last
      keys, its tree rows (AttentionMetadata.tree_mask; rows of other sequences all-true, i.e. causal);
+     a batch of whole trees only runs the target as the replay of its (bucket, T) graph
+     (runner/tree_graphs.py; uncaptured off CUDA), any other batch (and every batch under
+     enforce_eager or an attention backend that is not graph-safe) eagerly;
   2. greedy trees: verify_greedy (the longest path the target's argmax agrees with); sampled:
      verify_sampled (multi-draft rejection sampling, one-hot q for top-k drafts) over the
      processed target probabilities; sequences without a tree (prefill chunks, requests whose
@@ -34,6 +37,7 @@ from foretell.runner.host_step import HostStep
 from foretell.runner.input_batch import InputBatch, build_input_batch
 from foretell.runner.logprobs import add_prompt_logprobs
 from foretell.runner.sequence_result import SequenceResult
+from foretell.runner.tree_graphs import TreeVerifyGraphs
 from foretell.spec_decode.tree.compact import apply_slot_moves, compaction_slots
 from foretell.spec_decode.tree.proposer import Eagle3TreeDrafter
 from foretell.spec_decode.tree.shape import DraftTree, TreeShape
@@ -45,7 +49,7 @@ TREE_SEED_SALT = 0x7EE5EED
 
 class TreeStep:
     def __init__(self, model, proposer, host_step: HostStep, target_forward, config, block_size: int,
-                 device: torch.device, tensor_parallel: bool):
+                 device: torch.device, tensor_parallel: bool, verify_graphs: TreeVerifyGraphs | None = None):
         spec = config.speculative
         if tensor_parallel:
             raise ValueError("draft trees (speculative_config topk > 1) run on one rank for now: "
@@ -61,6 +65,8 @@ class TreeStep:
         self.model = model
         self.host_step = host_step
         self.target_forward = target_forward  # the runner's (graphs when a batch fits), for tree-less steps
+        self.verify_graphs = verify_graphs  # whole-tree batches' verify forward (None: always eager)
+        self.num_graphed_verifies = 0  # tree verifies run on verify_graphs (replayed or uncaptured)
         # Simulated acceptance (tree/simulated.py): the verifier's draws, per-depth rates for the best
         # path, and trees shaped as a draft calibrated to those rates would shape them.
         verifier = host_step.verifier
@@ -81,8 +87,7 @@ class TreeStep:
         groups = self._scheduled_trees(sched, batch)
         if groups:
             batch = self._tree_batch(batch, groups)
-            hidden, aux = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
-            logits = self.model.compute_logits(hidden[batch.logits_rows])  # [sampling rows, vocab] float32
+            hidden, aux, logits = self._verify_forward(batch)  # logits [sampling rows, vocab] float32
         else:
             hidden, aux, logits = self.target_forward(batch)
         add_prompt_logprobs(self.model, sched, batch, hidden, results)
@@ -133,6 +138,18 @@ class TreeStep:
         tree_batch = replace(batch, position_list=positions)
         tree_batch.attn_metadata = replace(batch.attn_metadata, tree_mask=mask)  # (a cached property)
         return tree_batch
+
+    def _verify_forward(self, batch: InputBatch):
+        """(hidden, aux, logits of the sampling rows) of the tree batch: its graph's replay when
+        every sequence verifies a whole tree (T rows), else an eager forward."""
+        key = self.verify_graphs.bucket_for(batch) if self.verify_graphs is not None else None
+        if key is None:
+            hidden, aux = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
+            return hidden, aux, self.model.compute_logits(hidden[batch.logits_rows])
+        captured, rows = self.verify_graphs.run_tree(batch, key), batch.num_tokens
+        self.num_graphed_verifies += 1
+        logits = captured.logits[:rows] if batch.every_row_samples else captured.logits[:rows][batch.logits_rows]
+        return captured.hidden[:rows], [a[:rows] for a in captured.aux], logits
 
     # ---- 2 + 3. verify, compact ---------------------------------------------------------------
     def _sample(self, sched, batch: InputBatch, logits: torch.Tensor, groups: list[TreeGroup],

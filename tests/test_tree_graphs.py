@@ -1,0 +1,122 @@
+"""The tree step's verify forward on its graph buffers (runner/tree_graphs.py), run uncaptured on the
+CPU over the torch backend (exact buckets: the backend reads host lengths): the tokens and every
+target and draft KV cache equal the eager tree step's bit for bit in float32 (Qwen3 and Llama-3.1
+layouts, greedy and seeded sampling, batches of 1-3, preemption and trees cut near max_model_len,
+which fall back to the eager forward), greedy equals plain greedy, and bad input is named.
+Padding to a bucket needs a graph-safe backend: tests/test_tree_engine_triton.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from foretell import LLM, SamplingParams
+from foretell.runner.tree_graphs import TreeVerifyGraphs
+from test_tree_engine import PROMPTS, STRESS, TREE, check_blocks_free, greedy, ids, tree_llm
+from test_tree_engine import baselines, llama31_eagle3_head, targets  # noqa: F401 (module fixtures)
+
+
+def graphed(llm: LLM) -> LLM:
+    """The engine with verify graphs as StepGraphSetup builds them where a backend is graph-safe,
+    but uncaptured and reading host lengths (the torch backend: exact buckets)."""
+    runner = llm.engine.runner
+    block_size = runner.cache_plan.block_size
+    blocks = -(-(runner.max_model_len + runner.num_lookahead_tokens) // block_size) + 1
+    runner.tree_step.verify_graphs = TreeVerifyGraphs(
+        runner.model, llm.engine.config.scheduler.max_num_seqs, runner.tree_step.shape.num_draft_tokens, blocks,
+        block_size, runner.max_model_len, runner.device, capture_graphs=False, reads_host_lengths=True)
+    return llm
+
+
+def caches(llm: LLM) -> list[torch.Tensor]:
+    runner = llm.engine.runner
+    layers = [*runner.model.attention_layers(), *runner.proposer.kv_layers()]
+    return [layer.kv_cache for layer in layers]
+
+
+def run_both(target: str, head: str, prompts, params, tree: dict = TREE, **kwargs):
+    """(eager engine, graphed engine, eager outputs, graphed outputs) of one generate call each."""
+    eager = tree_llm(target, head, tree, **kwargs)
+    assert eager.engine.runner.tree_step.verify_graphs is None  # the torch backend is not graph-safe
+    buffered = graphed(tree_llm(target, head, tree, **kwargs))
+    return eager, buffered, eager.generate(prompts, params, use_tqdm=False), buffered.generate(prompts, params,
+                                                                                                 use_tqdm=False)
+
+
+def assert_same_caches(a: LLM, b: LLM) -> None:
+    for x, y in zip(caches(a), caches(b), strict=True):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama31"])
+def test_graphed_tree_verify_equals_eager_and_plain(targets, baselines, family):
+    target, head = targets[family]
+    eager, buffered, want, got = run_both(target, head, PROMPTS, greedy())
+    assert ids(got) == ids(want) == baselines[family]
+    assert_same_caches(eager, buffered)
+    step = buffered.engine.runner.tree_step
+    assert step.num_graphed_verifies > 0 and eager.engine.runner.tree_step.num_graphed_verifies == 0
+    assert buffered.get_stats()["accepted_per_position"] == eager.get_stats()["accepted_per_position"]
+    check_blocks_free(buffered)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama31"])
+def test_graphed_sampled_trees_equal_eager(targets, family):
+    target, head = targets[family]
+    params = [SamplingParams(temperature=t, top_p=p, seed=s, max_tokens=12, ignore_eos=True)
+              for t, p, s in ((0.7, 1.0, 1), (1.0, 0.9, 2), (0.0, 1.0, None))]
+    eager, buffered, want, got = run_both(target, head, PROMPTS, params, seed=0)
+    assert ids(got) == ids(want)
+    assert_same_caches(eager, buffered)
+    assert buffered.engine.runner.tree_step.num_graphed_verifies > 0
+
+
+def test_graphed_batches_of_one_and_two(targets, baselines):
+    target, head = targets["qwen3"]
+    buffered = graphed(tree_llm(target, head))
+    for chosen in ([0], [2, 1]):
+        got = ids(buffered.generate([PROMPTS[i] for i in chosen], greedy(), use_tqdm=False))
+        assert got == [baselines["qwen3"][i] for i in chosen]
+    assert buffered.engine.runner.tree_step.num_graphed_verifies > 0
+
+
+def test_cut_trees_and_preemption_fall_back_to_the_eager_forward(targets, monkeypatch):
+    """Near max_model_len the scheduler cuts trees (fewer rows than T): those steps run eagerly,
+    whole-tree steps on the buffers; chunked prefill and preemption (STRESS) in between."""
+    target, head = targets["qwen3"]
+    tree = {"num_speculative_tokens": 4, "topk": 2, "num_draft_tokens": 7}
+    plain = LLM(target, dtype="float32", num_kv_blocks=64, max_model_len=40)
+    want = ids(plain.generate(PROMPTS, greedy(None), use_tqdm=False))
+    buffered = graphed(tree_llm(target, head, tree, max_model_len=40, **STRESS))
+    step = buffered.engine.runner.tree_step
+    forwards = {"graphed": 0, "eager": 0}
+    original = step._verify_forward
+
+    def counted(batch):
+        graphed_before = step.num_graphed_verifies
+        out = original(batch)
+        forwards["graphed" if step.num_graphed_verifies > graphed_before else "eager"] += 1
+        return out
+
+    monkeypatch.setattr(step, "_verify_forward", counted)
+    assert ids(buffered.generate(PROMPTS, greedy(None), use_tqdm=False)) == want
+    assert forwards["graphed"] > 0 and forwards["eager"] > 0
+    assert buffered.get_stats()["num_preemptions"] > 0
+    check_blocks_free(buffered)
+
+
+def test_bucket_for_takes_whole_trees_only(targets):
+    target, head = targets["qwen3"]
+    runner = graphed(tree_llm(target, head, max_num_seqs=40)).engine.runner
+    graphs = runner.tree_step.verify_graphs
+    assert graphs.buckets[-1] == 40 and graphs.tree_mask.shape == (40 * 8, 8)
+    capped = TreeVerifyGraphs(runner.model, 128, 8, 4, 16, 64, runner.device, capture_graphs=False, max_rows=100)
+    assert capped.buckets[-1] == 12  # 12 trees of 8 rows fit 100
+    assert not capped.captures and capped.tree_mask.all()
+
+
+def test_bad_num_nodes_is_named(targets):
+    target, head = targets["qwen3"]
+    runner = tree_llm(target, head).engine.runner
+    with pytest.raises(ValueError, match="num_nodes >= 2"):
+        TreeVerifyGraphs(runner.model, 4, 1, 4, 16, 64, runner.device)
