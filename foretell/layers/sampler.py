@@ -127,22 +127,27 @@ def processed_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     logits [rows, vocab] float32 -> probs [rows, vocab] float32
     """
     temperature = torch.where(batch.greedy_rows, torch.ones_like(batch.temperature), batch.temperature)
-    probs = torch.softmax(logits / temperature[:, None], dim=-1)
-    if batch.any_top_k or batch.any_top_p:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        drop = torch.zeros_like(sorted_probs, dtype=torch.bool)
-        if batch.any_top_k:
-            rank = torch.arange(probs.shape[-1], device=probs.device)
-            drop |= rank[None, :] >= batch.top_k[:, None]
-        if batch.any_top_p:
-            before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly above each token
-            drop |= before >= batch.top_p[:, None]
-        drop[:, 0] = False  # always keep the most likely token
-        probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
-    if batch.any_min_p:
-        threshold = batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-        probs = probs.masked_fill(probs < threshold, 0.0)
-    probs = probs / probs.sum(dim=-1, keepdim=True)
+    scaled = logits / temperature[:, None]  # [rows, vocab]
+    probs = torch.softmax(scaled, dim=-1)
+    if batch.any_top_k or batch.any_top_p or batch.any_min_p:
+        dropped = torch.zeros_like(probs, dtype=torch.bool)  # [rows, vocab]: what top-k / top-p / min-p remove
+        if batch.any_top_k or batch.any_top_p:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            drop = torch.zeros_like(sorted_probs, dtype=torch.bool)
+            if batch.any_top_k:
+                rank = torch.arange(probs.shape[-1], device=probs.device)
+                drop |= rank[None, :] >= batch.top_k[:, None]
+            if batch.any_top_p:
+                before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly above each token
+                drop |= before >= batch.top_p[:, None]
+            drop[:, 0] = False  # always keep the most likely token
+            dropped = dropped.scatter(-1, order, drop)
+        if batch.any_min_p:
+            dropped |= probs < batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        # Renormalised as a softmax over the kept logits, the row's own kernel: a sum of the row's
+        # probabilities (probs / probs.sum) runs on CUDA in an order set by the batch's row count,
+        # so a seeded row sampled alone and among others got other bits (issue 23).
+        probs = torch.softmax(scaled.masked_fill(dropped, float("-inf")), dim=-1)
     if not batch.all_greedy:
         one_hot = torch.zeros_like(probs).scatter_(-1, argmax_rows(logits)[:, None], 1.0)
         probs = torch.where(batch.greedy_rows[:, None], one_hot, probs)
