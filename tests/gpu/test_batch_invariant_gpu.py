@@ -216,6 +216,12 @@ def test_row_local_kernels_do_not_depend_on_m():
     weight = torch.randn(4096, device=DEVICE).to(torch.bfloat16)
     assert_rows_invariant(lambda rows: pointwise.rms_norm_triton(rows, weight, 1e-6)[0], x)
     assert_rows_invariant(lambda rows: pointwise.rms_norm_triton(rows, weight, 1e-6, residual=rows * 2)[0], x)
+    # Narrow rows share a program: the default family's k_norm (2 KV heads x 64, 2 rows a token at
+    # batch 1) and hidden norm (256); the tile used to shrink with the row count (issue 23).
+    for shape in ((64, 2, 64), (64, 4, 64), (64, 8, 128), (64, 256)):
+        rows_in = torch.randn(*shape, device=DEVICE).to(torch.bfloat16)
+        w = weight[: shape[-1]].contiguous()
+        assert_rows_invariant(lambda rows: pointwise.rms_norm_triton(rows, w, 1e-6)[0], rows_in)
     assert_rows_invariant(pointwise.silu_and_mul_triton, x)
     logits = torch.randn(64, 128256, device=DEVICE)
     logits[:, 7] = logits[:, 90000] = 1e4  # a tie: the lowest id wins, whatever the batch
