@@ -128,7 +128,8 @@ def test_mixed_batches_and_sampled_rows_processed_probabilities(k):
     expected = host_processed(logits, seqs, drafts)
     assert torch.equal(got, expected)
     rows = SamplingBatch.build([seq.sampling_params for seq in seqs for _ in range(q)], [None] * (n * q), VOCAB, CPU)
-    assert torch.equal(processed_probs(got.view(n * q, VOCAB), rows), processed_probs(expected.view(n * q, VOCAB), rows))
+    got_probs = processed_probs(got.view(n * q, VOCAB), rows)  # [n * q, vocab]
+    assert torch.equal(got_probs, processed_probs(expected.view(n * q, VOCAB), rows))
 
 
 def test_a_batch_without_controls_has_no_state_and_grammars_are_refused():

@@ -272,7 +272,8 @@ class GraphedVerify:
                           lengths: list[int] | None, m: int, logprobs: PaddedLogprobs | None,
                           controls: PaddedLogitsControls | None = None):
         """After the target graph `key` ran: the logits controls of the sequences that have some
-        (their state then advanced past this step's emitted tokens), verification (rejection sampling when `sampled`; the
+        (their state then advanced past this step's emitted tokens), verification (rejection
+        sampling when `sampled`; the
         drafts' distributions draft_probs [n, q - 1, vocab], None: deterministic drafts; caps: the
         most drafts each may accept, its real drafts included; lengths: each sequence's real
         drafts when some are padded), the next token, the logprobs of the sequences that ask, and
