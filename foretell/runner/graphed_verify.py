@@ -273,8 +273,8 @@ class GraphedVerify:
                           controls: PaddedLogitsControls | None = None):
         """After the target graph `key` ran: the logits controls of the sequences that have some
         (their state then advanced past this step's emitted tokens), verification (rejection
-        sampling when `sampled`; the
-        drafts' distributions draft_probs [n, q - 1, vocab], None: deterministic drafts; caps: the
+        sampling when `sampled`; the drafts' distributions draft_probs [n, q - 1, vocab], None:
+        deterministic drafts; caps: the
         most drafts each may accept, its real drafts included; lengths: each sequence's real
         drafts when some are padded), the next token, the logprobs of the sequences that ask, and
         the draft loop drafting m, all on the device. Returns (accepted [n], next_token [n],
