@@ -22,9 +22,9 @@ def graphed(llm: LLM) -> LLM:
     runner = llm.engine.runner
     block_size = runner.cache_plan.block_size
     blocks = -(-(runner.max_model_len + runner.num_lookahead_tokens) // block_size) + 1
-    runner.tree_step.verify_graphs = TreeVerifyGraphs(
+    runner.tree_step.use_graphs(TreeVerifyGraphs(
         runner.model, llm.engine.config.scheduler.max_num_seqs, runner.tree_step.shape.num_draft_tokens, blocks,
-        block_size, runner.max_model_len, runner.device, capture_graphs=False, reads_host_lengths=True)
+        block_size, runner.max_model_len, runner.device, capture_graphs=False, reads_host_lengths=True))
     return llm
 
 
@@ -56,6 +56,7 @@ def test_graphed_tree_verify_equals_eager_and_plain(targets, baselines, family):
     assert_same_caches(eager, buffered)
     step = buffered.engine.runner.tree_step
     assert step.num_graphed_verifies > 0 and eager.engine.runner.tree_step.num_graphed_verifies == 0
+    assert step.drafter.graphs.num_runs > 0 and eager.engine.runner.tree_step.drafter.graphs is None
     assert buffered.get_stats()["accepted_per_position"] == eager.get_stats()["accepted_per_position"]
     check_blocks_free(buffered)
 
@@ -69,6 +70,7 @@ def test_graphed_sampled_trees_equal_eager(targets, family):
     assert ids(got) == ids(want)
     assert_same_caches(eager, buffered)
     assert buffered.engine.runner.tree_step.num_graphed_verifies > 0
+    assert buffered.engine.runner.tree_step.drafter.graphs.num_runs > 0
 
 
 def test_graphed_batches_of_one_and_two(targets, baselines):
@@ -120,3 +122,50 @@ def test_bad_num_nodes_is_named(targets):
     runner = tree_llm(target, head).engine.runner
     with pytest.raises(ValueError, match="num_nodes >= 2"):
         TreeVerifyGraphs(runner.model, 4, 1, 4, 16, 64, runner.device)
+
+
+def test_tree_draft_graphs_refuse_what_does_not_fit(targets):
+    """Batches over the largest bucket or inputs of another dtype than the buffers: run() returns
+    None (the drafter expands eagerly); bad buckets are named."""
+    from foretell.spec_decode.tree.draft_graphs import TreeDraftGraphs
+
+    target, head = targets["qwen3"]
+    runner = tree_llm(target, head).engine.runner
+    drafter = runner.tree_step.drafter
+    graphs = TreeDraftGraphs(drafter, [1, 2], 4, 16, 64, runner.device, reads_host_lengths=True)
+    vocab, hidden = graphs.logits.shape[1], graphs.h.shape[1]
+    table = torch.zeros(3, 4, dtype=torch.int32)
+    assert graphs.run(torch.zeros(3, vocab), torch.zeros(3, hidden), [1, 2, 3], [5, 6, 7], table) is None
+    assert graphs.run(torch.zeros(1, vocab, dtype=torch.float64), torch.zeros(1, hidden), [1], [5], table[:1]) is None
+    assert graphs.run(torch.zeros(1, vocab), torch.zeros(1, hidden), [1], [5], torch.zeros(1, 9, dtype=torch.int32)) is None
+    assert graphs.num_runs == 0
+    for buckets in ([], [2, 1], [0, 1]):
+        with pytest.raises(ValueError, match="ascending positive sizes"):
+            TreeDraftGraphs(drafter, buckets, 4, 16, 64, runner.device)
+
+
+def test_tree_draft_graphs_equal_the_eager_expansion(targets):
+    """The buffers' expansion (exact bucket, host lengths) vs Eagle3TreeDrafter.expand on the same
+    random catch-up outputs: equal trees, and equal scratch KV in the draft cache."""
+    from foretell.spec_decode.tree.draft_graphs import TreeDraftGraphs
+
+    target, head = targets["llama31"]
+    runner = tree_llm(target, head).engine.runner
+    drafter = runner.tree_step.drafter
+    block_size = runner.cache_plan.block_size
+    graphs = TreeDraftGraphs(drafter, [1, 2, 4], 8, block_size, 64, runner.device, reads_host_lengths=True)
+    generator = torch.Generator().manual_seed(0)
+    n = 3
+    logits = torch.randn(n, graphs.logits.shape[1], generator=generator)
+    h = torch.randn(n, graphs.h.shape[1], generator=generator)
+    roots, tokens = [9, 20, 33], [5, 6, 7]
+    table = torch.stack([torch.randperm(8, generator=generator, dtype=torch.int32) for _ in range(n)])  # [n, 8]
+    cache = drafter.eagle.kv_layers()[0].kv_cache
+    cache.zero_()
+    got = graphs.run(logits, h, tokens, roots, table)
+    cache_after_graph = cache.clone()
+    cache.zero_()
+    want = drafter.expand(logits, h, torch.tensor(tokens), torch.tensor(roots), table, block_size, 63, roots_host=roots)
+    for field in ("tokens", "parents", "depths", "ancestor_mask", "scores"):
+        assert torch.equal(getattr(got, field), getattr(want, field)), field
+    assert torch.equal(cache, cache_after_graph) and cache.abs().sum() > 0

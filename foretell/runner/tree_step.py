@@ -26,8 +26,10 @@ One step (ModelRunner takes no other step under trees):
 
 from __future__ import annotations
 
-import torch
+import logging
 from dataclasses import dataclass, replace
+
+import torch
 
 from foretell.device_util import to_device
 from foretell.engine.scheduler import SchedulerOutput
@@ -39,12 +41,14 @@ from foretell.runner.logprobs import add_prompt_logprobs
 from foretell.runner.sequence_result import SequenceResult
 from foretell.runner.tree_graphs import TreeVerifyGraphs
 from foretell.spec_decode.tree.compact import apply_slot_moves, compaction_slots
+from foretell.spec_decode.tree.draft_graphs import TreeDraftGraphs
 from foretell.spec_decode.tree.proposer import Eagle3TreeDrafter
 from foretell.spec_decode.tree.shape import DraftTree, TreeShape
 from foretell.spec_decode.tree.simulated import rank_logprobs, simulated_tree_accept
 from foretell.spec_decode.tree.verify import TreeVerifyResult, last_node, result_from_path, verify_greedy, verify_sampled
 
 TREE_SEED_SALT = 0x7EE5EED
+logger = logging.getLogger("foretell")
 
 
 class TreeStep:
@@ -65,7 +69,7 @@ class TreeStep:
         self.model = model
         self.host_step = host_step
         self.target_forward = target_forward  # the runner's (graphs when a batch fits), for tree-less steps
-        self.verify_graphs = verify_graphs  # whole-tree batches' verify forward (None: always eager)
+        self.verify_graphs: TreeVerifyGraphs | None = None  # whole-tree batches' verify forward (None: eager)
         self.num_graphed_verifies = 0  # tree verifies run on verify_graphs (replayed or uncaptured)
         # Simulated acceptance (tree/simulated.py): the verifier's draws, per-depth rates for the best
         # path, and trees shaped as a draft calibrated to those rates would shape them.
@@ -79,6 +83,25 @@ class TreeStep:
         self.trees: dict[int, DraftTree] = {}  # seq_id -> its drafted tree [1, T], until its verify
         self.generator = torch.Generator(device=device)  # unseeded sampled trees' draws
         self.generator.manual_seed(config.model.seed ^ TREE_SEED_SALT)
+        if verify_graphs is not None:
+            self.use_graphs(verify_graphs)
+
+    def use_graphs(self, verify_graphs: TreeVerifyGraphs) -> None:
+        """Verify whole-tree batches on verify_graphs and draft on graphs of the same buckets,
+        captured now (after the target's, in their pool) when verify_graphs is, else uncaptured
+        over the same buffers; a drafter backend that reads host lengths drafts on exact buckets."""
+        self.verify_graphs = verify_graphs
+        graph_safe = all(layer.backend.graph_safe for layer in self.drafter.eagle.kv_layers())
+        draft_graphs = TreeDraftGraphs(
+            self.drafter, verify_graphs.buckets, verify_graphs.block_table.shape[1], self.block_size,
+            verify_graphs.max_model_len, self.device, capture_graphs=verify_graphs.captures,
+            reads_host_lengths=verify_graphs.reads_host_lengths or not graph_safe, pool=verify_graphs.pool)
+        try:
+            draft_graphs.capture()
+        except RuntimeError as e:  # the same buffers, uncaptured
+            logger.warning("tree draft graph capture failed, drafting trees uncaptured: %s", e)
+            torch.cuda.synchronize(self.device)
+        self.drafter.graphs = draft_graphs
 
     # ---- the step ----------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> list[SequenceResult]:

@@ -18,16 +18,20 @@ place (the rows of the path, from the target's verify), so the draft cache never
 Trees are drafted from the head's plain logits for greedy and sampled requests alike (top-k
 drafts are deterministic: verify_sampled takes them with one-hot q). The runner keeps the
 returned tree per sequence until its verify (runner/tree_step.py).
+
+The expansion after the catch-up (depth 1 through the last depth, and the choice of the tree) is
+device work only (Eagle3TreeDrafter.expand: slots, positions, masks and the tree built on the device, no
+host read): the runner replays it as one CUDA graph per batch bucket (tree/draft_graphs.py), or
+runs the same code eagerly.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from foretell.device_util import to_device
-from foretell.spec_decode.proposer import DraftBatch, catch_up_metadata
+from foretell.ops.attention.metadata import AttentionMetadata, subdivide_block_table
+from foretell.spec_decode.proposer import DraftBatch
 from foretell.spec_decode.tree.build import TreeBuilder
 from foretell.spec_decode.tree.shape import DraftTree, TreeShape
 
@@ -37,33 +41,57 @@ class Eagle3TreeDrafter:
         self.eagle = eagle  # a loaded Eagle3Proposer
         self.shape = shape
         self.rank_logprobs = rank_logprobs  # [depth, topk]: simulated acceptance's tree shape (tree/simulated.py)
+        self.graphs = None  # tree/draft_graphs.TreeDraftGraphs: the expansion on graphs (None: eager)
 
     def draft(self, batch: DraftBatch, drafting: list[int]) -> DraftTree | None:
         """Catch up every sequence of the batch; draft a tree for the sequences `drafting` names
         (indices into the batch). Returns their trees [len(drafting), num_draft_tokens] in target
         ids, or None when none drafts."""
-        eagle, topk = self.eagle, self.shape.topk
-        logits, h = eagle.catch_up(batch, drafting)  # [n, draft_vocab] float32, [n, H]
+        logits, h = self.eagle.catch_up(batch, drafting)  # [n, draft_vocab] float32, [n, H]
         if not drafting:
             return None
-        n = len(drafting)
+        root_tokens = [batch.next_token_ids[i] for i in drafting]
+        # The root sits at num_tokens_after_step - 1; a depth-d node's row at root + d - 1.
+        roots = [batch.num_tokens_after_step(i) - 1 for i in drafting]
         device = h.device
-        root_tokens = to_device([batch.next_token_ids[i] for i in drafting], torch.int64, device)
+        table = batch.block_table[to_device(drafting, torch.int64, device)]  # [n, max_blocks] int32
+        if self.graphs is not None:
+            tree = self.graphs.run(logits, h, root_tokens, roots, table)
+            if tree is not None:
+                return tree
+        return self.expand(logits, h, to_device(root_tokens, torch.int64, device), to_device(roots, torch.int64, device),
+                           table, batch.block_size, batch.max_model_len - 1, roots_host=roots)
+
+    def expand(
+        self,
+        logits: torch.Tensor,  # [B, draft_vocab] float32: the catch-up's last row per sequence
+        h: torch.Tensor,  # [B, H]: its EAGLE3 state
+        root_tokens: torch.Tensor,  # [B] int64 target ids: each sequence's next token (the root)
+        roots: torch.Tensor,  # [B] int64: the root's position
+        table: torch.Tensor,  # [B, max_blocks] int32: the target's block table (block_size)
+        block_size: int,
+        last_position: int,  # max_model_len - 1: no row sits past it
+        live: torch.Tensor | None = None,  # [B] bool: padding sequences (False) write no KV
+        roots_host: list[int] | None = None,  # the roots on the host (eager), for backends that read lengths
+    ) -> DraftTree:  # [B, num_draft_tokens], tokens in target ids
+        """Depths 1..depth from the catch-up's logits and the tree chosen, on the device only."""
+        eagle, topk = self.eagle, self.shape.topk
+        n, device = h.shape[0], h.device
         builder = TreeBuilder(self.shape, root_tokens, self.rank_logprobs)
         frontier, parent_slot = builder.add_depth(logits)  # draft ids [n, topk], [n, topk]
-        # Row positions: the root sits at num_tokens_after_step - 1; a depth-d node's row at root + d - 1.
-        roots = [batch.num_tokens_after_step(i) - 1 for i in drafting]
-        last_position = batch.max_model_len - 1
-        table = batch.block_table[to_device(drafting, torch.int64, device)]
         expansions = self.shape.depth - 1
-        # Every depth's scratch rows and positions, built once: depth d's slice per forward.
-        scratch = catch_up_metadata(roots, [expansions * topk] * n, table, batch.block_size, eagle.draft_block_size)
-        slots = scratch.slot_mapping.view(n, expansions, topk)  # [n, depth - 1, topk]
-        all_positions = to_device([[min(r + d, last_position) for r in roots for _ in range(topk)]
-                                   for d in range(1, expansions + 1)], torch.int64, device)  # [depth - 1, n * topk]
-        row_starts = [i * topk for i in range(n + 1)]
-        row_starts_device = to_device(row_starts, torch.int32, device)
-        roots_device = to_device(roots, torch.int32, device)
+        draft_block_size = eagle.draft_block_size
+        draft_table = subdivide_block_table(table, block_size, draft_block_size)
+        # Every depth's scratch slots, after the root: depth d's topk at root + (d - 1) * topk + j.
+        scratch = roots.unsqueeze(1) + torch.arange(expansions * topk, device=device)  # [n, (depth - 1) * topk]
+        slots = table.gather(1, scratch // block_size).to(torch.int64) * block_size + scratch % block_size
+        if live is not None:
+            slots = torch.where(live.unsqueeze(1), slots, -1)
+        slots = slots.view(n, expansions, topk)
+        depth_offsets = torch.arange(1, expansions + 1, device=device).unsqueeze(1)  # [depth - 1, 1]
+        all_positions = (roots.unsqueeze(0) + depth_offsets).clamp(max=last_position)
+        all_positions = all_positions.repeat_interleave(topk, dim=1)  # [depth - 1, n * topk]
+        row_starts = torch.arange(n + 1, dtype=torch.int32, device=device) * topk
         parent_h = h.unsqueeze(1).expand(n, topk, h.shape[-1])  # depth-1 rows: the root's h
         eye = torch.eye(topk, dtype=torch.bool, device=device).expand(n, topk, topk)
         mask = eye  # [n, topk, d * topk]: the newest frontier rows' ancestors (and themselves) so far
@@ -73,10 +101,14 @@ class Eagle3TreeDrafter:
             if depth > 1:  # a row sees what its parent sees, and itself
                 mask = torch.cat([mask.gather(1, parent_slot.unsqueeze(-1).expand(-1, -1, mask.shape[-1])), eye], 2)
             width = depth * topk  # the frontier rows so far: this depth's are the last topk of them
-            metadata = replace(
-                scratch, query_start_loc=row_starts_device, seq_lens=roots_device + width,
-                slot_mapping=slots[:, depth - 1].flatten(), max_query_len=topk, max_seq_len=max(roots) + width,
-                query_start_loc_cpu=row_starts, seq_lens_cpu=[r + width for r in roots],
+            # Host lengths: the real ones when known (eager), else placeholders only a backend that
+            # is never captured would read (and then the buffers' runner passes the real ones).
+            seq_lens_cpu = [r + width for r in roots_host] if roots_host is not None else [width] * n
+            metadata = AttentionMetadata(
+                query_start_loc=row_starts, seq_lens=(roots + width).to(torch.int32), block_table=draft_table,
+                slot_mapping=slots[:, depth - 1].flatten(), block_size=draft_block_size, max_query_len=topk,
+                max_seq_len=max(seq_lens_cpu) if roots_host is not None else last_position + 1 + width,
+                query_start_loc_cpu=[i * topk for i in range(n + 1)], seq_lens_cpu=seq_lens_cpu,
                 tree_mask=mask.reshape(n * topk, width),
             )
             out, new_h = eagle.head.step(
