@@ -17,8 +17,10 @@
 --tiny runs every part on the CPU with tiny random models (a smoke test of the script). On the
 H200: part (a) one engine, (b) 2 + len(--trees) engines of dummy 8B weights, (c) 2 engines per
 dtype per tree on the default family (tiny): a few minutes in all; split --parts over calls
-when time is short. The tree step is the eager host step (no CUDA graphs for trees yet), so
-(b) measures its launch overhead too.
+when time is short. In (b) the tree step verifies on its CUDA graph (runner/tree_graphs.py) and
+expands its trees on the drafter's (spec_decode/tree/draft_graphs.py); the catch-up, verification,
+K/V compaction and the step's host reads stay eager. Each tree row says how many graphs it captured
+and how many of its steps used them.
 """
 
 from __future__ import annotations
@@ -166,6 +168,17 @@ def run_batch1(llm: LLM, new_tokens: int) -> dict:
     return row
 
 
+def tree_graph_use(llm: LLM) -> dict:
+    """Whether the tree step ran on its graphs: verify graphs captured / verifies replayed, draft
+    graphs captured / expansions run on them (runner/tree_graphs.py, spec_decode/tree/draft_graphs.py)."""
+    step = llm.engine.runner.tree_step
+    verify, drafts = step.verify_graphs, step.drafter.graphs
+    return {"verify_graphs_captured": 0 if verify is None else len(verify.graphs) if verify.captures else 0,
+            "graphed_verifies": step.num_graphed_verifies,
+            "draft_graphs_captured": 0 if drafts is None else len(drafts.graphs),
+            "graphed_drafts": 0 if drafts is None else drafts.num_runs}
+
+
 def part_tok_s(target: str, head: str, options: dict, trees: list[str], new_tokens: int) -> dict:
     configs = {"plain": None,
                f"chain k={CHAIN_K} at {CHAIN_LENGTH}": {"num_speculative_tokens": CHAIN_K,
@@ -183,6 +196,7 @@ def part_tok_s(target: str, head: str, options: dict, trees: list[str], new_toke
                **run_batch1(llm, new_tokens)}
         if name.startswith("tree"):
             row["bar"], row["ok"] = TOK_S_BAR, row["tok_s"] >= TOK_S_BAR
+            row.update(tree_graph_use(llm))
         rows[name] = row
         print(name, json.dumps(row), flush=True)
         llm.close()

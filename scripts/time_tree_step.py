@@ -19,6 +19,7 @@ import torch
 
 from foretell import LLM, SamplingParams
 from foretell.bench.datasets import gsm8k_test_prompts
+from foretell.runner.tree_graphs import TreeVerifyGraphs
 
 DEFAULTS = os.path.join(os.path.dirname(__file__), "..", "foretell", "default_models")
 
@@ -52,6 +53,12 @@ def time_tree(args, tree: str, prompts: list[str]) -> dict:
     llm = LLM(args.target, speculative_config=spec, dtype="float32", device="cpu",
               kv_cache_memory_bytes=1 << 28, max_num_seqs=max(len(prompts), 1), warm_up="off")
     tree_step = llm.engine.runner.tree_step
+    if args.graph_buffers:  # the graphed step's code path, uncaptured (the torch backend: exact buckets)
+        runner = llm.engine.runner
+        blocks = -(-(runner.max_model_len + runner.num_lookahead_tokens) // runner.cache_plan.block_size) + 1
+        tree_step.use_graphs(TreeVerifyGraphs(runner.model, len(prompts), nodes, blocks, runner.cache_plan.block_size,
+                                              runner.max_model_len, runner.device, capture_graphs=False,
+                                              reads_host_lengths=True))
     drafter = tree_step.drafter
     head = drafter.eagle.head
     step_clock, draft_clock = Clock(), Clock()
@@ -72,7 +79,7 @@ def time_tree(args, tree: str, prompts: list[str]) -> dict:
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
-    row = {"tree": tree, "prompts": len(prompts), "seconds": wall,
+    row = {"tree": tree, "graph_buffers": args.graph_buffers, "prompts": len(prompts), "seconds": wall,
            "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
            "step": step_clock.per_call_ms(), "draft": draft_clock.per_call_ms(),
            "frontier_head_rows_per_draft": frontier_rows[0] / max(draft_clock.calls, 1)}
@@ -88,6 +95,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--trees", nargs="+", default=["5,4,16"], help="depth,topk,num_draft_tokens")
     parser.add_argument("--num-cpu-threads", type=int, default=1)
+    parser.add_argument("--graph-buffers", action="store_true",
+                        help="run the tree step's graph buffers uncaptured (runner/tree_graphs.py), as the GPU replays them")
     parser.add_argument("--output-json")
     args = parser.parse_args()
     torch.set_num_threads(args.num_cpu_threads)

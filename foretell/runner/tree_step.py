@@ -81,6 +81,7 @@ class TreeStep:
         self.block_size = block_size
         self.device = device
         self.trees: dict[int, DraftTree] = {}  # seq_id -> its drafted tree [1, T], until its verify
+        self.tree_tokens: dict[int, list[int]] = {}  # seq_id -> that tree's tokens, read once when drafted
         self.generator = torch.Generator(device=device)  # unseeded sampled trees' draws
         self.generator.manual_seed(config.model.seed ^ TREE_SEED_SALT)
         if verify_graphs is not None:
@@ -120,6 +121,7 @@ class TreeStep:
 
     def forget(self, seq_id: int) -> None:
         self.trees.pop(seq_id, None)
+        self.tree_tokens.pop(seq_id, None)
 
     # ---- 1. inputs -----------------------------------------------------------------------------
     def _scheduled_trees(self, sched: SchedulerOutput, batch: InputBatch) -> list[TreeGroup]:
@@ -128,12 +130,13 @@ class TreeStep:
         by_size: dict[int, list[tuple[int, DraftTree]]] = {}
         for i, item in enumerate(sched.scheduled):
             tree = self.trees.pop(item.seq.seq_id, None)
+            tokens = self.tree_tokens.pop(item.seq.seq_id, None)
             drafts = item.draft_token_ids
             if not drafts:
                 continue
             num_nodes = len(drafts) + 1
             root = item.seq.token_ids[item.seq.num_computed_tokens + item.num_new_tokens - num_nodes]
-            if tree is None or num_nodes > tree.num_nodes or tree.tokens[0, :num_nodes].tolist() != [root, *drafts]:
+            if tree is None or num_nodes > tree.num_nodes or tokens[:num_nodes] != [root, *drafts]:  # (no device read)
                 raise RuntimeError(f"sequence {item.seq.request_id!r} carries drafts that are not its drafted tree")
             by_size.setdefault(num_nodes, []).append((i, _cut(tree, num_nodes)))
         groups = []
@@ -282,7 +285,8 @@ class TreeStep:
             return
         tokens = tree.tokens.tolist()
         for j, i in enumerate(drafting):
-            self.trees[sched.scheduled[i].seq.seq_id] = _row(tree, j)
+            seq_id = sched.scheduled[i].seq.seq_id
+            self.trees[seq_id], self.tree_tokens[seq_id] = _row(tree, j), tokens[j]
             results[i].next_drafts = tokens[j][1:]
 
 

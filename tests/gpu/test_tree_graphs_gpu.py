@@ -1,0 +1,66 @@
+"""On a CUDA GPU: the draft-tree step on CUDA graphs (runner/tree_graphs.py: the verify forward per
+(bucket, num_draft_tokens); spec_decode/tree/draft_graphs.py: the drafter's expansion per bucket)
+is captured and replayed, and its greedy output equals plain greedy decoding and the eager tree
+step's (enforce_eager), in float32 on the Qwen3 and Llama-3.1 fixtures, at batches 1 and 3 (padded
+to the bucket of 4) and with trees cut near max_model_len (eager verify for those steps);
+seeded sampled trees equal the eager tree step's tokens."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from fixtures.eagle3 import write_eagle3_head
+from foretell import LLM, SamplingParams
+
+PROMPTS = ["The cat reads the book. The cat reads the book. The cat", "def add(x):\n    return x + 1\ndef",
+           "Question: what is 3 plus 7? Answer:"]
+TREE = {"num_speculative_tokens": 4, "topk": 3, "num_draft_tokens": 10}
+
+
+@pytest.fixture(scope="module")
+def llama31_head(checkpoint_root, llama31_checkpoint) -> str:
+    folder = os.path.join(checkpoint_root, "eagle3_llama31_tree_gpu")
+    if not os.path.isdir(folder):
+        write_eagle3_head(folder, llama31_checkpoint, "specforge", seed=5)
+    return folder
+
+
+def engine(target: str, head: str | None, **kwargs) -> LLM:
+    spec = None if head is None else {"method": "eagle3", "model": head, **TREE}
+    return LLM(target, device="cuda", dtype="float32", num_kv_blocks=256, max_num_seqs=4, speculative_config=spec,
+               **kwargs)
+
+
+def ids(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama31"])
+def test_captured_tree_step_equals_plain_and_eager(qwen3_checkpoint, eagle3_head, llama31_checkpoint, llama31_head,
+                                                   family):
+    target, head = (qwen3_checkpoint, eagle3_head) if family == "qwen3" else (llama31_checkpoint, llama31_head)
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want = ids(engine(target, None).generate(PROMPTS, greedy, use_tqdm=False))
+    eager = engine(target, head, enforce_eager=True)
+    assert eager.engine.runner.tree_step.verify_graphs is None
+    llm = engine(target, head)
+    step = llm.engine.runner.tree_step
+    assert step.verify_graphs is not None and step.verify_graphs.captures and step.verify_graphs.graphs
+    assert step.drafter.graphs is not None and step.drafter.graphs.graphs  # captured per bucket
+    for prompts in (PROMPTS[:1], PROMPTS):  # batch 1, batch 3 padded to the bucket of 4
+        got = ids(llm.generate(prompts, greedy, use_tqdm=False))
+        assert got == want[: len(prompts)]
+        assert got == ids(eager.generate(prompts, greedy, use_tqdm=False))
+    assert step.num_graphed_verifies > 0 and step.drafter.graphs.num_runs > 0
+    sampled = [SamplingParams(temperature=0.8, seed=s, max_tokens=24, ignore_eos=True) for s in (1, 2, 3)]
+    assert ids(llm.generate(PROMPTS, sampled, use_tqdm=False)) == ids(eager.generate(PROMPTS, sampled, use_tqdm=False))
+
+
+def test_cut_trees_near_max_model_len_on_the_gpu(qwen3_checkpoint, eagle3_head):
+    params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    want = ids(engine(qwen3_checkpoint, None, max_model_len=48).generate(PROMPTS, params, use_tqdm=False))
+    llm = engine(qwen3_checkpoint, eagle3_head, max_model_len=48)
+    assert ids(llm.generate(PROMPTS, params, use_tqdm=False)) == want
+    assert llm.engine.runner.tree_step.num_graphed_verifies > 0
