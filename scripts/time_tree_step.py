@@ -96,7 +96,8 @@ def main() -> None:
     parser.add_argument("--trees", nargs="+", default=["5,4,16"], help="depth,topk,num_draft_tokens")
     parser.add_argument("--num-cpu-threads", type=int, default=1)
     parser.add_argument("--graph-buffers", action="store_true",
-                        help="run the tree step's graph buffers uncaptured (runner/tree_graphs.py), as the GPU replays them")
+                        help="run the tree step's graph buffers uncaptured (runner/tree_graphs.py), "
+                             "as the GPU replays them")
     parser.add_argument("--output-json")
     args = parser.parse_args()
     torch.set_num_threads(args.num_cpu_threads)

@@ -137,7 +137,8 @@ def test_tree_draft_graphs_refuse_what_does_not_fit(targets):
     table = torch.zeros(3, 4, dtype=torch.int32)
     assert graphs.run(torch.zeros(3, vocab), torch.zeros(3, hidden), [1, 2, 3], [5, 6, 7], table) is None
     assert graphs.run(torch.zeros(1, vocab, dtype=torch.float64), torch.zeros(1, hidden), [1], [5], table[:1]) is None
-    assert graphs.run(torch.zeros(1, vocab), torch.zeros(1, hidden), [1], [5], torch.zeros(1, 9, dtype=torch.int32)) is None
+    wide_table = torch.zeros(1, 9, dtype=torch.int32)  # wider than the buffers' 4 blocks
+    assert graphs.run(torch.zeros(1, vocab), torch.zeros(1, hidden), [1], [5], wide_table) is None
     assert graphs.num_runs == 0
     for buckets in ([], [2, 1], [0, 1]):
         with pytest.raises(ValueError, match="ascending positive sizes"):

@@ -59,8 +59,9 @@ class Eagle3TreeDrafter:
             tree = self.graphs.run(logits, h, root_tokens, roots, table)
             if tree is not None:
                 return tree
-        return self.expand(logits, h, to_device(root_tokens, torch.int64, device), to_device(roots, torch.int64, device),
-                           table, batch.block_size, batch.max_model_len - 1, roots_host=roots)
+        root_tokens_device = to_device(root_tokens, torch.int64, device)
+        return self.expand(logits, h, root_tokens_device, to_device(roots, torch.int64, device), table,
+                           batch.block_size, batch.max_model_len - 1, roots_host=roots)
 
     def expand(
         self,
