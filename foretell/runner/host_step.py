@@ -33,6 +33,7 @@ import torch
 from foretell.device_util import to_device
 from foretell.engine.scheduler import SchedulerOutput
 from foretell.layers.sampler import Sampler, SamplingBatch, row_seed
+from foretell.runner.host_drafts import token_draft_batch
 from foretell.runner.input_batch import InputBatch
 from foretell.runner.logits_processing import apply_sampling_controls
 from foretell.runner.logprobs import add_logprobs
@@ -152,13 +153,20 @@ class HostStep:
                 results: list) -> None:
         """The proposer's catch-up over each sequence's final rows (hidden [rows, hidden]) and its
         next drafts, into results."""
-        proposal = self.proposer.propose(self.draft_batch(sched, batch, hidden, aux, results))
-        for i, item in enumerate(sched.scheduled):
-            results[i].next_drafts = proposal.token_ids[i]
-            probs = proposal.probs[i]
+        if self.proposer.capabilities.drafts_from_tokens:  # n-gram, suffix: host lists only, no rows gathered
+            draft_batch = token_draft_batch(sched, results, self.block_size, self.max_model_len)
+        else:
+            draft_batch = self.draft_batch(sched, batch, hidden, aux, results)
+        proposal = self.proposer.propose(draft_batch)
+        for i, drafts in enumerate(proposal.token_ids):
+            results[i].next_drafts = drafts
+        # Under a grammar: drafts it rejects cut, the tokens it forces drafted, past k (this step
+        # verifies any count; simulated acceptance draws k rates, so it keeps k).
+        all_probs = self.structured.grammar_drafts(sched.scheduled, results, proposal.probs,
+                                                   max_drafts=self.proposer.k if self.verifier.synthetic else None)
+        for item, probs in zip(sched.scheduled, all_probs):
             if probs is not None and not item.seq.sampling_params.greedy:
                 self.draft_probs[item.seq.seq_id] = probs
-        self.structured.truncate_drafts(sched.scheduled, results, proposal.probs)  # grammar-rejected drafts
         self.structured.fill_ahead(sched.scheduled, results)  # the next step's grammar masks, on a worker
 
     def draft_batch(self, sched: SchedulerOutput, batch: InputBatch, hidden: torch.Tensor, aux: list[torch.Tensor],

@@ -30,6 +30,10 @@ class SpecDecodeStats:
         self.num_drafts += 1
         self.num_draft_tokens += num_drafted
         self.num_accepted_tokens += num_accepted
+        if num_accepted >= len(self.accepted_count_histogram):  # a verify past k: grammar-forced drafts
+            grow = num_accepted + 1 - len(self.accepted_count_histogram)
+            self.accepted_per_position.extend([0] * grow)
+            self.accepted_count_histogram.extend([0] * grow)
         for pos in range(num_accepted):
             self.accepted_per_position[pos] += 1
         self.accepted_count_histogram[num_accepted] += 1

@@ -23,7 +23,7 @@ The sequences' matchers themselves never move: the copies are dropped with the l
 being masked once its grammar has ended (an EOS was drafted), cannot take the draft (a row whose
 allowed tokens are all outside an EAGLE3 head's vocabulary keeps its unmasked logits there), or
 allows nothing: its later drafts are whatever the drafter proposes, which the target's verify
-judges as always (and StructuredOutputs.truncate_drafts cuts where that is exact).
+judges as always (and StructuredOutputs.grammar_drafts cuts where that is exact).
 
 Exactness: a sampled draft is drawn from the masked logits, and the loop keeps the distribution
 it was drawn from (softmax of the masked, processed logits) as q for rejection sampling, so the
@@ -54,6 +54,9 @@ class MaskTimer:
     draft_seconds: float = 0.0  # the drafter loop's masks (DraftGrammar)
     fill_ahead_seconds: float = 0.0  # handing the next step's rows to the worker thread (fill_ahead)
     rows_filled_ahead: int = 0  # verify rows the worker thread had ready (StructuredOutputs.fill_ahead)
+    forced_seconds: float = 0.0  # the proposer's drafts shaped by the grammar (StructuredOutputs.grammar_drafts)
+    forced_drafts: int = 0  # drafts that are the grammar's forced tokens, appended or replacing the proposer's
+    replaced_drafts: int = 0  # proposer drafts replaced by forced tokens
 
     def add_draft(self, seconds: float) -> None:
         self.draft_seconds += seconds

@@ -21,11 +21,13 @@ sequence structured), without the fallback when no other control changed the log
 draft_mask(): the same grammars for a model drafter's loop (draft_mask.py), so its drafts follow
 them too; None when no sequence that drafts this step has one.
 
-truncate_drafts(): a proposer's next drafts are cut at the first one the grammar rejects, so the
-verify spends no rows on drafts that cannot be accepted. Only where that is exact: greedy requests,
-and sampled requests whose drafts carry no distribution (deterministic drafts, such as n-gram's).
-A sampled draft from a distribution q must stay (rejection sampling at a draft the mask forbids
-draws from the residual max(0, p - q), which keeps the target's distribution; dropping it would not).
+grammar_drafts(): a proposer's next drafts under the grammar (forced_drafts.py): cut at the first
+one the grammar rejects where that is exact (greedy requests, and sampled requests whose drafts
+carry no distribution, such as n-gram's), replaced where the grammar forces another token, and
+the grammar's forced run (llguidance's fast-forward tokens) appended after them, past the
+proposer's k. A sampled draft from a distribution q must stay (rejection sampling at a draft the
+mask forbids draws from the residual max(0, p - q), which keeps the target's distribution;
+dropping it would not); forced drafts appended after such drafts get a one-hot q.
 
 The tokenizer (the runner's own copy, for llguidance's token table) is loaded when a request
 first asks for structured outputs. A sequence's matcher is a deep copy of one kept per grammar
@@ -52,6 +54,7 @@ from foretell.engine.errors import SequenceError
 from foretell.structured.batched_fill import SequenceGrammarViolation, fill_verify_masks, finish_rows, walk_calls
 from foretell.structured.bitmask import BitmaskBuffer, apply_token_bitmask, contiguous_rows, num_mask_words
 from foretell.structured.draft_mask import DraftMask, MaskTimer
+from foretell.structured.forced_drafts import drafts_under_grammar
 from foretell.structured.matcher import GrammarViolation, SequenceMatcher
 
 MAX_CACHED_GRAMMARS = 64
@@ -326,21 +329,38 @@ class StructuredOutputs:
             return None
         return DraftMask(matchers, self.executor, self.buffer("draft", device), self.timer)
 
-    def truncate_drafts(self, scheduled: list, results: list, draft_probs: list) -> None:
-        """Cut each structured sequence's next drafts (results[i].next_drafts) at the first one its
-        grammar rejects after this step's tokens, where that is exact (see the module docstring).
-        draft_probs[i]: the proposer's draft distribution for sequence i, or None."""
-        for item, result, probs in zip(scheduled, results, draft_probs):
+    def grammar_drafts(self, scheduled: list, results: list, draft_probs: list,
+                       max_drafts: int | None) -> list[torch.Tensor | None]:
+        """Each structured sequence's next drafts (results[i].next_drafts) under its grammar after
+        this step's tokens (forced_drafts.drafts_under_grammar): cut at the first draft it rejects
+        where that is exact, replaced where it forces another token (deterministic or greedy
+        drafts), and its forced run appended after the drafts it takes, at most max_drafts in all
+        (None: unbounded). draft_probs[i]: the proposer's draft distribution [k, vocab] for
+        sequence i, or None; returns them with a one-hot row for each appended forced draft of a
+        sampled request (the drafts of a greedy one need none)."""
+        out = list(draft_probs)
+        started = time.perf_counter()
+        for i, (item, result, probs) in enumerate(zip(scheduled, results, draft_probs)):
             seq = item.seq
             params = seq.sampling_params
-            if params.structured_outputs is None or not item.samples or not result.next_drafts:
-                continue
-            if probs is not None and not params.greedy:
+            if params.structured_outputs is None or not item.samples or result.next_drafts is None:
                 continue
             matcher = self.matcher_for(seq)
             try:
                 matcher.advance(seq.output_token_ids + list(result.new_token_ids))
             except GrammarViolation as e:
                 raise SequenceError(seq.seq_id, f"structured outputs of request {seq.request_id!r}: {e}") from e
-            keep = matcher.allowed_prefix(list(result.next_drafts))
-            result.next_drafts = list(result.next_drafts[:keep])
+            drawn = probs is not None and not params.greedy  # drafts drawn from a distribution
+            drafts = list(result.next_drafts)
+            shaped = drafts_under_grammar(matcher, drafts, not drawn, max_drafts)
+            result.next_drafts = shaped.token_ids
+            self.timer.forced_drafts += shaped.num_forced
+            self.timer.replaced_drafts += shaped.num_replaced
+            if drawn and shaped.num_forced:  # drawn drafts are never cut or replaced: appended only
+                forced = to_device(shaped.token_ids[len(drafts):], torch.int64, probs.device)  # [forced]
+                one_hot = probs.new_zeros(len(forced), probs.shape[-1]).scatter_(1, forced[:, None], 1.0)  # [forced, vocab]
+                out[i] = torch.cat([probs[: len(drafts)], one_hot])  # [drafts + forced, vocab]
+        elapsed = time.perf_counter() - started
+        self.timer.forced_seconds += elapsed
+        self.timer.seconds += elapsed
+        return out

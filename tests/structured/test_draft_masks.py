@@ -237,8 +237,9 @@ def test_masked_self_draft_accepts_every_draft(qwen3_checkpoint, monkeypatch):
     masked_tokens, masked_drafts, masked_accepted = greedy_run(qwen3_checkpoint, spec, True, monkeypatch)
     unmasked_tokens, unmasked_drafts, unmasked_accepted = greedy_run(qwen3_checkpoint, spec, False, monkeypatch)
     assert masked_tokens == plain and unmasked_tokens == plain
-    assert masked_accepted >= unmasked_accepted
-    assert masked_accepted / masked_drafts > unmasked_accepted / max(unmasked_drafts, 1)
+    # Unmasked drafts are still cut where the grammar rejects them and replaced where it forces a
+    # token (StructuredOutputs.grammar_drafts), so what they lose is drafts, not their accept rate.
+    assert masked_accepted > unmasked_accepted
     # Drafts are lost only at each output's end (past its EOS): at most k per prompt.
     assert masked_drafts - masked_accepted <= 3 * len(PROMPTS)
 

@@ -97,7 +97,9 @@ def test_complete_grammar_allows_only_eos_and_drafts_are_cut(runtime, hf):
 
 def test_drafts_are_cut_only_where_exact(runtime, hf):
     """Greedy requests and sampled requests with one-hot drafts lose the drafts from the first one
-    the grammar rejects; a sampled draft from a distribution stays (rejection sampling needs it)."""
+    the grammar rejects; a sampled draft from a distribution stays (rejection sampling needs it).
+    Drafts the grammar takes to a point where it forces "x" get that token appended
+    (tests/structured/test_forced_drafts.py holds the forced drafts)."""
     class Item:
         def __init__(self, seq):
             self.seq, self.samples = seq, True
@@ -106,7 +108,7 @@ def test_drafts_are_cut_only_where_exact(runtime, hf):
         def __init__(self, new, drafts):
             self.new_token_ids, self.next_drafts = new, drafts
 
-    good = hf.encode("2-ab", add_special_tokens=False)
+    good = hf.encode("2-", add_special_tokens=False)  # "12-": "ab" or "cd" next, nothing forced
     bad = hf.encode("zz", add_special_tokens=False)
     items, results, probs = [], [], []
     for seq_id, (temperature, has_probs) in enumerate([(0.0, True), (1.0, False), (1.0, True)], start=20):
@@ -114,8 +116,20 @@ def test_drafts_are_cut_only_where_exact(runtime, hf):
         items.append(Item(FakeSeq(params, [], frozenset({hf.eos_token_id}), seq_id=seq_id)))
         results.append(Result(hf.encode("1", add_special_tokens=False), good + bad))
         probs.append(torch.zeros(len(good + bad), 512) if has_probs else None)
-    runtime.truncate_drafts(items, results, probs)
+    kept_probs = runtime.grammar_drafts(items, results, probs, max_drafts=None)
     assert [r.next_drafts for r in results] == [good, good, good + bad]
+    assert kept_probs == probs  # nothing appended to a sampled request's drafts
+    # After "12-ab" the grammar forces "x": a rejected draft there is replaced by it where exact,
+    # and drafts the grammar takes to there get it appended.
+    ab, x = hf.encode("2-ab", add_special_tokens=False), hf.encode("x", add_special_tokens=False)
+    for result in results:
+        result.next_drafts = ab + bad
+    runtime.grammar_drafts(items, results, probs, max_drafts=None)
+    assert [r.next_drafts for r in results] == [ab + x, ab + x, ab + bad]
+    for result in results:
+        result.next_drafts = ab
+    runtime.grammar_drafts(items, results, probs, max_drafts=None)
+    assert [r.next_drafts for r in results] == [ab + x] * 3
     for item in items:
         runtime.forget(item.seq.seq_id)
 

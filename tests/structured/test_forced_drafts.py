@@ -1,0 +1,260 @@
+"""Grammar-forced tokens as drafts (foretell/structured/forced_drafts.py, issue 27).
+
+- drafts_under_grammar against an independent reference (Python's `regex`, partial matching over
+  decoded texts): the run appended after the drafts is text the pattern forces (every other
+  continuation fails), the proposer's draft at a forced position is replaced by the forced token,
+  a rejected draft cuts the rest, an EOS is kept only where the output may end, drafts drawn from
+  a distribution are never cut or replaced, max_drafts bounds the total, and the matcher ends
+  where it started;
+- StructuredOutputs.grammar_drafts: one-hot draft probabilities for forced drafts appended to a
+  sampled request's drawn drafts;
+- SpecDecodeStats counts a verify of more drafts than k;
+- the engine: greedy output with grammar + speculation equals plain greedy output with the
+  grammar for eagle3, draft_model, ngram (Qwen3 fixture) and mtp (DeepSeek-V3 fixture), with
+  verifies of more than k drafts taking place; sampled output with a draft model keeps the plain
+  target's distribution over token sequences (chi-square) with forced drafts appended past k.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+import regex
+import torch
+
+from fixtures import deepseek as ds
+from foretell import LLM, SamplingParams
+from foretell.spec_decode.metrics import SpecDecodeStats
+from foretell.structured.forced_drafts import drafts_under_grammar
+from foretell.structured.runtime import StructuredOutputs
+
+VOCAB = 512  # the fixture checkpoints' padded vocabulary
+# A fixed stretch after the first free characters, then a free choice, then fixed text again.
+PATTERN = r"[0-9]{1,2}-abcab-(x|yy)ba\."
+
+
+class FakeSeq:
+    def __init__(self, params: SamplingParams, output: list[int], eos: frozenset[int], seq_id: int):
+        self.seq_id, self.request_id, self.sampling_params = seq_id, f"r{seq_id}", params
+        self.output_token_ids, self.eos_token_ids = output, eos
+
+
+class Item:
+    def __init__(self, seq):
+        self.seq, self.samples = seq, True
+
+
+class Result:
+    def __init__(self, new, drafts):
+        self.new_token_ids, self.next_drafts = new, drafts
+
+
+@pytest.fixture(scope="module")
+def hf(tokenizer_dir):
+    from foretell.tokenizer import Tokenizer
+
+    return Tokenizer(tokenizer_dir).hf
+
+
+@pytest.fixture
+def runtime(tokenizer_dir):
+    return StructuredOutputs(tokenizer_dir, VOCAB)
+
+
+def encode(hf, text: str) -> list[int]:
+    return hf.encode(text, add_special_tokens=False)
+
+
+def forced_text(prefix: str) -> str:
+    """The reference: the longest text every full match of PATTERN starting with prefix continues
+    with (found by trying each next character the pattern allows)."""
+    alphabet = "0123456789-abcxy."
+    text = ""
+    while True:
+        options = [c for c in alphabet if regex.fullmatch(PATTERN, prefix + text + c, partial=True)]
+        if len(options) != 1 or regex.fullmatch(PATTERN, prefix + text):
+            return text
+        text += options[0]
+
+
+def matcher_for(runtime, hf, output: str, temperature: float = 0.0, seq_id: int = 1):
+    params = SamplingParams(temperature=temperature, structured_outputs={"regex": PATTERN})
+    seq = FakeSeq(params, encode(hf, output), frozenset({hf.eos_token_id}), seq_id)
+    return runtime.matcher_for(seq), seq
+
+
+def mask_of(matcher, runtime) -> np.ndarray:
+    row = np.zeros(runtime.num_words, dtype=np.int32)
+    matcher.fill_mask(row)
+    return row
+
+
+def test_the_forced_run_follows_the_drafts(runtime, hf):
+    matcher, _ = matcher_for(runtime, hf, "1")
+    before = mask_of(matcher, runtime)
+    drafts = encode(hf, "2-ab")  # "12-ab": the pattern forces "cab-" next
+    shaped = drafts_under_grammar(matcher, drafts, replaceable=True, max_drafts=None)
+    assert shaped.token_ids[: len(drafts)] == drafts and shaped.num_replaced == 0
+    appended = hf.decode(shaped.token_ids[len(drafts):])
+    assert shaped.num_forced == len(shaped.token_ids) - len(drafts) > 0
+    assert forced_text("12-ab") == "cab-" and appended and "cab-".startswith(appended)
+    assert (mask_of(matcher, runtime) == before).all() and matcher.num_consumed == 1  # unmoved
+
+
+def test_a_draft_at_a_forced_position_is_replaced(runtime, hf):
+    matcher, _ = matcher_for(runtime, hf, "12-abcab-yy")  # "ba." forced
+    wrong = encode(hf, "x")  # the grammar rejects it; a drafter might still propose it
+    shaped = drafts_under_grammar(matcher, wrong + wrong, replaceable=True, max_drafts=None)
+    assert shaped.num_replaced == 2 and shaped.num_forced == len(shaped.token_ids) > 0
+    assert "ba.".startswith(hf.decode(shaped.token_ids)) and forced_text("12-abcab-yy") == "ba."
+    # Drawn drafts stay as they were: rejection sampling judges them.
+    assert drafts_under_grammar(matcher, wrong + wrong, replaceable=False, max_drafts=None).token_ids == wrong + wrong
+
+
+def test_rejected_drafts_cut_and_eos_ends(runtime, hf):
+    eos = hf.eos_token_id
+    matcher, _ = matcher_for(runtime, hf, "12-abcab-")  # "x" or "yy": nothing forced
+    assert forced_text("12-abcab-") == ""
+    bad = encode(hf, "zz")
+    assert drafts_under_grammar(matcher, bad, True, None).token_ids == []
+    assert drafts_under_grammar(matcher, bad, False, None).token_ids == bad
+    assert drafts_under_grammar(matcher, [eos], True, None).token_ids == []  # the output cannot end here
+    done, _ = matcher_for(runtime, hf, "12-abcab-xba.", seq_id=2)
+    assert drafts_under_grammar(done, [eos, eos], True, None).token_ids == [eos]  # it may: nothing after
+    assert drafts_under_grammar(done, [], True, None).token_ids == []  # complete: nothing forced
+
+
+def test_max_drafts_bounds_the_total(runtime, hf):
+    matcher, _ = matcher_for(runtime, hf, "1")
+    drafts = encode(hf, "2-ab")
+    unbounded = drafts_under_grammar(matcher, drafts, True, None).token_ids
+    assert len(unbounded) > len(drafts) + 1
+    assert drafts_under_grammar(matcher, drafts, True, len(drafts) + 1).token_ids == unbounded[: len(drafts) + 1]
+    assert drafts_under_grammar(matcher, drafts, True, len(drafts)).token_ids == drafts
+    assert drafts_under_grammar(matcher, [], True, 0).token_ids == []
+
+
+def test_sampled_drafts_get_one_hot_rows_for_forced_drafts(runtime, hf):
+    drafts = encode(hf, "2-ab")
+    items, results, probs = [], [], []
+    for seq_id, (temperature, has_probs) in enumerate([(1.0, True), (1.0, False), (0.0, True)], start=10):
+        params = SamplingParams(temperature=temperature, structured_outputs={"regex": PATTERN})
+        items.append(Item(FakeSeq(params, [], frozenset({hf.eos_token_id}), seq_id)))
+        results.append(Result(encode(hf, "1"), list(drafts)))
+        probs.append(torch.softmax(torch.randn(len(drafts), VOCAB), dim=-1) if has_probs else None)
+    out = runtime.grammar_drafts(items, results, probs, max_drafts=None)
+    shaped = results[0].next_drafts
+    assert len(shaped) > len(drafts) and all(r.next_drafts == shaped for r in results)
+    forced = torch.tensor(shaped[len(drafts):])
+    assert out[0].shape == (len(shaped), VOCAB) and torch.equal(out[0][: len(drafts)], probs[0])
+    assert torch.equal(out[0][len(drafts):], torch.nn.functional.one_hot(forced, VOCAB).float())
+    assert out[1] is None and out[2] is probs[2]  # deterministic drafts; greedy (no q kept)
+    assert runtime.timer.forced_drafts == 3 * len(forced)
+
+
+def test_stats_count_a_verify_past_k():
+    stats = SpecDecodeStats(2)
+    stats.record(2, 1)
+    stats.record(6, 5)
+    assert stats.num_draft_tokens == 8 and stats.num_accepted_tokens == 6
+    assert stats.accepted_per_position == [2, 1, 1, 1, 1]
+    assert stats.accepted_count_histogram == [0, 1, 0, 0, 0, 1]
+    assert stats.mean_acceptance_length == 4.0
+
+
+# ---- the engine ---------------------------------------------------------------------------
+PROMPTS = ["The cat reads the book. The cat", "def add(x):\n    return", "a b a b a b"]
+# Long fixed stretches between short free parts: forced runs longer than k = 2.
+ENGINE_REGEX = r"(the|cat|[0-9]{1,2}) reads the book, (the|a) cat reads the book\."
+
+
+def greedy_run(llm: LLM, prompts) -> tuple[list[list[int]], dict]:
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs={"regex": ENGINE_REGEX})
+    before = llm.get_stats()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for out in outs:
+        assert out.outputs[0].finish_reason == "stop" and regex.fullmatch(ENGINE_REGEX, out.outputs[0].text)
+    return [o.outputs[0].token_ids for o in outs], {k: v for k, v in llm.get_stats().items()
+                                                    if k not in before or before[k] != v}
+
+
+def spec_config(method: str, request) -> dict:
+    config = {"method": method, "num_speculative_tokens": 2}
+    if method == "draft_model":
+        config["model"] = request.getfixturevalue("qwen3_tied_checkpoint")
+    elif method == "eagle3":
+        config["model"] = request.getfixturevalue("eagle3_head")
+    else:
+        config["prompt_lookup_min"] = 1
+    return config
+
+
+@pytest.fixture(scope="module")
+def plain_tokens(qwen3_checkpoint):
+    with LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=128) as llm:
+        return greedy_run(llm, PROMPTS)[0]
+
+
+@pytest.mark.parametrize("method", ["eagle3", "draft_model", "ngram"])
+def test_greedy_output_with_forced_drafts_equals_plain(method, request, qwen3_checkpoint, plain_tokens):
+    with LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=128,
+             speculative_config=spec_config(method, request)) as llm:
+        tokens, stats = greedy_run(llm, PROMPTS)
+        timer = llm.engine.runner.host_step.structured.timer
+    assert tokens == plain_tokens
+    assert timer.forced_drafts > 0
+    assert len(stats["accepted_per_position"]) > 2  # some verify accepted more than k drafts
+
+
+def test_mtp_greedy_output_with_forced_drafts_equals_plain(checkpoint_root, tokenizer_dir):
+    folder = ds.checkpoint(checkpoint_root, tokenizer_dir, "v3")
+    prompts = [{"prompt_token_ids": p} for p in ([5, 17, 250, 3, 99, 41, 7], [9, 9, 9, 9])]
+    with LLM(folder, dtype="float32", num_kv_blocks=64) as llm:
+        plain = greedy_run(llm, prompts)[0]
+    with LLM(folder, dtype="float32", num_kv_blocks=64,
+             speculative_config={"method": "mtp", "num_speculative_tokens": 2}) as llm:
+        tokens, stats = greedy_run(llm, prompts)
+        assert llm.engine.runner.host_step.structured.timer.forced_drafts > 0
+    assert tokens == plain
+    assert len(stats["accepted_per_position"]) > 2
+
+
+def chi_square_statistic(a: collections.Counter, b: collections.Counter) -> tuple[float, int]:
+    """Pearson's chi-square of the 2 x K table of two samples' counts (categories seen fewer
+    than 10 times in both together pooled into one) and its degrees of freedom."""
+    keys = [k for k in set(a) | set(b) if a[k] + b[k] >= 10]
+    rare = [k for k in set(a) | set(b) if a[k] + b[k] < 10]
+    table = np.array([[c[k] for k in keys] + ([sum(c[k] for k in rare)] if rare else []) for c in (a, b)], dtype=float)
+    expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
+    return float(((table - expected) ** 2 / expected).sum()), table.shape[1] - 1
+
+
+# chi-square quantiles at p = 0.999 by degrees of freedom (a false alarm once in a thousand runs)
+CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12, 9: 27.88,
+            10: 29.59, 11: 31.26, 12: 32.91, 13: 34.53, 14: 36.12, 15: 37.70, 16: 39.25, 17: 40.79,
+            18: 42.31, 19: 43.82, 20: 45.31, 21: 46.80, 22: 48.27, 23: 49.73, 24: 51.18, 25: 52.62, 26: 54.05}
+
+
+@pytest.mark.slow  # two engines drawing 400 samples: about 40 s on 2 busy cores
+def test_sampled_output_with_forced_drafts_keeps_the_distribution(qwen3_checkpoint, qwen3_tied_checkpoint):
+    """A free character, a fixed stretch (forced drafts appended past k to the draft model's
+    drawn ones, with one-hot q), a free character: the token sequences come with the plain
+    target's frequencies. The fixture target takes the fixed text's canonical split almost
+    surely, so this holds the path (drawn and forced drafts verified together, the probabilities'
+    rows, the drafter's catch-up after a long accept) more than q itself, which
+    test_sampled_drafts_get_one_hot_rows_for_forced_drafts checks; rejection sampling with a
+    one-hot q is what n-gram drafts of sampled requests already go through."""
+    params = SamplingParams(temperature=1.0, n=400, seed=7, max_tokens=16,
+                            structured_outputs={"regex": r"[abc] the cat reads the book [abc]"})
+    counts = []
+    for spec in (None, {"method": "draft_model", "model": qwen3_tied_checkpoint, "num_speculative_tokens": 2}):
+        with LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=512, max_num_seqs=128,
+                 speculative_config=spec) as llm:
+            out = llm.generate(["a b c"], params, use_tqdm=False)[0]
+            if spec is not None:
+                assert llm.engine.runner.host_step.structured.timer.forced_drafts > 0
+        counts.append(collections.Counter(tuple(o.token_ids) for o in out.outputs))
+    stat, dof = chi_square_statistic(counts[0], counts[1])
+    assert dof >= 3 and stat < CHI2_999[dof], (stat, dof, counts)
