@@ -33,7 +33,6 @@ import torch
 from foretell.device_util import to_device
 from foretell.engine.scheduler import SchedulerOutput
 from foretell.layers.sampler import Sampler, SamplingBatch, row_seed
-from foretell.runner.host_drafts import token_draft_batch
 from foretell.runner.input_batch import InputBatch
 from foretell.runner.logits_processing import apply_sampling_controls
 from foretell.runner.logprobs import add_logprobs
@@ -153,11 +152,7 @@ class HostStep:
                 results: list) -> None:
         """The proposer's catch-up over each sequence's final rows (hidden [rows, hidden]) and its
         next drafts, into results."""
-        if self.proposer.capabilities.drafts_from_tokens:  # n-gram, suffix: host lists only, no rows gathered
-            draft_batch = token_draft_batch(sched, results, self.block_size, self.max_model_len)
-        else:
-            draft_batch = self.draft_batch(sched, batch, hidden, aux, results)
-        proposal = self.proposer.propose(draft_batch)
+        proposal = self.proposer.propose(self.draft_batch(sched, batch, hidden, aux, results))
         for i, drafts in enumerate(proposal.token_ids):
             results[i].next_drafts = drafts
         # Under a grammar: drafts it rejects cut, the tokens it forces drafted, past k (this step
