@@ -158,9 +158,9 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype, block_size: tuple
 
 
 # GEMV candidates at one row of x: (rows of W per program, columns per tile, warps, splits of K)
-GEMV_CANDIDATES = ((2, 4096, 4, 1), (2, 4096, 8, 1), (4, 1024, 4, 1), (4, 2048, 4, 1), (4, 4096, 4, 1),
-                   (4, 4096, 8, 1), (4, 8192, 8, 1), (8, 1024, 4, 1), (8, 2048, 8, 1), (16, 1024, 8, 1),
-                   (4, 4096, 8, 2), (8, 2048, 8, 2))
+GEMV_CANDIDATES = ((2, 4096, 4, 1), (4, 1024, 4, 1), (4, 2048, 4, 1), (4, 4096, 4, 1), (8, 512, 4, 1),
+                   (8, 1024, 4, 1), (8, 1024, 8, 1), (8, 2048, 8, 1), (16, 512, 4, 1), (16, 1024, 8, 1),
+                   (4, 2048, 4, 2), (8, 1024, 4, 2))
 
 
 def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype, block_size: tuple[int, int] | None,
