@@ -11,6 +11,13 @@ response joins the global cache) and replaced by new ones, so the cache is exerc
 
 Each time is taken twice: wall (perf_counter) and this thread's CPU time (thread_time), which a
 loaded machine inflates much less (a shared 2-core CI box can show 10x the wall time).
+
+`--engine` times whole engine steps instead (measure_engine_steps): the shipped default target with
+a host drafter (suffix or n-gram) on the repetitive prompt set, batches of --batch-sizes prompts
+at once, the process's CPU time per engine step, and, in a second run of the same prompts, what
+each step asks of the device: reads back to the host (Tensor.tolist / item / cpu / numpy), host
+lists made into tensors (torch.tensor: to_device's copies), torch calls in all, and those made
+while the drafter proposes (a host drafter should make none).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import random
 import time
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from foretell.spec_decode.proposer import DraftBatch
 from foretell.spec_decode.suffix import SuffixProposer, SuffixSettings
@@ -115,12 +123,104 @@ def measure_host_cost(batch_size: int, num_steps: int = 200, k: int = 16, prompt
     return result
 
 
+READ_BACKS = frozenset({"tolist", "item", "cpu", "numpy"})
+
+
+class _StepCalls(TorchFunctionMode):
+    """Counts the torch calls made under it: reads back to the host, torch.tensor (a host list
+    made a tensor: to_device), all, and all while `drafting` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = {"read_backs": 0, "tensors_from_lists": 0, "torch_calls": 0, "drafter_torch_calls": 0}
+        self.drafting = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        counts = self.counts
+        counts["torch_calls"] += 1
+        counts["drafter_torch_calls"] += self.drafting
+        counts["read_backs"] += name in READ_BACKS
+        counts["tensors_from_lists"] += func is torch.tensor
+        return func(*args, **(kwargs or {}))
+
+
+def measure_engine_steps(batch_size: int, method: str = "suffix", num_prompts: int | None = None,
+                         max_tokens: int = 48, k: int | None = None, count_calls: bool = True) -> dict:
+    """CPU seconds per engine step (the process's, one intra-op thread) of the default target with
+    a host drafter on the repetitive prompts, batch_size at once (num_prompts, default 2 x
+    batch_size, greedy, max_tokens each), and per step the torch calls it makes (count_calls: a
+    second run under _StepCalls, whose own overhead the timed run does not carry)."""
+    from foretell import LLM, SamplingParams
+    from foretell.bench.repetitive import repetitive_prompts
+    from foretell.defaults import default_target
+
+    spec = {"method": method} if k is None else {"method": method, "num_speculative_tokens": k}
+    prompts = [p.text for p in repetitive_prompts(num_prompts or 2 * batch_size)]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    result = {"batch_size": batch_size, "method": method, "num_prompts": len(prompts)}
+    for counting in (False, True) if count_calls else (False,):
+        llm = LLM(default_target(), dtype="float32", num_kv_blocks=1024, max_num_seqs=batch_size,
+                  num_cpu_threads=1, speculative_config=spec)
+        engine = llm.engine
+        proposer = engine.runner.proposer
+        mode = _StepCalls() if counting else None
+        if mode is not None:
+            propose = proposer.propose
+
+            def marked_propose(batch, _propose=propose):
+                mode.drafting = True
+                try:
+                    return _propose(batch)
+                finally:
+                    mode.drafting = False
+
+            proposer.propose = marked_propose
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, params)
+        steps, cpu_s, wall_s = 0, 0.0, 0.0
+        if mode is not None:
+            mode.__enter__()
+        try:
+            while engine.has_unfinished_requests():
+                c0, w0 = time.process_time(), time.perf_counter()
+                engine.step()
+                cpu_s += time.process_time() - c0
+                wall_s += time.perf_counter() - w0
+                steps += 1
+        finally:
+            if mode is not None:
+                mode.__exit__(None, None, None)
+        stats = llm.get_stats()
+        if counting:
+            result.update({f"{name}_per_step": n / steps for name, n in mode.counts.items()})
+        else:
+            runner = engine.runner
+            result.update(
+                steps=steps, cpu_ms_per_step=1e3 * cpu_s / steps, wall_ms_per_step=1e3 * wall_s / steps,
+                mean_acceptance_length=stats.get("mean_acceptance_length", 0.0),
+                padded_steps=getattr(runner.pipeline.kinds[0], "num_steps", 0) if runner.pipeline.kinds else 0,
+            )
+    return result
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch-sizes", default="1,16")
     parser.add_argument("--num-steps", type=int, default=300)
     parser.add_argument("--k", type=int, default=16)
+    parser.add_argument("--engine", action="store_true", help="time whole engine steps (measure_engine_steps)")
+    parser.add_argument("--method", default="suffix", choices=["suffix", "ngram"], help="with --engine")
+    parser.add_argument("--max-tokens", type=int, default=48, help="with --engine")
+    parser.add_argument("--no-count-calls", action="store_true", help="with --engine: time only")
     args = parser.parse_args(argv)
+    if args.engine:
+        for b in [int(x) for x in args.batch_sizes.split(",")]:
+            r = measure_engine_steps(b, args.method, max_tokens=args.max_tokens, k=args.k,
+                                     count_calls=not args.no_count_calls)
+            print(" ".join(f"{key}={value:.2f}" if isinstance(value, float) else f"{key}={value}"
+                           for key, value in r.items()), flush=True)
+        return
     for b in [int(x) for x in args.batch_sizes.split(",")]:
         r = measure_host_cost(b, args.num_steps, args.k)
         print(f"batch {b:3d}: {r['us_per_step']:8.1f} us/step  {r['us_per_sequence']:6.1f} us/sequence  "

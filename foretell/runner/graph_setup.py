@@ -10,7 +10,10 @@ StepGraphSetup.build() runs once, after the KV caches are allocated and max_mode
      buffers run eagerly (None without a drafter whose loop runs padded, under tensor
      parallelism, and for tree speculation, which verifies on the host);
   3. the padded step's draft loop (spec_decode/draft_graph.DraftGraphRunner), captured when the
-     drafter's backend allows, else run eagerly (the same code).
+     drafter's backend allows, else run eagerly (the same code); for a drafter that drafts from
+     the token lists on the host (n-gram, suffix) and a target with graphs, host_drafts.HostDraftSlots,
+     which drafts nothing on the device (without graphs such a drafter's verifies run unpadded on
+     the host step: cheaper than padding every sequence to the longest draft).
 build_step_pipeline() then makes the step pipeline (step_pipeline.py) from them: plain decoding
 queued ahead without a drafter (decode_ahead.py), the padded verify step with one
 (graphed_verify.py).
@@ -34,6 +37,7 @@ from foretell.ops.gemm.dispatch import SmallMGemm
 from foretell.runner.cuda_graph import CudaGraphRunner
 from foretell.runner.decode_ahead import DecodeAhead
 from foretell.runner.graphed_verify import GraphedVerify
+from foretell.runner.host_drafts import HostDraftSlots
 from foretell.runner.kv_cache import CachePlan
 from foretell.runner.step_pipeline import StepKind, StepPipeline
 from foretell.runner.tree_graphs import TreeVerifyGraphs
@@ -50,7 +54,7 @@ class StepGraphs:
 
     target: CudaGraphRunner | None  # the target's graphs, used by every batch that fits one
     padded_forward: CudaGraphRunner | None  # the padded verify step's target forward
-    draft_loop: DraftGraphRunner | None  # the padded verify step's draft loop
+    draft_loop: DraftGraphRunner | HostDraftSlots | None  # the padded verify step's draft loop
     small_m_gemm: SmallMGemm | None  # the few-row GEMMs bound before the capture
     tree_verify: TreeVerifyGraphs | None = None  # the tree step's verify forward (tree_graphs.py)
 
@@ -173,6 +177,10 @@ class StepGraphSetup:
         """The padded step's draft loop, captured after the target's graphs when its drafter's
         backend allows (else run eagerly: the same code)."""
         drafter = self.proposer.padded_drafter() if self.proposer is not None else None
+        if padded_forward is not None and self.proposer is not None and drafter is None \
+                and self.proposer.capabilities.drafts_from_tokens:
+            # n-gram, suffix: verifies on the target's graphs (here padded_forward is them), drafts on the host
+            return HostDraftSlots(padded_forward, self.config.speculative.num_speculative_tokens)
         if padded_forward is None or drafter is None:
             return None
         graph_safe = all(layer.backend.graph_safe for layer in self.proposer.kv_layers())

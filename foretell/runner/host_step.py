@@ -4,8 +4,10 @@
   - requests under a grammar (structured outputs: its matcher state lives on the host);
   - the last steps of a sequence whose drafter's catch-up rows would pass max_model_len;
   - draft trees (tree_step.py verifies them, this step drafts them);
-  - drafters without a padded loop (n-gram and other host drafters: their drafts come from the
-    token history on the host), and tensor parallelism (greedy_without_logits below).
+  - a hybrid drafter (suffix + a model: no padded loop), host drafters (n-gram, suffix) when the
+    target has no graphs (with graphs they verify on the padded step: runner/host_drafts.py;
+    either way they get a DraftBatch of host lists, no rows gathered), and tensor parallelism
+    (greedy_without_logits below).
 Greedy and sampled rows, requests asking for logprobs (runner/logprobs.py) or using the other
 logits controls (penalties, logit_bias, bad words, min_tokens, allowed tokens: device state,
 runner/padded_logits_controls.py), and sequences with fewer drafts than the step verifies
@@ -33,6 +35,7 @@ import torch
 from foretell.device_util import to_device
 from foretell.engine.scheduler import SchedulerOutput
 from foretell.layers.sampler import Sampler, SamplingBatch, row_seed
+from foretell.runner.host_drafts import token_draft_batch
 from foretell.runner.input_batch import InputBatch
 from foretell.runner.logits_processing import apply_sampling_controls
 from foretell.runner.logprobs import add_logprobs
@@ -152,7 +155,11 @@ class HostStep:
                 results: list) -> None:
         """The proposer's catch-up over each sequence's final rows (hidden [rows, hidden]) and its
         next drafts, into results."""
-        proposal = self.proposer.propose(self.draft_batch(sched, batch, hidden, aux, results))
+        if self.proposer.capabilities.drafts_from_tokens:  # n-gram, suffix: host lists only, no rows gathered
+            draft_batch = token_draft_batch(sched, results, self.block_size, self.max_model_len)
+        else:
+            draft_batch = self.draft_batch(sched, batch, hidden, aux, results)
+        proposal = self.proposer.propose(draft_batch)
         for i, drafts in enumerate(proposal.token_ids):
             results[i].next_drafts = drafts
         # Under a grammar: drafts it rejects cut, the tokens it forces drafted, past k (this step

@@ -46,6 +46,7 @@ from foretell.models.base import HFConfig, ModelOptions
 from foretell.runner.graph_setup import StepGraphSetup, build_step_pipeline
 from foretell.runner.input_batch import InputBatch, build_input_batch
 from foretell.runner.host_step import HostStep
+from foretell.runner.host_drafts import propose_from_tokens
 from foretell.runner.step_checks import check_step
 from foretell.runner.tree_step import TreeStep
 from foretell.runner.logprobs import add_prompt_logprobs
@@ -150,6 +151,7 @@ class ModelRunner:
             self.model, self.proposer, self.host_step, self.target_forward, config, self.cache_plan.block_size,
             self.device, self.tensor_parallel.is_parallel, step_graphs.tree_verify)
         self.last_times = StepTimes()
+        self.drafts_from_tokens = self.proposer is not None and self.proposer.capabilities.drafts_from_tokens
 
     def describe(self) -> RunnerFacts:
         capabilities = self.proposer.capabilities if self.proposer is not None else None
@@ -266,7 +268,10 @@ class ModelRunner:
             step = self.pipeline.launch(sched, batch)
         if step is not None:  # queues the step after it when it can, then reads its results
             results = self.pipeline.finish(step, sched.num_next_drafts)
-            self.last_times = StepTimes(target_s=time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            if self.drafts_from_tokens:  # a host drafter's drafts, from the host lists (host_drafts.py)
+                propose_from_tokens(self.proposer, sched, results, block_size, self.max_model_len)
+            self.last_times = StepTimes(target_s=t1 - t0, draft_s=time.perf_counter() - t1)
             return results
         results = [SequenceResult() for _ in sched.scheduled]
         if self.host_step.greedy_without_logits(sched, batch):  # tensor parallel, greedy rows only

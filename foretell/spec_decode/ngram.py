@@ -38,7 +38,7 @@ class NgramProposer(ProposerBase):
 
     @property
     def capabilities(self) -> ProposerCapabilities:
-        return ProposerCapabilities(deterministic=True)
+        return ProposerCapabilities(deterministic=True, drafts_from_tokens=True)
 
     @classmethod
     def from_config(cls, config, target_hf_config, options) -> "NgramProposer":

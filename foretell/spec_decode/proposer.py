@@ -13,6 +13,8 @@ Proposers never read the runner's buffers; everything arrives here.
 A drafter whose whole greedy loop can also run on the padded verify step's device tensors (the
 runner's graphed step, spec_decode/draft_graph.py) returns itself as a PaddedDrafter from
 padded_drafter(); one that cannot (n-gram, on the host) returns None and drafts through propose().
+One that drafts from the token lists alone (n-gram, suffix: capabilities.drafts_from_tokens) gets
+a DraftBatch without device tensors (runner/host_drafts.py) and no rows gathered for it.
 """
 
 from __future__ import annotations
@@ -92,6 +94,11 @@ class ProposerCapabilities:
     #: Whether the draft KV at position t depends on token t + 1 (EAGLE3, MTP): then a
     #: prefix-cache hit must stop one block short (see BlockManager.reuse_margin_blocks).
     draft_kv_reads_next_token: bool = False
+    #: Whether the drafts come from the token lists alone (n-gram, suffix): the proposer reads
+    #: only DraftBatch's host fields (histories, seq_ids, samples, positions), none of its tensors,
+    #: so the runner hands it no device rows and verifies its drafts on the padded step
+    #: (runner/host_drafts.py).
+    drafts_from_tokens: bool = False
     #: The most positions the drafter's own model can embed (a draft LM's rotary table), or None
     #: when it has no limit of its own; the runner keeps max_model_len within it.
     max_positions: int | None = None

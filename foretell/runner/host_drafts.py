@@ -1,0 +1,108 @@
+"""Host drafters (n-gram, suffix: ProposerCapabilities.drafts_from_tokens) in a step: their drafts
+come from the token lists the host already holds, so a step with one does no device work for the
+drafter at all.
+
+Two pieces:
+  - token_draft_batch(): the DraftBatch such a drafter reads (each sequence's tokens through its
+    newest one, what it may draft), built from host lists only: no rows gathered from the
+    forward's input ids or hidden states, no device tensor at all (the host step and the padded
+    step both use it);
+  - HostDraftSlots: what the padded verify step (graphed_verify.GraphedVerify) takes as its
+    draft loop for such a drafter. It drafts nothing on the device (m = 0 drafts per sequence),
+    it only holds the buffers the verifier writes (accepted count, next token, live sequences).
+    So a host drafter's verify is the target's (bucket, q) forward (a CUDA graph replay on the GPU,
+    the same static buffers run eagerly without graphs), verification on the device and one read
+    back of the whole step, and after it the drafter proposes from the host lists
+    (propose_from_tokens). Before this every verify with sequences of unequal draft counts (the
+    common case: a suffix draft's length is the match's) ran the target eagerly from host inputs,
+    then gathered the valid rows' ids and hidden states the drafter never reads.
+
+A step of the padded kind whose sequences carry no drafts at all (q = 1: nobody matched last step)
+can queue the step after it on the device, as plain decoding does (step_pipeline.py): the launch
+is used when the drafter again drafts nothing for any of them, and dropped (safely: decode_ahead.py
+says why) when it drafts for one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from foretell.engine.scheduler import SchedulerOutput
+from foretell.runner.sequence_result import SequenceResult
+from foretell.spec_decode.proposer import DraftBatch, Proposer
+
+_NO_TENSOR = torch.empty(0)  # the DraftBatch fields a host drafter never reads
+
+
+def token_draft_batch(sched: SchedulerOutput, results: list[SequenceResult], block_size: int,
+                      max_model_len: int) -> DraftBatch:
+    """The DraftBatch of a step for a drafter that reads only token lists: per sequence its tokens
+    through the one after its final rows (the step's emitted tokens appended for one that
+    sampled), where its first draft would sit, and whether it drafts. No device tensors."""
+    starts, valid, nexts, histories, samples, seq_ids, params, indices = [], [], [], [], [], [], [], []
+    for item, result in zip(sched.scheduled, results):
+        seq = item.seq
+        p0 = seq.num_computed_tokens
+        if item.samples:
+            v = item.num_new_tokens - len(item.draft_token_ids) + result.num_accepted
+            history = seq.token_ids + result.new_token_ids
+        else:  # a prefill chunk: the prompt through the token after the chunk
+            v = item.num_new_tokens
+            history = seq.token_ids[: p0 + v + 1]
+        starts.append(p0)
+        valid.append(v)
+        nexts.append(history[-1])
+        histories.append(history)
+        samples.append(item.samples)
+        seq_ids.append(seq.seq_id)
+        params.append(seq.sampling_params)
+        indices.append(seq.index)
+    return DraftBatch(
+        start_positions=starts, num_valid_rows=valid, next_token_ids=nexts, samples=samples,
+        token_ids=_NO_TENSOR, hidden_states=_NO_TENSOR, aux_hidden_states=[], block_table=_NO_TENSOR,
+        block_size=block_size, sampling_params=params, sample_indices=indices, max_model_len=max_model_len,
+        histories=histories, seq_ids=seq_ids, max_drafts=sched.num_next_drafts,
+    )
+
+
+def propose_from_tokens(proposer: Proposer, sched: SchedulerOutput, results: list[SequenceResult],
+                        block_size: int, max_model_len: int) -> None:
+    """A host drafter's next drafts into results, after a padded step (which drafted none)."""
+    proposal = proposer.propose(token_draft_batch(sched, results, block_size, max_model_len))
+    for result, drafts in zip(results, proposal.token_ids):
+        result.next_drafts = drafts
+
+
+class HostDraftSlots:
+    """The padded verify step's draft loop for a host drafter: the verifier's output buffers and
+    the verify lengths the target's padded forward takes; drafts nothing on the device."""
+
+    def __init__(self, target, k: int):  # target: the padded forward (a CudaGraphRunner)
+        self.target = target
+        self.k = k  # K: the most drafts a step verifies
+        # Every verify length the padded forward has (graphs: 1 and K + 1, or 1..K + 1 under
+        # adaptive speculation; uncaptured buffers: any), so a step pads to the fewest rows.
+        self.verify_lens = tuple(q for q in target.query_lens if 1 <= q <= k + 1)
+        max_bucket = target.buckets[-1]
+        device = target.device
+        self.accepted = torch.zeros(max_bucket, dtype=torch.int64, device=device)  # [max_bucket]
+        self.next_token = torch.zeros(max_bucket, dtype=torch.int64, device=device)  # [max_bucket]
+        self.num_live = torch.zeros((), dtype=torch.int64, device=device)  # live sequences of the bucket
+        self.no_drafts = torch.zeros((max_bucket, 0), dtype=torch.int64, device=device)  # [max_bucket, 0]
+        self.graphs: dict = {}  # no draft-loop graphs (benchmarks that time one find none)
+
+    @property
+    def captures(self) -> bool:
+        return False
+
+    def capture(self) -> None:
+        pass
+
+    def catch_up_fits(self, first_position: int, q: int | None = None) -> bool:
+        """Whether a verify of q rows (None: K + 1) from first_position keeps every row, padding
+        included, below max_model_len (the rotary table and the block table end there)."""
+        return first_position + (self.k + 1 if q is None else q) <= self.target.max_model_len
+
+    def run(self, bucket: int, num_seqs: int, q: int | None = None, m: int | None = None) -> torch.Tensor:
+        """No drafts on the device: [num_seqs, 0] (the host drafter proposes after the read)."""
+        return self.no_drafts[:num_seqs]  # a static buffer's view, as the read-back wants
