@@ -10,12 +10,15 @@ Two pieces:
   - HostDraftSlots: what the padded verify step (graphed_verify.GraphedVerify) takes as its
     draft loop for such a drafter. It drafts nothing on the device (m = 0 drafts per sequence),
     it only holds the buffers the verifier writes (accepted count, next token, live sequences).
-    So a host drafter's verify is the target's (bucket, q) forward (a CUDA graph replay on the GPU,
-    the same static buffers run eagerly without graphs), verification on the device and one read
-    back of the whole step, and after it the drafter proposes from the host lists
-    (propose_from_tokens). Before this every verify with sequences of unequal draft counts (the
-    common case: a suffix draft's length is the match's) ran the target eagerly from host inputs,
-    then gathered the valid rows' ids and hidden states the drafter never reads.
+    So, when the target has graphs (graph_setup.py), a host drafter's verify is the target's
+    (bucket, q) graph replay (q: 1 when no sequence drafts, else K + 1, shorter drafts padded),
+    verification on the device and one read back of the whole step, and after it the drafter
+    proposes from the host lists (propose_from_tokens). Before this every verify with sequences
+    of unequal draft counts (the common case: a suffix draft's length is the match's) ran the
+    target eagerly from host inputs, then gathered the valid rows' ids and hidden states the
+    drafter never reads. Without graphs (the CPU's torch backend, --enforce-eager) host drafters
+    stay on the host step: unpadded rows cost less than padding every sequence to the longest
+    draft when every forward is eager anyway.
 
 A step of the padded kind whose sequences carry no drafts at all (q = 1: nobody matched last step)
 can queue the step after it on the device, as plain decoding does (step_pipeline.py): the launch
