@@ -17,7 +17,7 @@ a host drafter (suffix or n-gram) on the repetitive prompt set, batches of --bat
 at once, the process's CPU time per engine step, and, in a second run of the same prompts, what
 each step asks of the device: reads back to the host (Tensor.tolist / item / cpu / numpy), host
 lists made into tensors (torch.tensor: to_device's copies), torch calls in all, and those made
-while the drafter proposes (a host drafter should make none).
+while the drafter's batch is built and it proposes (a host drafter should make none).
 """
 
 from __future__ import annotations
@@ -176,6 +176,17 @@ def measure_engine_steps(batch_size: int, method: str = "suffix", num_prompts: i
                     mode.drafting = False
 
             proposer.propose = marked_propose
+            host_step = engine.runner.host_step  # the host step builds the drafter's batch there
+            host_propose = host_step.propose
+
+            def marked_host_propose(*args, _propose=host_propose):
+                mode.drafting = True
+                try:
+                    return _propose(*args)
+                finally:
+                    mode.drafting = False
+
+            host_step.propose = marked_host_propose
         for i, prompt in enumerate(prompts):
             engine.add_request(str(i), prompt, params)
         steps, cpu_s, wall_s = 0, 0.0, 0.0

@@ -1,0 +1,55 @@
+"""On a CUDA GPU: host drafters (suffix, n-gram) verify on the target's captured graphs
+(runner/host_drafts.py: the padded step with HostDraftSlots, drafts from the host's token lists
+after its one read-back), steps without drafts queued ahead; greedy output (fp32) equals plain
+decoding's, with logprobs, beside seeded sampled requests; and no verify takes the host step."""
+
+from __future__ import annotations
+
+import pytest
+
+from foretell import LLM, SamplingParams
+from foretell.runner.host_drafts import HostDraftSlots
+from foretell.runner.host_step import HostStep
+
+PROMPTS = ["The cat reads the book. The cat reads the book. The cat", "def add(x):\n    return x + 1\ndef add(x):",
+           "a b a b a b a b", "Question: what is 3 plus 7? Answer:"]
+SPECS = {"suffix": {"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_min_match_length": 2},
+         "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}}
+
+
+def generate(folder, params, **kwargs):
+    llm = LLM(folder, device="cuda", dtype="float32", num_kv_blocks=256, max_num_seqs=8, **kwargs)
+    return llm, [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("method", ["suffix", "ngram"])
+def test_host_drafters_verify_on_the_graphs(qwen3_checkpoint, method, monkeypatch):
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2) for _ in PROMPTS]
+    _, plain = generate(qwen3_checkpoint, params)
+    host_verifies = []
+    sample = HostStep.sample
+
+    def counted(self, sched, batch, logits, results):
+        host_verifies.append(any(item.draft_token_ids for item in sched.scheduled))
+        return sample(self, sched, batch, logits, results)
+
+    monkeypatch.setattr(HostStep, "sample", counted)
+    llm, got = generate(qwen3_checkpoint, params, speculative_config=SPECS[method])
+    runner = llm.engine.runner
+    assert runner.graphs.captures and isinstance(runner.draft_graphs, HostDraftSlots)
+    assert not any(host_verifies)
+    assert runner.pipeline.kinds[0].num_steps > 0 and llm.get_stats()["num_accepted_tokens"] > 0
+    for g, e in zip(got, plain):
+        assert g.token_ids == e.token_ids
+        for a, b in zip(g.logprobs, e.logprobs):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+    stats = llm.get_stats()
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+    print(f"{method}: steps queued ahead {runner.pipeline.num_launched}, used {runner.pipeline.num_used}")
+
+
+def test_sampled_requests_are_reproducible(qwen3_checkpoint):
+    params = [SamplingParams(temperature=0.3, max_tokens=32, ignore_eos=True, seed=s) for s in range(len(PROMPTS))]
+    runs = [[o.token_ids for o in generate(qwen3_checkpoint, params, speculative_config=SPECS["suffix"])[1]]
+            for _ in range(2)]
+    assert runs[0] == runs[1] and all(len(t) == 32 for t in runs[0])
