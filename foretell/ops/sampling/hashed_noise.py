@@ -1,5 +1,5 @@
-"""Counter-based noise: the hash of (row seed, stream, column) and the draws made from it, in torch,
-with the dispatch to the Triton kernels (triton_hashed_noise.py) on CUDA.
+"""Counter-based noise: the dispatch between the torch twin (hashed_noise_reference.py, whose names
+this module re-exports) and the Triton kernels (triton_hashed_noise.py) on CUDA.
 
 A row seed is a 63-bit int (layers/sampler.py derives it from a request's seed, its sample index and
 a token position; seed_at_position is the part the padded step computes on the device). Column c of
@@ -21,70 +21,25 @@ from __future__ import annotations
 import torch
 
 from foretell.ops.common import kernel_choice
-
-MASK32 = 0xFFFFFFFF
-MASK31 = 0x7FFFFFFF
-HASH_MULTIPLIER = 0x45D9F3B  # < 2**27: a 32-bit value times it stays below 2**59 (no int64 overflow)
-# Streams of counter-based noise: a row's exponential draws (the race) and its uniform draws (accept
-# tests) must not share values.
-EXPONENTIAL_STREAM = 0x2F6B1C3D
-UNIFORM_STREAM = 0x5DEECE66
-POSITION_SALT = 0x9E3779B9
-KEY_SALT = 0x85EBCA6B
-UNIFORM_BITS = 23  # float32 holds (b + 0.5) exactly only for b < 2**23
-EXPONENTIAL_BITS = 24  # made in float64, where (b + 0.5) / 2**24 is exact
-
-
-def mix32(x):
-    """A 32-bit integer hash (int in [0, 2**32), or an int64 tensor of such values): the same
-    arithmetic on Python ints and on tensors, none of it overflowing int64."""
-    x = ((x >> 16) ^ x) * HASH_MULTIPLIER & MASK32
-    x = ((x >> 16) ^ x) * HASH_MULTIPLIER & MASK32
-    return (x >> 16) ^ x
-
-
-def seed_at_position(key, position):
-    """A 63-bit row seed from a sequence's key and a token position (ints, or int64 tensors that
-    broadcast): the same arithmetic on the host and on the device."""
-    low = mix32((key & MASK32) ^ mix32((position & MASK32) ^ POSITION_SALT))
-    high = mix32(((key >> 32) & MASK31) ^ mix32(low ^ KEY_SALT))
-    return ((high & MASK31) << 32) | low
-
-
-def hashed_bits_torch(seeds: torch.Tensor, width: int, stream: int) -> torch.Tensor:
-    """seeds [rows] int64 (63-bit row seeds) -> [rows, width] int64 in [0, 2**32): the hash of
-    (seeds[r], stream, c) at (r, c)."""
-    low = mix32((seeds & MASK32) ^ stream)[:, None]  # [rows, 1]
-    high = ((seeds >> 32) & MASK31)[:, None]  # [rows, 1]
-    columns = torch.arange(width, dtype=torch.int64, device=seeds.device)[None, :]  # [1, width]
-    return mix32((mix32(columns ^ low) + high) & MASK32)  # [rows, width]
-
-
-def row_seeds_torch(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """keys [n] int64, positions [n, r] int64 -> [n, r] int64: seed_at_position(keys[i], positions[i, j])."""
-    return seed_at_position(keys[:, None], positions)
-
-
-def uniform_of_bits(bits: torch.Tensor) -> torch.Tensor:
-    """int64 hash bits in [0, 2**32) -> float32 U(0, 1): ((bits >> 9) + 0.5) / 2**23, exact."""
-    return ((bits >> (32 - UNIFORM_BITS)).to(torch.float32) + 0.5) * (1.0 / (1 << UNIFORM_BITS))
-
-
-def exponential_of_bits(bits: torch.Tensor) -> torch.Tensor:
-    """int64 hash bits in [0, 2**32) -> float32 Exp(1): -ln(((bits >> 8) + 0.5) / 2**24) in float64,
-    rounded to float32 (in (0, 17.33], never 0)."""
-    uniform = ((bits >> (32 - EXPONENTIAL_BITS)).to(torch.float64) + 0.5) * (1.0 / (1 << EXPONENTIAL_BITS))
-    return uniform.log_().neg_().to(torch.float32)
-
-
-def hashed_uniform_torch(seeds: torch.Tensor, width: int, stream: int) -> torch.Tensor:
-    """seeds [rows] int64 -> [rows, width] float32 U(0, 1) draws with 23 random bits."""
-    return uniform_of_bits(hashed_bits_torch(seeds, width, stream))
-
-
-def hashed_exponential_torch(seeds: torch.Tensor, width: int) -> torch.Tensor:
-    """seeds [rows] int64 -> [rows, width] float32 Exp(1) draws (the EXPONENTIAL_STREAM's)."""
-    return exponential_of_bits(hashed_bits_torch(seeds, width, EXPONENTIAL_STREAM))
+from foretell.ops.sampling.hashed_noise_reference import (  # noqa: F401  (the twin's names, re-exported)
+    MASK32,
+    MASK31,
+    HASH_MULTIPLIER,
+    EXPONENTIAL_STREAM,
+    UNIFORM_STREAM,
+    POSITION_SALT,
+    KEY_SALT,
+    UNIFORM_BITS,
+    EXPONENTIAL_BITS,
+    mix32,
+    seed_at_position,
+    hashed_bits_torch,
+    row_seeds_torch,
+    uniform_of_bits,
+    exponential_of_bits,
+    hashed_uniform_torch,
+    hashed_exponential_torch,
+)
 
 
 def _check_seeds(seeds: torch.Tensor, width: int) -> None:

@@ -1,4 +1,4 @@
-"""Triton kernels for counter-based noise (twins: hashed_noise.py's *_torch functions, bit for bit).
+"""Triton kernels for counter-based noise (twins: hashed_noise_reference.py's *_torch functions, bit for bit).
 
   - row seeds from sequence keys and positions (seed_at_position), one launch;
   - the noise itself, uniform or Exp(1), grid (rows, column blocks): the hash is done in uint32,
@@ -22,19 +22,19 @@ import triton
 import triton.language as tl
 
 from foretell.ops.common.pdl import join_dependent_chain, launch_options, pdl_enabled
-from foretell.ops.sampling import hashed_noise
+from foretell.ops.sampling import hashed_noise_reference as twin
 from foretell.ops.sampling.triton_argmax import _pick_chunk_kernel
 
 # The twin's constants, as the compile-time values kernels may read.
-EXPONENTIAL_SHIFT = tl.constexpr(32 - hashed_noise.EXPONENTIAL_BITS)  # keep the top EXPONENTIAL_BITS bits
-EXPONENTIAL_SCALE = tl.constexpr(1.0 / (1 << hashed_noise.EXPONENTIAL_BITS))
-EXPONENTIAL_STREAM = tl.constexpr(hashed_noise.EXPONENTIAL_STREAM)
-HASH_MULTIPLIER = tl.constexpr(hashed_noise.HASH_MULTIPLIER)
-KEY_SALT = tl.constexpr(hashed_noise.KEY_SALT)
-MASK31 = tl.constexpr(hashed_noise.MASK31)
-POSITION_SALT = tl.constexpr(hashed_noise.POSITION_SALT)
-UNIFORM_SHIFT = tl.constexpr(32 - hashed_noise.UNIFORM_BITS)
-UNIFORM_SCALE = tl.constexpr(1.0 / (1 << hashed_noise.UNIFORM_BITS))
+EXPONENTIAL_SHIFT = tl.constexpr(32 - twin.EXPONENTIAL_BITS)  # keep the top EXPONENTIAL_BITS bits
+EXPONENTIAL_SCALE = tl.constexpr(1.0 / (1 << twin.EXPONENTIAL_BITS))
+EXPONENTIAL_STREAM = tl.constexpr(twin.EXPONENTIAL_STREAM)
+HASH_MULTIPLIER = tl.constexpr(twin.HASH_MULTIPLIER)
+KEY_SALT = tl.constexpr(twin.KEY_SALT)
+MASK31 = tl.constexpr(twin.MASK31)
+POSITION_SALT = tl.constexpr(twin.POSITION_SALT)
+UNIFORM_SHIFT = tl.constexpr(32 - twin.UNIFORM_BITS)
+UNIFORM_SCALE = tl.constexpr(1.0 / (1 << twin.UNIFORM_BITS))
 NOISE_BLOCK = 1024  # columns per program of the noise kernel
 RACE_CHUNK = 4096  # columns per program of the race's first kernel
 
@@ -65,14 +65,14 @@ def _stream_bits(seed_low, seed_high, columns, stream):
 
 @triton.jit
 def _exponential_of_bits(bits):
-    """-ln(((bits >> 8) + 0.5) / 2**24) in float64, rounded to float32: hashed_noise.exponential_of_bits."""
+    """-ln(((bits >> 8) + 0.5) / 2**24) in float64, rounded to float32: twin.exponential_of_bits."""
     uniform = ((bits >> EXPONENTIAL_SHIFT).to(tl.float64) + 0.5) * EXPONENTIAL_SCALE  # exact in float64
     return (-tl.log(uniform)).to(tl.float32)  # float64 log: libdevice's __nv_log on CUDA
 
 
 @triton.jit
 def _uniform_of_bits(bits):
-    """((bits >> 9) + 0.5) / 2**23 in float32, exact: hashed_noise.uniform_of_bits."""
+    """((bits >> 9) + 0.5) / 2**23 in float32, exact: twin.uniform_of_bits."""
     return ((bits >> UNIFORM_SHIFT).to(tl.float32) + 0.5) * UNIFORM_SCALE
 
 
@@ -195,7 +195,7 @@ def hashed_uniform_triton(seeds: torch.Tensor, width: int, stream: int) -> torch
 
 def hashed_exponential_triton(seeds: torch.Tensor, width: int) -> torch.Tensor:
     """seeds [rows] int64 -> [rows, width] float32: hashed_exponential_torch, bit for bit."""
-    return _hashed_noise(seeds, width, hashed_noise.EXPONENTIAL_STREAM, exponential=True)
+    return _hashed_noise(seeds, width, twin.EXPONENTIAL_STREAM, exponential=True)
 
 
 def exponential_race_triton(probs: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
