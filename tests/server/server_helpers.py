@@ -62,3 +62,11 @@ def wait_until_idle(srv: BackgroundServer, timeout: float = 20.0) -> dict:
         if idle or time.monotonic() > deadline:
             return stats
         time.sleep(0.02)
+
+
+def counter_deltas(before: list[int], after: list[int]) -> list[int]:
+    """after - before for a per-position counter list of the stats. The lists grow past k when a
+    verify accepts more (grammar-forced drafts of a structured request, in any test that shared the
+    server): positions that `before` lacks count from 0."""
+    before = before + [0] * (len(after) - len(before))
+    return [a - b for b, a in zip(before, after)]

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
 )
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e '.[test]')")
 
-from server_helpers import MODEL_NAME, wait_until_idle  # noqa: E402
+from server_helpers import MODEL_NAME, counter_deltas, wait_until_idle  # noqa: E402
 
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
 # Background of each kind as style.css paints it (accepted: by draft position)
@@ -95,8 +95,8 @@ def test_playground_colours_tokens_and_charts_agree_with_the_api(spec_server, pa
 
     # the charts show what the engine counted for the page's request
     drafts = after["num_drafts"] - before["num_drafts"]
-    accepted = [a1 - a0 for a0, a1 in zip(before["accepted_per_position"], after["accepted_per_position"])]
-    histogram = [h1 - h0 for h0, h1 in zip(before["accepted_count_histogram"], after["accepted_count_histogram"])]
+    accepted = counter_deltas(before["accepted_per_position"], after["accepted_per_position"])
+    histogram = counter_deltas(before["accepted_count_histogram"], after["accepted_count_histogram"])
     assert drafts > 0
     bars = page.eval_on_selector_all("#chart-position rect.bar", "els => els.map(e => Number(e.dataset.value))")
     assert bars == pytest.approx([a / drafts for a in accepted])
