@@ -319,4 +319,6 @@ class ModelRunner:
             self.tree_step.forget(seq_id)
 
     def shutdown(self) -> None:
-        """Nothing to stop in this process (RunnerHandle's; a ParallelRunner stops its workers)."""
+        """Wait for the grammar masks being filled ahead and end their thread (RunnerHandle's; a
+        ParallelRunner stops its workers)."""
+        self.host_step.structured.close()

@@ -74,6 +74,7 @@ class MaskWorker:
         self._done = threading.Lock()  # held while a batch runs
         self._failed = False
         self.busy = False
+        self._buffer = None  # start()'s buffer, held while its calls run
         threading.Thread(target=self._serve, name="foretell-grammar-masks", daemon=True).start()
 
     def _serve(self) -> None:
@@ -92,10 +93,13 @@ class MaskWorker:
     def stop(self) -> None:
         self._queue.put(None)
 
-    def start(self, calls: list) -> None:
+    def start(self, calls: list, buffer: object = None) -> None:
+        """Run calls on the thread; buffer (the array llguidance writes into, which the calls may
+        reach by address only) is held until wait() returns, so nothing frees it mid-write."""
         self.wait()
         self._done.acquire()
         self.busy, self._failed = True, False
+        self._buffer = buffer
         self._queue.put(calls)
 
     def wait(self) -> bool:
@@ -104,6 +108,7 @@ class MaskWorker:
             self._done.acquire()
             self._done.release()
             self.busy = False
+            self._buffer = None
         return not self._failed
 
 
@@ -272,11 +277,20 @@ class StructuredOutputs:
                 weakref.finalize(self, self._worker.stop)  # the thread ends with this object
             out = np.empty((sum(len(drafts) + 1 for _, _, drafts in jobs), self.num_words), dtype=np.int32)
             calls = walk_calls(self.executor, [m for _, m, _ in jobs], [d for _, _, d in jobs], out)
-            self._worker.start(calls)
+            self._worker.start(calls, out)
             self._ahead = (jobs, out)
         elapsed = time.perf_counter() - started
         self.timer.fill_ahead_seconds += elapsed
         self.timer.seconds += elapsed
+
+    def close(self) -> None:
+        """Wait for the rows being filled ahead, then end the worker thread: llguidance works on
+        this object's matchers and buffers until then (an engine closed mid-fill crashed in CI)."""
+        if self._worker is not None:
+            self._worker.wait()
+            self._worker.stop()
+            self._worker = None
+        self._ahead = None
 
     def _wait_for_worker(self) -> None:
         """Wait for the rows being filled ahead (the matchers are the worker's until then)."""
