@@ -1,19 +1,8 @@
 """Counter-based noise: the dispatch between the torch twin (hashed_noise_reference.py, whose names
 this module re-exports) and the Triton kernels (triton_hashed_noise.py) on CUDA.
 
-A row seed is a 63-bit int (layers/sampler.py derives it from a request's seed, its sample index and
-a token position; seed_at_position is the part the padded step computes on the device). Column c of
-a row's stream s is 32 hash bits; they become
-  - a U(0, 1) draw (hashed_uniform): ((bits >> 9) + 0.5) / 2**23 in float32, exact, never 0 or 1;
-  - an Exp(1) draw (hashed_exponential): -ln(((bits >> 8) + 0.5) / 2**24) computed in float64 and
-    rounded to float32. Each of the 2**24 values' exact logarithm lies at least 19 float64 ulps
-    from a float32 rounding boundary (checked over all of them, tests/ops/test_hashed_noise_triton.py),
-    so any float64 log within 19 ulps (torch on CPU and CUDA, numpy, CUDA's libdevice: <= 1 ulp)
-    gives the same float32: the noise is the same bits on every device and in every kernel.
-    (A float32 log would not be: torch's CPU log and numpy's differ on a fifth of these inputs.)
-
-All of it is integer arithmetic that stays below 2**63 and exact float conversions: capturable
-(fixed shapes, no host reads) and equal wherever the same seeds are drawn.
+What the noise is (row seeds, the hash, the uniform and Exp(1) draws, why they are the same bits on
+every device) is said in hashed_noise_reference.py. The dispatch adds only the argument checks.
 """
 
 from __future__ import annotations
