@@ -187,3 +187,36 @@ def test_host_overhead_probe_structure(tiny, method):
         with pytest.raises(ValueError, match="in flight"):
             measure_host_overhead(llm, PROMPTS, params)
         engine.abort_request("busy")
+
+
+@pytest.mark.parametrize("method", [None, "eagle3"])
+def test_host_overhead_probe_with_stubbed_forward(tiny, method):
+    """stub_forward: the target's forward is a stub whose argmax is one token, plain decode steps
+    run on the graph buffers (queued ahead), and everything is put back afterwards."""
+    from foretell.bench.host_overhead import _StubTarget
+
+    spec = None if method is None else {"method": "eagle3", "model": tiny[1], "num_speculative_tokens": 2}
+    with LLM(tiny[0], device="cpu", dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64,
+             speculative_config=spec, log_stats_interval_s=0, async_scheduling="on") as llm:
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        expected = [o.outputs[0].token_ids for o in
+                    llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)]
+        runner = llm.engine.runner
+        graphs_before, used_before = runner.graphs, runner.pipeline.num_used
+        result = measure_host_overhead(llm, PROMPTS, params, batch_size=2, stub_forward=True)
+        assert result.num_tokens == 7 * len(PROMPTS)
+        assert result.wall_us["target forward"] > 0
+        if method is None:  # queued decode steps on the graph buffers, every one taken
+            assert runner.pipeline.num_used - used_before >= result.num_steps - len(PROMPTS)
+        assert runner.graphs is graphs_before
+        assert not {"forward", "compute_logits", "compute_greedy_tokens"} & set(vars(runner.model))
+        again = [o.outputs[0].token_ids for o in
+                 llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)]
+        assert again == expected
+    stub = _StubTarget(hidden_size=8, num_aux=2, vocab_size=50, token=7)
+    import torch
+
+    hidden, aux = stub.forward(torch.zeros(3, dtype=torch.int64), None, None)
+    assert hidden.shape == (3, 8) and len(aux) == 2
+    assert stub.compute_logits(hidden).argmax(-1).tolist() == [7, 7, 7]
+    assert stub.compute_greedy_tokens(hidden).tolist() == [7, 7, 7]

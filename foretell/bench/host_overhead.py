@@ -23,6 +23,12 @@ machine shared with other processes; with one torch thread the forwards run on t
   measure_host_overhead(llm, prompts, params, batch_size)  -> HostOverhead (public, tested)
   python -m foretell.bench.host_overhead --method eagle3 --batch-size 16   (default family, GSM8K)
 
+With `stub_forward` (--stub-forward) the target's forward and LM head are a stub (zeros; logits
+that pick one token), and on the CPU a plain decode step goes through the target's graph buffers
+as on the GPU (an uncaptured runner/cuda_graph.py runner: pack, unpack and "replay" of the stub),
+so the table shows the host path the GPU's queued decode steps take, minus the CUDA calls
+themselves (events, streams, the unpack kernel's launch, the replay). Tokens are meaningless then.
+
 Every wrapper is an instance attribute set for the measured run and removed afterwards (an
 instance attribute that was there before is put back); nothing of the engine's classes or modules
 is patched.
@@ -35,6 +41,8 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
+
+import torch
 
 PARTS = (
     "schedule", "runner host", "target forward", "drafter forward", "postprocess",
@@ -161,6 +169,68 @@ def _instrumented(llm, clock: _Clock) -> Iterator[None]:
                 setattr(obj, name, before)
 
 
+class _StubTarget:
+    """The target's forward and LM head at no arithmetic: zero hidden (and aux) states, logits
+    whose argmax is `token` (the probe's host path runs; the tokens mean nothing)."""
+
+    def __init__(self, hidden_size: int, num_aux: int, vocab_size: int, token: int):
+        self.hidden_size, self.num_aux, self.vocab_size, self.token = hidden_size, num_aux, vocab_size, token
+
+    def forward(self, input_ids, positions, attn_metadata):
+        rows = input_ids.shape[0]
+        hidden = torch.zeros(rows, self.hidden_size, device=input_ids.device)  # [rows, hidden]
+        return hidden, [hidden] * self.num_aux
+
+    def compute_logits(self, hidden):
+        logits = torch.zeros(hidden.shape[0], self.vocab_size, device=hidden.device)  # [rows, vocab]
+        logits[:, self.token] = 1.0
+        return logits
+
+    def compute_greedy_tokens(self, hidden):
+        return torch.full((hidden.shape[0],), self.token, dtype=torch.int64, device=hidden.device)  # [rows]
+
+
+@contextlib.contextmanager
+def stubbed_target(llm) -> Iterator[None]:
+    """The target's forward replaced by _StubTarget for the block, and plain decode steps on the
+    graph buffers where the runner has none (the CPU); everything is put back afterwards."""
+    from foretell.runner.cuda_graph import CudaGraphRunner
+    from foretell.runner.decode_ahead import DecodeAhead
+
+    runner = llm.engine.runner
+    model = runner.model
+    config = runner.hf_config.language_model()
+    stub = _StubTarget(config.hidden_size, len(getattr(model, "aux_hidden_state_layers", None) or ()),
+                       runner.vocab_size, token=min(1000, runner.vocab_size - 1))
+    names = ("forward", "compute_logits", "compute_greedy_tokens")
+    saved = [(name, vars(model).get(name, _ABSENT)) for name in names]
+    kinds = [kind for kind in runner.pipeline.kinds if isinstance(kind, DecodeAhead) and kind.graphs is None]
+    saved_graphs = runner.graphs
+    for name in names:
+        setattr(model, name, getattr(stub, name))
+    if kinds:
+        block_size = runner.cache_plan.block_size
+        # reads_host_lengths off: the stub reads no lengths (a real torch-backend forward would)
+        graphs = CudaGraphRunner(model, llm.engine.config.scheduler.max_num_seqs, (1,),
+                                 -(-(runner.max_model_len + runner.num_lookahead_tokens) // block_size) + 1,
+                                 block_size, runner.max_model_len, runner.device, capture_graphs=False)
+        for kind in kinds:
+            kind.graphs = graphs
+        runner.graphs = graphs
+    try:
+        yield
+    finally:
+        for name, before in saved:
+            if before is _ABSENT:
+                delattr(model, name)
+            else:
+                setattr(model, name, before)
+        for kind in kinds:
+            kind.graphs = None
+        runner.graphs = saved_graphs
+        runner.pipeline.drop()  # a queued step of the stub's
+
+
 def _run(engine, prompts: list[list[int]], params, clock: _Clock, prefix: str) -> tuple[int, int]:
     """Add the prompts, run their prefill untimed, then time every step to the end; returns
     (timed steps, tokens generated in them)."""
@@ -187,10 +257,11 @@ def _run(engine, prompts: list[list[int]], params, clock: _Clock, prefix: str) -
 
 
 def measure_host_overhead(llm, prompts: list[list[int]], params, batch_size: int = 1,
-                          warm_up: bool = True) -> HostOverhead:
+                          warm_up: bool = True, stub_forward: bool = False) -> HostOverhead:
     """Time the engine's steps over `prompts` (token-id lists), `batch_size` of them at a time,
     each to the end of `params` (use ignore_eos and max_tokens for a fixed length). The first
-    batch also runs once untimed first (warm-up) unless warm_up is False."""
+    batch also runs once untimed first (warm-up) unless warm_up is False. stub_forward: the
+    target's forward stubbed and plain decode steps on the graph buffers (stubbed_target)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if not prompts:
@@ -200,7 +271,8 @@ def measure_host_overhead(llm, prompts: list[list[int]], params, batch_size: int
         raise ValueError(f"the engine has {len(engine.requests)} requests in flight: measure on an idle engine")
     clock = _Clock()
     steps = tokens = 0
-    with _instrumented(llm, clock):
+    stub = stubbed_target(llm) if stub_forward else contextlib.nullcontext()
+    with stub, _instrumented(llm, clock):
         if warm_up:
             _run(engine, prompts[:batch_size], params, _Clock(), "host-overhead-warm-up-")
         for start in range(0, len(prompts), batch_size):
@@ -252,6 +324,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--num-cpu-threads", type=int, default=1)
     parser.add_argument("--async-scheduling", default="on", choices=["auto", "on", "off"])
+    parser.add_argument("--stub-forward", action="store_true",
+                        help="the target's forward stubbed; plain decode steps on the graph buffers (the GPU's host path)")
+    parser.add_argument("--repeat", type=int, default=1, help="measure this many times (medians side by side)")
     parser.add_argument("--output-json")
     args = parser.parse_args(argv)
     method = None if args.method == "none" else args.method
@@ -261,13 +336,21 @@ def main(argv: list[str] | None = None) -> None:
     count = args.num_prompts or args.batch_size
     prompts = [llm.tokenizer.encode(p.text) for p in load_prompts("gsm8k", count, seed=0)]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    result = measure_host_overhead(llm, prompts, params, batch_size=args.batch_size)
-    print(f"method {args.method}, batch {args.batch_size}, {result.num_steps} steps, "
-          f"{result.tokens_per_step:.2f} tokens a step")
-    print(result.table())
+    results = []
+    for _ in range(args.repeat):
+        result = measure_host_overhead(llm, prompts, params, batch_size=args.batch_size,
+                                       stub_forward=args.stub_forward)
+        print(f"method {args.method}, batch {args.batch_size}, {result.num_steps} steps, "
+              f"{result.tokens_per_step:.2f} tokens a step{' (stubbed forward)' if args.stub_forward else ''}")
+        print(result.table())
+        results.append(result)
+    if args.repeat > 1:
+        print("cpu medians per run: " + "; ".join(
+            f"{name} " + " ".join(f"{r.cpu_us_median[name]:.0f}" for r in results)
+            for name in PARTS + ("host",) if name not in ("target forward", "drafter forward")))
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump(result.as_dict(), f, indent=1)
+            json.dump([r.as_dict() for r in results] if args.repeat > 1 else results[0].as_dict(), f, indent=1)
 
 
 if __name__ == "__main__":
