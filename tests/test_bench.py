@@ -4,11 +4,13 @@ a small fake OpenAI-compatible server started here."""
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
 import threading
 import time
+import weakref
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -288,6 +290,29 @@ def test_random_dataset_without_speculation(qwen3_checkpoint, tmp_path, capsys):
     assert row["method"] == "none" and row["generated_tokens"] == 6 and row["speedup"] == 1.0
     assert "| none" in capsys.readouterr().out
     assert len(os.listdir(tmp_path / "plots")) == 4  # plots of a run without speculation
+
+
+def test_each_configuration_frees_the_last_engine_before_loading(qwen3_checkpoint, tmp_path, monkeypatch):
+    """No name in run_bench keeps an engine's runner (its KV cache) alive once the next method's
+    engine loads: on the H200 the suffix engine after the plain one found 15.7 GiB free."""
+    import foretell
+
+    runners: list[weakref.ref] = []
+    alive_at_load: list[int] = []
+
+    class WatchedLLM(foretell.LLM):
+        def __init__(self, *args, **kwargs):
+            gc.collect()
+            alive_at_load.append(sum(ref() is not None for ref in runners))
+            super().__init__(*args, **kwargs)
+            runners.append(weakref.ref(self.engine.runner))
+
+    monkeypatch.setattr(foretell, "LLM", WatchedLLM)
+    rc = main(["bench", "--model", qwen3_checkpoint, "--device", "cpu", "--methods", "ngram,suffix",
+               "--dataset", "random", "--input-len", "5", "--num-prompts", "1", "--max-tokens", "2",
+               "--ignore-eos", "--no-warmup", "--output-json", str(tmp_path / "r.json"), "--no-progress"])
+    assert rc == 0 and len(runners) == 3
+    assert alive_at_load == [0, 0, 0]
 
 
 # ------------------------------------------------------------------------------ bench serve

@@ -95,8 +95,10 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
         prompts = load_prompts(s.dataset, s.num_prompts, s.seed, s.input_len, vocab)
     prompt_ids = tokenize_prompts(prompts, tokenizer, s.chat)
     eos_ids = sorted(tokenizer.eos_token_ids)
-    runner = llm.engine.runner
-    device, dtype = str(runner.device), str(runner.dtype).replace("torch.", "")
+    # No name may keep the first engine's runner (and its KV cache) alive past release() below:
+    # the next configuration's engine would find the device's memory taken (H200, 15.7 GiB free).
+    device = str(llm.engine.runner.device)
+    dtype = str(llm.engine.runner.dtype).replace("torch.", "")
     params = SamplingParams(
         temperature=s.temperature, max_tokens=s.max_tokens, ignore_eos=s.ignore_eos, seed=s.seed
     )
