@@ -126,6 +126,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
         sp.add_argument("--" + field.replace("_", "-"), **options)
     sp.add_argument("--draft-block-size", type=int,
                     help="KV block size of the draft's cache (default: --block-size)")
+    sp.add_argument("--structured-forced-drafts", choices=["on", "off"],
+                    help="on (default): tokens a request's grammar forces are drafted (past k, replacing "
+                         "a host drafter's); off: drafts are the drafter's, cut where the grammar rejects one")
     sp.add_argument("--draft-tensor-parallel-size", type=int,
                     help="eagle3: 1 replicates the head on every rank (default); the target's "
                          "--tensor-parallel-size splits it like the target (large heads)")
@@ -175,6 +178,7 @@ def speculative_config_from_args(args: argparse.Namespace) -> dict[str, Any] | N
         "num_draft_tokens": getattr(args, "num_draft_tokens", None),
         "draft_tensor_parallel_size": getattr(args, "draft_tensor_parallel_size", None),
         "adaptive": getattr(args, "adaptive", None),
+        "structured_forced_drafts": {"on": True, "off": False}.get(getattr(args, "structured_forced_drafts", None)),
         **{name: getattr(args, name, None) for name in SUFFIX_FLAGS},
     }
     if args.eagle3_aux_layer_ids:

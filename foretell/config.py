@@ -220,6 +220,10 @@ class SpeculativeConfig:
     topk: int = 1
     num_draft_tokens: int | None = None
     revision: str | None = None  # of a draft model given as a Hub id
+    # Structured outputs (structured/forced_drafts.py): where a request's grammar forces tokens,
+    # they replace a host drafter's drafts and are appended past k. False: drafts are the
+    # proposer's, only cut at the first one the grammar rejects (never past k).
+    structured_forced_drafts: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -255,6 +259,11 @@ class SpeculativeConfig:
                 f"eagle3_aux_layer_ids must name 3 layers, got {self.eagle3_aux_layer_ids}"
             )
         self._check_tree()
+        if not isinstance(self.structured_forced_drafts, bool):
+            raise ValueError(
+                f"speculative_config structured_forced_drafts must be true or false, got "
+                f"{self.structured_forced_drafts!r}"
+            )
 
     def _check_tree(self) -> None:
         """topk / num_draft_tokens (TreeShape's rule, without torch): a chain for topk 1, else a

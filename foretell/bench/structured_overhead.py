@@ -101,20 +101,22 @@ def bitmask_op_us(vocab_size: int, num_rows: int, device: str, repeats: int = 20
 
 
 def run(model: str | None, method: str, device: str, dtype: str, tokens: int, repeats: int,
-        fill_ahead: bool = True) -> dict:
+        fill_ahead: bool = True, forced_drafts: bool = True, num_cpu_threads: int | None = None) -> dict:
     from foretell import LLM, SamplingParams
     from foretell.bench.datasets import gsm8k_test_prompts
     from foretell.defaults import member_path
 
     spec = None
     if method != "none":
-        spec = {"method": method, "num_speculative_tokens": 3}
+        spec = {"method": method, "num_speculative_tokens": 3, "structured_forced_drafts": forced_drafts}
         if method in ("eagle3", "draft_model"):
             spec["model"] = member_path(method)
     prompt = gsm8k_test_prompts(1)[0] + " Reply with JSON."
     base = dict(temperature=0, max_tokens=tokens, ignore_eos=True)
-    report: dict = {"method": method, "device": device, "dtype": dtype, "tokens": tokens, "fill_ahead": fill_ahead}
-    with LLM(model or member_path("target"), device=device, dtype=dtype, speculative_config=spec) as llm:
+    report: dict = {"method": method, "device": device, "dtype": dtype, "tokens": tokens, "fill_ahead": fill_ahead,
+                    "forced_drafts": forced_drafts}
+    threads = {} if num_cpu_threads is None else {"num_cpu_threads": num_cpu_threads}
+    with LLM(model or member_path("target"), device=device, dtype=dtype, speculative_config=spec, **threads) as llm:
         if not fill_ahead:  # every step fills its own rows (an instance attribute: the class is untouched)
             structured_of(llm).fill_ahead = lambda scheduled, results: None
         report["host_step"] = measure(llm, prompt, SamplingParams(**base, logit_bias={0: 0.0}), repeats)
@@ -132,7 +134,7 @@ def run(model: str | None, method: str, device: str, dtype: str, tokens: int, re
 
 def print_report(report: dict) -> None:
     print(f"batch 1, {report['method']}, {report['device']} {report['dtype']}, {report['tokens']} tokens, "
-          f"fill ahead {'on' if report['fill_ahead'] else 'off'}")
+          f"fill ahead {'on' if report['fill_ahead'] else 'off'}, forced drafts {'on' if report['forced_drafts'] else 'off'}")
     print(f"{'run':12} {'ms/step':>8} {'cpu ms':>8} {'masks ms':>9} {'fill':>7} {'apply':>7} {'draft':>7} "
           f"{'ahead':>7} {'accept':>7}")
     for name in ("host_step", "always_true", "json"):
@@ -156,12 +158,16 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed requests per run (the median is kept)")
     parser.add_argument("--no-fill-ahead", action="store_true",
                         help="fill each step's verify rows in the step (no worker thread), for an A/B")
+    parser.add_argument("--structured-forced-drafts", choices=["on", "off"], default="on",
+                        help="the grammar's forced tokens drafted (speculative_config structured_forced_drafts)")
+    parser.add_argument("--num-cpu-threads", type=int, default=None, help="torch intra-op threads on the CPU")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args(argv)
     if args.tokens < 1 or args.repeats < 1:
         raise ValueError(f"--tokens and --repeats must be >= 1, got {args.tokens} and {args.repeats}")
     report = run(args.model, args.method, args.device, args.dtype, args.tokens, args.repeats,
-                 fill_ahead=not args.no_fill_ahead)
+                 fill_ahead=not args.no_fill_ahead, forced_drafts=args.structured_forced_drafts == "on",
+                 num_cpu_threads=args.num_cpu_threads)
     print_report(report)
     if args.json_out:
         with open(args.json_out, "w") as f:

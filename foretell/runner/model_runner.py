@@ -141,7 +141,9 @@ class ModelRunner:
         self.host_step = HostStep(sampler, self.verifier, self.proposer, self.vocab_size,
                                   self.cache_plan.block_size, self.max_model_len, self.device,
                                   tensor_parallel=self.tensor_parallel.is_parallel,
-                                  structured=StructuredOutputs(mc.tokenizer or mc.model, self.vocab_size))
+                                  structured=StructuredOutputs(mc.tokenizer or mc.model, self.vocab_size,
+                                                               forced_drafts=config.speculative is None
+                                                               or config.speculative.structured_forced_drafts))
         self.pipeline = build_step_pipeline(
             step_graphs, queue_ahead=queue_ahead, has_drafter=self.proposer is not None,
             target_forward=self.target_forward, sampler=sampler, verifier=self.verifier,

@@ -27,7 +27,9 @@ carry no distribution, such as n-gram's), replaced where the grammar forces anot
 the grammar's forced run (llguidance's fast-forward tokens) appended after them, past the
 proposer's k. A sampled draft from a distribution q must stay (rejection sampling at a draft the
 mask forbids draws from the residual max(0, p - q), which keeps the target's distribution;
-dropping it would not); forced drafts appended after such drafts get a one-hot q.
+dropping it would not); forced drafts appended after such drafts get a one-hot q. With
+forced_drafts off (speculative_config structured_forced_drafts) the drafts are only cut, where
+that is exact, and never pass k: the form before forced drafts, kept for A/B runs.
 
 The tokenizer (the runner's own copy, for llguidance's token table) is loaded when a request
 first asks for structured outputs. A sequence's matcher is a deep copy of one kept per grammar
@@ -113,9 +115,10 @@ class MaskWorker:
 
 
 class StructuredOutputs:
-    def __init__(self, tokenizer_source: str | None, vocab_size: int):
+    def __init__(self, tokenizer_source: str | None, vocab_size: int, forced_drafts: bool = True):
         self.tokenizer_source = tokenizer_source  # a folder or Hub id (foretell.tokenizer.Tokenizer)
         self.vocab_size = vocab_size  # the target's logits width
+        self.forced_drafts = forced_drafts  # grammar_drafts: forced tokens drafted (else cut only)
         self.matchers: dict[int, SequenceMatcher] = {}  # seq_id ->
         self._ll_tokenizer = None
         self.num_words = num_mask_words(vocab_size)
@@ -351,7 +354,8 @@ class StructuredOutputs:
         drafts), and its forced run appended after the drafts it takes, at most max_drafts in all
         (None: unbounded). draft_probs[i]: the proposer's draft distribution [k, vocab] for
         sequence i, or None; returns them with a one-hot row for each appended forced draft of a
-        sampled request (the drafts of a greedy one need none)."""
+        sampled request (the drafts of a greedy one need none). With forced_drafts off, only the
+        cut (drawn drafts untouched), and the probabilities come back as they were."""
         out = list(draft_probs)
         started = time.perf_counter()
         for i, (item, result, probs) in enumerate(zip(scheduled, results, draft_probs)):
@@ -366,6 +370,10 @@ class StructuredOutputs:
                 raise SequenceError(seq.seq_id, f"structured outputs of request {seq.request_id!r}: {e}") from e
             drawn = probs is not None and not params.greedy  # drafts drawn from a distribution
             drafts = list(result.next_drafts)
+            if not self.forced_drafts:
+                if not drawn and drafts:
+                    result.next_drafts = drafts[: matcher.allowed_prefix(drafts)]
+                continue
             shaped = drafts_under_grammar(matcher, drafts, not drawn, max_drafts)
             result.next_drafts = shaped.token_ids
             self.timer.forced_drafts += shaped.num_forced
