@@ -250,8 +250,9 @@ class Engine:
     def _finish_step(self, touched: dict[str, Request], now: float) -> list[RequestOutput]:
         outputs = []
         for request in touched.values():
-            outputs.append(output_processor.make_output(request))
-            if request.finished:
+            output = output_processor.make_output(request)
+            outputs.append(output)
+            if output.finished:  # request.finished, as make_output found it
                 request.metrics.finished_time = now
                 self.metrics.num_requests_finished += 1
                 del self.requests[request.request_id]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 from foretell.engine.metrics import EngineMetrics
 from foretell.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from foretell.engine.scheduler import ScheduledSequence, Scheduler
-from foretell.engine.sequence import Sequence
+from foretell.engine.sequence import Sequence, SequenceStatus
 from foretell.engine.token_origins import TokenOrigin, step_origins
 from foretell.sampling_params import SamplingParams
 
@@ -56,7 +56,10 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        for seq in self.seqs:  # a loop, not all() over a generator: asked every step
+            if seq.status is not SequenceStatus.FINISHED:
+                return False
+        return True
 
 
 def apply_result(

@@ -128,11 +128,13 @@ class Scheduler:
     def _plan(self, seq: Sequence, budget: int) -> tuple[int, list[int], int | None]:
         """How many rows the sequence runs within the budget, which of them are drafts, and how
         many of those may be accepted (None: all)."""
-        remaining = seq.num_uncomputed_tokens
+        remaining = len(seq.token_ids) - seq.num_computed_tokens  # seq.num_uncomputed_tokens
         if remaining > 1:
             if not self.config.enable_chunked_prefill and remaining > budget:
                 return 0, [], None
             return min(remaining, budget), [], None
+        if not seq.spec_token_ids:  # a plain decode step: one row, nothing to cap
+            return 1, [], None
         room = min(budget - 1, self.max_model_len - seq.num_tokens)
         if self.draft_limit is not None:
             room = min(room, self.draft_limit)
@@ -174,7 +176,7 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
-            samples = seq.num_computed_tokens + num_new - len(drafts) >= seq.num_tokens
+            samples = seq.num_computed_tokens + num_new - len(drafts) >= len(seq.token_ids)
             while not self._reserve(seq, num_new, samples):
                 victim = self.running[-1]
                 self._preempt(victim, out)

@@ -37,7 +37,7 @@ from foretell.engine.scheduler import ScheduledSequence, SchedulerOutput
 from foretell.engine.sequence import Sequence
 from foretell.layers.sampler import Sampler, SamplingBatch, argmax_rows, row_seed
 from foretell.runner.cuda_graph import CudaGraphRunner
-from foretell.runner.input_batch import InputBatch, build_decode_batch, cache_slot
+from foretell.runner.input_batch import InputBatch, build_decode_batch
 from foretell.runner.logprobs import PaddedLogprobs, padded_step_logprobs, read_padded_logprobs
 from foretell.runner.padded_logits_controls import PaddedLogitsControls, padded_step_takes
 from foretell.runner.pinned_ring import PinnedRing
@@ -52,13 +52,11 @@ def plain_decode(scheduled: list[ScheduledSequence]) -> bool:
     because sampling reads only the row's parameters and position (seeds) and the logits
     controls' device state (advanced by the step before it on the device), never the host's
     token lists: a grammar, whose matcher state lives on the host, keeps its requests out."""
-    return all(
-        item.num_new_tokens == 1
-        and item.samples
-        and not item.draft_token_ids
-        and padded_step_takes(item.seq.sampling_params)
-        for item in scheduled
-    )
+    for item in scheduled:  # a loop, not all() over a generator: this runs twice a decode step
+        if item.num_new_tokens != 1 or not item.samples or item.draft_token_ids \
+                or not padded_step_takes(item.seq.sampling_params):
+            return False
+    return True
 
 
 @dataclass
@@ -93,19 +91,22 @@ class DecodeAhead:
         return self.launch_for(seqs, batch, controls, logprobs)
 
     def launch_for(self, seqs: list[Sequence], batch: InputBatch, controls: PaddedLogitsControls | None = None,
-                   logprobs: PaddedLogprobs | None = None) -> "LaunchedDecode":
+                   logprobs: PaddedLogprobs | None = None, all_greedy: bool | None = None) -> "LaunchedDecode":
         """Forward and sampling of a plain decode batch (its logits processed by `controls`, its
         logprobs taken from the raw logits for `logprobs`); the copy of its tokens to the host is
         queued, nothing is waited for. A greedy batch without either on a CUDA graph takes the
-        graph's own argmax.
+        graph's own argmax. all_greedy: whether every sequence samples greedily (None: looked up;
+        a step queued after another passes the one it launched with: the same sequences).
 
         An all-greedy batch builds no SamplingBatch (no seeds, no per-row parameter lists): every
         step of plain greedy decoding comes through here, and argmax reads nothing else."""
-        all_greedy = all(seq.sampling_params.greedy for seq in seqs)
+        if all_greedy is None:
+            all_greedy = all(seq.sampling_params.greedy for seq in seqs)
         key = self.graphs.bucket_for(batch) if self.graphs is not None else None
         if key is not None and all_greedy and controls is None and logprobs is None:
             token_ids = self.graphs.run(batch, key).greedy[: len(seqs)]  # [num_seqs] int64, until the next replay
-            return LaunchedDecode.queue(self, seqs, batch, token_ids, graphed=True)
+            return LaunchedDecode(self, seqs, batch.position_list, batch.slot_list, token_ids, None, True,
+                                  all_greedy=True)
         _, _, raw_logits = self.forward(batch)  # [num_seqs, vocab] float32 (a graph's: until its next replay)
         n = len(seqs)
         no_drafts = torch.zeros(n, 0, dtype=torch.int64, device=raw_logits.device)  # [n, 0]
@@ -128,7 +129,7 @@ class DecodeAhead:
             packed = padded_step_logprobs(logprobs, raw_logits[:, None, :], no_drafts, torch.zeros_like(token_ids),
                                           token_ids, out)
         return LaunchedDecode.queue(self, seqs, batch, token_ids, controls=controls, logprobs=logprobs,
-                                    packed_logprobs=packed)
+                                    packed_logprobs=packed, all_greedy=all_greedy)
 
 
 @dataclass
@@ -144,12 +145,14 @@ class LaunchedDecode:
     graphed: bool  # token_ids is a CUDA graph's argmax output (the next replay overwrites it)
     controls: PaddedLogitsControls | None = None  # the logits controls' device state (None: none)
     logprobs: PaddedLogprobs | None = None  # which sequences want logprobs; in the copy after the tokens
+    all_greedy: bool | None = None  # every sequence samples greedily (None: not known)
 
     @classmethod
     def queue(
         cls, kind: DecodeAhead, seqs: list[Sequence], batch: InputBatch, token_ids: torch.Tensor,
         graphed: bool = False, controls: PaddedLogitsControls | None = None,
         logprobs: PaddedLogprobs | None = None, packed_logprobs: torch.Tensor | None = None,
+        all_greedy: bool | None = None,
     ) -> "LaunchedDecode":
         """Queue the copy of the tokens `batch` sampled (and of their packed logprobs) to the host
         (a graph's: later, in read); waits for nothing."""
@@ -158,16 +161,17 @@ class LaunchedDecode:
         positions, slots = batch.position_list, batch.slot_list
         values = token_ids if packed_logprobs is None else torch.cat([token_ids, packed_logprobs.reshape(-1)])
         copy = None if graphed else kind.copy_tokens(values)
-        return cls(kind, seqs, positions, slots, token_ids, copy, graphed, controls, logprobs)
+        return cls(kind, seqs, positions, slots, token_ids, copy, graphed, controls, logprobs, all_greedy)
 
     def launch_next(self, num_next_drafts: int | None = None) -> "LaunchedDecode | None":
         """The step after this one for the same sequences, its input tokens this one's (still on
         the device), when next_positions() allows it (no drafter: num_next_drafts is None)."""
-        positions = next_positions(self, self.kind.block_size, self.kind.max_model_len)
+        kind = self.kind
+        positions = next_positions(self, kind.block_size, kind.max_model_len)
         if positions is None:
             return None
-        batch = build_decode_batch(self.seqs, positions, self.token_ids, self.kind.block_size)
-        return self.kind.launch_for(self.seqs, batch, self.controls, self.logprobs)
+        batch = build_decode_batch(self.seqs, positions, self.token_ids, kind.block_size)
+        return kind.launch_for(self.seqs, batch, self.controls, self.logprobs, self.all_greedy)
 
     def read(self, following: "LaunchedDecode | None") -> list[SequenceResult]:
         """Wait for this step's tokens (only: not for the one queued after it).
@@ -181,7 +185,7 @@ class LaunchedDecode:
             else:
                 self.copy = self.kind.copy_tokens(self.token_ids)
         host, n = self.copy.read(), len(self.seqs)
-        results = [SequenceResult(new_token_ids=[token]) for token in host[:n]]
+        results = [SequenceResult([token]) for token in (host if len(host) == n else host[:n])]
         if self.logprobs is not None:
             per_seq = read_padded_logprobs(self.logprobs, 1, host[n:], [r.new_token_ids for r in results])
             for result, logprobs in zip(results, per_seq):
@@ -196,7 +200,8 @@ class LaunchedDecode:
         for item, seq, pos, slot in zip(scheduled, self.seqs, self.positions, self.slots):
             if item.seq is not seq or seq.num_computed_tokens != pos:
                 return False
-            if len(seq.block_ids) <= pos // block_size or cache_slot(seq.block_ids, pos, block_size) != slot:
+            blocks, index = seq.block_ids, pos // block_size
+            if len(blocks) <= index or blocks[index] * block_size + pos % block_size != slot:  # cache_slot
                 return False
         return True
 
@@ -209,11 +214,12 @@ def next_positions(launched: LaunchedDecode, block_size: int, max_model_len: int
     for seq, pos in zip(launched.seqs, launched.positions):
         nxt = pos + 1
         max_tokens = seq.sampling_params.max_tokens
+        num_tokens = len(seq.token_ids)
         # The host has not appended `launched`'s token: that one brings the sequence to
         # num_tokens + 1 tokens and num_output_tokens + 1 outputs.
-        if max_tokens is not None and seq.num_output_tokens + 1 >= max_tokens:
+        if max_tokens is not None and num_tokens - len(seq.prompt_token_ids) + 1 >= max_tokens:
             return None
-        if seq.num_tokens + 1 >= max_model_len or nxt // block_size >= len(seq.block_ids):
+        if num_tokens + 1 >= max_model_len or nxt // block_size >= len(seq.block_ids):
             return None
         positions.append(nxt)
     return positions

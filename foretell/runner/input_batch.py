@@ -43,11 +43,13 @@ class InputBatch:
     def num_tokens(self) -> int:
         return self.query_start[-1]
 
-    @property
+    # Cached: the batch does not change once built (a graph step asks for both more than once), and
+    # build_decode_batch fills them in as it builds the lists.
+    @functools.cached_property
     def max_query_len(self) -> int:
         return max(b - a for a, b in zip(self.query_start, self.query_start[1:]))
 
-    @property
+    @functools.cached_property
     def block_table_width(self) -> int:
         return max((len(b) for b in self.block_ids), default=1) or 1
 
@@ -154,16 +156,25 @@ def build_decode_batch(
     the device: what runner/decode_ahead.py launches before the host has read them."""
     n = len(seqs)
     rows = list(range(n))
-    return InputBatch(
+    slots, block_ids, width = [], [], 1
+    for seq, p in zip(seqs, positions):  # one pass: every plain decode step queued ahead builds this
+        blocks = seq.block_ids
+        slots.append(blocks[p // block_size] * block_size + p % block_size)  # cache_slot
+        block_ids.append(list(blocks))  # as they are now
+        width = max(width, len(blocks))
+    next_positions = [p + 1 for p in positions]
+    batch = InputBatch(
         token_ids=input_ids,
         position_list=positions,
-        slot_list=[cache_slot(seq.block_ids, p, block_size) for seq, p in zip(seqs, positions)],
-        block_ids=[list(s.block_ids) for s in seqs],
+        slot_list=slots,
+        block_ids=block_ids,
         query_start=list(range(n + 1)),
-        seq_lens=[p + 1 for p in positions],
+        seq_lens=next_positions,
         block_size=block_size,
         device=input_ids.device,
         logits_row_ids=rows,
         sampling_seq_index=rows,
-        row_positions=[p + 1 for p in positions],
+        row_positions=next_positions,  # (read only, like seq_lens: one list for both)
     )
+    batch.max_query_len, batch.block_table_width = 1, width  # the cached properties, known here
+    return batch
