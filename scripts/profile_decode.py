@@ -3,6 +3,7 @@ weights; eager, and with CUDA graphs where the profiler sees the replay's kernel
 summed by category, next to the measured wall time per step.
 
     python scripts/profile_decode.py OUT_DIR [--steps 8] [--ops] [--only llama]
+        [--batch-invariant [on|off|both]] [--batch 1]
 
 Llama-3.1-8B and the DeepSeek-V2-Lite shape, 128-token prompt, batch 1; and Llama-3.1-8B's graphed
 EAGLE3 verify step (k = 3, simulated mean acceptance length 2.93), whose listing after the LM head
@@ -16,6 +17,13 @@ also keeps one step's whole device timeline (LM head to LM head) and where in it
 idle (`step_idle`: graph boundaries and copies show up there). --ops adds, for
 each eager profile, the torch ops with their input shapes by device time (which call a kernel
 belongs to), into OUT_DIR/profile_ops.txt.
+
+--batch-invariant profiles with ModelConfig.batch_invariant on (issue 23: its cost against the
+default path); `--batch-invariant both` profiles each target with the mode off and on in one process
+and prints, per category and per kernel, the microseconds per step the mode adds. --batch N decodes
+N requests together (the cost is also measured at batch 64). The mode's cost check:
+
+    python scripts/profile_decode.py OUT_DIR --only llama --batch-invariant both [--batch 64]
 """
 
 from __future__ import annotations
@@ -43,7 +51,8 @@ CATEGORIES = [
     ("attention", ("attention", "attn", "flash", "mla")),
     ("mla projections", ("head_matmul", "rope_heads")),
     ("sampling", ("argmax", "pick_chunk")),
-    ("gemm", ("gemm", "gemv", "cutlass", "sm90_xmma", "cublas", "matmul", "splitk", "small_m", "nvjet")),
+    ("gemm", ("gemm", "gemv", "cutlass", "sm90_xmma", "cublas", "matmul", "splitk", "small_m", "nvjet",
+              "_mma_kernel", "linear")),
     ("norm", ("norm",)),
     ("rope", ("rope", "rotary")),
     ("activation", ("silu", "act_and_mul", "gelu")),
@@ -139,19 +148,25 @@ def between_steps(prof, after: int = 16) -> list[dict]:
 
 
 def profile_target(folder: str, steps: int, enforce_eager: bool, ops: list[str] | None = None,
-                   spec: dict | None = None) -> dict:
-    """Kernel time by category of `steps` decode steps (verify steps with `spec`), and their wall
-    time per step measured without the profiler (with graphs: the replay, so wall minus kernels
-    is the launch gaps)."""
+                   spec: dict | None = None, batch_invariant: bool = False, batch: int = 1) -> dict:
+    """Kernel time by category of `steps` decode steps (verify steps with `spec`) of `batch`
+    requests, and their wall time per step measured without the profiler (with graphs: the
+    replay, so wall minus kernels is the launch gaps)."""
     from torch.profiler import ProfilerActivity, profile
 
     llm = LLM(folder, dtype="bfloat16", device="cuda", load_format="dummy", skip_tokenizer_init=True,
-              enforce_eager=enforce_eager, max_num_seqs=1, kv_cache_memory_bytes=4 << 30,
-              speculative_config=spec)
+              enforce_eager=enforce_eager, max_num_seqs=batch, kv_cache_memory_bytes=4 << 30,
+              speculative_config=spec, batch_invariant=batch_invariant)
     engine = llm.engine
-    prompt = {"prompt_token_ids": [(7 * j) % 1000 + 1 for j in range(128)]}
-    engine.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=12 * steps + 32, ignore_eos=True))
-    engine.step()  # prefill
+    for i in range(batch):
+        prompt = {"prompt_token_ids": [(7 * j + i) % 1000 + 1 for j in range(128)]}
+        engine.add_request(f"p{i}", prompt,
+                           SamplingParams(temperature=0, max_tokens=12 * steps + 32, ignore_eos=True))
+    for _ in range(64):  # prefill (in chunks where the scheduler cuts them), until every request decodes
+        engine.step()
+        scheduler = engine.scheduler
+        if not scheduler.waiting and all(s.num_output_tokens > 0 for s in scheduler.running):
+            break
     for _ in range(3):  # first decode steps (allocator, lazy init, Triton compiles)
         engine.step()
     torch.cuda.synchronize()
@@ -165,12 +180,14 @@ def profile_target(folder: str, steps: int, enforce_eager: bool, ops: list[str] 
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
-    engine.abort_request("p")
+    for i in range(batch):
+        engine.abort_request(f"p{i}")
     if ops is not None:
         averages = prof.key_averages(group_by_input_shape=True)
         ops.append(averages.table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=40,
                                   max_shapes_column_width=90))
-    result = dict(summarize(kernel_events(prof), steps), wall_us_per_step=wall_us, enforce_eager=enforce_eager)
+    result = dict(summarize(kernel_events(prof), steps), wall_us_per_step=wall_us, enforce_eager=enforce_eager,
+                  batch_invariant=batch_invariant, batch=batch)
     # A verify step runs the draft loop (three draft steps of about a dozen launches) after its LM head.
     result["between_steps"] = between_steps(prof, after=16 if spec is None else 60)
     result["step_timeline"] = one_step_timeline(prof)
@@ -197,13 +214,49 @@ def print_table(name: str, result: dict) -> None:
             print(f"    {gap['us']:6.2f} us at {gap['at_us']:8.2f}: {gap['after']} -> {gap['before']}")
 
 
+def mode_difference(default: dict, invariant: dict) -> dict:
+    """What the batch-invariant mode adds to a step (us per step, on minus off): wall, kernels, each
+    category, and the kernels by name (among each profile's 25 costliest; one absent from a
+    profile's list counts as 0 there)."""
+    def by(rows: list[dict], key: str) -> dict[str, float]:
+        return {row[key]: row["us_per_step"] for row in rows}
+
+    def diff(off: dict[str, float], on: dict[str, float]) -> list[dict]:
+        names = sorted(set(off) | set(on), key=lambda n: -abs(on.get(n, 0.0) - off.get(n, 0.0)))
+        return [{"name": n, "off_us": round(off.get(n, 0.0), 1), "on_us": round(on.get(n, 0.0), 1),
+                 "added_us": round(on.get(n, 0.0) - off.get(n, 0.0), 1)} for n in names]
+
+    return {
+        "wall_us": round(invariant["wall_us_per_step"] - default["wall_us_per_step"], 1),
+        "kernel_us": round(invariant["total_us_per_step"] - default["total_us_per_step"], 1),
+        "wall_cost": 1 - default["wall_us_per_step"] / invariant["wall_us_per_step"],
+        "categories": diff(by(default["categories"], "category"), by(invariant["categories"], "category")),
+        "kernels": diff(by(default["top_kernels"], "kernel"), by(invariant["top_kernels"], "kernel"))[:16],
+    }
+
+
+def print_difference(name: str, diff: dict) -> None:
+    print(f"\n{name}: the mode adds {diff['wall_us']:.1f} us wall per step ({100 * diff['wall_cost']:.1f}% "
+          f"of tok/s), {diff['kernel_us']:.1f} us of kernels")
+    for row in diff["categories"]:
+        print(f"  {row['name']:12} {row['off_us']:8.1f} -> {row['on_us']:8.1f} us  ({row['added_us']:+.1f})")
+    for row in diff["kernels"][:12]:
+        print(f"    {row['off_us']:8.1f} -> {row['on_us']:8.1f} us  ({row['added_us']:+.1f})  {row['name'][:80]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--ops", action="store_true", help="also torch ops with shapes (eager profiles)")
     parser.add_argument("--only", help="profile only targets whose name contains this (llama, deepseek)")
+    parser.add_argument("--batch-invariant", nargs="?", const="on", default="off", choices=("off", "on", "both"),
+                        help="profile with ModelConfig.batch_invariant on (or both: off and on, and what it adds)")
+    parser.add_argument("--batch", type=int, default=1, help="requests decoded together (default 1)")
     args = parser.parse_args()
+    if args.batch < 1:
+        parser.error(f"--batch must be at least 1, got {args.batch}")
+    modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.batch_invariant]
     os.makedirs(args.out_dir, exist_ok=True)
     if not torch.cuda.is_available():
         sys.exit("profile_decode.py needs a CUDA device")
@@ -213,13 +266,14 @@ def main() -> None:
     targets = (("llama-3.1-8b", f"{CONFIGS}/llama-3.1-8b", None),
                ("deepseek-v2-lite", f"{CONFIGS}/deepseek-v2-lite", None),
                ("llama-3.1-8b eagle3", f"{CONFIGS}/llama-3.1-8b", eagle3))
-    for (model, folder, spec), eager in itertools.product(targets, (True, False)):
+    for (model, folder, spec), eager, invariant in itertools.product(targets, (True, False), modes):
         if (args.only and args.only not in model) or (spec is not None and eager):
             continue  # speculation: the graphed verify step only
-        name = f"{model} {'eager' if eager else 'graphs'}"
+        name = (f"{model} {'eager' if eager else 'graphs'}" + (f" batch {args.batch}" if args.batch > 1 else "")
+                + (" batch-invariant" if invariant else ""))
         ops = [] if args.ops and eager else None
         try:
-            results[name] = profile_target(folder, args.steps, eager, ops, spec)
+            results[name] = profile_target(folder, args.steps, eager, ops, spec, invariant, args.batch)
             if ops:
                 with open(os.path.join(args.out_dir, "profile_ops.txt"), "a") as f:
                     f.write(f"== {name}\n{ops[0]}\n")
@@ -227,6 +281,12 @@ def main() -> None:
         except Exception as e:  # one target failing must not hide the other
             results[name] = {"error": f"{type(e).__name__}: {e}"}
             print(f"\n{name}: {results[name]['error']}")
+    if args.batch_invariant == "both":
+        for name in [n for n in results if n.endswith(" batch-invariant")]:
+            default = results.get(name[: -len(" batch-invariant")], {})
+            if "error" not in default and "error" not in results[name]:
+                results[name]["added_by_the_mode"] = mode_difference(default, results[name])
+                print_difference(name, results[name]["added_by_the_mode"])
     path = os.path.join(args.out_dir, "profile_decode.json")
     with open(path, "w") as f:
         json.dump({"benchmark": "profile_decode", **provenance(torch.device("cuda")), "steps": args.steps,

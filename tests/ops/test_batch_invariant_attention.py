@@ -111,6 +111,80 @@ def test_triton_rows_do_not_depend_on_their_step(order_fixed_dot, dtype):
         assert torch.allclose(got[key].float(), row.float(), atol=tol, rtol=tol)
 
 
+def make_raw_world(dtype, seed=0):
+    """make_world's sequences before RoPE: every position's raw query, key and value heads, and an
+    empty cache that a step's rope_attend fills with its own rows."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // BLOCK_SIZE) for n in SEQ_LENS]
+    num_blocks = sum(blocks_per_seq) + 3
+    cache = torch.zeros(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables, start = [], 0
+    for count in blocks_per_seq:
+        tables.append(perm[start : start + count].tolist())
+        start += count
+    raw = [tuple(torch.randn(n, heads, HEAD_DIM, generator=gen).to(dtype).to(DEVICE)
+                 for heads in (NUM_HEADS, NUM_KV_HEADS, NUM_KV_HEADS)) for n in SEQ_LENS]
+    return cache.to(DEVICE), tables, raw
+
+
+def run_rope(backend, world, segments, rotary, qk_norm, fused=True):
+    """run's formations through the layer's entry point: the step's raw rows rotated (after
+    qk_norm), written to the cache, attended. fused: backend.rope_attend, else the modules one after
+    the other (norm_and_rotate, write_kv, attend: what the mode ran before rope_attend)."""
+    from foretell.layers.attention.layer import norm_and_rotate
+
+    cache, tables, raw = world
+    query, key, value = (torch.cat([raw[s][i][lo:hi] for s, lo, hi in segments]) for i in range(3))
+    positions = torch.tensor([r for _, lo, hi in segments for r in range(lo, hi)], device=DEVICE)
+    metadata = step_metadata(tables, segments)
+    if fused:
+        out = backend.rope_attend(positions, query, key, value, rotary, cache, metadata, HEAD_DIM**-0.5, qk_norm)
+    else:
+        query, key = norm_and_rotate(positions, query, key, rotary, qk_norm)
+        backend.write_kv(key, value, cache, metadata.slot_mapping)
+        out = backend.attend(query, cache, metadata, HEAD_DIM**-0.5)
+    rows = [(s, r) for s, lo, hi in segments for r in range(lo, hi)]
+    return {row: out[i].cpu() for i, row in enumerate(rows)}
+
+
+@pytest.mark.slow  # about 80 s each on 2 cores (the interpreter, an order-fixed dot)
+@pytest.mark.parametrize(("dtype", "with_norms"), [(torch.float16, True), (torch.float32, False)],
+                         ids=["float16_qwen3_norms", "float32_llama"])  # the interpreter's bf16 dot is broken
+def test_triton_rope_attend_rows_do_not_depend_on_their_step(order_fixed_dot, dtype, with_norms):
+    """BatchInvariantTritonAttention.rope_attend (RoPE + KV write in one launch, then the attention):
+    a row's output is the same bits decoded alone, verified, in chunks of any size and batched in
+    any order (every formation rewrites its rows' keys: the same bits again), and agrees within
+    rounding with the modules one after the other."""
+    from foretell.layers.norm import RMSNorm
+    from foretell.layers.rotary import RotaryEmbedding
+
+    kernels = import_interpreted("foretell.ops.attention.triton_batch_invariant")
+    import_interpreted("foretell.ops.attention.triton_rope_kv")
+    backend = kernels.BatchInvariantTritonAttention()
+    assert backend.fuses_rope  # Attention.forward_rotary takes rope_attend
+    rotary = RotaryEmbedding(HEAD_DIM, 4096, 10000.0, None, "neox", device=DEVICE)
+    qk_norm = None
+    if with_norms:
+        gen = torch.Generator().manual_seed(5)
+        qk_norm = tuple(RMSNorm(HEAD_DIM, eps=1e-6, dtype=dtype, device=DEVICE) for _ in range(2))
+        for norm in qk_norm:
+            norm.weight.data.copy_(1.0 + 0.1 * torch.randn(HEAD_DIM, generator=gen))
+    world = make_raw_world(dtype, seed=6)
+    seen: dict = {}
+    # Whole prefills (they write every row of every sequence), verify-sized steps, decodes, alone.
+    for segments in [FORMATIONS[0], FORMATIONS[2], FORMATIONS[4], ALONE[1], ALONE[7]]:
+        for row, out in run_rope(backend, world, segments, rotary, qk_norm).items():
+            if row in seen:
+                assert torch.equal(seen[row], out), f"sequence {row[0]} row {row[1]} differs in {segments}"
+            else:
+                seen[row] = out
+    modules = run_rope(backend, make_raw_world(dtype, seed=6), FORMATIONS[0], rotary, qk_norm, fused=False)
+    tol = 2e-3 if dtype == torch.float16 else 1e-5
+    for row, out in modules.items():
+        assert torch.allclose(seen[row].float(), out.float(), atol=tol, rtol=tol), row
+
+
 def test_triton_refuses_a_mismatched_block_size(interpreter_mode):
     kernels = import_interpreted("foretell.ops.attention.triton_batch_invariant")
     cache, tables, queries = make_world(torch.float32)
