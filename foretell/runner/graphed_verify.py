@@ -34,21 +34,9 @@ the padded draft loop, which drafts greedily for every row: a deterministic draf
 against a one-hot q, which is exact (it accepts with probability p(d) instead of the
 sum(min(p, q)) of a draft sampled from the drafter's distribution).
 
-Logits controls (runner/padded_logits_controls.py): the sequences that have some carry their
-state on the device (output counts, bias and allow tables, min_tokens counts, bad words' last
-tokens), built from the host's lists when a step is launched from host inputs and advanced by the
-step's own emitted tokens right after its verification, so a step queued ahead processes its
-logits as the host step would; every verify row is processed as if the drafts before it had been
-accepted, and verification (greedy acceptance over the processed logits' argmax, or rejection
-sampling over them) reads the processed logits.
-
-Logprobs (runner/logprobs.py's padded_step_logprobs): after verification, the device takes the
-log-softmax of the target's raw logits (the host step's raw_logits: before logits processing)
-at every verify row of the sequences that ask, the top-n of the most any of them asks
-for, and the log-prob of the token each row emits (draft j + 1 while j < accepted, then the next
-token), into a static buffer that leaves with the accepted counts, next tokens and drafts in the
-step's one read-back; the host keeps each sequence's emitted rows (as many as the host step
-reports: accepted + 1) and its own top-n. Prompt logprobs come from prefill rows: the host step.
+Logits controls and logprobs (runner/padded_step_extras.py): processed and computed on the device
+inside the step for the sequences that ask, verification reading the processed logits, the
+logprobs leaving with the step's one read-back.
 
 Everything the next verify step needs is on the device when this one ends (each sequence's
 accepted count, its next token and its m new drafts), so with async scheduling the pipeline queues
@@ -70,11 +58,11 @@ import torch
 from foretell.device_util import to_device
 from foretell.engine.scheduler import ScheduledSequence, SchedulerOutput
 from foretell.engine.sequence import Sequence
-from foretell.layers.sampler import NoiseSource, SamplingBatch, argmax_rows, sequence_key
+from foretell.layers.sampler import NoiseSource, SamplingBatch, sequence_key
 from foretell.runner.cuda_graph import CudaGraphRunner
 from foretell.runner.input_batch import InputBatch, build_input_batch
-from foretell.runner.logprobs import PaddedLogprobs, padded_step_logprobs, read_padded_logprobs
-from foretell.runner.padded_logits_controls import PaddedLogitsControls, padded_step_takes
+from foretell.runner.padded_logits_controls import padded_step_takes
+from foretell.runner.padded_step_extras import PackedLogprobBuffer, PaddedStepExtras
 from foretell.runner.sequence_result import SequenceResult
 from foretell.runner.step_pipeline import HostCopy
 from foretell.spec_decode.draft_graph import DraftGraphRunner
@@ -108,10 +96,10 @@ class GraphedVerify:
     num_mixed_steps: int = 0  # ... with a sequence verifying fewer drafts than the step (padded rows)
     num_logprob_steps: int = 0  # ... with a sequence asking for logprobs
     num_controlled_steps: int = 0  # ... with a sequence whose logits are processed (penalties, bias, ...)
-    # The int64 buffer a step's logprobs are packed into (padded_step_logprobs), made at the first
-    # step that asks and grown when a step asks for more alternatives: the read-back copies from
-    # it beside the stream (graph_inputs.SideStream.download_outputs), so it outlives the copy.
-    logprob_buffer: "torch.Tensor | None" = None
+
+    def __post_init__(self):
+        # rows: the padded forward's most (largest bucket x q)
+        self.logprob_out = PackedLogprobBuffer(self.graphs.input_ids.numel(), self.graphs.device)
 
     def verify_length(self, sched: SchedulerOutput) -> int | None:
         """q, the rows per sequence of this batch's padded step: the shortest verify length the
@@ -179,10 +167,7 @@ class GraphedVerify:
         draft_ids = [item.draft_token_ids for item in items]
         kept = [self.take_draft_probs(item) for item in items]  # forgotten there: this step verifies them
         sampled = self._sampling(seqs, q)
-        logprobs = PaddedLogprobs.for_params([seq.sampling_params for seq in seqs], self.graphs.device)
-        # Rebuilt from the host's lists at every launch from host inputs: the batch may differ from
-        # the last step's in any sequence (padded_logits_controls.py).
-        controls = PaddedLogitsControls.for_sequences(seqs, self.vocab_size, self.graphs.device)
+        extras = PaddedStepExtras.for_sequences(seqs, self.vocab_size, self.graphs.device)
         draft_probs = None
         if sampled is not None and any(probs is not None for probs in kept):  # drafts the host step sampled
             drafts = self.graphs.input_ids[: len(items) * q].view(len(items), q)[:, 1:]
@@ -193,9 +178,9 @@ class GraphedVerify:
         self.num_mixed_steps += short
         m = self.num_drafts(q, sched.num_next_drafts)
         outputs = self._verify_on_device(key, len(items), caps, sampled, draft_probs, lengths if short else None, m,
-                                         logprobs, controls)
+                                         extras)
         return self._launched(seqs, key, outputs, [seq.num_computed_tokens for seq in seqs], draft_ids, limits,
-                              sampled, logprobs, controls)
+                              sampled, extras)
 
     def _padded_batch(self, items: list[ScheduledSequence], q: int, device: torch.device) -> InputBatch | None:
         """The batch with every sequence's drafts padded to q - 1 (PAD_DRAFT_TOKEN), None when a
@@ -263,23 +248,22 @@ class GraphedVerify:
         # The same sequences: the same parameters, keys, logprobs and controls (their state advanced
         # by `launched`'s verification); their positions advanced in the buffers.
         outputs = self._verify_on_device(launched.key, n, None, launched.sampled, None, None,
-                                         self.num_drafts(q, num_next_drafts), launched.logprobs, launched.controls)
+                                         self.num_drafts(q, num_next_drafts), launched.extras)
         return self._launched(launched.seqs, launched.key, outputs, [], [], limits, launched.sampled,
-                              launched.logprobs, launched.controls)
+                              launched.extras)
 
     def _verify_on_device(self, key: tuple[int, int], n: int, caps: list[int] | None,
                           sampled: PaddedSampling | None, draft_probs: "torch.Tensor | None",
-                          lengths: list[int] | None, m: int, logprobs: PaddedLogprobs | None,
-                          controls: PaddedLogitsControls | None = None):
+                          lengths: list[int] | None, m: int, extras: PaddedStepExtras):
         """After the target graph `key` ran: the logits controls of the sequences that have some
-        (their state then advanced past this step's emitted tokens), verification (rejection
-        sampling when `sampled`; the drafts' distributions draft_probs [n, q - 1, vocab], None:
-        deterministic drafts; caps: the
-        most drafts each may accept, its real drafts included; lengths: each sequence's real
-        drafts when some are padded), the next token, the logprobs of the sequences that ask, and
-        the draft loop drafting m, all on the device. Returns (accepted [n], next_token [n],
-        drafts [n, m], packed logprobs [num_wanting, q, width] or None), views of static buffers
-        that the next step overwrites (in stream order, after this step used them)."""
+        (padded_step_extras.py), verification (rejection sampling when `sampled`; the drafts'
+        distributions draft_probs [n, q - 1, vocab], None: deterministic drafts; caps: the most
+        drafts each may accept, its real drafts included; lengths: each sequence's real drafts
+        when some are padded), the next token, the controls' state advanced and the logprobs of
+        the sequences that ask, and the draft loop drafting m, all on the device. Returns
+        (accepted [n], next_token [n], drafts [n, m], packed logprobs [num_wanting, q, width] or
+        None), views of static buffers that the next step overwrites (in stream order, after this
+        step used them)."""
         bucket, q = key
         outputs = self.graphs.graphs[key]
         greedy = outputs.greedy[: n * q].view(n, q)  # the target's greedy token per row
@@ -289,12 +273,11 @@ class GraphedVerify:
         self.graphs.side.before_output_write()  # the last step's results have left for the host
         loop = self.draft_graphs
         self.num_steps += 1
+        self.num_controlled_steps += extras.controls is not None
+        self.num_logprob_steps += extras.logprobs is not None
         raw_logits = outputs.logits[: n * q].view(n, q, -1)  # [n, q, vocab] float32
-        logits = raw_logits
-        if controls is not None:
-            self.num_controlled_steps += 1
-            logits = controls.apply(raw_logits, drafts_in)  # [n, q, vocab] float32, a new tensor
-            greedy = argmax_rows(logits.view(n * q, -1)).view(n, q)  # what greedy rows pick now
+        # What verification reads: the processed logits [n, q, vocab] and what greedy rows pick [n, q].
+        logits, greedy = extras.process(raw_logits, drafts_in, greedy)
         if sampled is None:
             self.verifier.accept_padded(greedy, drafts_in, caps_t, loop.accepted, loop.next_token, loop.num_live)
         else:
@@ -303,32 +286,18 @@ class GraphedVerify:
             lengths_t = None if lengths is None else to_device(lengths, torch.int64, device)  # [n]
             self.verifier.sample_padded(logits, greedy, drafts_in, draft_probs, sampled, first_positions, caps_t,
                                         loop.accepted, loop.next_token, loop.num_live, lengths_t)
-        if controls is not None:  # what a step queued after this one processes with
-            controls.advance(drafts_in, loop.accepted[:n], loop.next_token[:n])
-        packed = None
-        if logprobs is not None:  # after verification (it decides the emitted tokens)
-            self.num_logprob_steps += 1
-            packed = padded_step_logprobs(logprobs, raw_logits, drafts_in, loop.accepted[:n], loop.next_token[:n],
-                                          self._logprob_out(logprobs))
+        packed = extras.after_verification(raw_logits, drafts_in, loop.accepted[:n], loop.next_token[:n],
+                                           self.logprob_out)
         drafts = loop.run(bucket, n, q, m)  # [n, m]
         return loop.accepted[:n], loop.next_token[:n], drafts, packed
 
-    def _logprob_out(self, logprobs: PaddedLogprobs) -> torch.Tensor:
-        """The buffer a step's packed logprobs go to, grown to the most rows a step holds at this
-        step's width when it is too small. Called after before_output_write: the last read-back
-        from the old buffer is done when anything the stream runs next reuses its memory."""
-        rows = self.graphs.input_ids.numel()  # the padded forward's most rows (largest bucket x q)
-        if self.logprob_buffer is None or self.logprob_buffer.numel() < rows * logprobs.row_width:
-            self.logprob_buffer = torch.empty(rows * logprobs.row_width, dtype=torch.int64, device=self.graphs.device)
-        return self.logprob_buffer
-
     def _launched(self, seqs, key, outputs, starts, draft_ids, limits, sampled,
-                  logprobs: PaddedLogprobs | None, controls: PaddedLogitsControls | None) -> "LaunchedVerify":
+                  extras: PaddedStepExtras) -> "LaunchedVerify":
         accepted, next_token, drafts, packed = outputs
         read_back = [accepted, next_token, drafts] + ([] if packed is None else [packed])
         copy = HostCopy(*self.graphs.side.download_outputs(read_back))
         return LaunchedVerify(self, seqs, key, accepted, next_token, drafts, copy, starts, draft_ids, limits,
-                              sampled, logprobs, controls)
+                              sampled, extras)
 
 
 @dataclass
@@ -348,8 +317,7 @@ class LaunchedVerify:
     draft_token_ids: list[list[int]]
     accept_limits: list[int | None]
     sampled: PaddedSampling | None  # the sampled rows' parameters and keys (None: greedy only)
-    logprobs: PaddedLogprobs | None = None  # which sequences want logprobs (None: none); in the copy after the drafts
-    controls: PaddedLogitsControls | None = None  # the logits controls' device state (None: no sequence has any)
+    extras: PaddedStepExtras  # logits controls and logprobs (the latter in the copy after the drafts)
 
     @property
     def num_drafts(self) -> int:
@@ -382,11 +350,7 @@ class LaunchedVerify:
             )
             for i, (drafts, limit) in enumerate(zip(self.draft_token_ids, self.accept_limits))
         ]
-        if self.logprobs is not None:
-            packed = host[2 * n + n * m :]
-            per_seq = read_padded_logprobs(self.logprobs, self.key[1], packed, [r.new_token_ids for r in results])
-            for result, logprobs in zip(results, per_seq):
-                result.logprobs = logprobs
+        self.extras.read_logprobs(self.key[1], host[2 * n + n * m :], results)
         return results
 
     def expect(self, previous: "LaunchedVerify", previous_results: list) -> None:
