@@ -100,12 +100,15 @@ def test_the_estimate_adapts_when_acceptance_changes():
 
 
 def test_estimate_counts_tried_positions_only():
-    estimate = AcceptanceEstimate(3, fade=1.0, prior_rate=0.5, prior_weight=1.0)
+    estimate = AcceptanceEstimate(3, fade=1.0, prior_rate=0.5, prior_weight=1.0, chain_prior_weight=1.0)
     estimate.observe(3, 1)  # position 1 accepted, 2 rejected, 3 never reached
     estimate.observe(2, 2)
     assert estimate.tried == [2.0, 2.0, 0.0]
     assert estimate.accepted == [2.0, 1.0, 0.0]
-    assert estimate.rates() == pytest.approx([2.5 / 3, 1.5 / 3, 0.5])
+    # Each position's prior is the estimate before it: position 3, never reached, takes position 2's.
+    first = 2.5 / 3
+    second = (1 + first) / 3
+    assert estimate.rates() == pytest.approx([first, second, second])
     expected = estimate.expected_tokens([0.5, 0.5, 0.5])
     assert expected == pytest.approx([1.0, 1.5, 1.75, 1.875])
 

@@ -12,7 +12,7 @@ import pytest
 
 from foretell import LLM, SamplingParams
 from foretell.engine.step_costs import PRIOR_COST_PER_DRAFT, LearnedStepCosts
-from foretell.spec_decode.adaptive import EXPLORE_EVERY, EXPLORE_STEPS, AdaptiveDraftLength
+from foretell.spec_decode.adaptive import EXPLORE_EVERY, EXPLORE_MAX_GAP, AdaptiveDraftLength
 
 
 def timed(costs: LearnedStepCosts, batch: int, k: int, *seconds: float) -> None:
@@ -25,11 +25,13 @@ def test_a_cell_drops_its_first_step_and_keeps_the_lower_median_of_the_last_five
     costs.record(3, 1, 9.0)  # the first steady step at (2-3, 1): may have compiled kernels
     assert costs.needs_timing(2) == [0, 1, 2]
     timed(costs, 2, 1, 4.0)
-    assert costs.step_seconds(3, 1) == 4.0 and costs.needs_timing(3) == [0, 2]
+    assert costs.step_seconds(3, 1) == 4.0 and costs.needs_timing(3) == [0, 1, 2]  # one kept: not converged
     timed(costs, 3, 1, 2.0)
     assert costs.step_seconds(2, 1) == 2.0  # lower median of [4, 2]
+    assert costs.needs_timing(2) == [0, 1, 2]  # two that disagree: not converged
     timed(costs, 2, 1, 3.0, 100.0, 5.0)  # a slow spell does not move it
     assert costs.step_seconds(2, 1) == 4.0  # [4, 2, 3, 100, 5] -> 2 3 [4] 5 100
+    assert costs.needs_timing(2) == [0, 2]  # a full window: converged however scattered
     timed(costs, 2, 1, 6.0, 7.0, 8.0)  # only the last five count: [100, 5, 6, 7, 8]
     assert costs.step_seconds(2, 1) == 7.0
     stats = costs.as_dict()
@@ -75,12 +77,38 @@ def test_untimed_cells_are_estimated():
 
 def test_cells_go_stale():
     costs = LearnedStepCosts(1, stale_after_steps=4)
-    timed(costs, 1, 0, 1.0, 1.0)
-    timed(costs, 1, 1, 1.0, 1.0)
+    timed(costs, 1, 0, 1.0, 1.0, 1.02)  # the first dropped, two kept within 5%: converged
+    timed(costs, 1, 1, 1.0, 1.0, 1.0)
     assert costs.needs_timing(1) == []
     timed(costs, 1, 1, 1.0, 1.0, 1.0, 1.0)
-    assert costs.needs_timing(1) == [0]  # last timed 6 steady steps ago
+    assert costs.needs_timing(1) == [0]  # last timed 7 steady steps ago
+    timed(costs, 1, 0, 3.0)  # timed again: its old steps are forgotten, the new one is its cost
+    assert costs.step_seconds(1, 0) == 3.0 and costs.needs_timing(1) == [0]  # one step: not converged
     assert costs.needs_timing(64) == [0, 1]  # a bucket never run
+
+
+def test_convergence_and_optimistic_costs():
+    costs = LearnedStepCosts(3)
+    assert costs.optimistic_seconds_by_k(1) == pytest.approx([0.8 * s for s in costs.seconds_by_k(1)])
+    assert costs.steady_steps_to_learn(1, 2) == 2  # nothing seen: a dropped step, then a kept one
+    timed(costs, 1, 1, 9.0, 2.0)
+    assert costs.steady_steps_to_learn(1, 1) == 1 and costs.steady_steps_to_learn(1, 2) == 2
+    timed(costs, 1, 1, 2.05)  # two kept steps within 5%: converged
+    assert costs.steady_steps_to_learn(1, 1) == 0 and 1 not in costs.needs_timing(1)
+    timed(costs, 1, 3, 9.0, 4.0)  # one kept step at k = 3: not converged
+    estimate = costs.seconds_by_k(1)  # linear through (1, 2.0) and (3, 4.0)
+    assert estimate == pytest.approx([1.0, 2.0, 3.0, 4.0])
+    hopes = costs.optimistic_seconds_by_k(1)
+    # k = 0 untimed: its estimate less a fifth; k = 1 converged: its cost; k = 2 untimed: its
+    # estimate less a fifth but no cheaper than k = 1 might be; k = 3: its fastest step less 5%.
+    assert hopes == pytest.approx([0.8, 2.0, max(0.8 * 3.0, 0.95 * 2.0), 0.95 * 4.0])
+    timed(costs, 1, 3, 5.0)  # scattered: still not converged, the fastest still 4.0
+    assert 3 in costs.needs_timing(1) and costs.optimistic_seconds_by_k(1)[3] == pytest.approx(3.8)
+    # An untimed k above a timed one is never hoped cheaper than that one (a draft costs something).
+    floor = LearnedStepCosts(2)
+    timed(floor, 1, 0, 9.0, 5.0)
+    timed(floor, 1, 1, 9.0, 5.1, 5.1)
+    assert floor.optimistic_seconds_by_k(1)[2] >= 5.1 * 0.95
 
 
 @pytest.mark.parametrize("call, message", [
@@ -140,19 +168,23 @@ def test_the_policy_learns_each_batch_sizes_best_k():
     assert policy.stats()["adaptive_timed_steps"] > 150 and policy.stats()["adaptive_explorations"] >= 2
 
 
-def test_an_exploration_holds_its_k_and_comes_every_few_steps():
+def test_explorations_hold_what_they_need_and_come_at_doubling_gaps():
     rng = random.Random(1)
     policy = AdaptiveDraftLength(LearnedStepCosts(4))
     flat = lambda batch, k: 0.01 * (1 + 0.15 * k)  # noqa: E731 -- every k competes at first
     began: list[int] = []
-    chosen = drive(policy, 1, [0.7] * 4, 8 * EXPLORE_EVERY, rng, true_seconds=flat, explorations=began)
+    chosen = drive(policy, 1, [0.7] * 4, 400, rng, true_seconds=flat, explorations=began)
     assert len(began) >= 3
-    for i in began:
-        assert chosen[i: i + EXPLORE_STEPS] == [chosen[i]] * EXPLORE_STEPS
-    assert all(b - a >= EXPLORE_STEPS - 1 + EXPLORE_EVERY for a, b in zip(began, began[1:]))
-    # Each one timed a k (one steady step dropped, one kept at least): costs found, k = 3 the best.
-    assert sum(ms is not None for ms in policy.costs.as_dict()["step_ms"][0]) >= 4
-    assert chosen[-10:].count(3) >= 8
+    assert began[0] == EXPLORE_EVERY - 1  # the first look, at the bucket's EXPLORE_EVERY-th step
+    gaps = [b - a for a, b in zip(began, began[1:])]
+    # Each gap at least doubles (counted from the look; a look that found nothing waits a gap more).
+    for i, gap in enumerate(gaps):
+        assert gap >= min(EXPLORE_EVERY * 2 ** (i + 1), EXPLORE_MAX_GAP), gaps
+    # An exploration holds its k for the switch step and the steady steps its cost needs (0 to 2).
+    assert len(began) <= policy.num_exploring_steps <= 3 * len(began)
+    # The costs found: k = 3 the best of E(k) / T(k) with a = 0.7 and a 15% cost per draft.
+    assert chosen[-50:].count(3) >= 48
+    assert sum(ms is not None for ms in policy.costs.as_dict()["step_ms"][0]) >= 3
 
 
 def test_only_steady_steps_are_timed():

@@ -12,14 +12,20 @@ after a switch verifies the old k and drafts the new one), and they land here in
 its smallest batch).
 
 A cell's cost is the lower median of its last COST_WINDOW steps (robust to a slow spell of a shared
-machine, and it follows contexts that grow); its first steady step is dropped, since the first run
+machine, and it follows contexts that grow; a stale cell's old steps are forgotten when it is
+timed again); its first steady step is dropped, since the first run
 of a shape may compile kernels. The cells not timed yet are estimated, as the cost of a step is
 about linear in k (k + 1 verify rows, k draft passes): with two or more k timed in the bucket,
 piecewise linear through them (extrapolated with the slope of the nearest two, never falling with
 k); with one, that cost times the relative costs of the nearest bucket that timed two or more (else
 of the prior profile 1 + PRIOR_COST_PER_DRAFT * k); a bucket with nothing timed borrows the
-nearest one's curve. The policy times a k it lacks (or one gone stale) when that k might compete:
-it holds it for a few steps now and then (AdaptiveDraftLength's exploration).
+nearest one's curve.
+
+A cell's cost has converged when CONVERGED_SAMPLES kept steps agree within CONVERGED_SPREAD (or its
+window is full); until then, or once stale, the policy may time it again when it might compete
+(AdaptiveDraftLength's exploration), judging by optimistic_seconds_by_k: a converged cell's cost,
+an unconverged one's fastest step less TIMED_SLACK, an untimed one's estimate less UNTIMED_SLACK
+but never below what a timed smaller k costs (a draft never makes a step cheaper).
 """
 
 from __future__ import annotations
@@ -37,7 +43,14 @@ COST_WINDOW = 5
 #: 1 + PRIOR_COST_PER_DRAFT * k plain steps (cheap drafts: the policy starts high and learns).
 PRIOR_COST_PER_DRAFT = 0.1
 #: A cell untouched for this many steady steps (of any cell) is timed again.
-STALE_AFTER_STEPS = 4096
+STALE_AFTER_STEPS = 2048
+#: A cell's cost has converged with this many kept steps within CONVERGED_SPREAD of their fastest.
+CONVERGED_SAMPLES = 2
+CONVERGED_SPREAD = 0.05
+#: How much cheaper than its fastest kept step an unconverged (or stale) cell might be.
+TIMED_SLACK = 0.05
+#: How much cheaper than its estimate an untimed cell might be.
+UNTIMED_SLACK = 0.2
 #: Extrapolating down in k never gives less than this share of the nearest timed cost.
 MIN_EXTRAPOLATED_SHARE = 0.1
 
@@ -63,6 +76,13 @@ class _Cell:
         ordered = sorted(self.samples)
         old, self.seconds = self.seconds, ordered[(len(ordered) - 1) // 2]
         return self.seconds != old
+
+    def converged(self) -> bool:
+        """Enough kept steps that agree (or a full window): timing it again teaches little."""
+        n = len(self.samples)
+        if n >= COST_WINDOW:
+            return True
+        return n >= CONVERGED_SAMPLES and max(self.samples) <= (1 + CONVERGED_SPREAD) * min(self.samples)
 
 
 class LearnedStepCosts:
@@ -102,6 +122,8 @@ class LearnedStepCosts:
         if cells is None:
             cells = self.buckets[bucket] = [_Cell() for _ in range(self._max_k + 1)]
         was_timed = cells[k].seconds is not None
+        if was_timed and cells[k].last_tick < self.num_steps - self.stale_after_steps:
+            cells[k].samples.clear()  # stale: the new step alone says what the cell costs now
         if cells[k].add(seconds, self.num_steps):
             if not was_timed:
                 self._num_timed[bucket] = self._num_timed.get(bucket, 0) + 1
@@ -109,12 +131,42 @@ class LearnedStepCosts:
             self._curves = {b: c for b, c in self._curves.items() if b != bucket and self._num_timed.get(b, 0) >= 2}
 
     def needs_timing(self, batch_size: int) -> list[int]:
-        """The k whose cost at this batch has no kept step yet, or none for STALE_AFTER_STEPS."""
+        """The k whose cost at this batch has not converged, or has no kept step for
+        STALE_AFTER_STEPS steady steps."""
         cells = self.buckets.get(self.bucket_of(batch_size))
         if cells is None:
             return list(range(self._max_k + 1))
-        oldest = self.num_steps - self.stale_after_steps
-        return [k for k, cell in enumerate(cells) if cell.seconds is None or cell.last_tick < oldest]
+        return [k for k, cell in enumerate(cells) if not self._known(cell)]
+
+    def _known(self, cell: _Cell) -> bool:
+        return cell.converged() and cell.last_tick >= self.num_steps - self.stale_after_steps
+
+    def steady_steps_to_learn(self, batch_size: int, k: int) -> int:
+        """Steady steps of k to hold for one kept time: 0 when the cell is known, 2 while its
+        first steady step (dropped) has not passed, else 1."""
+        cells = self.buckets.get(self.bucket_of(batch_size))
+        if cells is None:
+            return 2
+        cell = cells[k]
+        if self._known(cell):
+            return 0
+        return 1 if cell.seen else 2
+
+    def optimistic_seconds_by_k(self, batch_size: int) -> list[float]:
+        """[K + 1]: a lower bound of each k's cost at this batch (module docstring)."""
+        estimate = self.seconds_by_k(batch_size)
+        cells = self.buckets.get(self.bucket_of(batch_size))
+        if cells is None:
+            return [s * (1 - UNTIMED_SLACK) for s in estimate]
+        out, floor = [], 0.0  # floor: the least a timed smaller k might cost
+        for k, cell in enumerate(cells):
+            if cell.seconds is None:
+                out.append(max(estimate[k] * (1 - UNTIMED_SLACK), floor))
+                continue
+            least = min(cell.samples) * (1 - TIMED_SLACK)
+            out.append(cell.seconds if self._known(cell) else least)
+            floor = max(floor, least)
+        return out
 
     def step_seconds(self, batch_size: int, k: int) -> float:
         """T(batch, k): the cell's own cost when timed, else an estimate (module docstring)."""

@@ -15,17 +15,29 @@ engine's own timed steps (record_step(): the wall time of every step, kept when 
 steady: every sequence sampled and verified k drafts and the choice before was k too); in tests,
 a fixed StepCostModel.
 
-Estimates are counts that fade each step (FADE_PER_STEP) plus a prior worth PRIOR_WEIGHT
-observations. A position nobody drafts (the choice stays below it) keeps no evidence for long: its
-estimate drifts back to the prior, which is optimistic, so the policy tries it again (a probe)
-after a while; a probe that fails adds its observations and pushes it down again. Probes thus come
-by themselves, less often when a step is costly: a probe at batch 256 adds 256 observations and
-is not repeated for about 150 steps; at batch 1 with nothing accepted, every 15 steps or so.
+Acceptance: counts of tried and accepted drafts per position plus a prior worth PRIOR_WEIGHT
+observations (CHAIN_PRIOR_WEIGHT after the first position). A position's counts fade
+(FADE_PER_STEP) in the steps that reach it, so its memory is its last ~33 steps of evidence, and a
+position nobody drafts keeps what it knew instead of drifting back to an optimistic prior within a
+few dozen steps (which made the policy probe on its own every ~15 steps at batch 1): its counts
+weigh half as much for every EVIDENCE_HALF_LIFE steps since it was last reached, so the estimate
+returns to its prior slowly. The prior of position
+j + 1 is position j's estimate (conditional rates along a chain are about flat), PRIOR_RATE only
+for the first: when acceptance rises at the positions drafted, the estimates of those beyond
+follow as their own evidence ages.
 
-Costs are explored too: every EXPLORE_EVERY steps, when the cost model lacks a k at this batch (not
-timed yet, or stale) whose expected tokens per second, as estimated, come within EXPLORE_WITHIN
-of the best k's, the policy holds that k for EXPLORE_STEPS steps (a switch, a first steady step
-a cost model may drop, a kept one). A k that cannot compete is not timed until it might.
+Exploration is separate from the choice and scheduled (per batch bucket, a power of two): it looks
+for something to learn after EXPLORE_EVERY steps, then after gaps that double up to
+EXPLORE_MAX_GAP, so its share of steps falls as the run goes on. At a look it holds one k
+(a switch step, then the steady steps the cost model needs, or none when only acceptance is
+missing: the switch step's drafts are verified in the next one) when that k
+  - lacks knowledge: its cost at this batch is not converged (StepCosts.needs_timing: untimed,
+    too few or too scattered samples, or stale), or a position it drafts has little evidence
+    (fewer than ACCEPT_EVIDENCE aged observations), and
+  - might win: its optimistic rate, with optimistic acceptance (an upper confidence bound per
+    position, UCB_WIDTH / sqrt(evidence) above the estimate) over optimistic cost (the cost
+    model's lower bound), beats the best k's estimated rate.
+A k that cannot beat the best even at its best possible acceptance and cost is never explored.
 
 Pure Python, no torch: tests drive it with a fake cost model and fake acceptance.
 """
@@ -35,45 +47,56 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass
+from math import sqrt
 from typing import Protocol, Sequence
 
 #: The K that num_speculative_tokens "auto" stands for (adaptive, 0..K drafts per step).
 ADAPTIVE_DEFAULT_MAX_K = 4
 #: The largest K adaptive speculation takes: every k in 0..K has its cost learned at each batch size.
 ADAPTIVE_LARGEST_MAX_K = 8
-#: Each step multiplies every position's evidence by this (about a 33-step memory).
+#: Each step that reaches a position multiplies its evidence by this (about a 33-step memory).
 FADE_PER_STEP = 0.97
-#: The prior conditional acceptance rate, and how many observations it weighs.
+#: The prior conditional acceptance rate of the first position, and how many observations it weighs.
 PRIOR_RATE = 0.75
 PRIOR_WEIGHT = 0.5
+#: How many observations the prior of a later position (the estimate before it) weighs: more than
+#: PRIOR_WEIGHT, as it comes from evidence (one unlucky draft at position 4 does not rule k = 4 out).
+CHAIN_PRIOR_WEIGHT = 2.0
 #: Decisions kept for inspection (get_stats shows their histogram over the whole run).
 RECENT_CHOICES = 256
-#: Steps between two explorations of a k whose cost is not known at the batch size.
+#: Steps (at a batch bucket) before its first look for something to explore; each exploration
+#: doubles the gap to the next look, up to EXPLORE_MAX_GAP.
 EXPLORE_EVERY = 8
-#: Steps an exploration holds its k.
-EXPLORE_STEPS = 3
-#: A k is explored when its estimated tokens per second are at least this share of the best k's.
-EXPLORE_WITHIN = 0.75
+EXPLORE_MAX_GAP = 256
+#: Observations of a position below which an exploration may draft it to learn its rate.
+ACCEPT_EVIDENCE = 4.0
+#: Steps since a position was last reached over which its counts come to weigh half as much.
+EVIDENCE_HALF_LIFE = 128
+#: The upper confidence bound of a rate with n observations: the estimate + UCB_WIDTH / sqrt(n + prior).
+UCB_WIDTH = 0.5
 
 
 class AcceptanceEstimate:
     """Per-position conditional acceptance rates from fading counts of tried and accepted drafts."""
 
     def __init__(self, max_k: int, fade: float = FADE_PER_STEP, prior_rate: float = PRIOR_RATE,
-                 prior_weight: float = PRIOR_WEIGHT):
+                 prior_weight: float = PRIOR_WEIGHT, chain_prior_weight: float = CHAIN_PRIOR_WEIGHT):
         if max_k < 1:
             raise ValueError(f"AcceptanceEstimate needs max_k >= 1, got {max_k}")
-        if not 0 < fade <= 1 or not 0 <= prior_rate <= 1 or prior_weight <= 0:
+        if not 0 < fade <= 1 or not 0 <= prior_rate <= 1 or prior_weight <= 0 or chain_prior_weight <= 0:
             raise ValueError(
-                f"AcceptanceEstimate needs 0 < fade <= 1, 0 <= prior_rate <= 1 and prior_weight > 0; "
-                f"got {fade}, {prior_rate}, {prior_weight}"
+                f"AcceptanceEstimate needs 0 < fade <= 1, 0 <= prior_rate <= 1, prior_weight > 0 and "
+                f"chain_prior_weight > 0; got {fade}, {prior_rate}, {prior_weight}, {chain_prior_weight}"
             )
         self.max_k = max_k
         self.fade = fade
         self.prior_rate = prior_rate
-        self.prior_weight = prior_weight
+        self.prior_weights = [prior_weight] + [chain_prior_weight] * (max_k - 1)  # [K]
         self.tried = [0.0] * max_k  # position j: verifies that reached draft j (faded)
         self.accepted = [0.0] * max_k  # ... and accepted it
+        self.num_steps = 0  # end_step() calls: the clock of the evidence's age
+        self.last_reached = [0] * max_k  # position j: the step it was last tried in
+        self._reached = 0  # positions tried since the last end_step()
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         """One sequence's verify: num_drafted drafts (those it could accept), num_accepted taken."""
@@ -86,17 +109,45 @@ class AcceptanceEstimate:
             self.accepted[j] += 1.0
         if num_accepted < num_drafted:  # the first rejected position was tried too
             self.tried[num_accepted] += 1.0
+        self._reached = max(self._reached, min(num_accepted + 1, num_drafted))
 
     def end_step(self) -> None:
-        """One engine step passed: every position's evidence fades."""
+        """One engine step passed: the evidence of the positions it reached fades."""
+        self.num_steps += 1
         f = self.fade
-        self.tried = [t * f for t in self.tried]
-        self.accepted = [a * f for a in self.accepted]
+        for j in range(self._reached):
+            self.tried[j] *= f
+            self.accepted[j] *= f
+            self.last_reached[j] = self.num_steps
+        self._reached = 0
+
+    def _ageing(self) -> list[float]:
+        """[K]: the weight of each position's counts, halved for every EVIDENCE_HALF_LIFE steps
+        since it was last reached (1 for a position reached every step)."""
+        now = self.num_steps
+        return [0.5 ** ((now - seen) / EVIDENCE_HALF_LIFE) for seen in self.last_reached]
 
     def rates(self) -> list[float]:
-        """Conditional acceptance rate at each position 1..K."""
-        w, p = self.prior_weight, self.prior_rate
-        return [(a + w * p) / (t + w) for a, t in zip(self.accepted, self.tried)]
+        """Conditional acceptance rate at each position 1..K: its aged counts and a prior, the
+        estimate of the position before (PRIOR_RATE for the first)."""
+        prior, out = self.prior_rate, []
+        for a, t, age, w in zip(self.accepted, self.tried, self._ageing(), self.prior_weights):
+            prior = (a * age + w * prior) / (t * age + w)
+            out.append(prior)
+        return out
+
+    def evidence(self) -> list[float]:
+        """[K]: each position's aged observations (what exploration trusts)."""
+        return [t * age for t, age in zip(self.tried, self._ageing())]
+
+    def optimistic_rates(self, rates: Sequence[float] | None = None) -> list[float]:
+        """[K]: an upper confidence bound of each position's rate (module docstring)."""
+        rates = self.rates() if rates is None else rates
+        return [min(1.0, r + UCB_WIDTH / sqrt(n + w)) for r, n, w in zip(rates, self.evidence(), self.prior_weights)]
+
+    def first_uncertain_position(self) -> int:
+        """The first position (0-based) with less than ACCEPT_EVIDENCE evidence; K when none."""
+        return next((j for j, n in enumerate(self.evidence()) if n < ACCEPT_EVIDENCE), self.max_k)
 
     def expected_tokens(self, rates: Sequence[float] | None = None) -> list[float]:
         """[K + 1]: expected tokens a sequence gets from a step that drafts k (index k)."""
@@ -120,12 +171,20 @@ class StepCosts(Protocol):
         """[K + 1]: step_seconds(batch_size, k) for every k."""
         ...
 
+    def optimistic_seconds_by_k(self, batch_size: int) -> Sequence[float]:
+        """[K + 1]: a lower bound of each k's step seconds (what exploration hopes for)."""
+        ...
+
     def record(self, batch_size: int, k: int, seconds: float) -> None:
         """A steady step's wall time (batch_size sequences verified k drafts and drafted k)."""
         ...
 
     def needs_timing(self, batch_size: int) -> list[int]:
         """The k whose cost at this batch size a timed step would teach (ascending)."""
+        ...
+
+    def steady_steps_to_learn(self, batch_size: int, k: int) -> int:
+        """Steady steps of k at this batch an exploration holds to keep one time (0: none needed)."""
         ...
 
     def as_dict(self) -> dict: ...
@@ -175,15 +234,30 @@ class StepCostModel:
     def seconds_by_k(self, batch_size: int) -> list[float]:
         return [self.step_seconds(batch_size, k) for k in range(self.max_k + 1)]
 
+    def optimistic_seconds_by_k(self, batch_size: int) -> list[float]:
+        return self.seconds_by_k(batch_size)  # known exactly
+
     def record(self, batch_size: int, k: int, seconds: float) -> None:
         pass
 
     def needs_timing(self, batch_size: int) -> list[int]:
         return []
 
+    def steady_steps_to_learn(self, batch_size: int, k: int) -> int:
+        return 0
+
     def as_dict(self) -> dict:
         return {"learned": False, "batch_sizes": list(self.batch_sizes),
                 "step_ms": [[round(1000 * s, 4) for s in row] for row in self.seconds]}
+
+
+@dataclass
+class _ExploreSchedule:
+    """When a batch bucket next looks for something to explore."""
+
+    gap: int = EXPLORE_EVERY  # steps between two looks; doubles with each exploration
+    steps: int = 0  # steps at this bucket since the last look
+    explorations: int = 0
 
 
 class AdaptiveDraftLength:
@@ -206,10 +280,12 @@ class AdaptiveDraftLength:
         # drafts each verifies (the choice before); record_step() reads them.
         self.step_batch = 0
         self.step_verifies = self.max_k
+        self.schedules: dict[int, _ExploreSchedule] = {}  # batch bucket (bit length) -> its looks
         self.exploring_k: int | None = None
+        self.exploring_bucket = 0
         self.exploring_steps_left = 0
-        self.steps_since_exploration = 0
         self.num_explorations = 0
+        self.num_exploring_steps = 0  # steps whose choice an exploration held
         self.num_timed_steps = 0  # steady steps handed to the cost model
 
     def rates(self, batch_size: int) -> list[float]:
@@ -218,8 +294,12 @@ class AdaptiveDraftLength:
 
     def best(self, batch_size: int) -> int:
         """The k with the most expected tokens per second at this batch size (ties: the smaller)."""
+        return self._argmax(self.rates(batch_size))
+
+    @staticmethod
+    def _argmax(rates: Sequence[float]) -> int:
         best_k, best_rate = 0, -1.0
-        for k, rate in enumerate(self.rates(batch_size)):
+        for k, rate in enumerate(rates):
             if rate > best_rate * (1 + 1e-9):
                 best_k, best_rate = k, rate
         return best_k
@@ -242,23 +322,43 @@ class AdaptiveDraftLength:
 
     def _explore(self, batch_size: int) -> int | None:
         """The k an exploration holds now, or None (module docstring)."""
-        if self.exploring_steps_left > 0:
+        bucket = batch_size.bit_length()
+        if self.exploring_steps_left > 0 and bucket == self.exploring_bucket:
             self.exploring_steps_left -= 1
+            self.num_exploring_steps += 1
             return self.exploring_k
-        self.steps_since_exploration += 1
-        if self.steps_since_exploration < EXPLORE_EVERY:
+        self.exploring_steps_left = 0
+        schedule = self.schedules.get(bucket)
+        if schedule is None:
+            schedule = self.schedules[bucket] = _ExploreSchedule()
+        schedule.steps += 1
+        if schedule.steps < schedule.gap:
             return None
-        self.steps_since_exploration = 0  # looked now: next look in EXPLORE_EVERY steps
-        wanted = self.costs.needs_timing(batch_size)
-        if not wanted:
+        schedule.steps = 0  # looked now: the next look after the gap
+        k = self.exploration_candidate(batch_size)
+        if k is None:
             return None
-        rates = self.rates(batch_size)
-        k = max(wanted, key=lambda j: rates[j])  # the most promising (ties: the smaller)
-        if rates[k] < EXPLORE_WITHIN * max(rates):
-            return None
+        schedule.gap = min(2 * schedule.gap, EXPLORE_MAX_GAP)
+        schedule.explorations += 1
         self.num_explorations += 1
-        self.exploring_k, self.exploring_steps_left = k, EXPLORE_STEPS - 1
+        self.num_exploring_steps += 1
+        self.exploring_k, self.exploring_bucket = k, bucket
+        self.exploring_steps_left = self.costs.steady_steps_to_learn(batch_size, k)
         return k
+
+    def exploration_candidate(self, batch_size: int) -> int | None:
+        """The k worth exploring now at this batch size (module docstring), or None."""
+        estimate, costs = self.estimate, self.costs
+        rates = estimate.rates()
+        point = [e / t for e, t in zip(estimate.expected_tokens(rates), costs.seconds_by_k(batch_size))]
+        best_k = self._argmax(point)
+        hopes = [e / t for e, t in zip(estimate.expected_tokens(estimate.optimistic_rates(rates)),
+                                       costs.optimistic_seconds_by_k(batch_size))]
+        uncertain_from = estimate.first_uncertain_position()
+        untimed = set(costs.needs_timing(batch_size))
+        found = [k for k in range(self.max_k + 1)
+                 if k != best_k and (k in untimed or k > uncertain_from) and hopes[k] > point[best_k]]
+        return max(found, key=lambda k: hopes[k]) if found else None
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         self.estimate.observe(num_drafted, num_accepted)
@@ -284,4 +384,5 @@ class AdaptiveDraftLength:
             "adaptive_step_costs": self.costs.as_dict(),
             "adaptive_timed_steps": self.num_timed_steps,
             "adaptive_explorations": self.num_explorations,
+            "adaptive_exploring_steps": self.num_exploring_steps,
         }
