@@ -2,6 +2,7 @@
 
     python scripts/check_batch_invariant_gpu.py OUT_DIR [--quick] [--sections cost,agreement,sampling]
         [--cost-runs plain,eagle3_k3_sim2.93] [--cost-tokens 128]
+    python scripts/check_batch_invariant_gpu.py OUT_DIR --sections kernels   (about 1 minute)
 
 The quick cost check (four Llama-8B engines, their graphs and timed runs; under 2 minutes once
 Triton's cache holds the kernels): --sections cost. Only plain decoding: --cost-runs plain.
@@ -18,6 +19,11 @@ agreement   the default family in bf16 with the mode on, 64 GSM8K test prompts x
             (qwen3 batched / warm / mixed, its drafters, DeepSeek MTP, then one at a time, then the
             contrast) and each writes the JSON as it finishes, with its time in agreement._seconds.
 sampling    seeded sampling (temperature 0.8, a seed per request) at batch 1 and 64, mode on.
+kernels     (not in the default sections) each Llama-8B linear alone at M = 1, 4 and 64: the default
+            path's kernel (the GEMV at 1, the few-row MMA at 4, cuBLAS at 64: SmallMGemm "on")
+            against the mode's linear at its own pipeline depth and at 1-4 stages (a launch choice
+            that changes no bits: tests/ops/test_batch_invariant_gemm.py), us per call with L2
+            flushed (ops/gemm/dispatch.CudaEventTimer). Where the mode's GEMM time goes per shape.
 
 Prints a table per section and writes OUT_DIR/check_batch_invariant_gpu.json (after every engine
 and sub-check).
@@ -111,6 +117,60 @@ def print_cost(rows: dict, batches: list[int]) -> None:
             off, on = rows[f"{label}_off"][f"b{b}"]["tok_s"], rows[f"{label}_on"][f"b{b}"]["tok_s"]
             line += f"{off:>12.1f}{on:>12.1f}{100 * rows[f'{label}_cost'][f'b{b}']:>7.1f}%"
         print(line)
+
+
+# --------------------------------------------------------------------------------------- kernels
+
+LLAMA8B_LINEARS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+                   "lm_head": (128256, 4096)}
+
+
+def kernels(rows_list: list[int], stages_list: list[int]) -> dict:
+    """us per call of each Llama-8B linear: the default path's kernel and the mode's at each depth."""
+    from foretell.ops.gemm import triton_batch_invariant as invariant
+    from foretell.ops.gemm.batch_invariant import BatchInvariantGemm
+    from foretell.ops.gemm.dispatch import CudaEventTimer, SmallMGemm
+
+    device = torch.device("cuda")
+    timer, default = CudaEventTimer(reps=20), SmallMGemm("on")
+    gemm = BatchInvariantGemm()
+    out: dict = {}
+    gen = torch.Generator(device).manual_seed(0)
+    for name, (n, k) in LLAMA8B_LINEARS.items():
+        weight = (torch.randn(n, k, generator=gen, device=device) * k**-0.5).to(torch.bfloat16)  # [N, K]
+        extra = {"gated": name == "gate_up", "float32_out": name == "lm_head"}
+        config = invariant.pick_shape_config(n, k, torch.bfloat16, device)
+        for m in rows_list:
+            x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)  # [M, K]
+            chosen = default.kernels.default_config(m, n, k, torch.bfloat16, device) if m <= 16 else None
+            row = {"config": str(config), "default_us": 1e6 * timer(lambda: default(x, weight, **extra), device),
+                   "default_kernel": "cublas" if chosen is None else str(chosen)}
+            row["invariant_us"] = 1e6 * timer(lambda: gemm(x, weight, **extra), device)
+            for stages in stages_list:
+                run = lambda stages=stages: invariant.linear_batch_invariant_triton(  # noqa: E731
+                    x, weight, gated=extra["gated"], float32_out=extra["float32_out"], counters=gemm._counters,
+                    num_stages=stages)
+                try:
+                    row[f"stages{stages}_us"] = 1e6 * timer(run, device)
+                except Exception as e:  # a depth whose shared memory does not fit: recorded, not fatal
+                    row[f"stages{stages}_us"] = f"{type(e).__name__}: {str(e)[:200]}"
+            out[f"{name} M={m}"] = row
+        del weight
+        torch.cuda.empty_cache()
+    return out
+
+
+def print_kernels(rows: dict, stages_list: list[int]) -> None:
+    print("\nLlama-8B linears alone, us per call (L2 flushed): default path vs the mode's linear")
+    print(f"{'shape':<16}{'default':>10}{'mode':>10}" + "".join(f"{'s' + str(s):>10}" for s in stages_list)
+          + "   default kernel / mode config")
+    for name, row in rows.items():
+        if not isinstance(row, dict) or "default_us" not in row:
+            continue
+        cells = [row.get(f"stages{s}_us") for s in stages_list]
+        line = f"{name:<16}{row['default_us']:>10.1f}{row['invariant_us']:>10.1f}"
+        line += "".join(f"{c:>10.1f}" if isinstance(c, float) else f"{'-':>10}" for c in cells)
+        print(line + f"   {row['default_kernel']} / {row['config']}")
 
 
 # ------------------------------------------------------------------------------------- agreement
@@ -232,6 +292,10 @@ def main() -> None:
         print_agreement(RESULTS["agreement"])  # what finished, also when a sub-check failed
     if "sampling" in sections:
         run_section("sampling", sampling, args.out, num_prompts, max_tokens // 2)
+    if "kernels" in sections:
+        stages_list = [1, 2, 3, 4]
+        run_section("kernels", kernels, args.out, [1, 4, 64], stages_list)
+        print_kernels(RESULTS["kernels"], stages_list)
     for name, value in RESULTS.items():
         if isinstance(value, dict) and "error" in value:
             print(f"[{name}] {value['error']}")

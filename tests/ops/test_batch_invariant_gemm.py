@@ -163,6 +163,8 @@ def test_row_tile_size_does_not_change_a_row(kernel, order_fixed_dot, dtype):
     x, w, b = operands(128, 200, 64, dtype, seed=7, device=DEVICE)
     config = kernel.ShapeConfig(block_k=32, split=2)
     outs = [kernel.linear_batch_invariant_triton(x, w, b, config=config, fixed_block_m=bm) for bm in (16, 32, 64, 128)]
+    # The pipeline depth is a launch choice too (check_batch_invariant_gpu.py --sections kernels sweeps it).
+    outs += [kernel.linear_batch_invariant_triton(x, w, b, config=config, num_stages=stages) for stages in (1, 2)]
     for out in outs[1:]:
         assert torch.equal(out, outs[0])
 
@@ -206,3 +208,5 @@ def test_kernel_refuses_bad_inputs(kernel, interpreter_mode):
         kernel.linear_batch_invariant_triton(x, w.t().contiguous().t())
     with pytest.raises(ValueError, match="fixed_block_m must be 16, 32, 64 or 128"):
         kernel.linear_batch_invariant_triton(x, w, fixed_block_m=24)
+    with pytest.raises(ValueError, match="num_stages must be 1 to 8"):
+        kernel.linear_batch_invariant_triton(x, w, num_stages=0)

@@ -213,6 +213,7 @@ def linear_batch_invariant_triton(
     counters: SplitCounters | None = None,  # the caller's persistent counters; None: zeros per call
     fixed_block_m: int | None = None,  # one row tile for every M (None: row_tile's choice)
     config: ShapeConfig | None = None,  # None: pick_shape_config's (what the mode runs)
+    num_stages: int | None = None,  # pipeline depth (a launch choice: no bits change); None: what fits
 ) -> torch.Tensor:  # [M, N] (gated: [M, N // 2]); float32 with float32_out, else x's dtype
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x must be [M, K] and weight [N, K] with the same K, got {list(x.shape)} and "
@@ -229,6 +230,8 @@ def linear_batch_invariant_triton(
                          f"{list(bias.shape)} {bias.dtype}")
     if fixed_block_m is not None and fixed_block_m not in (16, 32, 64, 128):
         raise ValueError(f"fixed_block_m must be 16, 32, 64 or 128 (or None), got {fixed_block_m}")
+    if num_stages is not None and not 1 <= num_stages <= 8:
+        raise ValueError(f"num_stages must be 1 to 8 (or None), got {num_stages}")
     if x.stride(1) != 1:
         x = x.contiguous()
     m, k = x.shape
@@ -261,7 +264,8 @@ def linear_batch_invariant_triton(
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # (tf32 is ignored by fp16 / bf16 dots)
             W_EVICTION="evict_first" if m_tiles == 1 else "",
             PDL=pdl, SPLIT=config.split, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=config.block_k,
-            num_warps=NUM_WARPS, num_stages=_stages_that_fit(block_m, config.block_k, x.element_size(), smem),
+            num_warps=NUM_WARPS,
+            num_stages=num_stages or _stages_that_fit(block_m, config.block_k, x.element_size(), smem),
             **launch_options(pdl),
         )
     return y
