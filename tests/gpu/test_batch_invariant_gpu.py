@@ -2,8 +2,8 @@
 computed at M = 1 equals row r computed among M = 2..512, bit for bit (the linear at Llama-3.1-8B
 shapes with split-K fixed by shape, across row tiles of 16 / 64 / 128 rows, gated and float32
 LM-head epilogues; RMSNorm, RoPE, SiLU-and-mul, argmax; the MoE experts at V2-Lite shapes and the
-router); the GQA and MLA attention launches give a row the same bits alone, verified, in chunks and
-batched in any order; the linear and the MoE experts replay bit-identically in a CUDA graph; and end to end on the default family with graphs, one at a time / batched /
+router); the GQA and MLA attention launches (the GQA one also through rope_attend, RoPE + KV write
+first) give a row the same bits alone, verified, in chunks and batched in any order; the linear and the MoE experts replay bit-identically in a CUDA graph; and end to end on the default family with graphs, one at a time / batched /
 EAGLE3 / n-gram give the same tokens and logprob bits.
 """
 
@@ -247,6 +247,27 @@ def test_attention_rows_do_not_depend_on_their_step():
 
     world = make_world(torch.bfloat16, seed=4)
     assert_formations_agree(BatchInvariantTritonAttention(), world, FORMATIONS + ALONE)
+
+
+@pytest.mark.parametrize("with_norms", [False, True], ids=["llama", "qwen3_norms"])
+def test_rope_attend_rows_do_not_depend_on_their_step(with_norms):
+    """rope_attend (RoPE + KV write in one launch, then the attention: what Attention.forward_rotary
+    runs in the mode) gives a row the same bits decoded alone, verified, chunked and batched."""
+    from ops.test_batch_invariant_attention import ALONE, FORMATIONS, HEAD_DIM, make_raw_world, run_rope
+    from foretell.layers.norm import RMSNorm
+    from foretell.layers.rotary import RotaryEmbedding
+    from foretell.ops.attention.triton_batch_invariant import BatchInvariantTritonAttention
+
+    rotary = RotaryEmbedding(HEAD_DIM, 4096, 10000.0, None, "neox", device=DEVICE)
+    qk_norm = None
+    if with_norms:
+        qk_norm = tuple(RMSNorm(HEAD_DIM, eps=1e-6, dtype=torch.bfloat16, device=DEVICE) for _ in range(2))
+        for norm in qk_norm:
+            norm.weight.data.copy_(1.0 + 0.1 * torch.randn(HEAD_DIM, device=DEVICE))
+    backend, world, seen = BatchInvariantTritonAttention(), make_raw_world(torch.bfloat16, seed=7), {}
+    for segments in FORMATIONS + ALONE:  # the first formation writes every row of every sequence
+        for row, out in run_rope(backend, world, segments, rotary, qk_norm).items():
+            assert torch.equal(seen.setdefault(row, out), out), f"row {row} differs in {segments}"
 
 
 def test_default_family_exact_on_the_gpu():
