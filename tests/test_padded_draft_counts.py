@@ -24,16 +24,14 @@ import torch
 
 from foretell import LLM, SamplingParams
 from foretell.layers.sampler import NoiseSource, SamplingBatch, row_seed, sequence_key
+from fixtures.padded_step import PROMPTS, force_adaptive_choices, fp32_engine, padded_kind, record_host_steps
 from foretell.runner.graphed_verify import GraphedVerify
-from foretell.runner.host_step import HostStep
 from foretell.spec_decode.adaptive import StepCostModel
 from foretell.spec_decode.rejection_sampler import PaddedSampling
 from foretell.spec_decode.simulated_acceptance import SimulatedAcceptance
 from foretell.spec_decode.verifier import ExactVerifier, SimulatedVerifier
 
 CPU = torch.device("cpu")
-PROMPTS = ["The cat reads the book. The cat reads the book. The cat", "Question: what is 3 plus 7? Answer:",
-           "a b a b a b", "def add(x):\n    return x + 1\ndef add(x):\n    return"]
 
 
 def _outputs(n: int):
@@ -118,24 +116,8 @@ def greedy(n: int) -> SamplingParams:
 
 
 def plain_greedy(checkpoint, prompts, n: int) -> list[list[int]]:
-    llm = LLM(checkpoint, dtype="float32", num_kv_blocks=128, max_num_seqs=4)
+    llm = fp32_engine(checkpoint)
     return [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(n), use_tqdm=False)]
-
-
-def record_host_steps(monkeypatch) -> list:
-    """Per host step (HostStep.sample): whether its batch held a prefill chunk (more rows than one
-    plus the drafts, or a row that does not sample), the one kind of batch the padded step never
-    takes."""
-    steps = []
-    sample = HostStep.sample
-
-    def recorded(self, sched, batch, logits, results):
-        steps.append(any(item.num_new_tokens > 1 + len(item.draft_token_ids) or not item.samples
-                         for item in sched.scheduled))
-        return sample(self, sched, batch, logits, results)
-
-    monkeypatch.setattr(HostStep, "sample", recorded)
-    return steps
 
 
 @pytest.mark.parametrize("method", ["eagle3", "draft_model"])
@@ -146,12 +128,11 @@ def test_mixed_draft_counts_take_the_padded_step(qwen3_checkpoint, eagle3_head, 
     steps = record_host_steps(monkeypatch)
     spec = {"method": method, "model": eagle3_head if method == "eagle3" else qwen3_checkpoint,
             "num_speculative_tokens": 3}
-    llm = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=128, max_num_seqs=4, max_num_batched_tokens=14,
-              async_scheduling=mode, speculative_config=spec)
+    llm = fp32_engine(qwen3_checkpoint, max_num_batched_tokens=14, async_scheduling=mode, speculative_config=spec)
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy(48), use_tqdm=False)]
     assert all(steps), "a verify batch without prefill rows took the host step"
     assert got == plain_greedy(qwen3_checkpoint, PROMPTS, 48)
-    kind = llm.engine.runner.pipeline.kinds[0]
+    kind = padded_kind(llm)
     assert isinstance(kind, GraphedVerify) and kind.num_mixed_steps > 0 and kind.num_steps > kind.num_mixed_steps
     if mode == "on":
         assert llm.engine.runner.pipeline.num_used > 0
@@ -168,16 +149,16 @@ def test_seeded_sampling_near_max_tokens_takes_the_padded_step(qwen3_checkpoint,
     runs = []
     for _ in range(2):
         steps = record_host_steps(monkeypatch)
-        llm = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=128, max_num_seqs=4, speculative_config=spec)
+        llm = fp32_engine(qwen3_checkpoint, speculative_config=spec)
         runs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)])
-        kind = llm.engine.runner.pipeline.kinds[0]
+        kind = padded_kind(llm)
         assert kind.num_mixed_steps > 0 and kind.num_sampled_steps > 0 and all(steps)
     assert runs[0] == runs[1] and [len(t) for t in runs[0]] == [9, 10, 12, 13]
 
 
 def adaptive_llm(qwen3_checkpoint, drafter: dict, mode: str, **spec) -> LLM:
-    return LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=128, max_num_seqs=4, async_scheduling=mode,
-               speculative_config={**drafter, "num_speculative_tokens": 3, "adaptive": True, **spec})
+    return fp32_engine(qwen3_checkpoint, async_scheduling=mode,
+                       speculative_config={**drafter, "num_speculative_tokens": 3, "adaptive": True, **spec})
 
 
 @pytest.mark.parametrize("mode", ["off", "on"])
@@ -185,11 +166,9 @@ def test_adaptive_runs_take_no_host_step_after_prefill(qwen3_checkpoint, eagle3_
     """Adaptive speculation with every k in 0..3 chosen in turn (a policy cycling through them):
     verify and k = 0 steps all take the padded step; greedy output equals plain."""
     llm = adaptive_llm(qwen3_checkpoint, {"method": "eagle3", "model": eagle3_head}, mode)
-    policy = llm.engine.adaptive
-    choices = iter([3, 1, 0, 0, 2, 3, 0, 1] * 20)
-    monkeypatch.setattr(type(policy), "best", lambda self, batch_size: next(choices))
+    force_adaptive_choices(monkeypatch, llm, [3, 1, 0, 0, 2, 3, 0, 1])
     steps = record_host_steps(monkeypatch)
-    kind = llm.engine.runner.pipeline.kinds[0]
+    kind = padded_kind(llm)
     before = kind.num_steps  # the start-up measurement's steps
     loops = []
     run = type(llm.engine.runner.draft_graphs).run
@@ -217,7 +196,7 @@ def test_adaptive_k_zero_with_a_draft_lm_stays_padded(qwen3_checkpoint, monkeypa
                        simulate_acceptance={"rates": [0.0, 0.0, 0.0]})
     llm.engine.adaptive.costs = StepCostModel((1,), ((1.0, 1.1, 1.2, 1.3),))
     steps = record_host_steps(monkeypatch)
-    kind = llm.engine.runner.pipeline.kinds[0]
+    kind = padded_kind(llm)
     llm.generate(["The cat"], greedy(40), use_tqdm=False)
     assert all(steps) and kind.num_steps > 30
     assert list(llm.engine.adaptive.recent)[-20:].count(0) > 10
@@ -230,7 +209,7 @@ def test_draft_loop_keys_and_bad_verify_lengths(qwen3_checkpoint, eagle3_head):
     loop = llm.engine.runner.draft_graphs
     assert loop.verify_lens == (1, 2, 3, 4)
     assert loop.loop_keys() == [(1, 0), (1, 3), (2, 1), (2, 3), (3, 2), (3, 3), (4, 3)]
-    kind = llm.engine.runner.pipeline.kinds[0]
+    kind = padded_kind(llm)
     assert [kind.num_drafts(q, k) for q, k in ((1, 0), (1, 2), (3, 1), (3, 2), (3, 3), (4, None))] == [0, 3, 2, 2, 3, 3]
     with pytest.raises(ValueError, match="verify lengths must lie in 1..4"):
         type(loop)(loop.proposer, loop.target, 3, verify_lens=(5,))

@@ -29,8 +29,13 @@ from foretell import LLM, SamplingParams
 from foretell.engine.scheduler import ScheduledSequence, SchedulerOutput
 from foretell.engine.sequence import Sequence
 from foretell.layers.sampler import SamplingBatch, processed_probs
-from foretell.runner.graphed_verify import GraphedVerify
-from foretell.runner.host_step import HostStep
+from fixtures.padded_step import (
+    force_adaptive_choices,
+    fp32_engine,
+    padded_kind,
+    record_host_steps,
+    record_verify_lengths,
+)
 from foretell.runner.logits_processing import apply_sampling_controls
 from foretell.runner.padded_logits_controls import PaddedLogitsControls
 
@@ -168,20 +173,6 @@ PROMPTS = ["The cat reads the book. The cat reads the book. The cat", "def add(x
            "a b a b a b a b", "Question: what is 3 plus 7? Answer:"]
 
 
-def record_host_steps(monkeypatch) -> list:
-    """Per host step: whether its batch held prefill rows (the one kind the padded step never takes)."""
-    steps = []
-    sample = HostStep.sample
-
-    def recorded(self, sched, batch, logits, results):
-        steps.append(any(item.num_new_tokens > 1 + len(item.draft_token_ids) or not item.samples
-                         for item in sched.scheduled))
-        return sample(self, sched, batch, logits, results)
-
-    monkeypatch.setattr(HostStep, "sample", recorded)
-    return steps
-
-
 def greedy_controls(baseline: list[list[int]], max_tokens: int) -> list[SamplingParams]:
     """Controls built to change the baseline outputs (plain greedy without controls)."""
     b = baseline
@@ -203,7 +194,7 @@ def tokens_of(llm: LLM, params) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def plain_with_controls(qwen3_checkpoint):
     """Plain decoding on the host step: the baseline, the controls, and their outputs."""
-    with LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=128, max_num_seqs=4) as llm:
+    with fp32_engine(qwen3_checkpoint) as llm:
         baseline = tokens_of(llm, SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True))
         params = greedy_controls(baseline, 14)
         want = tokens_of(llm, params)
@@ -218,11 +209,10 @@ def test_greedy_with_controls_takes_the_padded_step_and_equals_plain(qwen3_check
     steps = record_host_steps(monkeypatch)
     model = eagle3_head if drafter == "eagle3" else qwen3_checkpoint
     method = "eagle3" if drafter == "eagle3" else "draft_model"
-    with LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=128, max_num_seqs=4, async_scheduling=mode,
-             speculative_config={"method": method, "model": model, "num_speculative_tokens": 3}) as llm:
+    with fp32_engine(qwen3_checkpoint, async_scheduling=mode,
+                     speculative_config={"method": method, "model": model, "num_speculative_tokens": 3}) as llm:
         assert tokens_of(llm, params) == want
-        kind = llm.engine.runner.pipeline.kinds[0]
-        assert isinstance(kind, GraphedVerify)
+        kind = padded_kind(llm)
         assert all(steps), "a verify batch with logits controls took the host step"
         assert kind.num_controlled_steps == kind.num_steps > 0
         if mode == "on":
@@ -234,17 +224,12 @@ def test_greedy_with_controls_takes_the_padded_step_and_equals_plain(qwen3_check
 def test_k_zero_steps_with_controls_equal_plain(qwen3_checkpoint, monkeypatch, plain_with_controls):
     """Adaptive speculation choosing k = 0 and k = 2 in turn (the draft LM is the target)."""
     params, want = plain_with_controls
-    with LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=128, max_num_seqs=4,
-             speculative_config={"method": "draft_model", "model": qwen3_checkpoint, "num_speculative_tokens": 3,
-                                 "adaptive": True}) as llm:
-        choices = iter([0, 2, 0, 0, 2] * 40)
-        monkeypatch.setattr(type(llm.engine.adaptive), "best", lambda self, batch_size: next(choices))
+    with fp32_engine(qwen3_checkpoint,
+                     speculative_config={"method": "draft_model", "model": qwen3_checkpoint,
+                                         "num_speculative_tokens": 3, "adaptive": True}) as llm:
+        force_adaptive_choices(monkeypatch, llm, [0, 2, 0, 0, 2])
         steps = record_host_steps(monkeypatch)
-        kind = llm.engine.runner.pipeline.kinds[0]
-        lengths = []
-        launch = type(kind)._verify_on_device
-        monkeypatch.setattr(type(kind), "_verify_on_device",
-                            lambda self, key, *args: lengths.append(key[1]) or launch(self, key, *args))
+        lengths = record_verify_lengths(monkeypatch, padded_kind(llm))
         assert tokens_of(llm, params) == want
         assert all(steps) and {1, 3} <= set(lengths)
 
@@ -256,10 +241,10 @@ def test_plain_decoding_queued_ahead_takes_controls_and_logprobs(qwen3_checkpoin
     params = list(params)
     params[3] = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, logprobs=3)
     params[1] = dataclasses.replace(params[1], logprobs=0)
-    with LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=128, max_num_seqs=4) as plain:
+    with fp32_engine(qwen3_checkpoint) as plain:
         expected = plain.generate(PROMPTS, params, use_tqdm=False)
     steps = record_host_steps(monkeypatch)
-    with LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=128, max_num_seqs=4, async_scheduling="on") as llm:
+    with fp32_engine(qwen3_checkpoint, async_scheduling="on") as llm:
         got = llm.generate(PROMPTS, params, use_tqdm=False)
         assert llm.engine.runner.pipeline.num_used > 0
     assert all(steps), "a decode batch with controls or logprobs took the host step"
@@ -297,10 +282,10 @@ def test_seeded_sampling_with_controls_decoded_ahead_equals_the_host_step(qwen3_
     positions on the device step queued ahead as on the host step, over the same processed
     probabilities, so the tokens are the same."""
     params = sampled_controls()
-    with LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=128, max_num_seqs=4) as plain:
+    with fp32_engine(qwen3_checkpoint) as plain:
         want = tokens_of(plain, params)
     steps = record_host_steps(monkeypatch)
-    with LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=128, max_num_seqs=4, async_scheduling="on") as llm:
+    with fp32_engine(qwen3_checkpoint, async_scheduling="on") as llm:
         assert tokens_of(llm, params) == want
         assert llm.engine.runner.pipeline.num_used > 0
     assert all(steps)
@@ -313,17 +298,17 @@ def test_sampled_verifies_with_controls_take_the_padded_step(qwen3_checkpoint, e
     controls stay on the padded step and what the controls promise holds in their outputs."""
     steps = record_host_steps(monkeypatch)
     spec = {"method": "eagle3", "model": eagle3_head, "num_speculative_tokens": 3}
-    with LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=128, max_num_seqs=4, speculative_config=spec) as llm:
+    with fp32_engine(qwen3_checkpoint, speculative_config=spec) as llm:
         got = tokens_of(llm, sampled_controls())
-        kind = llm.engine.runner.pipeline.kinds[0]
+        kind = padded_kind(llm)
         assert all(steps) and kind.num_sampled_steps > 0 and kind.num_controlled_steps == kind.num_steps
     check_sampled_controls_hold(got)
 
 
 def test_verify_length_takes_controls_but_not_grammars(qwen3_checkpoint, eagle3_head):
-    with LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=64, max_num_seqs=4,
-             speculative_config={"method": "eagle3", "model": eagle3_head, "num_speculative_tokens": 3}) as llm:
-        kind = llm.engine.runner.pipeline.kinds[0]
+    spec = {"method": "eagle3", "model": eagle3_head, "num_speculative_tokens": 3}
+    with fp32_engine(qwen3_checkpoint, num_kv_blocks=64, speculative_config=spec) as llm:
+        kind = padded_kind(llm)
 
         def item(seq_id, params):
             seq = Sequence(seq_id, f"r{seq_id}", 0, list(range(1, 9)), params, frozenset())

@@ -27,8 +27,15 @@ from foretell import LLM, SamplingParams
 from foretell.engine.scheduler import ScheduledSequence, SchedulerOutput
 from foretell.engine.sequence import Sequence
 from foretell.layers.sampler import SamplingBatch
+from fixtures.padded_step import (
+    PROMPTS,
+    force_adaptive_choices,
+    fp32_engine,
+    padded_kind,
+    record_host_steps,
+    record_verify_lengths,
+)
 from foretell.runner.graphed_verify import GraphedVerify
-from foretell.runner.host_step import HostStep
 from foretell.runner.logprobs import (
     PaddedLogprobs,
     add_logprobs,
@@ -38,8 +45,6 @@ from foretell.runner.logprobs import (
 )
 
 CPU = torch.device("cpu")
-PROMPTS = ["The cat reads the book. The cat reads the book. The cat", "Question: what is 3 plus 7? Answer:",
-           "a b a b a b", "def add(x):\n    return x + 1\ndef add(x):\n    return"]
 TOLERANCE = 1e-5
 
 
@@ -102,38 +107,17 @@ def test_emitted_row_tokens_and_no_logprobs():
 
 # ---- the engine --------------------------------------------------------------------------------
 
-def record_host_steps(monkeypatch) -> list:
-    """Per host step (HostStep.sample): whether its batch held prefill rows (the one kind of
-    batch the padded step never takes)."""
-    steps = []
-    sample = HostStep.sample
-
-    def recorded(self, sched, batch, logits, results):
-        steps.append(any(item.num_new_tokens > 1 + len(item.draft_token_ids) or not item.samples
-                         for item in sched.scheduled))
-        return sample(self, sched, batch, logits, results)
-
-    monkeypatch.setattr(HostStep, "sample", recorded)
-    return steps
-
-
 def spec_llm(qwen3_checkpoint, drafter: str, mode="off", **spec) -> LLM:
     """An engine verifying k = 3 drafts of an EAGLE3 head (drafter: its folder; the tiny random
     head's drafts are rejected) or, drafter == qwen3_checkpoint, of the target itself as a draft
     LM (every greedy draft accepted)."""
     method = "draft_model" if drafter == qwen3_checkpoint else "eagle3"
-    return LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=128, max_num_seqs=4, async_scheduling=mode,
-               speculative_config={"method": method, "model": drafter, "num_speculative_tokens": 3, **spec})
+    return fp32_engine(qwen3_checkpoint, async_scheduling=mode,
+                       speculative_config={"method": method, "model": drafter, "num_speculative_tokens": 3, **spec})
 
 
 def greedy(n: int, logprobs: int | None, **extra) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=logprobs, **extra)
-
-
-def padded_kind(llm: LLM) -> GraphedVerify:
-    kind = llm.engine.runner.pipeline.kinds[0]
-    assert isinstance(kind, GraphedVerify)
-    return kind
 
 
 def _assert_outputs_match(got, expected):
@@ -167,7 +151,7 @@ def test_greedy_logprobs_take_the_padded_step_and_equal_plain_decoding(qwen3_che
         assert llm.engine.runner.pipeline.num_used > 0
     if drafter == "draft_model":
         assert llm.get_stats()["num_accepted_tokens"] > 20
-    plain = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=128, max_num_seqs=4)
+    plain = fp32_engine(qwen3_checkpoint)
     expected = [o.outputs[0] for o in plain.generate(PROMPTS, params, use_tqdm=False)]
     _assert_outputs_match(got, expected)
     assert [len(o.logprobs) for o in got if o.logprobs is not None] == [24, 24, 24]
@@ -187,7 +171,7 @@ def test_capped_acceptance_near_max_tokens_keeps_its_logprobs(qwen3_checkpoint, 
     got = [o.outputs[0] for o in llm.generate(PROMPTS[:2], params, use_tqdm=False)]
     assert [c for c in caps if c is not None] == [[1, 1]]  # 1 + 4 * 5 tokens, then 2 more: one draft
     assert [len(o.logprobs) for o in got] == [23, 23]
-    plain = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=128, max_num_seqs=4)
+    plain = fp32_engine(qwen3_checkpoint)
     _assert_outputs_match(got, [o.outputs[0] for o in plain.generate(PROMPTS[:2], params, use_tqdm=False)])
 
 
@@ -195,18 +179,13 @@ def test_k_zero_steps_give_plain_decodings_logprobs(qwen3_checkpoint, monkeypatc
     """Adaptive speculation (a draft LM that is the target) choosing k = 0 and k = 2 in turn: the
     k = 0 steps (a padded decode) and the verifies carry logprobs, equal to plain decoding's."""
     llm = spec_llm(qwen3_checkpoint, qwen3_checkpoint, adaptive=True)
-    choices = iter([0, 2, 0, 0, 2] * 20)
-    monkeypatch.setattr(type(llm.engine.adaptive), "best", lambda self, batch_size: next(choices))
+    force_adaptive_choices(monkeypatch, llm, [0, 2, 0, 0, 2])
     steps = record_host_steps(monkeypatch)
-    lengths = []
-    kind = padded_kind(llm)
-    launch = type(kind)._verify_on_device
-    monkeypatch.setattr(type(kind), "_verify_on_device",
-                        lambda self, key, *args: lengths.append(key[1]) or launch(self, key, *args))
+    lengths = record_verify_lengths(monkeypatch, padded_kind(llm))
     params = [greedy(12, 2), greedy(12, None)]
     got = [o.outputs[0] for o in llm.generate(PROMPTS[:2], params, use_tqdm=False)]
     assert all(steps) and {1, 3} <= set(lengths)
-    plain = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=128, max_num_seqs=4)
+    plain = fp32_engine(qwen3_checkpoint)
     _assert_outputs_match(got, [o.outputs[0] for o in plain.generate(PROMPTS[:2], params, use_tqdm=False)])
 
 
@@ -229,7 +208,7 @@ def test_seeded_sampled_logprobs_are_the_targets_and_leave_tokens_unchanged(qwen
     without = llm.generate(PROMPTS, [sampled(1, None), sampled(2, None), greedy(16, None), sampled(3, None)],
                            use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in without]
-    plain = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=128, max_num_seqs=4)
+    plain = fp32_engine(qwen3_checkpoint)
     for out, p in zip(outs, params):
         c = out.outputs[0]
         if p.logprobs is None:
