@@ -3,7 +3,7 @@ weights; eager, and with CUDA graphs where the profiler sees the replay's kernel
 summed by category, next to the measured wall time per step.
 
     python scripts/profile_decode.py OUT_DIR [--steps 8] [--ops] [--only llama]
-        [--batch-invariant [on|off|both]] [--batch 1]
+        [--batch-invariant [on|off|both]] [--batch 1] [--graphs-only]
 
 Llama-3.1-8B and the DeepSeek-V2-Lite shape, 128-token prompt, batch 1; and Llama-3.1-8B's graphed
 EAGLE3 verify step (k = 3, simulated mean acceptance length 2.93), whose listing after the LM head
@@ -23,7 +23,7 @@ default path); `--batch-invariant both` profiles each target with the mode off a
 and prints, per category and per kernel, the microseconds per step the mode adds. --batch N decodes
 N requests together (the cost is also measured at batch 64). The mode's cost check:
 
-    python scripts/profile_decode.py OUT_DIR --only llama --batch-invariant both [--batch 64]
+    python scripts/profile_decode.py OUT_DIR --only llama --graphs-only --batch-invariant both [--batch 64]
 """
 
 from __future__ import annotations
@@ -253,6 +253,7 @@ def main() -> None:
     parser.add_argument("--batch-invariant", nargs="?", const="on", default="off", choices=("off", "on", "both"),
                         help="profile with ModelConfig.batch_invariant on (or both: off and on, and what it adds)")
     parser.add_argument("--batch", type=int, default=1, help="requests decoded together (default 1)")
+    parser.add_argument("--graphs-only", action="store_true", help="skip the eager profiles (fewer engines)")
     args = parser.parse_args()
     if args.batch < 1:
         parser.error(f"--batch must be at least 1, got {args.batch}")
@@ -267,7 +268,7 @@ def main() -> None:
                ("deepseek-v2-lite", f"{CONFIGS}/deepseek-v2-lite", None),
                ("llama-3.1-8b eagle3", f"{CONFIGS}/llama-3.1-8b", eagle3))
     for (model, folder, spec), eager, invariant in itertools.product(targets, (True, False), modes):
-        if (args.only and args.only not in model) or (spec is not None and eager):
+        if (args.only and args.only not in model) or ((spec is not None or args.graphs_only) and eager):
             continue  # speculation: the graphed verify step only
         name = (f"{model} {'eager' if eager else 'graphs'}" + (f" batch {args.batch}" if args.batch > 1 else "")
                 + (" batch-invariant" if invariant else ""))
