@@ -3,7 +3,7 @@
 EAGLE3 (k = 1..4) and no speculation.
 
     python scripts/check_adaptive_gpu.py OUT_DIR [--lengths 2.93,1.5] [--batches 1,4,16,64,256]
-        [--ks 1,2,3,4] [--new-tokens 128] [--tiny]
+        [--ks 1,2,3,4] [--new-tokens 128] [--repeats 3] [--tiny]
 
 Llama-3.1-8B shape with its EAGLE3 head (foretell/configs, bf16, random weights, CUDA graphs),
 acceptance simulated: for a mean acceptance length L the conditional rate a with 1 + a + a^2 + a^3
@@ -12,7 +12,11 @@ k takes the first k; adaptive all 4), so every configuration meets the same acce
 configuration is one engine (start-up reported as start_s; adaptive learns its step costs from
 its own steps, the warm-up runs' included); each batch size one closed-loop run of `batch`
 requests of 128-token prompts and --new-tokens tokens (EOS ignored), after a warm-up run of the
-same shape; tok/s is generated tokens over the run's wall time. Writes
+same shape; tok/s is generated tokens over the run's wall time, the median of --repeats timed
+runs (a single 0.3-s run differed by a few percent between engines of the same work). Each row
+also has ms per engine step and, for auto, the share of steps an exploration held: a gap with
+auto's ms/step above the best fixed k's while choosing that k is per-step overhead, not the choice.
+Writes
 OUT_DIR/check_adaptive_gpu.json after every engine (a partial result survives a time-out), prints
 a table per length: tok/s of none, each k, auto, the ratio of auto to the best of the others and
 the bar (>= 0.97), and the k auto chose.
@@ -68,16 +72,27 @@ def spec_config(head: str, k: int | str, rate: float) -> dict | None:
             "simulate_acceptance": {"rates": [rate ** j for j in range(1, drafts + 1)]}}
 
 
-def run_batch(llm: LLM, batch: int, new_tokens: int) -> dict:
+def run_batch(llm: LLM, batch: int, new_tokens: int, repeats: int = 1) -> dict:
+    """A warm-up run, then `repeats` timed runs of the same shape: tok/s is the median run's (each
+    run's tok/s kept in runs_tok_s, so the spread between runs shows beside the gaps between
+    configurations); the counters cover all the timed runs."""
     prompts = [{"prompt_token_ids": [(7 * i + j) % 1000 + 1 for j in range(128)]} for i in range(batch)]
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)  # every shape of the run compiled / captured
     before = llm.get_stats()
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - start
+    runs, walls = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        walls.append(time.perf_counter() - start)
+        runs.append(sum(len(o.outputs[0].token_ids) for o in outs) / walls[-1])
     after = llm.get_stats()
-    row = {"batch": batch, "tok_s": sum(len(o.outputs[0].token_ids) for o in outs) / wall, "wall_s": wall}
+    median = sorted(range(repeats), key=lambda i: runs[i])[(repeats - 1) // 2]
+    row = {"batch": batch, "tok_s": runs[median], "wall_s": walls[median], "runs_tok_s": runs}
+    steps = after.get("num_steps", 0) - before.get("num_steps", 0)
+    if steps:  # per-step time: tells a slower step (overhead) from a worse choice (fewer tokens a step)
+        row["num_steps"] = steps / repeats
+        row["ms_per_step"] = 1000 * sum(walls) / steps
     if after.get("num_drafts"):
         drafts = after["num_drafts"] - before.get("num_drafts", 0)
         accepted = after["num_accepted_tokens"] - before.get("num_accepted_tokens", 0)
@@ -86,13 +101,16 @@ def run_batch(llm: LLM, batch: int, new_tokens: int) -> dict:
         hist = [a - b for a, b in zip(after["adaptive_chosen_k_histogram"], before["adaptive_chosen_k_histogram"])]
         row["chosen_k_histogram"] = hist
         row["mean_chosen_k"] = sum(k * n for k, n in enumerate(hist)) / max(sum(hist), 1)
+        exploring = after.get("adaptive_exploring_steps", 0) - before.get("adaptive_exploring_steps", 0)
+        row["exploring_share"] = exploring / max(sum(hist), 1)
     return row
 
 
 def table(length: float, results: dict, batches: list[int], ks: list) -> str:
     names = ["none"] + [f"k={k}" for k in ks if k != "auto"] + ["auto"]
     lines = [f"mean acceptance length {length} (conditional rate {conditional_rate(length):.3f}), tok/s:",
-             "| batch | " + " | ".join(names) + " | auto / best other | bar | auto mean k |"]
+             "| batch | " + " | ".join(names) + " | auto / best other | bar | auto mean k | auto exploring |"
+             " ms/step best other / auto |"]
     for b in batches:
         cells, rates = [], {}
         for name in names:
@@ -101,11 +119,15 @@ def table(length: float, results: dict, batches: list[int], ks: list) -> str:
             cells.append(f"{row['tok_s']:.1f}" if row else "-")
         others = [v for n, v in rates.items() if n != "auto" and v is not None]
         if rates["auto"] is None or not others:
-            lines.append(f"| {b} | " + " | ".join(cells) + " | - | - | - |")
+            lines.append(f"| {b} | " + " | ".join(cells) + " | - | - | - | - | - |")
             continue
         ratio = rates["auto"] / max(others)
-        mean_k = results["auto"][str(b)].get("mean_chosen_k", 0.0)
-        lines.append(f"| {b} | " + " | ".join(cells) + f" | {ratio:.3f} | {'ok' if ratio >= BAR else 'MISS'} | {mean_k:.2f} |")
+        auto = results["auto"][str(b)]
+        best_name = max((n for n in names if n != "auto" and rates[n] is not None), key=lambda n: rates[n])
+        best_ms = results[best_name][str(b)].get("ms_per_step", float("nan"))
+        lines.append(f"| {b} | " + " | ".join(cells) + f" | {ratio:.3f} | {'ok' if ratio >= BAR else 'MISS'} | "
+                     f"{auto.get('mean_chosen_k', 0.0):.2f} | {100 * auto.get('exploring_share', 0.0):.1f}% | "
+                     f"{best_ms:.2f} / {auto.get('ms_per_step', float('nan')):.2f} |")
     return "\n".join(lines)
 
 
@@ -116,8 +138,11 @@ def main() -> int:
     parser.add_argument("--batches", default="1,4,16,64,256")
     parser.add_argument("--ks", default="1,2,3,4", help="fixed k to compare against (auto and none always run)")
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per batch size (the median is kept)")
     parser.add_argument("--tiny", action="store_true", help="tiny random models (CPU smoke test)")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     os.makedirs(args.out_dir, exist_ok=True)
     out_path = os.path.join(args.out_dir, "check_adaptive_gpu.json")
     batches = [int(b) for b in args.batches.split(",")]
@@ -135,7 +160,7 @@ def main() -> int:
                       max_num_seqs=max(batches), log_stats_interval_s=0, **options)
             results[name] = {"start_s": time.perf_counter() - start}
             for b in batches:
-                results[name][str(b)] = run_batch(llm, b, args.new_tokens)
+                results[name][str(b)] = run_batch(llm, b, args.new_tokens, args.repeats)
                 print(name, results[name][str(b)], flush=True)
             if k == "auto":  # learned from the runs' own steps
                 results[name]["step_costs"] = llm.get_stats()["adaptive_step_costs"]
