@@ -1,7 +1,8 @@
 """Where a CPU decode step of the default family goes: per-step time by part, and cProfile.
 
     python scripts/profile_cpu_step.py [--method none|eagle3] [--num-prompts 4] [--max-tokens 64]
-        [--cprofile 30] [--torch-profile 30] [--count-ops] [--forward-loop 200] [--dtype auto]
+        [--cprofile 30] [--torch-profile 30] [--count-ops] [--forward-loop 200 [--verify-rows 4]]
+        [--skip-run] [--dtype auto]
 
 The shipped default Qwen3 family (foretell/default_models), GSM8K prompts one at a time (batch 1),
 on the CPU with one torch thread. Each part of Engine.step is wrapped in a timer for the measured
@@ -14,7 +15,10 @@ other processes the wall time swings, the CPU time much less. --cprofile N print
 with the most own time; --torch-profile N the N torch ops with the most CPU time (torch.profiler),
 each over a second measured run. --count-ops counts the torch calls of one target forward: those
 Python makes (a dispatch mode sees them) and every aten op the profiler records under them (a
-count that does not move with the machine's load, unlike the timings).
+count that does not move with the machine's load, unlike the timings). --forward-loop N times the
+target forward of one decode step N times at the same state, and with --verify-rows R a verify's
+forward of R rows alternating with it (both meet the same load: their ratio is what a speculative
+step pays for its verify); --skip-run leaves out the measured run of the prompts.
 """
 
 from __future__ import annotations
@@ -101,10 +105,13 @@ def run(llm, prompts, params) -> tuple[int, int, float]:
     return steps, tokens, time.perf_counter() - t0
 
 
-def time_forward_loop(llm, prompt: list[int], n: int) -> None:
+def time_forward_loop(llm, prompt: list[int], n: int, verify_rows: int = 0) -> None:
     """The target forward (with the LM head) of one decode step, n times over at the same state
-    (it rewrites the same KV slot): the steadiest number on a shared machine."""
+    (it rewrites the same KV slot): the steadiest number on a shared machine. With verify_rows,
+    also a verify's forward of that many rows (the decode row and verify_rows - 1 drafts) at the
+    same place, the two alternating so that both meet the same load."""
     import statistics
+    from dataclasses import replace
 
     import torch
 
@@ -116,18 +123,29 @@ def time_forward_loop(llm, prompt: list[int], n: int) -> None:
     engine.step()  # the prefill
     item = engine.scheduler.schedule().scheduled[0]  # the first decode step, never postprocessed
     runner = engine.runner
-    wall, cpu = [], []
+    block_size = runner.cache_plan.block_size
+    items = {"decode forward (1 row)": item}
+    if verify_rows > 1:
+        if len(item.seq.block_ids) * block_size < item.seq.num_computed_tokens + verify_rows:
+            raise ValueError(f"the prompt's last block has no room for {verify_rows} verify rows; try another prompt")
+        drafts = prompt[1:verify_rows]  # any tokens: the forward's cost does not depend on them
+        items[f"verify forward ({verify_rows} rows)"] = replace(
+            item, num_new_tokens=verify_rows, draft_token_ids=drafts)
+    wall = {name: [] for name in items}
+    cpu = {name: [] for name in items}
     with torch.inference_mode():
         for _ in range(n):
-            w0, c0 = time.perf_counter(), time.thread_time()
-            batch = build_input_batch([item], runner.cache_plan.block_size, runner.device)
-            runner.target_forward(batch)
-            wall.append(time.perf_counter() - w0)
-            cpu.append(time.thread_time() - c0)
+            for name, scheduled in items.items():
+                w0, c0 = time.perf_counter(), time.thread_time()
+                runner.target_forward(build_input_batch([scheduled], block_size, runner.device))
+                wall[name].append(time.perf_counter() - w0)
+                cpu[name].append(time.thread_time() - c0)
     engine.abort_request("loop")
-    print(f"decode forward at context {len(prompt) + 1}, {n} times: wall min {min(wall) * 1e3:.3f} "
-          f"median {statistics.median(wall) * 1e3:.3f} ms; cpu min {min(cpu) * 1e3:.3f} "
-          f"median {statistics.median(cpu) * 1e3:.3f} ms")
+    for name in items:
+        w, c = wall[name], cpu[name]
+        print(f"{name} at context {len(prompt) + 1}, {n} times: wall min {min(w) * 1e3:.3f} "
+              f"median {statistics.median(w) * 1e3:.3f} ms; cpu min {min(c) * 1e3:.3f} "
+              f"median {statistics.median(c) * 1e3:.3f} ms")
 
 
 def count_forward_ops(llm, prompt: list[int]) -> None:
@@ -181,6 +199,10 @@ def main() -> None:
                         help="count the torch calls of one target forward (top-level and all aten ops)")
     parser.add_argument("--forward-loop", type=int, default=0, metavar="N",
                         help="also time N target forwards of one decode step (min and median)")
+    parser.add_argument("--verify-rows", type=int, default=0, metavar="R",
+                        help="with --forward-loop, also time a verify forward of R rows (alternating with the decode)")
+    parser.add_argument("--skip-run", action="store_true",
+                        help="skip the measured run of the prompts (only the loops and counts asked for)")
     args = parser.parse_args()
 
     llm = LLM.default(
@@ -193,10 +215,34 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     run(llm, prompts[:1], SamplingParams(temperature=0.0, max_tokens=16))  # warm-up
 
+    if not args.skip_run:
+        report_parts(llm, prompts, params, args.method)
+    if args.count_ops:
+        count_forward_ops(llm, prompts[0])
+    if args.forward_loop:
+        time_forward_loop(llm, prompts[0], args.forward_loop, args.verify_rows)
+    if args.cprofile:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        run(llm, prompts, params)
+        profiler.disable()
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(args.cprofile)
+        print(out.getvalue())
+    if args.torch_profile:
+        import torch
+
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            run(llm, prompts, params)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.torch_profile))
+
+
+def report_parts(llm, prompts, params, method: str) -> None:
+    """The measured run of the prompts, its time per step by part (wall and thread CPU)."""
     timer = PartTimer()
     instrument(llm, timer)
     steps, tokens, wall = run(llm, prompts, params)
-    print(f"method {args.method}, dtype {llm.engine.runner.dtype}, {len(prompts)} prompts, "
+    print(f"method {method}, dtype {llm.engine.runner.dtype}, {len(prompts)} prompts, "
           f"{tokens} tokens in {steps} steps: {tokens / wall:.1f} tok/s, "
           f"{wall / steps * 1e3:.2f} ms/step wall")
     parts = [n for n in timer.wall if n != "step"]
@@ -213,25 +259,6 @@ def main() -> None:
               f"{c / step_cpu * 100:>10.1f}%")
     print(f"{'step (all)':<28}{steps:>7}{step_wall / steps * 1e3:>14.3f}{step_cpu / steps * 1e3:>13.3f}")
     print("(the detokenizer runs inside postprocess's caller, the engine loop: counted in rest)")
-
-    if args.count_ops:
-        count_forward_ops(llm, prompts[0])
-    if args.forward_loop:
-        time_forward_loop(llm, prompts[0], args.forward_loop)
-    if args.cprofile:
-        profiler = cProfile.Profile()
-        profiler.enable()
-        run(llm, prompts, params)
-        profiler.disable()
-        out = io.StringIO()
-        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(args.cprofile)
-        print(out.getvalue())
-    if args.torch_profile:
-        import torch
-
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            run(llm, prompts, params)
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.torch_profile))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from foretell.layers.cpu_few_rows import few_rows_linear, fits_few_rows
 from foretell.layers.linear import make_param
 
 if TYPE_CHECKING:
@@ -70,6 +71,8 @@ class LMHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] f32
         if self.small_m is not None:  # the kernels store float32 themselves (no cast launch)
             return self.small_m(hidden, self.weight, float32_out=True)
+        if fits_few_rows(hidden, self.weight):  # a CPU verify's rows (cpu_few_rows.py); already float32
+            return few_rows_linear(hidden, self.weight)
         return F.linear(hidden, self.weight).float()
 
     def extra_repr(self) -> str:

@@ -11,8 +11,9 @@ the parameter name, checkpoint key and file.
 
 A Linear computes F.linear, or, once prepare_small_m_linears (small_m.py) has bound a
 SmallMGemm to it (on CUDA, before graph capture), lets that pick cuBLAS or the Triton GEMV for
-few-row inputs; `MergedLinear.forward_gated` is an MLP's gate_up projection with its activation,
-which those kernels apply as their epilogue.
+few-row inputs; with none bound, 2 to 8 float32 rows on the CPU take W x^T (cpu_few_rows.py: a
+verify's rows at the cost of about one row); `MergedLinear.forward_gated` is an MLP's gate_up
+projection with its activation, which those kernels apply as their epilogue.
 
 Tensor parallelism (a TensorParallel with several ranks, distributed/tensor_parallel.py): the
 fused q/k/v and gate_up layers and ColumnParallelLinear hold this rank's rows of the output (no
@@ -42,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from foretell.distributed.tensor_parallel import TensorParallel
+from foretell.layers.cpu_few_rows import few_rows_linear, fits_few_rows
 from foretell.ops.gemm.fp8_dispatch import fp8_linear
 from foretell.ops.gemm.fp8_reference import FP8_DTYPE, blocks, quantize_fp8_blocks
 from foretell.ops.pointwise.dispatch import silu_and_mul
@@ -278,6 +280,8 @@ class Linear(nn.Module):
             return fp8_linear(x, self.weight, self.weight_scale_inv, self.block_size, bias)
         if self.small_m is not None:
             return self.small_m(x, self.weight, bias)
+        if fits_few_rows(x, self.weight):  # a CPU verify's rows: W x^T streams W once (cpu_few_rows.py)
+            return few_rows_linear(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., input] -> [..., output]
