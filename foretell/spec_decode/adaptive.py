@@ -92,32 +92,67 @@ class AcceptanceEstimate:
         self.fade = fade
         self.prior_rate = prior_rate
         self.prior_weights = [prior_weight] + [chain_prior_weight] * (max_k - 1)  # [K]
-        self.tried = [0.0] * max_k  # position j: verifies that reached draft j (faded)
-        self.accepted = [0.0] * max_k  # ... and accepted it
+        self._tried = [0.0] * max_k  # position j: verifies that reached draft j (faded)
+        self._accepted = [0.0] * max_k  # ... and accepted it
         self.num_steps = 0  # end_step() calls: the clock of the evidence's age
         self.last_reached = [0] * max_k  # position j: the step it was last tried in
+        # This step's verifies not yet added to the counts, as two histograms (observe() runs for
+        # every sequence of every step: two increments, the counts are summed once a step).
+        self._exactly = [0] * (max_k + 1)  # index a: verifies that accepted exactly a drafts
+        self._rejected_at = [0] * max_k  # index a: ... of them that had a draft a + 1 and rejected it
+        self._pending = False
         self._reached = 0  # positions tried since the last end_step()
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         """One sequence's verify: num_drafted drafts (those it could accept), num_accepted taken."""
         if num_drafted <= 0:
             return
-        num_drafted = min(num_drafted, self.max_k)
-        num_accepted = min(num_accepted, num_drafted)
-        for j in range(num_accepted):
-            self.tried[j] += 1.0
-            self.accepted[j] += 1.0
+        if num_drafted > self.max_k:
+            num_drafted = self.max_k
+        if num_accepted > num_drafted:
+            num_accepted = num_drafted
+        self._exactly[num_accepted] += 1
         if num_accepted < num_drafted:  # the first rejected position was tried too
-            self.tried[num_accepted] += 1.0
-        self._reached = max(self._reached, min(num_accepted + 1, num_drafted))
+            self._rejected_at[num_accepted] += 1
+        self._pending = True
+
+    def _add_pending(self) -> None:
+        """Add the verifies observed since the last call to the counts."""
+        if not self._pending:
+            return
+        exactly, rejected = self._exactly, self._rejected_at
+        passed = 0  # verifies that accepted more than j drafts
+        for j in range(self.max_k - 1, -1, -1):
+            passed += exactly[j + 1]
+            tried = passed + rejected[j]
+            if tried:
+                self._tried[j] += tried
+                self._accepted[j] += passed
+                self._reached = max(self._reached, j + 1)
+        self._exactly = [0] * (self.max_k + 1)
+        self._rejected_at = [0] * self.max_k
+        self._pending = False
+
+    @property
+    def tried(self) -> list[float]:
+        """[K]: per position, the (faded) verifies that reached its draft."""
+        self._add_pending()
+        return self._tried
+
+    @property
+    def accepted(self) -> list[float]:
+        """[K]: per position, the (faded) verifies that accepted its draft."""
+        self._add_pending()
+        return self._accepted
 
     def end_step(self) -> None:
         """One engine step passed: the evidence of the positions it reached fades."""
+        self._add_pending()
         self.num_steps += 1
         f = self.fade
         for j in range(self._reached):
-            self.tried[j] *= f
-            self.accepted[j] *= f
+            self._tried[j] *= f
+            self._accepted[j] *= f
             self.last_reached[j] = self.num_steps
         self._reached = 0
 
@@ -125,7 +160,7 @@ class AcceptanceEstimate:
         """[K]: the weight of each position's counts, halved for every EVIDENCE_HALF_LIFE steps
         since it was last reached (1 for a position reached every step)."""
         now = self.num_steps
-        return [0.5 ** ((now - seen) / EVIDENCE_HALF_LIFE) for seen in self.last_reached]
+        return [1.0 if seen == now else 0.5 ** ((now - seen) / EVIDENCE_HALF_LIFE) for seen in self.last_reached]
 
     def rates(self) -> list[float]:
         """Conditional acceptance rate at each position 1..K: its aged counts and a prior, the
