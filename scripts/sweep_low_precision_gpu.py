@@ -7,8 +7,9 @@ Sections:
             128x128 blocks (what quantization="fp8" makes): qkv 6144x4096, o 4096x4096, gate_up
             28672x4096 (plain and gated: silu(gate) * up in the epilogue, as the MLP runs it),
             down 4096x14336, at M = 1 (decode) and 4 (an EAGLE3 k=3 verify); every
-            candidate_configs entry, and for reference the bf16 few-row kernel (mode "on"'s choice)
-            and cuBLAS on a bf16 weight of the same shape;
+            candidate_configs entry (at M = 1 also 16 KiB GEMV tiles over four warps and the
+            tensor-core MMA with 15 padding rows), and for reference the bf16 few-row kernel (mode
+            "on"'s choice) and cuBLAS on a bf16 weight of the same shape;
   int4_moe  the int4 MoE GEMVs (ops/moe/triton_int4_gemv.py) at Kimi-K2.5's experts (H 7168, I 2048,
             8 of 384) at 1, 2, 4 and 8 tokens: gate_up configs with the default down, then down
             configs with the best gate_up;

@@ -265,7 +265,7 @@ def test_candidate_configs_all_give_the_product(poisoned_empty):
         x = torch.randn(m, k, generator=gen).half().to(DEVICE)
         configs = few.candidate_configs(m, n, k, torch.float16, BLOCK, DEVICE)
         assert configs[0] == few.default_config(m, n, k, torch.float16, BLOCK, DEVICE)
-        assert any(isinstance(c, few.Fp8MmaConfig) for c in configs) == (m > 1)
+        assert any(isinstance(c, few.Fp8MmaConfig) for c in configs)  # at one row too (fp16 / bf16 x)
         for config in configs:
             check_product(few.fp8_few_rows_linear(x, q, s, BLOCK, None, config), x, q, s, BLOCK, None,
                           torch.float16)

@@ -161,23 +161,32 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype, block_size: tuple
     return mma_config(k, block_size, n, device)
 
 
-# GEMV candidates at one row of x: (rows of W per program, columns per tile, warps, splits of K)
+# GEMV candidates at one row of x: (rows of W per program, columns per tile, warps, splits of K).
+# 16 KiB tiles over four warps (8 x 2048, 16 x 1024: 128 weights a thread) take 3.15 sm_90
+# instructions a weight in their loop against 3.59 for 8 KiB ones (x's load and scaling shared by
+# twice the rows), and keep twice the bytes in flight; split 2 keeps their program count at N = 4096.
 GEMV_CANDIDATES = ((2, 4096, 4, 1), (4, 1024, 4, 1), (4, 2048, 4, 1), (4, 4096, 4, 1), (8, 512, 4, 1),
                    (8, 1024, 4, 1), (8, 1024, 8, 1), (8, 2048, 8, 1), (16, 512, 4, 1), (16, 1024, 8, 1),
-                   (4, 2048, 4, 2), (8, 1024, 4, 2))
+                   (4, 2048, 4, 2), (8, 1024, 4, 2), (8, 2048, 4, 1), (16, 1024, 4, 1), (8, 2048, 4, 2),
+                   (4, 4096, 4, 2))
 
 
 def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype, block_size: tuple[int, int] | None,
                       device: torch.device | None = None) -> list:
     """default_config first, then the GEMV tiles, warps and splits (columns per tile shrinking as
-    rows of x grow) and the MMA tile widths and splits that the H200 sweep times for this shape."""
+    rows of x grow) and the MMA tile widths and splits that the H200 sweep times for this shape.
+    The MMA is a candidate at one row of fp16 / bf16 x too (15 of its 16 rows padding): on tensor
+    cores a weight costs its conversion and a sixteenth of an MMA, not a float32 FMA, and its tiles
+    stream through shared memory several in flight (cp.async stages). Its sm_90 loop at Llama's
+    qkv takes 3.4 instructions a weight for fp16 x at 128 columns (2.7 at 256, per channel) and
+    4.9 for bf16 x (the weight made bf16 through float32), the GEMV 3.15-3.6."""
     configs = [default_config(m, n, k, dtype, block_size, device)]
     if m <= GEMV_MAX_M:
         for block_n, block_k, warps, split in GEMV_CANDIDATES:
             block_k //= _next_pow2(m)
             if block_k <= 2 * _next_pow2(k) and (split == 1 or k // split >= block_k):
                 configs.append(gemv_config(m, n, k, block_k, block_n, warps, split))
-    if m > 1 and dtype in MMA_X_DTYPES:
+    if dtype in MMA_X_DTYPES:
         _, smem = device_limits(device or torch.device("cpu"))
         for block_k in (64, 128, 256):
             if block_size is not None and block_size[1] % block_k:
