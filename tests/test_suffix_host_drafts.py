@@ -4,8 +4,10 @@ With the target's graphs their verifies take the padded device step (graphed_ver
 with HostDraftSlots: no device draft loop) and they draft from the host's token lists, with no
 device work; without graphs (the CPU's torch backend) they stay on the host step, which hands
 them no device rows any more. The padded step is run here on the CPU's torch backend with the
-GPU's verify lengths (1 and K + 1: the padded_on_cpu fixture); tests/test_suffix_host_drafts_triton.py
+GPU's verify lengths (host_draft_verify_lens: the padded_on_cpu fixture); tests/test_suffix_host_drafts_triton.py
 runs it on the Triton backend's graph buffers (slow). Checked:
+  - the verify lengths the graphs take for a host drafter (host_draft_verify_lens: K = 16 gives
+    1, 5, 9, 17) and every padded step taking the fewest rows that hold its longest draft;
   - greedy output equals plain greedy output (fp32) for suffix and n-gram, batches with unequal
     draft counts (padded rows), chunked prefill and preemption;
   - the padded step gives the host step's tokens and logprobs for greedy rows beside seeded
@@ -25,7 +27,8 @@ from foretell import LLM, SamplingParams
 from foretell.bench.suffix_host_cost import _StepCalls
 from foretell.engine.scheduler import ScheduledSequence, SchedulerOutput
 from foretell.engine.sequence import Sequence
-from foretell.runner.host_drafts import HostDraftSlots, token_draft_batch
+from foretell.runner.graphed_verify import GraphedVerify
+from foretell.runner.host_drafts import HostDraftSlots, host_draft_verify_lens, token_draft_batch
 from foretell.runner.graph_setup import StepGraphSetup
 from foretell.runner.host_step import HostStep
 from foretell.runner.input_batch import build_input_batch
@@ -70,7 +73,7 @@ def plain(qwen3_checkpoint):
 @pytest.fixture
 def padded_on_cpu(monkeypatch):
     """The padded step for host drafters on the CPU's torch backend: the target's buffers
-    uncaptured with the GPU's verify lengths (1 and K + 1), as on the GPU's graphs. (Without
+    uncaptured with the GPU's verify lengths (host_draft_verify_lens), as on the GPU's graphs. (Without
     graphs the engine keeps host drafters on the host step, where no padding is cheaper.)"""
     built = StepGraphSetup.padded_forward
 
@@ -95,7 +98,7 @@ def test_greedy_equals_plain_on_the_padded_step(qwen3_checkpoint, plain, padded_
     assert ids(outputs) == plain
     runner = llm.engine.runner
     assert isinstance(runner.draft_graphs, HostDraftSlots)
-    assert runner.draft_graphs.verify_lens == (1, SPECS[method]["num_speculative_tokens"] + 1)
+    assert runner.draft_graphs.verify_lens == {"suffix": (1, 3, 4, 6), "ngram": (1, 2, 3, 4)}[method]  # K = 5, 3
     stats = llm.get_stats()
     assert stats["num_drafts"] > 0 and stats["num_accepted_tokens"] > 0
     assert padded(llm).num_steps > 0
@@ -104,6 +107,45 @@ def test_greedy_equals_plain_on_the_padded_step(qwen3_checkpoint, plain, padded_
     else:
         assert stats["num_preemptions"] > 0
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+
+
+def test_steps_pad_to_the_smallest_verify_length_that_holds_their_longest_draft(qwen3_checkpoint, plain,
+                                                                                 padded_on_cpu, monkeypatch):
+    """K = 16 (the suffix drafter's usual): the graphs take 1, 5, 9 and 17 rows per sequence, and
+    each step pads to the fewest that hold 1 + its longest draft (issue 29: every drafting step
+    took 17 before); greedy output equals plain."""
+    spec = dict(SPECS["suffix"], num_speculative_tokens=16, suffix_decoding_max_tree_depth=24)
+    steps = []  # (rows per sequence, 1 + the longest draft, sequences) of every padded step
+    launch = GraphedVerify.launch
+
+    def recorded(self, sched, batch):
+        launched = launch(self, sched, batch)
+        if launched is not None:
+            most = 1 + max(len(item.draft_token_ids) for item in sched.scheduled)
+            steps.append((launched.key[1], most, len(sched.scheduled)))
+        return launched
+
+    monkeypatch.setattr(GraphedVerify, "launch", recorded)
+    llm, outputs = run(qwen3_checkpoint, greedy(), spec)
+    assert ids(outputs) == plain
+    assert llm.engine.runner.draft_graphs.verify_lens == (1, 5, 9, 17)
+    assert steps and all(q == min(b for b in (1, 5, 9, 17) if b >= most) for q, most, _ in steps)
+    assert {q for q, most, _ in steps if most > 1} & {5, 9}, "no drafting step took a shorter graph"
+    rows, rows_at_17 = (sum(n * q for q, _, n in steps),
+                        sum(n * (1 if most == 1 else 17) for _, most, n in steps))
+    print(f"K = 16: {len(steps)} padded steps, {rows} target rows ({rows_at_17} padded to 1 or 17 rows)")
+    assert rows < rows_at_17
+
+
+def test_host_draft_verify_lens():
+    assert host_draft_verify_lens(16) == (1, 5, 9, 17)
+    assert host_draft_verify_lens(8) == (1, 3, 5, 9)
+    assert host_draft_verify_lens(5) == (1, 3, 4, 6)
+    assert host_draft_verify_lens(3) == (1, 2, 3, 4)
+    assert host_draft_verify_lens(1) == (1, 2)
+    for bad in (0, -2, 2.5, True):
+        with pytest.raises(ValueError, match="num_speculative_tokens must be an integer >= 1"):
+            host_draft_verify_lens(bad)
 
 
 def test_verifies_no_longer_take_the_host_step(qwen3_checkpoint, padded_on_cpu, monkeypatch):

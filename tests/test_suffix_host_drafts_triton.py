@@ -1,7 +1,8 @@
 """A host drafter (suffix) on the target's graph buffers of the Triton backend (run by Triton's
-interpreter on the CPU, uncaptured, with the GPU's verify lengths 1 and K + 1): its verifies take
-the padded step (runner/host_drafts.py), a batch of fewer drafts padded to K + 1, and greedy
-output equals plain greedy output. Interpreted attention is slow: marked slow."""
+interpreter on the CPU, uncaptured, with the GPU's verify lengths, K = 3: 1, 2, 3, 4): its verifies
+take the padded step (runner/host_drafts.py), a batch of fewer drafts padded to the shortest length
+that holds its longest draft, and greedy output equals plain greedy output. Interpreted attention
+is slow: marked slow."""
 
 from __future__ import annotations
 
@@ -31,5 +32,5 @@ def test_suffix_greedy_equals_plain_on_graph_buffers(qwen3_checkpoint):
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
     runner = llm.engine.runner
-    assert runner.graphs is not None and runner.draft_graphs.verify_lens == (1, 4)
+    assert runner.graphs is not None and runner.draft_graphs.verify_lens == (1, 2, 3, 4)
     assert runner.pipeline.kinds[0].num_steps > 0 and llm.get_stats()["num_accepted_tokens"] > 0

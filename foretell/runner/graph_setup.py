@@ -12,8 +12,9 @@ StepGraphSetup.build() runs once, after the KV caches are allocated and max_mode
   3. the padded step's draft loop (spec_decode/draft_graph.DraftGraphRunner), captured when the
      drafter's backend allows, else run eagerly (the same code); for a drafter that drafts from
      the token lists on the host (n-gram, suffix) and a target with graphs, host_drafts.HostDraftSlots,
-     which drafts nothing on the device (without graphs such a drafter's verifies run unpadded on
-     the host step: cheaper than padding every sequence to the longest draft).
+     which drafts nothing on the device (the graphs then take host_draft_verify_lens' few verify
+     lengths; without graphs such a drafter's verifies run unpadded on the host step: cheaper
+     than padding every sequence to the longest draft).
 build_step_pipeline() then makes the step pipeline (step_pipeline.py) from them: plain decoding
 queued ahead without a drafter (decode_ahead.py), the padded verify step with one
 (graphed_verify.py).
@@ -37,7 +38,7 @@ from foretell.ops.gemm.dispatch import SmallMGemm
 from foretell.runner.cuda_graph import CudaGraphRunner
 from foretell.runner.decode_ahead import DecodeAhead
 from foretell.runner.graphed_verify import GraphedVerify
-from foretell.runner.host_drafts import HostDraftSlots
+from foretell.runner.host_drafts import HostDraftSlots, host_draft_verify_lens
 from foretell.runner.kv_cache import CachePlan
 from foretell.runner.step_pipeline import StepKind, StepPipeline
 from foretell.runner.tree_graphs import TreeVerifyGraphs
@@ -99,6 +100,8 @@ class StepGraphSetup:
         query_lens = (1,) if spec is None else (1, spec.num_speculative_tokens + 1)
         if spec is not None and spec.adaptive:  # a verify of any length adaptive speculation chooses
             query_lens = tuple(range(1, spec.num_speculative_tokens + 2))
+        elif spec is not None and self.drafts_on_host():  # drafts as long as the match: a few lengths
+            query_lens = host_draft_verify_lens(spec.num_speculative_tokens)
         if self.uses_tree:  # trees verify on their own graphs (tree_verify); the rest decodes
             query_lens = (1,)
         return CudaGraphRunner(
@@ -112,6 +115,11 @@ class StepGraphSetup:
             capture_graphs=capture_graphs,
             reads_host_lengths=reads_host_lengths,
         )
+
+    def drafts_on_host(self) -> bool:
+        """A drafter that drafts from the host's token lists (n-gram, suffix): no device loop."""
+        proposer = self.proposer
+        return proposer is not None and proposer.padded_drafter() is None and proposer.capabilities.drafts_from_tokens
 
     def target_graphs(self) -> CudaGraphRunner | None:
         """The target's graphs (captured on CUDA; on the CPU with a graph-safe backend the same
@@ -177,8 +185,7 @@ class StepGraphSetup:
         """The padded step's draft loop, captured after the target's graphs when its drafter's
         backend allows (else run eagerly: the same code)."""
         drafter = self.proposer.padded_drafter() if self.proposer is not None else None
-        if padded_forward is not None and self.proposer is not None and drafter is None \
-                and self.proposer.capabilities.drafts_from_tokens:
+        if padded_forward is not None and self.drafts_on_host():
             # n-gram, suffix: verifies on the target's graphs (here padded_forward is them), drafts on the host
             return HostDraftSlots(padded_forward, self.config.speculative.num_speculative_tokens)
         if padded_forward is None or drafter is None:

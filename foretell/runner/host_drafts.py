@@ -11,7 +11,8 @@ Two pieces:
     draft loop for such a drafter. It drafts nothing on the device (m = 0 drafts per sequence),
     it only holds the buffers the verifier writes (accepted count, next token, live sequences).
     So, when the target has graphs (graph_setup.py), a host drafter's verify is the target's
-    (bucket, q) graph replay (q: 1 when no sequence drafts, else K + 1, shorter drafts padded),
+    (bucket, q) graph replay (q: 1 when no sequence drafts, else the smallest verify length of
+    host_draft_verify_lens() that holds 1 + the step's longest draft, shorter drafts padded),
     verification on the device and one read back of the whole step, and after it the drafter
     proposes from the host lists (propose_from_tokens). Before this every verify with sequences
     of unequal draft counts (the common case: a suffix draft's length is the match's) ran the
@@ -19,6 +20,15 @@ Two pieces:
     drafter never reads. Without graphs (the CPU's torch backend, --enforce-eager) host drafters
     stay on the host step: unpadded rows cost less than padding every sequence to the longest
     draft when every forward is eager anyway.
+
+The verify lengths (host_draft_verify_lens): a host drafter's draft is as long as its match
+allows, so most steps verify far fewer than K drafts (a suffix match of 3 tokens drafts at most 3
+under max_spec_factor 1). The target's graphs are captured for q = 1 and 1 + ceil(K / 4),
+1 + ceil(K / 2), 1 + K (K = 16: 1, 5, 9, 17 rows per sequence), and a step pads every sequence to
+the smallest that holds its longest draft: past K / 4 drafts that longest one computes fewer
+than twice its useful rows, where one length of K + 1 padded a step of 4 drafts to 17 rows. Three
+lengths and not every one of 1..K + 1: each length is a graph per batch bucket (capture time,
+memory).
 
 A step of the padded kind whose sequences carry no drafts at all (q = 1: nobody matched last step)
 can queue the step after it on the device, as plain decoding does (step_pipeline.py): the launch
@@ -35,6 +45,14 @@ from foretell.runner.sequence_result import SequenceResult
 from foretell.spec_decode.proposer import DraftBatch, Proposer
 
 _NO_TENSOR = torch.empty(0)  # the DraftBatch fields a host drafter never reads
+
+
+def host_draft_verify_lens(k: int) -> tuple[int, ...]:
+    """The verify lengths (rows per sequence) the target's graphs take for a host drafter of K = k
+    drafts: 1 (no sequence drafts) and 1 + ceil(k / 4), 1 + ceil(k / 2), 1 + k."""
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"num_speculative_tokens must be an integer >= 1 for a host drafter, got {k!r}")
+    return tuple(sorted({1} | {1 + -(-k // part) for part in (4, 2, 1)}))
 
 
 def token_draft_batch(sched: SchedulerOutput, results: list[SequenceResult], block_size: int,
@@ -83,8 +101,8 @@ class HostDraftSlots:
     def __init__(self, target, k: int):  # target: the padded forward (a CudaGraphRunner)
         self.target = target
         self.k = k  # K: the most drafts a step verifies
-        # Every verify length the padded forward has (graphs: 1 and K + 1, or 1..K + 1 under
-        # adaptive speculation; uncaptured buffers: any), so a step pads to the fewest rows.
+        # Every verify length the padded forward has (host_draft_verify_lens(K), or 1..K + 1 under
+        # adaptive speculation), so a step pads to the fewest rows.
         self.verify_lens = tuple(q for q in target.query_lens if 1 <= q <= k + 1)
         max_bucket = target.buckets[-1]
         device = target.device

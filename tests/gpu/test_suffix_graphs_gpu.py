@@ -1,13 +1,16 @@
 """On a CUDA GPU: host drafters (suffix, n-gram) verify on the target's captured graphs
 (runner/host_drafts.py: the padded step with HostDraftSlots, drafts from the host's token lists
 after its one read-back), steps without drafts queued ahead; greedy output (fp32) equals plain
-decoding's, with logprobs, beside seeded sampled requests; and no verify takes the host step."""
+decoding's, with logprobs, beside seeded sampled requests; and no verify takes the host step. With
+K = 16 the graphs are captured for 1, 5, 9 and 17 rows per sequence (host_draft_verify_lens) and each
+step replays the fewest that hold its longest draft."""
 
 from __future__ import annotations
 
 import pytest
 
 from foretell import LLM, SamplingParams
+from foretell.runner.graphed_verify import GraphedVerify
 from foretell.runner.host_drafts import HostDraftSlots
 from foretell.runner.host_step import HostStep
 
@@ -53,3 +56,32 @@ def test_sampled_requests_are_reproducible(qwen3_checkpoint):
     runs = [[o.token_ids for o in generate(qwen3_checkpoint, params, speculative_config=SPECS["suffix"])[1]]
             for _ in range(2)]
     assert runs[0] == runs[1] and all(len(t) == 32 for t in runs[0])
+
+
+def test_suffix_k16_replays_the_smallest_verify_graph(qwen3_checkpoint, monkeypatch):
+    """K = 16: graphs of 1, 5, 9 and 17 rows per sequence for every batch bucket; every padded step
+    replays the one of the fewest rows that holds 1 + its longest draft (shorter ones taken), and
+    greedy output (fp32) equals plain decoding's."""
+    params = [SamplingParams(temperature=0, max_tokens=48, ignore_eos=True) for _ in PROMPTS]
+    _, plain = generate(qwen3_checkpoint, params)
+    steps = []  # (rows per sequence, 1 + the longest draft)
+    launch = GraphedVerify.launch
+
+    def recorded(self, sched, batch):
+        launched = launch(self, sched, batch)
+        if launched is not None:
+            steps.append((launched.key[1], 1 + max(len(item.draft_token_ids) for item in sched.scheduled)))
+        return launched
+
+    monkeypatch.setattr(GraphedVerify, "launch", recorded)
+    spec = dict(SPECS["suffix"], num_speculative_tokens=16)
+    llm, got = generate(qwen3_checkpoint, params, speculative_config=spec)
+    runner = llm.engine.runner
+    assert runner.graphs.captures and runner.draft_graphs.verify_lens == (1, 5, 9, 17)
+    assert {q for _, q in runner.graphs.graphs} == {1, 5, 9, 17}
+    assert {b for b, _ in runner.graphs.graphs} == set(runner.graphs.buckets)
+    assert [g.token_ids for g in got] == [e.token_ids for e in plain]
+    assert steps and all(q == min(b for b in (1, 5, 9, 17) if b >= most) for q, most in steps)
+    assert {q for q, most in steps if most > 1} & {5, 9}, "no drafting step replayed a shorter graph"
+    print(f"K = 16: verify lengths replayed {sorted({q for q, _ in steps})}, "
+          f"accepted {llm.get_stats()['num_accepted_tokens']}")
