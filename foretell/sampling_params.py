@@ -163,6 +163,11 @@ class SamplingParams:
         biases or min_tokens depend on the tokens before it (runner/logits_processing.py; on the
         padded device steps runner/padded_logits_controls.py keeps what they need on the device,
         except a grammar's state, which keeps its requests on the host step)."""
+        return self.needs_logits_controls or self.structured_outputs is not None  # the grammar: foretell/structured/
+
+    @property
+    def needs_logits_controls(self) -> bool:
+        """needs_logits_processing without the grammar: what runner/logits_processing.py applies."""
         return bool(
             self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
@@ -172,7 +177,6 @@ class SamplingParams:
             or self.bad_words
             or self.bad_words_token_ids
             or self.allowed_token_ids is not None
-            or self.structured_outputs is not None  # the grammar's mask (foretell/structured/)
         )
 
     def token_id_errors(self, vocab_size: int) -> None:

@@ -26,7 +26,7 @@ def apply_sampling_controls(
 ) -> torch.Tensor:
     """The logits the sampler or verifier should use: `logits` itself when no row has controls,
     else processed (in place, or in a copy with keep_raw)."""
-    if not any(item.seq.sampling_params.needs_logits_processing for item in items):
+    if not any(item.seq.sampling_params.needs_logits_controls for item in items):  # a grammar alone: nothing to do
         return logits
     controls = build_controls(items, logits.device)
     processed = logits.clone() if keep_raw else logits
@@ -41,7 +41,7 @@ def build_controls(items: list[ScheduledSequence], device: torch.device) -> Logi
     for item in items:
         drafts = list(item.draft_token_ids)
         params = item.seq.sampling_params
-        if params.needs_logits_processing:
+        if params.needs_logits_controls:
             lists.add_sequence(item.seq, drafts, row0)
         row0 += len(drafts) + 1
     return lists.to_device(device)

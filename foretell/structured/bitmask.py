@@ -29,6 +29,51 @@ def forbidden_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return forbidden[:, :vocab_size]
 
 
+class TokenBits:
+    """Where each token of a vocabulary sits in a packed mask row of target ids: its word and its
+    bit, so that a drafter's forbidden tokens are one gather, one and and one compare over its
+    own vocabulary (no [rows, target vocab] unpack, no index map applied after it)."""
+
+    def __init__(
+        self,
+        target_ids: torch.Tensor | None,  # [vocab] int64: each token's target id (an EAGLE3 d2t), or None
+        vocab_size: int,  # the logits' width (the same ids when target_ids is None)
+        num_words: int,  # of the mask rows
+        device: torch.device,
+    ):
+        self.source = target_ids  # what the entry was built from (TokenBitsCache compares it)
+        ids = torch.arange(vocab_size, dtype=torch.int64) if target_ids is None else target_ids.to("cpu", torch.int64)
+        inside = ids < num_words * 32  # tokens past the rows' words are never allowed
+        words = torch.where(inside, ids >> 5, 0)  # [vocab] int64
+        bits = torch.where(inside, torch.ones_like(ids) << (ids & 31), 0).to(torch.int32)  # [vocab]: 1 << 31 wraps
+        self.host_words, self.host_bits = words.numpy(), bits.numpy()
+        self.words, self.bits = words.to(device), bits.to(device)
+
+    def forbidden(self, bitmask: torch.Tensor) -> torch.Tensor:
+        """bitmask [rows, words] int32 -> forbidden [rows, vocab] bool."""
+        return (bitmask.index_select(1, self.words) & self.bits).eq(0)
+
+    def allows_any(self, row: np.ndarray) -> bool:
+        """Whether the host row [words] int32 allows any token of this vocabulary."""
+        return bool((row[self.host_words] & self.host_bits).any())
+
+
+class TokenBitsCache:
+    """The TokenBits of the vocabularies a runtime has met (a drafter's map and width), kept."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple, TokenBits] = {}
+
+    def get(self, target_ids: torch.Tensor | None, vocab_size: int, num_words: int, device: torch.device) -> TokenBits:
+        key = (None if target_ids is None else id(target_ids), vocab_size, num_words, str(device))
+        entry = self._entries.get(key)
+        if entry is None or entry.source is not target_ids:  # an id reused by another tensor
+            if len(self._entries) >= 8:
+                self._entries.clear()
+            entry = self._entries[key] = TokenBits(target_ids, vocab_size, num_words, device)
+        return entry
+
+
 def contiguous_rows(row_index: list[int]) -> slice | None:
     """The rows as one slice where they are consecutive (then the mask is applied in place on a
     view: no gather, scatter or index upload), else None."""

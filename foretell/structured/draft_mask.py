@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from foretell.device_util import to_device
-from foretell.structured.bitmask import BitmaskBuffer, forbidden_tokens
+from foretell.structured.bitmask import BitmaskBuffer, TokenBitsCache
 from foretell.structured.matcher import SequenceMatcher
 
 
@@ -70,11 +70,13 @@ class DraftMask:
         executor,  # llguidance.LLExecutor
         buffer: BitmaskBuffer,
         timer: MaskTimer,
+        token_bits: TokenBitsCache | None = None,  # the drafter's vocabulary in mask words (the runtime's, kept)
     ):
         self.matchers = matchers
         self.executor = executor
         self.buffer = buffer
         self.timer = timer
+        self.token_bits = token_bits or TokenBitsCache()
 
     def begin(self, seq_indices: list[int], target_id_map: torch.Tensor | None) -> "DraftGrammar | None":
         """The masks of a loop drafting for these sequences (row j = sequence seq_indices[j]);
@@ -83,13 +85,15 @@ class DraftMask:
         rows = {j: self.matchers[i] for j, i in enumerate(seq_indices) if self.matchers[i] is not None}
         if not rows:
             return None
-        return DraftGrammar(len(seq_indices), rows, self.executor, self.buffer, target_id_map, self.timer)
+        return DraftGrammar(len(seq_indices), rows, self.executor, self.buffer, target_id_map, self.timer,
+                            self.token_bits)
 
 
 class DraftGrammar:
     def __init__(self, num_rows: int, rows: dict[int, SequenceMatcher], executor, buffer: BitmaskBuffer,
-                 target_id_map: torch.Tensor | None, timer: MaskTimer):
+                 target_id_map: torch.Tensor | None, timer: MaskTimer, token_bits: TokenBitsCache | None = None):
         self.timer = timer
+        self.token_bits = token_bits or TokenBitsCache()
         self.num_rows = num_rows
         self.sequences = rows  # row -> its sequence's matcher (EOS ids, end tokens)
         self.copies = {j: m.matcher.deep_copy() for j, m in rows.items()}  # row -> llguidance.LLMatcher
@@ -109,6 +113,8 @@ class DraftGrammar:
             self.executor.unsafe_compute_mask_ptr(list((m, j) for j, m in self.copies.items()),
                                                   host.ctypes.data, host.shape[1] * 4, self.num_rows)
         self.forced = {}
+        vocabulary = self.token_bits.get(self.target_id_map, logits.shape[1], host.shape[1], logits.device)
+        unmasked = []  # live rows that allow none of the drafter's tokens
         for j in list(self.copies):
             copy = self.copies[j]
             if copy.is_error() or not self.sequences[j].set_end_tokens(host[j], copy.is_accepting()):
@@ -117,18 +123,18 @@ class DraftGrammar:
             fast_forward = copy.compute_ff_tokens()
             if fast_forward and SequenceMatcher.allows(host[j], fast_forward[0]):
                 self.forced[j] = fast_forward[0]
+            if not vocabulary.allows_any(host[j]):
+                unmasked.append(j)
         self.host_rows = host
         if not self.copies:
             self.timer.add_draft(time.perf_counter() - started)
             return logits
         bits = self.buffer.to_device(self.num_rows)  # [num_rows, words]
-        if self.target_id_map is None:
-            forbid = forbidden_tokens(bits, logits.shape[1])  # [num_rows, draft_vocab] bool
-        else:
-            forbid = forbidden_tokens(bits, bits.shape[1] * 32).index_select(1, self.target_id_map)
+        forbid = vocabulary.forbidden(bits)  # [num_rows, draft_vocab] bool
         # A row that allows none of the drafter's tokens (an EAGLE3 head's smaller vocabulary)
-        # keeps its logits: its draft will not be taken, and advance() drops its grammar.
-        forbid &= ~forbid.all(dim=1, keepdim=True)  # [num_rows, draft_vocab]
+        # keeps its logits: its draft is the forced token, or is not taken (advance() drops it).
+        for j in unmasked:
+            forbid[j] = False
         masked = logits.masked_fill(forbid, float("-inf"))
         self.timer.add_draft(time.perf_counter() - started)
         return masked

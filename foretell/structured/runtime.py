@@ -54,7 +54,8 @@ import torch
 from foretell.device_util import to_device
 from foretell.engine.errors import SequenceError
 from foretell.structured.batched_fill import SequenceGrammarViolation, fill_verify_masks, finish_rows, walk_calls
-from foretell.structured.bitmask import BitmaskBuffer, apply_token_bitmask, contiguous_rows, num_mask_words
+from foretell.structured.bitmask import (BitmaskBuffer, TokenBitsCache, apply_token_bitmask, contiguous_rows,
+                                         num_mask_words)
 from foretell.structured.draft_mask import DraftMask, MaskTimer
 from foretell.structured.forced_drafts import drafts_under_grammar
 from foretell.structured.matcher import GrammarViolation, SequenceMatcher
@@ -125,6 +126,7 @@ class StructuredOutputs:
         self._executor = None  # llguidance.LLExecutor: fills a step's masks in one call
         self._grammars: OrderedDict[str, object] = OrderedDict()  # compiled grammar -> llguidance.LLMatcher
         self._buffers: dict[str, BitmaskBuffer] = {}  # "verify" / "draft" -> host rows, reused
+        self._token_bits = TokenBitsCache()  # the drafter's vocabulary in mask words (draft_mask.py)
         self.timer = MaskTimer()  # host time spent on masks (verify rows and draft loops)
         self._worker: MaskWorker | None = None  # fill_ahead()'s thread, started when first used
         self._ahead: tuple | None = None  # the next step's rows filled ahead: (jobs, rows), valid once waited for
@@ -344,7 +346,7 @@ class StructuredOutputs:
             matchers.append(matcher)
         if all(m is None for m in matchers):
             return None
-        return DraftMask(matchers, self.executor, self.buffer("draft", device), self.timer)
+        return DraftMask(matchers, self.executor, self.buffer("draft", device), self.timer, self._token_bits)
 
     def grammar_drafts(self, scheduled: list, results: list, draft_probs: list,
                        max_drafts: int | None) -> list[torch.Tensor | None]:
