@@ -10,6 +10,7 @@ import torch
 from foretell import LLM, SamplingParams
 from foretell.spec_decode.proposer import DraftBatch
 from foretell.spec_decode.suffix import SuffixProposer, SuffixSettings
+from foretell.spec_decode.suffix_cache import GlobalSuffixCache
 
 PROMPTS = [
     "The cat reads the book. The cat reads the book. The cat",
@@ -130,6 +131,37 @@ def test_a_finished_response_drafts_for_the_next_request():
     assert proposer.propose(draft_batch([[7, 8]], [2])).token_ids == [[]]
     # no seq ids: drafted from scratch, same drafts
     assert proposer.propose(draft_batch([other], [])).token_ids == [[53, 54, 55]]
+
+
+def test_dropped_responses_draft_nothing_and_held_matches_stay_valid():
+    proposer = SuffixProposer(8, SuffixSettings(max_tree_depth=8, min_match_length=2))
+    answer = [50, 51, 52, 53, 54, 55]
+    proposer.cache.add(answer)
+    reader = [9, 9, 50, 51]  # holds a match in the cached response while it is dropped
+    assert proposer.propose(draft_batch([reader], [3])).token_ids == [[52, 53]]
+    proposer.drop_cached_responses()
+    assert len(proposer.cache) == 0 and proposer.cache.num_tokens == 0
+    assert proposer.propose(draft_batch([[8, 8, 50, 51]], [4])).token_ids == [[]]  # nothing cached
+    assert proposer.propose(draft_batch([reader + [52]], [3])).token_ids == [[]]  # its old match is gone
+    proposer.cache.add([70, 71, 72, 73])  # later responses are cached and drafted from as before
+    assert proposer.propose(draft_batch([[1, 70, 71]], [5])).token_ids == [[72, 73]]
+    assert proposer.propose(draft_batch([reader + [52, 70, 71]], [3])).token_ids == [[72, 73]]
+
+
+def test_warm_up_leaves_no_response_in_the_suffix_cache(qwen3_checkpoint, baseline, monkeypatch):
+    """The warm-up's dummy requests finish (their responses enter the global cache) and then are
+    dropped: no real request drafts from them; real responses are cached after it as before."""
+    dropped = []
+    clear = GlobalSuffixCache.clear
+    monkeypatch.setattr(GlobalSuffixCache, "clear", lambda self: dropped.append(len(self)) or clear(self))
+    spec = {"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_tree_depth": 6}
+    llm = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=128, warm_up="on", max_num_batched_tokens=32,
+              speculative_config=spec)
+    cache = proposer_of(llm).cache
+    assert llm.engine.warm_up_seconds > 0 and dropped and dropped[0] > 0  # the warm-up had cached some
+    assert len(cache) == 0 and cache.num_tokens == 0 and proposer_of(llm).states == {}
+    assert ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == baseline
+    assert len(cache) == len(PROMPTS)
 
 
 def test_drafts_stop_at_the_useful_positions():

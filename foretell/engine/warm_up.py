@@ -9,7 +9,8 @@ runs prompts whose lengths cover the tile variants (powers of two and their neig
 chunked-prefill budget), one at a time and then together, each for a few verify or decode steps,
 through the scheduler, runner and drafter exactly as requests run, and once more over the
 prefix cache (prefills of a query after a cached context). Afterwards nothing of it
-remains: counters, the prefix cache and the KV blocks are as they were.
+remains: counters, the prefix cache, the suffix drafter's cache of responses and the KV blocks
+are as they were.
 """
 
 from __future__ import annotations
@@ -56,8 +57,9 @@ def _run(engine, prompts: dict[str, list[int]], params: SamplingParams) -> None:
 
 def leave_no_trace(engine) -> None:
     """After synthetic requests (the warm-up, step-cost probes): fresh counters, no cached
-    prefixes, no step queued ahead."""
+    prefixes, no step queued ahead, no response cached for drafting (the suffix drafter's)."""
     engine.runner.reset_pipeline()
+    engine.runner.drop_cached_responses()
     engine.scheduler.num_preemptions = 0
     engine.block_manager.reset_prefix_cache()
     old = engine.metrics

@@ -6,6 +6,7 @@ several tensor-parallel ranks.
   facts = runner.describe()       # RunnerFacts: max_model_len, vocab_size, cache plan, ...
   results = runner.execute(sched) # per scheduled sequence; runner.last_times: the step's times
   runner.forget(seq_id); runner.abandon_step(seq_ids); runner.reset_pipeline(); runner.shutdown()
+  runner.drop_cached_responses()  # after synthetic requests: the drafter keeps none of their responses
 
 A ParallelRunner whose workers died or fell out of step raises one of RUNNER_LOST from execute():
 the engine cannot go on without them and says so instead of failing requests one by one.
@@ -36,6 +37,8 @@ class RunnerHandle(Protocol):
     def abandon_step(self, seq_ids: list[int]) -> None: ...
 
     def reset_pipeline(self) -> None: ...
+
+    def drop_cached_responses(self) -> None: ...
 
     def shutdown(self) -> None: ...
 

@@ -320,6 +320,11 @@ class ModelRunner:
         if self.tree_step is not None:
             self.tree_step.forget(seq_id)
 
+    def drop_cached_responses(self) -> None:
+        """After synthetic requests (the warm-up): the drafter keeps none of their responses."""
+        if self.proposer is not None:
+            self.proposer.drop_cached_responses()
+
     def shutdown(self) -> None:
         """Wait for the grammar masks being filled ahead and end their thread (RunnerHandle's; a
         ParallelRunner stops its workers)."""

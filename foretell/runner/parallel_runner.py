@@ -14,10 +14,10 @@ each rank keeps a mirror Sequence per live sequence.
 Every rank gets every call in the same order and computes the same tokens (the target's logits
 come out whole on every rank, the noise seed is shared, drafters run on every rank), so rank 0's
 results are the step's. ParallelRunner offers the engine what a local ModelRunner does (handle.py:
-RunnerHandle): describe(), execute(), forget(), abandon_step(), reset_pipeline(), last_times,
-shutdown(). A worker that dies or fails on some ranks only raises WorkerDied / WorkerFailed from
-the executor; the runner is lost from then on (execute raises the same error again; forget and
-abandon_step have nothing left to drop).
+RunnerHandle): describe(), execute(), forget(), abandon_step(), reset_pipeline(),
+drop_cached_responses(), last_times, shutdown(). A worker that dies or fails on some ranks only
+raises WorkerDied / WorkerFailed from the executor; the runner is lost from then on (execute raises
+the same error again; forget and abandon_step have nothing left to drop).
 """
 
 from __future__ import annotations
@@ -67,6 +67,9 @@ class RankRunner:
 
     def reset_pipeline(self) -> None:
         self.runner.reset_pipeline()
+
+    def drop_cached_responses(self) -> None:
+        self.runner.drop_cached_responses()
 
     def graph_state(self) -> dict:
         """Whether this rank captured its graphs and queues steps ahead, and why
@@ -140,6 +143,9 @@ class ParallelRunner:
 
     def reset_pipeline(self) -> None:
         self._broadcast("reset_pipeline")
+
+    def drop_cached_responses(self) -> None:
+        self._broadcast("drop_cached_responses")
 
     def shutdown(self) -> None:
         self._finalizer()

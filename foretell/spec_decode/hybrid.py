@@ -62,6 +62,10 @@ class HybridProposer:
         self.suffix.forget(seq_id)
         self.model.forget(seq_id)
 
+    def drop_cached_responses(self) -> None:
+        self.suffix.drop_cached_responses()
+        self.model.drop_cached_responses()
+
     def propose(self, batch: DraftBatch) -> Proposal:
         drafts = self.suffix.propose_drafts(batch)
         use_suffix = [

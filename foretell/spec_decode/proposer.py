@@ -171,6 +171,11 @@ class Proposer(Protocol):
         cache) what the drafter held for it."""
         ...
 
+    def drop_cached_responses(self) -> None:
+        """Forget what finished requests left for later ones (the suffix drafter's global cache):
+        after synthetic requests (engine/warm_up.py)."""
+        ...
+
 
 class ProposerBase:
     """Defaults for a Proposer without a model of its own (no KV cache, no padded loop)."""
@@ -207,6 +212,9 @@ class ProposerBase:
         raise NotImplementedError
 
     def forget(self, seq_id: int) -> None:
+        pass
+
+    def drop_cached_responses(self) -> None:
         pass
 
 

@@ -22,7 +22,8 @@ The drafts are deterministic (argmax of the empirical distribution): no draft pr
 rejection sampling treats them as one-hot and sampling stays exact.
 
 Per-sequence state is keyed by DraftBatch.seq_ids; forget(seq_id) (a finished, aborted or
-preempted sequence) moves its response (the tokens after its prompt) into the global cache. A
+preempted sequence) moves its response (the tokens after its prompt) into the global cache;
+drop_cached_responses() empties the cache (the engine's warm-up does, after its dummy requests). A
 batch without seq_ids is drafted from fresh indexes (slow, same drafts as a first step).
 """
 
@@ -131,6 +132,11 @@ class SuffixProposer(ProposerBase):
         state = self.states.pop(seq_id, None)
         if state is not None and state.prompt_length is not None:
             self.cache.add(state.tokens[state.prompt_length :])
+
+    def drop_cached_responses(self) -> None:
+        """Forget the finished requests' responses in the global cache (after the warm-up's
+        synthetic requests, which no later request should draft from)."""
+        self.cache.clear()
 
     # ---- drafting ------------------------------------------------------------------------
     def draft(self, state: SequenceState, max_tokens: int) -> Draft:

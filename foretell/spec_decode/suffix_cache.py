@@ -50,6 +50,12 @@ class GlobalSuffixCache:
         self.responses.append(response)
         self.num_tokens += len(response)
 
+    def clear(self) -> None:
+        """Forget every cached response (after synthetic requests: engine/warm_up.py). Evicted as
+        the oldest are, so the matches running sequences hold stay valid (positions only grow)."""
+        while self.responses:
+            self.evict_oldest()
+
     def evict_oldest(self) -> None:
         response = self.responses.popleft()
         self.index.drop_oldest(len(response))
