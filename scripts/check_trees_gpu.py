@@ -10,8 +10,12 @@
   (c) real acceptance of the default Qwen3-layout family (its target and EAGLE3 head) on GSM8K
       test prompts, greedy, per dtype (float32: output must equal plain; bfloat16: reported):
       mean acceptance length, per depth, prompts equal to plain. Bar: trees >= 3.3.
+  (p) where one tree step's time goes: the first --trees shape at 5.4 as in (b), its phases timed
+      (host time and CUDA event spans: mask, verify graph, verification, compaction, catch-up,
+      expansion graph, host time between) and a torch.profiler kernel / launch summary
+      (scripts/tree_step_phases.py; a table printed, "p_phases" in the JSON).
 
-    python scripts/check_trees_gpu.py OUT_DIR [--parts a,b,c] [--trees 6,4,16 5,4,16]
+    python scripts/check_trees_gpu.py OUT_DIR [--parts a,b,c,p] [--trees 6,4,16 5,4,16]
         [--new-tokens 256] [--num-prompts 64] [--max-tokens 128] [--tiny]
 
 --tiny runs every part on the CPU with tiny random models (a smoke test of the script). On the
@@ -244,7 +248,8 @@ def part_acceptance(trees: list[str], dtypes: list[str], device: str, num_prompt
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir")
-    parser.add_argument("--parts", default="a,b,c", help="which of a (verify cost), b (tok/s), c (acceptance)")
+    parser.add_argument("--parts", default="a,b,c",
+                        help="which of a (verify cost), b (tok/s), c (acceptance), p (a tree step's phases)")
     parser.add_argument("--trees", nargs="+", default=["6,4,16"], help="depth,topk,num_draft_tokens for (b)")
     parser.add_argument("--acceptance-trees", nargs="+", default=["5,4,16", "6,8,32"], help="trees for (c)")
     parser.add_argument("--acceptance-dtypes", default="float32,bfloat16")
@@ -260,8 +265,8 @@ def main() -> int:
         args.num_prompts, args.max_tokens = min(args.num_prompts, 3), min(args.max_tokens, 16)
         args.acceptance_dtypes, args.acceptance_trees = "float32", args.acceptance_trees[:1]
     parts = set(args.parts.split(","))
-    if not parts <= {"a", "b", "c"}:
-        parser.error(f"--parts takes a, b and c, got {args.parts!r}")
+    if not parts <= {"a", "b", "c", "p"}:
+        parser.error(f"--parts takes a, b, c and p, got {args.parts!r}")
     os.makedirs(args.out_dir, exist_ok=True)
     out_path = os.path.join(args.out_dir, "check_trees_gpu.json")
     device = "cpu" if args.tiny else "cuda"
@@ -273,6 +278,14 @@ def main() -> int:
         write(out_path, report)
     if "b" in parts:
         report["b_tok_s_batch1"] = part_tok_s(target, head, options, args.trees, args.new_tokens)
+        write(out_path, report)
+    if "p" in parts:
+        from tree_step_phases import measure, print_report, tree_engine
+
+        llm = tree_engine(target, head, options, args.trees[0], TREE_LENGTH)
+        report["p_phases"] = {"tree": args.trees[0], "mean_length": TREE_LENGTH, **measure(llm, args.new_tokens)}
+        llm.close()
+        print_report(report["p_phases"])
         write(out_path, report)
     if "c" in parts:
         report["c_acceptance"] = part_acceptance(args.acceptance_trees, args.acceptance_dtypes.split(","), device,
