@@ -35,12 +35,13 @@ from foretell.device_util import to_device
 from foretell.engine.scheduler import SchedulerOutput
 from foretell.layers.attention.layer import Attention
 from foretell.layers.sampler import SamplingBatch, processed_probs, row_seed
+from foretell.ops.step.kv_moves import KVMoveTargets, move_kv_slots
 from foretell.runner.host_step import HostStep
 from foretell.runner.input_batch import InputBatch, build_input_batch
 from foretell.runner.logprobs import add_prompt_logprobs
 from foretell.runner.sequence_result import SequenceResult
 from foretell.runner.tree_graphs import TreeVerifyGraphs
-from foretell.spec_decode.tree.compact import apply_slot_moves, compaction_slots
+from foretell.spec_decode.tree.compact import compaction_slots
 from foretell.spec_decode.tree.draft_graphs import TreeDraftGraphs
 from foretell.spec_decode.tree.proposer import Eagle3TreeDrafter
 from foretell.spec_decode.tree.shape import DraftTree, TreeShape
@@ -82,6 +83,7 @@ class TreeStep:
         self.device = device
         self.trees: dict[int, DraftTree] = {}  # seq_id -> its drafted tree [1, T], until its verify
         self.tree_tokens: dict[int, list[int]] = {}  # seq_id -> that tree's tokens, read once when drafted
+        self.kv_moves: KVMoveTargets | None = None  # the target layers' caches, for one-launch compaction
         self.generator = torch.Generator(device=device)  # unseeded sampled trees' draws
         self.generator.manual_seed(config.model.seed ^ TREE_SEED_SALT)
         if verify_graphs is not None:
@@ -267,12 +269,15 @@ class TreeStep:
 
     def _compact(self, g: TreeGroup, batch: InputBatch, accepted_nodes: torch.Tensor) -> None:
         """Every target layer's K/V of the accepted paths to consecutive positions after the root:
-        the moves of all the group's sequences in one gather and one scatter per layer."""
+        the moves of all the group's sequences in every layer in one launch on CUDA (ops/step/
+        kv_moves.py), one gather and one scatter per layer elsewhere."""
         table = batch.attn_metadata.block_table[to_device(g.index, torch.int64, self.device)]
         roots = to_device(g.root_positions, torch.int64, self.device)
         src, dst = compaction_slots(accepted_nodes, roots, table, self.block_size)
-        for layer in self.model.attention_layers():
-            apply_slot_moves(layer.kv_cache, src, dst)
+        caches = [layer.kv_cache for layer in self.model.attention_layers()]
+        if self.kv_moves is None or not self.kv_moves.holds(caches):
+            self.kv_moves = KVMoveTargets(caches)
+        move_kv_slots(self.kv_moves, src, dst, accepted_nodes.shape[1])
 
     # ---- 4. draft ------------------------------------------------------------------------------
     def _draft(self, sched, batch: InputBatch, hidden, aux, results: list, path_rows: dict[int, list[int]]) -> None:
