@@ -11,6 +11,10 @@
    (regex `(.|\\n)*`); the grammar's own cost is the third against the second, and the host time
    the masks took (StructuredOutputs.timer: verify masks and draft-loop masks) per engine step.
 3. mask host time per step at batch 1 and 8 with the JSON schema (the batched llguidance fill).
+Parts 1-3 with the drafter run twice in its engine, grammar-forced drafts on and off
+(StructuredOutputs.forced_drafts, which speculative_config structured_forced_drafts sets), one
+after the other, so the forced drafts' acceptance and cost separate from the rest: every window
+also counts Triton compilations (new verify lengths past k), drafts per verify and forced drafts.
 Writes OUT_DIR/check_structured_gpu.json and prints a short table. Runs on the CPU too (slowly;
 pass --num-prompts 8 --overhead-tokens 32 there).
 """
@@ -60,9 +64,18 @@ SCHEMA = SCHEMAS["reasoning_answer"]  # the mask timings' schema
 ALWAYS_TRUE = r"(.|\n)*"
 
 
+def structured_of(llm: LLM):
+    """The engine's StructuredOutputs (one-process runner only)."""
+    return llm.engine.runner.host_step.structured
+
+
 def structured_timer(llm: LLM):
-    """The engine's StructuredOutputs.timer (one-process runner only)."""
-    return llm.engine.runner.host_step.structured.timer
+    return structured_of(llm).timer
+
+
+def forced_modes(llm: LLM) -> list[tuple[str, bool]]:
+    """(label, forced drafts on) for each run: both where the engine drafts, else the one."""
+    return [("", True)] if llm.engine.runner.proposer is None else [("", True), ("_forced_off", False)]
 
 
 class Window:
@@ -76,6 +89,8 @@ class Window:
         stats = self.llm.get_stats()
         timer = structured_timer(self.llm)
         return {"steps": stats["num_steps"], "drafts": stats.get("num_drafts", 0),
+                "draft_tokens": stats.get("num_draft_tokens", 0), "jit": stats.get("jit_compiles", 0),
+                "forced": timer.forced_drafts, "forced_s": timer.forced_seconds,
                 "accepted": stats.get("num_accepted_tokens", 0), "mask_s": timer.seconds,
                 "fill_s": timer.verify_fill_seconds, "apply_s": timer.verify_apply_seconds,
                 "draft_s": timer.draft_seconds, "ahead": timer.rows_filled_ahead, "time": time.perf_counter()}
@@ -91,7 +106,10 @@ class Window:
                 "verify_fill_ms_per_step": 1e3 * d["fill_s"] / max(d["steps"], 1),
                 "verify_apply_ms_per_step": 1e3 * d["apply_s"] / max(d["steps"], 1),
                 "draft_mask_ms_per_step": 1e3 * d["draft_s"] / max(d["steps"], 1),
-                "rows_filled_ahead": d["ahead"]}
+                "forced_drafts_ms_per_step": 1e3 * d["forced_s"] / max(d["steps"], 1),
+                "rows_filled_ahead": d["ahead"],
+                "drafts_per_verify": d["draft_tokens"] / d["drafts"] if d["drafts"] else None,
+                "forced_drafts": d["forced"], "jit_compiles": d["jit"]}
 
 
 def spec_config(method: str) -> dict | None:
@@ -108,7 +126,9 @@ def json_check(llm: LLM, prompts: list[str], max_tokens: int) -> dict:
     window = Window(llm)
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
     report: dict = {"num_prompts": len(prompts), "without_grammar": window.close()}
-    for name, schema in SCHEMAS.items():
+    for (suffix, forced), (schema_name, schema) in [(m, s) for m in forced_modes(llm) for s in SCHEMAS.items()]:
+        name = schema_name + suffix
+        structured_of(llm).forced_drafts = forced
         constrained = SamplingParams(temperature=0, max_tokens=max_tokens,
                                      structured_outputs={"json": schema, "disable_any_whitespace": True})
         window = Window(llm)
@@ -125,7 +145,8 @@ def json_check(llm: LLM, prompts: list[str], max_tokens: int) -> dict:
                                  "error": str(e)[:200]})
         without = report["without_grammar"]["mean_acceptance_length"]
         ratio = with_grammar["mean_acceptance_length"] / without if without and with_grammar["mean_acceptance_length"] else None
-        report[name] = {"schema": schema, "valid_percent": 100.0 * valid / len(prompts), "failures": failures[:5],
+        report[name] = {"schema": schema, "forced_drafts": forced, "valid_percent": 100.0 * valid / len(prompts),
+                        "failures": failures[:5],
                         "with_grammar": with_grammar, "acceptance_length_ratio": ratio,
                         "examples": [o.outputs[0].text for o in outs[:3]]}
     return report
@@ -148,8 +169,12 @@ def overhead_check(llm: LLM, prompt: str, num_tokens: int) -> dict:
     runs = {
         "none": timed(llm, [prompt], SamplingParams(**base)),
         "host_step": timed(llm, [prompt], SamplingParams(**base, logit_bias={0: 0.0})),
-        "always_true_grammar": timed(llm, [prompt], SamplingParams(**base, structured_outputs={"regex": ALWAYS_TRUE})),
     }
+    for suffix, forced in forced_modes(llm):
+        structured_of(llm).forced_drafts = forced
+        runs["always_true_grammar" + suffix] = timed(llm, [prompt], SamplingParams(
+            **base, structured_outputs={"regex": ALWAYS_TRUE}))
+    structured_of(llm).forced_drafts = True
     grammar, host = runs["always_true_grammar"]["ms_per_step"], runs["host_step"]["ms_per_step"]
     runs["grammar_overhead_percent_vs_host_step"] = 100.0 * (grammar - host) / host
     runs["grammar_overhead_percent_vs_none"] = 100.0 * (grammar - runs["none"]["ms_per_step"]) / runs["none"]["ms_per_step"]
@@ -159,7 +184,12 @@ def overhead_check(llm: LLM, prompt: str, num_tokens: int) -> dict:
 def mask_time_check(llm: LLM, prompts: list[str], num_tokens: int) -> dict:
     params = SamplingParams(temperature=0, max_tokens=num_tokens,
                             structured_outputs={"json": SCHEMA, "disable_any_whitespace": True})
-    return {f"batch_{n}": timed(llm, prompts[:n], params) for n in (1, 8)}
+    report = {}
+    for suffix, forced in forced_modes(llm):
+        structured_of(llm).forced_drafts = forced
+        report.update({f"batch_{n}{suffix}": timed(llm, prompts[:n], params) for n in (1, 8)})
+    structured_of(llm).forced_drafts = True
+    return report
 
 
 def main(argv=None) -> int:
@@ -190,21 +220,26 @@ def main(argv=None) -> int:
         json.dump(report, f, indent=2)
 
     j = report["json"]
-    for name in SCHEMAS:
+    for name in [n for n in j if isinstance(j[n], dict) and "valid_percent" in j[n]]:
+        r = j[name]["with_grammar"]
         print(f"JSON schema {name}, {j['num_prompts']} prompts, {args.method} k=3: {j[name]['valid_percent']:.1f}% "
               f"valid; mean acceptance length {j['without_grammar']['mean_acceptance_length'] or 0:.3f} without -> "
-              f"{j[name]['with_grammar']['mean_acceptance_length'] or 0:.3f} with "
-              f"({100 * (j[name]['acceptance_length_ratio'] or 0):.1f}%)")
+              f"{r['mean_acceptance_length'] or 0:.3f} with ({100 * (j[name]['acceptance_length_ratio'] or 0):.1f}%); "
+              f"{r['drafts_per_verify'] or 0:.2f} drafts a verify, {r['forced_drafts']} forced, "
+              f"{r['jit_compiles']} compilations")
     for name in ("overhead_batch1_plain", "overhead_batch1_spec"):
         runs = report[name]
-        line = ", ".join(f"{k} {runs[k]['tok_s']:.0f} tok/s ({runs[k]['ms_per_step']:.2f} ms/step, masks "
-                         f"{runs[k]['mask_ms_per_step']:.3f} ms)" for k in ("none", "host_step", "always_true_grammar"))
+        line = ", ".join(f"{k} {r['tok_s']:.0f} tok/s ({r['ms_per_step']:.2f} ms/step, masks {r['mask_ms_per_step']:.3f} "
+                         f"ms, forced drafts {r['forced_drafts_ms_per_step']:.3f} ms, {r['jit_compiles']} compilations)"
+                         for k, r in runs.items() if isinstance(r, dict))
         print(f"{name}: {line}; grammar +{runs['grammar_overhead_percent_vs_host_step']:.1f}% vs the host step, "
               f"+{runs['grammar_overhead_percent_vs_none']:.1f}% vs none")
     for n, r in report["mask_time_spec"].items():
         print(f"JSON masks at {n}: {r['mask_ms_per_step']:.3f} ms host per step of {r['ms_per_step']:.2f} ms "
               f"(verify fill {r['verify_fill_ms_per_step']:.3f}, apply {r['verify_apply_ms_per_step']:.3f}, "
-              f"draft loop {r['draft_mask_ms_per_step']:.3f}; {r['rows_filled_ahead']} rows filled ahead)")
+              f"draft loop {r['draft_mask_ms_per_step']:.3f}, forced drafts {r['forced_drafts_ms_per_step']:.3f}; "
+              f"{r['rows_filled_ahead']} rows filled ahead; {r['drafts_per_verify'] or 0:.2f} drafts a verify, "
+              f"{r['jit_compiles']} compilations)")
     print(f"wrote {path} ({report['seconds']:.0f} s)")
     return 0
 
