@@ -83,6 +83,7 @@ class TreeStep:
         self.device = device
         self.trees: dict[int, DraftTree] = {}  # seq_id -> its drafted tree [1, T], until its verify
         self.tree_tokens: dict[int, list[int]] = {}  # seq_id -> that tree's tokens, read once when drafted
+        self.tree_depths: dict[int, list[int]] = {}  # seq_id -> its nodes' depths, read with the tokens
         self.kv_moves: KVMoveTargets | None = None  # the target layers' caches, for one-launch compaction
         self.generator = torch.Generator(device=device)  # unseeded sampled trees' draws
         self.generator.manual_seed(config.model.seed ^ TREE_SEED_SALT)
@@ -124,6 +125,7 @@ class TreeStep:
     def forget(self, seq_id: int) -> None:
         self.trees.pop(seq_id, None)
         self.tree_tokens.pop(seq_id, None)
+        self.tree_depths.pop(seq_id, None)
 
     # ---- 1. inputs -----------------------------------------------------------------------------
     def _scheduled_trees(self, sched: SchedulerOutput, batch: InputBatch) -> list[TreeGroup]:
@@ -133,6 +135,7 @@ class TreeStep:
         for i, item in enumerate(sched.scheduled):
             tree = self.trees.pop(item.seq.seq_id, None)
             tokens = self.tree_tokens.pop(item.seq.seq_id, None)
+            depths = self.tree_depths.pop(item.seq.seq_id, None)
             drafts = item.draft_token_ids
             if not drafts:
                 continue
@@ -140,30 +143,39 @@ class TreeStep:
             root = item.seq.token_ids[item.seq.num_computed_tokens + item.num_new_tokens - num_nodes]
             if tree is None or num_nodes > tree.num_nodes or tokens[:num_nodes] != [root, *drafts]:  # (no device read)
                 raise RuntimeError(f"sequence {item.seq.request_id!r} carries drafts that are not its drafted tree")
-            by_size.setdefault(num_nodes, []).append((i, _cut(tree, num_nodes)))
+            by_size.setdefault(num_nodes, []).append((i, _cut(tree, num_nodes), depths[:num_nodes]))
         groups = []
         for num_nodes, members in by_size.items():
-            index = [i for i, _ in members]
+            index = [i for i, _, _ in members]
             root_rows = [batch.query_start[i + 1] - num_nodes for i in index]  # each sequence's last real row
-            groups.append(TreeGroup(index, _stack([t for _, t in members]), root_rows,
-                                    [batch.position_list[r] for r in root_rows]))
+            groups.append(TreeGroup(index, _stack([t for _, t, _ in members]), root_rows,
+                                    [batch.position_list[r] for r in root_rows], [d for _, _, d in members]))
         return groups
 
     def _tree_batch(self, batch: InputBatch, groups: list[TreeGroup]) -> InputBatch:
         """Tree rows at position root + depth, and the ancestor mask over every sequence's last W
         keys (W: the largest tree; a tree's nodes are its sequence's last keys; all-true rows elsewhere)."""
         positions = list(batch.position_list)
+        for g in groups:
+            num_nodes = g.tree.num_nodes
+            for root_row, root_position, depths in zip(g.root_rows, g.root_positions, g.depths):
+                positions[root_row: root_row + num_nodes] = [root_position + d for d in depths]
+        tree_batch = replace(batch, position_list=positions)
+        g = groups[0]
+        if len(groups) == 1 and batch.num_tokens == len(g.index) * g.tree.num_nodes:
+            # Whole trees only (the graphed verify's batches): the rows are the trees' nodes in order,
+            # so the mask is the trees' ancestor masks as they are (a view; no launch).
+            mask = g.tree.ancestor_mask.reshape(batch.num_tokens, g.tree.num_nodes)
+            tree_batch.attn_metadata = replace(batch.attn_metadata, tree_mask=mask)
+            return tree_batch
         width = max(g.tree.num_nodes for g in groups)
         mask = torch.ones(batch.num_tokens, width, dtype=torch.bool, device=self.device)
         for g in groups:
             num_nodes = g.tree.num_nodes
-            for root_row, root_position, depths in zip(g.root_rows, g.root_positions, g.tree.depths.tolist()):
-                positions[root_row: root_row + num_nodes] = [root_position + d for d in depths]
             nodes = torch.arange(num_nodes, device=self.device)
             rows = to_device(g.root_rows, torch.int64, self.device).unsqueeze(1) + nodes  # [n, T]
             cols = width - num_nodes + nodes  # [T]: the mask columns of the sequence's last T keys
             mask[rows.unsqueeze(2), cols] = g.tree.ancestor_mask  # one scatter for the group
-        tree_batch = replace(batch, position_list=positions)
         tree_batch.attn_metadata = replace(batch.attn_metadata, tree_mask=mask)  # (a cached property)
         return tree_batch
 
@@ -288,21 +300,25 @@ class TreeStep:
         tree = self.drafter.draft(draft_batch, drafting)
         if tree is None:
             return
-        tokens = tree.tokens.tolist()
+        num_nodes = tree.num_nodes
+        packed = torch.cat([tree.tokens, tree.depths], 1).tolist()  # one device read: [n, 2T]
         for j, i in enumerate(drafting):
             seq_id = sched.scheduled[i].seq.seq_id
-            self.trees[seq_id], self.tree_tokens[seq_id] = _row(tree, j), tokens[j]
-            results[i].next_drafts = tokens[j][1:]
+            tokens = packed[j][:num_nodes]
+            self.trees[seq_id], self.tree_tokens[seq_id] = _row(tree, j), tokens
+            self.tree_depths[seq_id] = packed[j][num_nodes:]
+            results[i].next_drafts = tokens[1:]
 
 
 @dataclass
 class TreeGroup:
     """The step's trees of one node count, stacked: scheduled indices, trees [n, T], each
-    sequence's root row in the batch and the root's position."""
+    sequence's root row in the batch, the root's position and its nodes' depths (host copies)."""
     index: list[int]
     tree: DraftTree
     root_rows: list[int]
     root_positions: list[int]
+    depths: list[list[int]]
 
 
 def _stack(trees: list[DraftTree]) -> DraftTree:
