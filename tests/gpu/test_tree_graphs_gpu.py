@@ -3,16 +3,21 @@
 is captured and replayed, and its greedy output equals plain greedy decoding and the eager tree
 step's (enforce_eager), in float32 on the Qwen3 and Llama-3.1 fixtures, at batches 1 and 3 (padded
 to the bucket of 4) and with trees cut near max_model_len (eager verify for those steps);
-seeded sampled trees equal the eager tree step's tokens."""
+seeded sampled trees equal the eager tree step's tokens. The K/V compaction's one launch over
+every layer (ops/step/kv_moves.py) at Llama-8B's cache shape in bf16 and FP8 against the per-layer
+gather/scatter, launched directly and replayed from a CUDA graph."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
+import torch
 
 from fixtures.eagle3 import write_eagle3_head
 from foretell import LLM, SamplingParams
+from foretell.ops.step.kv_moves import KVMoveTargets, move_kv_slots
+from foretell.spec_decode.tree.compact import apply_slot_moves
 
 PROMPTS = ["The cat reads the book. The cat reads the book. The cat", "def add(x):\n    return x + 1\ndef",
            "Question: what is 3 plus 7? Answer:"]
@@ -64,3 +69,39 @@ def test_cut_trees_near_max_model_len_on_the_gpu(qwen3_checkpoint, eagle3_head):
     llm = engine(qwen3_checkpoint, eagle3_head, max_model_len=48)
     assert ids(llm.generate(PROMPTS, params, use_tqdm=False)) == want
     assert llm.engine.runner.tree_step.num_graphed_verifies > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_one_launch_compaction_at_llama8b_shape(dtype):
+    """32 layers of [2, 64 blocks, 16, 8 heads, 128]: the Triton launch (direct and in a CUDA graph)
+    leaves every layer as the per-layer gather/scatter does, for 3 sequences' depth-6 paths."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    caches = [torch.randn(2, 64, 16, 8, 128, device="cuda", generator=gen).to(dtype) for _ in range(32)]
+    paths = [[0, 1, 4, 7, 9, 12, 15], [0, 2, 5, 8, -1, -1, -1], [0, 1, 2, 3, 4, 5, 6]]
+    src, dst = [], []
+    for seq, path in enumerate(paths):
+        prefix = 100 + 300 * seq  # slots of a contiguous block range per sequence
+        for depth, node in enumerate(path):
+            moves = node >= 0 and node != depth
+            src.append(prefix + (node if moves else 0))
+            dst.append(prefix + (depth if moves else 0))
+    src = torch.tensor(src, dtype=torch.int64, device="cuda")
+    dst = torch.tensor(dst, dtype=torch.int64, device="cuda")
+    expected = [c.clone() for c in caches]
+    for c in expected:
+        apply_slot_moves(c, src, dst)
+    direct = [c.clone() for c in caches]
+    move_kv_slots(KVMoveTargets(direct), src, dst, 7)
+    graphed = [c.clone() for c in caches]
+    targets = KVMoveTargets(graphed)
+    scratch = [c.clone() for c in caches]
+    move_kv_slots(KVMoveTargets(scratch), src, dst, 7)  # compiled outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        move_kv_slots(targets, src, dst, 7)
+    graph.replay()
+    torch.cuda.synchronize()
+    for layer in range(32):
+        assert torch.equal(direct[layer].view(torch.uint8), expected[layer].view(torch.uint8)), layer
+        assert torch.equal(graphed[layer].view(torch.uint8), expected[layer].view(torch.uint8)), layer
