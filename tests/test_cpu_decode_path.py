@@ -11,14 +11,14 @@ import torch
 
 from fixtures import PagedRunner
 from foretell.layers.attention.qkv_block import (
-    ForwardRows, attend_one_sequence, attend_qkv, fits_torch_block, paired_rope_rows,
+    ForwardRows, attend_one_sequence, attend_qkv, causal_hidden, fits_torch_block, paired_rope_rows,
 )
 from foretell.ops.attention.metadata import AttentionMetadata
 from foretell.layers.rotary import RotaryEmbedding
 from foretell.models import loading as model_loading
 from foretell.models.base import HFConfig, ModelOptions, run_decoder_stack
 from foretell.models.llama import DecoderModel
-from foretell.ops.attention.reference import TorchAttentionBackend
+from foretell.ops.attention.reference import TorchAttentionBackend, write_kv_torch
 
 FAMILIES = ["qwen3", "qwen3_tied", "qwen2", "llama31"]
 
@@ -125,6 +125,44 @@ def test_attend_one_sequence_is_the_backend_bit_for_bit(heads, num_tokens):
         want = backend.attend(query, cache, metadata, head_dim**-0.5)
         got = attend_one_sequence(query, cache, row[: -(-seq_len // block_size)], seq_len, head_dim**-0.5)
         assert torch.equal(got, want.reshape(num_tokens, -1))
+        if num_tokens > 1:  # the mask gathered once per forward (ForwardRows) instead of per layer
+            hidden = causal_hidden(num_tokens, seq_len, query.device)
+            got = attend_one_sequence(query, cache, row[: -(-seq_len // block_size)], seq_len, head_dim**-0.5, hidden)
+            assert torch.equal(got, want.reshape(num_tokens, -1))
+
+
+def test_causal_hidden_hides_the_keys_after_each_row():
+    hidden = causal_hidden(3, 5, torch.device("cpu"))  # rows at positions 2, 3, 4
+    want = torch.tensor([[key > position for key in range(5)] for position in (2, 3, 4)])
+    assert torch.equal(hidden, want)
+
+
+def test_attend_qkv_writes_keys_and_values_as_write_kv_does(qwen3_checkpoint):
+    """The stacked K/V write (one index_copy_) leaves the cache as write_kv_torch's two copies do,
+    and a cache that is not contiguous (no [2, slots, KV, D] view) takes write_kv_torch itself."""
+    model = _build(qwen3_checkpoint, torch.float32, ())
+    runner = PagedRunner(model)
+    runner.step([("a", _tokens(5, 8))])
+    attn_module = model.model.layers[0].self_attn
+    attn = attn_module.attn
+    ids, positions, metadata = runner.metadata([("a", _tokens(3, 9))])
+    hidden = torch.randn(3, model.model.dims.hidden_size, generator=torch.Generator().manual_seed(4))
+    qkv = attn_module.qkv_proj(hidden)
+    norms = (attn_module.q_norm, attn_module.k_norm)
+    before = attn.kv_cache.clone()
+    want_out = attend_qkv(attn, qkv.clone(), positions, attn_module.rotary_emb, metadata, norms)
+    rotated = qkv.clone()
+    attend_qkv(attn, rotated, positions, attn_module.rotary_emb, metadata, norms)  # rotated: RoPE in place
+    heads = rotated.view(3, attn.num_heads + 2 * attn.num_kv_heads, attn.head_dim)
+    want = before.clone()
+    key, value = heads[:, attn.num_heads :].split(attn.num_kv_heads, dim=1)
+    write_kv_torch(key, value, want, metadata.slot_mapping)
+    assert torch.equal(attn.kv_cache, want)
+    strided = torch.zeros(2, *before.shape[1:-1], 2 * attn.head_dim)[..., : attn.head_dim]  # not contiguous
+    strided.copy_(before)
+    attn.kv_cache = strided
+    got_out = attend_qkv(attn, qkv.clone(), positions, attn_module.rotary_emb, metadata, norms)
+    assert torch.equal(got_out, want_out) and torch.equal(strided, want)
 
 
 def test_forward_rows_hold_the_blocks_of_a_one_sequence_step_only():
@@ -141,8 +179,11 @@ def test_forward_rows_hold_the_blocks_of_a_one_sequence_step_only():
 
     one = ForwardRows.gather(rotary, torch.tensor([9]), metadata([0, 1], [10]), 16, torch.float32)
     assert one.context_blocks.tolist() == [5, 2, 7] and one.rope[0].shape == (1, 1, 2, 8)
+    assert one.hidden_keys is None  # one row sees its whole context
+    verify = ForwardRows.gather(rotary, torch.tensor([7, 8, 9]), metadata([0, 3], [10]), 16, torch.float32)
+    assert torch.equal(verify.hidden_keys, causal_hidden(3, 10, torch.device("cpu")))
     two = ForwardRows.gather(rotary, torch.tensor([9, 3]), metadata([0, 1, 2], [10, 4]), 16, torch.float32)
-    assert two.context_blocks is None and two.rope[0].shape == (2, 1, 2, 8)
+    assert two.context_blocks is None and two.hidden_keys is None and two.rope[0].shape == (2, 1, 2, 8)
     assert ForwardRows.gather(rotary, torch.tensor([9]), metadata([0, 1], [10]), 32, torch.float32).rope is None
     cache = torch.zeros(2, 8, 4, 1, 16)
     with pytest.raises(ValueError, match="2 blocks of 4 cannot hold a context of 10"):

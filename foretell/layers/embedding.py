@@ -73,7 +73,8 @@ class LMHead(nn.Module):
             return self.small_m(hidden, self.weight, float32_out=True)
         if fits_few_rows(hidden, self.weight):  # a CPU verify's rows (cpu_few_rows.py); already float32
             return few_rows_linear(hidden, self.weight)
-        return F.linear(hidden, self.weight).float()
+        logits = F.linear(hidden, self.weight)
+        return logits if logits.dtype == torch.float32 else logits.float()  # (a no-op cast still costs a call)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size} -> {self.vocab_size}, tied={self.tied}"

@@ -119,7 +119,8 @@ class Eagle3LayerBase(nn.Module):
                                     self.hidden_norm.weight, self.hidden_norm.eps)
             normed_g = x[:, g.shape[1]:]
         else:
-            embeds, _ = self.input_layernorm(embedding(input_ids).to(g.dtype))
+            embeds = embedding(input_ids)
+            embeds, _ = self.input_layernorm(embeds if embeds.dtype == g.dtype else embeds.to(g.dtype))
             normed_g, _ = self.hidden_norm(g)
             x = torch.cat([embeds, normed_g], dim=-1)
         return x, normed_g if self.norm_before_residual else g

@@ -10,8 +10,10 @@ bit, with fewer calls:
     tensors for q, k and v);
   - a one-sequence step (decode, verify) reads its keys and values as strided views of one gather
     of its blocks (attend_one_sequence);
-  - what every layer shares (ForwardRows: the RoPE table's rows, the context's blocks) can be
-    gathered once per forward by the caller.
+  - the keys and values go into the cache in one index_copy_ (they sit side by side in the
+    projection's output as they do in the cache's [2, ...] layout);
+  - what every layer shares (ForwardRows: the RoPE table's rows, the context's blocks, a verify's
+    causal mask) can be gathered once per forward by the caller.
 Anything else (a CUDA tensor, another attention backend, an FP8 cache, a partial or GPT-J
 rotation) takes the module path, Attention.forward_rotary.
 """
@@ -43,22 +45,33 @@ def paired_rope_rows(rotary_emb: RotaryEmbedding, positions: torch.Tensor, head_
     return pair.unbind(1)
 
 
+def causal_hidden(num_tokens: int, seq_len: int, device: torch.device) -> torch.Tensor:  # [T, S] bool
+    """The keys each of a sequence's last num_tokens rows must not see: row j sits at position
+    seq_len - T + j and sees keys 0..that position (True: hidden)."""
+    return torch.ones(num_tokens, seq_len, dtype=torch.bool, device=device).triu_(seq_len - num_tokens + 1)
+
+
 @dataclass(frozen=True)
 class ForwardRows:
     """What the attention blocks of one forward share on the torch path, gathered once for all its
     layers: the RoPE table rows of its positions (None: not NeoX over whole heads) and, for a step
-    of one sequence (a decode or a verify), the cache blocks holding that sequence's context."""
+    of one sequence (a decode or a verify), the cache blocks holding that sequence's context and,
+    with several rows (a verify), the keys each row must not see."""
 
     rope: RopeRows | None
     context_blocks: torch.Tensor | None  # [num_blocks] int32, or None: several sequences (or a tree)
+    hidden_keys: torch.Tensor | None = None  # [T, seq_len] bool (causal_hidden), or None: one row / no blocks
 
     @classmethod
     def gather(cls, rotary_emb: RotaryEmbedding, positions: torch.Tensor, metadata: AttentionMetadata,
                head_dim: int, dtype: torch.dtype) -> "ForwardRows":
-        blocks = None
+        blocks = hidden = None
         if len(metadata.query_start_loc_cpu) == 2 and metadata.tree_mask is None:
-            blocks = metadata.block_table[0, : -(-metadata.seq_lens_cpu[0] // metadata.block_size)]
-        return cls(paired_rope_rows(rotary_emb, positions, head_dim, dtype), blocks)
+            seq_len = metadata.seq_lens_cpu[0]
+            blocks = metadata.block_table[0, : -(-seq_len // metadata.block_size)]
+            if positions.shape[0] > 1:
+                hidden = causal_hidden(positions.shape[0], seq_len, positions.device)
+        return cls(paired_rope_rows(rotary_emb, positions, head_dim, dtype), blocks, hidden)
 
 
 def fits_torch_block(attn: Attention, qkv: torch.Tensor) -> bool:
@@ -112,17 +125,23 @@ def attend_qkv(
     rotated = qk.view(num_tokens, num_heads + num_kv_heads, 2, head_dim // 2)
     torch.add(halves * cos_pair, halves.flip(2) * sin_pair, out=rotated)
     cache = attn.kv_cache
-    key, value = heads[:, num_heads : num_heads + num_kv_heads], heads[:, num_heads + num_kv_heads :]
-    attn.backend.write_kv(key, value, cache, metadata.slot_mapping)
+    if cache.is_contiguous():  # write_kv_torch's two copies in one: [T, 2, KV, D] into [2, slots, KV, D]
+        key_value = heads[:, num_heads:].view(num_tokens, 2, num_kv_heads, head_dim).transpose(0, 1)
+        cache.view(2, -1, num_kv_heads, head_dim).index_copy_(1, metadata.slot_mapping, key_value)
+    else:
+        key, value = heads[:, num_heads : num_heads + num_kv_heads], heads[:, num_heads + num_kv_heads :]
+        attn.backend.write_kv(key, value, cache, metadata.slot_mapping)
     query = heads[:, :num_heads]  # [T, H, D]
     if metadata.tree_mask is not None:
         out = attn.backend.attend(query, cache, metadata, attn.scale, tree_mask=metadata.tree_mask)
     elif len(metadata.query_start_loc_cpu) == 2 and query.dtype == torch.float32:
         seq_len = metadata.seq_lens_cpu[0]
-        blocks = shared.context_blocks if shared is not None else None
+        blocks = hidden = None
+        if shared is not None:
+            blocks, hidden = shared.context_blocks, shared.hidden_keys
         if blocks is None:
             blocks = metadata.block_table[0, : -(-seq_len // metadata.block_size)]
-        return attend_one_sequence(query, cache, blocks, seq_len, attn.scale)
+        return attend_one_sequence(query, cache, blocks, seq_len, attn.scale, hidden)
     else:
         out = attn.backend.attend(query, cache, metadata, attn.scale)
     return out.reshape(num_tokens, num_heads * head_dim)
@@ -134,6 +153,7 @@ def attend_one_sequence(
     context_blocks: torch.Tensor,  # [num_blocks] int32: the blocks holding the context, in order
     seq_len: int,
     scale: float,
+    hidden_keys: torch.Tensor | None = None,  # [T, seq_len] bool: causal_hidden(T, seq_len), when the caller has it
 ) -> torch.Tensor:  # [T, H * D]
     """TorchAttentionBackend.attend for one sequence (reference.py's gather_kv and causal_attention),
     bit for bit, in fewer calls: the keys and values are read as strided views of the one gather,
@@ -157,7 +177,7 @@ def attend_one_sequence(
             num_kv_heads, group * num_tokens, head_dim)
     scores = torch.bmm(q, key).mul_(scale)  # [KV, group * T, S]
     if num_tokens > 1:  # row j sits at position seq_len - T + j and sees keys 0..that position
-        hidden = torch.ones(num_tokens, seq_len, dtype=torch.bool, device=query.device).triu_(seq_len - num_tokens + 1)
+        hidden = causal_hidden(num_tokens, seq_len, query.device) if hidden_keys is None else hidden_keys
         scores = scores.view(num_kv_heads, group, num_tokens, seq_len).masked_fill_(hidden, float("-inf"))
         scores = scores.view(num_kv_heads, group * num_tokens, seq_len)
     out = torch.bmm(torch.softmax(scores, dim=-1), value)  # [KV, group * T, D]
