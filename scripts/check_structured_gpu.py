@@ -229,8 +229,8 @@ def main(argv=None) -> int:
               f"{r['jit_compiles']} compilations")
     for name in ("overhead_batch1_plain", "overhead_batch1_spec"):
         runs = report[name]
-        line = ", ".join(f"{k} {r['tok_s']:.0f} tok/s ({r['ms_per_step']:.2f} ms/step, masks {r['mask_ms_per_step']:.3f} "
-                         f"ms, forced drafts {r['forced_drafts_ms_per_step']:.3f} ms, {r['jit_compiles']} compilations)"
+        line = ", ".join(f"{k} {r['tok_s']:.0f} tok/s ({r['ms_per_step']:.2f} ms/step, masks "
+                         f"{r['mask_ms_per_step']:.3f} ms, forced drafts {r['forced_drafts_ms_per_step']:.3f} ms, {r['jit_compiles']} compilations)"
                          for k, r in runs.items() if isinstance(r, dict))
         print(f"{name}: {line}; grammar +{runs['grammar_overhead_percent_vs_host_step']:.1f}% vs the host step, "
               f"+{runs['grammar_overhead_percent_vs_none']:.1f}% vs none")

@@ -134,7 +134,8 @@ def run(model: str | None, method: str, device: str, dtype: str, tokens: int, re
 
 def print_report(report: dict) -> None:
     print(f"batch 1, {report['method']}, {report['device']} {report['dtype']}, {report['tokens']} tokens, "
-          f"fill ahead {'on' if report['fill_ahead'] else 'off'}, forced drafts {'on' if report['forced_drafts'] else 'off'}")
+          f"fill ahead {'on' if report['fill_ahead'] else 'off'}, "
+          f"forced drafts {'on' if report['forced_drafts'] else 'off'}")
     print(f"{'run':12} {'ms/step':>8} {'cpu ms':>8} {'masks ms':>9} {'fill':>7} {'apply':>7} {'draft':>7} "
           f"{'ahead':>7} {'accept':>7}")
     for name in ("host_step", "always_true", "json"):
