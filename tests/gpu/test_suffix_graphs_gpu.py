@@ -36,8 +36,12 @@ def test_host_drafters_verify_on_the_graphs(qwen3_checkpoint, method, monkeypatc
         host_verifies.append(any(item.draft_token_ids for item in sched.scheduled))
         return sample(self, sched, batch, logits, results)
 
+    llm = LLM(qwen3_checkpoint, device="cuda", dtype="float32", num_kv_blocks=256, max_num_seqs=8,
+              speculative_config=SPECS[method])
+    # Counted from here: the warm-up's steps mix prefill chunks with verifies (the host step's, by
+    # design), and its responses had already given the suffix cache matches to draft from.
     monkeypatch.setattr(HostStep, "sample", counted)
-    llm, got = generate(qwen3_checkpoint, params, speculative_config=SPECS[method])
+    got = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     runner = llm.engine.runner
     assert runner.graphs.captures and isinstance(runner.draft_graphs, HostDraftSlots)
     assert not any(host_verifies)
