@@ -287,18 +287,13 @@ def test_default_configs_follow_the_h200_sweep():
     assert few.mma_config(512, BLOCK, 64, cpu).split == 1
     assert few.mma_config(4096, BLOCK, 200_000, cpu).split == 1  # a vocabulary: programs enough
     gemv = few.Fp8GemvConfig
-    # one row of bf16 x takes the MMA at the same splits as a verify's rows (922ad50's sweep)
-    for n, k in ((6144, 4096), (28672, 4096), (4096, 4096), (4096, 14336)):
-        assert few.default_config(1, n, k, torch.bfloat16, BLOCK, cpu) == few.mma_config(k, BLOCK, n, cpu), (n, k)
-    # float32 x: the GEMV's 8 KiB tiles, eight rows of 1024 columns where that leaves four programs a
-    # multiprocessor, else four rows of 2048
     for n, k, want in (((6144, 4096, gemv(1, 8, 1024, 4))), (28672, 4096, gemv(1, 8, 1024, 4)),
                        (4096, 4096, gemv(1, 4, 2048, 4)), (4096, 14336, gemv(1, 4, 2048, 4))):
-        assert few.default_config(1, n, k, torch.float32, BLOCK, cpu) == want, (n, k)
+        assert few.default_config(1, n, k, torch.bfloat16, BLOCK, cpu) == want, (n, k)
     assert few.gemv_config(1, 6144, 100).block_k == 128  # K in one tile
     assert few.gemv_config(4, 6144, 4096) == gemv(4, 4, 1024, 4)  # float32 x at 4 rows
     # blocks of 4 rows: eight rows a program would straddle two, so four
-    assert few.default_config(1, 8192, 256, torch.float32, (4, 128), cpu).block_n == 4
+    assert few.default_config(1, 8192, 256, torch.bfloat16, (4, 128), cpu).block_n == 4
 
 
 def test_few_rows_bad_inputs_raise_clear_errors():

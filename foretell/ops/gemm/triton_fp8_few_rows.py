@@ -151,13 +151,9 @@ def mma_config(k: int, block_size: tuple[int, int] | None, n: int | None = None,
 
 def default_config(m: int, n: int, k: int, dtype: torch.dtype, block_size: tuple[int, int] | None,
                    device: torch.device | None = None):
-    """The MMA for fp16 / bf16 x at every row count, one row included (15 of its 16 rows padding);
-    the GEMV for float32 x, its rows of W per program within one block row (four when eight would
-    not fit the blocks). At one bf16 row the H200 sweep (922ad50, L2 flushed, us) timed the MMA at
-    this rule's splits against the GEMV default of b3ec0f8: qkv 16.3 vs 22.4, o 12.7 vs 17.2,
-    gate_up 51.5 vs 96.1 (gated 52.2 vs 102.1), down 31.8 vs 53.4: on tensor cores a weight costs
-    its conversion and a sixteenth of an MMA, where the GEMV pays a float32 FMA and two conversions."""
-    if dtype not in MMA_X_DTYPES:
+    """The GEMV for one row (or a float32 x), the MMA for more rows of fp16 / bf16. The GEMV's
+    rows of W per program stay within one block row (four when eight would not fit the blocks)."""
+    if m == 1 or dtype not in MMA_X_DTYPES:
         config = gemv_config(m, n, k, device=device)
         if not gemv_rows_fit_blocks(config.block_n, n, block_size, gated=False):
             config = gemv_config(m, n, k, block_n=4, device=device)
