@@ -10,9 +10,8 @@ Sections:
             candidate_configs entry (at M = 1 also 16 KiB GEMV tiles over four warps and the
             tensor-core MMA with 15 padding rows), and for reference the bf16 few-row kernel (mode
             "on"'s choice) and cuBLAS on a bf16 weight of the same shape;
-  int4_moe  the int4 MoE tensor-core kernels (ops/moe/triton_int4_mma.py) at 1, 2, 4, 8 and 16
-            tokens, then the GEMVs (ops/moe/triton_int4_gemv.py) at 1, 2, 4 and 8, at Kimi-K2.5's
-            experts (H 7168, I 2048, 8 of 384): gate_up configs with the default down, then down
+  int4_moe  the int4 MoE GEMVs (ops/moe/triton_int4_gemv.py) at Kimi-K2.5's experts (H 7168, I 2048,
+            8 of 384) at 1, 2, 4 and 8 tokens: gate_up configs with the default down, then down
             configs with the best gate_up;
   fp8_moe   the FP8 MoE GEMVs (ops/moe/fp8_triton_gemv.py) at DeepSeek-V3's (8 + 1 shared of 257,
             128x128 blocks) at 1 and 4 tokens, the same way.
@@ -63,12 +62,6 @@ INT4_GATE_UP = [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w}
 INT4_DOWN = [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "SPLIT": split}
              for bn, bk, w, split in ((8, 256, 2, 8), (4, 512, 2, 8), (4, 256, 1, 8), (8, 512, 4, 8), (16, 256, 4, 8),
                                       (16, 128, 2, 8), (32, 128, 4, 8), (8, 256, 2, 4))]
-# The tensor-core kernels (ops/moe/triton_int4_mma.py): tiles, stages and split-K around the launch
-# rule's choice (128 x 128 tiles, 3 stages, 4 warps; split-K to about 4 programs per SM)
-INT4_MMA_GATE_UP = [{"BLOCK_N": 64, "BLOCK_K": 256}, {"SPLIT_K": 2}, {"SPLIT_K": 8}, {"num_stages": 4},
-                    {"num_stages": 2}, {"BLOCK_N": 256, "num_warps": 8}, {"BLOCK_N": 64, "BLOCK_K": 128}]
-INT4_MMA_DOWN = [{"BLOCK_N": 64, "BLOCK_K": 256}, {"SPLIT_K": 1}, {"SPLIT_K": 4}, {"num_stages": 4},
-                 {"BLOCK_N": 256, "num_warps": 8}, {"BLOCK_N": 64, "BLOCK_K": 128}]
 FP8_GATE_UP = [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w}
                for bn, bk, w in ((16, 128, 4), (8, 128, 2), (8, 256, 4), (16, 256, 4), (32, 128, 4), (4, 512, 4),
                                  (8, 512, 8))]
@@ -205,7 +198,6 @@ def sweep_moe(fused, reference, gate_up_configs, down_configs, num_bytes, device
 
 def int4_moe_section(device: torch.device, budget: Budget, tiny: bool) -> dict:
     from foretell.ops.moe.triton_int4_gemv import fused_int4_experts_gemv_triton
-    from foretell.ops.moe.triton_int4_mma import fused_int4_experts_mma_triton
 
     shape = TINY_MOE if tiny else KIMI
     gen = torch.Generator(device=device).manual_seed(1)
@@ -220,16 +212,6 @@ def int4_moe_section(device: torch.device, budget: Budget, tiny: bool) -> dict:
     tensors = (*linear(2 * inter, hidden), *linear(hidden, inter))
     per_expert = sum(t[0].numel() * t.element_size() for t in tensors)
     out = {}
-    # the tensor-core kernels first (the dispatch's choice up to 16 tokens), then the GEMVs (the fallback)
-    for tokens in ((1, 2) if tiny else (1, 2, 4, 8, 16)):
-        x, weights, ids, shared = moe_inputs(shape, tokens, device, gen, shared_slot=False)
-        num_bytes = ids.unique().numel() * per_expert
-        out[f"kimi int4 mma T={tokens}"] = sweep_moe(
-            lambda config: fused_int4_experts_mma_triton(x, *tensors, weights, ids, shared, out_dtype=x.dtype,
-                                                         config=config),
-            lambda: (int4_ref.int4_experts_forward_torch(x, *tensors, weights, ids) + shared).to(x.dtype),
-            INT4_MMA_GATE_UP if not tiny else INT4_MMA_GATE_UP[:1], INT4_MMA_DOWN if not tiny else INT4_MMA_DOWN[:1],
-            num_bytes, device, budget)
     for tokens in ((1, 2) if tiny else (1, 2, 4, 8)):
         x, weights, ids, shared = moe_inputs(shape, tokens, device, gen, shared_slot=False)
         num_bytes = ids.unique().numel() * per_expert

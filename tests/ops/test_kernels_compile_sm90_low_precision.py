@@ -27,8 +27,6 @@ CASES = [
     "fp8 activation quantizer, per token group of 128", "fp8 gemm, 128x128 blocks, 128x128 tiles",
     "fp8 gemm, per channel, bias, 64-row tiles", "int4 moe gemv gate_up, Kimi-K2.5",
     "int4 moe gemv down + combine, Kimi-K2.5, slot split", "int4 moe gemv down + combine, unsplit",
-    "int4 moe mma gate_up, Kimi-K2.5, 1 token, split-K 5, inline PTX", "int4 moe mma gate_up, fp16, plain decoding",
-    "int4 moe mma down, Kimi-K2.5, 16 tokens, inline PTX", "int4 moe mma down, fp16, inline PTX",
 ]
 
 
