@@ -158,33 +158,6 @@ def test_gemv_matches_float64(block_size, dtype, m, poisoned_empty):
 
 
 @pytest.mark.parametrize("block_size", [BLOCK, None], ids=["128x128", "channel"])
-@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
-def test_gemv_whole_tiles_read_unmasked(block_size, gated, poisoned_empty):
-    """One row of x and K a whole number of tiles (every split too): the kernel's unmasked path
-    (EVEN_K: x and the scales loaded in the weight tile's shape, past-the-end rows read as the last
-    real row) gives the product, with N a partial tile of rows (clamped rows must not be stored)."""
-    seed = random.randrange(2**31)
-    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
-    k = 128 * rng.randint(2, 4)
-    inter = 128 if block_size == BLOCK else rng.randint(3, 13)  # channel scales: a partial tile of pairs
-    n = 2 * inter if gated else rng.randint(5, 40)
-    q, s = _weight(gen, n, k, block_size)
-    x = torch.randn(1, k, generator=gen).half().to(DEVICE)
-    bias = torch.randn(n, generator=gen).half().to(DEVICE)
-    configs = [few.gemv_config(1, n, k, block_k=128, block_n=16), few.gemv_config(1, n, k, block_k=64, block_n=8),
-               few.gemv_config(1, n, k, block_k=64, block_n=8, split=2)]
-    with reports_seed(seed):
-        for config, b in zip(configs, (bias, None, bias)):
-            plain = few.fp8_few_rows_linear(x, q, s, block_size, b, config)  # [1, N]
-            check_product(plain, x, q, s, block_size, b, torch.float16)
-            if gated:  # the same sums, SiluAndMul's roundings, only the real pairs stored
-                got = few.fp8_few_rows_linear(x, q, s, block_size, b, config, gated=True)
-                assert got.shape == (1, inter) and not torch.isnan(got).any()
-                torch.testing.assert_close(got, silu_and_mul_torch(plain), rtol=2 * torch.finfo(torch.float16).eps,
-                                           atol=1e-6)
-
-
-@pytest.mark.parametrize("block_size", [BLOCK, None], ids=["128x128", "channel"])
 @pytest.mark.parametrize("m", [2, 5, 16])
 def test_mma_matches_float64(block_size, m, poisoned_empty):
     seed = random.randrange(2**31)

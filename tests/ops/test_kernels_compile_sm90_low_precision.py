@@ -20,8 +20,6 @@ if importlib.util.find_spec("triton") is None:  # looked up, not imported (see t
 CASES = [
     "fp8 gemv, 128x128 blocks, DeepSeek-V3 q_a (1 row, pdl)", "fp8 gemv, 128x128 blocks, 4 rows, bias",
     "fp8 gemv, 128x128 blocks, gated, split-K 2 (1 row, pdl)", "fp8 gemv, per channel (1 row, pdl)",
-    "fp8 gemv, 128x128 blocks, whole tiles, Llama qkv (1 row, pdl)",
-    "fp8 gemv, 128x128 blocks, whole tiles, gated, split-K 2 (1 row, pdl)",
     "fp8 mma, 128x128 blocks, 16 rows (pdl)", "fp8 mma, 128x128 blocks, gated, split-K 4 (pdl)",
     "fp8 mma, per channel, bias",
     "fp8 activation quantizer, per token group of 128", "fp8 gemm, 128x128 blocks, 128x128 tiles",

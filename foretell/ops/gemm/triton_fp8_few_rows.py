@@ -19,10 +19,6 @@ product, as the CPU path computes it).
     last tile (a sum across warps every tile cost a quarter of the loop's instructions for sm_90),
     and `gated` reads its gate rows and up rows as two tiles, each with its own scales row (one
     interleaved tile chose a scale per weight: 23% slower than the plain product on the H200).
-    When K is a whole number of tiles (every Llama / DeepSeek shape) one row of x reads unmasked:
-    x and the scales are loaded in the weight tile's own shape and layout (no shared-memory trip
-    and barrier per tile, one scale load per thread), and past-the-end rows re-read the last real
-    row instead of being masked.
   MMA (up to 16 rows, fp16 / bf16 x, Fp8MmaConfig): program (p, s) owns 64 rows of W (one wgmma
     tile) and the s-th slice of K, and multiplies [64, BLOCK_K] weight tiles, converted to x's
     dtype in registers (exact: every e4m3 value is a bf16 and an fp16 value), by x^T tiles
@@ -198,25 +194,10 @@ def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype, block_size: tu
 
 
 @triton.jit
-def _gemv_row(acc, w, x_ptr, cols, k_end, scale_row, QBLOCK_K: tl.constexpr, PER_CHANNEL: tl.constexpr,
-              EVEN_K: tl.constexpr):
+def _gemv_row(acc, w, x_ptr, cols, k_end, scale_row, QBLOCK_K: tl.constexpr, PER_CHANNEL: tl.constexpr):
     """acc [R, BLOCK_K] + the products of w [R, BLOCK_K] (FP8 at columns `cols`, rows in one block
     row whose scales start at scale_row) with one row of x, x's columns scaled by their block's
-    scale (PER_CHANNEL: plain products, scaled in the epilogue).
-
-    EVEN_K (every column of the tile exists): x and the scales are loaded unmasked as [R, BLOCK_K]
-    tiles of w's shape, every row the same addresses. They then take w's layout (16 columns a
-    thread), the compiler keeps one load per distinct address (one scale per thread, not one per
-    column), and x needs no trip through shared memory to reach w's layout: a 1-D x is loaded 8
-    columns a thread and rearranged with a barrier every tile (sm_90: 242 -> 233 instructions per
-    8 KiB tile, no barrier). Masked, the same broadcast loads are not merged, so a ragged slice
-    keeps the 1-D x."""
-    if EVEN_K:
-        tile_cols = tl.broadcast_to(cols[None, :], w.shape)  # [R, BLOCK_K], rows alike
-        x = tl.load(x_ptr + tile_cols).to(tl.float32)
-        if not PER_CHANNEL:
-            x *= tl.load(scale_row + tile_cols // QBLOCK_K)
-        return acc + w.to(tl.float32) * x
+    scale (PER_CHANNEL: plain products, scaled in the epilogue)."""
     col_ok = cols < k_end
     x = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)  # [BLOCK_K]
     if not PER_CHANNEL:
@@ -225,39 +206,40 @@ def _gemv_row(acc, w, x_ptr, cols, k_end, scale_row, QBLOCK_K: tl.constexpr, PER
 
 
 @triton.jit
-def _load_w(tile_ptr, row_ok, cols, k_end, EVEN_K: tl.constexpr):
-    """A weight tile [R, BLOCK_K] (FP8), streamed once (evict first). EVEN_K: unmasked, the rows
-    already clamped to real ones (a masked load zeroes its registers first: one instruction per
-    four weights on sm_90)."""
-    if EVEN_K:
-        return tl.load(tile_ptr, eviction_policy="evict_first")
-    return tl.load(tile_ptr, mask=row_ok[:, None] & (cols < k_end)[None, :], other=0.0, eviction_policy="evict_first")
-
-
-@triton.jit
 def _gemv_accumulate(acc, w, x_ptr, stride_xm, M, cols, k_end, scale_gate, scale_up,
                      QBLOCK_K: tl.constexpr, PER_CHANNEL: tl.constexpr, GATED: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """acc [BLOCK_M, BLOCK_N] + the tile's products for 2 to 4 rows of x: w [BLOCK_N, BLOCK_K]
-    (FP8 at columns `cols`) with x[:, cols], x's columns first scaled by their block's scale in the
-    program's block row (scale_gate: the scales row of the program's rows; scale_up: of its up rows
-    when GATED); PER_CHANNEL: plain sums, scaled in the epilogue. (One row: _gemv_row.)"""
+    """acc [BLOCK_M, BLOCK_N] + the tile's products: w [BLOCK_N, BLOCK_K] (FP8 at columns `cols`)
+    with x[:, cols], x's columns first scaled by their block's scale in the program's block row
+    (scale_gate: the scales row of the program's rows; scale_up: of its up rows when GATED);
+    PER_CHANNEL: plain sums, scaled in the epilogue."""
     w = w.to(tl.float32)
     col_ok = cols < k_end
-    m = tl.arange(0, BLOCK_M)
-    x = tl.load(x_ptr + m[:, None] * stride_xm + cols[None, :], mask=(m < M)[:, None] & col_ok[None, :],
-                other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_K]
-    if PER_CHANNEL:
-        xs = x[:, None, :]
-    else:
+    if not PER_CHANNEL:
         s_gate = tl.load(scale_gate + cols // QBLOCK_K, mask=col_ok, other=0.0)  # [BLOCK_K]
         if GATED:
             s_up = tl.load(scale_up + cols // QBLOCK_K, mask=col_ok, other=0.0)  # [BLOCK_K]
             is_gate = (tl.arange(0, BLOCK_N) % 2) == 0  # rows of the program: (gate j, up j) pairs
+    if BLOCK_M == 1:
+        x = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)  # [BLOCK_K]
+        if PER_CHANNEL:
+            xs = x[None, :]
+        elif GATED:
+            xs = tl.where(is_gate[:, None], (x * s_gate)[None, :], (x * s_up)[None, :])  # [BLOCK_N, BLOCK_K]
+        else:
+            xs = (x * s_gate)[None, :]
+        return acc + w * xs  # [BLOCK_N, BLOCK_K]: summed across the lanes once, after the last tile
+    else:
+        m = tl.arange(0, BLOCK_M)
+        x = tl.load(x_ptr + m[:, None] * stride_xm + cols[None, :], mask=(m < M)[:, None] & col_ok[None, :],
+                    other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_K]
+        if PER_CHANNEL:
+            xs = x[:, None, :]
+        elif GATED:
             xs = tl.where(is_gate[None, :, None], (x * s_gate[None, :])[:, None, :], (x * s_up[None, :])[:, None, :])
         else:
             xs = (x * s_gate[None, :])[:, None, :]
-    return acc + tl.sum(w[None, :, :] * xs, axis=2)  # [BLOCK_M, BLOCK_N]
+        return acc + tl.sum(w[None, :, :] * xs, axis=2)  # [BLOCK_M, BLOCK_N]
 
 
 @triton.jit
@@ -330,7 +312,6 @@ def _fp8_gemv_kernel(
     GATED: tl.constexpr,  # W is [gate; up] (N = 2I rows): out [M, I] = silu(x gate^T) * (x up^T)
     PDL: tl.constexpr,
     SPLIT: tl.constexpr,
-    EVEN_K: tl.constexpr,  # K == SPLIT * k_per_split: every tile's columns exist (one row of x only)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -341,47 +322,34 @@ def _fp8_gemv_kernel(
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     lanes = k_start + tl.arange(0, BLOCK_K)
-    if BLOCK_M == 1:
-        # One row of x: products kept per lane [rows, BLOCK_K] and summed across the program's threads once
-        # after the last tile (a sum across warps every tile cost barriers and shared memory). GATED reads
-        # its gate rows and up rows as two tiles [BLOCK_N // 2, BLOCK_K], each with its own block row of
+    if GATED and BLOCK_M == 1:
+        # Gate rows and up rows as two tiles [BLOCK_N // 2, BLOCK_K], each with its own block row of
         # scales: no per-weight choice of scale (one interleaved tile cost 23% at Llama-8B's gate_up).
-        # Unmasked tiles (EVEN_K) read past-the-end rows as the last real one; the store drops them.
-        first = tile * (BLOCK_N // (GATED + 1))  # the program's first gate row (GATED) or row
-        part_rows = first + tl.arange(0, BLOCK_N // (GATED + 1))
-        part_ok = part_rows < N // (GATED + 1)
-        part_rows = tl.minimum(part_rows, N // (GATED + 1) - 1)
-        gate_tile = w_ptr + part_rows[:, None].to(tl.int64) * K + lanes[None, :]  # [BLOCK_N // (GATED + 1), BLOCK_K]
-        if GATED:
-            up_tile = gate_tile + (N // 2).to(tl.int64) * K
-        # W is streamed once and no kernel of a step writes it: requested before the wait (pdl.py).
-        w_gate = _load_w(gate_tile, part_ok, lanes, k_end, EVEN_K)
-        if GATED:
-            w_up = _load_w(up_tile, part_ok, lanes, k_end, EVEN_K)
+        acts = tile * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        gate_tile = w_ptr + acts[:, None].to(tl.int64) * K + lanes[None, :]  # [BLOCK_N // 2, BLOCK_K]
+        up_tile = gate_tile + (N // 2).to(tl.int64) * K
+        act_ok = (acts < N // 2)[:, None]
+        w_gate = tl.load(gate_tile, mask=act_ok & (lanes < k_end)[None, :], other=0.0, eviction_policy="evict_first")
+        w_up = tl.load(up_tile, mask=act_ok & (lanes < k_end)[None, :], other=0.0, eviction_policy="evict_first")
         wait_for_previous_kernel(PDL)
-        scale_gate = scale_ptr + (first // QBLOCK_N) * stride_scale  # the rows' scales (one block row)
-        scale_up = scale_ptr + ((N // 2 + first) // QBLOCK_N) * stride_scale
-        acc_gate = _gemv_row(tl.zeros([BLOCK_N // (GATED + 1), BLOCK_K], tl.float32), w_gate, x_ptr, lanes, k_end,
-                             scale_gate, QBLOCK_K, PER_CHANNEL, EVEN_K)
-        if GATED:
-            acc_up = _gemv_row(tl.zeros([BLOCK_N // 2, BLOCK_K], tl.float32), w_up, x_ptr, lanes, k_end, scale_up,
-                               QBLOCK_K, PER_CHANNEL, EVEN_K)
+        scale_gate = scale_ptr + ((tile * (BLOCK_N // 2)) // QBLOCK_N) * stride_scale
+        scale_up = scale_ptr + ((N // 2 + tile * (BLOCK_N // 2)) // QBLOCK_N) * stride_scale
+        acc_gate = _gemv_row(tl.zeros([BLOCK_N // 2, BLOCK_K], tl.float32), w_gate, x_ptr, lanes, k_end, scale_gate,
+                             QBLOCK_K, PER_CHANNEL)
+        acc_up = _gemv_row(tl.zeros([BLOCK_N // 2, BLOCK_K], tl.float32), w_up, x_ptr, lanes, k_end, scale_up,
+                           QBLOCK_K, PER_CHANNEL)
         for k0 in range(BLOCK_K, k_per_split, BLOCK_K):
-            w_gate = _load_w(gate_tile + k0, part_ok, k0 + lanes, k_end, EVEN_K)
-            if GATED:
-                w_up = _load_w(up_tile + k0, part_ok, k0 + lanes, k_end, EVEN_K)
-            acc_gate = _gemv_row(acc_gate, w_gate, x_ptr, k0 + lanes, k_end, scale_gate, QBLOCK_K, PER_CHANNEL,
-                                 EVEN_K)
-            if GATED:
-                acc_up = _gemv_row(acc_up, w_up, x_ptr, k0 + lanes, k_end, scale_up, QBLOCK_K, PER_CHANNEL, EVEN_K)
+            k_ok = ((k0 + lanes) < k_end)[None, :]
+            w_gate = tl.load(gate_tile + k0, mask=act_ok & k_ok, other=0.0, eviction_policy="evict_first")
+            w_up = tl.load(up_tile + k0, mask=act_ok & k_ok, other=0.0, eviction_policy="evict_first")
+            acc_gate = _gemv_row(acc_gate, w_gate, x_ptr, k0 + lanes, k_end, scale_gate, QBLOCK_K, PER_CHANNEL)
+            acc_up = _gemv_row(acc_up, w_up, x_ptr, k0 + lanes, k_end, scale_up, QBLOCK_K, PER_CHANNEL)
         let_next_kernel_launch(PDL)
-        if GATED:
-            acc = tl.interleave(tl.sum(acc_gate, axis=1), tl.sum(acc_up, axis=1))[None, :]  # [1, BLOCK_N]: (gate j, up j)
-        else:
-            acc = tl.sum(acc_gate, axis=1)[None, :]  # [1, BLOCK_N]
+        acc = tl.interleave(tl.sum(acc_gate, axis=1), tl.sum(acc_up, axis=1))[None, :]  # [1, BLOCK_N]: (gate j, up j)
     else:
         w_tile = w_ptr + rows[:, None].to(tl.int64) * K + lanes[None, :]  # [BLOCK_N, BLOCK_K] at k_start
-        w = _load_w(w_tile, row_ok, lanes, k_end, False)
+        # W is streamed once and no kernel of a step writes it: requested before the wait (pdl.py).
+        w = tl.load(w_tile, mask=row_ok[:, None] & (lanes < k_end)[None, :], other=0.0, eviction_policy="evict_first")
         wait_for_previous_kernel(PDL)
         # The scales row of the program's rows (its up rows' too when GATED): one block row each.
         if GATED:
@@ -391,14 +359,20 @@ def _fp8_gemv_kernel(
         else:
             scale_gate = scale_ptr + ((tile * BLOCK_N) // QBLOCK_N) * stride_scale
             scale_up = scale_gate
-        # [BLOCK_M, BLOCK_N] sums every tile: the products are BLOCK_M times the registers of one row's.
-        acc = _gemv_accumulate(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), w, x_ptr, stride_xm, M, lanes, k_end,
-                               scale_gate, scale_up, QBLOCK_K, PER_CHANNEL, GATED, BLOCK_M, BLOCK_N)
+        # One row of x: products kept per lane [BLOCK_N, BLOCK_K] and summed across the program's threads
+        # once after the last tile (a sum across warps every tile cost barriers and shared memory);
+        # more rows: [BLOCK_M, BLOCK_N] sums, their products being BLOCK_M times the registers.
+        acc = tl.zeros([BLOCK_N, BLOCK_K] if BLOCK_M == 1 else [BLOCK_M, BLOCK_N], tl.float32)
+        acc = _gemv_accumulate(acc, w, x_ptr, stride_xm, M, lanes, k_end, scale_gate, scale_up,
+                               QBLOCK_K, PER_CHANNEL, GATED, BLOCK_M, BLOCK_N)
         for k0 in range(BLOCK_K, k_per_split, BLOCK_K):
-            w = _load_w(w_tile + k0, row_ok, k0 + lanes, k_end, False)
+            w = tl.load(w_tile + k0, mask=row_ok[:, None] & ((k0 + lanes) < k_end)[None, :], other=0.0,
+                        eviction_policy="evict_first")
             acc = _gemv_accumulate(acc, w, x_ptr, stride_xm, M, k0 + lanes, k_end, scale_gate, scale_up,
                                    QBLOCK_K, PER_CHANNEL, GATED, BLOCK_M, BLOCK_N)
         let_next_kernel_launch(PDL)
+        if BLOCK_M == 1:
+            acc = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
     m = tl.arange(0, BLOCK_M)
     _finish_split(tl.trans(acc), partial_ptr, counter_ptr, scale_ptr, stride_scale, bias_ptr, out_ptr, rows, row_ok,
                   m, m < M, tile, split, M, N, PER_CHANNEL, HAS_BIAS, GATED, SPLIT, BLOCK_N, BLOCK_M,
@@ -546,7 +520,5 @@ def fp8_few_rows_linear(
     if mma:
         _fp8_mma_kernel[(tiles, split)](*args, BLOCK_M=MAX_M, num_stages=config.num_stages, **common)
     else:
-        # Whole tiles only (K = split x k_per_split): one row of x then loads unmasked (_gemv_row).
-        even_k = m == 1 and split * k_per_split == k
-        _fp8_gemv_kernel[(tiles, split)](*args, BLOCK_M=config.block_m, EVEN_K=even_k, **common)
+        _fp8_gemv_kernel[(tiles, split)](*args, BLOCK_M=config.block_m, **common)
     return out
