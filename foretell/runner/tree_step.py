@@ -15,10 +15,11 @@ One step (ModelRunner takes no other step under trees):
      a batch of whole trees only runs the target as the replay of its (bucket, T) graph
      (runner/tree_graphs.py; uncaptured off CUDA), any other batch (and every batch under
      enforce_eager or an attention backend that is not graph-safe) eagerly;
-  2. greedy trees: verify_greedy (the longest path the target's argmax agrees with); sampled:
-     verify_sampled (multi-draft rejection sampling, one-hot q for top-k drafts) over the
-     processed target probabilities; sequences without a tree (prefill chunks, requests whose
-     logits are processed or that ask for logprobs: they draft nothing) sample as HostStep does;
+  2. greedy trees: verify_greedy_paths (the longest path the target's argmax agrees with); sampled:
+     verify_sampled_paths (multi-draft rejection sampling, one-hot q for top-k drafts) over the
+     processed target probabilities, every tree of a group at once (tree/path_verify.py);
+     sequences without a tree (prefill chunks, requests whose logits are processed or that ask
+     for logprobs: they draft nothing) sample as HostStep does;
   3. the accepted path's target K/V moved to consecutive positions (tree/compact.py); rejected
      nodes' slots lie past the sequence's length and are overwritten by later steps;
   4. the drafter catches up over the path's rows and drafts the next trees (tree/proposer.py).
@@ -46,7 +47,8 @@ from foretell.spec_decode.tree.draft_graphs import TreeDraftGraphs
 from foretell.spec_decode.tree.proposer import Eagle3TreeDrafter
 from foretell.spec_decode.tree.shape import DraftTree, TreeShape
 from foretell.spec_decode.tree.simulated import rank_logprobs, simulated_tree_accept
-from foretell.spec_decode.tree.verify import TreeVerifyResult, last_node, result_from_path, verify_greedy, verify_sampled
+from foretell.spec_decode.tree.path_verify import verify_greedy_paths, verify_sampled_paths
+from foretell.spec_decode.tree.verify import TreeVerifyResult
 
 TREE_SEED_SALT = 0x7EE5EED
 logger = logging.getLogger("foretell")
@@ -235,49 +237,60 @@ class TreeStep:
 
     def _verify(self, sched, g: TreeGroup, logits: torch.Tensor, target_ids: torch.Tensor, rows: torch.Tensor,
                 uniforms: list[float] | None) -> TreeVerifyResult:
-        """One group's trees at once: drawn (simulated), greedy, or sampled (multi-draft rejection
-        sampling; a seeded request draws from its own generator)."""
+        """One group's trees at once, in a fixed handful of device ops (tree/path_verify.py): drawn
+        (simulated), greedy, or sampled (multi-draft rejection sampling over every sampled tree at
+        once; a seeded request draws from its own generator). No host read: _sample reads the result."""
         items = [sched.scheduled[i] for i in g.index]
         depth = self.shape.depth
         limits = [depth if item.accept_limit is None else item.accept_limit for item in items]
         limit_tensor = None if all(x == depth for x in limits) else to_device(limits, torch.int64, self.device)
         ids = target_ids[rows]  # [n, T]
-        if uniforms is not None:
-            return simulated_tree_accept(g.tree, torch.tensor(uniforms, dtype=torch.float64, device=self.device),
+        if uniforms is not None:  # (to_device: a pageable upload would wait for the verify forward)
+            return simulated_tree_accept(g.tree, to_device(uniforms, torch.float64, self.device),
                                          self.rates, ids, limit_tensor)
-        greedy = [item.seq.sampling_params.greedy for item in items]
-        if all(greedy):
-            verify = verify_greedy(g.tree, ids)
-            if limit_tensor is None:
-                return verify
-            # near max_tokens: every row verified, at most accept_limit accepted
-            keep = torch.arange(depth + 1, device=self.device).unsqueeze(0) <= limit_tensor.unsqueeze(1)
-            path = torch.where(keep, verify.accepted_nodes, -1)
-            return result_from_path(g.tree, path, ids.gather(1, last_node(path).unsqueeze(1)).squeeze(1))
-        parts = [self._verify_one(item, _row(g.tree, j), logits[rows[j]]) for j, item in enumerate(items)]
-        return TreeVerifyResult(*(torch.cat([getattr(p, f) for p in parts]) for f in
-                                  ("accepted_nodes", "num_accepted", "bonus_tokens", "output_tokens")))
-
-    def _verify_one(self, item, tree: DraftTree, logits: torch.Tensor) -> TreeVerifyResult:  # logits [T, vocab]
-        params = item.seq.sampling_params
-        if params.greedy:
-            verify = verify_greedy(tree, logits.unsqueeze(0))
-            limit = item.accept_limit  # near max_tokens: every row verified, at most this many accepted
-            if limit is None or int(verify.num_accepted[0]) <= limit:
-                return verify
-            path = verify.accepted_nodes.clone()
-            path[:, limit + 1:] = -1
-            return result_from_path(tree, path, logits[path[:, limit]].argmax(-1))
-        if item.accept_limit is not None:
+        sampled = [j for j, item in enumerate(items) if not item.seq.sampling_params.greedy]
+        if not sampled:
+            return verify_greedy_paths(g.tree, ids, limit_tensor)
+        if any(items[j].accept_limit is not None for j in sampled):
             raise RuntimeError("a sampled tree verify got an accept_limit (the scheduler caps greedy rows only)")
-        root_position = item.seq.num_computed_tokens + item.num_new_tokens - tree.num_nodes
-        generator = self.generator
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(row_seed(params.seed ^ TREE_SEED_SALT, item.seq.index, root_position))
-        sampling = SamplingBatch.build([params] * tree.num_nodes, [None] * tree.num_nodes, logits.shape[-1], self.device)
-        probs = processed_probs(logits, sampling)  # [T, vocab]
-        return verify_sampled(tree, probs.unsqueeze(0), None, generator)
+        if len(sampled) == len(items):
+            return self._verify_sampled(g.tree, [items[j] for j in sampled], logits[rows])
+        picked = to_device(sampled, torch.int64, self.device)
+        greedy = verify_greedy_paths(g.tree, ids, limit_tensor)
+        drawn = self._verify_sampled(_take(g.tree, picked), [items[j] for j in sampled], logits[rows[picked]])
+        return TreeVerifyResult(*(getattr(greedy, f).index_copy(0, picked, getattr(drawn, f))
+                                  for f in ("accepted_nodes", "num_accepted", "bonus_tokens", "output_tokens")))
+
+    def _verify_sampled(self, tree: DraftTree, items: list, logits: torch.Tensor) -> TreeVerifyResult:
+        """Multi-draft rejection sampling of sampled requests' trees (logits [n, T, vocab]) at once:
+        their processed probabilities in one pass, one uniform per node and an exponential race per
+        tree. Unseeded trees draw together from the step's generator; a seeded tree draws from its
+        own (seeded by request, sample and root position: uniforms, then the race, as verify_sampled)."""
+        n, num_nodes, vocab = logits.shape
+        params = [item.seq.sampling_params for item in items for _ in range(num_nodes)]
+        sampling = SamplingBatch.build(params, [None] * len(params), vocab, self.device)
+        probs = processed_probs(logits.flatten(0, 1), sampling).view(n, num_nodes, vocab)  # [n, T, vocab]
+        seeded = [item.seq.sampling_params.seed is not None for item in items]
+        shared = seeded.count(False)
+        uniforms = torch.rand(shared, num_nodes, generator=self.generator, device=self.device, dtype=probs.dtype)
+        noise = torch.empty(shared, vocab, device=self.device, dtype=probs.dtype).exponential_(generator=self.generator)
+        if any(seeded):
+            u_parts, noise_parts, k = [], [], 0
+            for item, own in zip(items, seeded):
+                if own:
+                    root_position = item.seq.num_computed_tokens + item.num_new_tokens - num_nodes
+                    generator = torch.Generator(device=self.device)
+                    generator.manual_seed(row_seed(item.seq.sampling_params.seed ^ TREE_SEED_SALT, item.seq.index,
+                                                   root_position))
+                    u_parts.append(torch.rand(1, num_nodes, generator=generator, device=self.device, dtype=probs.dtype))
+                    noise_parts.append(torch.empty(1, vocab, device=self.device, dtype=probs.dtype)
+                                       .exponential_(generator=generator))
+                else:
+                    u_parts.append(uniforms[k: k + 1])
+                    noise_parts.append(noise[k: k + 1])
+                    k += 1
+            uniforms, noise = torch.cat(u_parts), torch.cat(noise_parts)
+        return verify_sampled_paths(tree, probs, uniforms, noise)
 
     def _compact(self, g: TreeGroup, batch: InputBatch, accepted_nodes: torch.Tensor) -> None:
         """Every target layer's K/V of the accepted paths to consecutive positions after the root:
@@ -337,6 +350,12 @@ def _drafts_trees(params) -> bool:
 def _row(tree: DraftTree, j: int) -> DraftTree:
     return DraftTree(tree.shape, tree.tokens[j: j + 1], tree.parents[j: j + 1], tree.depths[j: j + 1],
                      tree.ancestor_mask[j: j + 1], tree.scores[j: j + 1])
+
+
+def _take(tree: DraftTree, picked: torch.Tensor) -> DraftTree:
+    """The trees at rows `picked` ([m] int64)."""
+    return DraftTree(tree.shape, *(getattr(tree, f)[picked] for f in
+                                   ("tokens", "parents", "depths", "ancestor_mask", "scores")))
 
 
 def _cut(tree: DraftTree, num_nodes: int) -> DraftTree:

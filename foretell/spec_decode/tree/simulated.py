@@ -23,12 +23,14 @@ from __future__ import annotations
 import torch
 
 from foretell.spec_decode.tree.shape import DraftTree, TreeShape, sibling_ranks
-from foretell.spec_decode.tree.verify import TreeVerifyResult, first_child_where, last_node, result_from_path, walk_down
+from foretell.spec_decode.tree.path_verify import best_path_nodes, last_on_path, result_from_on_path
+from foretell.spec_decode.tree.verify import TreeVerifyResult, first_child_where, walk_down
 
 SMALLEST_RATE = 1e-6  # log of a zero rate would be -inf: ties among the kept nodes' scores
 
 
 def best_path(tree: DraftTree) -> torch.Tensor:  # [B, depth + 1] node indices from the root, -1 past its end
+    """The walk (verify.walk_down) down each node's best-ranked child: the twin of path_verify.best_path_nodes."""
     first_children = (sibling_ranks(tree.parents) == 0) & (tree.parents >= 0)
     return walk_down(tree, first_child_where(tree, first_children))
 
@@ -62,9 +64,7 @@ def simulated_tree_accept(
     drawn = (rates.unsqueeze(0) > uniforms.unsqueeze(1).to(rates.dtype)).sum(1)  # [B]
     if accept_limits is not None:
         drawn = torch.minimum(drawn, accept_limits.to(drawn.device))
-    path = best_path(tree)
-    keep = torch.arange(depth + 1, device=path.device).unsqueeze(0) <= drawn.unsqueeze(1)
-    path = torch.where(keep, path, -1)
+    on_path = best_path_nodes(tree, drawn)  # [B, T]
     if bonus_tokens.dim() == 2:
-        bonus_tokens = bonus_tokens.gather(1, last_node(path).unsqueeze(1)).squeeze(1)
-    return result_from_path(tree, path, bonus_tokens)
+        bonus_tokens = bonus_tokens.gather(1, last_on_path(tree, on_path).unsqueeze(1)).squeeze(1)
+    return result_from_on_path(tree, on_path, bonus_tokens)
