@@ -239,8 +239,9 @@ def catch_up_metadata(
     if slot_mapping is None:
         positions = [p for p0, n in zip(start_positions, num_rows) for p in range(p0, p0 + n)]
         pos = to_device(positions, torch.int64, device)
-        seq_index = torch.repeat_interleave(
-            torch.arange(len(num_rows), device=device), to_device(num_rows, torch.int64, device)
+        seq_index = torch.repeat_interleave(  # output_size given: no read of the counts back (a sync)
+            torch.arange(len(num_rows), device=device), to_device(num_rows, torch.int64, device),
+            output_size=len(positions),
         )
         blocks = block_table[seq_index, pos // block_size].to(torch.int64)
         slot_mapping = blocks * block_size + pos % block_size
