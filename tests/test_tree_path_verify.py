@@ -55,7 +55,8 @@ def random_topology(batch: int, num_nodes: int, vocab: int, seed: int, max_depth
 
 def assert_same(got, want):
     for field in FIELDS:
-        assert torch.equal(getattr(got, field), getattr(want, field)), (field, getattr(got, field), getattr(want, field))
+        assert torch.equal(getattr(got, field), getattr(want, field)), (field, getattr(got, field),
+                                                                       getattr(want, field))
 
 
 def reference_greedy(tree: DraftTree, target_ids: torch.Tensor, limits: torch.Tensor | None):

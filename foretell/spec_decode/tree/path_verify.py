@@ -103,7 +103,7 @@ def result_from_on_path(tree: DraftTree, on_path: torch.Tensor, bonus: torch.Ten
     depth = tree.shape.depth
     device = on_path.device
     # Nodes off the path (and, for the tokens, the root) land in a spare last column, dropped.
-    spare = torch.full_like(tree.depths, depth + 1)
+    spare = depth + 1
     path = torch.full((batch, depth + 2), -1, dtype=torch.int64, device=device)
     path.scatter_(1, torch.where(on_path, tree.depths, spare),
                   torch.arange(num_nodes, device=device).expand(batch, -1))
