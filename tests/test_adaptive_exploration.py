@@ -16,9 +16,9 @@ import random
 import pytest
 
 from foretell.engine.step_costs import LearnedStepCosts
+from foretell.spec_decode.acceptance_estimate import AcceptanceEstimate
 from foretell.spec_decode.adaptive import (
     EXPLORE_MAX_GAP,
-    AcceptanceEstimate,
     AdaptiveDraftLength,
 )
 

@@ -11,9 +11,9 @@ import pytest
 
 from foretell import LLM, SamplingParams
 from foretell.config import SpeculativeConfig
+from foretell.spec_decode.acceptance_estimate import AcceptanceEstimate
 from foretell.spec_decode.adaptive import (
     ADAPTIVE_DEFAULT_MAX_K,
-    AcceptanceEstimate,
     AdaptiveDraftLength,
     StepCostModel,
 )
