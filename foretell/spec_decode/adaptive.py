@@ -39,7 +39,6 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass
-from math import sqrt
 from typing import Protocol, Sequence
 
 from foretell.spec_decode.acceptance_estimate import AcceptanceEstimate
