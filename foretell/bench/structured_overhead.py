@@ -1,9 +1,13 @@
 """What a grammar costs per engine step at batch 1 (issue 27's overhead bar), on any device.
 
 One prompt, --tokens greedy tokens (EOS ignored), the default family (or --model), with the
-drafter of --method. Three runs in one engine, each repeated --repeats times (the median is kept):
+drafter of --method. Four runs in one engine, each repeated --repeats times (the median is kept):
 
-  host_step     a no-op logit_bias: the host step every request with logits controls takes
+  padded_step   no grammar, no controls: the padded device step (graphed verify and draft loop,
+                queued ahead; eager on the CPU), what a request without a grammar gets
+  host_step     the same request with the runner's device steps turned off for the run (its step
+                pipeline tries no kind): the host step (runner/host_step.py), which every request
+                with a grammar takes, without the grammar
   always_true   an always-true grammar (regex `(.|\\n)*`): the grammar's machinery, no constraint
   json          the JSON schema of scripts/check_structured_gpu.py (what users send)
 
@@ -11,9 +15,15 @@ For each: milliseconds per engine step (wall, and this thread's CPU time, steadi
 machine), and the grammar's host time per step on the engine's thread from StructuredOutputs'
 MaskTimer: the verify rows' fill (llguidance, or the wait for the rows filled ahead on the
 worker thread), their copy and device op, the drafter loop's masks, and handing the next step's
-rows to the worker (fill_ahead). The overhead is
-always_true's step time against host_step's. Then the device op alone: apply_token_bitmask on
-[k + 1, vocab] logits for the default family's vocabulary and a 151,936-token one.
+rows to the worker (fill_ahead). The grammar's own cost is always_true against host_step; what a
+user pays for a grammar is always_true against padded_step (on CUDA mostly the host step's
+eager draft loop, not the grammar). Before 2026-12-02 the table's baseline was a no-op
+logit_bias, which since 99df117 (logits controls on the padded step) no longer takes the host
+step: it compared the grammar's host step against the padded step. With --count-syncs, one more request of each run under
+bench/device_syncs.DeviceSyncCounter: device->host syncs, device ops and uploads per step, and
+where the syncs are made (counts, not times: the same on any machine). Then the device op alone:
+apply_token_bitmask on [k + 1, vocab] logits for the default family's vocabulary and a
+151,936-token one.
 
     python -m foretell.bench.structured_overhead --method eagle3 --device cpu --tokens 64
     python -m foretell.bench.structured_overhead --method none --json-out out.json
@@ -22,6 +32,7 @@ always_true's step time against host_step's. Then the device op alone: apply_tok
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -78,6 +89,41 @@ def measure(llm, prompt: str, params, repeats: int) -> dict:
     return {key: statistics.median(r[key] for r in runs) if runs[0][key] is not None else None for key in runs[0]}
 
 
+class HostStepOnly:
+    """While inside: the runner's step pipeline launches no device step (padded verify, decode
+    queued ahead), so every batch takes the host step. An instance attribute swapped and put
+    back: the engine's classes are untouched."""
+
+    def __init__(self, llm):
+        self.pipeline = llm.engine.runner.pipeline
+        self.kinds = None
+
+    def __enter__(self):
+        self.kinds, self.pipeline.kinds = self.pipeline.kinds, []
+        self.pipeline.reset()
+        return self
+
+    def __exit__(self, *exc):
+        self.pipeline.kinds = self.kinds
+        self.pipeline.reset()
+
+
+def count_syncs(llm, prompt: str, params) -> dict:
+    """One request under DeviceSyncCounter: per engine step, the device->host syncs, device ops
+    and uploads, and the sync sites (per step, the most frequent first)."""
+    from foretell.bench.device_syncs import DeviceSyncCounter
+
+    stats = llm.get_stats
+    with DeviceSyncCounter() as counter:
+        counter.track_engine(llm.engine.runner)
+        steps = stats()["num_steps"]
+        llm.generate([prompt], params, use_tqdm=False)
+        steps = max(stats()["num_steps"] - steps, 1)
+    return {"syncs_per_step": counter.num_syncs / steps, "device_ops_per_step": counter.num_device_ops / steps,
+            "uploads_per_step": counter.num_uploads / steps,
+            "sync_sites_per_step": {site: n / steps for site, n in counter.sync_sites.most_common()}}
+
+
 def bitmask_op_us(vocab_size: int, num_rows: int, device: str, repeats: int = 200) -> float:
     """Median microseconds of apply_token_bitmask on [num_rows, vocab_size] float32 logits."""
     import torch
@@ -101,7 +147,8 @@ def bitmask_op_us(vocab_size: int, num_rows: int, device: str, repeats: int = 20
 
 
 def run(model: str | None, method: str, device: str, dtype: str, tokens: int, repeats: int,
-        fill_ahead: bool = True, forced_drafts: bool = True, num_cpu_threads: int | None = None) -> dict:
+        fill_ahead: bool = True, forced_drafts: bool = True, num_cpu_threads: int | None = None,
+        syncs: bool = False) -> dict:
     from foretell import LLM, SamplingParams
     from foretell.bench.datasets import gsm8k_test_prompts
     from foretell.defaults import member_path
@@ -119,15 +166,26 @@ def run(model: str | None, method: str, device: str, dtype: str, tokens: int, re
     with LLM(model or member_path("target"), device=device, dtype=dtype, speculative_config=spec, **threads) as llm:
         if not fill_ahead:  # every step fills its own rows (an instance attribute: the class is untouched)
             structured_of(llm).fill_ahead = lambda scheduled, results: None
-        report["host_step"] = measure(llm, prompt, SamplingParams(**base, logit_bias={0: 0.0}), repeats)
-        report["always_true"] = measure(llm, prompt, SamplingParams(**base, structured_outputs={"regex": ALWAYS_TRUE}), repeats)
-        # The JSON document ends where it ends: no ignore_eos (a closed document allows only EOS).
-        report["json"] = measure(llm, prompt, SamplingParams(temperature=0, max_tokens=tokens, structured_outputs={
-            "json": JSON_SCHEMA, "disable_any_whitespace": True}), repeats)
+        plain = SamplingParams(**base)
+        runs = {
+            "padded_step": plain,
+            "host_step": plain,
+            "always_true": SamplingParams(**base, structured_outputs={"regex": ALWAYS_TRUE}),
+            # The JSON document ends where it ends: no ignore_eos (a closed document allows only EOS).
+            "json": SamplingParams(temperature=0, max_tokens=tokens, structured_outputs={
+                "json": JSON_SCHEMA, "disable_any_whitespace": True}),
+        }
+        for name, params in runs.items():
+            with HostStepOnly(llm) if name == "host_step" else contextlib.nullcontext():
+                report[name] = measure(llm, prompt, params, repeats)
+                if syncs:
+                    report[name].update(count_syncs(llm, prompt, params))
         vocab = llm.engine.runner.vocab_size
-    host, grammar = report["host_step"], report["always_true"]
-    for key in ("ms_per_step", "cpu_ms_per_step"):
-        report[f"overhead_percent_{key}"] = 100.0 * (grammar[key] - host[key]) / host[key]
+    grammar = report["always_true"]
+    for base_run, suffix in (("host_step", ""), ("padded_step", "_vs_padded_step")):
+        for key in ("ms_per_step", "cpu_ms_per_step"):
+            base_value = report[base_run][key]
+            report[f"overhead_percent_{key}{suffix}"] = 100.0 * (grammar[key] - base_value) / base_value
     report["bitmask_op_us"] = {f"{rows}x{v}": bitmask_op_us(v, rows, device) for v in (vocab, 151936) for rows in (1, 4)}
     return report
 
@@ -138,14 +196,23 @@ def print_report(report: dict) -> None:
           f"forced drafts {'on' if report['forced_drafts'] else 'off'}")
     print(f"{'run':12} {'ms/step':>8} {'cpu ms':>8} {'masks ms':>9} {'fill':>7} {'apply':>7} {'draft':>7} "
           f"{'ahead':>7} {'accept':>7}")
-    for name in ("host_step", "always_true", "json"):
+    counted = "syncs_per_step" in report["always_true"]
+    for name in ("padded_step", "host_step", "always_true", "json"):
         r = report[name]
         accept = f"{r['mean_acceptance_length']:.3f}" if r["mean_acceptance_length"] else "-"
+        syncs = (f" {r['syncs_per_step']:6.2f} {r['device_ops_per_step']:7.1f} {r['uploads_per_step']:7.1f}"
+                 if counted else "")
         print(f"{name:12} {r['ms_per_step']:8.3f} {r['cpu_ms_per_step']:8.3f} {r['mask_ms_per_step']:9.3f} "
               f"{r['verify_fill_ms_per_step']:7.3f} {r['verify_apply_ms_per_step']:7.3f} "
-              f"{r['draft_mask_ms_per_step']:7.3f} {r['fill_ahead_ms_per_step']:7.3f} {accept:>7}")
-    print(f"always-true grammar vs host step: {report['overhead_percent_ms_per_step']:+.1f}% wall, "
-          f"{report['overhead_percent_cpu_ms_per_step']:+.1f}% thread CPU")
+              f"{r['draft_mask_ms_per_step']:7.3f} {r['fill_ahead_ms_per_step']:7.3f} {accept:>7}{syncs}")
+    if counted:
+        print("(last columns: device->host syncs, device ops, uploads per step, counted on a separate request)")
+        for name in ("padded_step", "host_step", "always_true"):
+            sites = ", ".join(f"{n:.2f} {site}" for site, n in report[name]["sync_sites_per_step"].items())
+            print(f"  {name} syncs: {sites or 'none'}")
+    print(f"always-true grammar vs the host step without it: {report['overhead_percent_ms_per_step']:+.1f}% wall, "
+          f"{report['overhead_percent_cpu_ms_per_step']:+.1f}% thread CPU; vs the padded step "
+          f"{report['overhead_percent_ms_per_step_vs_padded_step']:+.1f}% wall")
     print("apply_token_bitmask: " + ", ".join(f"{k} {v:.1f} us" for k, v in report["bitmask_op_us"].items()))
 
 
@@ -162,13 +229,15 @@ def main(argv=None) -> int:
     parser.add_argument("--structured-forced-drafts", choices=["on", "off"], default="on",
                         help="the grammar's forced tokens drafted (speculative_config structured_forced_drafts)")
     parser.add_argument("--num-cpu-threads", type=int, default=None, help="torch intra-op threads on the CPU")
+    parser.add_argument("--count-syncs", action="store_true",
+                        help="one more request a run under DeviceSyncCounter: syncs, device ops, uploads per step")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args(argv)
     if args.tokens < 1 or args.repeats < 1:
         raise ValueError(f"--tokens and --repeats must be >= 1, got {args.tokens} and {args.repeats}")
     report = run(args.model, args.method, args.device, args.dtype, args.tokens, args.repeats,
                  fill_ahead=not args.no_fill_ahead, forced_drafts=args.structured_forced_drafts == "on",
-                 num_cpu_threads=args.num_cpu_threads)
+                 num_cpu_threads=args.num_cpu_threads, syncs=args.count_syncs)
     print_report(report)
     if args.json_out:
         with open(args.json_out, "w") as f:
