@@ -197,6 +197,22 @@ def test_sampled_trees_are_valid_and_reproducible(targets, monkeypatch):
     assert ids(other.generate([PROMPTS[0]], reseeded, use_tqdm=False))[0] != runs[0][0]
 
 
+def test_mixed_greedy_seeded_and_unseeded_trees_in_one_batch(targets, baselines):
+    """One verify group holding greedy, seeded and unseeded sampled trees (path_verify merges them):
+    the greedy request equals plain greedy, the seeded one its run alone, all tokens valid."""
+    target, head = targets["qwen3"]
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True)
+    unseeded = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    llm = tree_llm(target, head, seed=0)
+    mixed = ids(llm.generate(PROMPTS[:3], [greedy(), seeded, unseeded], use_tqdm=False))
+    alone = ids(llm.generate([PROMPTS[1]], seeded, use_tqdm=False))[0]
+    assert mixed[0] == baselines["qwen3"][0]
+    assert mixed[1] == alone
+    size = llm.engine.runner.vocab_size
+    assert all(len(r) == MAX_TOKENS and all(0 <= t < size for t in r) for r in mixed)
+    check_blocks_free(llm)
+
+
 def test_requests_that_process_logits_run_without_trees(targets, baselines):
     """Penalties / logprobs under trees: those requests draft nothing (plain decoding, exact),
     beside tree requests in the same batch."""
