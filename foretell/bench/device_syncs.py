@@ -48,14 +48,15 @@ FACTORIES = frozenset({"zeros", "ones", "empty", "full", "arange", "tensor", "as
                        "randint", "zeros_like", "ones_like", "empty_like", "full_like", "linspace", "eye"})
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../foretell
 THIS_FILE = os.path.abspath(__file__)
+PASS_THROUGH = (THIS_FILE, os.path.join(PACKAGE_DIR, "device_util.py"))  # sites named by their callers
 
 
 def _call_site() -> str:
-    """file:line of the innermost frame inside the foretell package (not this file)."""
+    """file:line of the innermost frame inside the foretell package (not this file, nor to_device's)."""
     frame = sys._getframe(2)
     while frame is not None:
         name = os.path.abspath(frame.f_code.co_filename)
-        if name.startswith(PACKAGE_DIR) and name != THIS_FILE:
+        if name.startswith(PACKAGE_DIR) and name not in PASS_THROUGH:
             return f"{os.path.relpath(name, os.path.dirname(PACKAGE_DIR))}:{frame.f_lineno}"
         frame = frame.f_back
     return "<outside foretell>"
@@ -126,7 +127,7 @@ class _Function(TorchFunctionMode):
         if name == "to" and source is not None:
             device = _target_device(args, kwargs)
             if device is not None and not on_device:  # host data sent to the device (on the CPU: itself)
-                counter.num_uploads += 1
+                counter.record_upload()
                 counter.mark(out)
             elif on_device and _is_host_device(device):  # device data read back to the host
                 counter.record_sync("to(cpu)")
@@ -142,6 +143,7 @@ class DeviceSyncCounter:
         self.sync_sites: Counter[str] = Counter()  # "what at file:line" -> count
         self.num_device_ops = 0  # aten ops with device data in or out (kernel launches, roughly)
         self.num_uploads = 0  # host data sent to the device with .to(device)
+        self.upload_sites: Counter[str] = Counter()  # "file:line" -> count
         self.enabled = True  # paused while False (counts nothing, marks nothing new)
         self._modes: list = []
 
@@ -173,6 +175,11 @@ class DeviceSyncCounter:
         if self.enabled:
             self.num_syncs += 1
             self.sync_sites[f"{what} at {_call_site()}"] += 1
+
+    def record_upload(self) -> None:
+        if self.enabled:
+            self.num_uploads += 1
+            self.upload_sites[_call_site()] += 1
 
     def snapshot(self) -> dict:
         """The counts so far (subtract two to count a stretch)."""

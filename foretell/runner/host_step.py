@@ -118,8 +118,8 @@ class HostStep:
             probs = [self._pop_draft_probs(item) for item in items]
             verify = self.verifier.verify(logits, drafts, probs, sampling, [item.accept_limit for item in items])
             outputs, accepted = verify.output_token_ids, verify.num_accepted
-            rows = [r for rs in verify.emitted_rows for r in rs]
-            chosen_rows = to_device(rows, torch.int64, self.device)
+            rows = [r for rs in verify.emitted_rows for r in rs]  # uploaded only for logprobs: one copy less a step
+            chosen_rows = to_device(rows, torch.int64, self.device) if sampling.max_num_logprobs >= 0 else None
             chosen_tokens = verify.emitted_tokens
         else:
             sampled = self.sampler(logits, sampling)
