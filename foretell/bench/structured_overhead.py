@@ -19,11 +19,11 @@ rows to the worker (fill_ahead). The grammar's own cost is always_true against h
 user pays for a grammar is always_true against padded_step (on CUDA mostly the host step's
 eager draft loop, not the grammar). Before 2026-12-02 the table's baseline was a no-op
 logit_bias, which since 99df117 (logits controls on the padded step) no longer takes the host
-step: it compared the grammar's host step against the padded step. With --count-syncs, one more request of each run under
-bench/device_syncs.DeviceSyncCounter: device->host syncs, device ops and uploads per step, and
-where the syncs are made (counts, not times: the same on any machine). Then the device op alone:
-apply_token_bitmask on [k + 1, vocab] logits for the default family's vocabulary and a
-151,936-token one.
+step: it compared the grammar's host step against the padded step. With --count-syncs, one more
+request of each run under bench/device_syncs.DeviceSyncCounter: device->host syncs, device ops and
+uploads per step, and where the syncs are made (counts, not times: the same on any machine). Then
+the device op alone: apply_token_bitmask on [k + 1, vocab] logits for the default family's
+vocabulary and a 151,936-token one.
 
     python -m foretell.bench.structured_overhead --method eagle3 --device cpu --tokens 64
     python -m foretell.bench.structured_overhead --method none --json-out out.json
@@ -186,7 +186,8 @@ def run(model: str | None, method: str, device: str, dtype: str, tokens: int, re
         for key in ("ms_per_step", "cpu_ms_per_step"):
             base_value = report[base_run][key]
             report[f"overhead_percent_{key}{suffix}"] = 100.0 * (grammar[key] - base_value) / base_value
-    report["bitmask_op_us"] = {f"{rows}x{v}": bitmask_op_us(v, rows, device) for v in (vocab, 151936) for rows in (1, 4)}
+    report["bitmask_op_us"] = {f"{rows}x{v}": bitmask_op_us(v, rows, device)
+                               for v in (vocab, 151936) for rows in (1, 4)}
     return report
 
 
