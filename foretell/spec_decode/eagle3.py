@@ -164,8 +164,11 @@ class Eagle3Proposer(DraftLoopProposer):
         if not last_rows:  # nothing drafts: the forward only caches the rows' keys and values
             self.head(input_ids, positions, g, metadata)
             return None, None
-        ends = [metadata.query_start_loc_cpu[i + 1] - 1 for i in last_rows]
-        keep_rows = to_device(ends, torch.int64, self.device)
+        if list(last_rows) == list(range(batch.num_seqs)):  # every sequence drafts: no upload
+            keep_rows = metadata.query_start_loc[1:] - 1  # [B] int32 (index_select takes it)
+        else:
+            ends = [metadata.query_start_loc_cpu[i + 1] - 1 for i in last_rows]
+            keep_rows = to_device(ends, torch.int64, self.device)
         return self._drafts(self.head.step(input_ids, positions, g, metadata, keep_rows, greedy_only), greedy_only)
 
     def padded_catch_up(self, input_ids, positions, metadata, hidden, aux, last_rows):

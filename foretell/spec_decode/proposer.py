@@ -245,9 +245,10 @@ def catch_up_metadata(
         )
         blocks = block_table[seq_index, pos // block_size].to(torch.int64)
         slot_mapping = blocks * block_size + pos % block_size
+    lengths = to_device(query_start + seq_lens, torch.int32, device)  # one upload: [B + 1] then [B]
     metadata = AttentionMetadata(
-        query_start_loc=to_device(query_start, torch.int32, device),
-        seq_lens=to_device(seq_lens, torch.int32, device),
+        query_start_loc=lengths[: len(query_start)],
+        seq_lens=lengths[len(query_start):],
         block_table=block_table,
         slot_mapping=slot_mapping,
         block_size=block_size,

@@ -53,14 +53,22 @@ class Eagle3TreeDrafter:
         root_tokens = [batch.next_token_ids[i] for i in drafting]
         # The root sits at num_tokens_after_step - 1; a depth-d node's row at root + d - 1.
         roots = [batch.num_tokens_after_step(i) - 1 for i in drafting]
-        device = h.device
-        table = batch.block_table[to_device(drafting, torch.int64, device)]  # [n, max_blocks] int32
-        if self.graphs is not None:
+        n, device = len(drafting), h.device
+        every = drafting == list(range(batch.block_table.shape[0]))  # the usual case: the table as it is
+        table = batch.block_table  # [n, max_blocks] int32 once only the drafting rows are kept
+        if self.graphs is not None:  # the graphs upload the roots themselves
+            if not every:
+                table = table[to_device(drafting, torch.int64, device)]
             tree = self.graphs.run(logits, h, root_tokens, roots, table)
             if tree is not None:
                 return tree
-        root_tokens_device = to_device(root_tokens, torch.int64, device)
-        return self.expand(logits, h, root_tokens_device, to_device(roots, torch.int64, device), table,
+        # Eager: one upload, the root tokens, the roots, then (unless every sequence drafts, or the
+        # graphs' path took them already) which table rows.
+        pick = not every and table is batch.block_table
+        host_ints = to_device(root_tokens + roots + (drafting if pick else []), torch.int64, device)
+        if pick:
+            table = table[host_ints[2 * n:]]
+        return self.expand(logits, h, host_ints[:n], host_ints[n: 2 * n], table,
                            batch.block_size, batch.max_model_len - 1, roots_host=roots)
 
     def expand(
@@ -91,7 +99,7 @@ class Eagle3TreeDrafter:
         slots = slots.view(n, expansions, topk)
         depth_offsets = torch.arange(1, expansions + 1, device=device).unsqueeze(1)  # [depth - 1, 1]
         all_positions = (roots.unsqueeze(0) + depth_offsets).clamp(max=last_position)
-        all_positions = all_positions.repeat_interleave(topk, dim=1)  # [depth - 1, n * topk]
+        all_positions = all_positions.unsqueeze(2).expand(-1, -1, topk).flatten(1)  # [depth - 1, n * topk]
         row_starts = torch.arange(n + 1, dtype=torch.int32, device=device) * topk
         parent_h = h.unsqueeze(1).expand(n, topk, h.shape[-1])  # depth-1 rows: the root's h
         eye = torch.eye(topk, dtype=torch.bool, device=device).expand(n, topk, topk)
