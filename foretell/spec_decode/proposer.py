@@ -245,10 +245,13 @@ def catch_up_metadata(
         )
         blocks = block_table[seq_index, pos // block_size].to(torch.int64)
         slot_mapping = blocks * block_size + pos % block_size
-    lengths = to_device(query_start + seq_lens, torch.int32, device)  # one upload: [B + 1] then [B]
+    # One upload: query starts [B + 1], padding so that the lengths start 16-byte aligned (as a
+    # tensor of their own would: Triton specialises pointers on it), the lengths [B].
+    lengths_at = -(-len(query_start) // 4) * 4
+    packed = to_device(query_start + [0] * (lengths_at - len(query_start)) + seq_lens, torch.int32, device)
     metadata = AttentionMetadata(
-        query_start_loc=lengths[: len(query_start)],
-        seq_lens=lengths[len(query_start):],
+        query_start_loc=packed[: len(query_start)],
+        seq_lens=packed[lengths_at:],
         block_table=block_table,
         slot_mapping=slot_mapping,
         block_size=block_size,
