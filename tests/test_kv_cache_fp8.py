@@ -117,9 +117,11 @@ def test_top1_agreement_with_the_full_precision_cache(family, least, llama31_che
     from foretell.ops.attention import reference as gqa_reference
     from foretell.ops.mla import reference as mla_reference
 
-    write_kv = gqa_reference.write_kv_torch
+    write_kv, write_kv_pair = gqa_reference.write_kv_torch, gqa_reference.write_kv_pair_torch
     monkeypatch.setattr(gqa_reference, "write_kv_torch", lambda k, v, cache, slots, *scales: write_kv(
         _round_through_e4m3(k), _round_through_e4m3(v), cache, slots))
+    monkeypatch.setattr(gqa_reference, "write_kv_pair_torch", lambda key_value, cache, slots: write_kv_pair(
+        _round_through_e4m3(key_value), cache, slots))  # the CPU's few-call attention block (qkv_block.py)
     monkeypatch.setattr(mla_reference, "quantize_for_cache", lambda v, dtype, scale=1.0: _round_through_e4m3(v).to(dtype))
     assert _prompt_logprobs(folder) == fp8, "the FP8 cache is not e4m3 rounding of the entries"
     agree = sum(max(a, key=a.get) == max(b, key=b.get) for a, b in zip(full, fp8)) / len(full)

@@ -27,6 +27,7 @@ import torch
 from foretell.layers.attention.layer import Attention
 from foretell.layers.norm import RMSNorm, rms_norm_torch
 from foretell.layers.rotary import RotaryEmbedding
+from foretell.ops.attention import reference as attention_reference
 from foretell.ops.attention.metadata import AttentionMetadata
 from foretell.ops.attention.reference import TorchAttentionBackend
 
@@ -125,9 +126,9 @@ def attend_qkv(
     rotated = qk.view(num_tokens, num_heads + num_kv_heads, 2, head_dim // 2)
     torch.add(halves * cos_pair, halves.flip(2) * sin_pair, out=rotated)
     cache = attn.kv_cache
-    if cache.is_contiguous():  # write_kv_torch's two copies in one: [T, 2, KV, D] into [2, slots, KV, D]
-        key_value = heads[:, num_heads:].view(num_tokens, 2, num_kv_heads, head_dim).transpose(0, 1)
-        cache.view(2, -1, num_kv_heads, head_dim).index_copy_(1, metadata.slot_mapping, key_value)
+    if cache.is_contiguous():  # write_kv_torch's two copies in one
+        key_value = heads[:, num_heads:].view(num_tokens, 2, num_kv_heads, head_dim)  # [T, 2, KV, D]
+        attention_reference.write_kv_pair_torch(key_value, cache, metadata.slot_mapping)
     else:
         key, value = heads[:, num_heads : num_heads + num_kv_heads], heads[:, num_heads + num_kv_heads :]
         attn.backend.write_kv(key, value, cache, metadata.slot_mapping)

@@ -48,6 +48,17 @@ def write_kv_torch(
     flat[1].index_copy_(0, slot_mapping, value)
 
 
+def write_kv_pair_torch(
+    key_value: torch.Tensor,  # [num_tokens, 2, num_kv_heads, head_dim]: keys and values side by side
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], contiguous, key_value's dtype
+    slot_mapping: torch.Tensor,  # [num_tokens]
+) -> None:
+    """write_kv_torch for keys and values that sit side by side (a view of a fused q|k|v
+    projection's output, laid out as the cache's [2, ...]): one index_copy_ instead of two."""
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    kv_cache.view(2, -1, num_kv_heads, head_dim).index_copy_(1, slot_mapping, key_value.transpose(0, 1))
+
+
 def sequence_rows(metadata: AttentionMetadata) -> Iterator[tuple[int, int, int, int]]:
     """(i, lo, hi, seq_len) of each sequence with query rows in the step, from the metadata's host
     copies: its rows are query[lo:hi], its context the first seq_len entries of block_table[i]."""
