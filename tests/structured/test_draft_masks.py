@@ -18,9 +18,9 @@ from __future__ import annotations
 import collections
 
 import numpy as np
-import pytest
 import torch
 
+from fixtures.grammar_stubs import VOCAB, FakeSeq, encode
 from foretell import LLM, SamplingParams
 from foretell.structured.batched_fill import fill_verify_masks
 from foretell.structured.bitmask import BitmaskBuffer, unpack_bitmask
@@ -28,29 +28,6 @@ from foretell.structured.draft_mask import DraftMask, MaskTimer
 from foretell.structured.runtime import StructuredOutputs
 
 PATTERN = r"[0-9]{2,3}-(ab|cd)x"
-VOCAB = 512  # the fixture checkpoints' padded vocabulary
-
-
-class FakeSeq:
-    def __init__(self, params: SamplingParams, output: list[int], eos: frozenset[int], seq_id: int):
-        self.seq_id, self.request_id, self.sampling_params = seq_id, f"r{seq_id}", params
-        self.output_token_ids, self.eos_token_ids = output, eos
-
-
-@pytest.fixture(scope="module")
-def hf(tokenizer_dir):
-    from foretell.tokenizer import Tokenizer
-
-    return Tokenizer(tokenizer_dir).hf
-
-
-@pytest.fixture
-def runtime(tokenizer_dir):
-    return StructuredOutputs(tokenizer_dir, VOCAB)
-
-
-def encode(hf, text: str) -> list[int]:
-    return hf.encode(text, add_special_tokens=False)
 
 
 def allowed_ids(row: np.ndarray, width: int = VOCAB) -> set[int]:

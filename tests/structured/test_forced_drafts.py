@@ -25,46 +25,13 @@ import regex
 import torch
 
 from fixtures import deepseek as ds
+from fixtures.grammar_stubs import VOCAB, FakeSeq, SamplingItem, StepResult, encode
 from foretell import LLM, SamplingParams
 from foretell.spec_decode.metrics import SpecDecodeStats
 from foretell.structured.forced_drafts import drafts_under_grammar
-from foretell.structured.runtime import StructuredOutputs
 
-VOCAB = 512  # the fixture checkpoints' padded vocabulary
 # A fixed stretch after the first free characters, then a free choice, then fixed text again.
 PATTERN = r"[0-9]{1,2}-abcab-(x|yy)ba\."
-
-
-class FakeSeq:
-    def __init__(self, params: SamplingParams, output: list[int], eos: frozenset[int], seq_id: int):
-        self.seq_id, self.request_id, self.sampling_params = seq_id, f"r{seq_id}", params
-        self.output_token_ids, self.eos_token_ids = output, eos
-
-
-class Item:
-    def __init__(self, seq):
-        self.seq, self.samples = seq, True
-
-
-class Result:
-    def __init__(self, new, drafts):
-        self.new_token_ids, self.next_drafts = new, drafts
-
-
-@pytest.fixture(scope="module")
-def hf(tokenizer_dir):
-    from foretell.tokenizer import Tokenizer
-
-    return Tokenizer(tokenizer_dir).hf
-
-
-@pytest.fixture
-def runtime(tokenizer_dir):
-    return StructuredOutputs(tokenizer_dir, VOCAB)
-
-
-def encode(hf, text: str) -> list[int]:
-    return hf.encode(text, add_special_tokens=False)
 
 
 def forced_text(prefix: str) -> str:
@@ -141,8 +108,8 @@ def test_sampled_drafts_get_one_hot_rows_for_forced_drafts(runtime, hf):
     items, results, probs = [], [], []
     for seq_id, (temperature, has_probs) in enumerate([(1.0, True), (1.0, False), (0.0, True)], start=10):
         params = SamplingParams(temperature=temperature, structured_outputs={"regex": PATTERN})
-        items.append(Item(FakeSeq(params, [], frozenset({hf.eos_token_id}), seq_id)))
-        results.append(Result(encode(hf, "1"), list(drafts)))
+        items.append(SamplingItem(FakeSeq(params, [], frozenset({hf.eos_token_id}), seq_id)))
+        results.append(StepResult(encode(hf, "1"), list(drafts)))
         probs.append(torch.softmax(torch.randn(len(drafts), VOCAB), dim=-1) if has_probs else None)
     out = runtime.grammar_drafts(items, results, probs, max_drafts=None)
     shaped = results[0].next_drafts

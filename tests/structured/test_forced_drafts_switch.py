@@ -20,32 +20,16 @@ import pytest
 import regex
 import torch
 
+from fixtures.grammar_stubs import VOCAB, FakeSeq, SamplingItem, StepResult, encode
 from foretell import LLM, SamplingParams
 from foretell.cli_args import add_engine_args, speculative_config_from_args
 from foretell.config import SpeculativeConfig
 from foretell.structured.runtime import StructuredOutputs
 
-VOCAB = 512  # the fixture checkpoints' padded vocabulary
 PATTERN = r"[0-9]{1,2}-abcab-(x|yy)ba\."
 # Long fixed stretches between short free parts: forced runs longer than k = 2.
 ENGINE_REGEX = r"(the|cat|[0-9]{1,2}) reads the book, (the|a) cat reads the book\."
 PROMPTS = ["The cat reads the book. The cat", "def add(x):\n    return", "a b a b a b"]
-
-
-class FakeSeq:
-    def __init__(self, params: SamplingParams, output: list[int], eos: frozenset[int], seq_id: int):
-        self.seq_id, self.request_id, self.sampling_params = seq_id, f"r{seq_id}", params
-        self.output_token_ids, self.eos_token_ids = output, eos
-
-
-class Item:
-    def __init__(self, seq):
-        self.seq, self.samples = seq, True
-
-
-class Result:
-    def __init__(self, new, drafts):
-        self.new_token_ids, self.next_drafts = new, drafts
 
 
 # ---- config and CLI -----------------------------------------------------------------------
@@ -68,17 +52,6 @@ def test_the_switch_is_on_by_default_and_off_from_the_cli():
 
 
 # ---- grammar_drafts with the switch off ---------------------------------------------------
-@pytest.fixture(scope="module")
-def hf(tokenizer_dir):
-    from foretell.tokenizer import Tokenizer
-
-    return Tokenizer(tokenizer_dir).hf
-
-
-def encode(hf, text: str) -> list[int]:
-    return hf.encode(text, add_special_tokens=False)
-
-
 def reference_cut(hf, output: list[int], drafts: list[int]) -> list[int]:
     """The longest prefix of drafts whose text, after the output's, can still grow into a match."""
     kept = []
@@ -92,8 +65,8 @@ def reference_cut(hf, output: list[int], drafts: list[int]) -> list[int]:
 def shaped(runtime, hf, output: str, drafts: list[int], temperature: float = 0.0, probs=None, seq_id: int = 1):
     params = SamplingParams(temperature=temperature, structured_outputs={"regex": PATTERN})
     seq = FakeSeq(params, [], frozenset({hf.eos_token_id}), seq_id)
-    result = Result(encode(hf, output), list(drafts))
-    out = runtime.grammar_drafts([Item(seq)], [result], [probs], max_drafts=None)
+    result = StepResult(encode(hf, output), list(drafts))
+    out = runtime.grammar_drafts([SamplingItem(seq)], [result], [probs], max_drafts=None)
     return result.next_drafts, out[0], runtime.matchers[seq_id]
 
 

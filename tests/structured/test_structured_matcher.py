@@ -10,6 +10,7 @@ import pytest
 import regex
 import torch
 
+from fixtures.grammar_stubs import FakeSeq, SamplingItem, StepResult
 from foretell import SamplingParams
 from foretell.structured.bitmask import apply_token_bitmask, num_mask_words, unpack_bitmask
 from foretell.structured.params import StructuredOutputsParams
@@ -18,22 +19,9 @@ from foretell.structured.runtime import StructuredOutputs
 PATTERN = r"[0-9]{2,3}-(ab|cd)x"
 
 
-class FakeSeq:
-    def __init__(self, params: SamplingParams, output: list[int], eos: frozenset[int], seq_id: int = 0):
-        self.seq_id, self.request_id, self.sampling_params = seq_id, "r", params
-        self.output_token_ids, self.eos_token_ids = output, eos
-
-
 @pytest.fixture(scope="module")
 def runtime(tokenizer_dir):
     return StructuredOutputs(tokenizer_dir, 512)  # the fixture checkpoints' padded vocabulary
-
-
-@pytest.fixture(scope="module")
-def hf(tokenizer_dir):
-    from foretell.tokenizer import Tokenizer
-
-    return Tokenizer(tokenizer_dir).hf
 
 
 def allowed_set(row: np.ndarray) -> set[int]:
@@ -100,21 +88,13 @@ def test_drafts_are_cut_only_where_exact(runtime, hf):
     the grammar rejects; a sampled draft from a distribution stays (rejection sampling needs it).
     Drafts the grammar takes to a point where it forces "x" get that token appended
     (tests/structured/test_forced_drafts.py holds the forced drafts)."""
-    class Item:
-        def __init__(self, seq):
-            self.seq, self.samples = seq, True
-
-    class Result:
-        def __init__(self, new, drafts):
-            self.new_token_ids, self.next_drafts = new, drafts
-
     good = hf.encode("2-", add_special_tokens=False)  # "12-": "ab" or "cd" next, nothing forced
     bad = hf.encode("zz", add_special_tokens=False)
     items, results, probs = [], [], []
     for seq_id, (temperature, has_probs) in enumerate([(0.0, True), (1.0, False), (1.0, True)], start=20):
         params = SamplingParams(temperature=temperature, structured_outputs={"regex": PATTERN})
-        items.append(Item(FakeSeq(params, [], frozenset({hf.eos_token_id}), seq_id=seq_id)))
-        results.append(Result(hf.encode("1", add_special_tokens=False), good + bad))
+        items.append(SamplingItem(FakeSeq(params, [], frozenset({hf.eos_token_id}), seq_id=seq_id)))
+        results.append(StepResult(hf.encode("1", add_special_tokens=False), good + bad))
         probs.append(torch.zeros(len(good + bad), 512) if has_probs else None)
     kept_probs = runtime.grammar_drafts(items, results, probs, max_drafts=None)
     assert [r.next_drafts for r in results] == [good, good, good + bad]
