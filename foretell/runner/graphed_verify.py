@@ -129,17 +129,13 @@ class GraphedVerify:
         """Whether the batch takes the padded step (verify_length); a batch of equal draft counts
         also needs a bucket of the padded forward (a batch of mixed counts: checked at launch, on
         the padded batch)."""
-        return self._length_that_fits(sched, batch) is not None
-
-    def _length_that_fits(self, sched: SchedulerOutput, batch: InputBatch) -> int | None:
-        """fits()'s decision as the step's q (None: the host step), computed once a launch."""
         q = self.verify_length(sched)
         if q is None:
-            return None
+            return False
         if any(len(item.draft_token_ids) != q - 1 for item in sched.scheduled):
-            return q
+            return True
         key = self.graphs.bucket_for(batch)
-        return q if key is not None and key[1] == q else None
+        return key is not None and key[1] == q
 
     def num_drafts(self, q: int, num_next_drafts: int | None) -> int:
         """m, the drafts a step of q rows makes: q - 1 (what it verified: adaptive speculation's
@@ -152,9 +148,9 @@ class GraphedVerify:
     def launch(self, sched: SchedulerOutput, batch: InputBatch) -> "LaunchedVerify | None":
         """The step the scheduler decided, its inputs from `batch` (sequences with fewer drafts
         padded to the step's q - 1), when the batch fits."""
-        q = self._length_that_fits(sched, batch)
-        if q is None:
+        if not self.fits(sched, batch):
             return None
+        q = self.verify_length(sched)
         items = sched.scheduled
         lengths = [len(item.draft_token_ids) for item in items]
         short = any(n != q - 1 for n in lengths)
