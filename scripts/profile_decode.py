@@ -3,7 +3,7 @@ weights; eager, and with CUDA graphs where the profiler sees the replay's kernel
 summed by category, next to the measured wall time per step.
 
     python scripts/profile_decode.py OUT_DIR [--steps 8] [--ops] [--only llama]
-        [--batch-invariant [on|off|both]] [--batch 1] [--graphs-only]
+        [--batch-invariant [on|off|both]] [--batch 1] [--graphs-only] [--quantization fp8]
 
 Llama-3.1-8B and the DeepSeek-V2-Lite shape, 128-token prompt, batch 1; and Llama-3.1-8B's graphed
 EAGLE3 verify step (k = 3, simulated mean acceptance length 2.93), whose listing after the LM head
@@ -148,7 +148,8 @@ def between_steps(prof, after: int = 16) -> list[dict]:
 
 
 def profile_target(folder: str, steps: int, enforce_eager: bool, ops: list[str] | None = None,
-                   spec: dict | None = None, batch_invariant: bool = False, batch: int = 1) -> dict:
+                   spec: dict | None = None, batch_invariant: bool = False, batch: int = 1,
+                   quantization: str | None = None) -> dict:
     """Kernel time by category of `steps` decode steps (verify steps with `spec`) of `batch`
     requests, and their wall time per step measured without the profiler (with graphs: the
     replay, so wall minus kernels is the launch gaps)."""
@@ -156,7 +157,7 @@ def profile_target(folder: str, steps: int, enforce_eager: bool, ops: list[str] 
 
     llm = LLM(folder, dtype="bfloat16", device="cuda", load_format="dummy", skip_tokenizer_init=True,
               enforce_eager=enforce_eager, max_num_seqs=batch, kv_cache_memory_bytes=4 << 30,
-              speculative_config=spec, batch_invariant=batch_invariant)
+              speculative_config=spec, batch_invariant=batch_invariant, quantization=quantization)
     engine = llm.engine
     for i in range(batch):
         prompt = {"prompt_token_ids": [(7 * j + i) % 1000 + 1 for j in range(128)]}
@@ -254,6 +255,8 @@ def main() -> None:
                         help="profile with ModelConfig.batch_invariant on (or both: off and on, and what it adds)")
     parser.add_argument("--batch", type=int, default=1, help="requests decoded together (default 1)")
     parser.add_argument("--graphs-only", action="store_true", help="skip the eager profiles (fewer engines)")
+    parser.add_argument("--quantization", choices=("fp8",), default=None,
+                        help="the targets' linears in FP8 (128x128 block scales), as LLM(quantization=...)")
     args = parser.parse_args()
     if args.batch < 1:
         parser.error(f"--batch must be at least 1, got {args.batch}")
@@ -271,10 +274,12 @@ def main() -> None:
         if (args.only and args.only not in model) or ((spec is not None or args.graphs_only) and eager):
             continue  # speculation: the graphed verify step only
         name = (f"{model} {'eager' if eager else 'graphs'}" + (f" batch {args.batch}" if args.batch > 1 else "")
+                + (f" {args.quantization}" if args.quantization else "")
                 + (" batch-invariant" if invariant else ""))
         ops = [] if args.ops and eager else None
         try:
-            results[name] = profile_target(folder, args.steps, eager, ops, spec, invariant, args.batch)
+            results[name] = profile_target(folder, args.steps, eager, ops, spec, invariant, args.batch,
+                                           args.quantization)
             if ops:
                 with open(os.path.join(args.out_dir, "profile_ops.txt"), "a") as f:
                     f.write(f"== {name}\n{ops[0]}\n")
