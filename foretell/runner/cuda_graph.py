@@ -7,7 +7,8 @@ persistent buffers that each step overwrites (in one copy and one launch: runner
 outputs (final hidden states, the aux hidden states EAGLE3 reads, the logits of every row and
 their argmax, which greedy sampling takes without a launch of its own) are static tensors of the
 graph, sliced to the live rows after replay. Any other batch (prefill chunks, mixed query lengths)
-runs eagerly.
+runs eagerly. A greedy decode step after a decode step on the same graph for the same sequences may
+skip all that: advance_decode moves the buffers one position on, on the device (ops/step/decode_advance.py).
 
 Off CUDA (a graph-safe backend on the CPU, i.e. Triton's interpreter in tests), and with
 `capture_graphs` off (--enforce-eager, or a capture that failed), nothing is captured: run()
@@ -30,6 +31,7 @@ from torch import nn
 
 from foretell.ops.attention.metadata import AttentionMetadata
 from foretell.layers.sampler import argmax_rows
+from foretell.ops.step.decode_advance import advance_decode_inputs
 from foretell.ops.step.dispatch import advance_verify_inputs, unpack_graph_inputs
 from foretell.ops.step.inputs import GraphInputBuffers
 from foretell.runner import graph_inputs
@@ -90,6 +92,10 @@ class CudaGraphRunner:
         self.staging = torch.zeros(3 * max_rows + 2 * self.buckets[-1] + 1 + self.block_table.numel(), **i64)
         self.side = graph_inputs.SideStream(device)
         self.unpack_launches: dict = {}  # the unpack's compiled kernels, launched directly (ops/step)
+        self.advance_launches: dict = {}  # advance_decode's compiled kernel, launched directly
+        # Counts every write of the input buffers: a step that recorded it after its own write knows
+        # the buffers still hold its inputs while it is unchanged (what advance_decode builds on).
+        self.inputs_version = 0
         self.table_rows: tuple | None = None  # the block ids advance_verify last uploaded, while they stand
         self.graphs: dict[tuple[int, int], CapturedForward] = {}
         self.pool = None
@@ -158,6 +164,7 @@ class CudaGraphRunner:
             raise ValueError(f"context_len {context_len} must be in [{q}, {self.max_model_len}] "
                              f"and fit {self.block_table.shape[1]} blocks of {self.block_size}")
         self.side.before_input_write()
+        self.inputs_version += 1
         self._reset_padding(0, bucket, q)
         self.table_rows = None
         self.seq_lens[:bucket] = context_len
@@ -196,7 +203,21 @@ class CudaGraphRunner:
         self.side.before_input_write()
         unpack_graph_inputs(staging, tokens, self.buffers, layout, self.unpack_launches)
         self.side.after_input_write()
+        self.inputs_version += 1
         self.table_rows = None  # recorded only by advance_verify: no per-step host work on this path
+        return self.replay(key)
+
+    def advance_decode(self, key: tuple[int, int], num_seqs: int, tokens: torch.Tensor) -> CapturedForward:
+        """Replay decode graph `key` (q = 1) for the step after the one its buffers hold: each of the
+        first num_seqs sequences feeds tokens[i] ([num_seqs] int64 on the device, the last replay's
+        argmax) at its position + 1, over the block table the buffers hold (the caller checked that
+        each next position lies in it). One launch, no upload (ops/step/decode_advance.py); query
+        starts, padding sequences and the table stay as they are."""
+        self.side.before_input_write()
+        advance_decode_inputs(self.input_ids, self.positions, self.slot_mapping, self.seq_lens,
+                              self.block_table[:num_seqs], tokens, self.block_size, self.advance_launches)
+        self.side.after_input_write()
+        self.inputs_version += 1
         return self.replay(key)
 
     def download_input_ids(self, rows: int) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
@@ -229,6 +250,7 @@ class CudaGraphRunner:
         the stream costs the device several microseconds). Query starts and the padding sequences
         stay as they are."""
         self.side.before_input_write()
+        self.inputs_version += 1
         rows = tuple(map(tuple, block_ids))
         if rows != self.table_rows:
             table = build_block_table(block_ids, self.device)  # [num_seqs, width]

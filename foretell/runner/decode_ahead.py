@@ -22,6 +22,14 @@ was freed meanwhile (the sequence finished, was aborted or preempted), the stale
 stream order every write of the block's next owner. Blocks in the prefix cache are never written:
 the slot lies in the sequence's last, not yet full, block (a launch needs that block allocated).
 
+A greedy step on a CUDA graph whose next step goes to the same graph (the same sequences: the same
+bucket) skips the host's inputs altogether while the graph's buffers still hold its own inputs
+(CudaGraphRunner.inputs_version) and every next position lies in a block of the table they hold:
+the buffers move one position on, on the device, in one launch (CudaGraphRunner.advance_decode),
+and the host only keeps its positions and slots for matches(). Crossing into a block the table
+lacks, or anything else (sampling, logits controls, logprobs, another bucket), packs and uploads
+the inputs as before.
+
 DecodeAhead is the step kind (what launches such a step, with the target's graphs, forward and
 sampler it needs); LaunchedDecode is one step on its way.
 """
@@ -105,8 +113,11 @@ class DecodeAhead:
         key = self.graphs.bucket_for(batch) if self.graphs is not None else None
         if key is not None and all_greedy and controls is None and logprobs is None:
             token_ids = self.graphs.run(batch, key).greedy[: len(seqs)]  # [num_seqs] int64, until the next replay
+            block_size = self.block_size
+            table_ends = [len(blocks) * block_size for blocks in batch.block_ids]  # what the buffers' table covers
             return LaunchedDecode(self, seqs, batch.position_list, batch.slot_list, token_ids, None, True,
-                                  all_greedy=True)
+                                  all_greedy=True, graph_key=key, inputs_version=self.graphs.inputs_version,
+                                  table_ends=table_ends)
         _, _, raw_logits = self.forward(batch)  # [num_seqs, vocab] float32 (a graph's: until its next replay)
         n = len(seqs)
         no_drafts = torch.zeros(n, 0, dtype=torch.int64, device=raw_logits.device)  # [n, 0]
@@ -146,6 +157,11 @@ class LaunchedDecode:
     controls: PaddedLogitsControls | None = None  # the logits controls' device state (None: none)
     logprobs: PaddedLogprobs | None = None  # which sequences want logprobs; in the copy after the tokens
     all_greedy: bool | None = None  # every sequence samples greedily (None: not known)
+    # A greedy step on a graph: its key, the graph runner's inputs_version right after its inputs
+    # were written, and per sequence the first position past the blocks the buffers' table holds.
+    graph_key: tuple[int, int] | None = None
+    inputs_version: int = -1
+    table_ends: list[int] | None = None
 
     @classmethod
     def queue(
@@ -165,12 +181,24 @@ class LaunchedDecode:
 
     def launch_next(self, num_next_drafts: int | None = None) -> "LaunchedDecode | None":
         """The step after this one for the same sequences, its input tokens this one's (still on
-        the device), when next_positions() allows it (no drafter: num_next_drafts is None)."""
+        the device), when next_rows() allows it (no drafter: num_next_drafts is None): advanced on
+        the device when the graph's buffers still hold this step's inputs and its table covers
+        every next position, else from inputs built on the host."""
         kind = self.kind
-        positions = next_positions(self, kind.block_size, kind.max_model_len)
-        if positions is None:
+        graphs = kind.graphs
+        if self.table_ends is not None and graphs.inputs_version == self.inputs_version:
+            rows = next_rows(self, kind.block_size, kind.max_model_len, self.table_ends)
+            if rows is not None:
+                positions, slots = rows
+                n = len(self.seqs)
+                token_ids = graphs.advance_decode(self.graph_key, n, self.token_ids).greedy[:n]  # [n] int64
+                return LaunchedDecode(kind, self.seqs, positions, slots, token_ids, None, True, all_greedy=True,
+                                      graph_key=self.graph_key, inputs_version=graphs.inputs_version,
+                                      table_ends=self.table_ends)
+        rows = next_rows(self, kind.block_size, kind.max_model_len)
+        if rows is None:
             return None
-        batch = build_decode_batch(self.seqs, positions, self.token_ids, kind.block_size)
+        batch = build_decode_batch(self.seqs, rows[0], self.token_ids, kind.block_size)
         return kind.launch_for(self.seqs, batch, self.controls, self.logprobs, self.all_greedy)
 
     def read(self, following: "LaunchedDecode | None") -> list[SequenceResult]:
@@ -206,12 +234,15 @@ class LaunchedDecode:
         return True
 
 
-def next_positions(launched: LaunchedDecode, block_size: int, max_model_len: int) -> list[int] | None:
-    """The positions of the step after `launched`, or None when that step cannot be launched
-    now: a sequence would stop at `launched`'s token whatever it is (max_tokens, max_model_len),
-    or its next position lies in a block the scheduler has not allocated yet."""
-    positions = []
-    for seq, pos in zip(launched.seqs, launched.positions):
+def next_rows(launched: LaunchedDecode, block_size: int, max_model_len: int,
+              table_ends: list[int] | None = None) -> tuple[list[int], list[int]] | None:
+    """The positions and cache slots of the step after `launched`, or None when that step cannot
+    be launched now: a sequence would stop at `launched`'s token whatever it is (max_tokens,
+    max_model_len), or its next position lies in a block the scheduler has not allocated yet
+    (or, with table_ends, past the first position table_ends gives for it)."""
+    positions, slots = [], []
+    ends = table_ends if table_ends is not None else launched.positions  # (not read without table_ends)
+    for seq, pos, end in zip(launched.seqs, launched.positions, ends):
         nxt = pos + 1
         max_tokens = seq.sampling_params.max_tokens
         num_tokens = len(seq.token_ids)
@@ -219,7 +250,9 @@ def next_positions(launched: LaunchedDecode, block_size: int, max_model_len: int
         # num_tokens + 1 tokens and num_output_tokens + 1 outputs.
         if max_tokens is not None and num_tokens - len(seq.prompt_token_ids) + 1 >= max_tokens:
             return None
-        if num_tokens + 1 >= max_model_len or nxt // block_size >= len(seq.block_ids):
+        blocks, index = seq.block_ids, nxt // block_size
+        if num_tokens + 1 >= max_model_len or index >= len(blocks) or (table_ends is not None and nxt >= end):
             return None
         positions.append(nxt)
-    return positions
+        slots.append(blocks[index] * block_size + nxt % block_size)  # cache_slot
+    return positions, slots
