@@ -35,6 +35,15 @@ from foretell.runner.input_batch import InputBatch
 MAX_TREE_GRAPH_ROWS = 2048
 
 
+def tree_step_gemm_rows(max_num_seqs: int, depth: int, topk: int, num_draft_tokens: int) -> int:
+    """The most rows one forward of a tree step puts through a linear layer at the largest batch:
+    the verify's T = num_draft_tokens rows a sequence, the drafter's catch-up (the accepted path,
+    padded to depth + 1 rows) and its expansion (topk frontier rows a depth). The few-row GEMMs
+    (layers/small_m.py) are bound for this many rows before the capture, so the tree verify of a
+    16-node tree at batch 1 takes the MMA, not cuBLAS (a plain runner binds batch x 2 rows)."""
+    return max_num_seqs * max(num_draft_tokens, depth + 1, topk)
+
+
 class TreeVerifyGraphs(CudaGraphRunner):
     """The target's tree verify forward per (bucket, num_nodes), with the tree mask as a static
     input buffer."""

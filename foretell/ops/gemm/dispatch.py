@@ -7,8 +7,11 @@ A SmallMGemm is bound to the model's Linear and LMHead layers by prepare_small_m
 It owns a decision per GemmKey (rows rounded up to a power of two, N, K, dtype, bias or not):
   - mode "off": no SmallMGemm is bound at all, every layer calls F.linear;
   - mode "on" (the default): triton_kernels.default_config, untimed, for up to 16 rows: the GEMV
-    for one row (decode at batch 1), the MMA for 2 to 16 (verify, small batches; fp16 / bf16) up to
-    K = 4096, cuBLAS above. Chosen by timing whole decode graphs on the H200:
+    for one row (decode at batch 1), the MMA for 2 to 16 (verify, a 16-node tree's verify, small
+    batches; fp16 / bf16) at any K. (Until 2026-11-30 a K above 4096, the down projection's 14336,
+    went to cuBLAS from two rows on: the MMA lost inside the verify graph while the down projection
+    applied the activation; with the activation in gate_up's epilogue its split-K won there,
+    docs/perf-log.md, twelfth GPU session.) Chosen by timing whole decode graphs on the H200:
     only the kernels overlap the kernel before them, which timing one call alone cannot see;
   - mode "auto": for up to MAX_M rows, at the first call of a key (or when warmed up front)
     F.linear and each of the kernels' candidate configs run on random rows against the layer's own
