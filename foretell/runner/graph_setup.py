@@ -41,7 +41,7 @@ from foretell.runner.graphed_verify import GraphedVerify
 from foretell.runner.host_drafts import HostDraftSlots, host_draft_verify_lens
 from foretell.runner.kv_cache import CachePlan
 from foretell.runner.step_pipeline import StepKind, StepPipeline
-from foretell.runner.tree_graphs import TreeVerifyGraphs
+from foretell.runner.tree_graphs import TreeVerifyGraphs, tree_step_gemm_rows
 from foretell.spec_decode.draft_graph import DraftGraphRunner
 from foretell.spec_decode.proposer import Proposer
 from foretell.spec_decode.verifier import Verifier
@@ -135,9 +135,12 @@ class StepGraphSetup:
             # cuBLAS or the batch-1 GEMV, per shape, decided now: nothing is timed in a capture.
             # Rows: a graph's batch bucket x query length, + 1 for a draft LM's catch-up rows.
             drafter = self.proposer.draft_modules() if self.proposer else []
-            self.small_m_gemm = prepare_small_m_linears(
-                [self.model, *drafter], graphs.buckets[-1] * (max(graphs.query_lens) + 1), mc.small_m_gemm
-            )
+            rows = graphs.buckets[-1] * (max(graphs.query_lens) + 1)
+            if self.uses_tree:  # the tree verify's T rows a sequence, not the decode graphs' 1 (issue 28)
+                spec = self.config.speculative
+                rows = max(rows, tree_step_gemm_rows(graphs.buckets[-1], spec.num_speculative_tokens, spec.topk,
+                                                     spec.num_draft_tokens))
+            self.small_m_gemm = prepare_small_m_linears([self.model, *drafter], rows, mc.small_m_gemm)
         try:
             graphs.capture()
         except RuntimeError as e:  # e.g. a layer that reads host values: run eagerly instead
