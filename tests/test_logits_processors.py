@@ -247,6 +247,8 @@ def test_requests_with_controls_stay_off_the_paths_that_sample_without_them():
     loop = SimpleNamespace(k=2, verify_lens=(3,), catch_up_fits=lambda n, q=None: True)
     padded = SimpleNamespace(draft_graphs=loop, graphs=SimpleNamespace(bucket_for=lambda b: (1, 3)))
     padded.verify_length = lambda sched: GraphedVerify.verify_length(padded, sched)
+    padded.enabled = True
+    padded._length_that_fits = lambda sched, b: GraphedVerify._length_that_fits(padded, sched, b)
     for params, plain, padded_ok in ((SamplingParams(temperature=0), True, True),
                                      (SamplingParams(temperature=0, presence_penalty=0.1), False, True),
                                      (SamplingParams(temperature=0, min_tokens=1), False, True),

@@ -73,9 +73,12 @@ def test_self_draft_is_always_accepted_when_sampling(qwen3_checkpoint, monkeypat
     # runner/graphed_verify.py), so this holds on the host step, where every verify runs here.
     from foretell.runner.graphed_verify import GraphedVerify
 
-    monkeypatch.setattr(GraphedVerify, "fits", lambda self, sched, batch: False)
     spec = {"method": "draft_model", "model": qwen3_checkpoint, "num_speculative_tokens": 3}
     llm = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=128, speculative_config=spec)
+    padded = [kind for kind in llm.engine.runner.pipeline.kinds if isinstance(kind, GraphedVerify)]
+    assert padded
+    for kind in padded:
+        kind.enabled = False  # every verify on the host step
     params = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True, seed=5)
     llm.generate(PROMPTS, params, use_tqdm=False)
     stats = llm.get_stats()

@@ -96,6 +96,9 @@ class GraphedVerify:
     num_mixed_steps: int = 0  # ... with a sequence verifying fewer drafts than the step (padded rows)
     num_logprob_steps: int = 0  # ... with a sequence asking for logprobs
     num_controlled_steps: int = 0  # ... with a sequence whose logits are processed (penalties, bias, ...)
+    # False: launch() declines every batch, which then takes the host step (tests that hold the
+    # host step's own behaviour on an engine that has the padded step set it; the runner never does).
+    enabled: bool = True
 
     def __post_init__(self):
         # rows: the padded forward's most (largest bucket x q)
@@ -129,13 +132,19 @@ class GraphedVerify:
         """Whether the batch takes the padded step (verify_length); a batch of equal draft counts
         also needs a bucket of the padded forward (a batch of mixed counts: checked at launch, on
         the padded batch)."""
+        return self._length_that_fits(sched, batch) is not None
+
+    def _length_that_fits(self, sched: SchedulerOutput, batch: InputBatch) -> int | None:
+        """fits()'s decision as the step's q (None: the host step), computed once a launch."""
+        if not self.enabled:
+            return None
         q = self.verify_length(sched)
         if q is None:
-            return False
+            return None
         if any(len(item.draft_token_ids) != q - 1 for item in sched.scheduled):
-            return True
+            return q
         key = self.graphs.bucket_for(batch)
-        return key is not None and key[1] == q
+        return q if key is not None and key[1] == q else None
 
     def num_drafts(self, q: int, num_next_drafts: int | None) -> int:
         """m, the drafts a step of q rows makes: q - 1 (what it verified: adaptive speculation's
@@ -148,9 +157,9 @@ class GraphedVerify:
     def launch(self, sched: SchedulerOutput, batch: InputBatch) -> "LaunchedVerify | None":
         """The step the scheduler decided, its inputs from `batch` (sequences with fewer drafts
         padded to the step's q - 1), when the batch fits."""
-        if not self.fits(sched, batch):
+        q = self._length_that_fits(sched, batch)
+        if q is None:
             return None
-        q = self.verify_length(sched)
         items = sched.scheduled
         lengths = [len(item.draft_token_ids) for item in items]
         short = any(n != q - 1 for n in lengths)
