@@ -28,6 +28,11 @@ that pick one token), and on the CPU a plain decode step goes through the target
 as on the GPU (an uncaptured runner/cuda_graph.py runner: pack, unpack and "replay" of the stub),
 so the table shows the host path the GPU's queued decode steps take, minus the CUDA calls
 themselves (events, streams, the unpack kernel's launch, the replay). Tokens are meaningless then.
+A host drafter (n-gram, suffix) gets the GPU's pipeline too (graph_setup.build_step_pipeline over
+uncaptured graph buffers of host_draft_verify_lens: the padded verify step with HostDraftSlots,
+and whatever else that function gives a host drafter), with steps queued ahead; its stub logits
+pick the token the sequence's own suffix index would draft (the first continuation of its
+longest match), so drafts are accepted as on a repetitive text and the verify path runs.
 
 Every wrapper is an instance attribute set for the measured run and removed afterwards (an
 instance attribute that was there before is put back); nothing of the engine's classes or modules
@@ -42,7 +47,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-import torch
+from foretell.bench.stub_target import STUB_TOKENS, _StubTarget, stubbed_target  # noqa: F401 (re-exported)
 
 PARTS = (
     "schedule", "runner host", "target forward", "drafter forward", "postprocess",
@@ -169,68 +174,6 @@ def _instrumented(llm, clock: _Clock) -> Iterator[None]:
                 setattr(obj, name, before)
 
 
-class _StubTarget:
-    """The target's forward and LM head at no arithmetic: zero hidden (and aux) states, logits
-    whose argmax is `token` (the probe's host path runs; the tokens mean nothing)."""
-
-    def __init__(self, hidden_size: int, num_aux: int, vocab_size: int, token: int):
-        self.hidden_size, self.num_aux, self.vocab_size, self.token = hidden_size, num_aux, vocab_size, token
-
-    def forward(self, input_ids, positions, attn_metadata):
-        rows = input_ids.shape[0]
-        hidden = torch.zeros(rows, self.hidden_size, device=input_ids.device)  # [rows, hidden]
-        return hidden, [hidden] * self.num_aux
-
-    def compute_logits(self, hidden):
-        logits = torch.zeros(hidden.shape[0], self.vocab_size, device=hidden.device)  # [rows, vocab]
-        logits[:, self.token] = 1.0
-        return logits
-
-    def compute_greedy_tokens(self, hidden):
-        return torch.full((hidden.shape[0],), self.token, dtype=torch.int64, device=hidden.device)  # [rows]
-
-
-@contextlib.contextmanager
-def stubbed_target(llm) -> Iterator[None]:
-    """The target's forward replaced by _StubTarget for the block, and plain decode steps on the
-    graph buffers where the runner has none (the CPU); everything is put back afterwards."""
-    from foretell.runner.cuda_graph import CudaGraphRunner
-    from foretell.runner.decode_ahead import DecodeAhead
-
-    runner = llm.engine.runner
-    model = runner.model
-    config = runner.hf_config.language_model()
-    stub = _StubTarget(config.hidden_size, len(getattr(model, "aux_hidden_state_layers", None) or ()),
-                       runner.vocab_size, token=min(1000, runner.vocab_size - 1))
-    names = ("forward", "compute_logits", "compute_greedy_tokens")
-    saved = [(name, vars(model).get(name, _ABSENT)) for name in names]
-    kinds = [kind for kind in runner.pipeline.kinds if isinstance(kind, DecodeAhead) and kind.graphs is None]
-    saved_graphs = runner.graphs
-    for name in names:
-        setattr(model, name, getattr(stub, name))
-    if kinds:
-        block_size = runner.cache_plan.block_size
-        # reads_host_lengths off: the stub reads no lengths (a real torch-backend forward would)
-        graphs = CudaGraphRunner(model, llm.engine.config.scheduler.max_num_seqs, (1,),
-                                 -(-(runner.max_model_len + runner.num_lookahead_tokens) // block_size) + 1,
-                                 block_size, runner.max_model_len, runner.device, capture_graphs=False)
-        for kind in kinds:
-            kind.graphs = graphs
-        runner.graphs = graphs
-    try:
-        yield
-    finally:
-        for name, before in saved:
-            if before is _ABSENT:
-                delattr(model, name)
-            else:
-                setattr(model, name, before)
-        for kind in kinds:
-            kind.graphs = None
-        runner.graphs = saved_graphs
-        runner.pipeline.drop()  # a queued step of the stub's
-
-
 def _run(engine, prompts: list[list[int]], params, clock: _Clock, prefix: str) -> tuple[int, int]:
     """Add the prompts, run their prefill untimed, then time every step to the end; returns
     (timed steps, tokens generated in them)."""
@@ -257,11 +200,13 @@ def _run(engine, prompts: list[list[int]], params, clock: _Clock, prefix: str) -
 
 
 def measure_host_overhead(llm, prompts: list[list[int]], params, batch_size: int = 1,
-                          warm_up: bool = True, stub_forward: bool = False) -> HostOverhead:
+                          warm_up: bool = True, stub_forward: bool = False,
+                          stub_tokens: str = "constant", stub_seed: int = 0) -> HostOverhead:
     """Time the engine's steps over `prompts` (token-id lists), `batch_size` of them at a time,
     each to the end of `params` (use ignore_eos and max_tokens for a fixed length). The first
     batch also runs once untimed first (warm-up) unless warm_up is False. stub_forward: the
-    target's forward stubbed and plain decode steps on the graph buffers (stubbed_target)."""
+    target's forward stubbed and plain decode steps on the graph buffers (stubbed_target; its
+    tokens: stub_tokens, salted by stub_seed: bench/stub_target._StubTarget)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if not prompts:
@@ -271,7 +216,7 @@ def measure_host_overhead(llm, prompts: list[list[int]], params, batch_size: int
         raise ValueError(f"the engine has {len(engine.requests)} requests in flight: measure on an idle engine")
     clock = _Clock()
     steps = tokens = 0
-    stub = stubbed_target(llm) if stub_forward else contextlib.nullcontext()
+    stub = stubbed_target(llm, stub_tokens, stub_seed) if stub_forward else contextlib.nullcontext()
     with stub, _instrumented(llm, clock):
         if warm_up:
             _run(engine, prompts[:batch_size], params, _Clock(), "host-overhead-warm-up-")
@@ -289,6 +234,69 @@ def measure_host_overhead(llm, prompts: list[list[int]], params, batch_size: int
     for name in PARTS + ("step", "host"):
         result.cpu_us_median[name] = statistics.median(s[name] for s in samples) * 1e-3 if samples else 0.0
     return result
+
+
+def count_step_work(llm, prompts: list[list[int]], params, batch_size: int = 1, stub_forward: bool = False,
+                    stub_tokens: str = "constant") -> dict:
+    """Per decode / verify step of the same runs measure_host_overhead times (prefills excluded,
+    a warm-up batch first): the device->host syncs, device ops and uploads they would make on a
+    GPU (bench/device_syncs.DeviceSyncCounter) and the Python function calls (a second run, under
+    sys.setprofile, so the counter's own Python is not counted). Counts, not times: the same on
+    any machine; never time under them."""
+    import sys
+
+    from foretell.bench.device_syncs import DeviceSyncCounter, difference
+
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    engine = llm.engine
+    from collections import Counter
+
+    sites: Counter[str] = Counter()
+    totals = {"steps": 0, "syncs": 0, "device_ops": 0, "uploads": 0, "python_calls": 0}
+
+    def run_all(counter: DeviceSyncCounter | None, calls: list[int] | None) -> None:
+        def profile(frame, event, arg):
+            if event == "call":
+                calls[0] += 1
+
+        for start in range(-batch_size, len(prompts), batch_size):  # the first batch: a warm-up
+            batch = prompts[max(start, 0):max(start, 0) + batch_size]
+            for i, ids in enumerate(batch):
+                engine.add_request(f"count-{start}-{i}", {"prompt_token_ids": ids}, params)
+            while any(seq.num_computed_tokens < seq.num_prompt_tokens
+                      for request in engine.requests.values() for seq in request.seqs):
+                engine.step()
+            while engine.has_unfinished_requests():
+                before = counter.snapshot() if counter is not None else None
+                if calls is not None and start >= 0:
+                    sys.setprofile(profile)
+                try:
+                    engine.step()
+                finally:
+                    sys.setprofile(None)
+                if start < 0:
+                    continue
+                if counter is not None:
+                    delta = difference(counter.snapshot(), before)
+                    for key in ("syncs", "device_ops", "uploads"):
+                        totals[key] += delta[key]
+                    sites.update(delta["sites"])
+                    totals["steps"] += 1
+
+    stub = stubbed_target(llm, stub_tokens) if stub_forward else contextlib.nullcontext()
+    with DeviceSyncCounter() as counter:  # entered first: the stub's graph buffers count as device data
+        counter.track_engine(engine.runner)
+        with stub:
+            run_all(counter, None)
+    calls = [0]
+    with (stubbed_target(llm, stub_tokens, seed=1) if stub_forward else contextlib.nullcontext()):
+        run_all(None, calls)
+    totals["python_calls"] = calls[0]
+    steps = max(totals["steps"], 1)
+    return {"steps": totals["steps"], **{f"{key}_per_step": totals[key] / steps
+                                        for key in ("syncs", "device_ops", "uploads", "python_calls")},
+            "sync_sites_per_step": {site: n / steps for site, n in sites.most_common()}}
 
 
 def _parts(totals: dict[str, int]) -> dict[str, int]:
@@ -316,16 +324,24 @@ def main(argv: list[str] | None = None) -> None:
     from foretell.bench.datasets import load_prompts
 
     parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
-    parser.add_argument("--method", default="none", help="none, or a drafter of the default family (eagle3, ...)")
+    parser.add_argument("--method", default="none",
+                        help="none, or a drafter of the default family (eagle3, draft_model, ngram, suffix)")
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--num-prompts", type=int, default=0, help="default: the batch size")
+    parser.add_argument("--dataset", default="gsm8k", help="a prompt set of foretell bench (gsm8k, repetitive, ...)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--num-cpu-threads", type=int, default=1)
     parser.add_argument("--async-scheduling", default="on", choices=["auto", "on", "off"])
     parser.add_argument("--stub-forward", action="store_true",
-                        help="the target's forward stubbed; plain decode steps on the graph buffers (the GPU's host path)")
+                        help="the target's forward stubbed; decode (and a host drafter's verify) steps on the graph "
+                             "buffers, queued ahead (the GPU's host path)")
+    parser.add_argument("--stub-tokens", default="constant", choices=STUB_TOKENS,
+                        help="with --stub-forward: constant (one token: a host drafter's drafts all accepted) or "
+                             "fresh (never repeats: a host drafter finds nothing)")
+    parser.add_argument("--count", action="store_true",
+                        help="also count syncs, device ops, uploads and Python calls per step (count_step_work)")
     parser.add_argument("--repeat", type=int, default=1, help="measure this many times (medians side by side)")
     parser.add_argument("--output-json")
     args = parser.parse_args(argv)
@@ -334,23 +350,35 @@ def main(argv: list[str] | None = None) -> None:
                       device=args.device, num_cpu_threads=args.num_cpu_threads, log_stats_interval_s=0,
                       async_scheduling=args.async_scheduling)
     count = args.num_prompts or args.batch_size
-    prompts = [llm.tokenizer.encode(p.text) for p in load_prompts("gsm8k", count, seed=0)]
+    prompts = [llm.tokenizer.encode(p.text) for p in load_prompts(args.dataset, count, seed=0)]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     results = []
-    for _ in range(args.repeat):
+    stubbed = f" (stubbed forward, {args.stub_tokens} tokens)" if args.stub_forward else ""
+    for run in range(args.repeat):
         result = measure_host_overhead(llm, prompts, params, batch_size=args.batch_size,
-                                       stub_forward=args.stub_forward)
+                                       stub_forward=args.stub_forward, stub_tokens=args.stub_tokens,
+                                       stub_seed=run + 2)
         print(f"method {args.method}, batch {args.batch_size}, {result.num_steps} steps, "
-              f"{result.tokens_per_step:.2f} tokens a step{' (stubbed forward)' if args.stub_forward else ''}")
+              f"{result.tokens_per_step:.2f} tokens a step{stubbed}")
         print(result.table())
+        print(f"host cpu median us per token: {result.cpu_us_median['host'] / max(result.tokens_per_step, 1e-9):.1f}")
         results.append(result)
     if args.repeat > 1:
         print("cpu medians per run: " + "; ".join(
             f"{name} " + " ".join(f"{r.cpu_us_median[name]:.0f}" for r in results)
             for name in PARTS + ("host",) if name not in ("target forward", "drafter forward")))
+    counts = None
+    if args.count:
+        counts = count_step_work(llm, prompts, params, args.batch_size, args.stub_forward, args.stub_tokens)
+        print(f"per step ({counts['steps']} steps): syncs {counts['syncs_per_step']:.2f}, device ops "
+              f"{counts['device_ops_per_step']:.1f}, uploads {counts['uploads_per_step']:.2f}, Python calls "
+              f"{counts['python_calls_per_step']:.0f}")
+        for site, n in counts["sync_sites_per_step"].items():
+            print(f"  sync {n:.2f}/step {site}")
     if args.output_json:
+        rows = [r.as_dict() for r in results] if args.repeat > 1 else results[0].as_dict()
         with open(args.output_json, "w") as f:
-            json.dump([r.as_dict() for r in results] if args.repeat > 1 else results[0].as_dict(), f, indent=1)
+            json.dump(rows if counts is None else {"timing": rows, "counts": counts}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from foretell.runner.tree_graphs import TreeVerifyGraphs, tree_step_gemm_rows
 from foretell.spec_decode.draft_graph import DraftGraphRunner
 from foretell.spec_decode.proposer import Proposer
 from foretell.spec_decode.verifier import Verifier
+from foretell.structured.runtime import StructuredOutputs
 
 logger = logging.getLogger("foretell")
 
@@ -218,15 +219,22 @@ def build_step_pipeline(
     vocab_size: int,
     block_size: int,
     max_model_len: int,
+    structured: StructuredOutputs | None = None,  # grammar masks (HostStep's), for the padded verify
 ) -> StepPipeline:
-    """The device steps a runner may launch: plain decoding one step ahead (without a drafter),
-    the padded verify (with a drafter whose loop runs padded, captured or not)."""
+    """The device steps a runner may launch: plain decoding one step ahead (without a drafter, and
+    for a host drafter's steps that carry no drafts), the padded verify (with a drafter whose loop
+    runs padded, captured or not)."""
     kinds: list[StepKind] = []
-    if not has_drafter and queue_ahead:
+    # A host drafter's step without drafts is a plain decode step, queued ahead as plain decoding's.
+    host_drafter = isinstance(step_graphs.draft_loop, HostDraftSlots)
+    if queue_ahead and (not has_drafter or host_drafter):
         kinds.append(DecodeAhead(step_graphs.target, target_forward, sampler, vocab_size, block_size, max_model_len))
     if step_graphs.draft_loop is not None:
         kinds.append(GraphedVerify(step_graphs.padded_forward, step_graphs.draft_loop, verifier, block_size,
-                                   max_model_len, sampler.noise, vocab_size, take_draft_probs))
+                                   max_model_len, sampler.noise, vocab_size, take_draft_probs,
+                                   # grammars on the padded step with a model's draft loop (padded_verify.py)
+                                   structured=None if isinstance(step_graphs.draft_loop, HostDraftSlots)
+                                   else structured))
     # A drafter's general-path loop needs the host's accept counts: nothing is queued past it.
     queue_ahead = queue_ahead and (not has_drafter or step_graphs.draft_loop is not None)
     return StepPipeline(queue_ahead, kinds)
