@@ -76,8 +76,8 @@ class Results:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help=f"folder for {JSON_NAME}")
-    parser.add_argument("--families", nargs="+", default=list(LINEAR_FAMILIES), choices=list(LINEAR_FAMILIES),
-                        help="linear families to sweep, in this order")
+    parser.add_argument("--families", nargs="*", default=list(LINEAR_FAMILIES), choices=list(LINEAR_FAMILIES),
+                        help="linear families to sweep, in this order (none: only --moe-int4)")
     parser.add_argument("--moe-int4", action="store_true", help="also the int4 MoE GEMV at Kimi-K2.5's experts")
     parser.add_argument("--config", default=DEFAULT_CONFIG, help="Hugging Face config.json (or its folder)")
     parser.add_argument("--num-layers", type=int, default=None, help="layers in the chain (default: the config's)")
@@ -97,6 +97,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--budget-s must be positive, got {args.budget_s}")
     if args.max_candidates is not None and args.max_candidates < 0:
         parser.error(f"--max-candidates must be 0 or more, got {args.max_candidates}")
+    if not args.families and not args.moe_int4:
+        parser.error("nothing to run: give --families or --moe-int4")
     if args.iters < 1:
         parser.error(f"--iters must be at least 1, got {args.iters}")
     if any(m < 1 for m in args.batch_invariant_rows):

@@ -63,6 +63,27 @@ def test_chain_computes_a_decoders_linears():
     assert torch.equal(first, cut[1]()) and not torch.allclose(first, got)
 
 
+def test_sweep_rows_order_rebaselines_and_budget():
+    family = Bf16Linears(torch.float32, CPU, use_kernels=False)
+    weights = linear_chain.build_weights(family, SMALL)
+    rows = []
+    settings = linear_chain.SweepSettings(warmup=0, iters=1, max_candidates=2, kinds=("qkv", "o"), rebaseline_every=2)
+    linear_chain.sweep_family(family, weights, SMALL, 1, settings, rows.append, "s")
+    variants = [r["variant"] for r in rows]
+    assert variants == ["baseline"] + ["omitted"] * 5 + ["candidate"] * 2 + ["baseline (again)"] + \
+        ["candidate"] * 2 + ["baseline (end)"]
+    candidates = [r for r in rows if r["variant"] == "candidate"]
+    assert [r["layer_kind"] for r in candidates] == ["qkv", "o", "qkv", "o"]  # kinds in turn
+    assert [r["baseline_us"] for r in candidates] == [rows[0]["chain_us"]] * 2 + [rows[8]["chain_us"]] * 2
+    for r in candidates:
+        assert r["delta_per_call_us"] == pytest.approx((r["chain_us"] - r["baseline_us"]) / SMALL.num_layers, abs=1e-3)
+    spent = []
+    linear_chain.sweep_family(family, weights, SMALL, 1, linear_chain.SweepSettings(
+        warmup=0, iters=1, deadline=0.0, max_candidates=1), spent.append, "spent")
+    assert [r["variant"] for r in spent] == ["baseline"] + ["candidate"] * 5 + ["baseline (end)"]
+    assert all(r.get("skipped") == "budget spent" for r in spent[1:-1])
+
+
 def test_shapes_from_the_shipped_llama_config():
     shapes = linear_chain.ChainShapes.from_hf_config(LLAMA)
     assert [shapes.linear_shape(k) for k in LAYER_KINDS] == [(6144, 4096), (4096, 4096), (28672, 4096),
@@ -178,6 +199,10 @@ def test_bad_input_is_refused(sweep_script, tmp_path, capsys):
     assert exit_info.value.code == 2 and "--budget-s must be positive, got 0.0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         sweep_script.parse_args(["--families", "int3"])
+    with pytest.raises(SystemExit):
+        sweep_script.parse_args(["--families"])
+    assert "nothing to run: give --families or --moe-int4" in capsys.readouterr().err
+    assert sweep_script.parse_args(["--families", "--moe-int4"]).families == []
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"hidden_size": 64, "num_attention_heads": 4}))
     with pytest.raises(ValueError, match="'intermediate_size'"):

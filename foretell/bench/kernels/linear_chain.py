@@ -16,8 +16,9 @@ then the LM head [M, V] (float32 logits). `chain_function` builds it from per-ki
 `omit` swaps one kind's output for a fixed tensor of its shape (the kind's marginal cost in the
 graph: baseline chain minus this one). `sweep_family` times the defaults, each kind omitted, then
 each candidate config of one kind with every other kind at its default (round-robin over the
-kinds, so a budget that runs out leaves every kind some candidates), and the defaults again at the
-end (the drift between the two is the noise floor). Each row goes to `record` as it is measured.
+kinds, so a budget that runs out leaves every kind some candidates; the defaults re-timed every
+few candidates, each change measured from the latest), and the defaults again at the end (the
+drift between the first and last is the noise floor). Each row goes to `record` as it is measured.
 """
 
 from __future__ import annotations
@@ -133,6 +134,7 @@ class SweepSettings:
     max_candidates: int | None = None  # per layer kind, besides the default
     kinds: tuple[str, ...] = LAYER_KINDS  # the layer kinds whose candidates are swept
     omit_rows: bool = True  # time the chain with each kind left out (its marginal cost)
+    rebaseline_every: int = 8  # candidates between re-timings of the defaults (deltas use the latest)
 
     @property
     def spent(self) -> bool:
@@ -231,11 +233,16 @@ def sweep_family(family, weights: ChainWeights, shapes: ChainShapes, m: int, set
     for kind in settings.kinds:
         others = [c for c in family.candidates(kind, m, *shapes.linear_shape(kind)) if c != defaults[kind]]
         per_kind[kind] = others[:settings.max_candidates] if settings.max_candidates is not None else others
-    for kind, config in _interleave(per_kind):
+    for i, (kind, config) in enumerate(_interleave(per_kind)):
         row = {**base, "variant": "candidate", "layer_kind": kind, "config": str(config)}
         if settings.spent:
             emit({**row, "ok": False, "skipped": "budget spent"})
             continue
+        if i and i % settings.rebaseline_every == 0:  # clocks drift over minutes: deltas from a recent baseline
+            again = {**base, "variant": "baseline (again)", "layer_kind": "all", "config": "defaults", "ok": True,
+                     **_time_chain(chain_function(family, weights, shapes, x, defaults), device, settings)}
+            baseline_us = emit(again)["chain_us"]
+        row["baseline_us"] = baseline_us
         try:
             error = check(kind, config)
             if error is not None:
@@ -248,5 +255,5 @@ def sweep_family(family, weights: ChainWeights, shapes: ChainShapes, m: int, set
         emit(_with_estimates(row, baseline_us, marginal, shapes, family))
     end = {**base, "variant": "baseline (end)", "layer_kind": "all", "config": "defaults", "ok": True,
            **_time_chain(chain_function(family, weights, shapes, x, defaults), device, settings)}
-    end["drift_us"] = round(end["chain_us"] - baseline_us, 2)
+    end["drift_us"] = round(end["chain_us"] - baseline["chain_us"], 2)
     emit(end)
