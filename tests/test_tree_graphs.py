@@ -1,8 +1,9 @@
 """The tree step's verify forward on its graph buffers (runner/tree_graphs.py), run uncaptured on the
 CPU over the torch backend (exact buckets: the backend reads host lengths): the tokens and every
-target and draft KV cache equal the eager tree step's bit for bit in float32 (Qwen3 and Llama-3.1
+target KV cache equal the eager tree step's bit for bit in float32 (Qwen3 and Llama-3.1
 layouts, greedy and seeded sampling, batches of 1-3, preemption and trees cut near max_model_len,
-which fall back to the eager forward), greedy equals plain greedy, and bad input is named.
+which fall back to the eager forward; the draft caches within float32 rounding: the graphed catch-up
+pads its rows), greedy equals plain greedy, and bad input is named.
 Padding to a bucket needs a graph-safe backend: tests/test_tree_engine_triton.py."""
 
 from __future__ import annotations
@@ -44,8 +45,15 @@ def run_both(target: str, head: str, prompts, params, tree: dict = TREE, **kwarg
 
 
 def assert_same_caches(a: LLM, b: LLM) -> None:
-    for x, y in zip(caches(a), caches(b), strict=True):
-        assert torch.equal(x, y)
+    """The target's caches bit for bit; the draft's within float32 rounding: after a graphed verify
+    the catch-up runs its paths padded to depth + 1 rows (TreeDraftGraphs.run_after_verify), and
+    MKL's float32 GEMM rounds a row's sums differently for another row count (layers/cpu_few_rows.py)."""
+    num_target = len(a.engine.runner.model.attention_layers())
+    for k, (x, y) in enumerate(zip(caches(a), caches(b), strict=True)):
+        if k < num_target:
+            assert torch.equal(x, y)
+        else:
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama31"])

@@ -22,7 +22,11 @@ One step (ModelRunner takes no other step under trees):
      for logprobs: they draft nothing) sample as HostStep does;
   3. the accepted path's target K/V moved to consecutive positions (tree/compact.py); rejected
      nodes' slots lie past the sequence's length and are overwritten by later steps;
-  4. the drafter catches up over the path's rows and drafts the next trees (tree/proposer.py).
+  4. the drafter catches up over the path's rows and drafts the next trees (tree/proposer.py). After
+     a graphed verify where every sequence drafts whatever it accepts, before the step's one host
+     read: the paths padded to depth + 1 rows, catch-up and expansion as one replay of the
+     drafter's graph from the verify's device outputs (TreeDraftGraphs.run_after_verify); else
+     after the read, HostStep.draft_batch's path rows, the eager catch-up and the expansion's graph.
 """
 
 from __future__ import annotations
@@ -114,14 +118,16 @@ class TreeStep:
         batch = build_input_batch(sched.scheduled, self.block_size, self.device)
         results = [SequenceResult() for _ in sched.scheduled]
         groups = self._scheduled_trees(sched, batch)
+        graphed = False  # the verify ran on its graph: whole trees only (the graphed catch-up's input)
         if groups:
             batch = self._tree_batch(batch, groups)
-            hidden, aux, logits = self._verify_forward(batch)  # logits [sampling rows, vocab] float32
+            hidden, aux, logits, graphed = self._verify_forward(batch)  # logits [sampling rows, vocab] float32
         else:
             hidden, aux, logits = self.target_forward(batch)
         add_prompt_logprobs(self.model, sched, batch, hidden, results)
-        path_rows = self._sample(sched, batch, logits, groups, results)
-        self._draft(sched, batch, hidden, aux, results, path_rows)
+        path_rows, drafted = self._sample(sched, batch, logits, groups, results, aux if graphed else None)
+        if not drafted:
+            self._draft(sched, batch, hidden, aux, results, path_rows)
         return results
 
     def forget(self, seq_id: int) -> None:
@@ -182,22 +188,24 @@ class TreeStep:
         return tree_batch
 
     def _verify_forward(self, batch: InputBatch):
-        """(hidden, aux, logits of the sampling rows) of the tree batch: its graph's replay when
-        every sequence verifies a whole tree (T rows), else an eager forward."""
+        """(hidden, aux, logits of the sampling rows, graphed) of the tree batch: its graph's replay
+        when every sequence verifies a whole tree (T rows; graphed True), else an eager forward."""
         key = self.verify_graphs.bucket_for(batch) if self.verify_graphs is not None else None
         if key is None:
             hidden, aux = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
-            return hidden, aux, self.model.compute_logits(hidden[batch.logits_rows])
+            return hidden, aux, self.model.compute_logits(hidden[batch.logits_rows]), False
         captured, rows = self.verify_graphs.run_tree(batch, key), batch.num_tokens
         self.num_graphed_verifies += 1
         logits = captured.logits[:rows] if batch.every_row_samples else captured.logits[:rows][batch.logits_rows]
-        return captured.hidden[:rows], [a[:rows] for a in captured.aux], logits
+        return captured.hidden[:rows], [a[:rows] for a in captured.aux], logits, True
 
     # ---- 2 + 3. verify, compact ---------------------------------------------------------------
     def _sample(self, sched, batch: InputBatch, logits: torch.Tensor, groups: list[TreeGroup],
-                results: list) -> dict[int, list[int]]:
+                results: list, graphed_aux: list[torch.Tensor] | None = None) -> tuple[dict[int, list[int]], bool]:
         """Each sampling sequence's tokens into results; returns the accepted paths' rows (offsets
-        from each tree sequence's first row) for the drafter's catch-up."""
+        from each tree sequence's first row) for the drafter's catch-up, and whether the next trees
+        are drafted already: after a graphed verify (graphed_aux: its aux states) the catch-up and
+        expansion run as one replay before the step's one host read (_draft_after_verify)."""
         in_tree = {i for g in groups for i in g.index}
         plain, plain_rows, plain_positions, first_row = [], [], [], {}
         row = 0
@@ -213,19 +221,21 @@ class TreeStep:
                           row_positions=plain_positions)
             self.host_step.sample(sched, sub, logits[to_device(plain_rows, torch.int64, self.device)], results)
         if not groups:
-            return {}
+            return {}, False
         target_ids = logits.argmax(-1)  # [sampling rows]: greedy verifies and simulated bonuses read it
         uniforms = iter(self.draws.uniforms(len(in_tree)) if self.draws is not None else ())  # one draw per tree
-        path_rows = {}
+        path_rows, drafted = {}, False
         for g in groups:
             rows = to_device([first_row[i] for i in g.index], torch.int64, self.device).unsqueeze(1)
             rows = rows + torch.arange(g.tree.num_nodes, device=self.device)  # [n, T] logits rows
             verify = self._verify(sched, g, logits, target_ids, rows, [next(uniforms) for _ in g.index]
                                   if self.draws is not None else None)
             self._compact(g, batch, verify.accepted_nodes)
-            packed = torch.cat([verify.num_accepted.unsqueeze(1), verify.output_tokens, verify.accepted_nodes], 1)
+            tree = self._draft_after_verify(sched, batch, g, graphed_aux, verify) if graphed_aux is not None else None
+            parts = [verify.num_accepted.unsqueeze(1), verify.output_tokens, verify.accepted_nodes]
+            packed = torch.cat(parts if tree is None else [*parts, tree.tokens, tree.depths], 1)
             width = verify.output_tokens.shape[1]
-            for i, values in zip(g.index, packed.tolist()):  # one sync per group
+            for j, (i, values) in enumerate(zip(g.index, packed.tolist())):  # one sync per group
                 item, accepted = sched.scheduled[i], values[0]
                 results[i].new_token_ids = values[1: 2 + accepted]
                 results[i].num_accepted = accepted
@@ -233,7 +243,10 @@ class TreeStep:
                 n_real = item.num_new_tokens - len(item.draft_token_ids)
                 path = values[1 + width + 1: 1 + width + 1 + accepted]
                 path_rows[i] = list(range(n_real)) + [n_real - 1 + node for node in path]
-        return path_rows
+                if tree is not None:
+                    self._keep_tree(sched.scheduled[i].seq.seq_id, tree, j, values[1 + 2 * width:], results[i])
+            drafted = drafted or tree is not None
+        return path_rows, drafted
 
     def _verify(self, sched, g: TreeGroup, logits: torch.Tensor, target_ids: torch.Tensor, rows: torch.Tensor,
                 uniforms: list[float] | None) -> TreeVerifyResult:
@@ -305,6 +318,40 @@ class TreeStep:
         move_kv_slots(self.kv_moves, src, dst, accepted_nodes.shape[1])
 
     # ---- 4. draft ------------------------------------------------------------------------------
+    def _draft_after_verify(self, sched, batch: InputBatch, g: TreeGroup, aux: list[torch.Tensor],
+                            verify: TreeVerifyResult) -> DraftTree | None:
+        """The next trees of a graphed verify's sequences, drafted on the drafter's graph from the
+        verify's device outputs before the host reads them (TreeDraftGraphs.run_after_verify: the
+        paths' catch-up padded to depth + 1 rows, then the expansion). None, and the usual catch-up
+        and draft after the read, unless every sequence of the step verified a whole tree and
+        drafts the next whatever it accepts: no logits processing or logprobs, no draft limit of 0,
+        and room for the padded rows and a draft below max_model_len."""
+        graphs = self.drafter.graphs
+        n, depth = len(g.index), self.shape.depth
+        if graphs is None or n != len(sched.scheduled) or g.index != list(range(n)) or sched.num_next_drafts == 0:
+            return None
+        for item, root in zip(sched.scheduled, g.root_positions):
+            # a draft is useful whatever the step accepts (DraftBatch.num_useful_drafts > 0)
+            if not (item.samples and _drafts_trees(item.seq.sampling_params) and root + depth + 3 <= graphs.max_model_len):
+                return None
+        num_nodes = g.tree.num_nodes
+        if g.root_rows != [j * num_nodes for j in range(n)]:  # whole trees, in order
+            return None
+        starts = torch.arange(n, device=self.device).unsqueeze(1) * num_nodes  # [n, 1]: each tree's first row
+        path_rows = starts + verify.accepted_nodes.clamp(min=0)  # [n, depth + 1]: padding rows read the root's
+        path_tokens = torch.cat([g.tree.tokens[:, :1], verify.output_tokens], 1)  # [n, depth + 2]
+        return graphs.run_after_verify(aux, path_rows, path_tokens, verify.num_accepted, g.root_positions,
+                                       batch.attn_metadata.block_table)
+
+    def _keep_tree(self, seq_id: int, tree: DraftTree, j: int, host: list[int], result: SequenceResult) -> None:
+        """Keep row j of the drafted trees [n, T] for sequence seq_id until its verify; host: that row's
+        tokens then depths, as read."""
+        num_nodes = tree.num_nodes
+        tokens = host[:num_nodes]
+        self.trees[seq_id], self.tree_tokens[seq_id] = _row(tree, j), tokens
+        self.tree_depths[seq_id] = host[num_nodes: 2 * num_nodes]
+        result.next_drafts = tokens[1:]
+
     def _draft(self, sched, batch: InputBatch, hidden, aux, results: list, path_rows: dict[int, list[int]]) -> None:
         draft_batch = self.host_step.draft_batch(sched, batch, hidden, aux, results, path_rows)
         depth = self.shape.depth
@@ -313,14 +360,9 @@ class TreeStep:
         tree = self.drafter.draft(draft_batch, drafting)
         if tree is None:
             return
-        num_nodes = tree.num_nodes
         packed = torch.cat([tree.tokens, tree.depths], 1).tolist()  # one device read: [n, 2T]
         for j, i in enumerate(drafting):
-            seq_id = sched.scheduled[i].seq.seq_id
-            tokens = packed[j][:num_nodes]
-            self.trees[seq_id], self.tree_tokens[seq_id] = _row(tree, j), tokens
-            self.tree_depths[seq_id] = packed[j][num_nodes:]
-            results[i].next_drafts = tokens[1:]
+            self._keep_tree(sched.scheduled[i].seq.seq_id, tree, j, packed[j], results[i])
 
 
 @dataclass

@@ -1,6 +1,7 @@
-"""The tree drafter's expansion as one CUDA graph per batch bucket (issue 28, docs/trees.md point 3).
+"""The tree drafter's expansion as one CUDA graph per batch bucket (issue 28, docs/trees.md point 3),
+and the catch-up with it after a graphed verify.
 
-After the catch-up (the chain's, eager: its rows are each sequence's accepted path), everything
+run(): after the catch-up (the chain's, eager: its rows are each sequence's accepted path), everything
 the tree draft does is device work of fixed shape (Eagle3TreeDrafter.expand): depth 1's top-k,
 then per depth the head over bucket * topk frontier rows with their [topk, d * topk] ancestor
 masks, the scratch slots and positions computed from the roots and the block table, and the
@@ -9,6 +10,12 @@ of it; its static inputs are the catch-up's logits and h, the live count, the ro
 roots' positions and the block tables, written before each replay; its outputs are the tree's
 tensors, copied out after the replay (the runner keeps a sequence's tree until its verify, past
 the next replay).
+
+run_after_verify(): after a verify on its graph (whole trees), the catch-up too, in a second graph
+per bucket: each sequence's accepted path padded to depth + 1 rows (Eagle3TreeDrafter.padded_catch_up),
+its inputs the verify's device outputs (the paths' aux features gathered into a static buffer, the
+path tokens, the accepted counts) and the verified roots' positions; the next roots and root tokens
+follow on the device, so the whole draft phase is one replay launched before the step's host read.
 
 Padding sequences of a bucket write no KV (slot -1; their rows read stale, finite inputs). Off
 CUDA, with --enforce-eager or a capture that failed, the same buffers run uncaptured; with an
@@ -26,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from foretell.models.base import side_by_side
 from foretell.spec_decode.tree.proposer import Eagle3TreeDrafter
 from foretell.spec_decode.tree.shape import DraftTree
 
@@ -68,8 +76,18 @@ class TreeDraftGraphs:
         # [live count | root tokens (max_bucket) | root positions (max_bucket)], one upload per step
         self.inputs = torch.zeros(1 + 2 * max_bucket, dtype=torch.int64, device=device)
         self.table = torch.zeros(max_bucket, max_blocks_per_seq, dtype=torch.int32, device=device)
+        # The catch-up's inputs after a graphed verify (run_after_verify): each sequence's path rows'
+        # aux features, padded to depth + 1 rows, its path tokens and accepted count. Zeros (finite,
+        # valid ids) until a sequence fills them; the inputs' roots then hold the verified roots.
+        rows_per_seq = drafter.shape.depth + 1
+        fc = head.fc.weight  # [H, F]: the aux features side by side
+        self.path_features = torch.zeros(max_bucket * rows_per_seq, fc.shape[1], dtype=fc.dtype, device=device)
+        self.path_tokens = torch.zeros(max_bucket, rows_per_seq + 1, dtype=torch.int64, device=device)
+        self.accepted = torch.zeros(max_bucket, dtype=torch.int64, device=device)
         self.graphs: dict[int, CapturedTreeDraft] = {}
+        self.after_verify_graphs: dict[int, CapturedTreeDraft] = {}  # the catch-up and the expansion
         self.num_runs = 0  # drafts expanded here (replayed or uncaptured)
+        self.num_caught_up = 0  # of them, drafts whose catch-up ran here too (run_after_verify)
 
     @property
     def captures(self) -> bool:
@@ -83,28 +101,47 @@ class TreeDraftGraphs:
         return self.drafter.expand(self.logits[:bucket], self.h[:bucket], root_tokens, roots, self.table[:bucket],
                                    self.block_size, self.max_model_len - 1, live, roots_host)
 
+    def _catch_up_and_expand(self, bucket: int, first_pos_host: list[int] | None = None) -> DraftTree:
+        """The padded catch-up over the verified paths (Eagle3TreeDrafter.padded_catch_up), then the
+        expansion from its last rows: the whole draft phase after a graphed verify."""
+        max_bucket, rows = self.buckets[-1], bucket * (self.drafter.shape.depth + 1)
+        first_pos = self.inputs[1 + max_bucket: 1 + max_bucket + bucket]
+        live = torch.arange(bucket, device=self.device) < self.inputs[0]
+        table, last_position = self.table[:bucket], self.max_model_len - 1
+        logits, h, root_tokens, roots = self.drafter.padded_catch_up(
+            self.path_features[:rows], self.path_tokens[:bucket], self.accepted[:bucket], first_pos, live, table,
+            self.block_size, last_position, first_pos_host)
+        roots_host = None
+        if first_pos_host is not None:  # (exact buckets: the host knows the accepted counts too)
+            roots_host = [p + a + 1 for p, a in zip(first_pos_host, self.accepted[:bucket].tolist())]
+        return self.drafter.expand(logits, h, root_tokens, roots, table, self.block_size, last_position, live,
+                                   roots_host)
+
     @torch.inference_mode()
     def capture(self) -> None:
-        """One graph per bucket (largest first), after the target's graphs, in their pool. On a
-        failure (RuntimeError) none is kept and run() runs the expansion uncaptured."""
+        """Per bucket (largest first), after the target's graphs, in their pool: the expansion's
+        graph and the catch-up-and-expansion's. On a failure (RuntimeError) none is kept and
+        run() / run_after_verify() run uncaptured."""
         if not self.captures:
             return
         try:
             torch.cuda.synchronize(self.device)
             for bucket in reversed(self.buckets):
-                self.inputs.zero_()  # no live sequence: nothing written to the draft cache
-                for _ in range(2):  # compile Triton kernels and warm cuBLAS outside capture
-                    self._expand(bucket)
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    tree = self._expand(bucket)
-                if self.pool is None:
-                    self.pool = graph.pool()
-                self.graphs[bucket] = CapturedTreeDraft(graph, tree)
+                for graphs, body in ((self.graphs, self._expand), (self.after_verify_graphs, self._catch_up_and_expand)):
+                    self.inputs.zero_()  # no live sequence: nothing written to the draft cache
+                    for _ in range(2):  # compile Triton kernels and warm cuBLAS outside capture
+                        body(bucket)
+                    torch.cuda.synchronize(self.device)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self.pool):
+                        tree = body(bucket)
+                    if self.pool is None:
+                        self.pool = graph.pool()
+                    graphs[bucket] = CapturedTreeDraft(graph, tree)
             torch.cuda.synchronize(self.device)
         except RuntimeError:
             self.graphs.clear()
+            self.after_verify_graphs.clear()
             raise
 
     def bucket_for(self, num_seqs: int) -> int | None:
@@ -141,6 +178,43 @@ class TreeDraftGraphs:
         captured = self.graphs.get(bucket)
         if captured is None:
             tree = self._expand(bucket, roots if self.reads_host_lengths else None)
+            return tree if bucket == n else _rows(tree, n, copy=False)
+        captured.graph.replay()
+        return _rows(captured.tree, n, copy=True)
+
+
+    def run_after_verify(
+        self,
+        aux: list[torch.Tensor],  # each [verify rows, Ht]: the target's aux hidden states of a whole-tree verify
+        path_rows: torch.Tensor,  # [n, depth + 1] int64: each path row's verify row (padding rows: any row)
+        path_tokens: torch.Tensor,  # [n, depth + 2] int64: the verified roots' tokens, then the output tokens
+        accepted: torch.Tensor,  # [n] int64
+        first_positions: list[int],  # [n] the verified roots' positions
+        table: torch.Tensor,  # [n, width] int32, the target's block table rows
+    ) -> DraftTree | None:
+        """The catch-up over the verified paths and the next trees [n, T] (copies), from the verify's
+        device outputs: one replay, no host read; None where the batch does not fit the buffers
+        (the caller catches up and drafts the usual way)."""
+        n = len(first_positions)
+        bucket = self.bucket_for(n)
+        features = side_by_side(aux)  # [verify rows, F] (a view when the aux states share one buffer)
+        if (bucket is None or table.shape[1] > self.table.shape[1] or features.dtype != self.path_features.dtype
+                or features.shape[1] != self.path_features.shape[1]
+                or tuple(path_rows.shape) != (n, self.drafter.shape.depth + 1)):
+            return None
+        max_bucket = self.buckets[-1]
+        packed = [n, *[0] * max_bucket, *first_positions, *[0] * (max_bucket - n)]
+        host = torch.tensor(packed, dtype=torch.int64)
+        self.inputs.copy_(host.pin_memory() if self.device.type == "cuda" else host, non_blocking=True)
+        torch.index_select(features, 0, path_rows.flatten(), out=self.path_features[: path_rows.numel()])
+        self.path_tokens[:n].copy_(path_tokens)
+        self.accepted[:n].copy_(accepted)
+        self.table[:n, : table.shape[1]].copy_(table)
+        self.num_runs += 1
+        self.num_caught_up += 1
+        captured = self.after_verify_graphs.get(bucket)
+        if captured is None:
+            tree = self._catch_up_and_expand(bucket, first_positions if self.reads_host_lengths else None)
             return tree if bucket == n else _rows(tree, n, copy=False)
         captured.graph.replay()
         return _rows(captured.tree, n, copy=True)

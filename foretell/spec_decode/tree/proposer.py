@@ -19,8 +19,9 @@ Trees are drafted from the head's plain logits for greedy and sampled requests a
 drafts are deterministic: verify_sampled takes them with one-hot q). The runner keeps the
 returned tree per sequence until its verify (runner/tree_step.py).
 
-The expansion after the catch-up (depth 1 through the last depth, and the choice of the tree) is
-device work only (Eagle3TreeDrafter.expand: slots, positions, masks and the tree built on the device, no
+After a graphed verify the catch-up itself runs from device inputs (padded_catch_up: the accepted
+path padded to depth + 1 rows, no host read). The expansion after the catch-up (depth 1 through the
+last depth, and the choice of the tree) is device work only (Eagle3TreeDrafter.expand: slots, positions, masks and the tree built on the device, no
 host read): the runner replays it as one CUDA graph per batch bucket (tree/draft_graphs.py), or
 runs the same code eagerly.
 """
@@ -31,6 +32,7 @@ import torch
 
 from foretell.device_util import to_device
 from foretell.ops.attention.metadata import AttentionMetadata, subdivide_block_table
+from foretell.ops.step.reference import catch_up_rows_torch
 from foretell.spec_decode.proposer import DraftBatch
 from foretell.spec_decode.tree.build import TreeBuilder
 from foretell.spec_decode.tree.shape import DraftTree, TreeShape
@@ -70,6 +72,50 @@ class Eagle3TreeDrafter:
             table = table[host_ints[2 * n:]]
         return self.expand(logits, h, host_ints[:n], host_ints[n: 2 * n], table,
                            batch.block_size, batch.max_model_len - 1, roots_host=roots)
+
+    def padded_catch_up(
+        self,
+        features: torch.Tensor,  # [B * (depth + 1), F]: the target's aux features (side by side) at each path row
+        path_tokens: torch.Tensor,  # [B, depth + 2] int64 target ids: the verified root's token, the accepted
+        #                             drafts, the bonus token, then anything (-1)
+        accepted: torch.Tensor,  # [B] int64: drafts accepted (the path's rows: 0 .. accepted)
+        first_pos: torch.Tensor,  # [B] int64: the verified root's position
+        live: torch.Tensor,  # [B] bool: padding sequences (False) write no KV
+        table: torch.Tensor,  # [B, max_blocks] int32: the target's block table (block_size)
+        block_size: int,
+        last_position: int,  # max_model_len - 1
+        first_pos_host: list[int] | None = None,  # the roots' positions on the host, for backends that read lengths
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The catch-up after a tree verify from device inputs only (capturable: no host read, fixed
+        shapes): every sequence's accepted path padded to depth + 1 rows, as the chain's padded step
+        pads its verify rows (ops/step reference.catch_up_rows_torch, the one definition of a row's
+        token, position and slot). Row r sits at first_pos + r; rows past the path (fed the bonus
+        token) write their keys at positions the expansion's scratch rewrites before anything reads
+        them (the scheduler reserves num_draft_kv_slots >= depth slots past the verify's rows), so a
+        real row's output and every key a later step reads equal the unpadded catch-up's.
+        Returns (logits [B, draft_vocab] float32 and h [B, H] of each path's last row, the next
+        root tokens [B] (the bonus), the next roots' positions [B])."""
+        eagle = self.eagle
+        n, rows_per_seq = accepted.shape[0], self.shape.depth + 1
+        next_token = path_tokens.gather(1, (accepted + 1).unsqueeze(1)).squeeze(1)  # [B]: the bonus
+        tokens, positions, slots = catch_up_rows_torch(
+            path_tokens[:, :rows_per_seq].clamp(min=0), first_pos, accepted, next_token, live, table, block_size,
+            rows_per_seq, -eagle.row_offset, last_position)  # each [B, depth + 1]
+        device = accepted.device
+        seq_lens = (first_pos + rows_per_seq).clamp(max=last_position + 1).to(torch.int32)  # [B]
+        seq_lens_cpu = ([min(p + rows_per_seq, last_position + 1) for p in first_pos_host]
+                        if first_pos_host is not None else [rows_per_seq] * n)
+        metadata = AttentionMetadata(
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=device) * rows_per_seq,
+            seq_lens=seq_lens, block_table=table, slot_mapping=slots.flatten(), block_size=block_size,
+            max_query_len=rows_per_seq,
+            max_seq_len=max(seq_lens_cpu) if first_pos_host is not None else last_position + 1,
+            query_start_loc_cpu=[i * rows_per_seq for i in range(n + 1)], seq_lens_cpu=seq_lens_cpu,
+        ).with_block_size(eagle.draft_block_size)
+        keep_rows = torch.arange(n, device=device) * rows_per_seq + accepted  # [B]: each path's last row
+        logits, h = eagle.head.step(tokens.flatten(), positions.flatten(), eagle.head.combine([features]), metadata,
+                                    keep_rows)
+        return logits, h, next_token, first_pos + accepted + 1
 
     def expand(
         self,
