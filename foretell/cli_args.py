@@ -25,6 +25,9 @@ SUFFIX_FLAGS: dict[str, dict[str, Any]] = {
         type=float, help="suffix: stop drafting below this empirical path probability (0.1)"),
     "suffix_decoding_min_match_length": dict(
         type=int, help="suffix: draft only after a match of at least this many tokens (4)"),
+    "suffix_decoding_min_accepted_tokens": dict(
+        type=float, help="suffix: a sequence whose drafts accept fewer tokens than this on average pauses "
+                         "drafting, then probes again (1.0; 0: never pauses)"),
     "hybrid": dict(
         choices=["eagle3", "mtp", "draft_model"],
         help="suffix: the model drafter for sequences whose suffix match is short"),
