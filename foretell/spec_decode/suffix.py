@@ -15,6 +15,16 @@ length and the occurrences) between steps. Each step, for each sequence that sam
   3. walk: follow the most frequent next token while the path's empirical probability stays
      >= min_token_prob;
   4. take the index whose draft scores higher (sum of the prefixes' probabilities).
+The acceptance gate (min_accepted_tokens > 0): a draft costs a verify step, which the engine
+cannot queue ahead as it queues a plain decode step (the drafts come from the host after the step
+is read), so a draft pays only when enough of it is accepted. Each sequence keeps the draft it
+proposed and, when the next step's tokens arrive, counts how many of them it got right; a moving
+average of that count (half each step) below min_accepted_tokens stops the sequence's drafting
+for `pause` tokens (no lookup, no draft: its steps are plain decode steps, queued ahead; its
+indexes still take every token), after which one draft probes again: accepted well (the average,
+reset to the bar at the pause, stays at or above it), drafting goes on and the pause length
+starts over; else it pauses again, twice as long (up to MAX_PAUSE tokens). Drafts change speed
+only, never the tokens: the output stays the target's.
 When branches compete the engine would gain from a tree of drafts; host drafters verify chains
 only for now, so the best chain is drafted.
 
@@ -31,6 +41,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+FIRST_PAUSE = 4  # tokens a sequence stops drafting after its drafts fell below the bar
+MAX_PAUSE = 64  # ... doubling while its probes keep failing, at most this many
+
 from foretell.spec_decode.proposer import DraftBatch, Proposal, ProposerBase, ProposerCapabilities
 from foretell.spec_decode.suffix_cache import GlobalSuffixCache
 from foretell.spec_decode.suffix_tree import EMPTY_DRAFT, Draft, Match, SuffixIndex
@@ -44,6 +57,7 @@ class SuffixSettings:
     max_spec_factor: float = 1.0
     min_token_prob: float = 0.1
     min_match_length: int = 4
+    min_accepted_tokens: float = 0.0  # the acceptance gate's bar (0: off)
 
     @classmethod
     def from_config(cls, config) -> "SuffixSettings":
@@ -54,6 +68,7 @@ class SuffixSettings:
             max_spec_factor=config.suffix_decoding_max_spec_factor,
             min_token_prob=config.suffix_decoding_min_token_prob,
             min_match_length=config.suffix_decoding_min_match_length,
+            min_accepted_tokens=config.suffix_decoding_min_accepted_tokens,
         )
 
     @property
@@ -71,6 +86,13 @@ class SequenceState:
         self.own_match = Match()
         self.cache_match = Match()
         self.prompt_length: int | None = None  # known at its first sampling step
+        # The acceptance gate: the draft proposed last (what the next tokens are checked
+        # against), the moving average of accepted tokens per draft, no draft before the
+        # history reaches resume_at tokens, and the next pause's length.
+        self.last_draft: list[int] = []
+        self.accepted_average = float("inf")  # no draft yet: nothing against drafting
+        self.resume_at = 0
+        self.pause = FIRST_PAUSE
 
     @property
     def tokens(self) -> list[int]:
@@ -104,8 +126,9 @@ class SuffixProposer(ProposerBase):
 
     # ---- state ---------------------------------------------------------------------------
     def observe(self, key: int | None, history: list[int], samples: bool) -> SequenceState:
-        """The sequence's state brought up to `history`: only the new tokens are stored, and
-        both matches move on by them (looked up again when they end)."""
+        """The sequence's state brought up to `history`: only the new tokens are stored, both
+        matches move on by them (looked up again when they end, unless the gate pauses the
+        sequence), and the gate learns how much of the last draft they accepted."""
         state = self.states.get(key) if key is not None else None
         if state is None or not state.follows(history):
             state = SequenceState(self.settings)
@@ -115,17 +138,44 @@ class SuffixProposer(ProposerBase):
         new = history[len(own.tokens) :]
         if new:
             own.extend(new)
-            state.own_match = own.advance(state.own_match, new)
-        if samples and not state.own_match.positions:
-            state.own_match = own.lookup(history)
-        if samples and state.prompt_length is None:
+            if state.own_match.positions:
+                state.own_match = own.advance(state.own_match, new)
+            if state.cache_match.positions:
+                state.cache_match = self.cache.index.advance(state.cache_match, new)
+            if state.last_draft:
+                self._judge(state, new, len(history))
+        if not samples:
+            return state
+        if state.prompt_length is None:
             state.prompt_length = len(history) - 1  # the first sampled token ends the history
+        if len(history) < state.resume_at:  # paused by the gate: no lookup
+            return state
+        key = own.tail_key  # the gram the context ends with; looked up only where it occurred
+        if not state.own_match.positions and key in own.head:
+            state.own_match = own.lookup(history, key)
         cache = self.cache.index
-        if new:
-            state.cache_match = cache.advance(state.cache_match, new)
-        if samples and not state.cache_match.positions and self.cache.responses:
-            state.cache_match = cache.lookup(history)
+        if not state.cache_match.positions and key in cache.head:
+            state.cache_match = cache.lookup(history, key)
         return state
+
+    def _judge(self, state: SequenceState, new: list[int], num_tokens: int) -> None:
+        """The gate: how many of the last draft's tokens `new` (the tokens its verify emitted)
+        accepted, into the average; below the bar, a pause of state.pause tokens."""
+        draft, state.last_draft = state.last_draft, []
+        bar = self.settings.min_accepted_tokens
+        if bar <= 0:
+            return
+        accepted, limit = 0, min(len(draft), len(new) - 1)  # the last new token is the target's own
+        while accepted < limit and draft[accepted] == new[accepted]:
+            accepted += 1
+        average = accepted if state.accepted_average == float("inf") else 0.5 * (state.accepted_average + accepted)
+        if average >= bar:
+            state.accepted_average, state.pause = average, FIRST_PAUSE
+            return
+        state.resume_at = num_tokens + state.pause
+        state.pause = min(2 * state.pause, MAX_PAUSE)
+        state.accepted_average = bar  # the probe after the pause decides alone
+        state.own_match, state.cache_match = Match(), Match()  # looked up again at the resume
 
     def forget(self, seq_id: int) -> None:
         """A sequence is done (or preempted): its response joins the global cache."""
@@ -157,14 +207,23 @@ class SuffixProposer(ProposerBase):
         return best
 
     def propose_drafts(self, batch: DraftBatch) -> list[Draft]:
-        """Every sequence's draft (empty for those that did not sample); states updated."""
+        """Every sequence's draft (empty for those that did not sample or that the gate
+        pauses); states updated."""
         seq_ids = batch.seq_ids if batch.seq_ids else [None] * batch.num_seqs
         drafts = []
-        for i, (key, history) in enumerate(zip(seq_ids, batch.histories)):
-            state = self.observe(key, history, batch.samples[i])
-            drafts.append(self.draft(state, batch.num_useful_drafts(i, self.k)) if batch.samples[i] else EMPTY_DRAFT)
+        for i, (key, history, samples) in enumerate(zip(seq_ids, batch.histories, batch.samples)):
+            state = self.observe(key, history, samples)
+            if not samples or len(history) < state.resume_at or not (
+                    state.own_match.positions or state.cache_match.positions):
+                drafts.append(EMPTY_DRAFT)
+                continue
+            draft = self.draft(state, batch.num_useful_drafts(i, self.k))
+            state.last_draft = draft.token_ids
+            drafts.append(draft)
         return drafts
 
     def propose(self, batch: DraftBatch) -> Proposal:
-        drafts = self.propose_drafts(batch)
-        return Proposal([d.token_ids for d in drafts], [None] * len(drafts))
+        tokens = []
+        for draft in self.propose_drafts(batch):
+            tokens.append(draft.token_ids)
+        return Proposal(tokens, [None] * len(tokens))

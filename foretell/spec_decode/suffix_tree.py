@@ -77,6 +77,11 @@ class SuffixIndex:
         self.base = 0  # absolute position of tokens[0] (a compacted store dropped what was before)
         self.start = 0  # first live absolute position (the global cache evicts below it)
         self.head: dict[int, int] = {}  # gram key -> the newest absolute position after that gram
+        # The key of the store's last key_length tokens while it grows as one sequence (extend);
+        # None before it holds that many, and in a store of many sequences (append_sequence).
+        # A sequence's step appends a token or a few: this keeps that O(new tokens), no gram
+        # packed again, and gives lookup() the context's last gram for free.
+        self.tail_key: int | None = None
 
     @property
     def end(self) -> int:
@@ -91,28 +96,42 @@ class SuffixIndex:
         return key
 
     # ---- building ------------------------------------------------------------------------
-    def _index(self, lo: int, hi: int) -> None:
-        """Index the grams before store indices lo .. hi - 1 (lo >= key_length)."""
+    def _index(self, lo: int, hi: int, key: int | None = None) -> int | None:
+        """Index the grams before store indices lo .. hi - 1 (lo >= key_length); key: the gram
+        before lo when known. Returns the key of the gram before hi (None: nothing indexed)."""
         if lo >= hi:
-            return
+            return key
         tokens, prev, head, base, mask = self.tokens, self.prev, self.head, self.base, self.key_mask
-        key = self.gram_key(tokens[lo - self.key_length : lo])
+        if key is None:
+            key = self.gram_key(tokens[lo - self.key_length : lo])
         for i in range(lo, hi):
             prev[i] = head.get(key, -1)
             head[key] = base + i
             key = ((key << TOKEN_BITS) | tokens[i]) & mask
+        return key
 
     def extend(self, new: list[int]) -> None:
         """Append tokens (one growing sequence), indexing every gram the new tokens follow."""
-        first = len(self.tokens)
-        self.tokens.extend(new)
+        tokens = self.tokens
+        key = self.tail_key
+        if len(new) == 1 and key is not None:  # a decode step's token: _index inlined
+            self.prev.append(self.head.get(key, -1))
+            self.head[key] = self.base + len(tokens)
+            tokens.append(new[0])
+            self.tail_key = ((key << TOKEN_BITS) | new[0]) & self.key_mask
+            return
+        first = len(tokens)
+        tokens.extend(new)
         self.prev.extend([-1] * len(new))
-        self._index(max(first, self.key_length), len(self.tokens))
+        if key is None:  # unknown (fewer than key_length tokens were stored): packed from the store
+            first = max(first, self.key_length)
+        self.tail_key = self._index(first, len(tokens), key)
 
     def append_sequence(self, sequence: list[int]) -> None:
         """Append one sequence of many (the global cache): grams inside it only, SEPARATOR after
         (so every occurrence that goes on has its next token in the store)."""
         first = len(self.tokens)
+        self.tail_key = None  # many sequences: no one tail
         self.tokens.extend(sequence)
         self.tokens.append(SEPARATOR)
         self.prev.extend([-1] * (len(sequence) + 1))
@@ -138,14 +157,17 @@ class SuffixIndex:
             self.base = self.start
 
     # ---- matching ------------------------------------------------------------------------
-    def lookup(self, context: list[int]) -> Match:
+    def lookup(self, context: list[int], key: int | None = None) -> Match:
         """The longest suffix of context (key_length .. max_depth tokens) that occurs here with
-        a next token, and its occurrences (at most MAX_CANDIDATES, the most recent)."""
+        a next token, and its occurrences (at most MAX_CANDIDATES, the most recent). key: the
+        gram key of context's last key_length tokens when known (a sequence's tail_key)."""
         m = self.key_length
         n = len(context)
         if n < m:
             return Match()
-        p = self.head.get(self.gram_key(context[n - m :]), -1)
+        p = self.head.get(self.gram_key(context[n - m :]) if key is None else key, -1)
+        if p < self.start:  # the gram never occurred (the common case of a step without a match)
+            return Match()
         tokens, prev, base, start, max_depth = self.tokens, self.prev, self.base, self.start, self.max_depth
         low = start - base
         best_length, best = 0, []
