@@ -7,7 +7,8 @@ between two decode steps, each a few microseconds of the device's time at batch 
 total: docs/perf-log.md). Here the host packs every value into one pinned int64
 array, one copy moves it to a device staging buffer, and one kernel scatters it into the buffers
 (with the dtype casts); input ids already on the device (a decode step queued ahead) are read from
-there instead.
+there instead. A greedy decode step queued after one on the same graph skips all of this while the
+buffers hold that step's inputs: CudaGraphRunner.advance_decode moves them on, on the device.
 
 Packed layout for a graph of `bucket` sequences x `q` rows (rows = bucket * q), `n` live sequences
 of block tables `width` wide:

@@ -9,7 +9,7 @@ replaces the host's batch, pack, upload and unpack of the step (runner/cuda_grap
 advance_decode). The query starts, the padding sequences and the block table stay as they are.
 
 advance_decode_inputs_torch is the twin (what runs off CUDA, and what the Triton kernel,
-triton_decode_advance.py, is held to by tests/ops/test_decode_advance.py); advance_decode_inputs
+triton_decode_advance.py, is held to by tests/ops/test_step_decode_advance.py); advance_decode_inputs
 chooses.
 """
 
