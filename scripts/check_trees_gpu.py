@@ -4,6 +4,8 @@
       over a 16-node tree (positions root + depth, the ancestor mask through the Triton attention)
       against one decode row, batch 1, both eager with the logits; also the graphed decode step
       (the engine's) and 16 causal rows (a chain verify of 15). Bar: tree verify <= 1.2x decode.
+      The 16-row forwards run on the few-row GEMMs bound for 16 rows (the MMA, as a tree engine
+      binds them); tree_verify_cublas_s is the same forward on cuBLAS (the binding before).
   (b) engine tok/s at batch 1, acceptance simulated (spec_decode/tree/simulated.py: per-depth
       rates for the best path): trees at a best-path mean length of 5.4 against the chain (k = 3)
       at 2.93 and plain decoding. Bar: trees >= 900 tok/s (SpecForge/SGLang's figure: 638 at 5.40).
@@ -22,8 +24,9 @@
 H200: part (a) one engine, (b) 2 + len(--trees) engines of dummy 8B weights, (c) 2 engines per
 dtype per tree on the default family (tiny): a few minutes in all; split --parts over calls
 when time is short. In (b) the tree step verifies on its CUDA graph (runner/tree_graphs.py) and
-expands its trees on the drafter's (spec_decode/tree/draft_graphs.py); the catch-up, verification,
-K/V compaction and the step's host reads stay eager. Each tree row says how many graphs it captured
+expands its trees on the drafter's (spec_decode/tree/draft_graphs.py), with the catch-up in the same
+replay after a graphed verify (run_after_verify); verification, K/V compaction and the step's host
+read stay eager. Each tree row says how many graphs it captured
 and how many of its steps used them.
 """
 
@@ -42,6 +45,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 from foretell import LLM, SamplingParams  # noqa: E402
+from foretell.layers.small_m import prepare_small_m_linears  # noqa: E402
 from foretell.ops.attention.metadata import AttentionMetadata  # noqa: E402
 from foretell.spec_decode.tree.build import build_tree  # noqa: E402
 from foretell.spec_decode.tree.shape import TreeShape  # noqa: E402
@@ -130,6 +134,14 @@ def part_verify_cost(target: str, options: dict, context: int, iters: int) -> di
 
     row = {"context": context, "tree": list(map(int, (VERIFY_TREE.depth, VERIFY_TREE.topk, rows)))}
     row["decode_s"] = time_call(lambda: forward(ids[:1], chain_positions[:1], decode_meta), device, iters)
+    # This engine (no drafter) bound the few-row GEMMs for its decode graphs' 2 rows: 16 rows go to
+    # cuBLAS, as a tree engine's verify did before tree_step_gemm_rows. Timed so, then bound as a
+    # tree engine binds them (16 rows: the MMA in mode "on").
+    row["tree_verify_cublas_s"] = time_call(lambda: forward(ids, tree_positions, tree_meta), device, iters)
+    gemm = runner.small_m_gemm
+    if gemm is not None:
+        prepare_small_m_linears(model, rows, gemm.mode)
+    row["small_m_rows"] = rows if gemm is not None else 0
     row["tree_verify_s"] = time_call(lambda: forward(ids, tree_positions, tree_meta), device, iters)
     row["causal_16_rows_s"] = time_call(lambda: forward(ids, chain_positions, chain_meta), device, iters)
     row["tree_over_decode"] = row["tree_verify_s"] / row["decode_s"]
@@ -180,7 +192,10 @@ def tree_graph_use(llm: LLM) -> dict:
     return {"verify_graphs_captured": 0 if verify is None else len(verify.graphs) if verify.captures else 0,
             "graphed_verifies": step.num_graphed_verifies,
             "draft_graphs_captured": 0 if drafts is None else len(drafts.graphs),
-            "graphed_drafts": 0 if drafts is None else drafts.num_runs}
+            "graphed_drafts": 0 if drafts is None else drafts.num_runs,
+            # the catch-up with the expansion in one replay after a graphed verify (run_after_verify)
+            "catch_up_graphs_captured": 0 if drafts is None else len(drafts.after_verify_graphs),
+            "graphed_catch_ups": 0 if drafts is None else drafts.num_caught_up}
 
 
 def part_tok_s(target: str, head: str, options: dict, trees: list[str], new_tokens: int) -> dict:

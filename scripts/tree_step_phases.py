@@ -14,6 +14,9 @@ changes; the wrappers go away with the engine):
   sample           TreeStep._sample, of which
     verification     TreeStep._verify: greedy / drawn / sampled path per group
     compaction       TreeStep._compact: the accepted path's K/V moved, every target layer
+    graphed draft    TreeStep._draft_after_verify: after a graphed verify, the catch-up (padded to
+                     depth + 1 rows) and the expansion as one replay, before the read
+                     (TreeDraftGraphs.run_after_verify; steps it serves skip "draft" below)
     (the rest: argmax, the results' device read, plain rows' sampling)
   draft            TreeStep._draft, of which
     draft batch      HostStep.draft_batch: the catch-up's inputs
@@ -144,6 +147,7 @@ def instrument(llm: LLM, timer: PhaseTimer) -> None:
     timer.wrap(step, "_sample", "sample")
     timer.wrap(step, "_verify", "verification")
     timer.wrap(step, "_compact", "compaction")
+    timer.wrap(step, "_draft_after_verify", "graphed draft")
     timer.wrap(step, "_draft", "draft")
     timer.wrap(step.host_step, "draft_batch", "draft batch")
     timer.wrap(step.drafter.eagle, "catch_up", "catch-up")

@@ -1,9 +1,11 @@
 """On a CUDA GPU: the draft-tree step on CUDA graphs (runner/tree_graphs.py: the verify forward per
-(bucket, num_draft_tokens); spec_decode/tree/draft_graphs.py: the drafter's expansion per bucket)
+(bucket, num_draft_tokens); spec_decode/tree/draft_graphs.py: the drafter's expansion per bucket,
+and after a graphed verify its catch-up padded to depth + 1 rows with it)
 is captured and replayed, and its greedy output equals plain greedy decoding and the eager tree
 step's (enforce_eager), in float32 on the Qwen3 and Llama-3.1 fixtures, at batches 1 and 3 (padded
 to the bucket of 4) and with trees cut near max_model_len (eager verify for those steps);
-seeded sampled trees equal the eager tree step's tokens. The K/V compaction's one launch over
+seeded sampled trees equal the eager tree step's tokens. A bf16 16-node tree at batch 1 binds the
+few-row MMA for its 16 verify rows. The K/V compaction's one launch over
 every layer (ops/step/kv_moves.py) at Llama-8B's cache shape in bf16 and FP8 against the per-layer
 gather/scatter, launched directly and replayed from a CUDA graph."""
 
@@ -59,8 +61,29 @@ def test_captured_tree_step_equals_plain_and_eager(qwen3_checkpoint, eagle3_head
         assert got == want[: len(prompts)]
         assert got == ids(eager.generate(prompts, greedy, use_tqdm=False))
     assert step.num_graphed_verifies > 0 and step.drafter.graphs.num_runs > 0
+    # the catch-up after a graphed verify: padded to depth + 1 rows, replayed with the expansion
+    assert step.drafter.graphs.after_verify_graphs and step.drafter.graphs.num_caught_up > 0
     sampled = [SamplingParams(temperature=0.8, seed=s, max_tokens=24, ignore_eos=True) for s in (1, 2, 3)]
     assert ids(llm.generate(PROMPTS, sampled, use_tqdm=False)) == ids(eager.generate(PROMPTS, sampled, use_tqdm=False))
+
+
+def test_tree_verify_takes_the_few_row_mma_for_its_16_rows(llama31_checkpoint, llama31_head):
+    """bf16, batch 1, a 16-node tree (issue 28's shape): the few-row GEMMs are bound for the verify's
+    16 rows (runner/tree_graphs.tree_step_gemm_rows), every 16-row key on the tensor-core MMA (mode
+    "on"), before the capture; the captured step runs (verify and catch-up on graphs)."""
+    from foretell.ops.gemm.triton_mma import MmaConfig
+
+    spec = {"method": "eagle3", "model": llama31_head, "num_speculative_tokens": 6, "topk": 4, "num_draft_tokens": 16}
+    llm = LLM(llama31_checkpoint, device="cuda", dtype="bfloat16", num_kv_blocks=256, max_num_seqs=1,
+              speculative_config=spec)
+    gemm = llm.engine.runner.small_m_gemm
+    assert gemm is not None and gemm.max_m == 16
+    sixteen = [key for key in gemm.choices if key.m_bucket == 16]
+    assert sixteen and all(isinstance(gemm.choices[key], MmaConfig) for key in sixteen), gemm.summary()
+    outs = llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    assert len(outs[0].outputs[0].token_ids) == 24
+    step = llm.engine.runner.tree_step
+    assert step.num_graphed_verifies > 0 and step.drafter.graphs.num_caught_up > 0
 
 
 def test_cut_trees_near_max_model_len_on_the_gpu(qwen3_checkpoint, eagle3_head):
