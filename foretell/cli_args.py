@@ -75,6 +75,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
                    help="bitwise-exact mode: a token's logits do not depend on its step's query length, "
                         "batch or prefix-cache hits (speculative output equals plain output bit for bit)")
     g.add_argument("--num-cpu-threads", type=int, help="torch intra-op threads on CPU")
+    g.add_argument("--cpu-compile", action="store_true", default=None,
+                   help="CPU only: compile the target's decode and verify forward with torch.compile "
+                        "(Inductor's C++ backend, needs a C++ compiler; compiles at the first steps)")
     g.add_argument("--warm-up", default="auto", choices=["auto", "on", "off"],
                    help="dummy requests at start-up so no kernel compiles during serving (auto: on CUDA)")
     g.add_argument("--skip-tokenizer-init", action="store_true", help="token-id prompts only")
@@ -201,7 +204,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     names = [
         "revision", "tokenizer_revision", "download_dir",
         "tokenizer", "dtype", "device", "load_format", "quantization", "max_model_len", "seed", "attention_backend",
-        "enforce_eager", "small_m_gemm", "batch_invariant", "warm_up", "num_cpu_threads", "skip_tokenizer_init", "block_size", "kv_cache_memory_bytes", "gpu_memory_utilization",
+        "enforce_eager", "small_m_gemm", "batch_invariant", "warm_up", "num_cpu_threads", "cpu_compile", "skip_tokenizer_init", "block_size", "kv_cache_memory_bytes", "gpu_memory_utilization",
         "num_kv_blocks", "kv_cache_dtype", "enable_prefix_caching", "max_num_seqs", "max_num_batched_tokens",
         "enable_chunked_prefill", "async_scheduling", "tensor_parallel_size", "enable_expert_parallel",
     ]

@@ -63,8 +63,14 @@ class ModelConfig:
     # or recompute), because every op reduces a row in an order set by that row's own sizes
     # (the batch_invariant variants in ops/*/). Off by default until its cost is measured.
     batch_invariant: bool = False
+    # The CPU fast path (runner/cpu_compile.py): a Llama-family target's decode and verify forward
+    # of one sequence compiled by torch.compile (Inductor's C++ backend; needs a C++ compiler at
+    # run time and compiles once per row count, tens of seconds). CPU only: refused on CUDA.
+    cpu_compile: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.cpu_compile, bool):
+            raise ValueError(f"cpu_compile must be True or False, got {self.cpu_compile!r}")
         if not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
         if self.warm_up not in ("auto", "on", "off"):

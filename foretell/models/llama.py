@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -219,6 +220,8 @@ class DecoderModel(nn.Module):
             for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, **kw)
+        # The CPU forward when the runner installs a compiled one (runner/cpu_compile.py); None: forward_torch
+        self.cpu_forward: Callable | None = None
 
     def forward(
         self,
@@ -231,6 +234,8 @@ class DecoderModel(nn.Module):
             return run_decoder_stack(
                 self.embed_tokens, self.layers, self.norm, input_ids, positions, metadata, aux_layers
             )
+        if self.cpu_forward is not None:
+            return self.cpu_forward(input_ids, positions, metadata, aux_layers)
         return self.forward_torch(input_ids, positions, metadata, aux_layers)
 
     def forward_torch(

@@ -43,6 +43,7 @@ from foretell.layers.batch_invariant import prepare_batch_invariant
 from foretell.layers.vocab_parallel import ParallelLMHead
 from foretell.ops.gemm.dispatch import SmallMGemm
 from foretell.models.base import HFConfig, ModelOptions
+from foretell.runner.cpu_compile import install_cpu_compile
 from foretell.runner.graph_setup import StepGraphSetup, build_step_pipeline
 from foretell.runner.input_batch import InputBatch, build_input_batch
 from foretell.runner.host_step import HostStep
@@ -110,6 +111,10 @@ class ModelRunner:
         self.model = build_model(mc.model, self.hf_config, options, mc.load_format, mc.seed)
         if self.proposer is not None:
             self.proposer.load(self.model, mc.load_format)
+        if mc.cpu_compile:  # the CPU's decode and verify forward through torch.compile (cpu_compile.py)
+            verify_rows = (1 + config.speculative.num_speculative_tokens,) if config.speculative is not None else ()
+            install_cpu_compile(self.model, self.device, (1, *verify_rows), self.tensor_parallel.world_size,
+                                mc.batch_invariant)
         if mc.batch_invariant:  # every float Linear, LMHead and MoE of target and drafter
             prepare_batch_invariant([self.model, *(self.proposer.draft_modules() if self.proposer else [])])
         self.vocab_size = self.hf_config.language_model().vocab_size
@@ -148,7 +153,8 @@ class ModelRunner:
             step_graphs, queue_ahead=queue_ahead, has_drafter=self.proposer is not None,
             target_forward=self.target_forward, sampler=sampler, verifier=self.verifier,
             take_draft_probs=self.host_step.take_draft_probs, vocab_size=self.vocab_size,
-            block_size=self.cache_plan.block_size, max_model_len=self.max_model_len)
+            block_size=self.cache_plan.block_size, max_model_len=self.max_model_len,
+            structured=self.host_step.structured)
         self.tree_step = None if not self.uses_tree else TreeStep(
             self.model, self.proposer, self.host_step, self.target_forward, config, self.cache_plan.block_size,
             self.device, self.tensor_parallel.is_parallel, step_graphs.tree_verify)
