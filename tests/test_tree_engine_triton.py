@@ -67,3 +67,4 @@ def test_graphed_tree_verify_pads_to_a_bucket_on_the_triton_backend(qwen3_checkp
     assert (3, (4, 4)) in keys  # three trees padded to the bucket of four
     drafts = step.drafter.graphs  # the drafter's expansion on its buffers, padded the same way
     assert drafts.num_runs > 0 and drafts.bucket_for(3) == 4 and not drafts.reads_host_lengths
+    assert drafts.num_caught_up > 0  # the catch-up padded to depth + 1 rows, padding sequences' slots -1

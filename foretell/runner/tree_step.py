@@ -332,7 +332,8 @@ class TreeStep:
             return None
         for item, root in zip(sched.scheduled, g.root_positions):
             # a draft is useful whatever the step accepts (DraftBatch.num_useful_drafts > 0)
-            if not (item.samples and _drafts_trees(item.seq.sampling_params) and root + depth + 3 <= graphs.max_model_len):
+            room = root + depth + 3 <= graphs.max_model_len
+            if not (item.samples and _drafts_trees(item.seq.sampling_params) and room):
                 return None
         num_nodes = g.tree.num_nodes
         if g.root_rows != [j * num_nodes for j in range(n)]:  # whole trees, in order

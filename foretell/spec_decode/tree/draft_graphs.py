@@ -127,7 +127,8 @@ class TreeDraftGraphs:
         try:
             torch.cuda.synchronize(self.device)
             for bucket in reversed(self.buckets):
-                for graphs, body in ((self.graphs, self._expand), (self.after_verify_graphs, self._catch_up_and_expand)):
+                kinds = ((self.graphs, self._expand), (self.after_verify_graphs, self._catch_up_and_expand))
+                for graphs, body in kinds:
                     self.inputs.zero_()  # no live sequence: nothing written to the draft cache
                     for _ in range(2):  # compile Triton kernels and warm cuBLAS outside capture
                         body(bucket)

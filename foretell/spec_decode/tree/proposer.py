@@ -21,9 +21,9 @@ returned tree per sequence until its verify (runner/tree_step.py).
 
 After a graphed verify the catch-up itself runs from device inputs (padded_catch_up: the accepted
 path padded to depth + 1 rows, no host read). The expansion after the catch-up (depth 1 through the
-last depth, and the choice of the tree) is device work only (Eagle3TreeDrafter.expand: slots, positions, masks and the tree built on the device, no
-host read): the runner replays it as one CUDA graph per batch bucket (tree/draft_graphs.py), or
-runs the same code eagerly.
+last depth, and the choice of the tree) is device work only (Eagle3TreeDrafter.expand: slots,
+positions, masks and the tree built on the device, no host read): the runner replays it as one
+CUDA graph per batch bucket (tree/draft_graphs.py), or runs the same code eagerly.
 """
 
 from __future__ import annotations
