@@ -198,11 +198,15 @@ class SuffixIndex:
         tokens, base, end, start = self.tokens, self.base, self.end, self.start
         if positions[0] < start:
             positions = [p for p in positions if p >= start]
+        n = len(new)
+        if len(positions) == 1 and positions[0] + n <= end:  # one occurrence (a copy): one slice compare
+            p = positions[0]
+            return Match(match.length + n, [p + n]) if tokens[p - base : p - base + n] == new else Match()
         for x in new:
             positions = [p + 1 for p in positions if p < end and tokens[p - base] == x]
             if not positions:
                 return Match()
-        return Match(match.length + len(new), positions)
+        return Match(match.length + n, positions)
 
     # ---- drafting ------------------------------------------------------------------------
     def draft(self, match: Match, max_tokens: int, min_token_prob: float) -> tuple[list[int], float]:
