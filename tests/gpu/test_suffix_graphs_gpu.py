@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from foretell import LLM, SamplingParams
+from foretell.runner.decode_ahead import DecodeAhead
 from foretell.runner.graphed_verify import GraphedVerify
 from foretell.runner.host_drafts import HostDraftSlots
 from foretell.runner.host_step import HostStep
@@ -45,7 +46,10 @@ def test_host_drafters_verify_on_the_graphs(qwen3_checkpoint, method, monkeypatc
     runner = llm.engine.runner
     assert runner.graphs.captures and isinstance(runner.draft_graphs, HostDraftSlots)
     assert not any(host_verifies)
-    assert runner.pipeline.kinds[0].num_steps > 0 and llm.get_stats()["num_accepted_tokens"] > 0
+    # A step without drafts is a plain decode step queued ahead (DecodeAhead), the others verify padded.
+    verify = next(kind for kind in runner.pipeline.kinds if isinstance(kind, GraphedVerify))
+    assert verify.num_steps > 0 and llm.get_stats()["num_accepted_tokens"] > 0
+    assert isinstance(runner.pipeline.kinds[0], DecodeAhead)
     for g, e in zip(got, plain):
         assert g.token_ids == e.token_ids
         for a, b in zip(g.logprobs, e.logprobs):
