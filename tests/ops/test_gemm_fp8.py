@@ -249,7 +249,8 @@ def test_default_configs_follow_the_h200_sweep():
     MMA splits K while its programs stay within eight per multiprocessor (qkv, o, down 8 ways,
     gate_up 2), never below 512 columns a slice; the GEMV at one row reads 8 KiB tiles over four
     warps, eight rows of 1024 columns where that leaves four programs a multiprocessor, else four
-    rows of 2048; shapes the sweep did not time follow the same rule."""
+    rows of 2048; shapes the sweep did not time follow the same rule. The GEMV's tiles at one row
+    follow the in-graph sweep (sweep_linears_in_graph_gpu.py, 5b0b5ca), gemv_config's docstring."""
     cpu = torch.device("cpu")  # the interpreter's device limits: 132 multiprocessors
     assert few.mma_config(4096, BLOCK, 4096, cpu).split == 8  # o
     assert few.mma_config(14336, BLOCK, 4096, cpu).split == 8  # down
@@ -260,8 +261,8 @@ def test_default_configs_follow_the_h200_sweep():
     assert few.mma_config(512, BLOCK, 64, cpu).split == 1
     assert few.mma_config(4096, BLOCK, 200_000, cpu).split == 1  # a vocabulary: programs enough
     gemv = few.Fp8GemvConfig
-    for n, k, want in (((6144, 4096, gemv(1, 8, 1024, 4))), (28672, 4096, gemv(1, 8, 1024, 4)),
-                       (4096, 4096, gemv(1, 4, 2048, 4)), (4096, 14336, gemv(1, 4, 2048, 4))):
+    for n, k, want in (((6144, 4096, gemv(1, 8, 512, 4))), (28672, 4096, gemv(1, 16, 512, 4)),
+                       (4096, 4096, gemv(1, 8, 1024, 4)), (4096, 14336, gemv(1, 8, 1024, 4))):
         assert few.default_config(1, n, k, torch.bfloat16, BLOCK, cpu) == want, (n, k)
     assert few.gemv_config(1, 6144, 100).block_k == 128  # K in one tile
     assert few.gemv_config(4, 6144, 4096) == gemv(4, 4, 1024, 4)  # float32 x at 4 rows

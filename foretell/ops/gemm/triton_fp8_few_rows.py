@@ -102,20 +102,27 @@ def kernel_block_ok(block_size: tuple[int, int] | None) -> bool:
 
 def gemv_config(m: int, n: int, k: int, block_k: int | None = None, block_n: int | None = None,
                 num_warps: int | None = None, split: int = 1, device: torch.device | None = None) -> Fp8GemvConfig:
-    """The H200 sweep's winners at Llama-8B's shapes (sweep_low_precision_gpu.py, b3ec0f8): at one
-    row of x, 8 KiB of FP8 a tile over four warps (64 bytes a thread), as eight rows of 1024 columns
-    while that still gives four programs a multiprocessor (qkv 6144, gate_up 28672: 768 and 3584
-    programs), else as four rows of 2048 (o and down, N = 4096: 1024 programs, where eight rows
-    left 512 and ran 8% slower); more rows of x keep four rows of W and 4096 / M columns (their
-    products all sit in registers at once), still four warps (eight ran 40-60% slower at M = 4)."""
+    """At one row of x: the winners of the H200's in-graph sweep (scripts/sweep_linears_in_graph_gpu.py,
+    2026-12-02 at 5b0b5ca: all 32 layers' linears of a Llama-8B decode step in one CUDA graph, each
+    layer kind's tile swapped against the others), which overturned the isolated, L2-flushed sweep's
+    (b3ec0f8) for o and down. Eight rows of W a program, sixteen where that still leaves eight
+    programs a multiprocessor (gate_up 28672: 1792 programs); 8 KiB of FP8 a tile over four warps,
+    halved to 4 KiB where eight rows leave four programs a multiprocessor or more (qkv 6144: 768):
+        qkv 6144 x 4096      8 x 512    9.0 us in the graph (was 8 x 1024: 10.0)
+        o 4096 x 4096        8 x 1024   6.4 us              (was 4 x 2048: 7.5)
+        gate_up 28672 x 4096 16 x 512   39.1 us             (was 8 x 1024: 40.7)
+        down 4096 x 14336    8 x 1024   17.4 us             (was 4 x 2048: 21.6)
+    More rows of x keep four rows of W and 4096 / M columns (their products all sit in registers at
+    once), still four warps (eight ran 40-60% slower at M = 4)."""
     if not 1 <= m <= GEMV_MAX_M or n < 1 or k < 1:
         raise ValueError(f"FP8 GEMV needs 1 <= M <= {GEMV_MAX_M}, N >= 1, K >= 1; got M={m}, N={n}, K={k}")
     block_m = _next_pow2(m)
+    sms, _ = device_limits(device or torch.device("cpu"))
     if block_n is None:
-        sms, _ = device_limits(device or torch.device("cpu"))
-        block_n = 8 if m == 1 and triton.cdiv(n, 8) >= 4 * sms else 4
+        block_n = (16 if triton.cdiv(n, 16) >= 8 * sms else 8) if m == 1 else 4
     if block_k is None:
-        block_k = min(_next_pow2(k), GEMV_TILE_BYTES // block_n if m == 1 else GEMV_TILE_BYTES // 2 // block_m)
+        tile_bytes = GEMV_TILE_BYTES // 2 if block_n == 8 and triton.cdiv(n, 8) >= 4 * sms else GEMV_TILE_BYTES
+        block_k = min(_next_pow2(k), tile_bytes // block_n if m == 1 else GEMV_TILE_BYTES // 2 // block_m)
     block_k = max(16, block_k)
     return Fp8GemvConfig(block_m, block_n, block_k, num_warps or 4, split)
 
