@@ -267,7 +267,7 @@ def candidate_configs(num_tokens: int, top_k: int) -> list[dict]:
 
     gate_up_tiles = ((4, 1024, 4), (8, 1024, 4), (16, 1024, 4), (16, 512, 4), (32, 512, 4), (32, 256, 4),
                      (64, 256, 4), (16, 256, 2))
-    down_tiles = ((8, 256, 2), (32, 256, 2), (64, 256, 2), (32, 256, 4), (16, 512, 4))
+    down_tiles = ((8, 256, 2), (32, 256, 2), (32, 256, 4), (16, 512, 4))
     configs = [default]
     configs += [{"gate_up": gate_up(*tile), "down": down(16, 256, 2)} for tile in gate_up_tiles]
     configs += [{"gate_up": gate_up(16, 1024, 4), "down": down(*tile)} for tile in down_tiles]
