@@ -33,11 +33,6 @@ experts_forward_torch) plus the shared output. Grids are fixed by shapes and the
 nothing is read on the host, so the forward can be captured in a CUDA graph. Tiles: the H200
 sweep's winners at Kimi-K2.5's shapes (H = 7168, I = 2048, 8 of 384 experts; int4_launch_config).
 This module imports triton: CUDA (or the interpreter tests, tests/ops/test_moe_int4.py) only.
-
-A launch config's "variant" (per kernel, INT4_VARIANTS) picks these kernels ("nibble_lanes", the
-default) or triton_int4_word_tiles.py's ("word_tiles": x loaded in the words' tile shape, no
-shared-memory round trip; the same bits in the interpreter), one of candidate_configs() until the
-H200 has timed it (tests/gpu/test_moe_int4_words_gpu.py).
 """
 
 from __future__ import annotations
@@ -234,78 +229,24 @@ def _int4_down_combine_kernel(
                              stride_shared, stride_out, TOP_K, GROUPS, HAS_SHARED, BLOCK_N)
 
 
-# The kernels a launch config's "variant" picks, per kernel: this file's (x's lanes 1-D, moved into the
-# tile's layout each tile) or triton_int4_word_tiles.py's (x loaded in the tile's shape).
-INT4_VARIANTS = ("nibble_lanes", "word_tiles")
-
-
 def int4_launch_config(num_tokens: int, top_k: int) -> dict:
     """The H200 sweep's winners at Kimi-K2.5's shapes (b3ec0f8), the same at 1 to 8 tokens: gate_up
     four rows a program over 1024-column tiles (22-25% faster than 16 rows of 256); the down kernel
-    eight columns of 256 over two warps, slots spread over at most 8 programs a column block. The
-    word_tiles variant stays a candidate (candidate_configs) until the H200 has timed it."""
+    eight columns of 256 over two warps, slots spread over at most 8 programs a column block."""
     return {
-        "gate_up": {"variant": "nibble_lanes", "BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4},
-        "down": {"variant": "nibble_lanes", "BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 2,
-                 "SPLIT": min(max(top_k, 1), 8)},
+        "gate_up": {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4},
+        "down": {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 2, "SPLIT": min(max(top_k, 1), 8)},
     }
 
 
-def candidate_configs(num_tokens: int, top_k: int) -> list[dict]:
-    """Full launch configs for a sweep at Kimi-K2.5's shapes, the default first: the word_tiles
-    gate_up at each of its tiles (1 to 4 rows a thread) beside a word_tiles down, that down's tiles
-    beside one gate_up, then each kernel's word_tiles beside the other's default (what to sweep:
-    the sm_90 counts of scripts/count_int4_gemv_sass.py favour 4 rows a thread; the H200 decides)."""
-    default = int4_launch_config(num_tokens, top_k)
-    split = default["down"]["SPLIT"]
-
-    def gate_up(block_n, block_k, warps):
-        return {"variant": "word_tiles", "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps}
-
-    def down(block_n, block_k, warps):
-        return {"variant": "word_tiles", "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps, "SPLIT": split}
-
-    gate_up_tiles = ((4, 1024, 4), (8, 1024, 4), (16, 1024, 4), (16, 512, 4), (32, 512, 4), (32, 256, 4),
-                     (64, 256, 4), (16, 256, 2))
-    down_tiles = ((8, 256, 2), (32, 256, 2), (32, 256, 4), (16, 512, 4))
-    configs = [default]
-    configs += [{"gate_up": gate_up(*tile), "down": down(16, 256, 2)} for tile in gate_up_tiles]
-    configs += [{"gate_up": gate_up(16, 1024, 4), "down": down(*tile)} for tile in down_tiles]
-    configs += [{"gate_up": gate_up(16, 1024, 4), "down": dict(default["down"])},
-                {"gate_up": dict(default["gate_up"]), "down": down(16, 256, 2)}]
-    return configs
-
-
 def _resolve(config: dict | None, num_tokens: int, top_k: int) -> dict:
-    defaults = int4_launch_config(num_tokens, top_k)
-    variants = {name: cfg["variant"] for name, cfg in defaults.items()}
-    overrides = {}
-    for name, cfg in (config or {}).items():
-        if isinstance(cfg, dict) and "variant" in cfg:
-            if name in variants and cfg["variant"] not in INT4_VARIANTS:
-                raise ValueError(f"int4 MoE {name}: variant must be one of {list(INT4_VARIANTS)}, got "
-                                 f"{cfg['variant']!r}")
-            variants[name] = cfg["variant"]
-            cfg = {key: value for key, value in cfg.items() if key != "variant"}
-        overrides[name] = cfg
-    resolved = override_kernel_configs(defaults, overrides, "int4 MoE")  # names the unknown kernels and keys
+    resolved = override_kernel_configs(int4_launch_config(num_tokens, top_k), config, "int4 MoE")
     for name, cfg in resolved.items():
-        cfg["variant"] = variants[name]
         block_k = cfg["BLOCK_K"]
         if block_k < INT4_GROUP or block_k & (block_k - 1) or cfg["BLOCK_N"] & (cfg["BLOCK_N"] - 1):
             raise ValueError(f"int4 MoE {name}: BLOCK_K must be a power of two >= {INT4_GROUP} and BLOCK_N a power "
                              f"of two, got {cfg}")
     return resolved
-
-
-def _kernel_and_options(cfg: dict, lanes_kernel, words_kernel_name: str, k: int) -> tuple:
-    """The kernel a resolved config picks and its launch keywords (word_tiles: with EVEN_K for K = k)."""
-    options = {key: value for key, value in launch_options(cfg).items() if key != "variant"}
-    if cfg["variant"] == "nibble_lanes":
-        return lanes_kernel, options
-    from foretell.ops.moe import triton_int4_word_tiles  # imports this module: loaded on first use
-
-    return getattr(triton_int4_word_tiles, words_kernel_name), {**options, "EVEN_K": k % cfg["BLOCK_K"] == 0}
 
 
 def fused_int4_experts_gemv_triton(
@@ -332,20 +273,16 @@ def fused_int4_experts_gemv_triton(
         t.contiguous() for t in (gate_up_packed, gate_up_scale, down_packed, down_scale))
     plan = plan_gemv(hidden, weights, ids, shared, inter, gate_up_scale.dtype, out_dtype, down_cfg["SPLIT"],
                      down_cfg["BLOCK_N"])
-    gate_up_kernel, gate_up_options = _kernel_and_options(up_cfg, _int4_gate_up_kernel, "_int4_words_gate_up_kernel",
-                                                          hidden_size)
-    down_kernel, down_options = _kernel_and_options(down_cfg, _int4_down_combine_kernel,
-                                                    "_int4_words_down_combine_kernel", inter)
-    gate_up_kernel[plan.gate_up_grid(up_cfg["BLOCK_N"])](
+    _int4_gate_up_kernel[plan.gate_up_grid(up_cfg["BLOCK_N"])](
         hidden, gate_up_packed, gate_up_scale, plan.flat_ids, plan.act, plan.counters, plan.num_counters,
         hidden_size, inter, hidden.stride(0), gate_up_packed.stride(0), gate_up_scale.stride(0), plan.act.stride(0),
-        gate_up_packed.shape[2], gate_up_scale.shape[2], **plan.gate_up_constexprs, **gate_up_options,
+        gate_up_packed.shape[2], gate_up_scale.shape[2], **plan.gate_up_constexprs, **launch_options(up_cfg),
     )
-    down_kernel[plan.down_grid](
+    _int4_down_combine_kernel[plan.down_grid](
         plan.act, down_packed, down_scale, plan.flat_ids, plan.pair_weights, plan.shared_or_out, plan.scratch,
         plan.counters, plan.out, hidden_size, inter, plan.act.stride(0), down_packed.stride(0), down_scale.stride(0),
         plan.stride_shared, plan.out.stride(0), down_packed.shape[2], down_scale.shape[2],
-        **plan.down_constexprs, **down_options,
+        **plan.down_constexprs, **launch_options(down_cfg),
         enable_fp_fusion=False,  # each weighted slot output rounded to float32 before it is added
     )
     return plan.out
