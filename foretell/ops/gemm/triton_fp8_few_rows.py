@@ -165,10 +165,13 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype, block_size: tuple
 
 
 # GEMV candidates at one row of x: (rows of W per program, columns per tile, warps, splits of K).
+# The first five are neighbours of the in-graph sweep's winners (gemv_config), listed first so that a
+# budgeted sweep (--max-candidates) reaches them.
 # 16 KiB tiles over four warps (8 x 2048, 16 x 1024: 128 weights a thread) take 3.15 sm_90
 # instructions a weight in their loop against 3.59 for 8 KiB ones (x's load and scaling shared by
 # twice the rows), and keep twice the bytes in flight; split 2 keeps their program count at N = 4096.
-GEMV_CANDIDATES = ((2, 4096, 4, 1), (4, 1024, 4, 1), (4, 2048, 4, 1), (4, 4096, 4, 1), (8, 512, 4, 1),
+GEMV_CANDIDATES = ((8, 256, 4, 1), (16, 256, 4, 1), (32, 256, 4, 1), (16, 512, 8, 1), (8, 512, 2, 1),
+                   (2, 4096, 4, 1), (4, 1024, 4, 1), (4, 2048, 4, 1), (4, 4096, 4, 1), (8, 512, 4, 1),
                    (8, 1024, 4, 1), (8, 1024, 8, 1), (8, 2048, 8, 1), (16, 512, 4, 1), (16, 1024, 8, 1),
                    (4, 2048, 4, 2), (8, 1024, 4, 2), (8, 2048, 4, 1), (16, 1024, 4, 1), (8, 2048, 4, 2),
                    (4, 4096, 4, 2))
