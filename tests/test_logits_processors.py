@@ -247,7 +247,7 @@ def test_requests_with_controls_stay_off_the_paths_that_sample_without_them():
     loop = SimpleNamespace(k=2, verify_lens=(3,), catch_up_fits=lambda n, q=None: True)
     padded = SimpleNamespace(draft_graphs=loop, graphs=SimpleNamespace(bucket_for=lambda b: (1, 3)))
     padded.verify_length = lambda sched: GraphedVerify.verify_length(padded, sched)
-    padded.enabled = True
+    padded.enabled, padded.structured = True, None  # no grammar masks: grammars on the host step
     padded._length_that_fits = lambda sched, b: GraphedVerify._length_that_fits(padded, sched, b)
     for params, plain, padded_ok in ((SamplingParams(temperature=0), True, True),
                                      (SamplingParams(temperature=0, presence_penalty=0.1), False, True),

@@ -137,12 +137,12 @@ def test_mixed_batches_and_sampled_rows_processed_probabilities(k):
     assert torch.equal(got_probs, processed_probs(expected.view(n * q, VOCAB), rows))
 
 
-def test_a_batch_without_controls_has_no_state_and_grammars_are_refused():
+def test_a_batch_without_controls_has_no_state_and_a_grammar_is_no_control():
     seq = make_seq(0, SamplingParams(temperature=0.0), [1, 2], [])
     assert PaddedLogitsControls.for_sequences([seq, seq], VOCAB, CPU) is None
+    # A grammar's masks are the padded verify's (structured/padded_verify.py), no state here.
     grammar = make_seq(1, SamplingParams(temperature=0.0, structured_outputs={"regex": "a+"}), [1], [])
-    with pytest.raises(ValueError, match="structured outputs"):
-        PaddedLogitsControls.for_sequences([seq, grammar], VOCAB, CPU)
+    assert PaddedLogitsControls.for_sequences([seq, grammar], VOCAB, CPU) is None
 
 
 @pytest.mark.parametrize("k", [0, 1, 3])
@@ -305,7 +305,7 @@ def test_sampled_verifies_with_controls_take_the_padded_step(qwen3_checkpoint, e
     check_sampled_controls_hold(got)
 
 
-def test_verify_length_takes_controls_but_not_grammars(qwen3_checkpoint, eagle3_head):
+def test_verify_length_takes_controls_and_grammars(qwen3_checkpoint, eagle3_head):
     spec = {"method": "eagle3", "model": eagle3_head, "num_speculative_tokens": 3}
     with fp32_engine(qwen3_checkpoint, num_kv_blocks=64, speculative_config=spec) as llm:
         kind = padded_kind(llm)
@@ -320,7 +320,10 @@ def test_verify_length_takes_controls_but_not_grammars(qwen3_checkpoint, eagle3_
                                            item(2, SamplingParams(temperature=0.0, bad_words_token_ids=[[4, 5]]))])
         assert kind.verify_length(batch) == 4
         batch.scheduled.append(item(3, SamplingParams(temperature=0.0, structured_outputs={"regex": "a+"})))
+        assert kind.verify_length(batch) == 4  # a model drafter's grammar: structured/padded_verify.py
+        structured, kind.structured = kind.structured, None  # without grammar masks (a host drafter's)
         assert kind.verify_length(batch) is None
+        kind.structured = structured
 
 
 @pytest.mark.parametrize("kwargs, message", [

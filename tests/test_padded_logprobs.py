@@ -223,8 +223,7 @@ def test_seeded_sampled_logprobs_are_the_targets_and_leave_tokens_unchanged(qwen
 
 def test_verify_length_takes_logprobs_requests(qwen3_checkpoint, eagle3_head):
     """The step plan: a verify batch asking for logprobs gets the padded step's q (it got None,
-    the host step, before); a grammar still goes to the host step (logits controls no longer do:
-    tests/test_padded_logits_controls.py)."""
+    the host step, before), a grammar too with a model drafter (structured/padded_verify.py)."""
     kind = padded_kind(spec_llm(qwen3_checkpoint, eagle3_head))
 
     def item(seq_id, params):
@@ -236,7 +235,7 @@ def test_verify_length_takes_logprobs_requests(qwen3_checkpoint, eagle3_head):
                                        item(2, greedy(8, None))])
     assert kind.verify_length(batch) == 4
     batch.scheduled.append(item(3, greedy(8, 1, structured_outputs={"regex": "a+"})))
-    assert kind.verify_length(batch) is None
+    assert kind.verify_length(batch) == 4
 
 
 def test_bad_top_n_still_fails_clearly():

@@ -1,14 +1,19 @@
 """What a grammar costs per engine step at batch 1 (issue 27's overhead bar), on any device.
 
 One prompt, --tokens greedy tokens (EOS ignored), the default family (or --model), with the
-drafter of --method. Four runs in one engine, each repeated --repeats times (the median is kept):
+drafter of --method. Five runs in one engine, each repeated --repeats times (the median is kept):
 
   padded_step   no grammar, no controls: the padded device step (graphed verify and draft loop,
                 queued ahead; eager on the CPU), what a request without a grammar gets
   host_step     the same request with the runner's device steps turned off for the run (its step
-                pipeline tries no kind): the host step (runner/host_step.py), which every request
-                with a grammar takes, without the grammar
-  always_true   an always-true grammar (regex `(.|\\n)*`): the grammar's machinery, no constraint
+                pipeline tries no kind): the host step (runner/host_step.py), without the grammar
+  always_true   an always-true grammar (regex `(.|\\n)*`): the grammar's machinery, no constraint;
+                with a model drafter on the padded step (structured/padded_verify.py: graphed
+                draft loop, one read a step, masks uploaded), else on the host step
+  always_true_host  the same grammar with the padded verify off (GraphedVerify.enabled): the host
+                step with its eager, masked draft loop, what every grammar request took before
+                2026-12-02 (issue 27's 9.5 ms a step on the H200); the same as always_true
+                where the padded step takes no grammar (n-gram, no drafter)
   json          the JSON schema of scripts/check_structured_gpu.py (what users send)
 
 For each: milliseconds per engine step (wall, and this thread's CPU time, steadier on a shared
@@ -16,8 +21,8 @@ machine), and the grammar's host time per step on the engine's thread from Struc
 MaskTimer: the verify rows' fill (llguidance, or the wait for the rows filled ahead on the
 worker thread), their copy and device op, the drafter loop's masks, and handing the next step's
 rows to the worker (fill_ahead). The grammar's own cost is always_true against host_step; what a
-user pays for a grammar is always_true against padded_step (on CUDA mostly the host step's
-eager draft loop, not the grammar). Before 2026-12-02 the table's baseline was a no-op
+user pays for a grammar is always_true against padded_step; always_true_host against
+always_true is what the grammar's padded step saves. Before 2026-12-02 the table's baseline was a no-op
 logit_bias, which since 99df117 (logits controls on the padded step) no longer takes the host
 step: it compared the grammar's host step against the padded step. With --count-syncs, one more
 request of each run under bench/device_syncs.DeviceSyncCounter: device->host syncs, device ops and
@@ -87,6 +92,35 @@ def measure(llm, prompt: str, params, repeats: int) -> dict:
             "fill_ahead_ms_per_step": 1e3 * d["fill_ahead_seconds"] / steps,
         })
     return {key: statistics.median(r[key] for r in runs) if runs[0][key] is not None else None for key in runs[0]}
+
+
+class PaddedVerifyOff:
+    """While inside: the runner's padded verify step declines every batch (GraphedVerify.enabled
+    off), so verifies take the host step; plain decoding queued ahead is untouched."""
+
+    def __init__(self, llm):
+        from foretell.runner.graphed_verify import GraphedVerify
+
+        self.pipeline = llm.engine.runner.pipeline
+        self.kinds = [kind for kind in self.pipeline.kinds if isinstance(kind, GraphedVerify)]
+
+    def __enter__(self):
+        for kind in self.kinds:
+            kind.enabled = False
+        self.pipeline.reset()
+        return self
+
+    def __exit__(self, *exc):
+        for kind in self.kinds:
+            kind.enabled = True
+        self.pipeline.reset()
+
+
+def padded_grammar_steps(llm) -> int:
+    """Padded verify steps with a grammar so far (0 without a padded verify)."""
+    from foretell.runner.graphed_verify import GraphedVerify
+
+    return sum(kind.num_grammar_steps for kind in llm.engine.runner.pipeline.kinds if isinstance(kind, GraphedVerify))
 
 
 class HostStepOnly:
@@ -167,22 +201,28 @@ def run(model: str | None, method: str, device: str, dtype: str, tokens: int, re
         if not fill_ahead:  # every step fills its own rows (an instance attribute: the class is untouched)
             structured_of(llm).fill_ahead = lambda scheduled, results: None
         plain = SamplingParams(**base)
+        always_true = SamplingParams(**base, structured_outputs={"regex": ALWAYS_TRUE})
         runs = {
             "padded_step": plain,
             "host_step": plain,
-            "always_true": SamplingParams(**base, structured_outputs={"regex": ALWAYS_TRUE}),
+            "always_true": always_true,
+            "always_true_host": always_true,
             # The JSON document ends where it ends: no ignore_eos (a closed document allows only EOS).
             "json": SamplingParams(temperature=0, max_tokens=tokens, structured_outputs={
                 "json": JSON_SCHEMA, "disable_any_whitespace": True}),
         }
+        contexts = {"host_step": HostStepOnly, "always_true_host": PaddedVerifyOff}
         for name, params in runs.items():
-            with HostStepOnly(llm) if name == "host_step" else contextlib.nullcontext():
+            with contexts[name](llm) if name in contexts else contextlib.nullcontext():
+                grammar_steps = padded_grammar_steps(llm)
                 report[name] = measure(llm, prompt, params, repeats)
+                report[name]["padded_grammar_steps"] = padded_grammar_steps(llm) - grammar_steps
                 if syncs:
                     report[name].update(count_syncs(llm, prompt, params))
         vocab = llm.engine.runner.vocab_size
     grammar = report["always_true"]
-    for base_run, suffix in (("host_step", ""), ("padded_step", "_vs_padded_step")):
+    for base_run, suffix in (("host_step", ""), ("padded_step", "_vs_padded_step"),
+                             ("always_true_host", "_vs_grammar_on_the_host_step")):
         for key in ("ms_per_step", "cpu_ms_per_step"):
             base_value = report[base_run][key]
             report[f"overhead_percent_{key}{suffix}"] = 100.0 * (grammar[key] - base_value) / base_value
@@ -195,25 +235,28 @@ def print_report(report: dict) -> None:
     print(f"batch 1, {report['method']}, {report['device']} {report['dtype']}, {report['tokens']} tokens, "
           f"fill ahead {'on' if report['fill_ahead'] else 'off'}, "
           f"forced drafts {'on' if report['forced_drafts'] else 'off'}")
-    print(f"{'run':12} {'ms/step':>8} {'cpu ms':>8} {'masks ms':>9} {'fill':>7} {'apply':>7} {'draft':>7} "
+    print(f"{'run':16} {'ms/step':>8} {'cpu ms':>8} {'masks ms':>9} {'fill':>7} {'apply':>7} {'draft':>7} "
           f"{'ahead':>7} {'accept':>7}")
     counted = "syncs_per_step" in report["always_true"]
-    for name in ("padded_step", "host_step", "always_true", "json"):
+    for name in ("padded_step", "host_step", "always_true", "always_true_host", "json"):
         r = report[name]
         accept = f"{r['mean_acceptance_length']:.3f}" if r["mean_acceptance_length"] else "-"
         syncs = (f" {r['syncs_per_step']:6.2f} {r['device_ops_per_step']:7.1f} {r['uploads_per_step']:7.1f}"
                  if counted else "")
-        print(f"{name:12} {r['ms_per_step']:8.3f} {r['cpu_ms_per_step']:8.3f} {r['mask_ms_per_step']:9.3f} "
+        print(f"{name:16} {r['ms_per_step']:8.3f} {r['cpu_ms_per_step']:8.3f} {r['mask_ms_per_step']:9.3f} "
               f"{r['verify_fill_ms_per_step']:7.3f} {r['verify_apply_ms_per_step']:7.3f} "
               f"{r['draft_mask_ms_per_step']:7.3f} {r['fill_ahead_ms_per_step']:7.3f} {accept:>7}{syncs}")
     if counted:
         print("(last columns: device->host syncs, device ops, uploads per step, counted on a separate request)")
-        for name in ("padded_step", "host_step", "always_true"):
+        for name in ("padded_step", "host_step", "always_true", "always_true_host"):
             sites = ", ".join(f"{n:.2f} {site}" for site, n in report[name]["sync_sites_per_step"].items())
             print(f"  {name} syncs: {sites or 'none'}")
     print(f"always-true grammar vs the host step without it: {report['overhead_percent_ms_per_step']:+.1f}% wall, "
           f"{report['overhead_percent_cpu_ms_per_step']:+.1f}% thread CPU; vs the padded step "
-          f"{report['overhead_percent_ms_per_step_vs_padded_step']:+.1f}% wall")
+          f"{report['overhead_percent_ms_per_step_vs_padded_step']:+.1f}% wall; vs the same grammar on the host step "
+          f"{report['overhead_percent_ms_per_step_vs_grammar_on_the_host_step']:+.1f}% wall, "
+          f"{report['overhead_percent_cpu_ms_per_step_vs_grammar_on_the_host_step']:+.1f}% thread CPU")
+    print(f"always-true grammar steps on the padded verify: {report['always_true']['padded_grammar_steps']:.0f}")
     print("apply_token_bitmask: " + ", ".join(f"{k} {v:.1f} us" for k, v in report["bitmask_op_us"].items()))
 
 

@@ -231,7 +231,10 @@ def build_step_pipeline(
         kinds.append(DecodeAhead(step_graphs.target, target_forward, sampler, vocab_size, block_size, max_model_len))
     if step_graphs.draft_loop is not None:
         kinds.append(GraphedVerify(step_graphs.padded_forward, step_graphs.draft_loop, verifier, block_size,
-                                   max_model_len, sampler.noise, vocab_size, take_draft_probs))
+                                   max_model_len, sampler.noise, vocab_size, take_draft_probs,
+                                   # grammars on the padded step with a model's draft loop (padded_verify.py)
+                                   structured=None if isinstance(step_graphs.draft_loop, HostDraftSlots)
+                                   else structured))
     # A drafter's general-path loop needs the host's accept counts: nothing is queued past it.
     queue_ahead = queue_ahead and (not has_drafter or step_graphs.draft_loop is not None)
     return StepPipeline(queue_ahead, kinds)

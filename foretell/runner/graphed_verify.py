@@ -4,8 +4,8 @@ on the device, the draft loop over the same buffers, and a single host read for 
 GraphedVerify is the step kind (runner/step_pipeline.py): it takes a batch where every sequence
 feeds one row plus its drafts (0..K of them) and samples, greedy or sampled (temperature, top-k,
 top-p, min-p), with or without logprobs and logits controls (penalties, logit_bias, min_tokens,
-bad words, allowed tokens: padded_logits_controls.py; grammars stay on the host step,
-logits_processing.py). The step verifies q - 1 drafts per
+bad words, allowed tokens: padded_logits_controls.py; grammars with a model drafter's loop:
+structured/padded_verify.py, the host step's otherwise). The step verifies q - 1 drafts per
 sequence, q the shortest verify length of the draft loop that holds the most drafts (K + 1, or
 under adaptive speculation 1..K + 1: the chosen k + 1, k = 0 being a padded decode whose draft
 loop catches the drafter up); a sequence with fewer drafts (a budget or length cut) is padded to
@@ -68,6 +68,8 @@ from foretell.runner.step_pipeline import HostCopy
 from foretell.spec_decode.draft_graph import DraftGraphRunner
 from foretell.spec_decode.rejection_sampler import PaddedSampling, dense_draft_probs
 from foretell.spec_decode.verifier import Verifier
+from foretell.structured.padded_verify import GrammarMaskBuffer, padded_verify_grammar
+from foretell.structured.runtime import StructuredOutputs
 
 
 #: The input id fed at a padded draft row (a sequence with fewer drafts than the step verifies):
@@ -99,17 +101,24 @@ class GraphedVerify:
     # False: launch() declines every batch, which then takes the host step (tests that hold the
     # host step's own behaviour on an engine that has the padded step set it; the runner never does).
     enabled: bool = True
+    # Grammar masks on this step (structured/padded_verify.py); None: grammar requests take the
+    # host step (a host drafter's verify: its drafts are proposed after the step, by the runner).
+    structured: StructuredOutputs | None = None
+    num_grammar_steps: int = 0  # padded steps with a sequence under a grammar
 
     def __post_init__(self):
         # rows: the padded forward's most (largest bucket x q)
         self.logprob_out = PackedLogprobBuffer(self.graphs.input_ids.numel(), self.graphs.device)
+        self.grammar_masks = GrammarMaskBuffer(self.graphs.input_ids.numel(), self.graphs.device)
+        if self.structured is not None:  # a grammar request's drafts, forced ones included, fit this step
+            self.structured.limit_drafts(self.draft_graphs.k)
 
     def verify_length(self, sched: SchedulerOutput) -> int | None:
         """q, the rows per sequence of this batch's padded step: the shortest verify length the
         draft loop takes (K + 1; any of 1..K + 1 under adaptive speculation) that holds 1 + the
         most drafts a sequence verifies, when every sequence feeds one row plus its drafts and
-        samples (logprobs or logits controls or not), follows no grammar, and has its draft loop's catch-up
-        rows below max_model_len (a draft LM one short of the limit takes
+        samples (logprobs, logits controls or a grammar with `structured`, or none), and has its
+        draft loop's catch-up rows below max_model_len (a draft LM one short of the limit takes
         the host step: nothing it drafts there is used). None: the host step."""
         items = sched.scheduled
         if not items:
@@ -122,7 +131,7 @@ class GraphedVerify:
         fits = all(
             item.samples
             and item.num_new_tokens == 1 + len(item.draft_token_ids)  # a verify (or decode), no prefill rows
-            and padded_step_takes(item.seq.sampling_params)  # grammars: the host step
+            and (padded_step_takes(item.seq.sampling_params) or self.structured is not None)  # a grammar
             and loop.catch_up_fits(item.seq.num_computed_tokens, q)
             for item in items
         )
@@ -177,6 +186,9 @@ class GraphedVerify:
         kept = [self.take_draft_probs(item) for item in items]  # forgotten there: this step verifies them
         sampled = self._sampling(seqs, q)
         extras = PaddedStepExtras.for_sequences(seqs, self.vocab_size, self.graphs.device)
+        if self.structured is not None:  # filled while the forward runs; never queued ahead
+            extras.grammar = padded_verify_grammar(self.structured, self.grammar_masks, items, q, self.draft_graphs.k)
+            self.num_grammar_steps += extras.grammar is not None
         draft_probs = None
         if sampled is not None and any(probs is not None for probs in kept):  # drafts the host step sampled
             drafts = self.graphs.input_ids[: len(items) * q].view(len(items), q)[:, 1:]
@@ -230,8 +242,8 @@ class GraphedVerify:
         further) must sit in allocated blocks, and the block tables fit the graphs' (max_blocks
         per sequence)."""
         q = launched.key[1]
-        if self.next_verify_length(launched, num_next_drafts) != q:
-            return False
+        if self.next_verify_length(launched, num_next_drafts) != q or launched.extras.grammar is not None:
+            return False  # a grammar's next masks need this step's tokens on the host
         m = self.num_drafts(q, num_next_drafts)
         max_blocks = self.graphs.block_table.shape[1]
         for seq, start in zip(launched.seqs, launched.start_positions):
@@ -359,7 +371,7 @@ class LaunchedVerify:
             )
             for i, (drafts, limit) in enumerate(zip(self.draft_token_ids, self.accept_limits))
         ]
-        self.extras.read_logprobs(self.key[1], host[2 * n + n * m :], results)
+        self.extras.read(self.key[1], host[2 * n + n * m :], results)  # logprobs, grammars
         return results
 
     def expect(self, previous: "LaunchedVerify", previous_results: list) -> None:

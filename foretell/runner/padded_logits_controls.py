@@ -85,15 +85,11 @@ class PaddedLogitsControls:
     def for_sequences(cls, seqs: list[Sequence], vocab_size: int,
                       device: torch.device) -> "PaddedLogitsControls | None":
         """The state of `seqs` (a step's sequences in order) as the host's token lists hold them
-        now; None when none has controls. A sequence under a grammar has no padded form: the
-        caller keeps those on the host step (padded_step_takes)."""
-        index = [i for i, seq in enumerate(seqs) if seq.sampling_params.needs_logits_processing]
+        now; None when none has controls. A grammar is no control here: its masks are the padded
+        verify's (structured/padded_verify.py)."""
+        index = [i for i, seq in enumerate(seqs) if seq.sampling_params.needs_logits_controls]
         if not index:
             return None
-        for i in index:
-            if not padded_step_takes(seqs[i].sampling_params):
-                raise ValueError(f"sequence {seqs[i].seq_id} asks for structured outputs: the host step's "
-                                 f"(padded_step_takes)")
         controlled = [seqs[i] for i in index]
         params = [seq.sampling_params for seq in controlled]
         c = len(controlled)

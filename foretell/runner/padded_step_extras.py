@@ -18,6 +18,11 @@ static buffer (PackedLogprobBuffer) that leaves with the accepted counts, next t
 the step's one read-back; the host keeps each sequence's emitted rows (as many as the host step
 reports: accepted + 1) and its own top-n. Prompt logprobs come from prefill rows: the host step.
 
+Grammars (structured/padded_verify.py): the verify rows' bitmasks, filled on the host and
+uploaded when the step is launched, applied after the controls (verification reads the masked
+logits); after the step's read, the structured sequences' next drafts shaped by their grammars.
+A step with a grammar is never queued ahead.
+
 PaddedStepExtras is one step's set of them (None where no sequence asks); a step queued after
 another reuses its extras, their device state advanced by the earlier step's verification.
 """
@@ -33,6 +38,7 @@ from foretell.layers.sampler import argmax_rows
 from foretell.runner.logprobs import PaddedLogprobs, padded_step_logprobs, read_padded_logprobs
 from foretell.runner.padded_logits_controls import PaddedLogitsControls
 from foretell.runner.sequence_result import SequenceResult
+from foretell.structured.padded_verify import PaddedVerifyGrammar
 
 
 class PackedLogprobBuffer:
@@ -56,10 +62,12 @@ class PackedLogprobBuffer:
 
 @dataclass
 class PaddedStepExtras:
-    """One padded step's logits controls and logprobs (each None when no sequence has any)."""
+    """One padded step's logits controls, logprobs and grammars (each None when no sequence has
+    any)."""
 
     logprobs: PaddedLogprobs | None  # which sequences want logprobs, and how many alternatives
     controls: PaddedLogitsControls | None  # the logits controls' device state
+    grammar: PaddedVerifyGrammar | None = None  # the grammars' masks (set at launch: GraphedVerify)
 
     @classmethod
     def for_sequences(cls, seqs: list[Sequence], vocab_size: int, device: torch.device) -> "PaddedStepExtras":
@@ -71,12 +79,15 @@ class PaddedStepExtras:
     def process(self, raw_logits: torch.Tensor, drafts: torch.Tensor,
                 greedy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The logits verification reads and each row's greedy token: raw_logits [n, q, vocab]
-        float32 and greedy [n, q] as they are without controls, else processed (a new tensor;
-        drafts [n, q - 1]: each row processed as if the drafts before it were accepted)."""
-        if self.controls is None:
+        float32 and greedy [n, q] as they are without controls or grammars, else processed (a new
+        tensor; drafts [n, q - 1]: each row processed as if the drafts before it were accepted),
+        the grammars' masks last."""
+        if self.controls is None and self.grammar is None:
             return raw_logits, greedy
         n, q, vocab = raw_logits.shape
-        logits = self.controls.apply(raw_logits, drafts)  # [n, q, vocab] float32
+        logits = raw_logits if self.controls is None else self.controls.apply(raw_logits, drafts)  # [n, q, vocab]
+        if self.grammar is not None:
+            logits = self.grammar.apply(logits, raw_logits)
         return logits, argmax_rows(logits.view(n * q, vocab)).view(n, q)
 
     def after_verification(self, raw_logits: torch.Tensor, drafts: torch.Tensor, accepted: torch.Tensor,
@@ -91,6 +102,13 @@ class PaddedStepExtras:
             return None
         return padded_step_logprobs(self.logprobs, raw_logits, drafts, accepted, next_token,
                                     out.for_width(self.logprobs.row_width))
+
+    def read(self, q: int, packed: list[int], results: list[SequenceResult]) -> None:
+        """After the step's read: each result's logprobs from the packed values read back (the
+        rows it emitted), then the grammars' shaping of the next drafts."""
+        self.read_logprobs(q, packed, results)
+        if self.grammar is not None:
+            self.grammar.after_read(results)
 
     def read_logprobs(self, q: int, packed: list[int], results: list[SequenceResult]) -> None:
         """Each result's logprobs from the packed values read back (the rows it emitted)."""

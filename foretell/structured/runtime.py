@@ -130,6 +130,7 @@ class StructuredOutputs:
         self.timer = MaskTimer()  # host time spent on masks (verify rows and draft loops)
         self._worker: MaskWorker | None = None  # fill_ahead()'s thread, started when first used
         self._ahead: tuple | None = None  # the next step's rows filled ahead: (jobs, rows), valid once waited for
+        self.draft_limit: int | None = None  # the most drafts grammar_drafts() leaves (limit_drafts)
 
     # ---- matchers ------------------------------------------------------------------------
     def _tokenizer(self):
@@ -217,21 +218,12 @@ class StructuredOutputs:
             if item.seq.sampling_params.structured_outputs is not None:
                 spans.append((item, row0, num_rows))
             row0 += num_rows
-        self._wait_for_worker()
-        ahead, self._ahead = self._ahead, None
+        ahead = self.take_filled_ahead()
         if not spans:
             return logits
         started = time.perf_counter()
-        matchers = [self.matcher_for(item.seq) for item, _, _ in spans]  # first: the mask width is known after
-        num_masked = sum(n for _, _, n in spans)
-        buffer = self.buffer("verify", logits.device)
-        bitmask = buffer.rows(num_masked)  # [masked rows, words]
-        if not self._take_rows_filled_ahead(ahead, spans, bitmask):
-            try:
-                fill_verify_masks(self.executor, matchers, [list(item.draft_token_ids) for item, _, _ in spans], bitmask)
-            except SequenceGrammarViolation as e:
-                seq = spans[e.index][0].seq
-                raise SequenceError(seq.seq_id, f"structured outputs of request {seq.request_id!r}: {e}") from e
+        buffer, bitmask = self.fill_verify_rows([item for item, _, _ in spans], ahead, logits.device)
+        num_masked = bitmask.shape[0]
         filled = time.perf_counter()
         if copy:
             logits = logits.clone()
@@ -247,6 +239,30 @@ class StructuredOutputs:
         self.timer.verify_apply_seconds += done - filled
         self.timer.seconds += done - started
         return logits
+
+    def take_filled_ahead(self) -> tuple | None:
+        """The rows the worker filled ahead for this step (None: none), once it is done; every
+        step takes them (its own fill then uses them or not), so none outlive the step after."""
+        self._wait_for_worker()
+        ahead, self._ahead = self._ahead, None
+        return ahead
+
+    def fill_verify_rows(self, items: list, ahead: tuple | None,
+                         device: torch.device) -> tuple[BitmaskBuffer, np.ndarray]:
+        """The verify rows of `items` (structured sequences that sample, in row order: each one's
+        len(drafts) + 1 rows, row j as if drafts d_0..d_{j-1} were accepted) in the reusable
+        "verify" host buffer: the rows filled ahead (take_filled_ahead) when they are this step's,
+        else one batched llguidance fill. Returns the buffer and its rows [sum, words] int32."""
+        matchers = [self.matcher_for(item.seq) for item in items]  # first: the mask width is known after
+        buffer = self.buffer("verify", device)
+        bitmask = buffer.rows(sum(len(item.draft_token_ids) + 1 for item in items))  # [rows, words]
+        if not self._take_rows_filled_ahead(ahead, items, bitmask):
+            try:
+                fill_verify_masks(self.executor, matchers, [list(item.draft_token_ids) for item in items], bitmask)
+            except SequenceGrammarViolation as e:
+                seq = items[e.index].seq
+                raise SequenceError(seq.seq_id, f"structured outputs of request {seq.request_id!r}: {e}") from e
+        return buffer, bitmask
 
     # ---- the next step's rows, filled ahead on a worker thread ---------------------------
     def fill_ahead(self, scheduled: list, results: list) -> None:
@@ -302,8 +318,8 @@ class StructuredOutputs:
         if self._worker is not None and self._worker.busy and not self._worker.wait():
             self._ahead = None  # llguidance failed: the step's own fill meets it and names the request
 
-    def _take_rows_filled_ahead(self, ahead: tuple | None, spans: list, bitmask: np.ndarray) -> bool:
-        """Finish the rows filled ahead and copy them into bitmask when every span's were (False:
+    def _take_rows_filled_ahead(self, ahead: tuple | None, items: list, bitmask: np.ndarray) -> bool:
+        """Finish the rows filled ahead and copy them into bitmask when every item's were (False:
         fill them all here; a grammar error found is raised there, naming the request)."""
         if ahead is None:
             return False
@@ -313,7 +329,7 @@ class StructuredOutputs:
             first_rows[key] = row0
             row0 += len(drafts) + 1
         starts = []
-        for item, _, _ in spans:
+        for item in items:
             start = first_rows.get((item.seq.seq_id, item.seq.num_output_tokens, tuple(item.draft_token_ids)))
             if start is None:
                 return False
@@ -323,7 +339,8 @@ class StructuredOutputs:
         except GrammarViolation:
             return False
         row = 0
-        for (item, _, num_rows), start in zip(spans, starts):
+        for item, start in zip(items, starts):
+            num_rows = len(item.draft_token_ids) + 1
             bitmask[row: row + num_rows] = out[start: start + num_rows]
             row += num_rows
         self.timer.rows_filled_ahead += row
@@ -348,6 +365,13 @@ class StructuredOutputs:
             return None
         return DraftMask(matchers, self.executor, self.buffer("draft", device), self.timer, self._token_bits)
 
+    def limit_drafts(self, k: int) -> None:
+        """Hold every grammar_drafts() result to at most k drafts: called once, when the padded
+        verify step that takes grammar requests is built (it verifies at most K drafts a sequence,
+        structured/padded_verify.py), so a forced run appended on the host step does not send the
+        sequence's next verify back to the host step."""
+        self.draft_limit = k
+
     def grammar_drafts(self, scheduled: list, results: list, draft_probs: list,
                        max_drafts: int | None) -> list[torch.Tensor | None]:
         """Each structured sequence's next drafts (results[i].next_drafts) under its grammar after
@@ -360,6 +384,8 @@ class StructuredOutputs:
         cut (drawn drafts untouched), and the probabilities come back as they were."""
         out = list(draft_probs)
         started = time.perf_counter()
+        if self.draft_limit is not None:
+            max_drafts = self.draft_limit if max_drafts is None else min(max_drafts, self.draft_limit)
         for i, (item, result, probs) in enumerate(zip(scheduled, results, draft_probs)):
             seq = item.seq
             params = seq.sampling_params
