@@ -98,9 +98,7 @@ class GraphedVerify:
     num_mixed_steps: int = 0  # ... with a sequence verifying fewer drafts than the step (padded rows)
     num_logprob_steps: int = 0  # ... with a sequence asking for logprobs
     num_controlled_steps: int = 0  # ... with a sequence whose logits are processed (penalties, bias, ...)
-    # False: launch() declines every batch, which then takes the host step (tests that hold the
-    # host step's own behaviour on an engine that has the padded step set it; the runner never does).
-    enabled: bool = True
+    enabled: bool = True  # False: every batch takes the host step (tests and A/B runs set it; the runner never)
     # Grammar masks on this step (structured/padded_verify.py); None: grammar requests take the
     # host step (a host drafter's verify: its drafts are proposed after the step, by the runner).
     structured: StructuredOutputs | None = None

@@ -148,7 +148,8 @@ def test_a_grammar_step_reads_the_device_once(qwen3_checkpoint, eagle3_head):
         def counted(sched):
             before = counter.snapshot()
             out = execute(sched)
-            steps.append((any(item.draft_token_ids for item in sched.scheduled), difference(counter.snapshot(), before)))
+            verified = any(item.draft_token_ids for item in sched.scheduled)
+            steps.append((verified, difference(counter.snapshot(), before)))
             return out
 
         runner.execute = counted

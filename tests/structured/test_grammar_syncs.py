@@ -1,9 +1,11 @@
 """Device->host syncs of a grammar request's steps (issue 27), counted on the CPU by
 bench/device_syncs.DeviceSyncCounter, so that CI holds what a CUDA step would wait for.
 
-At batch 1 with EAGLE3 k=3 a speculative step under a grammar reads back the verify's result
-(1), each draft the grammar must consume before masking the next position (k - 1 = 2) and the
-last draft (1): 4 syncs, against 2 for the same step without a grammar. Two syncs per step that
+At batch 1 with EAGLE3 k=3 a speculative step under a grammar on the host step (the form of
+n-gram's, tensor parallelism's and trees' grammar requests; a model drafter's verify on the padded
+step since 2026-12-02: one sync, tests/structured/test_padded_grammar.py) reads back the verify's
+result (1), each draft the grammar must consume before masking the next position (k - 1 = 2) and
+the last draft (1): 4 syncs, against 2 for the same step without a grammar. Two syncs per step that
 the chain steps' attention metadata made (repeat_interleave without output_size) are gone.
 """
 
@@ -14,7 +16,7 @@ import torch
 
 from foretell import LLM, SamplingParams
 from foretell.bench.device_syncs import DeviceSyncCounter, difference
-from foretell.bench.structured_overhead import HostStepOnly
+from foretell.bench.structured_overhead import HostStepOnly, PaddedVerifyOff
 from foretell.device_util import to_device
 
 ALWAYS_TRUE = r"(.|\n)*"
@@ -108,7 +110,8 @@ def test_speculative_grammar_step_syncs_at_batch_1(eagle3_llm, plain_llm):
     grammar = SamplingParams(**base, structured_outputs={"regex": ALWAYS_TRUE})
     expected = plain_llm.generate([PROMPT], grammar, use_tqdm=False)[0].outputs[0].token_ids
     eagle3_llm.generate([PROMPT], grammar, use_tqdm=False)  # the grammar compiled, the tokenizer loaded
-    steps, tokens = _per_step_syncs(eagle3_llm, grammar)
+    with PaddedVerifyOff(eagle3_llm):  # the host step's form
+        steps, tokens = _per_step_syncs(eagle3_llm, grammar)
     assert tokens == list(expected)  # greedy with the grammar: plain decoding's tokens under it
     verifies = [counts for verified, counts in steps if verified]
     assert len(verifies) >= 3
