@@ -21,8 +21,9 @@ block scales; the LM head stays bf16 as in quantization="fp8"), "bf16" (triton_g
 the engine's default path at the same M). For batch_invariant the candidates keep the mode's
 reduction order: BLOCK_K and SPLIT stay pick_shape_config's (fixed by (N, K)); only num_stages and,
 above 16 rows, the row tile fixed_block_m vary, and each candidate must match the default launch
-bitwise. --batch-invariant-reorder adds other (BLOCK_K, SPLIT) pairs (other bits, still invariant
-if adopted per (N, K) for every M).
+bitwise. --batch-invariant-reorder adds other shape configs: BLOCK_N 32, 16 and 128 rows of W a
+program first, then other (BLOCK_K, SPLIT) pairs (other bits, still invariant if adopted per (N, K)
+for every M).
 --moe-int4 adds the int4 MoE GEMV at Kimi-K2.5's experts (H 7168, I 2048, 8 of 384, one token)
 over 16 MoE layers of distinct experts, as % of 4.8 TB/s (foretell/bench/kernels/moe_int4_chain.py).
 
@@ -89,7 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-invariant-rows", type=int, nargs="+", default=list(BI_ROW_SHARES),
                         help="rows M of the batch-invariant chains")
     parser.add_argument("--batch-invariant-reorder", action="store_true",
-                        help="batch_invariant: also (BLOCK_K, SPLIT) pairs other than the mode's")
+                        help="batch_invariant: also (BLOCK_N, BLOCK_K, SPLIT) configs other than the mode's")
     parser.add_argument("--no-omit", action="store_true", help="skip the chains with one kind left out")
     parser.add_argument("--tiny", action="store_true", help="toy shapes, torch twins on the CPU, no graph: smoke test")
     args = parser.parse_args(argv)

@@ -121,9 +121,16 @@ def test_candidates_are_valid_and_the_default_comes_first():
     assert one_row[0] == InvariantLaunch() and all(c.shape is None and c.fixed_block_m is None for c in one_row)
     assert all(invariant.keeps_default_bits(c) for c in one_row)
     assert any(c.fixed_block_m == 16 for c in invariant.candidates("down", 64, n, k))
-    reordered = BatchInvariantLinears(torch.bfloat16, CPU, use_kernels=True, reorder=True).candidates("down", 1, n, k)
+    reordering = BatchInvariantLinears(torch.bfloat16, CPU, use_kernels=True, reorder=True)
+    reordered = reordering.candidates("down", 1, n, k)
     other = [c.shape for c in reordered if c.shape is not None]
-    assert other and bi.pick_shape_config(n, k, torch.bfloat16, CPU) not in other
+    mode = bi.pick_shape_config(n, k, torch.bfloat16, CPU)
+    assert other and mode not in other and len(set(other)) == len(other)
+    # rows of W per program: 32, 16 and 128 at the mode's (BLOCK_K, SPLIT) come first, never bitwise-checked
+    assert other[:3] == [bi.ShapeConfig(mode.block_k, mode.split, block_n) for block_n in (32, 16, 128)]
+    assert not any(reordering.keeps_default_bits(c) for c in reordered if c.shape is not None)
+    assert all(k // c.split >= c.block_k for c in other)
+    assert {c.block_n for c in other} == {16, 32, 64, 128}
 
     for kernel in moe_int4_chain.MOE_KERNELS:
         configs = moe_int4_chain.candidate_configs(kernel)
@@ -165,6 +172,10 @@ def test_candidates_run_through_the_public_launch():
     for kind, (config, x, weight, got) in _launch_matches_twin(invariant, ("o", "gate_up"), lambda cs: cs[0]).items():
         assert config.num_stages is not None and invariant.keeps_default_bits(config)
         assert torch.equal(got, invariant.launch(kind, x, weight, InvariantLaunch()))
+    reordering = BatchInvariantLinears(torch.float16, CPU, use_kernels=True, reorder=True)  # a 16-row tile of W
+    chosen = _launch_matches_twin(reordering, ("gate_up",),
+                                  lambda cs: next(c for c in cs if c.shape and c.shape.block_n == 16))
+    assert chosen["gate_up"][0].shape.block_n == 16
 
 
 def test_tiny_run_end_to_end(sweep_script, tmp_path):

@@ -1,12 +1,14 @@
 """The batch-invariant linear (issue 23): row r computed at M = 1 equals row r computed among M = 2..64
 rows, bit for bit, in the torch path (ops/gemm/batch_invariant.py: what the CPU runs) and in the
 Triton kernel (ops/gemm/triton_batch_invariant.py, in Triton's interpreter on a CPU machine: float32
-and float16, as its bf16 dot is broken); both agree with a float64 reference within rounding;
-bad inputs are refused with the value named. The default F.linear is shown to differ by M (float32
+and float16, as its bf16 dot is broken), at every BLOCK_N (rows of W a program owns: 16, 32, 64 and
+128); both agree with a float64 reference within rounding; bad inputs are refused with the value named. The default F.linear is shown to differ by M (float32
 on this CPU), so the property is not free.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -84,6 +86,7 @@ def test_gemm_on_cpu_runs_the_torch_rows():
 # ------------------------------------------------------------------------------------ Triton
 
 KERNEL_DTYPES = [torch.float16, torch.float32]  # the interpreter's bf16 dot is broken
+BLOCK_NS = [16, 32, 64]  # rows of W a program owns (16 and 32: mma.sync on Hopper; 64: wgmma)
 
 
 @pytest.fixture(scope="module")
@@ -94,66 +97,74 @@ def kernel():
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-@pytest.mark.parametrize("n,k,gated,float32_out,bias", [
-    (96, 64, False, False, True),  # one K step, a ragged N tile
-    (64, 200, False, True, False),  # K not a multiple of BLOCK_K; the LM head's float32
-    (128, 72, True, False, False),  # gated [gate; up]
-])
-def test_kernel_rows_do_not_depend_on_m(kernel, order_fixed_dot, dtype, n, k, gated, float32_out, bias):
-    x, w, b = operands(n, k, 40, dtype, seed=3, device=DEVICE)
-    run = lambda rows: kernel.linear_batch_invariant_triton(  # noqa: E731
-        rows, w, b if bias else None, gated=gated, float32_out=float32_out)
-    alone = [run(x[r : r + 1].clone()) for r in range(x.shape[0])]
-    for m in (2, 5, 16, 17, 40):  # row tiles of 16 and 64
-        together = run(x[:m])
-        for r in range(m):
-            assert torch.equal(together[r : r + 1], alone[r]), f"row {r} differs at M={m}"
-    want = linear_batch_invariant_torch(x.double(), w.double(), b.double() if bias else None, gated=gated)
-    got = run(x).double()
-    tol = 4e-3 if dtype == torch.float16 else 1e-5
-    assert torch.allclose(got, want, atol=tol, rtol=tol)
-
-
 ROW_COUNTS = (2, 17, 65, 130)  # row tiles of 16, 64 and 128 rows
 
 
-CHECKED_ROWS = (0, 1, 4, 15, 16, 33, 63, 64, 100, 129)  # first, last and middle slots of the tiles
+CHECKED_ROWS = (0, 1, 4, 15, 16, 33, 39, 63, 64, 100, 129)  # first, last and middle slots of the tiles
 
 
 def assert_kernel_rows_invariant(run, x: torch.Tensor, row_counts=ROW_COUNTS) -> None:
-    alone = {r: run(x[r : r + 1].clone()) for r in CHECKED_ROWS}
+    """run(x[:M]) row r == run(x[r:r+1]) bitwise, for each M of row_counts and each checked r < M."""
+    alone = {r: run(x[r : r + 1].clone()) for r in CHECKED_ROWS if r < max(row_counts)}
     for m in row_counts:
         together = run(x[:m].clone())
         for r in (r for r in CHECKED_ROWS if r < m):
             assert torch.equal(together[r : r + 1], alone[r]), f"row {r} differs at M={m}"
 
 
+@pytest.mark.parametrize("block_n", BLOCK_NS)
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("n,k,gated,float32_out,bias", [
+    (96, 64, False, False, True),  # one K step, a ragged N tile
+    (64, 200, False, True, False),  # K not a multiple of BLOCK_K; the LM head's float32
+    (128, 72, True, False, False),  # gated [gate; up]
+])
+def test_kernel_rows_do_not_depend_on_m(kernel, order_fixed_dot, dtype, n, k, gated, float32_out, bias, block_n):
+    """The mode's (BLOCK_K, SPLIT) for the shape at each BLOCK_N: row r alone equals row r among
+    2..40 rows (row tiles of 16 and 64), and the rows agree with the float64 twin within rounding."""
+    x, w, b = operands(n, k, 40, dtype, seed=3, device=DEVICE)
+    config = replace(kernel.pick_shape_config(n, k, dtype, x.device), block_n=block_n)
+    run = lambda rows: kernel.linear_batch_invariant_triton(  # noqa: E731
+        rows, w, b if bias else None, gated=gated, float32_out=float32_out, config=config)
+    assert_kernel_rows_invariant(run, x, row_counts=(2, 5, 16, 17, 40))
+    want = linear_batch_invariant_torch(x.double(), w.double(), b.double() if bias else None, gated=gated)
+    got = run(x).double()
+    assert got.shape == want.shape
+    tol = 4e-3 if dtype == torch.float16 else 1e-5
+    assert torch.allclose(got, want, atol=tol, rtol=tol)
+
+
+# The wgmma tile in both dtypes; 16 and 32 rows once each (the dtype does not meet BLOCK_N in the kernel,
+# and the interpreter's time goes by programs: 16-row tiles run four times as many).
+@pytest.mark.parametrize("dtype,block_n", [(torch.float16, 64), (torch.float32, 64), (torch.float32, 16),
+                                           (torch.float16, 32)])
 @pytest.mark.parametrize("split,block_k,k,gated,float32_out", [
     (3, 16, 100, False, False),  # ragged slices: [0, 48), [48, 96), [96, 100)
     (4, 32, 256, True, False),  # the o / down choice, gated epilogue after the split-order sum
     (2, 16, 72, False, True),  # the LM head's float32 sum
 ])
-def test_split_k_rows_do_not_depend_on_m(kernel, order_fixed_dot, dtype, split, block_k, k, gated, float32_out):
-    """Split-K whose slices and merge order are fixed by (N, K) is batch-invariant: row r alone equals
-    row r among 2..130 rows (row tiles of 16, 64 and 128), and the sum stays within rounding."""
+def test_split_k_rows_do_not_depend_on_m(kernel, order_fixed_dot, dtype, split, block_k, k, gated, float32_out,
+                                         block_n):
+    """Split-K whose slices and merge order are fixed by (N, K) is batch-invariant at each BLOCK_N:
+    row r alone equals row r among 2..130 rows (row tiles of 16, 64 and 128), and the sum stays
+    within rounding."""
     from foretell.ops.common.split_counters import SplitCounters
 
     x, w, b = operands(96, k, 130, dtype, seed=5, device=DEVICE)
-    config = kernel.ShapeConfig(block_k=block_k, split=split)
+    config = kernel.ShapeConfig(block_k=block_k, split=split, block_n=block_n)
     counters = SplitCounters(min_count=64)
     run = lambda rows: kernel.linear_batch_invariant_triton(  # noqa: E731
         rows, w, b, gated=gated, float32_out=float32_out, counters=counters, config=config)
-    assert_kernel_rows_invariant(run, x)
+    assert_kernel_rows_invariant(run, x, ROW_COUNTS if block_n == 64 else ROW_COUNTS[:3])  # (128-row tiles: once)
     assert not counters.get(x.device, 1).any(), "every merging program leaves its counter zero"
     want = linear_batch_invariant_torch(x.double(), w.double(), b.double(), gated=gated)
     tol = 4e-3 if dtype == torch.float16 else 1e-5
-    assert torch.allclose(run(x).double(), want, atol=tol, rtol=tol)
+    got = run(x).double()
+    assert torch.allclose(got, want, atol=tol, rtol=tol)
     # the split sum is another order than one pass over K: not bitwise, within float32 rounding
     whole = kernel.linear_batch_invariant_triton(x, w, b, gated=gated, float32_out=float32_out,
-                                                 config=kernel.ShapeConfig(block_k=block_k, split=1))
-    assert torch.allclose(run(x).double(), whole.double(), atol=tol, rtol=tol)
+                                                 config=replace(config, split=1))
+    assert torch.allclose(got, whole.double(), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
@@ -167,6 +178,20 @@ def test_row_tile_size_does_not_change_a_row(kernel, order_fixed_dot, dtype):
     outs += [kernel.linear_batch_invariant_triton(x, w, b, config=config, num_stages=stages) for stages in (1, 2)]
     for out in outs[1:]:
         assert torch.equal(out, outs[0])
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="on a GPU 16- and 32-row tiles may run mma.sync, 64 wgmma: other bits allowed")
+def test_block_n_does_not_enter_the_sum_order(kernel, order_fixed_dot):
+    """With a dot that sums each chunk in K order (fixtures/order_fixed_dot.py), 16-, 32-, 64- and
+    128-row tiles of W give the same bits, plain, gated and split: BLOCK_N only decides which
+    outputs a program writes; only the tensor-core instruction a tile size picks could differ."""
+    x, w, b = operands(128, 200, 20, torch.float32, seed=11)
+    for split, gated in ((1, False), (2, True)):
+        outs = [kernel.linear_batch_invariant_triton(x, w, b, gated=gated,
+                                                     config=kernel.ShapeConfig(32, split, block_n))
+                for block_n in (16, 32, 64, 128)]
+        for out in outs[1:]:
+            assert torch.equal(out, outs[0])
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="about the interpreter's numpy dot")
@@ -194,7 +219,11 @@ def test_shape_configs_for_llama8b_never_see_m(kernel):
     table = {(6144, 4096): (256, 1), (4096, 4096): (128, 4), (28672, 4096): (128, 1), (4096, 14336): (128, 4),
              (128256, 4096): (128, 1)}
     for (n, k), (block_k, split) in table.items():
-        assert kernel.pick_shape_config(n, k, torch.bfloat16, cpu) == kernel.ShapeConfig(block_k, split)
+        assert kernel.pick_shape_config(n, k, torch.bfloat16, cpu) == kernel.ShapeConfig(block_k, split, 64)
+    # the same rule at other tile heights (the sweep's BLOCK_N candidates): tiles against 132 SMs
+    assert kernel.shape_config_for_tile(4096, 4096, torch.bfloat16, cpu, 32) == kernel.ShapeConfig(256, 1, 32)
+    assert kernel.shape_config_for_tile(6144, 4096, torch.bfloat16, cpu, 16) == kernel.ShapeConfig(128, 1, 16)
+    assert kernel.shape_config_for_tile(6144, 4096, torch.bfloat16, cpu, 128) == kernel.ShapeConfig(128, 4, 128)
     assert kernel.pick_shape_config(4096, 4096, torch.float32, cpu).block_k == 32
     with pytest.raises(ValueError, match="N >= 1 and K >= 1"):
         kernel.pick_shape_config(0, 4096, torch.bfloat16, cpu)
@@ -210,3 +239,18 @@ def test_kernel_refuses_bad_inputs(kernel, interpreter_mode):
         kernel.linear_batch_invariant_triton(x, w, fixed_block_m=24)
     with pytest.raises(ValueError, match="num_stages must be 1 to 8"):
         kernel.linear_batch_invariant_triton(x, w, num_stages=0)
+
+
+@pytest.mark.parametrize("block_n", [24, 8, 0, -64])
+def test_block_n_must_be_a_power_of_two_of_at_least_16(kernel, block_n):
+    with pytest.raises(ValueError, match=rf"ShapeConfig.block_n must be a power of two of at least 16.*got {block_n}"):
+        kernel.ShapeConfig(block_k=32, split=1, block_n=block_n)
+
+
+def test_shape_config_refuses_bad_steps_and_splits(kernel):
+    with pytest.raises(ValueError, match="ShapeConfig.block_k must be a power of two of at least 16, got 48"):
+        kernel.ShapeConfig(block_k=48, split=1)
+    with pytest.raises(ValueError, match="ShapeConfig.split must be 1 or more, got 0"):
+        kernel.ShapeConfig(block_k=32, split=0)
+    assert str(kernel.ShapeConfig(128, 4)) == "invariant BK128 split4"  # the mode's tile: names as before
+    assert str(kernel.ShapeConfig(128, 4, 32)) == "invariant BK128 split4 BN32"

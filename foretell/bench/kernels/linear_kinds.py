@@ -20,8 +20,14 @@ chooses from (N, K) alone. Candidates that keep the mode's reduction order vary 
 choices: num_stages (pipeline depth) and, above 16 rows, the row tile fixed_block_m (the module
 says a row's sums do not depend on it; tests/gpu/test_batch_invariant_gpu.py checks that on the
 device). num_warps is not a knob: the kernel fixes it (NUM_WARPS) and a wider program could reduce
-a K step by other tensor-core instructions. `reorder=True` adds (BLOCK_K, SPLIT) pairs: still
-batch-invariant if the mode adopted one per (N, K) for every M, but other bits than today's.
+a K step by other tensor-core instructions. `reorder=True` adds shape configs with other bits than
+today's, each still batch-invariant if the mode adopted it per (N, K) for every M: first the rows of W
+a program owns, BLOCK_N 32, 16 and 128 (pick_shape_config has 64 for every shape), at the mode's
+(BLOCK_K, SPLIT) and then at the (BLOCK_K, SPLIT) the mode's rule gives that many tiles; then other
+(BLOCK_K, SPLIT) pairs at those BLOCK_N, and last at 64. BLOCK_N is among the reordering candidates
+because at 16 and 32 rows Triton reduces each K chunk by mma.sync instead of wgmma, which need not
+round alike (the interpreter cannot tell: its dot is no tensor core), so the sweep checks them
+against the twin within rounding, not bitwise against the default.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ import torch.nn.functional as F
 
 LAYER_KINDS = ("qkv", "o", "gate_up", "down", "lm_head")
 FP8_BLOCK = (128, 128)
+# Rows of W per batch-invariant program tried with reorder (the mode's own 64 besides), most likely first.
+INVARIANT_BLOCK_N = (32, 16, 128)
 # bf16 GEMV tiles tried at one row: rows of W per program x columns per tile x warps, kept when a
 # thread holds 16..128 weights a tile (fewer starve the loads, more spill registers).
 BF16_GEMV_ROWS = (1, 2, 4, 8)
@@ -235,25 +243,41 @@ class BatchInvariantLinears:
 
     def candidates(self, kind: str, m: int, n: int, k: int) -> list[InvariantLaunch]:
         """The mode's launch first; then, at the mode's (BLOCK_K, SPLIT): every other pipeline depth
-        1..4 and, above 16 rows, every other row tile; with reorder, other (BLOCK_K, SPLIT) pairs."""
+        1..4 and, above 16 rows, every other row tile; with reorder, the shape configs of
+        _reordering_shapes (other BLOCK_N first, then other (BLOCK_K, SPLIT) pairs)."""
         from foretell.ops.gemm import triton_batch_invariant as bi
 
         shape = bi.pick_shape_config(n, k, self.dtype, self.device)
         _, smem = bi.device_limits(self.device)
         itemsize = torch.tensor([], dtype=self.dtype).element_size()
-        stages = bi._stages_that_fit(bi.row_tile(m, shape.block_k), shape.block_k, itemsize, smem)
+        stages = bi._stages_that_fit(shape.block_n, bi.row_tile(m, shape.block_k), shape.block_k, itemsize, smem)
         configs = [InvariantLaunch()]
         configs += [InvariantLaunch(num_stages=s) for s in (1, 2, 3, 4) if s != stages]
         if m > 16:
             own_tile = bi.row_tile(m, shape.block_k)
             configs += [InvariantLaunch(fixed_block_m=b) for b in (16, 32, 64, 128) if b != own_tile]
         if self.reorder:
-            for block_k in (64, 128, 256):
-                for split in (1, 2, 4, 8):
-                    other = bi.ShapeConfig(min(block_k, max(16, _next_pow2(k))), split)
-                    if other != shape and k // split >= other.block_k:
-                        configs.append(InvariantLaunch(shape=other))
+            configs += [InvariantLaunch(shape=other) for other in self._reordering_shapes(n, k, shape)]
         return list(dict.fromkeys(configs))
+
+    def _reordering_shapes(self, n: int, k: int, shape) -> list:
+        """Shape configs other than the mode's `shape` for W [n, k], in the order the sweep should
+        reach them within its budget: each BLOCK_N of INVARIANT_BLOCK_N at the mode's (BLOCK_K,
+        SPLIT), then each at the (BLOCK_K, SPLIT) that the mode's rule gives its tile count, then
+        every (BLOCK_K, SPLIT) pair (no slice of K shorter than one step) at the other BLOCK_N,
+        and last at the mode's BLOCK_N (those pairs were swept before: none beat the mode's)."""
+        from foretell.ops.gemm import triton_batch_invariant as bi
+
+        shapes = [bi.ShapeConfig(shape.block_k, shape.split, block_n) for block_n in INVARIANT_BLOCK_N]
+        shapes += [bi.shape_config_for_tile(n, k, self.dtype, self.device, block_n) for block_n in INVARIANT_BLOCK_N]
+        for block_ns in (INVARIANT_BLOCK_N, (shape.block_n,)):  # the mode's BLOCK_N last: swept before
+            for block_k in (256, 128, 64):  # wide steps first: the mode's unsplit choice at few tiles
+                for split in (1, 2, 4, 8):
+                    for block_n in block_ns:
+                        other = bi.ShapeConfig(min(block_k, max(16, _next_pow2(k))), split, block_n)
+                        if k // split >= other.block_k:
+                            shapes.append(other)
+        return [other for other in dict.fromkeys(shapes) if other != shape]
 
     def keeps_default_bits(self, config: InvariantLaunch) -> bool:
         """Whether the launch must give the mode's bits (then the sweep checks it does, bitwise)."""

@@ -14,9 +14,10 @@ A token decoded alone and the same token verified among k + 1 then get different
     experts and router of the mode call linear_rows_torch directly, and a loop of one-row
     F.linear calls per expert made the DeepSeek-layout target crawl), or without triton a loop of
     one-row F.linear calls.
-  Triton (CUDA): ops/gemm/triton_batch_invariant.py, one tensor-core kernel for every M whose K
-    step and split-K count are fixed by the weight's shape (N, K), never by M: decode runs as fast
-    as the default few-row MMA, and the same per-row order serves verify and prefill.
+  Triton (CUDA): ops/gemm/triton_batch_invariant.py, one tensor-core kernel for every M whose
+    rows of W per program, K step and split-K count are fixed by the weight's shape (N, K), never
+    by M: decode runs as fast as the default few-row MMA, and the same per-row order serves verify
+    and prefill.
 
 `float32_out` (the LM head): the products summed in float32 and kept in float32, not rounded to
 the model dtype first (fewer ties between logits; in torch the operands are taken to float32,

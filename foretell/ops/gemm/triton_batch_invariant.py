@@ -4,18 +4,27 @@ and a reduction order set by the weight's shape (N, K) alone.
 The default path runs a row through the GEMV at M = 1, the split-K MMA at 2..16 and cuBLAS above,
 each summing K in its own order. Batch invariance does not need "no split-K": it needs each row's
 order to be a function of that row's own sizes. So here:
-  - `pick_shape_config(n, k, dtype, device)` fixes, per weight shape, the K step BLOCK_K and the
-    split count SPLIT (triton_mma.py's decode choices: few 64-row tiles split K four ways, the o and
-    down projections of Llama-8B; the rest run whole rows of K). It never sees M;
-  - program (n tile, split s, m tile) owns BLOCK_N = 64 rows of W, the s-th slice of K and BLOCK_M
+  - `pick_shape_config(n, k, dtype, device)` fixes, per weight shape, the rows of W a program owns
+    BLOCK_N (`block_n_for`: 64 for every shape today, a wgmma tile's M), the K step BLOCK_K and the
+    split count SPLIT (triton_mma.py's decode choices: few tiles split K four ways, the o and down
+    projections of Llama-8B; the rest run whole rows of K). It never sees M;
+  - program (n tile, split s, m tile) owns BLOCK_N rows of W, the s-th slice of K and BLOCK_M
     rows of x; it walks its slice in BLOCK_K steps upwards, acc[BLOCK_N, BLOCK_M] = dot(W tile,
     x tile^T, acc) in float32 (the "swapped" MMA: W is the big operand, as in triton_mma.py);
+  - BLOCK_N does not enter a row's K-sum order: each output element's sum is over the same BLOCK_K
+    chunks in the same order whatever BLOCK_N is (a tile of W only decides which outputs a program
+    writes). What BLOCK_N may change is the instruction that reduces one chunk: at 64 or 128 rows
+    (4 warps) Triton emits wgmma on Hopper, at 16 or 32 rows it falls back to mma.sync, and the two
+    need not round a chunk alike. That is allowed because BLOCK_N is chosen per weight shape (N, K),
+    never per M: for one weight every row of every call runs the same instruction, so rows stay
+    invariant; another BLOCK_N for a shape is another set of bits (as another BLOCK_K would be),
+    which is why the in-graph sweep lists BLOCK_N candidates with the reordering ones;
   - with SPLIT > 1 each split stores a float32 partial and the split that arrives last at its
     tile's counter (acquire-release atomic) adds the partials in split order 0, 1, ..., so the sum
     does not depend on which finished first; it then applies the epilogue and zeroes the counter;
   - BLOCK_M (x rows per program) grows with M (row_tile: 16 up to 16 rows, then 64, then 128):
     an element's sum is over the same BLOCK_K chunks in the same order whatever BLOCK_M is, and a
-    tensor-core dot with a fixed BLOCK_K and dtype reduces each chunk by the same instruction
+    tensor-core dot with a fixed BLOCK_K, BLOCK_N and dtype reduces each chunk by the same instruction
     sequence (k16 steps into the accumulator) whatever its N side. tests/ops/
     test_batch_invariant_gemm.py checks rows across BLOCK_M in the interpreter, and tests/gpu/
     test_batch_invariant_gpu.py checks it bitwise on the device at M = 1..512. If a device ever
@@ -49,7 +58,7 @@ from foretell.ops.common.split_counters import SplitCounters
 from foretell.ops.gemm.triton_gemv import program_rows_of_w, silu_mul_rounded
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-BLOCK_N = 64  # rows of W per program (a wgmma tile's M)
+DEFAULT_BLOCK_N = 64  # rows of W per program (a wgmma tile's M): block_n_for's choice for every shape
 NUM_WARPS = 4
 MAX_SPLIT_ROWS = 1024  # rows per launch when K is split (bounds the partials: 4 x 1024 x N float32)
 DEFAULT_SMS, DEFAULT_SMEM_BYTES = 132, 99 << 10  # when the device does not say (the interpreter)
@@ -61,9 +70,20 @@ class ShapeConfig:
 
     block_k: int  # the K step
     split: int  # slices of K, summed in split order
+    block_n: int = DEFAULT_BLOCK_N  # rows of W per program (may pick the chunk's MMA instruction)
+
+    def __post_init__(self):
+        if self.block_k < 16 or self.block_k & (self.block_k - 1):
+            raise ValueError(f"ShapeConfig.block_k must be a power of two of at least 16, got {self.block_k}")
+        if self.split < 1:
+            raise ValueError(f"ShapeConfig.split must be 1 or more, got {self.split}")
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"ShapeConfig.block_n must be a power of two of at least 16 (a tensor-core "
+                             f"tile's rows), got {self.block_n}")
 
     def __str__(self) -> str:  # for logs and benchmark tables
-        return f"invariant BK{self.block_k} split{self.split}"
+        tile = "" if self.block_n == DEFAULT_BLOCK_N else f" BN{self.block_n}"
+        return f"invariant BK{self.block_k} split{self.split}{tile}"
 
 
 @functools.cache
@@ -79,19 +99,34 @@ def device_limits(device: torch.device) -> tuple[int, int]:
     return _device_limits(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def block_n_for(n: int, k: int) -> int:
+    """Rows of W per program for W [n, k]: a function of the weight's shape alone, never of M (the
+    module docstring says why that keeps rows invariant). 64 for every shape until the in-graph
+    sweep's BLOCK_N candidates (bench/kernels/linear_kinds.py) are measured on the device."""
+    return DEFAULT_BLOCK_N
+
+
 def pick_shape_config(n: int, k: int, dtype: torch.dtype, device: torch.device) -> ShapeConfig:
-    """BLOCK_K and SPLIT for W [n, k] (the same choice as triton_mma.pick_config at decode).
-    Llama-3.1-8B in bf16 on the H200 (132 multiprocessors):
+    """BLOCK_N, BLOCK_K and SPLIT for W [n, k] (BLOCK_N from block_n_for; the others
+    shape_config_for_tile's rule, triton_mma.pick_config's choice at decode).
+    Llama-3.1-8B in bf16 on the H200 (132 multiprocessors, 64-row tiles):
         qkv 6144 x 4096       96 tiles   split 1  BK 256  (fewer tiles than SMs: wide steps)
         o 4096 x 4096         64 tiles   split 4  BK 128  (at most half the SMs busy unsplit)
         gate_up 28672 x 4096  448 tiles  split 1  BK 128
         down 4096 x 14336     64 tiles   split 4  BK 128
         lm_head 128256 x 4096 2004 tiles split 1  BK 128
     float32 takes at most 32-wide steps (IEEE dots in registers)."""
+    return shape_config_for_tile(n, k, dtype, device, block_n_for(n, k))
+
+
+def shape_config_for_tile(n: int, k: int, dtype: torch.dtype, device: torch.device, block_n: int) -> ShapeConfig:
+    """BLOCK_K and SPLIT for W [n, k] in tiles of block_n rows: split K four ways when the tiles
+    fill at most half the multiprocessors, twice when fewer tiles than multiprocessors meet a long
+    K; wide K steps (256) for unsplit rows with fewer tiles than multiprocessors."""
     if n < 1 or k < 1:
         raise ValueError(f"batch-invariant linear needs N >= 1 and K >= 1, got N={n}, K={k}")
     sms, _ = device_limits(device)
-    tiles = triton.cdiv(n, BLOCK_N)
+    tiles = triton.cdiv(n, block_n)
     if 2 * tiles <= sms and k >= 4 * 128:
         split = 4
     else:
@@ -99,7 +134,7 @@ def pick_shape_config(n: int, k: int, dtype: torch.dtype, device: torch.device) 
     block_k = 256 if split == 1 and tiles < sms else 128
     if dtype == torch.float32:
         block_k = 32
-    return ShapeConfig(min(block_k, max(16, triton.next_power_of_2(k))), split)
+    return ShapeConfig(min(block_k, max(16, triton.next_power_of_2(k))), split, block_n)
 
 
 def row_tile(m: int, block_k: int, fixed_block_m: int | None = None) -> int:
@@ -112,9 +147,10 @@ def row_tile(m: int, block_k: int, fixed_block_m: int | None = None) -> int:
     return 64 if m <= 64 or block_k > 128 else 128
 
 
-def _stages_that_fit(block_m: int, block_k: int, itemsize: int, smem_bytes: int, wanted: int = 4) -> int:
+def _stages_that_fit(block_n: int, block_m: int, block_k: int, itemsize: int, smem_bytes: int,
+                     wanted: int = 4) -> int:
     """Pipeline depth whose shared memory fits (Triton keeps num_stages + 1 tiles of W and x^T)."""
-    per_stage = (BLOCK_N + block_m) * block_k * itemsize
+    per_stage = (block_n + block_m) * block_k * itemsize
     return max(1, min(wanted, smem_bytes // per_stage - 1))
 
 
@@ -244,7 +280,7 @@ def linear_batch_invariant_triton(
     k_per_split = triton.cdiv(triton.cdiv(k, config.split), config.block_k) * config.block_k
     _, smem = device_limits(x.device)
     pdl = pdl_enabled(x)
-    tiles = triton.cdiv(n, BLOCK_N)
+    tiles = triton.cdiv(n, config.block_n)
     step = MAX_SPLIT_ROWS if config.split > 1 else m
     for lo in range(0, m, step):  # rows are independent: where a launch starts changes no bits
         rows = min(step, m - lo)
@@ -263,9 +299,9 @@ def linear_batch_invariant_triton(
             HAS_BIAS=bias is not None, GATED=gated, FLOAT32_OUT=float32_out,
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # (tf32 is ignored by fp16 / bf16 dots)
             W_EVICTION="evict_first" if m_tiles == 1 else "",
-            PDL=pdl, SPLIT=config.split, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=config.block_k,
+            PDL=pdl, SPLIT=config.split, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             num_warps=NUM_WARPS,
-            num_stages=num_stages or _stages_that_fit(block_m, config.block_k, x.element_size(), smem),
+            num_stages=num_stages or _stages_that_fit(config.block_n, block_m, config.block_k, x.element_size(), smem),
             **launch_options(pdl),
         )
     return y
