@@ -14,10 +14,12 @@ order to be a function of that row's own sizes. So here:
   - BLOCK_N does not enter a row's K-sum order: each output element's sum is over the same BLOCK_K
     chunks in the same order whatever BLOCK_N is (a tile of W only decides which outputs a program
     writes). What BLOCK_N may change is the instruction that reduces one chunk: at 64 or 128 rows
-    (4 warps) Triton emits wgmma on Hopper, at 16 or 32 rows it falls back to mma.sync, and the two
-    need not round a chunk alike. That is allowed because BLOCK_N is chosen per weight shape (N, K),
-    never per M: for one weight every row of every call runs the same instruction, so rows stay
-    invariant; another BLOCK_N for a shape is another set of bits (as another BLOCK_K would be),
+    (4 warps) Triton emits wgmma m64nBLOCK_Mk16 on Hopper, at 16 or 32 rows (wgmma wants a multiple
+    of 64) it falls back to mma.sync m16n8k16 (the same one at every BLOCK_M), and the two need not
+    round a chunk alike (tests/ops/test_batch_invariant_block_n_sm90.py reads the sm_90 PTX). That
+    is allowed because BLOCK_N is chosen per weight shape (N, K), never per M: for one weight every
+    call, whatever its row count, reduces its chunks with the same kind of instruction, so rows stay
+    invariant; another BLOCK_N for a shape may be another set of bits (as another BLOCK_K would be),
     which is why the in-graph sweep lists BLOCK_N candidates with the reordering ones;
   - with SPLIT > 1 each split stores a float32 partial and the split that arrives last at its
     tile's counter (acquire-release atomic) adds the partials in split order 0, 1, ..., so the sum
