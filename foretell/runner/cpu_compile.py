@@ -19,6 +19,9 @@ the softmax) may order their sums differently, so a compiled forward's logits ma
 eager ones in the last bits. What speculation needs, the same tokens with and without drafts,
 holds as it does eagerly (tests/test_cpu_compile.py).
 
+An EAGLE3 drafter's head step is compiled the same way, next door (cpu_compile_head.py, installed
+from install_cpu_compile), sharing `attend` and `linear`.
+
 It applies to the CPU only: on CUDA the step runs in CUDA graphs and the flag is refused
 (CpuCompileConfig's check in config.py names it).
 """
@@ -40,7 +43,7 @@ logger = logging.getLogger("foretell")
 MAX_COMPILED_ROWS = 8  # a verify of up to 7 drafts (a row count more is one graph more to compile)
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # [T, out]
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # [T, out]
     """Linear.matmul's CPU forms: F.linear for one row, W x^T for 2-8 rows (cpu_few_rows.py: MKL
     streams the weight once that way)."""
     if 2 <= x.shape[0] <= FEW_ROWS_MAX:
@@ -76,23 +79,25 @@ def decoder_forward(
         attn_block = layer.self_attn
         normed = torch.rms_norm(residual, (dims.hidden_size,), layer.input_layernorm.weight,
                                 layer.input_layernorm.eps)
-        qkv = _linear(normed, attn_block.qkv_proj.weight, attn_block.qkv_proj.bias)
-        out = _attend(attn_block, qkv, cos_pair, sin_pair, slot_mapping, context_slots, hidden_keys)
-        residual = residual + _linear(out, attn_block.o_proj.weight, attn_block.o_proj.bias)
+        qkv = linear(normed, attn_block.qkv_proj.weight, attn_block.qkv_proj.bias)
+        qk_norm = None if attn_block.q_norm is None else (attn_block.q_norm, attn_block.k_norm)
+        out = attend(attn_block.attn, qk_norm, qkv, cos_pair, sin_pair, slot_mapping, context_slots, hidden_keys)
+        residual = residual + linear(out, attn_block.o_proj.weight, attn_block.o_proj.bias)
         norm = layer.post_attention_layernorm
         normed = torch.rms_norm(residual, (dims.hidden_size,), norm.weight, norm.eps)
         mlp = layer.mlp
-        gate_up = _linear(normed, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)  # [T, 2 * I]
+        gate_up = linear(normed, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)  # [T, 2 * I]
         gate, up = gate_up.chunk(2, dim=-1)
-        hidden = _linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+        hidden = linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
     final = torch.rms_norm(residual + hidden, (dims.hidden_size,), model.norm.weight, model.norm.eps)
     if not aux_layers:
         return final, final.new_empty(num_tokens, 0, dims.hidden_size)
     return final, torch.stack([streams[i] for i in aux_layers], dim=1)
 
 
-def _attend(
-    attn_block,  # DecoderAttention
+def attend(
+    attn,  # Attention (layers/attention/layer.py): its heads, scale and KV cache
+    qk_norm,  # (q_norm, k_norm) RMSNorms (Qwen3: per head, before RoPE), or None
     qkv: torch.Tensor,  # [T, (H + 2 KV) * D]
     cos_pair: torch.Tensor,  # [T, 1, 2, D // 2]
     sin_pair: torch.Tensor,  # [T, 1, 2, D // 2]
@@ -102,14 +107,14 @@ def _attend(
 ) -> torch.Tensor:  # [T, H * D]
     """attend_qkv's few-call form (qkv_block.py): q/k norm, RoPE, the KV write, one sequence's attention."""
     num_tokens = qkv.shape[0]
-    attn = attn_block.attn
     num_heads, num_kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
     heads = qkv.view(num_tokens, num_heads + 2 * num_kv_heads, head_dim)
     qk = heads[:, : num_heads + num_kv_heads]  # [T, H + KV, D]
-    if attn_block.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k before RoPE
-        normed = torch.rms_norm(qk, (head_dim,), None, attn_block.q_norm.eps)
-        weight = torch.cat((attn_block.q_norm.weight.expand(num_heads, head_dim),
-                            attn_block.k_norm.weight.expand(num_kv_heads, head_dim)))  # [H + KV, D]
+    if qk_norm is not None:  # Qwen3: per-head RMSNorm of q and k before RoPE
+        q_norm, k_norm = qk_norm
+        normed = torch.rms_norm(qk, (head_dim,), None, q_norm.eps)
+        weight = torch.cat((q_norm.weight.expand(num_heads, head_dim),
+                            k_norm.weight.expand(num_kv_heads, head_dim)))  # [H + KV, D]
         qk = normed * weight
     halves = qk.reshape(num_tokens, num_heads + num_kv_heads, 2, head_dim // 2)
     rotated = (halves * cos_pair + halves.flip(2) * sin_pair).view(num_tokens, num_heads + num_kv_heads, head_dim)
@@ -133,13 +138,29 @@ def _attend(
         num_tokens, num_heads * head_dim)
 
 
+def sequence_context_slots(metadata: AttentionMetadata) -> torch.Tensor:  # [S] int64
+    """The cache slots of the one sequence's context (S = its seq_len), in order, from its block
+    table row: what the compiled forwards read their keys and values from."""
+    seq_len, block_size = metadata.seq_lens_cpu[0], metadata.block_size
+    blocks = metadata.block_table[0, : -(-seq_len // block_size)].to(torch.int64)  # [num_blocks]
+    return (blocks[:, None] * block_size + torch.arange(block_size)).view(-1)[:seq_len]
+
+
 def fits_compiled_step(model, input_ids: torch.Tensor, metadata: AttentionMetadata,
                        row_counts: tuple[int, ...]) -> bool:
     """Whether CompiledDecoderForward runs this forward compiled (else forward_torch): one
     sequence's step of one of the row counts it compiles for, on the CPU, outside autograd."""
+    return fits_one_sequence_step(model.layers[0].self_attn.attn, input_ids, metadata, row_counts)
+
+
+def fits_one_sequence_step(attn, input_ids: torch.Tensor, metadata: AttentionMetadata,
+                           row_counts: tuple[int, ...]) -> bool:
+    """Whether a step through this attention layer (Attention: its backend and cache) is what the
+    compiled forwards cover: one sequence's rows, of one of row_counts, a context of at least 2
+    (a dynamic length of 1 would be specialised), a float32 cache, the torch backend, the CPU,
+    outside autograd."""
     if input_ids.is_cuda or torch.is_grad_enabled():
         return False
-    attn = model.layers[0].self_attn.attn
     if type(attn.backend) is not TorchAttentionBackend or attn.kv_cache is None or attn.kv_cache.dtype != torch.float32:
         return False  # another attention backend, an FP8 cache
     if len(metadata.query_start_loc_cpu) != 2 or metadata.tree_mask is not None:
@@ -148,13 +169,18 @@ def fits_compiled_step(model, input_ids: torch.Tensor, metadata: AttentionMetada
 
 
 def install_cpu_compile(model, device: torch.device, row_counts: tuple[int, ...] = (1,),
-                        tensor_parallel_size: int = 1, batch_invariant: bool = False) -> bool:
-    """Give a target model its compiled CPU forward (ModelConfig.cpu_compile). ValueError on a CUDA
-    device (its steps run in CUDA graphs); a warning, and the eager forward, for a model or a set-up
-    the compiled forward does not cover. True when installed."""
+                        tensor_parallel_size: int = 1, batch_invariant: bool = False, drafter=None) -> bool:
+    """Give a target model its compiled CPU forward (ModelConfig.cpu_compile), and an EAGLE3 drafter
+    its compiled head step (cpu_compile_head.py). ValueError on a CUDA device (its steps run in CUDA
+    graphs); a warning, and the eager forward, for a model or a set-up the compiled forward does not
+    cover. True when the target's is installed."""
     if device.type != "cpu":
         raise ValueError(f"cpu_compile applies to the CPU only, but the device is {device}: CUDA runs its "
                          "steps in CUDA graphs; drop --cpu-compile (cpu_compile=True) or use --device cpu")
+    if drafter is not None:
+        from foretell.runner.cpu_compile_head import install_cpu_compile_head  # it imports this module
+
+        install_cpu_compile_head(drafter, row_counts, tensor_parallel_size, batch_invariant)
     decoder = getattr(model, "model", None)
     reason = None
     if not hasattr(decoder, "cpu_forward"):
@@ -204,9 +230,7 @@ class CompiledDecoderForward:
             self.num_eager_calls += 1
             return self.model.forward_torch(input_ids, positions, metadata, aux_layers)
         self.num_compiled_calls += 1
-        seq_len, block_size = metadata.seq_lens_cpu[0], metadata.block_size
-        blocks = metadata.block_table[0, : -(-seq_len // block_size)].to(torch.int64)  # [num_blocks]
-        context_slots = (blocks[:, None] * block_size + torch.arange(block_size)).view(-1)[:seq_len]  # [S]
+        context_slots = sequence_context_slots(metadata)
         torch._dynamo.mark_static(input_ids, 0)
         torch._dynamo.mark_static(positions, 0)
         torch._dynamo.mark_dynamic(context_slots, 0)

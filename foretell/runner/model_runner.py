@@ -114,7 +114,7 @@ class ModelRunner:
         if mc.cpu_compile:  # the CPU's decode and verify forward through torch.compile (cpu_compile.py)
             verify_rows = (1 + config.speculative.num_speculative_tokens,) if config.speculative is not None else ()
             install_cpu_compile(self.model, self.device, (1, *verify_rows), self.tensor_parallel.world_size,
-                                mc.batch_invariant)
+                                mc.batch_invariant, drafter=self.proposer)
         if mc.batch_invariant:  # every float Linear, LMHead and MoE of target and drafter
             prepare_batch_invariant([self.model, *(self.proposer.draft_modules() if self.proposer else [])])
         self.vocab_size = self.hf_config.language_model().vocab_size

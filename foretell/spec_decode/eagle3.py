@@ -97,6 +97,8 @@ class Eagle3Proposer(DraftLoopProposer):
         self.options = ModelOptions(options.dtype, options.device, options.attention_backend, tensor_parallel=head_tp)
         self.init_loop(options.device, self.target_vocab)
         self.head: Eagle3Head | None = None
+        # The head's compiled CPU step when the runner installs one (--cpu-compile: runner/cpu_compile_head.py)
+        self.cpu_head_step = None
 
     @classmethod
     def from_config(cls, config, target_hf_config, options) -> "Eagle3Proposer":
@@ -160,22 +162,30 @@ class Eagle3Proposer(DraftLoopProposer):
 
     def catch_up(self, batch: DraftBatch, last_rows: list[int], greedy_only: bool = False):
         input_ids, positions, metadata = catch_up_rows(batch, self.row_offset, self.draft_block_size)
-        g = self.head.combine(batch.aux_hidden_states)
         if not last_rows:  # nothing drafts: the forward only caches the rows' keys and values
-            self.head(input_ids, positions, g, metadata)
+            self.head(input_ids, positions, self.head.combine(batch.aux_hidden_states), metadata)
             return None, None
         if list(last_rows) == list(range(batch.num_seqs)):  # every sequence drafts: no upload
             keep_rows = metadata.query_start_loc[1:] - 1  # [B] int32 (index_select takes it)
         else:
             ends = [metadata.query_start_loc_cpu[i + 1] - 1 for i in last_rows]
             keep_rows = to_device(ends, torch.int64, self.device)
-        return self._drafts(self.head.step(input_ids, positions, g, metadata, keep_rows, greedy_only), greedy_only)
+        stepped = self._head_step(input_ids, positions, metadata, keep_rows, greedy_only, aux=batch.aux_hidden_states)
+        return self._drafts(stepped, greedy_only)
 
     def padded_catch_up(self, input_ids, positions, metadata, hidden, aux, last_rows):
-        return self.head.step(input_ids, positions, self.head.combine(aux), metadata, last_rows)
+        return self._head_step(input_ids, positions, metadata, last_rows, aux=aux)
 
     def chain_step(self, tokens, positions, metadata, state, greedy_only: bool = False):
-        return self._drafts(self.head.step(tokens, positions, state, metadata, greedy_only=greedy_only), greedy_only)
+        return self._drafts(self._head_step(tokens, positions, metadata, greedy_only=greedy_only, g=state), greedy_only)
+
+    def _head_step(self, input_ids, positions, metadata, keep_rows=None, greedy_only=False, *, g=None, aux=None):
+        """head.step from g (the previous h) or from the aux hidden states (fc first), through the
+        compiled CPU step when one is installed (it runs head.step itself where a step does not fit)."""
+        if self.cpu_head_step is not None and not greedy_only:
+            return self.cpu_head_step(input_ids, positions, metadata, keep_rows, g=g, aux=aux)
+        return self.head.step(input_ids, positions, self.head.combine(aux) if g is None else g, metadata, keep_rows,
+                              greedy_only)
 
     def _drafts(self, stepped, greedy_only: bool):
         """The head's (logits [m, draft_vocab], h) as they are, or with greedy_only its (greedy draft
