@@ -3,22 +3,16 @@ has what it computes and the torch twin). Imports triton: CUDA (or the interpret
 
 This launch is the whole host-to-device traffic of a queued greedy decode step that it serves, so
 its host cost matters as much as its device time: after the first launch of a runner the compiled
-kernel is kept and called through its launcher directly (as the graph inputs' unpack does,
-triton_kernels.unpack_graph_inputs_triton), skipping Triton's argument binding and cache lookup.
+kernel is kept and called through its launcher directly (ops/common/direct_launch.py, as the graph
+inputs' unpack does), skipping Triton's argument binding and cache lookup.
 """
 
 from __future__ import annotations
 
-import logging
-
-import torch
 import triton
 import triton.language as tl
-from triton import knobs
 
-from foretell.ops.step.triton_kernels import DIRECT_LAUNCH_TRITON_VERSIONS
-
-logger = logging.getLogger("foretell")
+from foretell.ops.common.direct_launch import launch_kept
 
 BLOCK_SEQS = 128  # sequences per program (the graph buckets go up to max_num_seqs)
 
@@ -58,29 +52,7 @@ def advance_decode_inputs_triton(input_ids, positions, slot_mapping, seq_lens, t
     if table.stride(1) != 1:
         raise ValueError(f"the block table's rows must be contiguous, got strides {table.stride()}")
     grid = triton.cdiv(num_seqs, BLOCK_SEQS)
-    args = (input_ids, positions, slot_mapping, seq_lens, table, tokens, num_seqs, table.stride(0), block_size,
-            BLOCK_SEQS)
-    enter_hook, exit_hook = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-    direct = launches is not None and triton.__version__.startswith(DIRECT_LAUNCH_TRITON_VERSIONS)
-    if not direct or launches.get("direct_failed") or _has_calls(enter_hook) or _has_calls(exit_hook):
-        _advance_decode_kernel[(grid,)](*args[:-1], BLOCK=BLOCK_SEQS)
-        return
+    args = (input_ids, positions, slot_mapping, seq_lens, table, tokens, num_seqs, table.stride(0), block_size)
     key = (input_ids.device.index, tuple(t.data_ptr() % 16 == 0 for t in args[:6]))
-    compiled = launches.get(key)
-    if compiled is None:
-        launches[key] = _advance_decode_kernel[(grid,)](*args[:-1], BLOCK=BLOCK_SEQS)
-        return
-    stream = torch.cuda.current_stream(input_ids.device).cuda_stream
-    # What JITFunction.run passes once it holds the kernel (no hook calls: no launch metadata).
-    try:
-        compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, enter_hook, exit_hook,
-                     *args)
-    except (AttributeError, TypeError) as e:  # another Triton's launcher: the normal path from now on
-        logger.warning("decode advance kernel: direct launch refused by this Triton (%s); using the normal launch", e)
-        launches["direct_failed"] = True
-        _advance_decode_kernel[(grid,)](*args[:-1], BLOCK=BLOCK_SEQS)
-
-
-def _has_calls(hook) -> bool:
-    """Whether a Triton launch hook (None, a function, or a HookChain of them) calls anything."""
-    return bool(getattr(hook, "calls", hook))
+    launch_kept(_advance_decode_kernel, grid, args, BLOCK_SEQS, launches, key, input_ids.device,
+                "decode advance kernel")

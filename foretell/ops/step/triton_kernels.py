@@ -11,13 +11,11 @@ specialized on.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import triton
 import triton.language as tl
-from triton import knobs
 
+from foretell.ops.common.direct_launch import launch_kept
 from foretell.ops.common.pdl import join_dependent_chain, launch_options, pdl_enabled
 from foretell.ops.step.inputs import CatchUpInputs, ChainStepInputs, GraphInputBuffers, PackedLayout
 
@@ -31,9 +29,6 @@ def _pdl(t: torch.Tensor) -> dict:
     weight streams pays less of each launch's latency."""
     pdl = pdl_enabled(t)
     return {"PDL": pdl, **launch_options(pdl)}
-
-
-logger = logging.getLogger("foretell")
 
 
 @triton.jit(do_not_specialize=["rows", "live_rows", "bucket", "table_cells", "width", "table_offset"])
@@ -72,11 +67,6 @@ def _unpack_kernel(
     tl.store(block_table_ptr + (i // width) * stride_table + i % width, blocks.to(tl.int32), mask=in_table)
 
 
-# Triton versions whose compiled-kernel launcher this module calls directly (unpack_graph_inputs_triton),
-# each checked on a GPU by tests/ops/test_step_graph_inputs.py; any other version takes the normal launch.
-DIRECT_LAUNCH_TRITON_VERSIONS = ("3.6.",)
-
-
 def unpack_graph_inputs_triton(staging, tokens, buffers: GraphInputBuffers, layout: PackedLayout,
                                launches: dict | None = None) -> None:
     """The unpack's launch. With `launches` (a dict its caller keeps, e.g. one per CudaGraphRunner)
@@ -90,31 +80,9 @@ def unpack_graph_inputs_triton(staging, tokens, buffers: GraphInputBuffers, layo
     grid = triton.cdiv(extent, UNPACK_BLOCK)
     args = (staging, tokens, buffers.input_ids, buffers.positions, buffers.slot_mapping, buffers.seq_lens,
             buffers.query_start_loc, buffers.block_table, layout.rows, layout.live_rows, layout.bucket, cells,
-            layout.width, buffers.block_table.stride(0), layout.table_offset, UNPACK_BLOCK)
-    enter_hook, exit_hook = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-    direct = launches is not None and triton.__version__.startswith(DIRECT_LAUNCH_TRITON_VERSIONS)
-    if not direct or launches.get("direct_failed") or _has_calls(enter_hook) or _has_calls(exit_hook):
-        _unpack_kernel[(grid,)](*args[:-1], BLOCK=UNPACK_BLOCK)
-        return
+            layout.width, buffers.block_table.stride(0), layout.table_offset)
     key = (staging.device.index, tuple(t.data_ptr() % 16 == 0 for t in args[:8]), args[13])
-    compiled = launches.get(key)
-    if compiled is None:
-        launches[key] = _unpack_kernel[(grid,)](*args[:-1], BLOCK=UNPACK_BLOCK)
-        return
-    stream = torch.cuda.current_stream(staging.device).cuda_stream
-    # What JITFunction.run passes once it holds the kernel (no hook calls: no launch metadata).
-    try:
-        compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, enter_hook, exit_hook,
-                     *args)
-    except (AttributeError, TypeError) as e:  # another Triton's launcher: the normal path from now on
-        logger.warning("unpack kernel: direct launch refused by this Triton (%s); using the normal launch", e)
-        launches["direct_failed"] = True
-        _unpack_kernel[(grid,)](*args[:-1], BLOCK=UNPACK_BLOCK)
-
-
-def _has_calls(hook) -> bool:
-    """Whether a Triton launch hook (None, a function, or a HookChain of them) calls anything."""
-    return bool(getattr(hook, "calls", hook))
+    launch_kept(_unpack_kernel, grid, args, UNPACK_BLOCK, launches, key, staging.device, "unpack kernel")
 
 
 @triton.jit
