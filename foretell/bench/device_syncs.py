@@ -204,3 +204,27 @@ def difference(after: dict, before: dict) -> dict:
     sites.subtract(before["sites"])
     return {"syncs": after["syncs"] - before["syncs"], "device_ops": after["device_ops"] - before["device_ops"],
             "uploads": after["uploads"] - before["uploads"], "sites": +sites}
+
+
+def syncs_per_step(llm, prompts: list, params) -> tuple[list[tuple[bool, dict]], list]:
+    """Run `prompts` through `llm` (an LLM, warmed up by the caller) counting per engine step:
+    ([(whether the step verified drafts, its counts as `difference` gives them)], the outputs).
+    The runner's execute is wrapped for the run only (an instance attribute, removed after)."""
+    runner = llm.engine.runner
+    steps: list[tuple[bool, dict]] = []
+    execute = runner.execute
+
+    def counted(sched):
+        before = counter.snapshot()
+        out = execute(sched)
+        steps.append((any(item.draft_token_ids for item in sched.scheduled), difference(counter.snapshot(), before)))
+        return out
+
+    runner.execute = counted
+    try:
+        with DeviceSyncCounter() as counter:
+            counter.track_engine(runner)
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        del runner.execute  # the class's method again
+    return steps, outputs

@@ -136,31 +136,14 @@ def test_mtp_grammar_verifies_on_the_graphs(checkpoint_root, tokenizer_dir, monk
 def test_a_grammar_step_reads_the_device_once(qwen3_checkpoint, eagle3_head):
     """At batch 1 a grammar verify step waits for the device once (its results): counted by the
     CUDA syncs the host makes, through torch.cuda.Event.synchronize and tensor reads."""
-    from foretell.bench.device_syncs import DeviceSyncCounter, difference
+    from foretell.bench.device_syncs import syncs_per_step
 
     spec = {"method": "eagle3", "model": eagle3_head, "num_speculative_tokens": K}
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, structured_outputs={"regex": r"(.|\n)*"})
     with LLM(qwen3_checkpoint, device="cuda", dtype="float32", num_kv_blocks=256, speculative_config=spec) as llm:
         llm.generate([PROMPTS[0]], params, use_tqdm=False)
-        runner, steps = llm.engine.runner, []
-        execute = runner.execute
-
-        def counted(sched):
-            before = counter.snapshot()
-            out = execute(sched)
-            verified = any(item.draft_token_ids for item in sched.scheduled)
-            steps.append((verified, difference(counter.snapshot(), before)))
-            return out
-
-        runner.execute = counted
-        try:
-            with DeviceSyncCounter() as counter:
-                counter.track_engine(runner)
-                llm.generate([PROMPTS[0]], params, use_tqdm=False)
-        finally:
-            del runner.execute
+        steps, _ = syncs_per_step(llm, [PROMPTS[0]], params)
     verifies = [counts for verified, counts in steps if verified]
     assert verifies
     for counts in verifies:
-        print(counts)
         assert counts["syncs"] <= 1, counts["sites"]

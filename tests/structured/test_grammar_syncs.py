@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from foretell import LLM, SamplingParams
-from foretell.bench.device_syncs import DeviceSyncCounter, difference
+from foretell.bench.device_syncs import DeviceSyncCounter, syncs_per_step
 from foretell.bench.structured_overhead import HostStepOnly, PaddedVerifyOff
 from foretell.device_util import to_device
 
@@ -72,23 +72,7 @@ def test_uploads_and_device_factories_hold_device_data():
 # ---- the engine's steps -------------------------------------------------------------------
 def _per_step_syncs(llm: LLM, params: SamplingParams) -> tuple[list[tuple[bool, dict]], list[int]]:
     """(for each engine step of one request: whether it verified drafts, its counts), the tokens."""
-    runner = llm.engine.runner
-    steps = []
-    execute = runner.execute
-
-    def counted(sched):
-        before = counter.snapshot()
-        out = execute(sched)
-        steps.append((any(item.draft_token_ids for item in sched.scheduled), difference(counter.snapshot(), before)))
-        return out
-
-    runner.execute = counted
-    try:
-        with DeviceSyncCounter() as counter:
-            counter.track_engine(runner)
-            outs = llm.generate([PROMPT], params, use_tqdm=False)
-    finally:
-        del runner.execute  # the class's method again
+    steps, outs = syncs_per_step(llm, [PROMPT], params)
     return steps, list(outs[0].outputs[0].token_ids)
 
 

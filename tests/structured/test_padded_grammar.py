@@ -27,7 +27,7 @@ import torch
 from fixtures import deepseek as ds
 from fixtures.grammar_stubs import VOCAB, FakeSeq, SamplingItem, encode
 from foretell import LLM, SamplingParams
-from foretell.bench.device_syncs import DeviceSyncCounter, difference
+from foretell.bench.device_syncs import syncs_per_step
 from foretell.runner.graphed_verify import GraphedVerify
 from foretell.runner.host_step import HostStep
 from foretell.structured.padded_verify import GrammarMaskBuffer, padded_verify_grammar
@@ -239,23 +239,7 @@ def test_a_grammar_step_syncs_once(eagle3_llm):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
                             structured_outputs={"regex": r"(.|\n)*"})
     eagle3_llm.generate([PROMPTS[0]], params, use_tqdm=False)
-    runner = eagle3_llm.engine.runner
-    steps = []
-    execute = runner.execute
-
-    def counted(sched):
-        before = counter.snapshot()
-        out = execute(sched)
-        steps.append((any(item.draft_token_ids for item in sched.scheduled), difference(counter.snapshot(), before)))
-        return out
-
-    runner.execute = counted
-    try:
-        with DeviceSyncCounter() as counter:
-            counter.track_engine(runner)
-            eagle3_llm.generate([PROMPTS[0]], params, use_tqdm=False)
-    finally:
-        del runner.execute
+    steps, _ = syncs_per_step(eagle3_llm, [PROMPTS[0]], params)
     verifies = [counts for verified, counts in steps if verified]
     assert len(verifies) >= 3
     for counts in verifies:
