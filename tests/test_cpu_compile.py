@@ -109,6 +109,7 @@ def test_compiled_forward_matches_eager_without_recompiles(qwen3_checkpoint):
                 for c, e in zip(caches, eager_caches):
                     torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-5)
     assert compiled.num_compiled_calls == 10 and compiled.num_eager_calls == 0
+    assert compiled.compiled.num_direct_calls == 8  # after each graph's first call, no Dynamo entry
     assert unique_graphs() - graphs_before == 2  # one per row count, whatever the context length
 
 

@@ -77,6 +77,7 @@ def test_compiled_head_step_matches_eager_without_recompiles(qwen3_checkpoint, e
                 torch.testing.assert_close(cache, eager_cache, rtol=1e-5, atol=1e-5)
                 assert not torch.equal(cache, before)  # the rows' keys and values were written
     assert step.num_compiled_calls == 8 and step.num_eager_calls == 0
+    assert step.compiled.num_direct_calls == 6  # after each graph's first call, no Dynamo entry
     assert unique_graphs() - graphs_before == 2  # a chain step and a catch-up, whatever the context
 
 

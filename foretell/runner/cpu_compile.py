@@ -8,7 +8,7 @@ SiLU fuse into a few C++ loops around the matmuls (MKL calls still), and the KV 
 paged read happen in the same graph.
 
 Shapes: one compiled graph per row count the runner asks for (a decode's 1, a verify's 1 + k; the
-input ids are marked static), the context length dynamic (`context_slots` is marked dynamic), so
+input ids are marked static), the context length dynamic (`context_index` is marked dynamic), so
 a growing context never recompiles. Anything else (several sequences, a prefill chunk of another
 length, a tree mask, a context shorter than 2, another attention backend or an FP8 cache,
 autograd) runs the model's eager forward_torch.
@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from foretell.layers.cpu_few_rows import MAX_ROWS as FEW_ROWS_MAX
 from foretell.ops.attention.metadata import AttentionMetadata
 from foretell.ops.attention.reference import TorchAttentionBackend
+from foretell.runner.cpu_compile_direct import DirectCompiled
 
 logger = logging.getLogger("foretell")
 
@@ -57,11 +58,14 @@ def decoder_forward(
     input_ids: torch.Tensor,  # [T] int64
     positions: torch.Tensor,  # [T] int64: the last T positions of the context
     slot_mapping: torch.Tensor,  # [T] int64: the cache slots the T new tokens' keys and values go to
-    context_slots: torch.Tensor,  # [S] int64: the cache slots of the context's S tokens, in order (dynamic)
+    block_row: torch.Tensor,  # [W] int32: the sequence's block table row
+    context_index: torch.Tensor,  # [S] int64: 0 .. S - 1 over the context's S tokens (dynamic)
+    block_size: int,
     aux_layers: tuple[int, ...],
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (hidden [T, hidden] after the final norm, streams [T, aux, hidden])
     """DecoderModel.forward_torch for one sequence's T rows, as one traceable function."""
     dims = model.dims
+    context_slots = slots_of(block_row, context_index, block_size)  # [S] int64
     num_tokens = input_ids.shape[0]
     pair = model.rotary_emb.neox_pair_cache[positions]  # [T, 2, 1, 2, D // 2] float32
     cos_pair, sin_pair = pair[:, 0], pair[:, 1]  # [T, 1, 2, D // 2] each
@@ -138,12 +142,34 @@ def attend(
         num_tokens, num_heads * head_dim)
 
 
-def sequence_context_slots(metadata: AttentionMetadata) -> torch.Tensor:  # [S] int64
-    """The cache slots of the one sequence's context (S = its seq_len), in order, from its block
-    table row: what the compiled forwards read their keys and values from."""
-    seq_len, block_size = metadata.seq_lens_cpu[0], metadata.block_size
-    blocks = metadata.block_table[0, : -(-seq_len // block_size)].to(torch.int64)  # [num_blocks]
-    return (blocks[:, None] * block_size + torch.arange(block_size)).view(-1)[:seq_len]
+def slots_of(
+    block_row: torch.Tensor,  # [W] int32: a sequence's block table row
+    context_index: torch.Tensor,  # [S] int64: 0 .. S - 1
+    block_size: int,
+) -> torch.Tensor:  # [S] int64: the cache slots of the context's S tokens, in order
+    """Inside the compiled graphs: where the context's keys and values sit (the gather that reads
+    them comes next), so that a call costs the host two views, not the slots' arithmetic."""
+    return block_row.long()[context_index // block_size] * block_size + context_index % block_size
+
+
+class ContextIndex:
+    """0 .. S - 1 for a context of S tokens, as a view of one arange grown as contexts grow (a
+    compiled graph's dynamic input: its length carries S)."""
+
+    def __init__(self):
+        self.index = torch.arange(256)  # [capacity] int64
+
+    def __call__(self, seq_len: int) -> torch.Tensor:  # [seq_len] int64
+        if seq_len > self.index.shape[0]:
+            self.index = torch.arange(2 * seq_len)
+        return self.index[:seq_len]
+
+
+def mark_context_dynamic(block_row: torch.Tensor, context_index: torch.Tensor) -> None:
+    """Before a key's first call: the context length dynamic (a graph for any S >= 2), the block
+    table's width too where it can be (a width of 1 stays specialised)."""
+    torch._dynamo.mark_dynamic(context_index, 0)
+    torch._dynamo.maybe_mark_dynamic(block_row, 0)
 
 
 def fits_compiled_step(model, input_ids: torch.Tensor, metadata: AttentionMetadata,
@@ -215,7 +241,8 @@ class CompiledDecoderForward:
             raise ValueError(f"cpu_compile row counts must be in 1..{MAX_COMPILED_ROWS}, got {bad}")
         self.model = model
         self.row_counts = tuple(sorted(set(row_counts)))
-        self.compiled = torch.compile(decoder_forward, dynamic=None, fullgraph=True)
+        self.compiled = DirectCompiled(decoder_forward)
+        self.context_index = ContextIndex()
         self.num_compiled_calls = 0
         self.num_eager_calls = 0
 
@@ -230,10 +257,15 @@ class CompiledDecoderForward:
             self.num_eager_calls += 1
             return self.model.forward_torch(input_ids, positions, metadata, aux_layers)
         self.num_compiled_calls += 1
-        context_slots = sequence_context_slots(metadata)
-        torch._dynamo.mark_static(input_ids, 0)
-        torch._dynamo.mark_static(positions, 0)
-        torch._dynamo.mark_dynamic(context_slots, 0)
-        hidden, streams = self.compiled(self.model, input_ids, positions, metadata.slot_mapping, context_slots,
-                                        tuple(aux_layers))
+        aux_layers = tuple(aux_layers)
+        key = (input_ids.shape[0], aux_layers, metadata.block_size)
+        block_row, context_index = metadata.block_table[0], self.context_index(metadata.seq_lens_cpu[0])
+        if not self.compiled.knows(key):
+            torch._dynamo.mark_static(input_ids, 0)
+            torch._dynamo.mark_static(positions, 0)
+            mark_context_dynamic(block_row, context_index)
+        hidden, streams = self.compiled(key, model=self.model, input_ids=input_ids, positions=positions,
+                                        slot_mapping=metadata.slot_mapping, block_row=block_row,
+                                        context_index=context_index, block_size=metadata.block_size,
+                                        aux_layers=aux_layers)
         return hidden, list(streams.unbind(1))

@@ -9,7 +9,7 @@ function of tensors (`eagle3_head_step`) compiled by Inductor's C++ backend, lik
 forward next door (cpu_compile.py, whose attention it shares).
 
 Shapes: one graph per (row count, first step or chain step); the row counts are the runner's
-(1 and the verify's k + 1), the context length dynamic (`context_slots`), so a growing context
+(1 and the verify's k + 1), the context length dynamic (`context_index`), so a growing context
 never recompiles. Anything else (several sequences, another row count such as the catch-up after
 a prefill, a tree, an FP8 or other-backend cache, tensor parallelism, greedy_only tokens) runs
 Eagle3Head.step eagerly.
@@ -30,8 +30,9 @@ import torch.nn.functional as F
 
 from foretell.models.eagle3 import Eagle3Head, Eagle3Layer
 from foretell.ops.attention.metadata import AttentionMetadata
-from foretell.runner.cpu_compile import MAX_COMPILED_ROWS, attend, fits_one_sequence_step, linear, \
-    sequence_context_slots
+from foretell.runner.cpu_compile import MAX_COMPILED_ROWS, ContextIndex, attend, fits_one_sequence_step, linear, \
+    mark_context_dynamic, slots_of
+from foretell.runner.cpu_compile_direct import DirectCompiled
 
 logger = logging.getLogger("foretell")
 
@@ -43,11 +44,14 @@ def eagle3_head_step(
     g: torch.Tensor | None,  # [T, H]: the previous step's h (a chain step), or None: from aux
     aux: list[torch.Tensor] | None,  # 3 x [T, Ht]: the target's aux hidden states (a first step)
     slot_mapping: torch.Tensor,  # [T] int64: the draft cache slots the rows' keys and values go to
-    context_slots: torch.Tensor,  # [S] int64: the draft cache slots of the context, in order (dynamic)
+    block_row: torch.Tensor,  # [W] int32: the sequence's block table row (in the draft's block size)
+    context_index: torch.Tensor,  # [S] int64: 0 .. S - 1 over the context's S tokens (dynamic)
+    block_size: int,  # the draft cache's
     keep_rows: torch.Tensor | None,  # [m] int64: the rows to draft from; None: all
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (logits [m, draft_vocab] float32, h [m, H])
     """Eagle3Head.step for one sequence's T rows (fc first when given aux), as one traceable function."""
     layer = head.midlayer
+    context_slots = slots_of(block_row, context_index, block_size)  # [S] int64
     num_tokens, hidden_size = input_ids.shape[0], head.hidden_size
     if g is None:
         g = linear(torch.cat(aux, dim=-1), head.fc.weight, head.fc.bias)  # [T, H]
@@ -125,7 +129,8 @@ class CompiledHeadStep:
             raise ValueError(f"cpu_compile row counts must be in 1..{MAX_COMPILED_ROWS}, got {bad}")
         self.head = head
         self.row_counts = tuple(sorted(set(row_counts)))
-        self.compiled = torch.compile(eagle3_head_step, dynamic=None, fullgraph=True)
+        self.compiled = DirectCompiled(eagle3_head_step)
+        self.context_index = ContextIndex()
         self.num_compiled_calls = 0
         self.num_eager_calls = 0
 
@@ -149,12 +154,16 @@ class CompiledHeadStep:
             return self.head.step(input_ids, positions, self.head.combine(aux) if g is None else g, metadata,
                                   keep_rows)
         self.num_compiled_calls += 1
-        context_slots = sequence_context_slots(metadata)
         if keep_rows is not None and keep_rows.dtype != torch.int64:
             keep_rows = keep_rows.long()  # one graph for either index dtype
-        for t in (input_ids, positions, metadata.slot_mapping, g, *(aux or ())):
-            if t is not None:
-                torch._dynamo.mark_static(t, 0)
-        torch._dynamo.mark_dynamic(context_slots, 0)
-        return self.compiled(self.head, input_ids, positions, g, None if aux is None else list(aux),
-                             metadata.slot_mapping, context_slots, keep_rows)
+        key = (input_ids.shape[0], g is None, keep_rows is None, 0 if aux is None else len(aux), metadata.block_size)
+        block_row, context_index = metadata.block_table[0], self.context_index(metadata.seq_lens_cpu[0])
+        if not self.compiled.knows(key):
+            for t in (input_ids, positions, metadata.slot_mapping, g, *(aux or ())):
+                if t is not None:
+                    torch._dynamo.mark_static(t, 0)
+            mark_context_dynamic(block_row, context_index)
+        return self.compiled(key, head=self.head, input_ids=input_ids, positions=positions, g=g,
+                             aux=None if aux is None else list(aux), slot_mapping=metadata.slot_mapping,
+                             block_row=block_row, context_index=context_index, block_size=metadata.block_size,
+                             keep_rows=keep_rows)
