@@ -1,0 +1,110 @@
+"""SuffixIndex.draft's run fast path (every occurrence going on with the same tokens taken at once)
+against the token-at-a-time walk it replaces, kept here as the reference: the same drafts and the
+same scores, on sequences' own stores (loops past the end) and on the global cache (separators,
+evicted occurrences, frequencies, ties, min_token_prob)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from foretell.spec_decode.suffix_cache import GlobalSuffixCache
+from foretell.spec_decode.suffix_tree import SEPARATOR, Match, SuffixIndex
+
+
+def reference_draft(index: SuffixIndex, match: Match, max_tokens: int, min_token_prob: float):
+    """The walk one token at a time (the drafter's before the run fast path)."""
+    tokens, base, end = index.tokens, index.base, index.end
+    positions = [p for p in match.positions if p >= index.start]
+    draft: list[int] = []
+    prob, score = 1.0, 0.0
+    while positions and len(draft) < max_tokens:
+        if len(positions) == 1:
+            copied = index._copy(positions[0], max_tokens - len(draft), draft)
+            score += prob * copied
+            break
+        counts: dict[int, int] = {}
+        newest: dict[int, int] = {}
+        for rank, p in enumerate(positions):
+            t = tokens[p - base] if p < end else (draft[p - end] if p - end < len(draft) else SEPARATOR)
+            if t != SEPARATOR:
+                counts[t] = counts.get(t, 0) + 1
+                newest[t] = rank
+        if not counts:
+            break
+        total = sum(counts.values())
+        choice = max(counts, key=lambda t: (counts[t], newest[t]))
+        prob *= counts[choice] / total
+        if prob < min_token_prob:
+            break
+        draft.append(choice)
+        score += prob
+        positions = [p + 1 for p in positions
+                     if (tokens[p - base] if p < end else (draft[p - end] if p - end < len(draft) - 1 else SEPARATOR))
+                     == choice]
+    return draft, score
+
+
+def repetitive(rng: random.Random, length: int, vocab: int) -> list[int]:
+    """Tokens that repeat a few phrases with random edits: long common runs that branch."""
+    phrases = [[rng.randrange(vocab) for _ in range(rng.randint(3, 12))] for _ in range(4)]
+    out: list[int] = []
+    while len(out) < length:
+        phrase = list(rng.choice(phrases))
+        if rng.random() < 0.3:
+            phrase[rng.randrange(len(phrase))] = rng.randrange(vocab)
+        out += phrase
+    return out[:length]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_own_store_drafts_equal_the_token_walk(seed):
+    rng = random.Random(seed)
+    index = SuffixIndex(2, 12)
+    context = repetitive(rng, 300, vocab=6 + seed)
+    index.extend(context)
+    checked = 0
+    for cut in range(20, len(context), 7):
+        match = index.lookup(context[:cut])
+        if not match.positions:
+            continue
+        for max_tokens, min_prob in ((16, 0.1), (5, 0.0), (40, 0.5), (3, 1.0), (8, 1.5)):
+            assert index.draft(match, max_tokens, min_prob) == reference_draft(index, match, max_tokens, min_prob)
+            checked += 1
+    # the context's own end: occurrences that run into it draft on from the draft itself
+    match = index.lookup(context)
+    for max_tokens in (1, 16, 64):
+        assert index.draft(match, max_tokens, 0.1) == reference_draft(index, match, max_tokens, 0.1)
+    assert checked > 20
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_global_cache_drafts_equal_the_token_walk(seed):
+    rng = random.Random(100 + seed)
+    cache = GlobalSuffixCache(key_length=2, max_depth=10, max_requests=6, max_tokens=10_000)
+    base = repetitive(rng, 40, vocab=5)
+    for _ in range(10):  # evicts the oldest: occurrences below the index's start are skipped
+        response = list(base[: rng.randint(5, 40)])
+        for _ in range(rng.randint(0, 3)):
+            response[rng.randrange(len(response))] = rng.randrange(5)
+        cache.add(response)
+    index = cache.index
+    for cut in range(3, 40, 3):
+        match = index.lookup(base[:cut])
+        for max_tokens, min_prob in ((16, 0.1), (30, 0.0), (4, 0.6)):
+            assert index.draft(match, max_tokens, min_prob) == reference_draft(index, match, max_tokens, min_prob)
+
+
+def test_a_common_run_stops_at_a_separator_and_at_a_branch():
+    cache = GlobalSuffixCache(key_length=2, max_depth=6, max_requests=100, max_tokens=1000)
+    for response in [[1, 2, 3, 4, 5, 6]] * 3 + [[1, 2, 3, 4]] * 2 + [[1, 2, 3, 4, 5, 7]]:
+        cache.add(response)
+    index = cache.index
+    match = index.lookup([9, 1, 2])
+    assert len(match.positions) == 6
+    assert index._common_run(match.positions, 16) == 2  # 3, 4: then two responses end
+    tokens, score = index.draft(match, 16, 0.0)
+    assert (tokens, score) == reference_draft(index, match, 16, 0.0)
+    assert tokens[:3] == [3, 4, 5]  # 4 of 6 go on with 5 (two end), then 6 beats 7 (3 to 1)
+    assert tokens == [3, 4, 5, 6]
