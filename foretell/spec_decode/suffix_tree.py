@@ -195,18 +195,14 @@ class SuffixIndex:
         positions = match.positions
         if not positions:
             return match
-        tokens, base, end, start = self.tokens, self.base, self.end, self.start
+        tokens, base, start = self.tokens, self.base, self.start
         if positions[0] < start:
             positions = [p for p in positions if p >= start]
         n = len(new)
-        if len(positions) == 1 and positions[0] + n <= end:  # one occurrence (a copy): one slice compare
-            p = positions[0]
-            return Match(match.length + n, [p + n]) if tokens[p - base : p - base + n] == new else Match()
-        for x in new:
-            positions = [p + 1 for p in positions if p < end and tokens[p - base] == x]
-            if not positions:
-                return Match()
-        return Match(match.length + n, positions)
+        # An occurrence goes on iff the n stored tokens after it are `new` (a slice shorter than n:
+        # it runs into the end): one slice compare per occurrence.
+        positions = [p + n for p in positions if tokens[p - base : p - base + n] == new]
+        return Match(match.length + n, positions) if positions else Match()
 
     # ---- drafting ------------------------------------------------------------------------
     def draft(self, match: Match, max_tokens: int, min_token_prob: float) -> tuple[list[int], float]:
@@ -224,36 +220,36 @@ class SuffixIndex:
                 copied = self._copy(positions[0], max_tokens - len(draft), draft)
                 score += prob * copied
                 break
-            if prob >= min_token_prob and max(positions) < end:  # every next token stored
-                run = self._common_run(positions, max_tokens - len(draft))
-                if run:  # each of the run's tokens has probability 1: prob stays, score gains prob each
+            stored = max(positions) < end  # every occurrence's next token is in the store
+            if stored:
+                nxt = [tokens[p - base] for p in positions]  # each occurrence's next token, oldest first
+            else:  # past the end a sequence's own occurrence reads the draft (SEPARATOR: nothing yet)
+                nxt = [tokens[p - base] if p < end else (draft[p - end] if p - end < len(draft) else SEPARATOR)
+                       for p in positions]
+            counted = [t for t in nxt if t != SEPARATOR] if SEPARATOR in nxt else nxt
+            if not counted:
+                break
+            total = len(counted)
+            if counted.count(counted[0]) == total:  # one continuation
+                choice, count = counted[0], total
+                if stored and total == len(nxt) and prob >= min_token_prob:  # a run of them: at once
+                    run = self._common_run(positions, max_tokens - len(draft))  # >= 1
                     first = positions[0] - base
                     draft.extend(tokens[first : first + run])
-                    for _ in range(run):
+                    for _ in range(run):  # each with probability 1: prob stays, the score gains it each
                         score += prob
                     positions = [p + run for p in positions]
                     continue
-            counts: dict[int, int] = {}
-            newest: dict[int, int] = {}  # token -> rank of its newest occurrence (ties)
-            for rank, p in enumerate(positions):
-                t = tokens[p - base] if p < end else (draft[p - end] if p - end < len(draft) else SEPARATOR)
-                if t != SEPARATOR:
-                    counts[t] = counts.get(t, 0) + 1
-                    newest[t] = rank
-            if not counts:
-                break
-            total = sum(counts.values())
-            choice = max(counts, key=lambda t: (counts[t], newest[t]))
-            prob *= counts[choice] / total
+            else:  # the most frequent; ties: the one whose newest occurrence is the most recent
+                last = len(nxt) - 1
+                choice = max(set(counted), key=lambda t: (counted.count(t), last - nxt[::-1].index(t)))
+                count = counted.count(choice)
+            prob *= count / total
             if prob < min_token_prob:
                 break
             draft.append(choice)
             score += prob
-            positions = [
-                p + 1 for p in positions
-                if (tokens[p - base] if p < end else (draft[p - end] if p - end < len(draft) - 1 else SEPARATOR))
-                == choice
-            ]
+            positions = [p + 1 for p, t in zip(positions, nxt) if t == choice]
         return draft, score
 
     def _common_run(self, positions: list[int], n: int) -> int:
