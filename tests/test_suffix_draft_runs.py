@@ -1,7 +1,8 @@
-"""SuffixIndex.draft's run fast path (every occurrence going on with the same tokens taken at once)
-against the token-at-a-time walk it replaces, kept here as the reference: the same drafts and the
-same scores, on sequences' own stores (loops past the end) and on the global cache (separators,
-evicted occurrences, frequencies, ties, min_token_prob)."""
+"""SuffixIndex's slice fast paths against the token-at-a-time loops they replace, kept here as the
+references: draft (every occurrence going on with the same tokens taken at once: the same drafts
+and scores) on sequences' own stores (loops past the end) and on the global cache (separators,
+evicted occurrences, frequencies, ties, min_token_prob); lookup (an occurrence extended backwards
+to the full depth by one slice compare: the same match) on repetitive stores."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import random
 import pytest
 
 from foretell.spec_decode.suffix_cache import GlobalSuffixCache
-from foretell.spec_decode.suffix_tree import SEPARATOR, Match, SuffixIndex
+from foretell.spec_decode.suffix_tree import MAX_CANDIDATES, SEPARATOR, Match, SuffixIndex
 
 
 def reference_draft(index: SuffixIndex, match: Match, max_tokens: int, min_token_prob: float):
@@ -108,3 +109,47 @@ def test_a_common_run_stops_at_a_separator_and_at_a_branch():
     assert (tokens, score) == reference_draft(index, match, 16, 0.0)
     assert tokens[:3] == [3, 4, 5]  # 4 of 6 go on with 5 (two end), then 6 beats 7 (3 to 1)
     assert tokens == [3, 4, 5, 6]
+
+
+def reference_lookup(index: SuffixIndex, context: list[int]) -> Match:
+    """The lookup extending each occurrence backwards a token at a time (before the slice path)."""
+    m, n = index.key_length, len(context)
+    if n < m:
+        return Match()
+    p = index.head.get(index.gram_key(context[n - m :]), -1)
+    if p < index.start:
+        return Match()
+    tokens, prev, base, start = index.tokens, index.prev, index.base, index.start
+    low = start - base
+    best_length, best = 0, []
+    for _ in range(MAX_CANDIDATES):
+        if p < start:
+            break
+        length, q, c = m, p - m - 1 - base, n - m - 1
+        while length < index.max_depth and q >= low and c >= 0 and tokens[q] == context[c]:
+            length, q, c = length + 1, q - 1, c - 1
+        if length > best_length:
+            best_length, best = length, [p]
+        elif length == best_length:
+            best.append(p)
+        p = prev[p - base]
+    best.reverse()
+    return Match(best_length, best) if best else Match()
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_lookup_equals_the_token_loop_on_repetitive_stores(seed):
+    rng = random.Random(200 + seed)
+    context = repetitive(rng, 400, vocab=4 + seed)
+    index = SuffixIndex(2, 6 + 3 * seed)
+    index.extend(context)
+    for cut in range(2, len(context), 5):
+        got, ref = index.lookup(context[:cut]), reference_lookup(index, context[:cut])
+        assert (got.length, got.positions) == (ref.length, ref.positions)
+    cache = GlobalSuffixCache(key_length=2, max_depth=8, max_requests=4, max_tokens=10_000)
+    for _ in range(7):  # evictions: the walk stops at the index's start
+        cache.add(repetitive(rng, rng.randint(5, 60), vocab=3))
+    for cut in range(2, 60, 4):
+        query = context[:cut]
+        got, ref = cache.index.lookup(query), reference_lookup(cache.index, query)
+        assert (got.length, got.positions) == (ref.length, ref.positions)

@@ -43,6 +43,7 @@ import torch
 from foretell.engine.scheduler import SchedulerOutput
 from foretell.runner.sequence_result import SequenceResult
 from foretell.spec_decode.proposer import DraftBatch, Proposer
+from foretell.spec_decode.token_history import TokenHistory
 
 _NO_TENSOR = torch.empty(0)  # the DraftBatch fields a host drafter never reads
 
@@ -59,14 +60,16 @@ def token_draft_batch(sched: SchedulerOutput, results: list[SequenceResult], blo
                       max_model_len: int) -> DraftBatch:
     """The DraftBatch of a step for a drafter that reads only token lists: per sequence its tokens
     through the one after its final rows (the step's emitted tokens appended for one that
-    sampled), where its first draft would sit, and whether it drafts. No device tensors."""
+    sampled), where its first draft would sit, and whether it drafts. No device tensors; a
+    sampling sequence's history is a TokenHistory (its token list and the step's tokens, read in
+    place: spec_decode/token_history.py), valid until the step's postprocess."""
     starts, valid, nexts, histories, samples, seq_ids, params, indices = [], [], [], [], [], [], [], []
     for item, result in zip(sched.scheduled, results):
         seq = item.seq
         p0 = seq.num_computed_tokens
         if item.samples:
             v = item.num_new_tokens - len(item.draft_token_ids) + result.num_accepted
-            history = seq.token_ids + result.new_token_ids
+            history = TokenHistory(seq.token_ids, result.new_token_ids)  # no copy of the whole history
         else:  # a prefill chunk: the prompt through the token after the chunk
             v = item.num_new_tokens
             history = seq.token_ids[: p0 + v + 1]

@@ -151,11 +151,12 @@ class SuffixProposer(ProposerBase):
         if len(history) < state.resume_at:  # paused by the gate: no lookup
             return state
         key = own.tail_key  # the gram the context ends with; looked up only where it occurred
+        context = own.tokens  # = history, as a list (history may be a TokenHistory view: no copy)
         if not state.own_match.positions and key in own.head:
-            state.own_match = own.lookup(history, key)
+            state.own_match = own.lookup(context, key)
         cache = self.cache.index
         if not state.cache_match.positions and key in cache.head:
-            state.cache_match = cache.lookup(history, key)
+            state.cache_match = cache.lookup(context, key)
         return state
 
     def _judge(self, state: SequenceState, new: list[int], num_tokens: int) -> None:

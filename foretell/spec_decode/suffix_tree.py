@@ -177,10 +177,14 @@ class SuffixIndex:
             length = m
             q = p - m - 1 - base  # store index of the token before the occurrence
             c = n - m - 1  # and of the context's token to compare it with
-            while length < max_depth and q >= low and c >= 0 and tokens[q] == context[c]:
-                length += 1
-                q -= 1
-                c -= 1
+            room = min(max_depth - m, q - low + 1, c + 1)  # the most it can extend backwards
+            if room > 0 and tokens[q - room + 1 : q + 1] == context[c - room + 1 : c + 1]:
+                length += room  # all of it (a repetitive text's common case): one slice compare
+            else:
+                while length < max_depth and q >= low and c >= 0 and tokens[q] == context[c]:
+                    length += 1
+                    q -= 1
+                    c -= 1
             if length > best_length:
                 best_length, best = length, [p]
             elif length == best_length:
