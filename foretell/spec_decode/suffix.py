@@ -129,6 +129,7 @@ class SuffixProposer(ProposerBase):
         """The sequence's state brought up to `history`: only the new tokens are stored, both
         matches move on by them (looked up again when they end, unless the gate pauses the
         sequence), and the gate learns how much of the last draft they accepted."""
+        num_tokens = len(history)
         state = self.states.get(key) if key is not None else None
         if state is None or not state.follows(history):
             state = SequenceState(self.settings)
@@ -143,12 +144,12 @@ class SuffixProposer(ProposerBase):
             if state.cache_match.positions:
                 state.cache_match = self.cache.index.advance(state.cache_match, new)
             if state.last_draft:
-                self._judge(state, new, len(history))
+                self._judge(state, new, num_tokens)
         if not samples:
             return state
         if state.prompt_length is None:
-            state.prompt_length = len(history) - 1  # the first sampled token ends the history
-        if len(history) < state.resume_at:  # paused by the gate: no lookup
+            state.prompt_length = num_tokens - 1  # the first sampled token ends the history
+        if num_tokens < state.resume_at:  # paused by the gate: no lookup
             return state
         key = own.tail_key  # the gram the context ends with; looked up only where it occurred
         context = own.tokens  # = history, as a list (history may be a TokenHistory view: no copy)
@@ -214,7 +215,7 @@ class SuffixProposer(ProposerBase):
         drafts = []
         for i, (key, history, samples) in enumerate(zip(seq_ids, batch.histories, batch.samples)):
             state = self.observe(key, history, samples)
-            if not samples or len(history) < state.resume_at or not (
+            if not samples or len(state.index.tokens) < state.resume_at or not (  # (its tokens: the history)
                     state.own_match.positions or state.cache_match.positions):
                 drafts.append(EMPTY_DRAFT)
                 continue

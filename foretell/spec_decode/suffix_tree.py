@@ -230,12 +230,13 @@ class SuffixIndex:
             else:  # past the end a sequence's own occurrence reads the draft (SEPARATOR: nothing yet)
                 nxt = [tokens[p - base] if p < end else (draft[p - end] if p - end < len(draft) else SEPARATOR)
                        for p in positions]
-            counted = [t for t in nxt if t != SEPARATOR] if SEPARATOR in nxt else nxt
-            if not counted:
+            distinct = set(nxt)
+            distinct.discard(SEPARATOR)  # an occurrence that ends (a response's end) counts for none
+            if not distinct:
                 break
-            total = len(counted)
-            if counted.count(counted[0]) == total:  # one continuation
-                choice, count = counted[0], total
+            total = len(nxt) - nxt.count(SEPARATOR)
+            if len(distinct) == 1:  # one continuation
+                choice, count = distinct.pop(), total
                 if stored and total == len(nxt) and prob >= min_token_prob:  # a run of them: at once
                     run = self._common_run(positions, max_tokens - len(draft))  # >= 1
                     first = positions[0] - base
@@ -245,9 +246,13 @@ class SuffixIndex:
                     positions = [p + run for p in positions]
                     continue
             else:  # the most frequent; ties: the one whose newest occurrence is the most recent
-                last = len(nxt) - 1
-                choice = max(set(counted), key=lambda t: (counted.count(t), last - nxt[::-1].index(t)))
-                count = counted.count(choice)
+                newest_first = nxt[::-1]
+                best = None
+                for t in distinct:
+                    rank = (nxt.count(t), -newest_first.index(t))
+                    if best is None or rank > best:
+                        best, choice = rank, t
+                count = best[0]
             prob *= count / total
             if prob < min_token_prob:
                 break
