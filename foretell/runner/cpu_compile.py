@@ -195,18 +195,14 @@ def fits_one_sequence_step(attn, input_ids: torch.Tensor, metadata: AttentionMet
 
 
 def install_cpu_compile(model, device: torch.device, row_counts: tuple[int, ...] = (1,),
-                        tensor_parallel_size: int = 1, batch_invariant: bool = False, drafter=None) -> bool:
-    """Give a target model its compiled CPU forward (ModelConfig.cpu_compile), and an EAGLE3 drafter
-    its compiled head step (cpu_compile_head.py). ValueError on a CUDA device (its steps run in CUDA
-    graphs); a warning, and the eager forward, for a model or a set-up the compiled forward does not
-    cover. True when the target's is installed."""
+                        tensor_parallel_size: int = 1, batch_invariant: bool = False) -> bool:
+    """Give a target model its compiled CPU forward (ModelConfig.cpu_compile; an EAGLE3 drafter's
+    head step is cpu_compile_head.install_cpu_compile_head's, which the runner calls after this).
+    ValueError on a CUDA device (its steps run in CUDA graphs); a warning, and the eager forward, for
+    a model or a set-up the compiled forward does not cover. True when the target's is installed."""
     if device.type != "cpu":
         raise ValueError(f"cpu_compile applies to the CPU only, but the device is {device}: CUDA runs its "
                          "steps in CUDA graphs; drop --cpu-compile (cpu_compile=True) or use --device cpu")
-    if drafter is not None:
-        from foretell.runner.cpu_compile_head import install_cpu_compile_head  # it imports this module
-
-        install_cpu_compile_head(drafter, row_counts, tensor_parallel_size, batch_invariant)
     decoder = getattr(model, "model", None)
     reason = None
     if not hasattr(decoder, "cpu_forward"):

@@ -44,6 +44,7 @@ from foretell.layers.vocab_parallel import ParallelLMHead
 from foretell.ops.gemm.dispatch import SmallMGemm
 from foretell.models.base import HFConfig, ModelOptions
 from foretell.runner.cpu_compile import install_cpu_compile
+from foretell.runner.cpu_compile_head import install_cpu_compile_head
 from foretell.runner.graph_setup import StepGraphSetup, build_step_pipeline
 from foretell.runner.input_batch import InputBatch, build_input_batch
 from foretell.runner.host_step import HostStep
@@ -114,7 +115,10 @@ class ModelRunner:
         if mc.cpu_compile:  # the CPU's decode and verify forward through torch.compile (cpu_compile.py)
             verify_rows = (1 + config.speculative.num_speculative_tokens,) if config.speculative is not None else ()
             install_cpu_compile(self.model, self.device, (1, *verify_rows), self.tensor_parallel.world_size,
-                                mc.batch_invariant, drafter=self.proposer)
+                                mc.batch_invariant)
+            if self.proposer is not None:  # an EAGLE3 head's draft step (cpu_compile_head.py)
+                install_cpu_compile_head(self.proposer, (1, *verify_rows), self.tensor_parallel.world_size,
+                                         mc.batch_invariant)
         if mc.batch_invariant:  # every float Linear, LMHead and MoE of target and drafter
             prepare_batch_invariant([self.model, *(self.proposer.draft_modules() if self.proposer else [])])
         self.vocab_size = self.hf_config.language_model().vocab_size
