@@ -42,6 +42,7 @@ import torch.nn.functional as F
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
+from foretell.bench.kernels.linear_kinds import close_error  # noqa: E402
 from foretell.bench.kernels.timing import time_kernel  # noqa: E402
 from foretell.ops.gemm import fp8_reference as fp8_ref  # noqa: E402
 from foretell.ops.moe import int4_reference as int4_ref  # noqa: E402
@@ -97,15 +98,6 @@ def measure(fn, check, device, calls_per_run: int, budget: Budget, num_bytes: fl
         return {"ok": False, "error": f"{type(e).__name__}: {e}"[:500]}
     us = timing.median_us
     return {"ok": True, "us": round(us, 2), "fraction_of_bandwidth": round(num_bytes / (us * 1e-6) / H200_BYTES_S, 4)}
-
-
-def close_error(got: torch.Tensor, want: torch.Tensor, tolerance: float) -> str | None:
-    """None if got is within tolerance of want (relative to want's largest value), else why not."""
-    if got.shape != want.shape:
-        return f"shape {list(got.shape)} != {list(want.shape)}"
-    err = (got.float() - want.float()).abs().max().item()
-    scale = want.float().abs().max().item() + 1e-12
-    return None if err <= tolerance * scale else f"max error {err:.3g} > {tolerance} x {scale:.3g}"
 
 
 def best_of(rows: list[dict]) -> dict | None:

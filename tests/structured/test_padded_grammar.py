@@ -21,35 +21,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import regex
 import torch
 
 from fixtures import deepseek as ds
+from fixtures.grammar_prompts import DS_PROMPTS, K, PROMPTS, constraints
 from fixtures.grammar_stubs import VOCAB, FakeSeq, SamplingItem, encode
 from foretell import LLM, SamplingParams
 from foretell.bench.device_syncs import syncs_per_step
 from foretell.runner.graphed_verify import GraphedVerify
 from foretell.runner.host_step import HostStep
 from foretell.structured.padded_verify import GrammarMaskBuffer, padded_verify_grammar
-
-PROMPTS = ["The cat reads the book. The cat reads the book. The cat",
-           "def add(x):\n    return x + 1\ndef add(x):\n    return", "a b a b a b a b"]
-DS_PROMPTS = [[5, 17, 250, 3, 99, 41, 7, 5, 17, 250, 3], [300, 12, 8, 8, 61, 2, 19, 300, 12, 8], [9, 9, 9, 9]]
-REGEX = r"(the|cat|[0-9]{1,2})( (the|book|cat|[0-9]{1,2})){1,3}\."
-# Long fixed stretches: forced runs longer than K.
-FORCED_REGEX = r"(the|cat|[0-9]{1,2}) reads the book, (the|a) cat reads the book\."
-CHOICES = ["return x + 1", "the book", "a b a b"]
-GRAMMAR = 'start: "(" item ("," item)? ("," item)? ")"\nitem: /[a-c]{1,2}/ | "x"'
-K = 3
-
-
-def constraints() -> list[tuple[dict, object]]:
-    def fullmatch(pattern):
-        return lambda text: regex.fullmatch(pattern, text) is not None
-
-    return [({"regex": REGEX}, fullmatch(REGEX)), ({"choice": CHOICES}, CHOICES.__contains__),
-            ({"grammar": GRAMMAR}, fullmatch(r"\((x|[a-c]{1,2})(,(x|[a-c]{1,2})){0,2}\)")),
-            ({"regex": FORCED_REGEX}, fullmatch(FORCED_REGEX))]
 
 
 def padded_kinds(llm: LLM) -> list[GraphedVerify]:
