@@ -151,12 +151,12 @@ class TreeStep:
             root = item.seq.token_ids[item.seq.num_computed_tokens + item.num_new_tokens - num_nodes]
             if tree is None or num_nodes > tree.num_nodes or tokens[:num_nodes] != [root, *drafts]:  # (no device read)
                 raise RuntimeError(f"sequence {item.seq.request_id!r} carries drafts that are not its drafted tree")
-            by_size.setdefault(num_nodes, []).append((i, _cut(tree, num_nodes), depths[:num_nodes]))
+            by_size.setdefault(num_nodes, []).append((i, tree.cut(num_nodes), depths[:num_nodes]))
         groups = []
         for num_nodes, members in by_size.items():
             index = [i for i, _, _ in members]
             root_rows = [batch.query_start[i + 1] - num_nodes for i in index]  # each sequence's last real row
-            groups.append(TreeGroup(index, _stack([t for _, t, _ in members]), root_rows,
+            groups.append(TreeGroup(index, DraftTree.stack([t for _, t, _ in members]), root_rows,
                                     [batch.position_list[r] for r in root_rows], [d for _, _, d in members]))
         return groups
 
@@ -270,7 +270,7 @@ class TreeStep:
             return self._verify_sampled(g.tree, [items[j] for j in sampled], logits[rows])
         picked = to_device(sampled, torch.int64, self.device)
         greedy = verify_greedy_paths(g.tree, ids, limit_tensor)
-        drawn = self._verify_sampled(_take(g.tree, picked), [items[j] for j in sampled], logits[rows[picked]])
+        drawn = self._verify_sampled(g.tree.take(picked), [items[j] for j in sampled], logits[rows[picked]])
         return TreeVerifyResult(*(getattr(greedy, f).index_copy(0, picked, getattr(drawn, f))
                                   for f in ("accepted_nodes", "num_accepted", "bonus_tokens", "output_tokens")))
 
@@ -349,7 +349,7 @@ class TreeStep:
         tokens then depths, as read."""
         num_nodes = tree.num_nodes
         tokens = host[:num_nodes]
-        self.trees[seq_id], self.tree_tokens[seq_id] = _row(tree, j), tokens
+        self.trees[seq_id], self.tree_tokens[seq_id] = tree.row(j), tokens
         self.tree_depths[seq_id] = host[num_nodes: 2 * num_nodes]
         result.next_drafts = tokens[1:]
 
@@ -377,33 +377,7 @@ class TreeGroup:
     depths: list[list[int]]
 
 
-def _stack(trees: list[DraftTree]) -> DraftTree:
-    if len(trees) == 1:
-        return trees[0]
-    return DraftTree(trees[0].shape, *(torch.cat([getattr(t, f) for t in trees]) for f in
-                                       ("tokens", "parents", "depths", "ancestor_mask", "scores")))
-
-
 def _drafts_trees(params) -> bool:
     """Requests whose rows read more than their logits (penalties, biases, grammars) or that ask
     for logprobs run without drafts under trees."""
     return params.use_speculation and not params.needs_logits_processing and params.logprobs is None
-
-
-def _row(tree: DraftTree, j: int) -> DraftTree:
-    return DraftTree(tree.shape, tree.tokens[j: j + 1], tree.parents[j: j + 1], tree.depths[j: j + 1],
-                     tree.ancestor_mask[j: j + 1], tree.scores[j: j + 1])
-
-
-def _take(tree: DraftTree, picked: torch.Tensor) -> DraftTree:
-    """The trees at rows `picked` ([m] int64)."""
-    return DraftTree(tree.shape, *(getattr(tree, f)[picked] for f in
-                                   ("tokens", "parents", "depths", "ancestor_mask", "scores")))
-
-
-def _cut(tree: DraftTree, num_nodes: int) -> DraftTree:
-    """The first num_nodes nodes: a tree again (topological order), the verify rows the scheduler kept."""
-    if num_nodes == tree.num_nodes:
-        return tree
-    return DraftTree(tree.shape, tree.tokens[:, :num_nodes], tree.parents[:, :num_nodes], tree.depths[:, :num_nodes],
-                     tree.ancestor_mask[:, :num_nodes, :num_nodes], tree.scores[:, :num_nodes])

@@ -170,19 +170,13 @@ class TreeDraftGraphs:
             return None
         max_bucket = self.buckets[-1]
         packed = [n, *root_tokens, *[0] * (max_bucket - n), *roots, *[0] * (max_bucket - n)]
-        host = torch.tensor(packed, dtype=torch.int64)
-        self.inputs.copy_(host.pin_memory() if self.device.type == "cuda" else host, non_blocking=True)
+        self._upload(packed)
         self.logits[:n].copy_(logits)
         self.h[:n].copy_(h)
         self.table[:n, : table.shape[1]].copy_(table)
         self.num_runs += 1
-        captured = self.graphs.get(bucket)
-        if captured is None:
-            tree = self._expand(bucket, roots if self.reads_host_lengths else None)
-            return tree if bucket == n else _rows(tree, n, copy=False)
-        captured.graph.replay()
-        return _rows(captured.tree, n, copy=True)
-
+        return self._replay_or_run(self.graphs, bucket, n,
+                                   lambda: self._expand(bucket, roots if self.reads_host_lengths else None))
 
     def run_after_verify(
         self,
@@ -205,17 +199,29 @@ class TreeDraftGraphs:
             return None
         max_bucket = self.buckets[-1]
         packed = [n, *[0] * max_bucket, *first_positions, *[0] * (max_bucket - n)]
-        host = torch.tensor(packed, dtype=torch.int64)
-        self.inputs.copy_(host.pin_memory() if self.device.type == "cuda" else host, non_blocking=True)
+        self._upload(packed)
         torch.index_select(features, 0, path_rows.flatten(), out=self.path_features[: path_rows.numel()])
         self.path_tokens[:n].copy_(path_tokens)
         self.accepted[:n].copy_(accepted)
         self.table[:n, : table.shape[1]].copy_(table)
         self.num_runs += 1
         self.num_caught_up += 1
-        captured = self.after_verify_graphs.get(bucket)
+        return self._replay_or_run(
+            self.after_verify_graphs, bucket, n,
+            lambda: self._catch_up_and_expand(bucket, first_positions if self.reads_host_lengths else None))
+
+    def _upload(self, packed: list[int]) -> None:
+        """The step's host inputs into `inputs` (count, tokens or zeros, positions), in one copy."""
+        host = torch.tensor(packed, dtype=torch.int64)
+        self.inputs.copy_(host.pin_memory() if self.device.type == "cuda" else host, non_blocking=True)
+
+    @staticmethod
+    def _replay_or_run(graphs: dict, bucket: int, n: int, run_eagerly) -> DraftTree:
+        """The first n trees of the bucket's captured graph replayed (copies: the next replay
+        rewrites its buffers), or of run_eagerly() where none was captured for it."""
+        captured = graphs.get(bucket)
         if captured is None:
-            tree = self._catch_up_and_expand(bucket, first_positions if self.reads_host_lengths else None)
+            tree = run_eagerly()
             return tree if bucket == n else _rows(tree, n, copy=False)
         captured.graph.replay()
         return _rows(captured.tree, n, copy=True)

@@ -71,6 +71,31 @@ class DraftTree:
     def position_offsets(self) -> torch.Tensor:  # [B, T]: a verify row's position = context length + this
         return self.depths
 
+    FIELDS = ("tokens", "parents", "depths", "ancestor_mask", "scores")  # the per-sequence tensors
+
+    @classmethod
+    def stack(cls, trees: list["DraftTree"]) -> "DraftTree":
+        """The trees of several batches (one node count) as one batch, in order."""
+        if len(trees) == 1:
+            return trees[0]
+        return cls(trees[0].shape, *(torch.cat([getattr(t, f) for t in trees]) for f in cls.FIELDS))
+
+    def row(self, j: int) -> "DraftTree":
+        """Sequence j's tree, a batch of one (views)."""
+        return DraftTree(self.shape, *(getattr(self, f)[j: j + 1] for f in self.FIELDS))
+
+    def take(self, picked: torch.Tensor) -> "DraftTree":
+        """The trees at rows `picked` ([m] int64)."""
+        return DraftTree(self.shape, *(getattr(self, f)[picked] for f in self.FIELDS))
+
+    def cut(self, num_nodes: int) -> "DraftTree":
+        """The first num_nodes nodes: a tree again (topological order), the verify rows the scheduler kept."""
+        if num_nodes == self.num_nodes:
+            return self
+        return DraftTree(self.shape, self.tokens[:, :num_nodes], self.parents[:, :num_nodes],
+                         self.depths[:, :num_nodes], self.ancestor_mask[:, :num_nodes, :num_nodes],
+                         self.scores[:, :num_nodes])
+
 
 def ancestor_mask_from_parents(parents: torch.Tensor, depth: int) -> torch.Tensor:
     """[B, T] parents (topologically ordered, -1 at the root) -> [B, T, T] bool ancestor-or-self
