@@ -6,6 +6,8 @@ matcher.py    SequenceMatcher: one sequence's grammar state, the token bitmasks 
               step's rows (row j as if drafts d_0..d_{j-1} were accepted) and its rollback
 runtime.py    StructuredOutputs: the runner's matchers per sequence, the masks applied to the
               sampling rows' logits on the device, drafts the grammar rejects cut before verify
+verify_rows.py  VerifyRows: a step's verify rows filled into the host buffer, and the next
+              step's rows filled ahead on a worker thread (MaskWorker)
 bitmask.py    the device op: a packed [rows, ceil(vocab / 32)] int32 bitmask -> -inf on logits,
               and BitmaskBuffer (reused host rows, pinned on CUDA, one copy per step)
 batched_fill.py  every sequence's verify rows of a step in one llguidance (LLExecutor) call

@@ -11,7 +11,7 @@ grammar's own end token's bit, which llguidance sets exactly where its parser ac
 is cut at an EOS draft or one our row forbids, and the rows past the cut repeat the cut's row.
 The result is the same as verify_masks' (tests/structured/test_draft_masks.py holds them together).
 The two halves are walk_drafts() (llguidance's calls: walk_calls() builds them, a worker thread
-may run them: runtime.fill_ahead) and finish_rows() (ours, on the engine's thread).
+may run them: verify_rows.VerifyRows.fill_ahead) and finish_rows() (ours, on the engine's thread).
 """
 
 from __future__ import annotations

@@ -14,9 +14,10 @@ decoding gives, under every drafter.
 
 fill_ahead(): at the end of a step (HostStep, after the drafts are known) the next step's rows
 are walked by llguidance on a worker thread while the engine finishes this step, schedules and
-launches the next (llguidance holds no GIL meanwhile); mask_logits() then only finishes them. The
-device op is one in-place masked fill when the structured rows are consecutive (batch 1, or every
-sequence structured), without the fallback when no other control changed the logits.
+launches the next; mask_logits() then only finishes them (the verify rows' fill and that thread:
+verify_rows.py). The device op is one in-place masked fill when the structured rows are
+consecutive (batch 1, or every sequence structured), without the fallback when no other control
+changed the logits.
 
 draft_mask(): the same grammars for a model drafter's loop (draft_mask.py), so its drafts follow
 them too; None when no sequence that drafts this step has one.
@@ -44,75 +45,24 @@ from __future__ import annotations
 import os
 import time
 from collections import OrderedDict
-import queue
-import threading
-import weakref
 
 import numpy as np
 import torch
 
 from foretell.device_util import to_device
 from foretell.engine.errors import SequenceError
-from foretell.structured.batched_fill import SequenceGrammarViolation, fill_verify_masks, finish_rows, walk_calls
 from foretell.structured.bitmask import (BitmaskBuffer, TokenBitsCache, apply_token_bitmask, contiguous_rows,
                                          num_mask_words)
 from foretell.structured.draft_mask import DraftMask, MaskTimer
 from foretell.structured.forced_drafts import drafts_under_grammar
 from foretell.structured.matcher import GrammarViolation, SequenceMatcher
+from foretell.structured.verify_rows import VerifyRows
 
 MAX_CACHED_GRAMMARS = 64
 # Threads of the llguidance executor: the cores this process may run on, at most this many. Its
 # default pool measured 20x slower than an explicit one on a busy 2-core box (6-22 ms against
 # 0.3 ms for a batch-8 verify's 32 rows); a step has few sequences, so a few threads suffice.
 MAX_MASK_THREADS = 8
-
-
-class MaskWorker:
-    """One daemon thread that runs llguidance calls handed to it (bound methods with their
-    arguments; llguidance drops the GIL inside them). Almost no Python runs on it, so it needs the
-    GIL only to enter and leave each call. start() hands one batch over, wait() waits for it."""
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._done = threading.Lock()  # held while a batch runs
-        self._failed = False
-        self.busy = False
-        self._buffer = None  # start()'s buffer, held while its calls run
-        threading.Thread(target=self._serve, name="foretell-grammar-masks", daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            calls = self._queue.get()
-            if calls is None:
-                return
-            try:
-                for call, args in calls:
-                    call(*args)
-            except (ValueError, RuntimeError):
-                self._failed = True
-            finally:
-                self._done.release()
-
-    def stop(self) -> None:
-        self._queue.put(None)
-
-    def start(self, calls: list, buffer: object = None) -> None:
-        """Run calls on the thread; buffer (the array llguidance writes into, which the calls may
-        reach by address only) is held until wait() returns, so nothing frees it mid-write."""
-        self.wait()
-        self._done.acquire()
-        self.busy, self._failed = True, False
-        self._buffer = buffer
-        self._queue.put(calls)
-
-    def wait(self) -> bool:
-        """Wait for the batch handed over last; False when llguidance raised."""
-        if self.busy:
-            self._done.acquire()
-            self._done.release()
-            self.busy = False
-            self._buffer = None
-        return not self._failed
 
 
 class StructuredOutputs:
@@ -128,8 +78,7 @@ class StructuredOutputs:
         self._buffers: dict[str, BitmaskBuffer] = {}  # "verify" / "draft" -> host rows, reused
         self._token_bits = TokenBitsCache()  # the drafter's vocabulary in mask words (draft_mask.py)
         self.timer = MaskTimer()  # host time spent on masks (verify rows and draft loops)
-        self._worker: MaskWorker | None = None  # fill_ahead()'s thread, started when first used
-        self._ahead: tuple | None = None  # the next step's rows filled ahead: (jobs, rows), valid once waited for
+        self._verify_rows = VerifyRows(self.timer)  # the verify rows' fill, and the thread filling ahead
         self.draft_limit: int | None = None  # the most drafts grammar_drafts() leaves (limit_drafts)
 
     # ---- matchers ------------------------------------------------------------------------
@@ -149,7 +98,7 @@ class StructuredOutputs:
 
     def matcher_for(self, seq) -> SequenceMatcher:
         """The sequence's matcher, advanced through its output tokens so far."""
-        self._wait_for_worker()
+        self._verify_rows.wait_for_worker()  # the matchers are the worker's until it is done
         matcher = self.matchers.get(seq.seq_id)
         try:
             if matcher is None:
@@ -241,110 +190,28 @@ class StructuredOutputs:
         return logits
 
     def take_filled_ahead(self) -> tuple | None:
-        """The rows the worker filled ahead for this step (None: none), once it is done; every
-        step takes them (its own fill then uses them or not), so none outlive the step after."""
-        self._wait_for_worker()
-        ahead, self._ahead = self._ahead, None
-        return ahead
+        """The rows the worker filled ahead for this step (None: none): VerifyRows.take_filled_ahead."""
+        return self._verify_rows.take_filled_ahead()
 
     def fill_verify_rows(self, items: list, ahead: tuple | None,
                          device: torch.device) -> tuple[BitmaskBuffer, np.ndarray]:
         """The verify rows of `items` (structured sequences that sample, in row order: each one's
         len(drafts) + 1 rows, row j as if drafts d_0..d_{j-1} were accepted) in the reusable
-        "verify" host buffer: the rows filled ahead (take_filled_ahead) when they are this step's,
-        else one batched llguidance fill. Returns the buffer and its rows [sum, words] int32."""
+        "verify" host buffer (VerifyRows.fill). Returns the buffer and its rows [sum, words] int32."""
         matchers = [self.matcher_for(item.seq) for item in items]  # first: the mask width is known after
         buffer = self.buffer("verify", device)
         bitmask = buffer.rows(sum(len(item.draft_token_ids) + 1 for item in items))  # [rows, words]
-        if not self._take_rows_filled_ahead(ahead, items, bitmask):
-            try:
-                fill_verify_masks(self.executor, matchers, [list(item.draft_token_ids) for item in items], bitmask)
-            except SequenceGrammarViolation as e:
-                seq = items[e.index].seq
-                raise SequenceError(seq.seq_id, f"structured outputs of request {seq.request_id!r}: {e}") from e
+        self._verify_rows.fill(items, matchers, ahead, bitmask, self.executor)
         return buffer, bitmask
 
-    # ---- the next step's rows, filled ahead on a worker thread ---------------------------
     def fill_ahead(self, scheduled: list, results: list) -> None:
-        """Start filling the next step's verify rows of every structured sequence of this step
-        (its matcher advanced through the tokens this step emits, the drafts it will verify:
-        results[i].next_drafts) on the worker thread, while the engine finishes this step and
-        builds and launches the next one. llguidance releases the GIL, so the fill runs beside
-        the engine's Python. The next mask_logits() takes the rows of every sequence whose output
-        length and drafts are what they were filled for (all of them, or it fills them all
-        itself); the matchers are not touched by anything else until the worker is done."""
-        started = time.perf_counter()
-        self._wait_for_worker()
-        self._ahead = None
-        jobs = []
-        for item, result in zip(scheduled, results):
-            seq = item.seq
-            matcher = self.matchers.get(seq.seq_id)
-            if matcher is None or seq.sampling_params.structured_outputs is None or not item.samples:
-                continue
-            new_tokens = list(result.new_token_ids)
-            if not new_tokens or any(t in matcher.eos_token_ids for t in new_tokens):
-                continue  # nothing emitted (a failed row) or the output ends here
-            outputs = seq.output_token_ids + new_tokens
-            try:
-                matcher.advance(outputs)
-            except GrammarViolation:
-                continue  # the next matcher_for() raises it for this request
-            drafts = list(result.next_drafts or [])
-            jobs.append(((seq.seq_id, len(outputs), tuple(drafts)), matcher, drafts))
-        if jobs:
-            if self._worker is None:
-                self._worker = MaskWorker()
-                weakref.finalize(self, self._worker.stop)  # the thread ends with this object
-            out = np.empty((sum(len(drafts) + 1 for _, _, drafts in jobs), self.num_words), dtype=np.int32)
-            calls = walk_calls(self.executor, [m for _, m, _ in jobs], [d for _, _, d in jobs], out)
-            self._worker.start(calls, out)
-            self._ahead = (jobs, out)
-        elapsed = time.perf_counter() - started
-        self.timer.fill_ahead_seconds += elapsed
-        self.timer.seconds += elapsed
+        """Start filling the next step's verify rows on the worker thread (VerifyRows.fill_ahead);
+        the matchers are not touched by anything else until the worker is done."""
+        self._verify_rows.fill_ahead(scheduled, results, self.matchers, self.num_words, lambda: self.executor)
 
     def close(self) -> None:
-        """Wait for the rows being filled ahead, then end the worker thread: llguidance works on
-        this object's matchers and buffers until then (an engine closed mid-fill crashed in CI)."""
-        if self._worker is not None:
-            self._worker.wait()
-            self._worker.stop()
-            self._worker = None
-        self._ahead = None
-
-    def _wait_for_worker(self) -> None:
-        """Wait for the rows being filled ahead (the matchers are the worker's until then)."""
-        if self._worker is not None and self._worker.busy and not self._worker.wait():
-            self._ahead = None  # llguidance failed: the step's own fill meets it and names the request
-
-    def _take_rows_filled_ahead(self, ahead: tuple | None, items: list, bitmask: np.ndarray) -> bool:
-        """Finish the rows filled ahead and copy them into bitmask when every item's were (False:
-        fill them all here; a grammar error found is raised there, naming the request)."""
-        if ahead is None:
-            return False
-        jobs, out = ahead
-        first_rows, row0 = {}, 0
-        for key, _, drafts in jobs:
-            first_rows[key] = row0
-            row0 += len(drafts) + 1
-        starts = []
-        for item in items:
-            start = first_rows.get((item.seq.seq_id, item.seq.num_output_tokens, tuple(item.draft_token_ids)))
-            if start is None:
-                return False
-            starts.append(start)
-        try:
-            finish_rows([m for _, m, _ in jobs], [d for _, _, d in jobs], out)
-        except GrammarViolation:
-            return False
-        row = 0
-        for item, start in zip(items, starts):
-            num_rows = len(item.draft_token_ids) + 1
-            bitmask[row: row + num_rows] = out[start: start + num_rows]
-            row += num_rows
-        self.timer.rows_filled_ahead += row
-        return True
+        """Wait for the rows being filled ahead, then end the worker thread."""
+        self._verify_rows.close()
 
     def draft_mask(self, scheduled: list, results: list, device: torch.device) -> DraftMask | None:
         """The grammars of this step's drafting sequences, advanced through the tokens the step
