@@ -1,11 +1,20 @@
-"""Step costs for adaptive speculation, learned from the engine's own steps: what one engine step
-costs by batch size and by the number of drafts k each sequence verifies (0..K), the T(batch, k)
-of spec_decode/adaptive.py's choice.
+"""Step costs for adaptive speculation, learned from the engine's own steps and, on CUDA with
+graphs, seeded at start-up from timed graph replays: what one engine step costs by batch size and
+by the number of drafts k each sequence verifies (0..K), the T(batch, k) of
+spec_decode/adaptive.py's choice.
 
-Nothing is measured at start-up (a start-up measurement of whole dummy steps at batches 1, 2, 4 ..
-max_num_seqs for every k took 43 s on a 2-core CPU before the first request). The engine times
-each of its steps instead: wall clock around Engine.step(), which ends after the step's results
-were read back, so timing adds no device sync. The policy passes on the steady ones (every
+Start-up (runner/startup_costs.py): on CUDA with captured graphs, the verify graph of each batch
+bucket and k + 1 rows and the draft loop's graph for k are replayed a few times under CUDA events
+(a second or two at Llama-8B size), and each (bucket, k) cell gets their sum as its prior. Whole
+dummy steps are not timed (they took 43 s on a 2-core CPU); without graphs (the CPU, eager mode,
+tensor parallelism) nothing is measured and the cells start empty. A replay holds no host work:
+in a seeded bucket a cell's cost is its own timed steps when it has fresh ones, else its prior
+plus the bucket's host offset, the lower median of (timed - prior) over its fresh timed cells
+(the nearest seeded bucket's when it has none, 0 before any step). A seeded cell never needs
+timing: exploration only looks for acceptance, and the steps the policy runs refine the costs.
+
+The engine times each of its steps: wall clock around Engine.step(), which ends after the step's
+results were read back, so timing adds no device sync. The policy passes on the steady ones (every
 scheduled sequence samples and verifies k drafts, and the choice before was k too: a step right
 after a switch verifies the old k and drafts the new one), and they land here in a cell per
 (batch bucket, k). Buckets are powers of two: batch 1, 2-3, 4-7, 8-15, ... (a bucket is named by
@@ -25,13 +34,16 @@ A cell's cost has converged when CONVERGED_SAMPLES kept steps agree within CONVE
 window is full); until then, or once stale, the policy may time it again when it might compete
 (AdaptiveDraftLength's exploration), judging by optimistic_seconds_by_k: a converged cell's cost,
 an unconverged one's fastest step less TIMED_SLACK, an untimed one's estimate less UNTIMED_SLACK
-but never below what a timed smaller k costs (a draft never makes a step cheaper).
+but never below what a timed smaller k costs (a draft never makes a step cheaper); a seeded
+cell's cost as it stands.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
+from typing import Mapping, Sequence
 
 from foretell.spec_decode.adaptive import AdaptiveDraftLength
 
@@ -58,13 +70,14 @@ MIN_EXTRAPOLATED_SHARE = 0.1
 class _Cell:
     """One (batch bucket, k): its last steady step times."""
 
-    __slots__ = ("samples", "seen", "last_tick", "seconds")
+    __slots__ = ("samples", "seen", "last_tick", "seconds", "prior")
 
-    def __init__(self):
+    def __init__(self, prior: float | None = None):
         self.samples: deque[float] = deque(maxlen=COST_WINDOW)
         self.seen = False  # the first steady step (dropped) has passed
         self.last_tick = 0
         self.seconds: float | None = None  # the lower median of samples; None until one is kept
+        self.prior = prior  # the start-up replays' seconds (device time only); None: not seeded
 
     def add(self, seconds: float, tick: int) -> bool:
         """Keep a steady step's time; returns whether the cell's cost changed."""
@@ -88,7 +101,9 @@ class _Cell:
 class LearnedStepCosts:
     """A StepCosts (spec_decode/adaptive.py) learned from timed engine steps (module docstring)."""
 
-    def __init__(self, max_k: int, stale_after_steps: int = STALE_AFTER_STEPS):
+    def __init__(self, max_k: int, stale_after_steps: int = STALE_AFTER_STEPS,
+                 priors: Mapping[int, Sequence[float]] | None = None):
+        """priors: {batch size: [K + 1] seconds by k}, the start-up replays' (runner/startup_costs.py)."""
         if max_k < 1:
             raise ValueError(f"LearnedStepCosts needs max_k >= 1, got {max_k}")
         if stale_after_steps < 1:
@@ -98,11 +113,29 @@ class LearnedStepCosts:
         self.buckets: dict[int, list[_Cell]] = {}  # bucket (its smallest batch) -> [K + 1] cells
         self.num_steps = 0  # steady steps recorded (the clock of staleness)
         self._curves: dict[int, list[float]] = {}  # bucket -> step_seconds by k, until a cost it uses changes
+        # Seeded bucket -> the steady step after which a fresh cell its curve read goes stale.
+        self._curve_expiry: dict[int, float] = {}
         self._num_timed: dict[int, int] = {}  # bucket -> how many of its k have a cost
+        self.seeded: set[int] = set()  # buckets whose cells have priors
+        self.startup_seconds = 0.0  # what measuring the priors took (set by start_adaptive_speculation)
+        for batch_size, seconds in (priors or {}).items():
+            self._seed(batch_size, seconds)
 
     @property
     def max_k(self) -> int:
         return self._max_k
+
+    def _seed(self, batch_size: int, seconds: Sequence[float]) -> None:
+        """Give batch_size's bucket a prior per k (seconds by k, K + 1 of them)."""
+        if batch_size < 1 or len(seconds) != self._max_k + 1 or not all(s > 0 for s in seconds):
+            raise ValueError(
+                f"a step-cost prior needs batch_size >= 1 and {self._max_k + 1} seconds > 0 (k = 0..{self._max_k}); "
+                f"got batch_size {batch_size}, seconds {list(seconds)}"
+            )
+        bucket = self.bucket_of(batch_size)
+        self.buckets[bucket] = [_Cell(prior=float(s)) for s in seconds]
+        self.seeded.add(bucket)
+        self._curves.clear()
 
     @staticmethod
     def bucket_of(batch_size: int) -> int:
@@ -127,8 +160,14 @@ class LearnedStepCosts:
         if cells[k].add(seconds, self.num_steps):
             if not was_timed:
                 self._num_timed[bucket] = self._num_timed.get(bucket, 0) + 1
-            # This bucket's curve, and those of buckets that borrow (fewer than two k timed).
-            self._curves = {b: c for b, c in self._curves.items() if b != bucket and self._num_timed.get(b, 0) >= 2}
+            # This bucket's curve, those of buckets that borrow (fewer than two k timed), and the
+            # seeded ones (they may borrow a host offset, or have a cell gone stale).
+            self._curves = {b: c for b, c in self._curves.items()
+                            if b != bucket and b not in self.seeded and self._num_timed.get(b, 0) >= 2}
+
+    def _fresh(self, cell: _Cell) -> bool:
+        """Timed, and within STALE_AFTER_STEPS steady steps."""
+        return cell.seconds is not None and cell.last_tick >= self.num_steps - self.stale_after_steps
 
     def needs_timing(self, batch_size: int) -> list[int]:
         """The k whose cost at this batch has not converged, or has no kept step for
@@ -139,6 +178,8 @@ class LearnedStepCosts:
         return [k for k, cell in enumerate(cells) if not self._known(cell)]
 
     def _known(self, cell: _Cell) -> bool:
+        if cell.prior is not None:  # seeded: what steps add refines it, nothing needs a timed step
+            return True
         return cell.converged() and cell.last_tick >= self.num_steps - self.stale_after_steps
 
     def steady_steps_to_learn(self, batch_size: int, k: int) -> int:
@@ -160,6 +201,9 @@ class LearnedStepCosts:
             return [s * (1 - UNTIMED_SLACK) for s in estimate]
         out, floor = [], 0.0  # floor: the least a timed smaller k might cost
         for k, cell in enumerate(cells):
+            if cell.prior is not None:  # seeded: its cost as it stands
+                out.append(estimate[k])
+                continue
             if cell.seconds is None:
                 out.append(max(estimate[k] * (1 - UNTIMED_SLACK), floor))
                 continue
@@ -176,7 +220,8 @@ class LearnedStepCosts:
         """[K + 1]: step_seconds(batch_size, k) for every k (the caller must not change it)."""
         bucket = self.bucket_of(batch_size)
         curve = self._curves.get(bucket)
-        if curve is None:  # computed once per bucket until a cost it uses changes
+        # Computed once per bucket until a cost it uses changes (or, seeded, one it read goes stale).
+        if curve is None or self.num_steps > self._curve_expiry.get(bucket, self.num_steps):
             curve = self._curves[bucket] = self._curve(bucket)
         return curve
 
@@ -193,6 +238,8 @@ class LearnedStepCosts:
 
     def _curve(self, bucket: int) -> list[float]:
         """[K + 1] seconds by k at this bucket: timed cells and estimates."""
+        if bucket in self.seeded:
+            return self._seeded_curve(bucket)
         if self._num_timed.get(bucket, 0) >= 2:  # the common case, once a bucket has run a while
             return self._piecewise_linear(self._timed(bucket))
         prior = [1.0 + PRIOR_COST_PER_DRAFT * k for k in range(self._max_k + 1)]
@@ -206,6 +253,34 @@ class LearnedStepCosts:
         shaper = self._nearest(source, 2, exclude=source)
         shape = self._piecewise_linear(self._timed(shaper)) if shaper is not None else prior
         return [ref_seconds * shape[k] / shape[ref] for k in range(self._max_k + 1)]
+
+    def _seeded_curve(self, bucket: int) -> list[float]:
+        """[K + 1]: a seeded bucket's fresh timed cells, and its priors plus the host offset."""
+        offset, source = self._host_offset(bucket)
+        read = {bucket, source} - {None}  # the buckets whose fresh cells the curve read
+        self._curve_expiry[bucket] = min(
+            (cell.last_tick + self.stale_after_steps for b in read for cell in self.buckets[b] if self._fresh(cell)),
+            default=float("inf"),
+        )
+        return [cell.seconds if self._fresh(cell) else max(cell.prior + offset, MIN_EXTRAPOLATED_SHARE * cell.prior)
+                for cell in self.buckets[bucket]]
+
+    def _prior_gaps(self, bucket: int) -> list[float]:
+        """Each fresh timed cell's cost less its prior: the host work a replay does not hold."""
+        return [cell.seconds - cell.prior for cell in self.buckets[bucket] if self._fresh(cell)]
+
+    def _host_offset(self, bucket: int) -> tuple[float, int | None]:
+        """(offset, the bucket it came from): the lower median of the bucket's prior gaps; without
+        any, the nearest seeded bucket's (ties: the smaller batch); 0 (None) before any seeded
+        bucket has a fresh timed step."""
+        source, gaps = bucket, self._prior_gaps(bucket)
+        if not gaps:
+            others = [b for b in self.seeded if b != bucket and self._prior_gaps(b)]
+            if not others:
+                return 0.0, None
+            source = min(others, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
+            gaps = self._prior_gaps(source)
+        return sorted(gaps)[(len(gaps) - 1) // 2], source
 
     def _piecewise_linear(self, timed: list[tuple[int, float]]) -> list[float]:
         """[K + 1]: through the timed (k, seconds), ascending in k, two at least; outside them the
@@ -227,7 +302,8 @@ class LearnedStepCosts:
 
     def as_dict(self) -> dict:
         """For get_stats(): per bucket (named by its smallest batch), each k's cost in ms (None: not
-        timed yet, the choice uses an estimate) and how many steady steps it kept."""
+        timed yet, the choice uses an estimate), how many steady steps it kept, and its start-up
+        prior in ms (None: not seeded)."""
         sizes = sorted(self.buckets)
         return {
             "learned": True,
@@ -236,15 +312,26 @@ class LearnedStepCosts:
                 [None if c.seconds is None else round(1000 * c.seconds, 4) for c in self.buckets[b]] for b in sizes
             ],
             "timed_steps": [[len(c.samples) for c in self.buckets[b]] for b in sizes],
+            "prior_ms": [[None if c.prior is None else round(1000 * c.prior, 4) for c in self.buckets[b]] for b in sizes],
+            "startup_seconds": round(self.startup_seconds, 3),
             "num_steady_steps": self.num_steps,
         }
 
 
 def start_adaptive_speculation(engine) -> AdaptiveDraftLength:
-    """Hand the scheduler its adaptive draft-length policy; its step costs are learned as it runs
-    (Engine.step() reports every step's time), nothing is measured now."""
+    """Hand the scheduler its adaptive draft-length policy. Its step costs are seeded from the
+    runner's graph replays where it has captured graphs (RunnerHandle.replay_step_costs), and
+    learned as it runs (Engine.step() reports every step's time)."""
     max_k = engine.config.speculative.num_speculative_tokens
-    policy = AdaptiveDraftLength(LearnedStepCosts(max_k))
+    start = time.perf_counter()
+    priors = engine.runner.replay_step_costs(max_k)
+    costs = LearnedStepCosts(max_k, priors=priors)
+    costs.startup_seconds = time.perf_counter() - start
+    policy = AdaptiveDraftLength(costs)
     engine.scheduler.draft_length = policy
-    logger.info("adaptive speculation: k = 0..%d, step costs learned from the engine's own steps", max_k)
+    if priors:
+        logger.info("adaptive speculation: k = 0..%d, step costs seeded from graph replays at batches %s (%.2f s), "
+                    "then learned from the engine's own steps", max_k, sorted(priors), costs.startup_seconds)
+    else:
+        logger.info("adaptive speculation: k = 0..%d, step costs learned from the engine's own steps", max_k)
     return policy

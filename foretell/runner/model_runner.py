@@ -52,6 +52,7 @@ from foretell.runner.host_drafts import propose_from_tokens
 from foretell.runner.step_checks import check_step
 from foretell.runner.tree_step import TreeStep
 from foretell.runner.logprobs import add_prompt_logprobs
+from foretell.runner.startup_costs import measure_step_priors
 from foretell.runner.kv_cache import CachePlan, DraftKVCache, KVCache, kv_cache_budget, kv_cache_dtypes, plan_cache
 from foretell.models.loading import build_model, checkpoint_dtype
 from foretell.models.quantization import resolve_quantization
@@ -316,6 +317,14 @@ class ModelRunner:
     def reset_pipeline(self) -> None:
         """Drop the step queued ahead (after the warm-up)."""
         self.pipeline.reset()
+
+    def replay_step_costs(self, max_k: int) -> dict[int, list[float]] | None:
+        """Adaptive speculation's start-up priors, {batch: [K + 1] seconds}, from replays of the
+        captured graphs (runner/startup_costs.py); None without them."""
+        priors = measure_step_priors(self.padded_forward, self.draft_graphs, max_k, min(
+            self.max_model_len, self.cache_plan.num_blocks * self.cache_plan.block_size))
+        self.reset_pipeline()  # the replays rewrote the graphs' input buffers
+        return priors
 
     def abandon_step(self, seq_ids: list[int]) -> None:
         """After a failed step: drop the step queued ahead (it assumed this one's results) and the

@@ -147,6 +147,10 @@ class ParallelRunner:
     def drop_cached_responses(self) -> None:
         self._broadcast("drop_cached_responses")
 
+    def replay_step_costs(self, max_k: int) -> None:
+        """Not timed under tensor parallelism (runner/startup_costs.py): costs learned from steps."""
+        return None
+
     def shutdown(self) -> None:
         self._finalizer()
 
