@@ -3,20 +3,23 @@
 EAGLE3 (k = 1..4) and no speculation.
 
     python scripts/check_adaptive_gpu.py OUT_DIR [--lengths 2.93,1.5] [--batches 1,4,16,64,256]
-        [--ks 1,2,3,4] [--new-tokens 128] [--repeats 3] [--tiny]
+        [--ks 1,2,3,4] [--new-tokens 256] [--repeats 3] [--tiny]
 
 Llama-3.1-8B shape with its EAGLE3 head (foretell/configs, bf16, random weights, CUDA graphs),
 acceptance simulated: for a mean acceptance length L the conditional rate a with 1 + a + a^2 + a^3
 = L (simulated_acceptance.py's fit at k = 3), the same per-position rates a^j for every k (fixed
 k takes the first k; adaptive all 4), so every configuration meets the same acceptance. Each
-configuration is one engine (start-up reported as start_s; adaptive learns its step costs from
-its own steps, the warm-up runs' included); each batch size one closed-loop run of `batch`
-requests of 128-token prompts and --new-tokens tokens (EOS ignored), after a warm-up run of the
-same shape; tok/s is generated tokens over the run's wall time, the median of --repeats timed
-runs (a single 0.3-s run differed by a few percent between engines of the same work). Each row
-also has ms per engine step and, for auto, the share of steps an exploration held: a gap with
-auto's ms/step above the best fixed k's while choosing that k is per-step overhead, not the choice.
-Writes
+configuration is one engine (start-up reported as start_s; adaptive seeds its step costs from
+timed replays of its CUDA graphs at start-up, runner/startup_costs.py, reported as
+prior_timing_s, and learns from its own steps, the warm-up runs' included); each batch size one
+closed-loop run of `batch` requests of 128-token prompts and --new-tokens tokens (EOS ignored;
+256 by default, ~90 steps at 2.93: a few exploring steps at the start are not the whole run),
+after a warm-up run of the same shape; tok/s is generated tokens over the run's wall time, the
+median of --repeats timed runs (a single 0.3-s run differed by a few percent between engines of
+the same work). Each row also has ms per engine step and, for auto, the share of steps an
+exploration held and the steps it chose another k than the best fixed configuration's (none
+counts as k = 0): a gap with auto's ms/step above the best fixed k's while choosing that k is
+per-step overhead, not the choice. Writes
 OUT_DIR/check_adaptive_gpu.json after every engine (a partial result survives a time-out), prints
 a table per length: tok/s of none, each k, auto, the ratio of auto to the best of the others and
 the bar (>= 0.97), and the k auto chose.
@@ -106,11 +109,18 @@ def run_batch(llm: LLM, batch: int, new_tokens: int, repeats: int = 1) -> dict:
     return row
 
 
+def steps_off_best(histogram: list[int], best_name: str) -> tuple[int, int]:
+    """(steps auto chose another k than the best fixed configuration's, steps): none is k = 0."""
+    best_k = 0 if best_name == "none" else int(best_name.split("=")[1])
+    total = sum(histogram)
+    return total - (histogram[best_k] if best_k < len(histogram) else 0), total
+
+
 def table(length: float, results: dict, batches: list[int], ks: list) -> str:
     names = ["none"] + [f"k={k}" for k in ks if k != "auto"] + ["auto"]
     lines = [f"mean acceptance length {length} (conditional rate {conditional_rate(length):.3f}), tok/s:",
              "| batch | " + " | ".join(names) + " | auto / best other | bar | auto mean k | auto exploring |"
-             " ms/step best other / auto |"]
+             " auto steps off the best k | ms/step best other / auto |"]
     for b in batches:
         cells, rates = [], {}
         for name in names:
@@ -119,14 +129,17 @@ def table(length: float, results: dict, batches: list[int], ks: list) -> str:
             cells.append(f"{row['tok_s']:.1f}" if row else "-")
         others = [v for n, v in rates.items() if n != "auto" and v is not None]
         if rates["auto"] is None or not others:
-            lines.append(f"| {b} | " + " | ".join(cells) + " | - | - | - | - | - |")
+            lines.append(f"| {b} | " + " | ".join(cells) + " | - | - | - | - | - | - |")
             continue
         ratio = rates["auto"] / max(others)
         auto = results["auto"][str(b)]
         best_name = max((n for n in names if n != "auto" and rates[n] is not None), key=lambda n: rates[n])
         best_ms = results[best_name][str(b)].get("ms_per_step", float("nan"))
+        off, steps = steps_off_best(auto.get("chosen_k_histogram", []), best_name)
+        auto["steps_off_best_k"] = off
         lines.append(f"| {b} | " + " | ".join(cells) + f" | {ratio:.3f} | {'ok' if ratio >= BAR else 'MISS'} | "
                      f"{auto.get('mean_chosen_k', 0.0):.2f} | {100 * auto.get('exploring_share', 0.0):.1f}% | "
+                     f"{off} of {steps} ({best_name}) | "
                      f"{best_ms:.2f} / {auto.get('ms_per_step', float('nan')):.2f} |")
     return "\n".join(lines)
 
@@ -137,7 +150,7 @@ def main() -> int:
     parser.add_argument("--lengths", default="2.93,1.5", help="simulated mean acceptance lengths")
     parser.add_argument("--batches", default="1,4,16,64,256")
     parser.add_argument("--ks", default="1,2,3,4", help="fixed k to compare against (auto and none always run)")
-    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per batch size (the median is kept)")
     parser.add_argument("--tiny", action="store_true", help="tiny random models (CPU smoke test)")
     args = parser.parse_args()
@@ -162,12 +175,20 @@ def main() -> int:
             for b in batches:
                 results[name][str(b)] = run_batch(llm, b, args.new_tokens, args.repeats)
                 print(name, results[name][str(b)], flush=True)
-            if k == "auto":  # learned from the runs' own steps
+            if k == "auto":  # seeded from graph replays at start-up, learned from the runs' own steps
                 results[name]["step_costs"] = llm.get_stats()["adaptive_step_costs"]
+                results[name]["prior_timing_s"] = results[name]["step_costs"].get("startup_seconds")
             llm.close()
             with open(out_path, "w") as f:
                 json.dump(report, f, indent=2)
         print(table(length, results, batches, ks), flush=True)
+        if "auto" in results:
+            costs = results["auto"]["step_costs"]
+            seeded = [b for b, row in zip(costs["batch_sizes"], costs.get("prior_ms", [])) if row[0] is not None]
+            print(f"auto: start-up step-cost timing {results['auto']['prior_timing_s']} s, priors at batches "
+                  f"{seeded or 'none (no CUDA graphs)'}", flush=True)
+        with open(out_path, "w") as f:  # with each row's steps_off_best_k
+            json.dump(report, f, indent=2)
     print(f"wrote {out_path}")
     return 0
 
