@@ -12,18 +12,27 @@ response joins the global cache) and replaced by new ones, so the cache is exerc
 Each time is taken twice: wall (perf_counter) and this thread's CPU time (thread_time), which a
 loaded machine inflates much less (a shared 2-core CI box can show 10x the wall time).
 
+`--paused` holds every sequence in the acceptance gate's pause (no lookup, no draft: what a
+sequence whose drafts are not accepted costs between its probes), set between steps, untimed.
+
 `--engine` times whole engine steps instead (measure_engine_steps): the shipped default target with
 a host drafter (suffix or n-gram) on the repetitive prompt set, batches of --batch-sizes prompts
 at once, the process's CPU time per engine step, and, in a second run of the same prompts, what
 each step asks of the device: reads back to the host (Tensor.tolist / item / cpu / numpy), host
 lists made into tensors (torch.tensor: to_device's copies), torch calls in all, and those made
-while the drafter's batch is built and it proposes (a host drafter should make none).
+while the drafter's batch is built and it proposes (a host drafter should make none). `--method
+none` is plain decoding, the yardstick; `--stub-forward` takes the target's arithmetic out and
+runs the GPU's step pipeline on the CPU (bench/stub_target.py: steps queued ahead), so the CPU
+time per step is the host's work per step; `--repeat N` runs the given methods N times
+interleaved and prints each one's median (the shared 2-core box drifts between runs).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
+import statistics
 import time
 
 import torch
@@ -31,6 +40,19 @@ from torch.overrides import TorchFunctionMode
 
 from foretell.spec_decode.proposer import DraftBatch
 from foretell.spec_decode.suffix import SuffixProposer, SuffixSettings
+from foretell.spec_decode.suffix_tree import Match
+
+PAUSED = 1 << 62  # a resume_at no sequence reaches
+
+
+def pause_all(proposer) -> None:
+    """Every sequence the suffix drafter (or a hybrid's suffix side) holds, in the gate's pause:
+    what the gate does to a sequence whose draft was not accepted, held for good."""
+    suffix = getattr(proposer, "suffix", proposer)  # a bench's probe, not engine code
+    for state in suffix.states.values():
+        if state.resume_at != PAUSED:
+            state.resume_at, state.last_draft = PAUSED, []
+            state.own_match, state.cache_match = Match(), Match()
 
 
 def _workload(rng: random.Random, prompt_len: int, output_len: int, vocab: int) -> tuple[list[int], list[int]]:
@@ -59,12 +81,12 @@ def _batch(histories: list[list[int]], seq_ids: list[int], max_model_len: int) -
 
 def measure_host_cost(batch_size: int, num_steps: int = 200, k: int = 16, prompt_len: int = 512,
                       output_len: int = 256, vocab: int = 4096, seed: int = 0,
-                      settings: SuffixSettings | None = None) -> dict:
+                      settings: SuffixSettings | None = None, paused: bool = False) -> dict:
     """Mean microseconds of one decode step's propose() over a batch of batch_size sequences, per
     step and per sequence; the mean tokens each step emitted per sequence (accepted + 1); the
     mean milliseconds of a sequence's first propose (its prompt inserted: the prefill step) and
     of a finished sequence's forget (its response cached). Wall times, and *_cpu the thread's
-    CPU times."""
+    CPU times. paused: every sequence held in the gate's pause after its prefill (pause_all)."""
     rng = random.Random(seed)
     proposer = SuffixProposer(k, settings)
     max_model_len = prompt_len + output_len + k + 8
@@ -109,6 +131,8 @@ def measure_host_cost(batch_size: int, num_steps: int = 200, k: int = 16, prompt
                 # its prefill step inserts the prompt: timed apart from the decode steps
                 timed("prefill", proposer.propose, _batch([seqs[i][1]], [seqs[i][0]], max_model_len))
                 num_prefills += 1
+        if paused:
+            pause_all(proposer)
         batch = _batch([s[1] for s in seqs], [s[0] for s in seqs], max_model_len)
         proposal = timed("step", proposer.propose, batch)
     result = {"batch_size": batch_size}
@@ -146,26 +170,39 @@ class _StepCalls(TorchFunctionMode):
 
 
 def measure_engine_steps(batch_size: int, method: str = "suffix", num_prompts: int | None = None,
-                         max_tokens: int = 48, k: int | None = None, count_calls: bool = True) -> dict:
+                         max_tokens: int = 48, k: int | None = None, count_calls: bool = True,
+                         paused: bool = False, stub_forward: bool = False, stub_tokens: str = "constant",
+                         speculative_options: dict | None = None) -> dict:
     """CPU seconds per engine step (the process's, one intra-op thread) of the default target with
-    a host drafter on the repetitive prompts, batch_size at once (num_prompts, default 2 x
-    batch_size, greedy, max_tokens each), and per step the torch calls it makes (count_calls: a
-    second run under _StepCalls, whose own overhead the timed run does not carry)."""
+    a host drafter (method "none": plain decoding) on the repetitive prompts, batch_size at once
+    (num_prompts, default 2 x batch_size, greedy, max_tokens each), and per step the torch calls it
+    makes (count_calls: a second run under _StepCalls, whose own overhead the timed run does not
+    carry). paused: every sequence held in the gate's pause (pause_all, between steps);
+    stub_forward: the target's arithmetic stubbed, the GPU's step pipeline (bench/stub_target.py,
+    its tokens: stub_tokens); speculative_options: more speculative_config fields."""
     from foretell import LLM, SamplingParams
     from foretell.bench.repetitive import repetitive_prompts
+    from foretell.bench.stub_target import stubbed_target
     from foretell.defaults import default_target
 
-    spec = {"method": method} if k is None else {"method": method, "num_speculative_tokens": k}
+    if method == "none":
+        spec = None
+    else:
+        spec = {"method": method, **(speculative_options or {})}
+        if k is not None:
+            spec["num_speculative_tokens"] = k
     prompts = [p.text for p in repetitive_prompts(num_prompts or 2 * batch_size)]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     result = {"batch_size": batch_size, "method": method, "num_prompts": len(prompts)}
     for counting in (False, True) if count_calls else (False,):
+        # the stub takes the GPU's path: steps queued ahead (async scheduling, off by default on the CPU)
         llm = LLM(default_target(), dtype="float32", num_kv_blocks=1024, max_num_seqs=batch_size,
-                  num_cpu_threads=1, speculative_config=spec)
+                  num_cpu_threads=1, speculative_config=spec, log_stats_interval_s=0,
+                  async_scheduling="on" if stub_forward else "auto")
         engine = llm.engine
         proposer = engine.runner.proposer
         mode = _StepCalls() if counting else None
-        if mode is not None:
+        if mode is not None and proposer is not None:
             propose = proposer.propose
 
             def marked_propose(batch, _propose=propose):
@@ -190,18 +227,22 @@ def measure_engine_steps(batch_size: int, method: str = "suffix", num_prompts: i
         for i, prompt in enumerate(prompts):
             engine.add_request(str(i), prompt, params)
         steps, cpu_s, wall_s = 0, 0.0, 0.0
-        if mode is not None:
-            mode.__enter__()
-        try:
-            while engine.has_unfinished_requests():
-                c0, w0 = time.process_time(), time.perf_counter()
-                engine.step()
-                cpu_s += time.process_time() - c0
-                wall_s += time.perf_counter() - w0
-                steps += 1
-        finally:
+        stub = stubbed_target(llm, stub_tokens) if stub_forward else contextlib.nullcontext()
+        with stub:
             if mode is not None:
-                mode.__exit__(None, None, None)
+                mode.__enter__()
+            try:
+                while engine.has_unfinished_requests():
+                    if paused and proposer is not None:
+                        pause_all(proposer)
+                    c0, w0 = time.process_time(), time.perf_counter()
+                    engine.step()
+                    cpu_s += time.process_time() - c0
+                    wall_s += time.perf_counter() - w0
+                    steps += 1
+            finally:
+                if mode is not None:
+                    mode.__exit__(None, None, None)
         stats = llm.get_stats()
         if counting:
             result.update({f"{name}_per_step": n / steps for name, n in mode.counts.items()})
@@ -212,6 +253,7 @@ def measure_engine_steps(batch_size: int, method: str = "suffix", num_prompts: i
                 mean_acceptance_length=stats.get("mean_acceptance_length", 0.0),
                 padded_steps=sum(getattr(kind, "num_steps", 0) for kind in runner.pipeline.kinds),
             )
+        del llm, engine, proposer
     return result
 
 
@@ -220,20 +262,41 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-sizes", default="1,16")
     parser.add_argument("--num-steps", type=int, default=300)
     parser.add_argument("--k", type=int, default=16)
+    parser.add_argument("--paused", action="store_true", help="every sequence held in the gate's pause")
     parser.add_argument("--engine", action="store_true", help="time whole engine steps (measure_engine_steps)")
-    parser.add_argument("--method", default="suffix", choices=["suffix", "ngram"], help="with --engine")
+    parser.add_argument("--method", default="suffix",
+                        help="with --engine: suffix, ngram or none (plain decoding), or several comma-separated "
+                             "(run interleaved)")
     parser.add_argument("--max-tokens", type=int, default=48, help="with --engine")
+    parser.add_argument("--num-prompts", type=int, default=None, help="with --engine (default: 2 x batch)")
     parser.add_argument("--no-count-calls", action="store_true", help="with --engine: time only")
+    parser.add_argument("--stub-forward", action="store_true",
+                        help="with --engine: the target's arithmetic stubbed, the GPU's step pipeline")
+    parser.add_argument("--stub-tokens", default="constant", choices=["constant", "fresh"],
+                        help="with --stub-forward: the stub's tokens (bench/stub_target.py)")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each method (interleaved; medians)")
     args = parser.parse_args(argv)
     if args.engine:
+        methods = args.method.split(",")
         for b in [int(x) for x in args.batch_sizes.split(",")]:
-            r = measure_engine_steps(b, args.method, max_tokens=args.max_tokens, k=args.k,
-                                     count_calls=not args.no_count_calls)
-            print(" ".join(f"{key}={value:.2f}" if isinstance(value, float) else f"{key}={value}"
-                           for key, value in r.items()), flush=True)
+            cpu_ms: dict[str, list[float]] = {m: [] for m in methods}
+            for _ in range(args.repeat):
+                for method in methods:
+                    r = measure_engine_steps(b, method, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
+                                             k=args.k, count_calls=not args.no_count_calls, paused=args.paused,
+                                             stub_forward=args.stub_forward, stub_tokens=args.stub_tokens)
+                    cpu_ms[method].append(r["cpu_ms_per_step"])
+                    print(" ".join(f"{key}={value:.3f}" if isinstance(value, float) else f"{key}={value}"
+                                   for key, value in r.items()), flush=True)
+            if args.repeat > 1 or len(methods) > 1:
+                medians = {m: statistics.median(v) for m, v in cpu_ms.items()}
+                base = medians.get("none")
+                print(f"batch {b}: median CPU ms per step " + ", ".join(
+                    f"{m} {t:.3f}" + (f" ({t / base:.3f}x none)" if base and m != "none" else "")
+                    for m, t in medians.items()), flush=True)
         return
     for b in [int(x) for x in args.batch_sizes.split(",")]:
-        r = measure_host_cost(b, args.num_steps, args.k)
+        r = measure_host_cost(b, args.num_steps, args.k, paused=args.paused)
         print(f"batch {b:3d}: {r['us_per_step']:8.1f} us/step  {r['us_per_sequence']:6.1f} us/sequence  "
               f"prefill {r['prefill_ms']:.2f} ms  forget {r['forget_ms']:.2f} ms  (wall)  |  "
               f"{r['us_per_step_cpu']:8.1f} us/step  {r['us_per_sequence_cpu']:6.1f} us/sequence  "

@@ -8,7 +8,9 @@ responses of recent finished requests. Each sequence keeps its match in both (th
 length and the occurrences) between steps. Each step, for each sequence that sampled:
   1. observe: store the tokens new since the last step and move both matches on by them (a
      match whose occurrences all stop is looked up again from the context's last
-     min_match_length tokens): host work in proportion to the new tokens;
+     min_match_length tokens): host work in proportion to the new tokens; a step that looks
+     nothing up (paused by the gate, a prefill chunk) only keeps them pending, indexed in bulk
+     at the next lookup or when the sequence is forgotten (the same index, the same drafts);
   2. budget: at most min(k, floor(max_spec_factor * match length)) tokens; no draft at all
      without a match of min_match_length tokens (a step without drafts costs what a plain
      decode step costs);
@@ -20,8 +22,8 @@ cannot queue ahead as it queues a plain decode step (the drafts come from the ho
 is read), so a draft pays only when enough of it is accepted. Each sequence keeps the draft it
 proposed and, when the next step's tokens arrive, counts how many of them it got right; a moving
 average of that count (half each step) below min_accepted_tokens stops the sequence's drafting
-for `pause` tokens (no lookup, no draft: its steps are plain decode steps, queued ahead; its
-indexes still take every token), after which one draft probes again: accepted well (the average,
+for `pause` tokens (no lookup, no draft: its steps are plain decode steps, queued ahead, and the
+drafter only stores their tokens; the probe indexes them in one extend), after which one draft probes again: accepted well (the average,
 reset to the bar at the pause, stays at or above it), drafting goes on and the pause length
 starts over; else it pauses again, twice as long (up to MAX_PAUSE tokens). Drafts change speed
 only, never the tokens: the output stays the target's.
@@ -78,11 +80,15 @@ class SuffixSettings:
 
 
 class SequenceState:
-    """What the drafter keeps of one sequence between steps: its own index (its tokens so far)
-    and its matches there and in the global cache."""
+    """What the drafter keeps of one sequence between steps: its own index (its tokens so far,
+    less `pending`: those not indexed yet) and its matches there and in the global cache."""
 
     def __init__(self, settings: SuffixSettings):
         self.index = SuffixIndex(settings.key_length, settings.max_tree_depth)
+        # Tokens seen after the index's, not indexed yet: a step without a lookup (paused by the
+        # gate, a prefill chunk) only stores its tokens here; the next lookup (or forget) indexes
+        # them in one extend. Its matches are empty meanwhile (a pause drops them).
+        self.pending: list[int] = []
         self.own_match = Match()
         self.cache_match = Match()
         self.prompt_length: int | None = None  # known at its first sampling step
@@ -95,15 +101,32 @@ class SequenceState:
         self.pause = FIRST_PAUSE
 
     @property
+    def num_seen(self) -> int:
+        """How many of the sequence's tokens this state has seen (indexed or pending)."""
+        return len(self.index.tokens) + len(self.pending)
+
+    @property
     def tokens(self) -> list[int]:
-        return self.index.tokens
+        """Every token seen (a copy when some are pending)."""
+        return self.index.tokens + self.pending if self.pending else self.index.tokens
 
     def follows(self, history: list[int]) -> bool:
         """Whether history continues what this state has seen (a cheap check: length and the
         last token seen)."""
-        tokens = self.index.tokens
-        n = len(tokens)
-        return n <= len(history) and (n == 0 or history[n - 1] == tokens[-1])
+        return self.new_tokens(history) is not None
+
+    def new_tokens(self, history: list[int]) -> list[int] | None:
+        """The tokens of history after those seen; None when history does not continue them
+        (length and last token checked: cheap). One read of history (a TokenHistory's slice)."""
+        pending = self.pending
+        last = pending or self.index.tokens
+        n = len(self.index.tokens) + len(pending)
+        if n == 0:
+            return history[:]
+        tail = history[n - 1 :]  # the last token seen, then the new ones
+        if not tail or tail[0] != last[-1]:
+            return None
+        return tail[1:]
 
 
 class SuffixProposer(ProposerBase):
@@ -125,32 +148,38 @@ class SuffixProposer(ProposerBase):
         return cls(config.num_speculative_tokens, SuffixSettings.from_config(config))
 
     # ---- state ---------------------------------------------------------------------------
-    def observe(self, key: int | None, history: list[int], samples: bool) -> SequenceState:
-        """The sequence's state brought up to `history`: only the new tokens are stored, both
-        matches move on by them (looked up again when they end, unless the gate pauses the
-        sequence), and the gate learns how much of the last draft they accepted."""
+    def observe(self, key: int | None, history: list[int], samples: bool) -> SequenceState | None:
+        """The sequence's state brought up to `history`; None when it drafts nothing this step
+        (it does not sample, or the gate pauses it). The gate first learns how much of the last
+        draft the new tokens accepted. A step without a lookup only stores the new tokens
+        (pending); a step with one indexes every pending and new token, moves both matches on by
+        them (looked up again when they end)."""
         num_tokens = len(history)
         state = self.states.get(key) if key is not None else None
-        if state is None or not state.follows(history):
+        new = state.new_tokens(history) if state is not None else None
+        if new is None:
             state = SequenceState(self.settings)
             if key is not None:
                 self.states[key] = state
+            new = history[:]
+        if new and state.last_draft:
+            self._judge(state, new, num_tokens)
+        if samples and state.prompt_length is None:
+            state.prompt_length = num_tokens - 1  # the first sampled token ends the history
+        if not samples or num_tokens < state.resume_at:  # no lookup: the tokens wait, unindexed
+            if new:
+                state.pending += new
+            return None
+        if state.pending:
+            new = state.pending + new
+            state.pending = []
         own = state.index
-        new = history[len(own.tokens) :]
         if new:
             own.extend(new)
             if state.own_match.positions:
                 state.own_match = own.advance(state.own_match, new)
             if state.cache_match.positions:
                 state.cache_match = self.cache.index.advance(state.cache_match, new)
-            if state.last_draft:
-                self._judge(state, new, num_tokens)
-        if not samples:
-            return state
-        if state.prompt_length is None:
-            state.prompt_length = num_tokens - 1  # the first sampled token ends the history
-        if num_tokens < state.resume_at:  # paused by the gate: no lookup
-            return state
         key = own.tail_key  # the gram the context ends with; looked up only where it occurred
         context = own.tokens  # = history, as a list (history may be a TokenHistory view: no copy)
         if not state.own_match.positions and key in own.head:
@@ -183,7 +212,7 @@ class SuffixProposer(ProposerBase):
         """A sequence is done (or preempted): its response joins the global cache."""
         state = self.states.pop(seq_id, None)
         if state is not None and state.prompt_length is not None:
-            self.cache.add(state.tokens[state.prompt_length :])
+            self.cache.add(state.tokens[state.prompt_length :])  # pending tokens included
 
     def drop_cached_responses(self) -> None:
         """Forget the finished requests' responses in the global cache (after the warm-up's
@@ -215,8 +244,7 @@ class SuffixProposer(ProposerBase):
         drafts = []
         for i, (key, history, samples) in enumerate(zip(seq_ids, batch.histories, batch.samples)):
             state = self.observe(key, history, samples)
-            if not samples or len(state.index.tokens) < state.resume_at or not (  # (its tokens: the history)
-                    state.own_match.positions or state.cache_match.positions):
+            if state is None or not (state.own_match.positions or state.cache_match.positions):
                 drafts.append(EMPTY_DRAFT)
                 continue
             draft = self.draft(state, batch.num_useful_drafts(i, self.k))
@@ -225,7 +253,5 @@ class SuffixProposer(ProposerBase):
         return drafts
 
     def propose(self, batch: DraftBatch) -> Proposal:
-        tokens = []
-        for draft in self.propose_drafts(batch):
-            tokens.append(draft.token_ids)
+        tokens = [draft.token_ids for draft in self.propose_drafts(batch)]
         return Proposal(tokens, [None] * len(tokens))
