@@ -115,6 +115,7 @@ class LearnedStepCosts:
         self._curves: dict[int, list[float]] = {}  # bucket -> step_seconds by k, until a cost it uses changes
         # Seeded bucket -> the steady step after which a fresh cell its curve read goes stale.
         self._curve_expiry: dict[int, float] = {}
+        self._borrowing: set[int] = set()  # seeded buckets whose curve took another bucket's host offset
         self._num_timed: dict[int, int] = {}  # bucket -> how many of its k have a cost
         self.seeded: set[int] = set()  # buckets whose cells have priors
         self.startup_seconds = 0.0  # what measuring the priors took (set by start_adaptive_speculation)
@@ -160,10 +161,10 @@ class LearnedStepCosts:
         if cells[k].add(seconds, self.num_steps):
             if not was_timed:
                 self._num_timed[bucket] = self._num_timed.get(bucket, 0) + 1
-            # This bucket's curve, those of buckets that borrow (fewer than two k timed), and the
-            # seeded ones (they may borrow a host offset, or have a cell gone stale).
-            self._curves = {b: c for b, c in self._curves.items()
-                            if b != bucket and b not in self.seeded and self._num_timed.get(b, 0) >= 2}
+            # This bucket's curve, and those of buckets that borrow (fewer than two k timed; seeded:
+            # a host offset from another bucket).
+            self._curves = {b: c for b, c in self._curves.items() if b != bucket and b not in self._borrowing
+                            and (b in self.seeded or self._num_timed.get(b, 0) >= 2)}
 
     def _fresh(self, cell: _Cell) -> bool:
         """Timed, and within STALE_AFTER_STEPS steady steps."""
@@ -258,6 +259,10 @@ class LearnedStepCosts:
         """[K + 1]: a seeded bucket's fresh timed cells, and its priors plus the host offset."""
         offset, source = self._host_offset(bucket)
         read = {bucket, source} - {None}  # the buckets whose fresh cells the curve read
+        if source == bucket:
+            self._borrowing.discard(bucket)
+        else:
+            self._borrowing.add(bucket)
         self._curve_expiry[bucket] = min(
             (cell.last_tick + self.stale_after_steps for b in read for cell in self.buckets[b] if self._fresh(cell)),
             default=float("inf"),
