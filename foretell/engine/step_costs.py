@@ -317,7 +317,9 @@ class LearnedStepCosts:
                 [None if c.seconds is None else round(1000 * c.seconds, 4) for c in self.buckets[b]] for b in sizes
             ],
             "timed_steps": [[len(c.samples) for c in self.buckets[b]] for b in sizes],
-            "prior_ms": [[None if c.prior is None else round(1000 * c.prior, 4) for c in self.buckets[b]] for b in sizes],
+            "prior_ms": [
+                [None if c.prior is None else round(1000 * c.prior, 4) for c in self.buckets[b]] for b in sizes
+            ],
             "startup_seconds": round(self.startup_seconds, 3),
             "num_steady_steps": self.num_steps,
         }
