@@ -10,10 +10,11 @@ reports every verify back through observe(). The choice maximizes expected token
 
 E from running per-position acceptance estimates (AcceptanceEstimate: the conditional rate at
 each position, P(draft j accepted | drafts 1..j-1 accepted)), E(k) = 1 + sum_{j<=k} prod_{i<=j} a_i;
-T from a StepCosts: in the engine, engine/step_costs.py's LearnedStepCosts, learned from the
-engine's own timed steps (record_step(): the wall time of every step, kept when the step was
-steady: every sequence sampled and verified k drafts and the choice before was k too); in tests,
-a fixed StepCostModel.
+T from a StepCosts: in the engine, engine/step_costs.py's LearnedStepCosts, seeded on CUDA with
+timed replays of the graphs at start-up (runner/startup_costs.py) and learned from the engine's
+own timed steps (record_step(): the wall time of every step, kept when the step was steady: every
+sequence sampled and verified k drafts and the choice before was k too); in tests, a fixed
+StepCostModel. With seeded costs nothing needs timing, so exploration only looks for acceptance.
 
 Acceptance: spec_decode/acceptance_estimate.py (fading per-position counts and a prior, with the
 evidence and optimistic rates exploration reads).
