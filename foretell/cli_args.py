@@ -10,6 +10,16 @@ from typing import Any
 from foretell.defaults import default_num_speculative_tokens
 
 
+def float_or_auto(text: str) -> float | str:
+    """--suffix-decoding-min-accepted-tokens: a number, or auto (learned from the steps)."""
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or auto, got {text!r}") from None
+
+
 # Suffix decoding's flags: each sets the SpeculativeConfig field it is named after (--field-name),
 # with these add_argument options.
 SUFFIX_FLAGS: dict[str, dict[str, Any]] = {
@@ -26,8 +36,10 @@ SUFFIX_FLAGS: dict[str, dict[str, Any]] = {
     "suffix_decoding_min_match_length": dict(
         type=int, help="suffix: draft only after a match of at least this many tokens (4)"),
     "suffix_decoding_min_accepted_tokens": dict(
-        type=float, help="suffix: a sequence whose drafts accept fewer tokens than this on average pauses "
-                         "drafting, then probes again (1.0; 0: never pauses)"),
+        type=float_or_auto, metavar="BAR|auto",
+        help="suffix: a sequence whose drafts accept fewer tokens than this on average pauses drafting, then "
+             "probes again (auto, the default: the break-even bar of this machine's timed steps, "
+             "t_draft / t_plain - 1; 0: never pauses)"),
     "hybrid": dict(
         choices=["eagle3", "mtp", "draft_model"],
         help="suffix: the model drafter for sequences whose suffix match is short"),

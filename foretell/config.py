@@ -208,8 +208,9 @@ class SpeculativeConfig:
     suffix_decoding_min_token_prob: float = 0.1
     suffix_decoding_min_match_length: int = 4
     # foretell's acceptance gate: a sequence whose drafts accept fewer tokens than this on
-    # average stops drafting for a while (its steps then decode plainly, queued ahead); 0: off
-    suffix_decoding_min_accepted_tokens: float = 1.0
+    # average stops drafting for a while (its steps then decode plainly, queued ahead); 0: off;
+    # "auto": the break-even bar of this machine, from timed steps (spec_decode/suffix_gate.py)
+    suffix_decoding_min_accepted_tokens: float | str = "auto"
     # suffix with a model drafter (eagle3 | mtp | draft_model, spec_decode/hybrid.py): sequences
     # whose suffix match is shorter than hybrid_min_match_length take the model's k drafts,
     # hybrid_num_speculative_tokens (default: that method's k; at most num_speculative_tokens).
@@ -393,9 +394,11 @@ class SpeculativeConfig:
         if isinstance(prob, bool) or not isinstance(prob, (int, float)) or not 0 <= prob <= 1:
             raise ValueError(f"suffix_decoding_min_token_prob must be a number in [0, 1], got {prob!r}")
         bar = self.suffix_decoding_min_accepted_tokens
-        if isinstance(bar, bool) or not isinstance(bar, (int, float)) or not 0 <= bar <= self.num_speculative_tokens:
-            raise ValueError(f"suffix_decoding_min_accepted_tokens must be a number in [0, num_speculative_tokens "
-                             f"{self.num_speculative_tokens}] (0: the acceptance gate off), got {bar!r}")
+        if bar != "auto" and (isinstance(bar, bool) or not isinstance(bar, (int, float))
+                              or not 0 <= bar <= self.num_speculative_tokens):
+            raise ValueError(f"suffix_decoding_min_accepted_tokens must be 'auto' or a number in [0, "
+                             f"num_speculative_tokens {self.num_speculative_tokens}] (0: the acceptance gate off), "
+                             f"got {bar!r}")
         if self.hybrid is None:
             if self.hybrid_num_speculative_tokens is not None:
                 raise ValueError("hybrid_num_speculative_tokens needs a hybrid drafter: set hybrid")

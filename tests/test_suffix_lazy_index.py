@@ -21,7 +21,7 @@ from foretell.spec_decode.token_history import TokenHistory
 class EagerSuffixProposer(SuffixProposer):
     """The reference: every token indexed (and both matches advanced) on the step it arrives."""
 
-    def observe(self, key, history, samples):
+    def observe(self, key, history, samples, lookup=True):
         num_tokens = len(history)
         state = self.states.get(key) if key is not None else None
         if state is None or not state.follows(history):
@@ -43,7 +43,7 @@ class EagerSuffixProposer(SuffixProposer):
             return None
         if state.prompt_length is None:
             state.prompt_length = num_tokens - 1
-        if num_tokens < state.resume_at:
+        if not lookup or num_tokens < state.resume_at:
             return None
         context = list(history)
         if not state.own_match.positions:
@@ -62,14 +62,15 @@ def make_batch(histories, seq_ids, samples, k) -> DraftBatch:
         sample_indices=[0] * n, max_model_len=1 << 20, histories=histories, seq_ids=seq_ids)
 
 
-def run_both(workloads, batch_size: int, settings: SuffixSettings, k: int, chunk: int, seed: int):
+def run_both(workloads, batch_size: int, settings: SuffixSettings, k: int, chunk: int, seed: int,
+             make_lazy=SuffixProposer, make_eager=EagerSuffixProposer):
     """Drive a lazy and an eager drafter through the same steps: batch_size sequences at a time from
     workloads ([(prompt, truth)]: the target emits truth's next tokens), prompts prefilled in chunks
     of `chunk` tokens, a draft's accepted prefix plus one token emitted a step, finished sequences
     forgotten and replaced. Asserts every step's drafts equal; returns how many drafts were made and
     in how many (sequence, step) pairs the lazy drafter held tokens pending."""
     rng = random.Random(seed)
-    lazy, eager = SuffixProposer(k, settings), EagerSuffixProposer(k, settings)
+    lazy, eager = make_lazy(k, settings), make_eager(k, settings)
     queue = list(enumerate(workloads))
     running = []  # [seq_id, prompt, truth, history (prompt tokens in so far + emitted), drafts]
     num_drafts = num_pending = 0

@@ -344,6 +344,10 @@ class ModelRunner:
         if self.proposer is not None:
             self.proposer.drop_cached_responses()
 
+    def drafter_stats(self) -> dict:
+        """What the drafter adds to get_stats() (Proposer.stats)."""
+        return self.proposer.stats() if self.proposer is not None else {}
+
     def shutdown(self) -> None:
         """Wait for the grammar masks being filled ahead and end their thread (RunnerHandle's; a
         ParallelRunner stops its workers)."""

@@ -66,6 +66,9 @@ class HybridProposer:
         self.suffix.drop_cached_responses()
         self.model.drop_cached_responses()
 
+    def stats(self) -> dict:
+        return {**self.model.stats(), **self.suffix.stats()}
+
     def propose(self, batch: DraftBatch) -> Proposal:
         drafts = self.suffix.propose_drafts(batch)
         use_suffix = [

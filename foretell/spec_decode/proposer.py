@@ -176,6 +176,10 @@ class Proposer(Protocol):
         after synthetic requests (engine/warm_up.py)."""
         ...
 
+    def stats(self) -> dict:
+        """What the drafter adds to get_stats() (the suffix gate's bar); {} for most."""
+        ...
+
 
 class ProposerBase:
     """Defaults for a Proposer without a model of its own (no KV cache, no padded loop)."""
@@ -216,6 +220,9 @@ class ProposerBase:
 
     def drop_cached_responses(self) -> None:
         pass
+
+    def stats(self) -> dict:
+        return {}
 
 
 def catch_up_metadata(

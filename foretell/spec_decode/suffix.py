@@ -27,6 +27,13 @@ drafter only stores their tokens; the probe indexes them in one extend), after w
 reset to the bar at the pause, stays at or above it), drafting goes on and the pause length
 starts over; else it pauses again, twice as long (up to MAX_PAUSE tokens). Drafts change speed
 only, never the tokens: the output stays the target's.
+min_accepted_tokens "auto" (suffix_gate.py): the bar is what a draft must accept for a drafting
+step to pay on this machine, t_draft / t_plain - 1, learned from the time between the drafter's
+calls (one engine step each); once learned, a draft no longer than the bar is not proposed (even
+accepted whole it cannot pay), a bar of k or more looks nothing up, and the longest pause grows with
+the bar (PAUSE_PER_BAR). "auto" is the fixed AUTO_PRIOR_BAR under a hybrid drafter (a paused
+sequence takes the model's drafts there: no plain step shows what drafting costs) and under tensor
+parallelism (each rank drafts for itself, and ranks must draft alike: no bar from a rank's clock).
 When branches compete the engine would gain from a tree of drafts; host drafters verify chains
 only for now, so the best chain is drafted.
 
@@ -48,6 +55,7 @@ MAX_PAUSE = 64  # ... doubling while its probes keep failing, at most this many
 
 from foretell.spec_decode.proposer import DraftBatch, Proposal, ProposerBase, ProposerCapabilities
 from foretell.spec_decode.suffix_cache import GlobalSuffixCache
+from foretell.spec_decode.suffix_gate import AUTO_PRIOR_BAR, PAUSE_PER_BAR, StepCostBar
 from foretell.spec_decode.suffix_tree import EMPTY_DRAFT, Draft, Match, SuffixIndex
 
 
@@ -59,10 +67,13 @@ class SuffixSettings:
     max_spec_factor: float = 1.0
     min_token_prob: float = 0.1
     min_match_length: int = 4
-    min_accepted_tokens: float = 0.0  # the acceptance gate's bar (0: off)
+    min_accepted_tokens: float | str = 0.0  # the acceptance gate's bar (0: off; "auto": suffix_gate.py)
 
     @classmethod
     def from_config(cls, config) -> "SuffixSettings":
+        bar = config.suffix_decoding_min_accepted_tokens
+        if bar == "auto" and getattr(config, "hybrid", None):  # no plain steps to time (module docstring)
+            bar = AUTO_PRIOR_BAR
         return cls(
             max_tree_depth=config.suffix_decoding_max_tree_depth,
             max_cached_requests=config.suffix_decoding_max_cached_requests,
@@ -70,7 +81,7 @@ class SuffixSettings:
             max_spec_factor=config.suffix_decoding_max_spec_factor,
             min_token_prob=config.suffix_decoding_min_token_prob,
             min_match_length=config.suffix_decoding_min_match_length,
-            min_accepted_tokens=config.suffix_decoding_min_accepted_tokens,
+            min_accepted_tokens=bar,
         )
 
     @property
@@ -86,8 +97,8 @@ class SequenceState:
     def __init__(self, settings: SuffixSettings):
         self.index = SuffixIndex(settings.key_length, settings.max_tree_depth)
         # Tokens seen after the index's, not indexed yet: a step without a lookup (paused by the
-        # gate, a prefill chunk) only stores its tokens here; the next lookup (or forget) indexes
-        # them in one extend. Its matches are empty meanwhile (a pause drops them).
+        # gate, a prefill chunk, a step nobody drafts) only stores its tokens here; the next lookup
+        # (or forget) indexes them in one extend and moves the matches on by them.
         self.pending: list[int] = []
         self.own_match = Match()
         self.cache_match = Match()
@@ -138,6 +149,14 @@ class SuffixProposer(ProposerBase):
         s = self.settings
         self.cache = GlobalSuffixCache(s.key_length, s.max_tree_depth, s.max_cached_requests, s.max_cached_tokens)
         self.states: dict[int, SequenceState] = {}
+        bar = s.min_accepted_tokens
+        if bar == "auto":  # learned from the steps (suffix_gate.py); k + 1: no draft can pay
+            self.cost_bar: StepCostBar | None = StepCostBar(max_bar=num_speculative_tokens + 1)
+            self.bar = self.cost_bar.bar
+        elif isinstance(bar, (int, float)) and not isinstance(bar, bool) and bar >= 0:
+            self.cost_bar, self.bar = None, float(bar)
+        else:
+            raise ValueError(f"suffix min_accepted_tokens must be a number >= 0 or 'auto', got {bar!r}")
 
     @property
     def capabilities(self) -> ProposerCapabilities:
@@ -145,15 +164,20 @@ class SuffixProposer(ProposerBase):
 
     @classmethod
     def from_config(cls, config, target_hf_config, options) -> "SuffixProposer":
-        return cls(config.num_speculative_tokens, SuffixSettings.from_config(config))
+        settings = SuffixSettings.from_config(config)
+        if settings.min_accepted_tokens == "auto" and options.tensor_parallel.world_size > 1:
+            # every rank drafts for itself and must draft alike: no bar from each rank's own clock
+            settings.min_accepted_tokens = AUTO_PRIOR_BAR
+        return cls(config.num_speculative_tokens, settings)
 
     # ---- state ---------------------------------------------------------------------------
-    def observe(self, key: int | None, history: list[int], samples: bool) -> SequenceState | None:
+    def observe(self, key: int | None, history: list[int], samples: bool,
+                lookup: bool = True) -> SequenceState | None:
         """The sequence's state brought up to `history`; None when it drafts nothing this step
-        (it does not sample, or the gate pauses it). The gate first learns how much of the last
-        draft the new tokens accepted. A step without a lookup only stores the new tokens
-        (pending); a step with one indexes every pending and new token, moves both matches on by
-        them (looked up again when they end)."""
+        (it does not sample, the gate pauses it, or not `lookup`: no sequence drafts this step).
+        The gate first learns how much of the last draft the new tokens accepted. A step without
+        a lookup only stores the new tokens (pending); a step with one indexes every pending and
+        new token, moves both matches on by them (looked up again when they end)."""
         num_tokens = len(history)
         state = self.states.get(key) if key is not None else None
         new = state.new_tokens(history) if state is not None else None
@@ -166,7 +190,7 @@ class SuffixProposer(ProposerBase):
             self._judge(state, new, num_tokens)
         if samples and state.prompt_length is None:
             state.prompt_length = num_tokens - 1  # the first sampled token ends the history
-        if not samples or num_tokens < state.resume_at:  # no lookup: the tokens wait, unindexed
+        if not (samples and lookup) or num_tokens < state.resume_at:  # no lookup: the tokens wait, unindexed
             if new:
                 state.pending += new
             return None
@@ -193,7 +217,7 @@ class SuffixProposer(ProposerBase):
         """The gate: how many of the last draft's tokens `new` (the tokens its verify emitted)
         accepted, into the average; below the bar, a pause of state.pause tokens."""
         draft, state.last_draft = state.last_draft, []
-        bar = self.settings.min_accepted_tokens
+        bar = self.bar
         if bar <= 0:
             return
         accepted, limit = 0, min(len(draft), len(new) - 1)  # the last new token is the target's own
@@ -204,7 +228,8 @@ class SuffixProposer(ProposerBase):
             state.accepted_average, state.pause = average, FIRST_PAUSE
             return
         state.resume_at = num_tokens + state.pause
-        state.pause = min(2 * state.pause, MAX_PAUSE)
+        longest = MAX_PAUSE if self.cost_bar is None else max(MAX_PAUSE, int(PAUSE_PER_BAR * bar))
+        state.pause = min(2 * state.pause, longest)
         state.accepted_average = bar  # the probe after the pause decides alone
         state.own_match, state.cache_match = Match(), Match()  # looked up again at the resume
 
@@ -219,21 +244,30 @@ class SuffixProposer(ProposerBase):
         synthetic requests, which no later request should draft from)."""
         self.cache.clear()
 
+    def stats(self) -> dict:
+        """For get_stats(): the acceptance gate's bar now, and under "auto" the step costs it
+        comes from (suffix_gate.StepCostBar.as_dict)."""
+        if self.cost_bar is None:
+            return {"suffix_gate": {"auto": False, "bar": self.bar}}
+        return {"suffix_gate": self.cost_bar.as_dict()}
+
     # ---- drafting ------------------------------------------------------------------------
-    def draft(self, state: SequenceState, max_tokens: int) -> Draft:
-        """The better of the two indexes' drafts for a sequence (EMPTY_DRAFT without a match)."""
+    def draft(self, state: SequenceState, max_tokens: int, min_length: float = 0.0) -> Draft:
+        """The better of the two indexes' drafts longer than min_length for a sequence
+        (EMPTY_DRAFT without one). min_length: the "auto" gate's bar (a draft no longer than it
+        cannot pay for its step even accepted whole)."""
         best = EMPTY_DRAFT
-        if max_tokens <= 0:
+        if max_tokens <= min_length:
             return best
         s = self.settings
         for index, match in ((state.index, state.own_match), (self.cache.index, state.cache_match)):
             if not match.positions:
                 continue
             budget = min(max_tokens, int(s.max_spec_factor * match.length))
-            if budget <= 0:
+            if budget <= min_length:
                 continue
             tokens, score = index.draft(match, budget, s.min_token_prob)
-            if tokens and score > best.score:
+            if len(tokens) > min_length and tokens and score > best.score:
                 best = Draft(tokens, match.length, score)
         return best
 
@@ -241,15 +275,25 @@ class SuffixProposer(ProposerBase):
         """Every sequence's draft (empty for those that did not sample or that the gate
         pauses); states updated."""
         seq_ids = batch.seq_ids if batch.seq_ids else [None] * batch.num_seqs
+        cost_bar = self.cost_bar
+        lookup, min_length = True, 0.0
+        if cost_bar is not None:  # "auto": this step's bar, from the steps timed so far
+            self.bar = cost_bar.begin_step(batch.seq_ids, batch.samples)
+            if cost_bar.learned:  # (the prior bar is a guess: it only gates as a fixed bar does)
+                min_length = self.bar  # a draft no longer than the bar cannot pay, accepted whole
+            # explore: a plain step to time; a bar of k or more: no draft can pay
+            lookup = not cost_bar.explore and min_length < self.k
         drafts = []
         for i, (key, history, samples) in enumerate(zip(seq_ids, batch.histories, batch.samples)):
-            state = self.observe(key, history, samples)
+            state = self.observe(key, history, samples, lookup)
             if state is None or not (state.own_match.positions or state.cache_match.positions):
                 drafts.append(EMPTY_DRAFT)
                 continue
-            draft = self.draft(state, batch.num_useful_drafts(i, self.k))
+            draft = self.draft(state, batch.num_useful_drafts(i, self.k), min_length)
             state.last_draft = draft.token_ids
             drafts.append(draft)
+        if cost_bar is not None:
+            cost_bar.end_step(any(d.token_ids for d in drafts))
         return drafts
 
     def propose(self, batch: DraftBatch) -> Proposal:
