@@ -133,7 +133,16 @@ class GraphReplayTimer:
         loop.num_live.fill_(bucket)  # every sequence writes its draft KV, as in a real step
         loop.accepted[:bucket].fill_(q - 1)
         loop.next_token[:bucket].fill_(0)
-        return self.time_replays(lambda: loop.run(bucket, bucket, q, m), self.replays)
+        try:
+            return self.time_replays(lambda: loop.run(bucket, bucket, q, m), self.replays)
+        finally:
+            # Back to the state the loop was built in: a real step's verifier writes these for its
+            # live sequences only, and a padding sequence's row a (seq * q + accepted) must stay in
+            # its own q rows (an accepted count of this q - 1 left behind overruns a shorter q: an
+            # out-of-range gather on the first real step, seen on the H200 at f6dfe7f).
+            loop.accepted.zero_()
+            loop.next_token.zero_()
+            loop.num_live.zero_()
 
 
 def replay_timer_for(
