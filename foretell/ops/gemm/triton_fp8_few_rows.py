@@ -36,7 +36,7 @@ Both request their first weight tile before waiting for the kernel before them a
 kernel launch once their reads are done (programmatic dependent launch, ops/common/pdl.py). Grids
 depend only on shapes, partials are a torch.empty and the counters are allocated at the first
 (eager) launch, so calls can be captured in CUDA graphs. gemv_config / mma_config are the defaults;
-candidate_configs lists what scripts/sweep_low_precision_gpu.py times on the H200.
+candidate_configs lists what scripts/sweep_linears_in_graph_gpu.py --families fp8 times on the H200.
 
 This module imports triton: only ops/gemm/fp8_dispatch.py imports it, on CUDA (and the
 interpreter tests, tests/ops/test_gemm_fp8.py).
