@@ -16,7 +16,7 @@ import pytest
 from foretell import LLM, SamplingParams
 from foretell.spec_decode.suffix import MAX_PAUSE, SuffixProposer, SuffixSettings
 from foretell.spec_decode.suffix_gate import (
-    AUTO_PRIOR_BAR, COST_WINDOW, EXPLORE_INTERVAL, EXPLORE_STEPS, MIN_AUTO_BAR, MIN_COST_SAMPLES, PAUSE_PER_BAR,
+    AUTO_PRIOR_BAR, COST_WINDOW, DRAFT_STALE_AFTER, EXPLORE_INTERVAL, EXPLORE_STEPS, MIN_AUTO_BAR, MIN_COST_SAMPLES, PAUSE_PER_BAR,
     StepCostBar, bucket_of,
 )
 
@@ -139,6 +139,29 @@ def test_buckets_by_batch_size_and_the_nearest_one_lends_its_bar():
     assert [bucket_of(n) for n in (1, 2, 3, 4, 7, 8, 15, 16)] == [1, 2, 2, 4, 4, 8, 8, 16]
 
 
+def test_a_drafting_cost_gone_stale_is_timed_again():
+    bar, clock = costed(max_bar=4.0)
+    run_steps(bar, clock, [False] * 5 + [True] * 5, 20e-3, 1e-3)  # a slow first measurement: bar 4 (k + 1)
+    assert bar.begin_step([1], [True]) == 4.0 and bar.learned
+    bar.end_step(False)
+    drafted = run_steps(bar, clock, [False] * (DRAFT_STALE_AFTER + 1), 20e-3, 1e-3)  # drafting off meanwhile
+    assert not any(drafted)
+    assert bar.begin_step([1], [True]) == AUTO_PRIOR_BAR and not bar.learned  # stale: the prior drafts again
+    bar.end_step(True)
+    clock.now += 3e-3
+    run_steps(bar, clock, [True] * 4, 3e-3, 1e-3)  # drafting is cheaper now
+    assert bar.begin_step([1], [True]) == pytest.approx(2.0)
+
+
+def test_the_warm_up_teaches_the_gate_nothing():
+    proposer, clock = auto_proposer()
+    teach(proposer, clock, ratio=5.0)
+    assert proposer.stats()["suffix_gate"]["bars"] == [pytest.approx(4.0)]
+    proposer.drop_cached_responses()  # what the engine's warm-up calls after its dummy requests
+    assert proposer.stats()["suffix_gate"]["batch_sizes"] == [] and not proposer.cost_bar.learned
+    assert proposer.cost_bar.clock is clock
+
+
 def test_bad_max_bar():
     with pytest.raises(ValueError, match="max_bar"):
         StepCostBar(0.0)
@@ -172,7 +195,6 @@ def teach(proposer: SuffixProposer, clock: FakeClock, ratio: float) -> None:
         proposer.cost_bar.end_step(True)
         clock.now += ratio * 1e-3
     proposer.forget(99)
-    proposer.drop_cached_responses()
 
 
 def test_a_draft_no_longer_than_the_bar_is_not_proposed():

@@ -241,8 +241,11 @@ class SuffixProposer(ProposerBase):
 
     def drop_cached_responses(self) -> None:
         """Forget the finished requests' responses in the global cache (after the warm-up's
-        synthetic requests, which no later request should draft from)."""
+        synthetic requests, which no later request should draft from); the "auto" gate's step
+        costs start afresh too (the warm-up's steps compile kernels)."""
         self.cache.clear()
+        if self.cost_bar is not None:
+            self.cost_bar.restart()
 
     def stats(self) -> dict:
         """For get_stats(): the acceptance gate's bar now, and under "auto" the step costs it

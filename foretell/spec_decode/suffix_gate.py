@@ -25,7 +25,12 @@ taken from the nearest bucket that has timed both (ties: the smaller), AUTO_PRIO
 A workload where every sequence drafts every step never shows a plain step: once a bucket has timed
 MIN_COST_SAMPLES drafting steps and lacks plain ones, the drafter drafts nothing for EXPLORE_STEPS
 steps (drafts change speed only, never tokens), and tries again after EXPLORE_INTERVAL more
-drafting steps if the batch changed in between.
+drafting steps if the batch changed in between. The other way round, a bar that stops drafting
+(a bar of k or more) would never time a drafting step again: a bucket's drafting cost older than
+DRAFT_STALE_AFTER timed intervals is dropped, so the prior (or a nearer bucket) drafts for a few
+steps and times it afresh (a slow first measurement, a machine that got faster). The engine's
+warm-up (compile-bound steps) teaches nothing: the drafter starts the costs afresh after it
+(SuffixProposer.drop_cached_responses).
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ MIN_COST_SAMPLES = 3
 EXPLORE_STEPS = 4
 #: Drafting steps between two explorations of a bucket that still lacks plain steps.
 EXPLORE_INTERVAL = 64
+#: Timed intervals (any kind, any bucket) after which a bucket's drafting cost is timed again.
+DRAFT_STALE_AFTER = 4096
 #: Under "auto" the gate's longest pause is at least this many tokens per unit of bar: a failed
 #: probe costs about `bar` plain steps more than a plain step, so probes that keep failing cost at
 #: most ~1 / PAUSE_PER_BAR of the paused tokens' time (H200: bar ~8, pauses up to 128 tokens).
@@ -60,7 +67,7 @@ def bucket_of(batch_size: int) -> int:
 class _BucketCosts:
     """One batch-size bucket's recent drafting and plain step seconds."""
 
-    __slots__ = ("draft", "plain", "draft_s", "plain_s", "num_draft", "explored_at")
+    __slots__ = ("draft", "plain", "draft_s", "plain_s", "num_draft", "explored_at", "drafted_at")
 
     def __init__(self):
         self.draft: deque[float] = deque(maxlen=COST_WINDOW)
@@ -69,6 +76,7 @@ class _BucketCosts:
         self.plain_s: float | None = None
         self.num_draft = 0  # drafting intervals recorded in all
         self.explored_at: int | None = None  # num_draft at the last exploration
+        self.drafted_at = 0  # StepCostBar.num_intervals at the last drafting interval
 
     def add(self, seconds: float, drafted: bool) -> None:
         self.num_draft += drafted
@@ -111,6 +119,7 @@ class StepCostBar:
         self._drafted_before: bool | None = None  # ... and the call before it
         self._bars: dict[int, float] = {}  # bucket -> its bar, until a cost changes
         self._any_timed = False  # some bucket has timed both kinds of step
+        self.num_intervals = 0  # timed intervals, all buckets (the clock of staleness)
 
     def begin_step(self, seq_ids: list | None, samples: list[bool]) -> float:
         """The drafter's call of a step: the interval since the last call becomes a sample when the
@@ -134,6 +143,10 @@ class StepCostBar:
             self._explore_left = (self._explore_left or EXPLORE_STEPS) - 1
         return self.bar
 
+    def restart(self) -> None:
+        """Forget every cost (after the engine's warm-up: its steps compile kernels)."""
+        self.__init__(self.max_bar, self.clock)
+
     def end_step(self, drafted: bool) -> None:
         """What this step's call drafted (any sequence)."""
         self._drafted = drafted if self._last_key is not None else None
@@ -144,10 +157,16 @@ class StepCostBar:
         if costs is None:
             costs = self.buckets[bucket] = _BucketCosts()
         before = costs.ratio
+        self.num_intervals += 1
+        if drafted:
+            costs.drafted_at = self.num_intervals
+        elif costs.draft_s is not None and self.num_intervals - costs.drafted_at > DRAFT_STALE_AFTER:
+            costs.draft.clear()  # stale: drafting is timed again (module docstring)
+            costs.draft_s = None
         costs.add(seconds, drafted)
         if costs.ratio != before:
             self._bars.clear()
-            self._any_timed = True
+            self._any_timed = any(c.ratio is not None for c in self.buckets.values())
 
     def _should_explore(self, batch_size: int) -> bool:
         costs = self.buckets.get(bucket_of(batch_size))
