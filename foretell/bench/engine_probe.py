@@ -9,6 +9,10 @@ breaks a tested function here rather than a GPU script found broken on the GPU.
   queue_ahead_off(llm)                                a with-block running the synchronous engine
   engine_step_count(llm), warm_up_seconds(llm), max_model_len(llm), num_speculative_tokens(llm)
   active_weight_bytes(llm, ...)                       weights a batch-1 token reads (MoE: the chosen)
+  vocab_size(llm), engine_device(llm)                 the target's logit rows, the engine's device
+  grammar_mask_timer(llm)                             host time on grammar masks (counters that grow)
+  grammar_forced_drafts(llm, on)                      a with-block with grammar-forced drafts on / off
+  tree_graph_use(llm)                                 whether draft-tree steps ran on their graphs
 
 Every function works on a single-process engine (tensor_parallel_size 1); the graph timers need
 CUDA graphs (a CUDA device, enforce_eager off) and say so otherwise. Times are medians of CUDA
@@ -146,3 +150,51 @@ def active_weight_bytes(llm, num_routed_experts: int = 0, num_shared_experts: in
     routed = experts * num_routed_experts / (num_routed_experts + num_shared_experts)
     unused = routed * (num_routed_experts - experts_per_token) / num_routed_experts
     return int(total - unused)
+
+
+def vocab_size(llm) -> int:
+    """The target's vocabulary size (the width of its logits)."""
+    return int(_runner(llm).vocab_size)
+
+
+def engine_device(llm) -> torch.device:
+    """The device the engine runs its models on."""
+    return _runner(llm).device
+
+
+def grammar_mask_timer(llm) -> Any:
+    """The engine's grammar-mask timer (structured/draft_mask.py MaskTimer): host seconds spent on
+    grammar masks (seconds, and its parts verify_fill_seconds, verify_apply_seconds, draft_seconds,
+    forced_seconds) and forced_drafts counted. Its counters only grow: read them before and after
+    a piece of work."""
+    return _runner(llm).host_step.structured.timer
+
+
+@contextlib.contextmanager
+def grammar_forced_drafts(llm, on: bool) -> Iterator[None]:
+    """Inside the block the drafter's drafts for grammar requests take the grammar's forced tokens
+    (on) or are only cut where the grammar rejects them (off), whatever speculative_config
+    structured_forced_drafts said; the engine's setting comes back after the block."""
+    structured = _runner(llm).host_step.structured
+    saved = structured.forced_drafts
+    structured.forced_drafts = bool(on)
+    try:
+        yield
+    finally:
+        structured.forced_drafts = saved
+
+
+def tree_graph_use(llm) -> dict:
+    """Whether draft-tree steps ran on their graphs: verify graphs captured and verifies run on
+    them, draft graphs captured and expansions run on them, catch-up graphs (the catch-up and the
+    expansion in one replay after a graphed verify) captured and catch-ups run on them."""
+    step = _runner(llm).tree_step
+    if step is None:
+        raise ValueError("tree_graph_use needs an engine that drafts trees (speculative_config topk > 1)")
+    verify, drafts = step.verify_graphs, step.drafter.graphs
+    return {"verify_graphs_captured": 0 if verify is None or not verify.captures else len(verify.graphs),
+            "graphed_verifies": step.num_graphed_verifies,
+            "draft_graphs_captured": 0 if drafts is None else len(drafts.graphs),
+            "graphed_drafts": 0 if drafts is None else drafts.num_runs,
+            "catch_up_graphs_captured": 0 if drafts is None else len(drafts.after_verify_graphs),
+            "graphed_catch_ups": 0 if drafts is None else drafts.num_caught_up}
