@@ -10,7 +10,7 @@ product, as the CPU path computes it).
 
   GEMV (up to 4 rows, Fp8GemvConfig; M = 1 is decode at batch 1): program (p, s) owns BLOCK_N rows
     of W over the s-th of SPLIT slices of K, in [BLOCK_N, BLOCK_K] tiles, as ops/gemm/triton_gemv.py
-    (whose bf16 tiles reached 256 tok/s on the H200's Llama-8B decode). A program's rows lie in one
+    (whose bf16 tiles run the H200's Llama-8B decode at batch 1). A program's rows lie in one
     128-row block (two with `gated`: gate rows and up rows), so per column block the scale is one
     number per block row: the kernel multiplies x's columns by their block's scale (one multiply
     per column of x, not per weight) and sums w * (x s) over the tile with no per-block reshape.
@@ -18,7 +18,7 @@ product, as the CPU path computes it).
     stay per lane [BLOCK_N, BLOCK_K] and are summed across the program's threads once, after the
     last tile (a sum across warps every tile cost a quarter of the loop's instructions for sm_90),
     and `gated` reads its gate rows and up rows as two tiles, each with its own scales row (one
-    interleaved tile chose a scale per weight: 23% slower than the plain product on the H200).
+    interleaved tile chose a scale per weight, and ran slower than the plain product on the H200).
   MMA (up to 16 rows, fp16 / bf16 x, Fp8MmaConfig): program (p, s) owns 64 rows of W (one wgmma
     tile) and the s-th slice of K, and multiplies [64, BLOCK_K] weight tiles, converted to x's
     dtype in registers (exact: every e4m3 value is a bf16 and an fp16 value), by x^T tiles
@@ -108,12 +108,14 @@ def gemv_config(m: int, n: int, k: int, block_k: int | None = None, block_n: int
     (b3ec0f8) for o and down. Eight rows of W a program, sixteen where that still leaves eight
     programs a multiprocessor (gate_up 28672: 1792 programs); 8 KiB of FP8 a tile over four warps,
     halved to 4 KiB where eight rows leave four programs a multiprocessor or more (qkv 6144: 768):
-        qkv 6144 x 4096      8 x 512    9.0 us in the graph (was 8 x 1024: 10.0)
-        o 4096 x 4096        8 x 1024   6.4 us              (was 4 x 2048: 7.5)
-        gate_up 28672 x 4096 16 x 512   39.1 us             (was 8 x 1024: 40.7)
-        down 4096 x 14336    8 x 1024   17.4 us             (was 4 x 2048: 21.6)
-    More rows of x keep four rows of W and 4096 / M columns (their products all sit in registers at
-    once), still four warps (eight ran 40-60% slower at M = 4)."""
+        qkv 6144 x 4096      8 x 512    (was 8 x 1024)
+        o 4096 x 4096        8 x 1024   (was 4 x 2048)
+        gate_up 28672 x 4096 16 x 512   (was 8 x 1024)
+        down 4096 x 14336    8 x 1024   (was 4 x 2048)
+    each faster in the graph than the tile it replaced (the times: docs/perf-log.md, "eighteenth GPU
+    session"). More rows of x keep four rows of W and 4096 / M columns (their products all sit in
+    registers at once), still four warps (eight ran much slower at M = 4: docs/perf-log.md,
+    "Figures moved from docstrings")."""
     if not 1 <= m <= GEMV_MAX_M or n < 1 or k < 1:
         raise ValueError(f"FP8 GEMV needs 1 <= M <= {GEMV_MAX_M}, N >= 1, K >= 1; got M={m}, N={n}, K={k}")
     block_m = _next_pow2(m)
@@ -138,8 +140,8 @@ def mma_config(k: int, block_size: tuple[int, int] | None, n: int | None = None,
     """128-column tiles (one scale per row of W per tile for 128-wide blocks), up to 4 in flight;
     given N, split-K doubled (up to 8 ways, each slice at least 512 columns) while the programs stay
     within eight per multiprocessor: the H200 sweep's winners at a 4-row verify (b3ec0f8) split
-    Llama-8B's qkv, o and down 8 ways (96, 64, 64 tiles: 17-25% faster than 2 or 4) and gate_up
-    (448 tiles) 2 ways."""
+    Llama-8B's qkv, o and down 8 ways (96, 64, 64 tiles: faster than 2 or 4) and gate_up
+    (448 tiles) 2 ways (the figures: docs/perf-log.md, "Figures moved from docstrings")."""
     block_k = min(128, max(16, _next_pow2(k)))
     if block_size is not None:
         block_k = max(16, min(block_k, block_size[1]))
@@ -334,7 +336,7 @@ def _fp8_gemv_kernel(
     lanes = k_start + tl.arange(0, BLOCK_K)
     if GATED and BLOCK_M == 1:
         # Gate rows and up rows as two tiles [BLOCK_N // 2, BLOCK_K], each with its own block row of
-        # scales: no per-weight choice of scale (one interleaved tile cost 23% at Llama-8B's gate_up).
+        # scales: no per-weight choice of scale (one interleaved tile was slower at Llama-8B's gate_up).
         acts = tile * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         gate_tile = w_ptr + acts[:, None].to(tl.int64) * K + lanes[None, :]  # [BLOCK_N // 2, BLOCK_K]
         up_tile = gate_tile + (N // 2).to(tl.int64) * K

@@ -17,10 +17,10 @@ FMAs per row and loses to cuBLAS from two rows on; this kernel puts the rows on 
   - `gated` (W = [gate; up]): each tile's rows are (gate j, up j) pairs and its epilogue stores
     silu(gate) * up, as the GEMV's; `float32_out` stores the rounded results as float32.
 
-Measured on the H200 at M = 4 against cuBLAS (docs/perf-log.md, us): qkv 15.8 / 16.3,
-o 11.9 / 13.5, gate_up 58.5 / 63.5, down 31.7 / 32.8, lm_head 245.8 / 256.7 (mode "on"'s choices are
-made in the verify graph: ops/gemm/triton_kernels.py). Loading W through a tensor descriptor (TMA)
-measured no faster.
+On the H200 at M = 4 each Llama-8B layer kind ran at least as fast as cuBLAS (the times:
+docs/perf-log.md, the eighth GPU session's tensor-core sweep; mode "on"'s choices are made in the
+verify graph: ops/gemm/triton_kernels.py). Loading W through a tensor descriptor (TMA) was no
+faster.
 
 fp16 and bf16 only (tensor-core inputs; float32 layers keep cuBLAS's exact products). Grids depend
 only on shapes, nothing syncs with the host, partials are a torch.empty of the launch, and the

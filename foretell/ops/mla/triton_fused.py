@@ -17,9 +17,9 @@ float32 accumulator, so the same kernels serve decode and prefill chunks (the Tr
 sends every query length through the absorbed form). Past FUSED_ROPE_MAX_TOKENS tokens the q_pe
 RoPE takes a second launch of its own (faster there than a branch of the matmul kernel).
 
-On the H200 at V2-Lite sizes the three launches take about half the time of the five they
-replace at T = 1; prefill chunks are on par with the torch ops up to 512 tokens and slower than
-cuBLAS at 4096 (the figures: docs/perf-log.md).
+On the H200 at V2-Lite sizes the three launches take well under the time of the five they
+replace at T = 1; short prefill chunks are on par with the torch ops and long ones slower than
+cuBLAS (the figures: docs/perf-log.md, "Figures moved from docstrings").
 
 Twins in reference.py (the reference semantics, and what the CPU runs): `latent_write_torch` is
 RMSNorm + RoPE + TorchMLABackend.write_kv, `absorb_query_torch` the einsum + rope, and

@@ -185,10 +185,11 @@ def _fp8_down_combine_kernel(
 
 def fp8_launch_config(num_tokens: int, top_k: int) -> dict:
     """The H200 sweep's winners at DeepSeek-V3's shapes (8 + 1 of 257 experts, b3ec0f8): gate_up
-    eight rows a program, over 512-column tiles and eight warps at one token (13% faster than 16
+    eight rows a program, over 512-column tiles and eight warps at one token (faster than 16
     rows of 128), 256-column tiles and four warps at more (where there are 4x the programs); the
     down kernel 16 columns of 256 over four warps with the slots spread over at most 8 programs a
-    column block (V3's 9 slots: 5 programs of 2), 13% faster at one token than one slot a program."""
+    column block (V3's 9 slots: 5 programs of 2), faster at one token than one slot a program
+    (the figures: docs/perf-log.md, "Figures moved from docstrings")."""
     one = num_tokens == 1
     return {
         "gate_up": {"BLOCK_N": 8, "BLOCK_K": 512 if one else 256, "num_warps": 8 if one else 4},

@@ -18,9 +18,9 @@ that does not read weights is gemv_common.py's):
     tile of four gate and four up rows; the float32 sums lose at most ~7 of their 24 bits to
     the correction's cancellation, far below the bf16 roundings the twin makes. Nibble i of
     every word is taken at once against x's columns 8 j + i, so nothing is reshaped and the
-    words stay in the layout they were loaded in (the first
-    version's reshapes compiled to shared-memory round trips and barriers in every tile for sm_90,
-    and ran at 12.6% of the H200's bandwidth at Kimi-K2.5's shapes); each word's 8 products are
+    words stay in the layout they were loaded in (the first version's reshapes compiled to
+    shared-memory round trips and barriers in every tile for sm_90, and read a small share of the
+    H200's bandwidth at Kimi-K2.5's shapes: docs/perf-log.md); each word's 8 products are
     summed, times the word's group scale (the kernels are written for int4_reference's PACK 8 and
     INT4_GROUP 32), accumulated per row and word lane, and summed across lanes once at the end.
     So the weights enter as q * s exactly, not rounded to the scales' dtype as the twin's
@@ -231,8 +231,9 @@ def _int4_down_combine_kernel(
 
 def int4_launch_config(num_tokens: int, top_k: int) -> dict:
     """The H200 sweep's winners at Kimi-K2.5's shapes (b3ec0f8), the same at 1 to 8 tokens: gate_up
-    four rows a program over 1024-column tiles (22-25% faster than 16 rows of 256); the down kernel
-    eight columns of 256 over two warps, slots spread over at most 8 programs a column block."""
+    four rows a program over 1024-column tiles (faster than 16 rows of 256); the down kernel
+    eight columns of 256 over two warps, slots spread over at most 8 programs a column block (the
+    figures: docs/perf-log.md, "Figures moved from docstrings")."""
     return {
         "gate_up": {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4},
         "down": {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 2, "SPLIT": min(max(top_k, 1), 8)},
