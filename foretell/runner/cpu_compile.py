@@ -1,11 +1,11 @@
 """The CPU fast path through torch.compile (`cpu_compile`, `--cpu-compile`; issue 32's CPU bars).
 
 On a CPU a small model's decode step is mostly per-op dispatch (the default target's decode forward
-is ~1,460 aten ops at ~8 us each), not arithmetic. Here a Llama-family decoder's forward for one
-sequence's few rows (a decode row, a verify's 1 + k rows) is written as one function of tensors
-and compiled by Inductor's C++ CPU backend: the norms, q/k norms, RoPE, residual adds, softmax and
-SiLU fuse into a few C++ loops around the matmuls (MKL calls still), and the KV write and the
-paged read happen in the same graph.
+is over a thousand small aten ops: docs/perf-log.md), not arithmetic. Here a Llama-family decoder's
+forward for one sequence's few rows (a decode row, a verify's 1 + k rows) is written as one function
+of tensors and compiled by Inductor's C++ CPU backend: the norms, q/k norms, RoPE, residual adds,
+softmax and SiLU fuse into a few C++ loops around the matmuls (MKL calls still), and the KV write
+and the paged read happen in the same graph.
 
 Shapes: one compiled graph per row count the runner asks for (a decode's 1, a verify's 1 + k; the
 input ids are marked static), the context length dynamic (`context_index` is marked dynamic), so

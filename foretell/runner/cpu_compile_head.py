@@ -1,12 +1,12 @@
 """The EAGLE3 head's draft step compiled on the CPU (`cpu_compile`, `--cpu-compile`; issue 32's CPU bar).
 
-On the CPU a draft step of the default head is ~60 torch calls at ~30 us each (the head's one
-decoder layer, its KV write and paged read, the norms, the LM head over the draft vocabulary),
-and a speculative step at k = 3 runs three of them: the catch-up over the verify's k + 1 rows
-(the padded step's, spec_decode/draft_graph.py; fc fusing the three aux hidden states first)
-and k - 1 single-row chain steps. Here that step, Eagle3Head.step for one sequence, is one
-function of tensors (`eagle3_head_step`) compiled by Inductor's C++ backend, like the target's
-forward next door (cpu_compile.py, whose attention it shares).
+On the CPU a draft step of the default head is dozens of small torch calls, each paying its dispatch
+(the head's one decoder layer, its KV write and paged read, the norms, the LM head over the draft
+vocabulary; the figures: docs/perf-log.md), and a speculative step at k = 3 runs three of them: the
+catch-up over the verify's k + 1 rows (the padded step's, spec_decode/draft_graph.py; fc fusing the
+three aux hidden states first) and k - 1 single-row chain steps. Here that step, Eagle3Head.step for
+one sequence, is one function of tensors (`eagle3_head_step`) compiled by Inductor's C++ backend,
+like the target's forward next door (cpu_compile.py, whose attention it shares).
 
 Shapes: one graph per (row count, first step or chain step); the row counts are the runner's
 (1 and the verify's k + 1), the context length dynamic (`context_index`), so a growing context

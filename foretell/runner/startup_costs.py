@@ -8,9 +8,9 @@ time before the first request: the priors LearnedStepCosts seeds its cells with.
 no host work (input packing, verification on the host side, the engine's postprocess); the
 engine's own timed steps still add that and override the priors (step_costs.py).
 
-Cost on the H200 at Llama-8B size: one replay of a verify graph is ~5-30 ms and of a draft loop
-~1-3 ms; TIMED_REPLAYS + 1 of each for K + 1 = 5 draft lengths at 9 batches (1 .. 256) is about
-360 replays, 1.5-3 s; the timing stops starting new batches after BUDGET_SECONDS (the batches
+Cost: TIMED_REPLAYS + 1 of each graph for K + 1 = 5 draft lengths at 9 batches (1 .. 256) is 360
+replays, a few seconds at Llama-8B size on the H200 (the estimate: docs/perf-log.md, "step costs
+seeded from graph replays"); the timing stops starting new batches after BUDGET_SECONDS (the batches
 left learn from steps alone). Only the single-device runner with captured target and draft-loop
 graphs times anything: the CPU, --enforce-eager, host drafters (n-gram, suffix: their drafting is
 host work) and tensor parallelism (every rank would have to stop at the same batch) seed nothing.
