@@ -65,9 +65,9 @@ class Tokenizer:
 def fast_backend(hf) -> object | None:
     """The Rust `tokenizers.Tokenizer` under a fast Hugging Face tokenizer when decoding through it
     gives exactly what hf.decode gives: transformers' decode is that backend's decode plus Python
-    (argument conversion, an optional clean-up of spaces), about 10 us a call, twice per generated
-    token in the incremental detokenizer. None (use hf.decode) for slow tokenizers and for those
-    whose decode cleans up spaces."""
+    (argument conversion, an optional clean-up of spaces) on every call, twice per generated token
+    in the incremental detokenizer (docs/perf-log.md, "Host work per engine step"). None (use
+    hf.decode) for slow tokenizers and for those whose decode cleans up spaces."""
     backend = getattr(hf, "_tokenizer", None)
     if not getattr(hf, "is_fast", False) or backend is None or not hasattr(backend, "decode"):
         return None

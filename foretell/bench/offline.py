@@ -96,7 +96,7 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
     prompt_ids = tokenize_prompts(prompts, tokenizer, s.chat)
     eos_ids = sorted(tokenizer.eos_token_ids)
     # No name may keep the first engine's runner (and its KV cache) alive past release() below:
-    # the next configuration's engine would find the device's memory taken (H200, 15.7 GiB free).
+    # the next configuration's engine would find the device's memory taken (as it did on the H200).
     device = str(llm.engine.runner.device)
     dtype = str(llm.engine.runner.dtype).replace("torch.", "")
     params = SamplingParams(

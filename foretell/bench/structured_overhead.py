@@ -12,8 +12,8 @@ drafter of --method. Five runs in one engine, each repeated --repeats times (the
                 draft loop, one read a step, masks uploaded), else on the host step
   always_true_host  the same grammar with the padded verify off (GraphedVerify.enabled): the host
                 step with its eager, masked draft loop, what every grammar request took before
-                2026-12-02 (issue 27's 9.5 ms a step on the H200); the same as always_true
-                where the padded step takes no grammar (n-gram, no drafter)
+                2026-12-02 (issue 27's slow grammar step on the H200: docs/perf-log.md); the
+                same as always_true where the padded step takes no grammar (n-gram, no drafter)
   json          the JSON schema of scripts/check_structured_gpu.py (what users send)
 
 For each: milliseconds per engine step (wall, and this thread's CPU time, steadier on a shared

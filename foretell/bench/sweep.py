@@ -278,5 +278,5 @@ def add_comparisons(row: dict, baseline_row: dict, baseline_outputs, outputs, ex
 def release(llm) -> None:
     """Free an LLM's memory before the next configuration loads: LLM.close() frees it now (the
     caller's own reference would keep it alive past a collection here; on the H200 the suffix
-    engine after the plain one found 15.7 GiB free and could not start)."""
+    engine after the plain one found too little memory free and could not start)."""
     llm.close()

@@ -2,15 +2,15 @@
 
 Triton compiles a kernel variant the first time it meets a new combination of constexpr tiles
 (derived from the query length, the number of tokens, the pairs per expert) and of integer
-arguments' specialisation (1, a multiple of 16, other): 0.1 to 1 s each. CUDA graphs cover decode
-and verify steps, not prefill: on the H200 the first GSM8K prompts of a fresh engine took 1151 and
-295 ms against 56 ms steady (BENCHMARKS.md), compiling inside the first requests. The warm-up
-runs prompts whose lengths cover the tile variants (powers of two and their neighbours, up to the
-chunked-prefill budget), one at a time and then together, each for a few verify or decode steps,
-through the scheduler, runner and drafter exactly as requests run, and once more over the
-prefix cache (prefills of a query after a cached context). Afterwards nothing of it
-remains: counters, the prefix cache, the suffix drafter's cache of responses and the KV blocks
-are as they were.
+arguments' specialisation (1, a multiple of 16, other), each compile far longer than a step. CUDA
+graphs cover decode and verify steps, not prefill: on the H200 the first GSM8K prompts of a fresh
+engine took many times a steady prompt's time, compiling inside the first requests
+(docs/perf-log.md, fifth GPU session). The warm-up runs prompts whose lengths cover the tile
+variants (powers of two and their neighbours, up to the chunked-prefill budget), one at a time and
+then together, each for a few verify or decode steps, through the scheduler, runner and drafter
+exactly as requests run, and once more over the prefix cache (prefills of a query after a cached
+context). Afterwards nothing of it remains: counters, the prefix cache, the suffix drafter's cache
+of responses and the KV blocks are as they were.
 """
 
 from __future__ import annotations

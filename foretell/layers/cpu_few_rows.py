@@ -2,13 +2,13 @@
 batch's decode rows (issue 32: the default family's speculative step on a laptop-class CPU).
 
 MKL's float32 GEMM for y = x W^T with 2 to 8 rows of x (F.linear: SGEMM with the weight's rows as
-the long side, M = 4096 x N = 4 for the LM head) costs 2-3.4x its one-row GEMV at the default
+the long side, M = 4096 x N = 4 for the LM head) costs several times its one-row GEMV at the default
 family's shapes on the 2-core EPYC this project is measured on, while the same product asked as
 W x^T (the rows of x as the short side: SGEMM M = 4 x N = 4096) streams the weight once and costs
-about one GEMV: over a whole verify forward (8 layers, the 4096 x 256 LM head, the weights read from
-memory as a step reads them) 5.0 instead of 8.5 ms for 4 rows, 7.8 instead of 12 for 8; at 16 rows
-the two meet (docs/perf-log.md, 2026-12-02). It writes [N, M]; one copy gives the [M, N] rows the
-layer returns.
+about one GEMV, over a whole verify forward too (8 layers, the 4096 x 256 LM head, the weights read
+from memory as a step reads them); at 16 rows the two meet (the figures: docs/perf-log.md,
+2026-12-02, "The verify's few-row GEMMs on the CPU"). It writes [N, M]; one copy gives the [M, N]
+rows the layer returns.
 
 Both forms are MKL's float32 sums of the same products in its own order, like any GEMM: a row's
 result may differ in the last bit from the one-row GEMV's, as F.linear's did already (neither

@@ -19,7 +19,7 @@ fused into the final norm, and a catch-up over several rows per sequence keeps o
 rows after the attention block (`keep_rows`: every row's keys and values are cached by then, and
 only those rows' h are read), so the MLP and the LM head run on one row per sequence. (The o
 projection stays on every row: a gather before it breaks the launch chain that lets it stream its
-weights during the attention, and it ran 1.6 us slower on the H200.)
+weights during the attention, and it ran slower on the H200: docs/perf-log.md.)
 
 Tensor parallel (options.tensor_parallel with several ranks: speculative_config
 draft_tensor_parallel_size equal to the target's tensor_parallel_size; the default, 1, builds the

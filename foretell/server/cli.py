@@ -20,7 +20,8 @@ from foretell.server.tool_parsers import TOOL_CALL_PARSERS
 API_KEY_ENV = "FORETELL_API_KEY"
 # Python's default (5 ms) is how long the event loop may wait for the interpreter lock while the
 # engine thread runs a step, at every hand-over (a new request, a streamed chunk); a few such
-# waits would explain a lone request's ~15 ms TTFT on the H200 where a step takes ~1 ms.
+# waits would explain a lone request's TTFT of many steps on the H200 (docs/perf-log.md, "TTFT
+# under a burst").
 DEFAULT_SWITCH_INTERVAL_MS = 0.5
 
 

@@ -16,12 +16,12 @@ draft_mask.py DraftMask: the grammar masks of a model drafter's loop (EAGLE3, MT
 
 The grammar engine is llguidance (pinned in pyproject.toml). Why it and not xgrammar: its wheel is
 one abi3 Rust library of 3 MB with no Python dependencies, where xgrammar's wheel requires torch,
-triton, transformers and apache-tvm-ffi (from PyPI that resolves to a CUDA build of torch, which
-CI cannot take). Measured on this project's 2-core CPU box (JSON schema of 4 fields with a
-nested object, token by token through a 57-token document): llguidance 36 us median, 115-350 us
-mean (the first masks build its lexer lazily) with the default family's 4096-token BPE, about
-1.3 ms mean with a 65536-token BPE; xgrammar 3 us median, 6 us mean (4096) and 0.75 ms (65536),
-after a 9-220 ms compile. Both are far below a step on the H200 at batch 1 for small vocabularies;
-llguidance also has what the speculative step needs built in: rollback, try_consume_tokens, and
-grammar validation without a tokenizer (so a bad schema is refused when the request is made).
+triton, transformers and apache-tvm-ffi (from PyPI that resolves to a CUDA build of torch, which CI
+cannot take). On this project's 2-core CPU box (a JSON schema of 4 fields with a nested object,
+token by token through a document) llguidance's masks cost more than xgrammar's, more so at first
+(the first masks build its lexer lazily) and with a larger vocabulary, and xgrammar pays a compile
+up front (the figures: docs/perf-log.md, "Figures moved from docstrings"). Both are far below a step
+on the H200 at batch 1 for small vocabularies; llguidance also has what the speculative step needs
+built in: rollback, try_consume_tokens, and grammar validation without a tokenizer (so a bad schema
+is refused when the request is made).
 """

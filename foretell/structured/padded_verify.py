@@ -1,8 +1,8 @@
 """Grammars on the padded verify step (runner/graphed_verify.py, issue 27): a request with
 structured outputs verifies on the target's padded (bucket, q) forward and drafts on the draft
 loop's graph like a request without, instead of the host step's eager draft loop, whose grammar
-masks each draft position (on the H200 with EAGLE3: ~215 launches and 4 syncs a step, 9.5 ms,
-against 0.76 ms for the padded step).
+masks each draft position (on the H200 with EAGLE3: ~215 launches and 4 syncs a step, many times the
+padded step's time: docs/perf-log.md, issue 27).
 
 One grammar step, in order (GraphedVerify.launch, then LaunchedVerify.read):
   1. the target's forward is launched first (a graph replay on CUDA: the device computes while

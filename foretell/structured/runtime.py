@@ -32,12 +32,12 @@ dropping it would not); forced drafts appended after such drafts get a one-hot q
 forced_drafts off (speculative_config structured_forced_drafts) the drafts are only cut, where
 that is exact, and never pass k: the form before forced drafts, kept for A/B runs.
 
-The tokenizer (the runner's own copy, for llguidance's token table) is loaded when a request
-first asks for structured outputs. A sequence's matcher is a deep copy of one kept per grammar
-(the last MAX_CACHED_GRAMMARS used): llguidance's copies share the lexer states built lazily as
-masks are computed, so a request with a grammar seen before skips both the compilation and that
-build (measured on the default family's JSON schema: a 38-token document's masks take ~15 ms
-with a fresh matcher, ~0.5 ms with a copy of a used one).
+The tokenizer (the runner's own copy, for llguidance's token table) is loaded when a request first
+asks for structured outputs. A sequence's matcher is a deep copy of one kept per grammar (the last
+MAX_CACHED_GRAMMARS used): llguidance's copies share the lexer states built lazily as masks are
+computed, so a request with a grammar seen before skips both the compilation and that build (on the
+default family's JSON schema a document's masks come far faster from a copy of a used matcher than
+from a fresh one: docs/perf-log.md, "Figures moved from docstrings").
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ from foretell.structured.verify_rows import VerifyRows
 
 MAX_CACHED_GRAMMARS = 64
 # Threads of the llguidance executor: the cores this process may run on, at most this many. Its
-# default pool measured 20x slower than an explicit one on a busy 2-core box (6-22 ms against
-# 0.3 ms for a batch-8 verify's 32 rows); a step has few sequences, so a few threads suffice.
+# default pool was far slower than an explicit one on a busy 2-core box (docs/perf-log.md,
+# "Figures moved from docstrings"); a step has few sequences, so a few threads suffice.
 MAX_MASK_THREADS = 8
 
 

@@ -149,7 +149,7 @@ def _time_chain(run: Callable[[], torch.Tensor], device: torch.device, settings:
 
 def _with_estimates(row: dict, baseline_us: float | None, marginal_us: dict, shapes: ChainShapes, family) -> dict:
     """Adds the per-call change against the baseline and, where the kind's marginal cost is known,
-    its estimated in-graph time per call and share of 4.8 TB/s."""
+    its estimated in-graph time per call and share of the H200's peak bandwidth (H200_BYTES_S)."""
     kind = row.get("layer_kind")
     if not row.get("ok") or baseline_us is None or kind not in LAYER_KINDS or row["variant"] != "candidate":
         return row

@@ -8,11 +8,12 @@ indexes [E, ...] stacks by expert id: the other 376 would change no address it r
 runs layer l's experts on layer l - 1's output (x [1, H] -> layer 0 -> ... -> layer L-1), each
 layer the engine's two launches (gate_up, then down + combine), captured in one graph.
 
-Reported per chain and per layer: microseconds and the share of 4.8 TB/s that the routed experts'
-bytes (packed words and scales) make. Candidates: the launch config space of each kernel
-(BLOCK_N, BLOCK_K, num_warps; the down kernel's SPLIT of slots), nearest the default first, each
-swapped in with the other kernel at its default, then the whole configs the kernel module's
-candidate_configs lists (other kernel variants), each after a check against the torch twin.
+Reported per chain and per layer: microseconds and the share of the H200's peak bandwidth
+(H200_BYTES_S) that the routed experts' bytes (packed words and scales) make. Candidates: the launch
+config space of each kernel (BLOCK_N, BLOCK_K, num_warps; the down kernel's SPLIT of slots), nearest
+the default first, each swapped in with the other kernel at its default, then the whole configs the
+kernel module's candidate_configs lists (other kernel variants), each after a check against the
+torch twin.
 """
 
 from __future__ import annotations
