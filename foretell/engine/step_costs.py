@@ -5,9 +5,10 @@ spec_decode/adaptive.py's choice.
 
 Start-up (runner/startup_costs.py): on CUDA with captured graphs, the verify graph of each batch
 bucket and k + 1 rows and the draft loop's graph for k are replayed a few times under CUDA events
-(a second or two at Llama-8B size), and each (bucket, k) cell gets their sum as its prior. Whole
-dummy steps are not timed (they took 43 s on a 2-core CPU); without graphs (the CPU, eager mode,
-tensor parallelism) nothing is measured and the cells start empty. A replay holds no host work:
+(the start-up estimate at Llama-8B size: docs/perf-log.md, "step costs seeded from graph
+replays"), and each (bucket, k) cell gets their sum as its prior. Whole dummy steps are not timed
+(far too slow a start-up on a CPU: docs/perf-log.md, sixteenth GPU session); without graphs (the
+CPU, eager mode, tensor parallelism) nothing is measured and the cells start empty. A replay holds no host work:
 in a seeded bucket a cell's cost is its own timed steps when it has fresh ones, else its prior
 plus the bucket's host offset, the lower median of (timed - prior) over its fresh timed cells
 (the nearest seeded bucket's when it has none, 0 before any step). A seeded cell never needs
