@@ -251,6 +251,7 @@ def measure_engine_steps(batch_size: int, method: str = "suffix", num_prompts: i
             result.update(
                 steps=steps, cpu_ms_per_step=1e3 * cpu_s / steps, wall_ms_per_step=1e3 * wall_s / steps,
                 mean_acceptance_length=stats.get("mean_acceptance_length", 0.0),
+                gate_bar=stats.get("suffix_gate", {}).get("bar"),
                 padded_steps=sum(getattr(kind, "num_steps", 0) for kind in runner.pipeline.kinds),
             )
         del llm, engine, proposer
