@@ -109,15 +109,23 @@ def test_seeded_cells_are_priors_plus_the_host_offset():
     timed(costs, 5, 0, 9.0, 2.3)  # its own offset: 0.3
     assert costs.seconds_by_k(4) == pytest.approx([2.3, 2.5, 2.7, 2.9])
     assert costs.seconds_by_k(1) == pytest.approx([1.5, 1.6, 1.7, 1.8])
-    timed(costs, 1, 1, 9.0, 1.5)  # two gaps at batch 1, 0.5 and 0.4: the lower median, 0.4; timed cells their own
-    assert costs.seconds_by_k(1) == pytest.approx([1.4, 1.5, 1.7, 1.7])
-    timed(costs, 4, 0, *[2.3] * 7)  # batch 1's cells go stale (6 steady steps): priors + bucket 4's offset
-    assert costs.seconds_by_k(1) == pytest.approx([1.3, 1.4, 1.5, 1.6])
-    assert costs.needs_timing(1) == []  # seeded cells never ask for a timed step
     table = costs.as_dict()
     assert table["batch_sizes"] == [1, 4] and table["prior_ms"] == [[1000.0, 1100.0, 1200.0, 1300.0],
                                                                   [2000.0, 2200.0, 2400.0, 2600.0]]
     assert table["step_ms"][1] == [2300.0, None, None, None]
+
+
+def test_a_seeded_bucket_prices_every_k_from_the_steps_just_run():
+    # Contexts grow through a run: k = 0 ran early (offset 0.1), k = 1 runs now at 0.9 over its prior.
+    # Every k moves with the recent steps; k = 0 keeps no price of its own from its early, short contexts.
+    costs = LearnedStepCosts(2, priors={256: [10.0, 15.0, 22.0]})
+    timed(costs, 256, 0, 9.0, *[10.1] * 5)
+    assert costs.seconds_by_k(256) == pytest.approx([10.1, 15.1, 22.1])
+    timed(costs, 256, 1, 99.0, *[15.9] * 8)  # a full window of k = 1 steps (the first dropped)
+    assert costs.seconds_by_k(256) == pytest.approx([10.9, 15.9, 22.9])
+    assert costs.as_dict()["step_ms"][0][:2] == [10100.0, 15900.0]  # the cells' own times, for the stats
+    timed(costs, 256, 1, *[15.4] * 4)  # half the window at 0.4: the lower median
+    assert costs.seconds_by_k(256) == pytest.approx([10.4, 15.4, 22.4])
 
 
 def test_a_bucket_without_priors_learns_as_before():

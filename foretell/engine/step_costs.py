@@ -5,14 +5,17 @@ spec_decode/adaptive.py's choice.
 
 Start-up (runner/startup_costs.py): on CUDA with captured graphs, the verify graph of each batch
 bucket and k + 1 rows and the draft loop's graph for k are replayed a few times under CUDA events
-(the start-up estimate at Llama-8B size: docs/perf-log.md, "step costs seeded from graph
-replays"), and each (bucket, k) cell gets their sum as its prior. Whole dummy steps are not timed
-(far too slow a start-up on a CPU: docs/perf-log.md, sixteenth GPU session); without graphs (the
-CPU, eager mode, tensor parallelism) nothing is measured and the cells start empty. A replay holds no host work:
-in a seeded bucket a cell's cost is its own timed steps when it has fresh ones, else its prior
-plus the bucket's host offset, the lower median of (timed - prior) over its fresh timed cells
-(the nearest seeded bucket's when it has none, 0 before any step). A seeded cell never needs
-timing: exploration only looks for acceptance, and the steps the policy runs refine the costs.
+(the start-up estimate at Llama-8B size: docs/perf-log.md, "step costs seeded from graph replays"),
+and each (bucket, k) cell gets their sum as its prior. Whole dummy steps are not timed (far too slow
+a start-up on a CPU: docs/perf-log.md, sixteenth GPU session); without graphs (the CPU, eager mode,
+tensor parallelism) nothing is measured and the cells start empty. A replay holds no host work: in a
+seeded bucket every k costs its prior plus the bucket's offset, the lower median of (timed - prior)
+over the bucket's last OFFSET_WINDOW kept steps, whatever k they ran (the nearest seeded bucket's
+when it has none, 0 before any step). One offset for every k, from the steps just run, keeps the k
+comparable as contexts grow through a run: a cell's own times would date from when that k last ran
+(at batch 256 on the H200 a k = 0 cell kept from early short contexts looked cheaper than a k = 1
+cell timed later, and the policy flapped between them, below both fixed choices; docs/perf-log.md,
+issue 28, 2026-12-02). A seeded cell never needs timing: exploration only looks for acceptance.
 
 The engine times each of its steps: wall clock around Engine.step(), which ends after the step's
 results were read back, so timing adds no device sync. The policy passes on the steady ones (every
@@ -64,6 +67,8 @@ CONVERGED_SPREAD = 0.05
 TIMED_SLACK = 0.05
 #: How much cheaper than its estimate an untimed cell might be.
 UNTIMED_SLACK = 0.2
+#: Kept steps of a seeded bucket (any k) whose gaps to their priors give the bucket's offset.
+OFFSET_WINDOW = 8
 #: Extrapolating down in k never gives less than this share of the nearest timed cost.
 MIN_EXTRAPOLATED_SHARE = 0.1
 
@@ -114,9 +119,9 @@ class LearnedStepCosts:
         self.buckets: dict[int, list[_Cell]] = {}  # bucket (its smallest batch) -> [K + 1] cells
         self.num_steps = 0  # steady steps recorded (the clock of staleness)
         self._curves: dict[int, list[float]] = {}  # bucket -> step_seconds by k, until a cost it uses changes
-        # Seeded bucket -> the steady step after which a fresh cell its curve read goes stale.
-        self._curve_expiry: dict[int, float] = {}
         self._borrowing: set[int] = set()  # seeded buckets whose curve took another bucket's host offset
+        # Seeded bucket -> (timed - prior) of its last OFFSET_WINDOW kept steps, any k.
+        self._gaps: dict[int, deque[float]] = {}
         self._num_timed: dict[int, int] = {}  # bucket -> how many of its k have a cost
         self.seeded: set[int] = set()  # buckets whose cells have priors
         self.startup_seconds = 0.0  # what measuring the priors took (set by start_adaptive_speculation)
@@ -159,17 +164,18 @@ class LearnedStepCosts:
         was_timed = cells[k].seconds is not None
         if was_timed and cells[k].last_tick < self.num_steps - self.stale_after_steps:
             cells[k].samples.clear()  # stale: the new step alone says what the cell costs now
-        if cells[k].add(seconds, self.num_steps):
+        kept = cells[k].seen  # the cell's first steady step is dropped (add() says why)
+        changed = cells[k].add(seconds, self.num_steps)
+        if kept and cells[k].prior is not None:
+            self._gaps.setdefault(bucket, deque(maxlen=OFFSET_WINDOW)).append(seconds - cells[k].prior)
+            changed = True  # the bucket's offset moved: its curve and its borrowers' are recomputed
+        if changed:
             if not was_timed:
                 self._num_timed[bucket] = self._num_timed.get(bucket, 0) + 1
             # This bucket's curve, and those of buckets that borrow (fewer than two k timed; seeded:
             # a host offset from another bucket).
             self._curves = {b: c for b, c in self._curves.items() if b != bucket and b not in self._borrowing
                             and (b in self.seeded or self._num_timed.get(b, 0) >= 2)}
-
-    def _fresh(self, cell: _Cell) -> bool:
-        """Timed, and within STALE_AFTER_STEPS steady steps."""
-        return cell.seconds is not None and cell.last_tick >= self.num_steps - self.stale_after_steps
 
     def needs_timing(self, batch_size: int) -> list[int]:
         """The k whose cost at this batch has not converged, or has no kept step for
@@ -222,8 +228,8 @@ class LearnedStepCosts:
         """[K + 1]: step_seconds(batch_size, k) for every k (the caller must not change it)."""
         bucket = self.bucket_of(batch_size)
         curve = self._curves.get(bucket)
-        # Computed once per bucket until a cost it uses changes (or, seeded, one it read goes stale).
-        if curve is None or self.num_steps > self._curve_expiry.get(bucket, self.num_steps):
+        # Computed once per bucket until a cost it uses changes (seeded: its offset moves).
+        if curve is None:
             curve = self._curves[bucket] = self._curve(bucket)
         return curve
 
@@ -257,36 +263,27 @@ class LearnedStepCosts:
         return [ref_seconds * shape[k] / shape[ref] for k in range(self._max_k + 1)]
 
     def _seeded_curve(self, bucket: int) -> list[float]:
-        """[K + 1]: a seeded bucket's fresh timed cells, and its priors plus the host offset."""
+        """[K + 1]: a seeded bucket's priors plus its offset (module docstring)."""
         offset, source = self._host_offset(bucket)
-        read = {bucket, source} - {None}  # the buckets whose fresh cells the curve read
         if source == bucket:
             self._borrowing.discard(bucket)
         else:
             self._borrowing.add(bucket)
-        self._curve_expiry[bucket] = min(
-            (cell.last_tick + self.stale_after_steps for b in read for cell in self.buckets[b] if self._fresh(cell)),
-            default=float("inf"),
-        )
-        return [cell.seconds if self._fresh(cell) else max(cell.prior + offset, MIN_EXTRAPOLATED_SHARE * cell.prior)
-                for cell in self.buckets[bucket]]
-
-    def _prior_gaps(self, bucket: int) -> list[float]:
-        """Each fresh timed cell's cost less its prior: the host work a replay does not hold."""
-        return [cell.seconds - cell.prior for cell in self.buckets[bucket] if self._fresh(cell)]
+        return [max(cell.prior + offset, MIN_EXTRAPOLATED_SHARE * cell.prior) for cell in self.buckets[bucket]]
 
     def _host_offset(self, bucket: int) -> tuple[float, int | None]:
-        """(offset, the bucket it came from): the lower median of the bucket's prior gaps; without
-        any, the nearest seeded bucket's (ties: the smaller batch); 0 (None) before any seeded
-        bucket has a fresh timed step."""
-        source, gaps = bucket, self._prior_gaps(bucket)
-        if not gaps:
-            others = [b for b in self.seeded if b != bucket and self._prior_gaps(b)]
+        """(offset, the bucket it came from): the lower median of the bucket's recent gaps (timed -
+        prior: the host work a replay does not hold, and the contexts' growth since the replays);
+        without any, the nearest seeded bucket's (ties: the smaller batch); 0 (None) before any
+        seeded bucket kept a step."""
+        source = bucket
+        if not self._gaps.get(bucket):
+            others = [b for b in self.seeded if b != bucket and self._gaps.get(b)]
             if not others:
                 return 0.0, None
             source = min(others, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
-            gaps = self._prior_gaps(source)
-        return sorted(gaps)[(len(gaps) - 1) // 2], source
+        gaps = sorted(self._gaps[source])
+        return gaps[(len(gaps) - 1) // 2], source
 
     def _piecewise_linear(self, timed: list[tuple[int, float]]) -> list[float]:
         """[K + 1]: through the timed (k, seconds), ascending in k, two at least; outside them the
