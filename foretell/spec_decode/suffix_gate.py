@@ -3,11 +3,11 @@ drafts must accept on average to keep drafting follows what a drafting step cost
 against a plain decode step, learned from the engine's own steps.
 
 Why: a step that verifies drafts yields 1 + accepted tokens, a plain step 1; a drafting step costing
-r plain steps pays when accepted > r - 1. r is ~1.2 on a CPU (the forward dominates, a verify of a
-few rows costs little more than one row) and ~9 on an H200 with a small target (a plain step is
-queued ahead on the device and costs 0.2 ms of host work; a drafting step waits for its results,
-proposes on the host and launches a verify: ~1.9 ms). A fixed bar of 1.0 is far too low there and
-too high here.
+r plain steps pays when accepted > r - 1. r differs by machine and model: on a CPU the forward
+dominates and a verify of a few rows costs little more than one row (r near 1); on a GPU with a
+small target a plain step is queued ahead on the device and costs only its host work, while a
+drafting step waits for its results, proposes on the host and launches a verify (r several times
+larger; the figures are in docs/perf-log.md). A fixed bar is too low on one and too high on the other.
 
 How it is timed, without a device sync or a start-up measurement: the drafter is called once per
 engine step (after the step's results are read), so the time between two of its calls is one whole
@@ -55,7 +55,7 @@ EXPLORE_INTERVAL = 64
 DRAFT_STALE_AFTER = 4096
 #: Under "auto" the gate's longest pause is at least this many tokens per unit of bar: a failed
 #: probe costs about `bar` plain steps more than a plain step, so probes that keep failing cost at
-#: most ~1 / PAUSE_PER_BAR of the paused tokens' time (H200: bar ~8, pauses up to 128 tokens).
+#: most ~1 / PAUSE_PER_BAR of the paused tokens' time.
 PAUSE_PER_BAR = 16
 
 
