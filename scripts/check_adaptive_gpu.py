@@ -35,31 +35,17 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
 from foretell import LLM, SamplingParams  # noqa: E402
+from foretell.bench.bench_models import eagle3_bench_models  # noqa: E402
 from foretell.spec_decode.simulated_acceptance import rates_from_config  # noqa: E402
 
-CONFIGS = os.path.join(ROOT, "foretell", "configs")
 MAX_K = 4
 BAR = 0.97
-
-
-def models(tiny: bool) -> tuple[str, str, dict]:
-    """(target folder, EAGLE3 head folder, engine options)."""
-    if not tiny:
-        return (f"{CONFIGS}/llama-3.1-8b", f"{CONFIGS}/llama-3.1-8b-eagle3",
-                dict(dtype="bfloat16", device="cuda", load_format="dummy"))
-    from foretell.bench.tiny_checkpoints import write_tiny_eagle3_head, write_tiny_qwen3
-
-    folder = tempfile.mkdtemp()
-    target = write_tiny_qwen3(os.path.join(folder, "target"))
-    head = write_tiny_eagle3_head(os.path.join(folder, "head"), target, draft_vocab_size=256, aux_layer_ids=[0, 1, 2])
-    return target, head, dict(dtype="float32", device="cpu")
 
 
 def conditional_rate(mean_length: float) -> float:
@@ -160,7 +146,7 @@ def main() -> int:
     out_path = os.path.join(args.out_dir, "check_adaptive_gpu.json")
     batches = [int(b) for b in args.batches.split(",")]
     ks: list = [int(k) for k in args.ks.split(",")] + ["auto"]
-    target, head, options = models(args.tiny)
+    target, head, options = eagle3_bench_models(args.tiny)
     report: dict = {"batches": batches, "bar": BAR, "lengths": {}}
     for length in [float(x) for x in args.lengths.split(",")]:
         rate = conditional_rate(length)

@@ -33,6 +33,7 @@ sys.path.insert(0, ROOT)
 import jsonschema  # noqa: E402
 
 from foretell import LLM, SamplingParams  # noqa: E402
+from foretell.bench import engine_probe as probe  # noqa: E402
 from foretell.bench.datasets import gsm8k_test_prompts  # noqa: E402
 from foretell.bench.structured_overhead import HostStepOnly  # noqa: E402
 from foretell.defaults import member_path  # noqa: E402
@@ -65,18 +66,9 @@ SCHEMA = SCHEMAS["reasoning_answer"]  # the mask timings' schema
 ALWAYS_TRUE = r"(.|\n)*"
 
 
-def structured_of(llm: LLM):
-    """The engine's StructuredOutputs (one-process runner only)."""
-    return llm.engine.runner.host_step.structured
-
-
-def structured_timer(llm: LLM):
-    return structured_of(llm).timer
-
-
 def forced_modes(llm: LLM) -> list[tuple[str, bool]]:
     """(label, forced drafts on) for each run: both where the engine drafts, else the one."""
-    return [("", True)] if llm.engine.runner.proposer is None else [("", True), ("_forced_off", False)]
+    return [("", True)] if probe.num_speculative_tokens(llm) is None else [("", True), ("_forced_off", False)]
 
 
 class Window:
@@ -88,7 +80,7 @@ class Window:
 
     def _read(self) -> dict:
         stats = self.llm.get_stats()
-        timer = structured_timer(self.llm)
+        timer = probe.grammar_mask_timer(self.llm)
         return {"steps": stats["num_steps"], "drafts": stats.get("num_drafts", 0),
                 "draft_tokens": stats.get("num_draft_tokens", 0), "jit": stats.get("jit_compiles", 0),
                 "forced": timer.forced_drafts, "forced_s": timer.forced_seconds,
@@ -129,12 +121,12 @@ def json_check(llm: LLM, prompts: list[str], max_tokens: int) -> dict:
     report: dict = {"num_prompts": len(prompts), "without_grammar": window.close()}
     for (suffix, forced), (schema_name, schema) in [(m, s) for m in forced_modes(llm) for s in SCHEMAS.items()]:
         name = schema_name + suffix
-        structured_of(llm).forced_drafts = forced
         constrained = SamplingParams(temperature=0, max_tokens=max_tokens,
                                      structured_outputs={"json": schema, "disable_any_whitespace": True})
-        window = Window(llm)
-        outs = llm.generate(prompts, constrained, use_tqdm=False)
-        with_grammar = window.close()
+        with probe.grammar_forced_drafts(llm, forced):
+            window = Window(llm)
+            outs = llm.generate(prompts, constrained, use_tqdm=False)
+            with_grammar = window.close()
         valid, failures = 0, []
         for o in outs:
             text = o.outputs[0].text
@@ -174,10 +166,9 @@ def overhead_check(llm: LLM, prompt: str, num_tokens: int) -> dict:
     with HostStepOnly(llm):  # the step a grammar request takes, without the grammar
         runs["true_host_step"] = timed(llm, [prompt], SamplingParams(**base))
     for suffix, forced in forced_modes(llm):
-        structured_of(llm).forced_drafts = forced
-        runs["always_true_grammar" + suffix] = timed(llm, [prompt], SamplingParams(
-            **base, structured_outputs={"regex": ALWAYS_TRUE}))
-    structured_of(llm).forced_drafts = True
+        with probe.grammar_forced_drafts(llm, forced):
+            runs["always_true_grammar" + suffix] = timed(llm, [prompt], SamplingParams(
+                **base, structured_outputs={"regex": ALWAYS_TRUE}))
     grammar, host = runs["always_true_grammar"]["ms_per_step"], runs["host_step"]["ms_per_step"]
     runs["grammar_overhead_percent_vs_host_step"] = 100.0 * (grammar - host) / host
     true_host = runs["true_host_step"]["ms_per_step"]
@@ -191,9 +182,8 @@ def mask_time_check(llm: LLM, prompts: list[str], num_tokens: int) -> dict:
                             structured_outputs={"json": SCHEMA, "disable_any_whitespace": True})
     report = {}
     for suffix, forced in forced_modes(llm):
-        structured_of(llm).forced_drafts = forced
-        report.update({f"batch_{n}{suffix}": timed(llm, prompts[:n], params) for n in (1, 8)})
-    structured_of(llm).forced_drafts = True
+        with probe.grammar_forced_drafts(llm, forced):
+            report.update({f"batch_{n}{suffix}": timed(llm, prompts[:n], params) for n in (1, 8)})
     return report
 
 
@@ -216,7 +206,7 @@ def main(argv=None) -> int:
         report["json"] = json_check(llm, prompts, args.max_tokens)
         report["overhead_batch1_spec"] = overhead_check(llm, prompts[0], args.overhead_tokens)
         report["mask_time_spec"] = mask_time_check(llm, prompts, args.max_tokens)
-        report["device"] = str(llm.engine.runner.device) if hasattr(llm.engine.runner, "device") else args.device
+        report["device"] = str(probe.engine_device(llm))
     with LLM(member_path("target"), device=args.device) as llm:
         report["overhead_batch1_plain"] = overhead_check(llm, prompts[0], args.overhead_tokens)
     report["seconds"] = time.perf_counter() - started

@@ -36,7 +36,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
@@ -45,13 +44,14 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 from foretell import LLM, SamplingParams  # noqa: E402
+from foretell.bench import engine_probe as probe  # noqa: E402
+from foretell.bench.bench_models import eagle3_bench_models, synthetic_prompt  # noqa: E402
+from foretell.defaults import member_path  # noqa: E402
 from foretell.layers.small_m import prepare_small_m_linears  # noqa: E402
 from foretell.ops.attention.metadata import AttentionMetadata  # noqa: E402
 from foretell.spec_decode.tree.build import build_tree  # noqa: E402
 from foretell.spec_decode.tree.shape import TreeShape  # noqa: E402
 
-CONFIGS = os.path.join(ROOT, "foretell", "configs")
-DEFAULTS = os.path.join(ROOT, "foretell", "default_models")
 VERIFY_BAR, TOK_S_BAR, ACCEPTANCE_BAR = 1.2, 900.0, 3.3
 TREE_LENGTH, CHAIN_LENGTH, CHAIN_K = 5.4, 2.93, 3
 VERIFY_TREE = TreeShape(5, 4, 16)  # 16 verify rows; the shape only sets the mask
@@ -60,19 +60,6 @@ VERIFY_TREE = TreeShape(5, 4, 16)  # 16 verify rows; the shape only sets the mas
 def parse_tree(text: str) -> dict:
     depth, topk, nodes = (int(x) for x in text.split(","))
     return {"num_speculative_tokens": depth, "topk": topk, "num_draft_tokens": nodes}
-
-
-def models(tiny: bool) -> tuple[str, str, dict]:
-    """(target folder, EAGLE3 head folder, engine options) for parts (a) and (b)."""
-    if not tiny:
-        return (f"{CONFIGS}/llama-3.1-8b", f"{CONFIGS}/llama-3.1-8b-eagle3",
-                dict(dtype="bfloat16", device="cuda", load_format="dummy"))
-    from foretell.bench.tiny_checkpoints import write_tiny_eagle3_head, write_tiny_qwen3
-
-    folder = tempfile.mkdtemp()
-    target = write_tiny_qwen3(os.path.join(folder, "target"))
-    head = write_tiny_eagle3_head(os.path.join(folder, "head"), target, draft_vocab_size=256, aux_layer_ids=[0, 1, 2])
-    return target, head, dict(dtype="float32", device="cpu")
 
 
 def write(out_path: str, report: dict) -> None:
@@ -148,7 +135,7 @@ def part_verify_cost(target: str, options: dict, context: int, iters: int) -> di
     row["bar"] = VERIFY_BAR
     row["ok"] = row["tree_over_decode"] <= VERIFY_BAR
     # The engine's own decode step (CUDA graphs on the GPU) over a long request, for scale.
-    prompt = synthetic_prompt(llm, context)
+    prompt = synthetic_prompt(probe.vocab_size(llm), context)
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     llm.generate([prompt], params, use_tqdm=False)
     start = time.perf_counter()
@@ -160,13 +147,8 @@ def part_verify_cost(target: str, options: dict, context: int, iters: int) -> di
 
 
 # ---- (b) engine tok/s at batch 1, simulated acceptance -------------------------------------------------
-def synthetic_prompt(llm: LLM, length: int) -> dict:
-    vocab = min(llm.engine.runner.vocab_size - 1, 1000)
-    return {"prompt_token_ids": [(7 * j) % vocab + 1 for j in range(length)]}
-
-
 def run_batch1(llm: LLM, new_tokens: int) -> dict:
-    prompt = synthetic_prompt(llm, 128)
+    prompt = synthetic_prompt(probe.vocab_size(llm), 128)
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     llm.generate([prompt], params, use_tqdm=False)  # compiled / captured
     before = llm.get_stats()
@@ -182,20 +164,6 @@ def run_batch1(llm: LLM, new_tokens: int) -> dict:
         row["steps"] = drafts
         row["step_s"] = wall / drafts
     return row
-
-
-def tree_graph_use(llm: LLM) -> dict:
-    """Whether the tree step ran on its graphs: verify graphs captured / verifies replayed, draft
-    graphs captured / expansions run on them (runner/tree_graphs.py, spec_decode/tree/draft_graphs.py)."""
-    step = llm.engine.runner.tree_step
-    verify, drafts = step.verify_graphs, step.drafter.graphs
-    return {"verify_graphs_captured": 0 if verify is None else len(verify.graphs) if verify.captures else 0,
-            "graphed_verifies": step.num_graphed_verifies,
-            "draft_graphs_captured": 0 if drafts is None else len(drafts.graphs),
-            "graphed_drafts": 0 if drafts is None else drafts.num_runs,
-            # the catch-up with the expansion in one replay after a graphed verify (run_after_verify)
-            "catch_up_graphs_captured": 0 if drafts is None else len(drafts.after_verify_graphs),
-            "graphed_catch_ups": 0 if drafts is None else drafts.num_caught_up}
 
 
 def part_tok_s(target: str, head: str, options: dict, trees: list[str], new_tokens: int) -> dict:
@@ -215,7 +183,7 @@ def part_tok_s(target: str, head: str, options: dict, trees: list[str], new_toke
                **run_batch1(llm, new_tokens)}
         if name.startswith("tree"):
             row["bar"], row["ok"] = TOK_S_BAR, row["tok_s"] >= TOK_S_BAR
-            row.update(tree_graph_use(llm))
+            row.update(probe.tree_graph_use(llm))
         rows[name] = row
         print(name, json.dumps(row), flush=True)
         llm.close()
@@ -228,7 +196,7 @@ def part_acceptance(trees: list[str], dtypes: list[str], device: str, num_prompt
 
     prompts = gsm8k_test_prompts(num_prompts)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    target, head = os.path.join(DEFAULTS, "qwen3-target"), os.path.join(DEFAULTS, "qwen3-eagle3")
+    target, head = member_path("target"), member_path("eagle3")
     out = {}
     for dtype in dtypes:
         engine = dict(dtype=dtype, device=device, max_num_seqs=64, log_stats_interval_s=0)
@@ -286,7 +254,7 @@ def main() -> int:
     out_path = os.path.join(args.out_dir, "check_trees_gpu.json")
     device = "cpu" if args.tiny else "cuda"
     report: dict = {"tiny": args.tiny, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
-    target, head, options = models(args.tiny)
+    target, head, options = eagle3_bench_models(args.tiny)
     if "a" in parts:
         report["a_verify_cost"] = part_verify_cost(target, options, args.context, args.iters)
         print("a", json.dumps(report["a_verify_cost"]), flush=True)

@@ -48,6 +48,8 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 from foretell import LLM, SamplingParams  # noqa: E402
+from foretell.bench import engine_probe as probe  # noqa: E402
+from foretell.bench.bench_models import eagle3_bench_models, synthetic_prompt  # noqa: E402
 
 LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch",
                 "cudaMemcpyAsync", "cudaMemsetAsync")
@@ -189,18 +191,13 @@ def kernel_summary(prof, steps: int, top: int = 25) -> dict:
     return out
 
 
-def synthetic_prompt(llm: LLM, length: int) -> dict:
-    vocab = min(llm.engine.runner.vocab_size - 1, 1000)
-    return {"prompt_token_ids": [(7 * j) % vocab + 1 for j in range(length)]}
-
-
 def measure(llm: LLM, new_tokens: int, sync: bool = False, profile: bool = True) -> dict:
     """One request of new_tokens at batch 1 after a warm-up run: the phase table, then (CUDA, profile)
     a second run under torch.profiler for the kernel summary."""
-    device = llm.engine.runner.device
+    device = probe.engine_device(llm)
     timer = PhaseTimer(device, sync)
     instrument(llm, timer)
-    prompt = synthetic_prompt(llm, 128)
+    prompt = synthetic_prompt(probe.vocab_size(llm), 128)
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     try:
         llm.generate([prompt], params, use_tqdm=False)  # compiled / captured
@@ -255,7 +252,7 @@ def tree_engine(target: str, head: str, options: dict, tree: str, mean_length: f
 
 
 def main() -> int:
-    from check_trees_gpu import TREE_LENGTH, models
+    from check_trees_gpu import TREE_LENGTH
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir")
@@ -265,7 +262,7 @@ def main() -> int:
     parser.add_argument("--sync", action="store_true", help="synchronise at every phase boundary")
     parser.add_argument("--tiny", action="store_true", help="tiny random models on the CPU (a smoke test)")
     args = parser.parse_args()
-    target, head, options = models(args.tiny)
+    target, head, options = eagle3_bench_models(args.tiny)
     llm = tree_engine(target, head, options, args.tree, args.mean_length)
     report = {"tree": args.tree, "mean_length": args.mean_length, **measure(llm, args.new_tokens, args.sync)}
     llm.close()
