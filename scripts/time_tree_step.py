@@ -19,7 +19,7 @@ import torch
 
 from foretell import LLM, SamplingParams
 from foretell.bench.datasets import gsm8k_test_prompts
-from foretell.runner.tree_graphs import TreeVerifyGraphs
+from foretell.bench import engine_probe as probe
 
 DEFAULTS = os.path.join(os.path.dirname(__file__), "..", "foretell", "default_models")
 
@@ -54,11 +54,7 @@ def time_tree(args, tree: str, prompts: list[str]) -> dict:
               kv_cache_memory_bytes=1 << 28, max_num_seqs=max(len(prompts), 1), warm_up="off")
     tree_step = llm.engine.runner.tree_step
     if args.graph_buffers:  # the graphed step's code path, uncaptured (the torch backend: exact buckets)
-        runner = llm.engine.runner
-        blocks = -(-(runner.max_model_len + runner.num_lookahead_tokens) // runner.cache_plan.block_size) + 1
-        tree_step.use_graphs(TreeVerifyGraphs(runner.model, len(prompts), nodes, blocks, runner.cache_plan.block_size,
-                                              runner.max_model_len, runner.device, capture_graphs=False,
-                                              reads_host_lengths=True))
+        probe.use_uncaptured_tree_graphs(llm)
     drafter = tree_step.drafter
     head = drafter.eagle.head
     step_clock, draft_clock = Clock(), Clock()

@@ -1,7 +1,7 @@
 """foretell.bench.bench_models (the model folders benchmark scripts run on) and the engine probes
 scripts/check_trees_gpu.py, tree_step_phases.py and check_structured_gpu.py read through
 foretell.bench.engine_probe instead of runner attributes: vocabulary and device, grammar-mask
-timer and forced drafts, the tree step's graph use; on the CPU with the tiny models."""
+timer and forced drafts, the tree step's graph use and its uncaptured graphs; on the CPU with the tiny models."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from foretell.bench import engine_probe as probe
 from foretell.bench.bench_models import (BenchModels, eagle3_bench_models, published_config_folder,
                                          synthetic_prompt)
 from foretell.bench.tiny_checkpoints import QWEN3_TINY
-from foretell.runner.tree_graphs import TreeVerifyGraphs
 from foretell.structured.draft_mask import MaskTimer
 
 TREE = {"num_speculative_tokens": 2, "topk": 2, "num_draft_tokens": 4}
@@ -93,6 +92,8 @@ def test_vocab_device_and_grammar_probes(tiny):
         assert structured.forced_drafts is True
         with pytest.raises(ValueError, match="topk > 1"):
             probe.tree_graph_use(llm)
+        with pytest.raises(ValueError, match="use_uncaptured_tree_graphs needs an engine that drafts trees"):
+            probe.use_uncaptured_tree_graphs(llm)
 
 
 def test_grammar_mask_timer_counts_a_grammar_request(qwen3_checkpoint):
@@ -112,14 +113,8 @@ def test_tree_graph_use_counts_verifies_on_the_tree_graphs(tiny):
         assert plain_use == dict.fromkeys(plain_use, 0)  # eager on the CPU: no graphs
         eager = llm.generate([prompt], PARAMS, use_tqdm=False)[0].outputs[0].token_ids
         assert probe.tree_graph_use(llm)["graphed_verifies"] == 0
-        # The graphed step's code path, uncaptured (as StepGraphSetup builds it where a backend is
-        # graph-safe; use_graphs adds the draft graphs): every tree step from now on runs on them.
-        runner = llm.engine.runner
-        block_size = runner.cache_plan.block_size
-        blocks = -(-(runner.max_model_len + runner.num_lookahead_tokens) // block_size) + 1
-        runner.tree_step.use_graphs(TreeVerifyGraphs(runner.model, 2, TREE["num_draft_tokens"], blocks, block_size,
-                                                     runner.max_model_len, runner.device, capture_graphs=False,
-                                                     reads_host_lengths=True))
+        probe.use_uncaptured_tree_graphs(llm)  # every tree step from now on runs the graphs' code path
+        assert llm.engine.runner.tree_step.verify_graphs is not None
         steps = llm.get_stats()["num_steps"]
         graphed = llm.generate([prompt], PARAMS, use_tqdm=False)[0].outputs[0].token_ids
         use = probe.tree_graph_use(llm)

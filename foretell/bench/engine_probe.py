@@ -13,6 +13,7 @@ breaks a tested function here rather than a GPU script found broken on the GPU.
   grammar_mask_timer(llm)                             host time on grammar masks (counters that grow)
   grammar_forced_drafts(llm, on)                      a with-block with grammar-forced drafts on / off
   tree_graph_use(llm)                                 whether draft-tree steps ran on their graphs
+  use_uncaptured_tree_graphs(llm)                     tree steps on their graphs' code path, uncaptured
 
 Every function works on a single-process engine (tensor_parallel_size 1); the graph timers need
 CUDA graphs (a CUDA device, enforce_eager off) and say so otherwise. Times are medians of CUDA
@@ -198,3 +199,20 @@ def tree_graph_use(llm) -> dict:
             "graphed_drafts": 0 if drafts is None else drafts.num_runs,
             "catch_up_graphs_captured": 0 if drafts is None else len(drafts.after_verify_graphs),
             "graphed_catch_ups": 0 if drafts is None else drafts.num_caught_up}
+
+
+def use_uncaptured_tree_graphs(llm) -> None:
+    """From now on the engine's draft-tree steps run the code path of their CUDA graphs (fixed
+    buffers, the draft graphs' expansion and catch-up) without capturing anything: what a GPU
+    replays, timed or checked where graphs are not captured (the CPU, enforce_eager)."""
+    from foretell.runner.tree_graphs import TreeVerifyGraphs
+
+    runner = _runner(llm)
+    step = runner.tree_step
+    if step is None:
+        raise ValueError("use_uncaptured_tree_graphs needs an engine that drafts trees (speculative_config topk > 1)")
+    block_size = runner.cache_plan.block_size
+    blocks = -(-(runner.max_model_len + runner.num_lookahead_tokens) // block_size) + 1
+    step.use_graphs(TreeVerifyGraphs(runner.model, llm.engine.config.scheduler.max_num_seqs,
+                                     step.shape.num_draft_tokens, blocks, block_size, runner.max_model_len,
+                                     runner.device, capture_graphs=False, reads_host_lengths=True))
