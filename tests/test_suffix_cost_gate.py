@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from foretell import LLM, SamplingParams
-from foretell.spec_decode.suffix import MAX_PAUSE, SuffixProposer, SuffixSettings
+from foretell.spec_decode.suffix import FIRST_PAUSE, MAX_PAUSE, SuffixProposer, SuffixSettings
 from foretell.spec_decode.suffix_gate import (
     AUTO_PRIOR_BAR, COST_WINDOW, DRAFT_STALE_AFTER, EXPLORE_INTERVAL, EXPLORE_STEPS, MIN_AUTO_BAR, MIN_COST_SAMPLES, PAUSE_PER_BAR,
     StepCostBar, bucket_of,
@@ -210,6 +210,26 @@ def test_a_draft_no_longer_than_the_bar_is_not_proposed():
     fixed = SuffixProposer(8, SuffixSettings(min_match_length=2, max_tree_depth=12, min_accepted_tokens=1.0))
     assert fixed.propose(one(short, seq_id=2)).token_ids[0] == [3, 1]
     assert fixed.stats() == {"suffix_gate": {"auto": False, "bar": 1.0}}
+
+
+def test_a_lookup_the_learned_bar_rejects_pauses_the_sequence():
+    # A match too short to pay under the learned bar: the sequence stops looking up for its pause
+    # (each lookup is host time on a step that stays plain), its tokens wait unindexed.
+    proposer, clock = auto_proposer()
+    teach(proposer, clock, ratio=5.0)  # bar 4
+    history = [1, 2, 3, 1, 2]  # a match of 2: no draft of more than 4 tokens
+    assert proposer.propose(one(history, seq_id=2)).token_ids[0] == []
+    state = proposer.states[2]
+    assert state.resume_at == len(history) + FIRST_PAUSE and state.pause == 2 * FIRST_PAUSE
+    indexed = len(state.index.tokens)
+    for token in [3, 1, 2]:  # within the pause: stored, not indexed, nothing drafted
+        history.append(token)
+        assert proposer.propose(one(history, seq_id=2)).token_ids[0] == []
+    assert len(state.index.tokens) == indexed and state.pending == [3, 1, 2]
+    # a fixed bar keeps looking up every step (no learned bar, no pause for a short match)
+    fixed = SuffixProposer(8, SuffixSettings(min_match_length=2, max_tree_depth=12, min_accepted_tokens=1.0))
+    fixed.propose(one([1, 2, 3, 1, 2], seq_id=2))
+    assert fixed.states[2].resume_at == 0
 
 
 def test_a_bar_of_k_or_more_looks_nothing_up_and_pauses_longer():

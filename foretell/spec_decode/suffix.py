@@ -227,10 +227,14 @@ class SuffixProposer(ProposerBase):
         if average >= bar:
             state.accepted_average, state.pause = average, FIRST_PAUSE
             return
+        self._pause(state, num_tokens)
+
+    def _pause(self, state: SequenceState, num_tokens: int) -> None:
+        """No lookup for state.pause tokens, then one probe; the next pause twice as long."""
         state.resume_at = num_tokens + state.pause
-        longest = MAX_PAUSE if self.cost_bar is None else max(MAX_PAUSE, int(PAUSE_PER_BAR * bar))
+        longest = MAX_PAUSE if self.cost_bar is None else max(MAX_PAUSE, int(PAUSE_PER_BAR * self.bar))
         state.pause = min(2 * state.pause, longest)
-        state.accepted_average = bar  # the probe after the pause decides alone
+        state.accepted_average = self.bar  # the probe after the pause decides alone
         state.own_match, state.cache_match = Match(), Match()  # looked up again at the resume
 
     def forget(self, seq_id: int) -> None:
@@ -294,6 +298,10 @@ class SuffixProposer(ProposerBase):
                 continue
             draft = self.draft(state, batch.num_useful_drafts(i, self.k), min_length)
             state.last_draft = draft.token_ids
+            if min_length > 0 and not draft.token_ids:
+                # A match, but no draft the learned bar lets pay: the next lookups would likely
+                # find the same, each costing host time on a step that would be plain anyway.
+                self._pause(state, len(history))
             drafts.append(draft)
         if cost_bar is not None:
             cost_bar.end_step(any(d.token_ids for d in drafts))
