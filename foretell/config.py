@@ -51,7 +51,7 @@ class ModelConfig:
     skip_tokenizer_init: bool = False
     # Few-row matmuls on CUDA with graphs (ops/gemm/dispatch.py): on: the Triton GEMV for
     # single-row inputs (batch-1 decode), which streams its weights while the kernel before it
-    # finishes (Llama-8B decode graph 4.31 against 4.63 ms with cuBLAS on the H200; BENCHMARKS.md);
+    # finishes (faster than cuBLAS in the Llama-8B decode graph on the H200: docs/perf-log.md);
     # auto: times cuBLAS against the GEMV once per shape up to 4 rows and keeps the faster; off:
     # always cuBLAS.
     small_m_gemm: str = "on"

@@ -10,7 +10,7 @@ incremental index updates, the matching and the drafts. Finished sequences are f
 response joins the global cache) and replaced by new ones, so the cache is exercised too.
 
 Each time is taken twice: wall (perf_counter) and this thread's CPU time (thread_time), which a
-loaded machine inflates much less (a shared 2-core CI box can show 10x the wall time).
+loaded machine inflates much less than the wall time on a shared 2-core CI box.
 
 `--paused` holds every sequence in the acceptance gate's pause (no lookup, no draft: what a
 sequence whose drafts are not accepted costs between its probes), set between steps, untimed.

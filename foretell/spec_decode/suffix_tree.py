@@ -24,7 +24,7 @@ among the occurrences (ties: the most recent), its empirical probability count /
 that go on, the path's probability the product; it stops below min_token_prob. A single
 occurrence is copied in one slice. In a sequence's own store an occurrence that runs into the
 context's end keeps copying from the draft itself (a loop drafts on past the end).
-Costs: appending n tokens O(n) dict operations (a 512-token prompt ~0.2 ms), a step's advance
+Costs: appending n tokens O(n) dict operations (a prompt's time: docs/perf-log.md), a step's advance
 O(new tokens x candidates), a lookup O(candidates x max_depth) at worst, a draft O(draft x
 candidates) and one slice for a single occurrence.
 """
