@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from fixtures import checkpoints
+from fixtures.triton_interpreter import import_triton_language_first
 
 # Tests that draw random inputs take their seed from `random`. Each test starts from a seed fixed by
 # its name, so a CI run is a function of the commit; FORETELL_TEST_FRESH_SEEDS=1 draws fresh seeds
@@ -27,6 +28,10 @@ def _seeded_randomness(request):
     random.seed(seed)
     torch.manual_seed(seed)
     yield
+
+
+def pytest_configure(config):
+    import_triton_language_first()
 
 
 # The tiny test models run several times faster on one intra-op thread than on two (thread

@@ -26,8 +26,8 @@ from foretell.bench.kernels.linear_kinds import (
     LAYER_KINDS, BatchInvariantLinears, Bf16Linears, Fp8Linears, InvariantLaunch,
 )
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "sweep_linears_in_graph_gpu.py")
-LLAMA = os.path.join(os.path.dirname(__file__), "..", "foretell", "configs", "llama-3.1-8b")
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "sweep_linears_in_graph_gpu.py")
+LLAMA = os.path.join(os.path.dirname(__file__), "..", "..", "foretell", "configs", "llama-3.1-8b")
 CPU = torch.device("cpu")
 SMALL = linear_chain.ChainShapes(hidden=128, q_size=128, kv_size=64, intermediate=256, vocab=200, num_layers=2)
 

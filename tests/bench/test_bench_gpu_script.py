@@ -13,7 +13,7 @@ import pytest
 from foretell import LLM
 from foretell.bench.tiny_checkpoints import write_tiny_eagle3_head, write_tiny_qwen3
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_gpu.py")
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "bench_gpu.py")
 
 
 @pytest.fixture(scope="module")

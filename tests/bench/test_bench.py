@@ -493,7 +493,7 @@ def test_profile_decode_finds_the_idle_gaps_of_a_step_timeline(monkeypatch):
     the next operation (overlapped launches, as PDL makes them, are not gaps)."""
     import importlib.util
 
-    scripts = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+    scripts = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts")
     spec = importlib.util.spec_from_file_location("profile_decode", os.path.join(scripts, "profile_decode.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
