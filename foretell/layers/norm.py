@@ -24,7 +24,7 @@ def rms_norm_torch(
 ) -> torch.Tensor:  # [..., width]
     """HF's RMSNorm: normalise in float32, cast back to x's dtype, then scale by the weight."""
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        # torch.rms_norm does these very operations in float32 (bit for bit; tests/test_layers.py
+        # torch.rms_norm does these very operations in float32 (bit for bit; tests/layers/test_layers.py
         # holds them together) from one Python call: fewer dispatches where launches dominate (CPU).
         if weight.dim() == 1:
             return torch.rms_norm(x, (x.shape[-1],), weight, eps)

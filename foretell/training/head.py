@@ -8,7 +8,7 @@ computes exactly what the engine's head computes, with the engine's RMSNorm and 
   x = concat(input_layernorm(embed(token)), hidden_norm(g))     [B, T, 2H], embedding first
   h = g + o_proj(attention(x)) ;  h = h + mlp(post_attention_layernorm(h))
   logits = lm_head(norm(h)) over the draft vocabulary; the next step gets h (before the norm)
-tests/test_train_eagle3.py holds the two together on the same weights.
+tests/training/test_train_eagle3.py holds the two together on the same weights.
 """
 
 from __future__ import annotations

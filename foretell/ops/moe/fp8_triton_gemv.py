@@ -17,7 +17,7 @@ Twin: fp8_experts_forward_torch (fp8_reference.py) plus the shared output. Grids
 shapes and the launch config and nothing is read on the host, so the forward can be captured in a
 CUDA graph. Tiles: the H200 sweep's winners at DeepSeek-V3's shapes (H = 7168, I = 2048, 8 + 1 of
 257 experts; fp8_launch_config). This module imports triton: CUDA (or the interpreter tests,
-tests/test_fp8_moe.py) only.
+tests/ops/test_fp8_moe.py) only.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """FP8 block-quantized checkpoints (DeepSeek-V3 / Kimi-K2 format) dequantized at load: what the loader
 does for a model built without the checkpoint's quantization (ModelOptions.quantization None, as
-`build` here) and for the layers an FP8 model keeps in its dtype (tests/test_fp8_loading.py holds
+`build` here) and for the layers an FP8 model keeps in its dtype (tests/models/test_fp8_loading.py holds
 the FP8 layers themselves; the engine builds FP8 models, so LLM(...) below runs them).
 
 The float reference multiplies each block by its scale in a Python loop
