@@ -104,7 +104,9 @@ def test_a_common_run_stops_at_a_separator_and_at_a_branch():
     index = cache.index
     match = index.lookup([9, 1, 2])
     assert len(match.positions) == 6
-    assert index._common_run(match.positions, 16) == 2  # 3, 4: then two responses end
+    taken: list[int] = []
+    run, after = index._agreed_run(match.positions, 16, taken)  # 3, 4 by all; two end, then 5 by 4
+    assert (run, taken, len(after)) == (3, [3, 4, 5], 4)  # then 6 and 7 branch
     tokens, score = index.draft(match, 16, 0.0)
     assert (tokens, score) == reference_draft(index, match, 16, 0.0)
     assert tokens[:3] == [3, 4, 5]  # 4 of 6 go on with 5 (two end), then 6 beats 7 (3 to 1)

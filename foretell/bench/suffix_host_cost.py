@@ -12,6 +12,13 @@ response joins the global cache) and replaced by new ones, so the cache is exerc
 Each time is taken twice: wall (perf_counter) and this thread's CPU time (thread_time), which a
 loaded machine inflates much less than the wall time on a shared 2-core CI box.
 
+`--workload loop` is the hard case for the matching instead: each output repeats a short pattern
+(1-4 tokens, one of a few shared by all sequences: a list, a table, a run of one token), so every
+gram has many occurrences, in the sequence's own index and in the global cache's earlier responses,
+the matches keep running into a response's end, and the walk follows up to MAX_CANDIDATES
+occurrences at once (what the stubbed engine's constant tokens give: `--engine --stub-forward`).
+`--repeat N` runs the no-model mode N times and prints each figure's median too.
+
 `--paused` holds every sequence in the acceptance gate's pause (no lookup, no draft: what a
 sequence whose drafts are not accepted costs between its probes), set between steps, untimed.
 
@@ -55,11 +62,19 @@ def pause_all(proposer) -> None:
             state.own_match, state.cache_match = Match(), Match()
 
 
-def _workload(rng: random.Random, prompt_len: int, output_len: int, vocab: int) -> tuple[list[int], list[int]]:
+WORKLOADS = ("rewrite", "loop")
+LOOP_PATTERNS = ([7], [11, 12], [21, 22, 23], [31, 32, 33, 34])  # the loop workload's outputs repeat one
+
+
+def _workload(rng: random.Random, prompt_len: int, output_len: int, vocab: int,
+              workload: str = "rewrite") -> tuple[list[int], list[int]]:
     # A prompt with some internal repetition (code has it), and an output that rewrites a piece
-    # of it with a token changed now and then.
+    # of it with a token changed now and then ("rewrite"), or repeats a short pattern ("loop").
     base = [rng.randrange(vocab) for _ in range(prompt_len // 2)]
     prompt = base + [t if rng.random() > 0.1 else rng.randrange(vocab) for t in base]
+    if workload == "loop":
+        pattern = LOOP_PATTERNS[rng.randrange(len(LOOP_PATTERNS))]
+        return prompt, (pattern * (output_len // len(pattern) + 1))[:output_len]
     start = rng.randrange(max(1, len(prompt) - output_len))
     output = [t if rng.random() > 0.03 else rng.randrange(vocab) for t in prompt[start : start + output_len]]
     while len(output) < output_len:
@@ -81,12 +96,16 @@ def _batch(histories: list[list[int]], seq_ids: list[int], max_model_len: int) -
 
 def measure_host_cost(batch_size: int, num_steps: int = 200, k: int = 16, prompt_len: int = 512,
                       output_len: int = 256, vocab: int = 4096, seed: int = 0,
-                      settings: SuffixSettings | None = None, paused: bool = False) -> dict:
+                      settings: SuffixSettings | None = None, paused: bool = False,
+                      workload: str = "rewrite") -> dict:
     """Mean microseconds of one decode step's propose() over a batch of batch_size sequences, per
     step and per sequence; the mean tokens each step emitted per sequence (accepted + 1); the
     mean milliseconds of a sequence's first propose (its prompt inserted: the prefill step) and
     of a finished sequence's forget (its response cached). Wall times, and *_cpu the thread's
-    CPU times. paused: every sequence held in the gate's pause after its prefill (pause_all)."""
+    CPU times. paused: every sequence held in the gate's pause after its prefill (pause_all).
+    workload: "rewrite" or "loop" (module docstring)."""
+    if workload not in WORKLOADS:
+        raise ValueError(f"suffix_host_cost workload must be one of {WORKLOADS}, got {workload!r}")
     rng = random.Random(seed)
     proposer = SuffixProposer(k, settings)
     max_model_len = prompt_len + output_len + k + 8
@@ -95,7 +114,7 @@ def measure_host_cost(batch_size: int, num_steps: int = 200, k: int = 16, prompt
 
     def new_seq():
         nonlocal next_id
-        prompt, output = _workload(rng, prompt_len, output_len, vocab)
+        prompt, output = _workload(rng, prompt_len, output_len, vocab, workload)
         next_id += 1
         return [next_id, prompt + [output[0]], output, 1]
 
@@ -275,7 +294,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="with --engine: the target's arithmetic stubbed, the GPU's step pipeline")
     parser.add_argument("--stub-tokens", default="constant", choices=["constant", "fresh"],
                         help="with --stub-forward: the stub's tokens (bench/stub_target.py)")
-    parser.add_argument("--repeat", type=int, default=1, help="runs of each method (interleaved; medians)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="runs (with --engine: of each method, interleaved); medians printed")
+    parser.add_argument("--workload", default="rewrite", choices=WORKLOADS, help="without --engine (module docstring)")
     args = parser.parse_args(argv)
     if args.engine:
         methods = args.method.split(",")
@@ -296,13 +317,20 @@ def main(argv: list[str] | None = None) -> None:
                     f"{m} {t:.3f}" + (f" ({t / base:.3f}x none)" if base and m != "none" else "")
                     for m, t in medians.items()), flush=True)
         return
+    if args.repeat < 1:
+        parser.error(f"--repeat must be >= 1, got {args.repeat}")
     for b in [int(x) for x in args.batch_sizes.split(",")]:
-        r = measure_host_cost(b, args.num_steps, args.k, paused=args.paused)
+        runs = [measure_host_cost(b, args.num_steps, args.k, paused=args.paused, workload=args.workload)
+                for _ in range(args.repeat)]
+        r = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+        if args.repeat > 1:
+            print(f"batch {b:3d}: us/step (thread CPU) of the {args.repeat} runs: "
+                  + ", ".join(f"{run['us_per_step_cpu']:.1f}" for run in runs) + "; medians:")
         print(f"batch {b:3d}: {r['us_per_step']:8.1f} us/step  {r['us_per_sequence']:6.1f} us/sequence  "
               f"prefill {r['prefill_ms']:.2f} ms  forget {r['forget_ms']:.2f} ms  (wall)  |  "
               f"{r['us_per_step_cpu']:8.1f} us/step  {r['us_per_sequence_cpu']:6.1f} us/sequence  "
               f"prefill {r['prefill_ms_cpu']:.2f} ms  forget {r['forget_ms_cpu']:.2f} ms  (thread CPU)  |  "
-              f"{r['tokens_per_sequence_step']:.2f} tokens/sequence/step, {r['cached_responses']} cached responses")
+              f"{r['tokens_per_sequence_step']:.2f} tokens/sequence/step, {r['cached_responses']:.0f} cached responses")
 
 
 if __name__ == "__main__":

@@ -82,6 +82,7 @@ class SuffixIndex:
         # A sequence's step appends a token or a few: this keeps that O(new tokens), no gram
         # packed again, and gives lookup() the context's last gram for free.
         self.tail_key: int | None = None
+        self.many_sequences = False  # append_sequence was used: SEPARATOR between sequences
 
     @property
     def end(self) -> int:
@@ -132,6 +133,7 @@ class SuffixIndex:
         (so every occurrence that goes on has its next token in the store)."""
         first = len(self.tokens)
         self.tail_key = None  # many sequences: no one tail
+        self.many_sequences = True
         self.tokens.extend(sequence)
         self.tokens.append(SEPARATOR)
         self.prev.extend([-1] * (len(sequence) + 1))
@@ -212,11 +214,14 @@ class SuffixIndex:
     def draft(self, match: Match, max_tokens: int, min_token_prob: float) -> tuple[list[int], float]:
         """Walk down from match by the most frequent next token while the path's empirical
         probability stays >= min_token_prob, at most max_tokens tokens. Returns (tokens, score).
-        Where every occurrence goes on with the same tokens (a repetitive text's common case) the
-        walk takes that whole run at once (_common_run: one slice compare per occurrence) instead
-        of a token at a time; the result is the token-at-a-time walk's."""
+        Where the occurrences that go on all go on with the same tokens (a repetitive text's
+        common case; ended ones count for none) the walk takes that whole run at once
+        (_agreed_run: one slice compare per occurrence, past the store's end too) instead of a
+        token at a time; the result is the token-at-a-time walk's, score included."""
         tokens, base, end = self.tokens, self.base, self.end
-        positions = [p for p in match.positions if p >= self.start]
+        positions = match.positions
+        if positions and positions[0] < self.start:  # oldest first: only a held match meets evicted ones
+            positions = [p for p in positions if p >= self.start]
         draft: list[int] = []
         prob, score = 1.0, 0.0
         while positions and len(draft) < max_tokens:
@@ -224,8 +229,15 @@ class SuffixIndex:
                 copied = self._copy(positions[0], max_tokens - len(draft), draft)
                 score += prob * copied
                 break
-            stored = max(positions) < end  # every occurrence's next token is in the store
-            if stored:
+            if prob >= min_token_prob:
+                run, positions_after = self._agreed_run(positions, max_tokens - len(draft), draft)
+                if run:
+                    for _ in range(run):  # each with probability 1: prob stays, the score gains it each
+                        score += prob
+                    positions = positions_after
+                    continue
+            # A branch (or the walk's end): one token, the most frequent next one.
+            if max(positions) < end:  # every occurrence's next token is in the store
                 nxt = [tokens[p - base] for p in positions]  # each occurrence's next token, oldest first
             else:  # past the end a sequence's own occurrence reads the draft (SEPARATOR: nothing yet)
                 nxt = [tokens[p - base] if p < end else (draft[p - end] if p - end < len(draft) else SEPARATOR)
@@ -235,16 +247,8 @@ class SuffixIndex:
             if not distinct:
                 break
             total = len(nxt) - nxt.count(SEPARATOR)
-            if len(distinct) == 1:  # one continuation
+            if len(distinct) == 1:  # one continuation (a probability below min_token_prob: the end)
                 choice, count = distinct.pop(), total
-                if stored and total == len(nxt) and prob >= min_token_prob:  # a run of them: at once
-                    run = self._common_run(positions, max_tokens - len(draft))  # >= 1
-                    first = positions[0] - base
-                    draft.extend(tokens[first : first + run])
-                    for _ in range(run):  # each with probability 1: prob stays, the score gains it each
-                        score += prob
-                    positions = [p + run for p in positions]
-                    continue
             else:  # the most frequent; ties: the one whose newest occurrence is the most recent
                 newest_first = nxt[::-1]
                 best = None
@@ -261,28 +265,63 @@ class SuffixIndex:
             positions = [p + 1 for p, t in zip(positions, nxt) if t == choice]
         return draft, score
 
-    def _common_run(self, positions: list[int], n: int) -> int:
-        """How many tokens (at most n) every occurrence in positions (each < end) goes on with
-        identically, within the store and before any SEPARATOR: 0 when their next tokens differ."""
-        tokens, base = self.tokens, self.base
-        n = min(n, self.end - max(positions))
-        first = positions[0] - base
-        ref = tokens[first : first + n]
-        if SEPARATOR in ref:
-            n = ref.index(SEPARATOR)
-            ref = ref[:n]
-        for p in positions[1:]:
-            if n == 0:
-                break
-            i = p - base
-            other = tokens[i : i + n]
-            if other != ref:
+    def _agreed_run(self, positions: list[int], n: int, draft: list[int]) -> tuple[int, list[int]]:
+        """The steps (at most n) the token-at-a-time walk would take from positions (two or more)
+        with one continuation each: the occurrences not yet ended all go on with the same token,
+        and two or more occurrences are left. Appends those tokens to draft; returns how many and
+        the positions after them (those not ended before). 0: the next step branches or ends.
+
+        Each occurrence's next n tokens are one slice, cut at a SEPARATOR (where it ends: the
+        global cache); one that runs past the store's end (a sequence's own) reads on in the
+        draft and then in the run itself, as the walk would. The run is the continuation of the
+        occurrence that lasts longest (the oldest among equals), checked against each other
+        occurrence by one slice compare."""
+        tokens, base, end = self.tokens, self.base, self.end
+        separators = self.many_sequences  # (a sequence's own store holds none)
+        pieces, lasts = [], []  # per occurrence: its next tokens (at most n), and how many before it ends
+        for p in positions:
+            piece = tokens[p - base : p - base + n]
+            last = n
+            if separators and SEPARATOR in piece:
+                piece = piece[: piece.index(SEPARATOR)]
+                last = len(piece)
+            pieces.append(piece)
+            lasts.append(last)
+        longest = max(lasts)
+        if longest == 0:
+            return 0, positions
+        i_ref = lasts.index(longest)
+        ref = pieces[i_ref]
+        if len(ref) < longest:  # runs past the store's end: on into the draft, then into ref itself
+            ref = self._past_end(positions[i_ref], ref, n, draft, None)
+        second = sorted(lasts)[-2]
+        run = min(n, longest, second + 1)  # two occurrences left at each step (one: the walk copies)
+        for i, piece in enumerate(pieces):
+            if i == i_ref:
+                continue
+            if len(piece) < lasts[i]:
+                piece = self._past_end(positions[i], piece, n, draft, ref)
+            if piece != ref[: len(piece)]:
                 j = 0
-                while other[j] == ref[j]:  # they differ before n
+                while piece[j] == ref[j]:  # they differ before len(piece)
                     j += 1
-                n = j
-                ref = ref[:n]
-        return n
+                if j < run:
+                    run = j
+                    if run == 0:
+                        return 0, positions
+        draft.extend(ref[:run])
+        return run, [p + run for p, last in zip(positions, lasts) if last >= run]
+
+    def _past_end(self, p: int, stored: list[int], n: int, draft: list[int], ref: list[int] | None) -> list[int]:
+        """The n tokens after position p when they run past the store's end (a sequence's own
+        store): the stored ones, then the draft's, then the run's (ref; None: this occurrence's
+        own run, which then repeats with the period of what precedes it)."""
+        known = stored + draft[max(0, p - self.end) :]
+        if len(known) >= n:
+            return known[:n]
+        if ref is None:
+            return (known * (n // len(known) + 1))[:n]
+        return known + ref[: n - len(known)]
 
     def _copy(self, p: int, n: int, draft: list[int]) -> int:
         """Append up to n tokens following position p to draft (stopping at a SEPARATOR); past
