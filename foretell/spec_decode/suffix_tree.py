@@ -31,6 +31,7 @@ candidates) and one slice for a single occurrence.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass, field
 
 SEPARATOR = -1  # between responses in the global cache's store: no context token equals it
@@ -172,17 +173,17 @@ class SuffixIndex:
             return Match()
         tokens, prev, base, start, max_depth = self.tokens, self.prev, self.base, self.start, self.max_depth
         low = start - base
+        full = min(max_depth, n) - m  # the most tokens before the gram an occurrence can match
+        before = context[n - m - full : n - m]  # those tokens of the context (one slice for all)
         best_length, best = 0, []
         for _ in range(MAX_CANDIDATES):  # newest first
             if p < start:
                 break
-            length = m
-            q = p - m - 1 - base  # store index of the token before the occurrence
-            c = n - m - 1  # and of the context's token to compare it with
-            room = min(max_depth - m, q - low + 1, c + 1)  # the most it can extend backwards
-            if room > 0 and tokens[q - room + 1 : q + 1] == context[c - room + 1 : c + 1]:
-                length += room  # all of it (a repetitive text's common case): one slice compare
-            else:
+            q = p - m - base  # store index of the occurrence's first token
+            if q - low >= full and tokens[q - full : q] == before:
+                length = m + full  # all of it (a repetitive text's common case): one slice compare
+            else:  # back a token at a time, to the store's start at most
+                length, q, c = m, q - 1, n - m - 1
                 while length < max_depth and q >= low and c >= 0 and tokens[q] == context[c]:
                     length += 1
                     q -= 1
@@ -266,62 +267,89 @@ class SuffixIndex:
         return draft, score
 
     def _agreed_run(self, positions: list[int], n: int, draft: list[int]) -> tuple[int, list[int]]:
-        """The steps (at most n) the token-at-a-time walk would take from positions (two or more)
-        with one continuation each: the occurrences not yet ended all go on with the same token,
-        and two or more occurrences are left. Appends those tokens to draft; returns how many and
-        the positions after them (those not ended before). 0: the next step branches or ends.
-
-        Each occurrence's next n tokens are one slice, cut at a SEPARATOR (where it ends: the
-        global cache); one that runs past the store's end (a sequence's own) reads on in the
-        draft and then in the run itself, as the walk would. The run is the continuation of the
-        occurrence that lasts longest (the oldest among equals), checked against each other
-        occurrence by one slice compare."""
+        """The steps (at most n) the token-at-a-time walk would take from positions (two or more,
+        oldest first) with one continuation each: the occurrences not yet ended all go on with the
+        same token, and two or more occurrences are left. Appends those tokens to draft; returns
+        how many and the positions after them (those not ended before). 0: the next step branches
+        or ends. One slice compare per occurrence against the run (`ref`)."""
+        if self.many_sequences:
+            return self._agreed_run_across_sequences(positions, n, draft)
+        # A sequence's own store: no occurrence ends, each goes on n tokens; one that runs past
+        # the store's end reads on in the draft, then in the run itself (what the walk reads).
         tokens, base, end = self.tokens, self.base, self.end
-        separators = self.many_sequences  # (a sequence's own store holds none)
+        oldest = positions[0]
+        ref = tokens[oldest - base : oldest - base + n]
+        late = bisect_right(positions, end - n)  # positions[late:] run past the end
+        if late < len(positions):
+            from_late = positions[late]
+            # the tokens from positions[late] on: the store's, the draft's, then the run's
+            known = tokens[from_late - base :] + draft[max(0, from_late - end) :]
+            if late == 0:  # the run repeats what the oldest occurrence reads before the run
+                ref = known[:n] if len(known) >= n else (known * (n // len(known) + 1))[:n]
+            window = known + ref
+        newest, count = positions[-1], len(positions)
+        spacing = (newest - oldest) // (count - 1)
+        if spacing <= n and positions == list(range(oldest, newest + 1, spacing)):
+            # Equally spaced (a loop of that period): they all go on alike iff the tokens from the
+            # oldest occurrence through the newest one's n repeat with that period (one compare).
+            span = newest - oldest + n
+            if late == 0:
+                tail = window[:span]
+            elif late == count:
+                tail = tokens[oldest - base : oldest - base + span]
+            else:
+                tail = tokens[oldest - base : from_late - base] + window[: newest - from_late + n]
+            if tail[spacing:] == tail[: span - spacing]:
+                draft.extend(ref)
+                return n, [p + n for p in positions]
+        run = n
+        for k in range(1, count):
+            p = positions[k]
+            if k < late:
+                piece = tokens[p - base : p - base + n]
+            else:
+                piece = window[p - from_late : p - from_late + n]
+            if piece != ref:
+                j = 0
+                while piece[j] == ref[j]:
+                    j += 1
+                if j < run:
+                    if j == 0:
+                        return 0, positions
+                    run = j
+        draft.extend(ref[:run])
+        return run, [p + run for p in positions]
+
+    def _agreed_run_across_sequences(self, positions: list[int], n: int, draft: list[int]) -> tuple[int, list[int]]:
+        """_agreed_run in a store of many sequences (the global cache): an occurrence ends at the
+        SEPARATOR after its sequence (the store ends with one: no occurrence runs past it); the
+        run is the continuation of the one that lasts longest (the oldest among equals) and
+        stops where fewer than two occurrences are left (the walk then copies the last one)."""
+        tokens, base = self.tokens, self.base
         pieces, lasts = [], []  # per occurrence: its next tokens (at most n), and how many before it ends
         for p in positions:
             piece = tokens[p - base : p - base + n]
-            last = n
-            if separators and SEPARATOR in piece:
+            if SEPARATOR in piece:
                 piece = piece[: piece.index(SEPARATOR)]
-                last = len(piece)
             pieces.append(piece)
-            lasts.append(last)
+            lasts.append(len(piece))
         longest = max(lasts)
         if longest == 0:
             return 0, positions
         i_ref = lasts.index(longest)
         ref = pieces[i_ref]
-        if len(ref) < longest:  # runs past the store's end: on into the draft, then into ref itself
-            ref = self._past_end(positions[i_ref], ref, n, draft, None)
-        second = sorted(lasts)[-2]
-        run = min(n, longest, second + 1)  # two occurrences left at each step (one: the walk copies)
+        run = min(longest, sorted(lasts)[-2] + 1)  # two occurrences left at each step (one: the walk copies)
         for i, piece in enumerate(pieces):
-            if i == i_ref:
-                continue
-            if len(piece) < lasts[i]:
-                piece = self._past_end(positions[i], piece, n, draft, ref)
-            if piece != ref[: len(piece)]:
+            if i != i_ref and piece != ref[: len(piece)]:
                 j = 0
                 while piece[j] == ref[j]:  # they differ before len(piece)
                     j += 1
                 if j < run:
-                    run = j
-                    if run == 0:
+                    if j == 0:
                         return 0, positions
+                    run = j
         draft.extend(ref[:run])
         return run, [p + run for p, last in zip(positions, lasts) if last >= run]
-
-    def _past_end(self, p: int, stored: list[int], n: int, draft: list[int], ref: list[int] | None) -> list[int]:
-        """The n tokens after position p when they run past the store's end (a sequence's own
-        store): the stored ones, then the draft's, then the run's (ref; None: this occurrence's
-        own run, which then repeats with the period of what precedes it)."""
-        known = stored + draft[max(0, p - self.end) :]
-        if len(known) >= n:
-            return known[:n]
-        if ref is None:
-            return (known * (n // len(known) + 1))[:n]
-        return known + ref[: n - len(known)]
 
     def _copy(self, p: int, n: int, draft: list[int]) -> int:
         """Append up to n tokens following position p to draft (stopping at a SEPARATOR); past
