@@ -127,6 +127,9 @@ class SuffixIndex:
         self.prev.extend([-1] * len(new))
         if key is None:  # unknown (fewer than key_length tokens were stored): packed from the store
             first = max(first, self.key_length)
+            if first > len(tokens):  # still fewer
+                return
+            key = self.gram_key(tokens[first - self.key_length : first])  # (also when nothing is indexed)
         self.tail_key = self._index(first, len(tokens), key)
 
     def append_sequence(self, sequence: list[int]) -> None:
