@@ -329,6 +329,20 @@ class SuffixIndex:
         run is the continuation of the one that lasts longest (the oldest among equals) and
         stops where fewer than two occurrences are left (the walk then copies the last one)."""
         tokens, base = self.tokens, self.base
+        oldest, newest, count = positions[0], positions[-1], len(positions)
+        spacing = (newest - oldest) // (count - 1)
+        if spacing <= n and positions == list(range(oldest, newest + 1, spacing)):
+            # Equally spaced (a loop): within one sequence, they all go on alike (each until the
+            # sequence ends) iff its tokens from the oldest occurrence on repeat with that period.
+            span = tokens[oldest - base : newest - base + n]
+            if SEPARATOR in span:
+                span = span[: span.index(SEPARATOR)]
+            if len(span) > newest - oldest and span[spacing:] == span[: len(span) - spacing]:
+                longest = min(n, len(span))  # the oldest's, then each next one's spacing fewer
+                run = min(longest, len(span) - spacing + 1)
+                draft.extend(span[:run])
+                last_kept = oldest + len(span) - run  # positions above it end before the run's end
+                return run, [p + run for p in positions if p <= last_kept]
         pieces, lasts = [], []  # per occurrence: its next tokens (at most n), and how many before it ends
         for p in positions:
             piece = tokens[p - base : p - base + n]
