@@ -17,7 +17,7 @@ Arithmetic: the same operations as DecoderModel.forward_torch (torch.rms_norm, t
 `W x^T` form for 2-8 rows, the batched-matmul attention); Inductor's fused reductions (the norms,
 the softmax) may order their sums differently, so a compiled forward's logits may differ from the
 eager ones in the last bits. What speculation needs, the same tokens with and without drafts,
-holds as it does eagerly (tests/test_cpu_compile.py).
+holds as it does eagerly (tests/runner/test_cpu_compile.py).
 
 An EAGLE3 drafter's head step is compiled the same way, next door (cpu_compile_head.py, installed
 from install_cpu_compile), sharing `attend` and `linear`.

@@ -17,7 +17,7 @@ Eagle3Head.step eagerly.
 Arithmetic: Eagle3Head.step's (Eagle3LayerBase.forward, attend_qkv's one-sequence attention with
 its causal mask by context length, the norms with their residual adds, the few-row `W x^T` GEMM
 forms); Inductor's fused reductions may order sums differently, so logits, h and the cached keys
-and values may differ from the eager ones in the last bits (tests/test_cpu_compile_head.py holds
+and values may differ from the eager ones in the last bits (tests/runner/test_cpu_compile_head.py holds
 them within 1e-5). Drafts only steer what the target verifies: the output stays the target's.
 """
 

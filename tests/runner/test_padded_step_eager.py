@@ -94,7 +94,7 @@ def test_eager_padded_step_caps_near_max_tokens_and_max_model_len(qwen3_checkpoi
 
 
 def test_sampled_and_logprob_requests_take_the_padded_step(qwen3_checkpoint, eagle3_head, monkeypatch):
-    """Sampled rows and logprobs (tests/test_padded_logprobs.py) no longer leave the padded step."""
+    """Sampled rows and logprobs (tests/runner/test_padded_logprobs.py) no longer leave the padded step."""
     counts = count_steps(monkeypatch)
     llm = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=64, max_num_seqs=4,
               speculative_config={"method": "eagle3", "model": eagle3_head, "num_speculative_tokens": 2})
