@@ -8,8 +8,8 @@ with a sampled request does. A killed worker ends the engine with WorkerDied wit
 not split over the ranks fails at start-up naming the config field.
 
 The reference for greedy runs is one rank without speculation (speculation is lossless, and
-tests/test_spec_decode.py holds it to that on one rank). Engines with 2 workers start in a few
-seconds each: one TP=2 case per model family runs by default, the rest are marked slow.
+tests/spec_decode/test_spec_decode.py holds it to that on one rank). Engines with 2 workers start in
+a few seconds each: one TP=2 case per model family runs by default, the rest are marked slow.
 """
 
 from __future__ import annotations

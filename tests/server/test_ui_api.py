@@ -4,7 +4,7 @@ and chat, streamed and not (`return_token_origins`), a request without speculati
 
 The reference for origins is the engine run offline through LLM with the same settings (its
 CompletionOutput.token_origins, themselves checked against the drafts each step verified in
-tests/test_token_origins.py) and the engine's own counters (/stats before and after).
+tests/engine/test_token_origins.py) and the engine's own counters (/stats before and after).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ once from the tree's ancestor mask instead:
 The path's node indices, the emitted tokens and the last node (whose row gives the bonus token)
 are scatters and a max over on_path, so a verify issues the same ~25 launches at depth 2 or 10 and
 the host reads its result once (the runner's packed read). Same results as verify.py, bit for bit
-(tests/test_tree_path_verify.py).
+(tests/spec_decode/tree/test_tree_path_verify.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ target KV cache equal the eager tree step's bit for bit in float32 (Qwen3 and Ll
 layouts, greedy and seeded sampling, batches of 1-3, preemption and trees cut near max_model_len,
 which fall back to the eager forward; the draft caches within float32 rounding: the graphed catch-up
 pads its rows), greedy equals plain greedy, and bad input is named.
-Padding to a bucket needs a graph-safe backend: tests/test_tree_engine_triton.py."""
+Padding to a bucket needs a graph-safe backend: tests/spec_decode/tree/test_tree_engine_triton.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Adaptive speculation (spec_decode/adaptive.py): the policy against a fixed fake cost model and
-fake acceptance (learned costs: test_step_costs.py), the config's forms and errors, and the
-engine: greedy output equal to plain output, the chosen draft lengths in get_stats(), k falling
-to 0 when nothing is accepted and probes after that."""
+fake acceptance (learned costs: tests/engine/test_step_costs.py), the config's forms and errors,
+and the engine: greedy output equal to plain output, the chosen draft lengths in get_stats(), k
+falling to 0 when nothing is accepted and probes after that."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from foretell.spec_decode.proposer import DraftBatch
 from test_tree_engine import greedy, ids, targets, tree_llm, llama31_eagle3_head  # noqa: F401 (fixtures)
 from test_tree_graphs import graphed
 
-DEFAULTS = os.path.join(os.path.dirname(__file__), "..", "foretell", "default_models")
+DEFAULTS = os.path.join(os.path.dirname(__file__), "..", "..", "..", "foretell", "default_models")
 
 
 def _slots(table: torch.Tensor, positions: list[int], block_size: int) -> list[int]:
