@@ -17,7 +17,8 @@ from foretell.runner.host_step import HostStep
 
 PROMPTS = ["The cat reads the book. The cat reads the book. The cat", "def add(x):\n    return x + 1\ndef add(x):",
            "a b a b a b a b", "Question: what is 3 plus 7? Answer:"]
-# The gate's bar fixed (its "auto" default follows the machine's step times: tests/test_suffix_cost_gate.py)
+# The gate's bar fixed (its "auto" default follows the machine's step times:
+# tests/spec_decode/test_suffix_cost_gate.py)
 SPECS = {"suffix": {"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_min_match_length": 2,
                     "suffix_decoding_min_accepted_tokens": 1.0},
          "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}}

@@ -4,7 +4,7 @@ With the target's graphs their verifies take the padded device step (graphed_ver
 with HostDraftSlots: no device draft loop) and they draft from the host's token lists, with no
 device work; without graphs (the CPU's torch backend) they stay on the host step, which hands
 them no device rows any more. The padded step is run here on the CPU's torch backend with the
-GPU's verify lengths (host_draft_verify_lens: the padded_on_cpu fixture); tests/test_suffix_host_drafts_triton.py
+GPU's verify lengths (host_draft_verify_lens: the padded_on_cpu fixture); test_suffix_host_drafts_triton.py
 runs it on the Triton backend's graph buffers (slow). Checked:
   - the verify lengths the graphs take for a host drafter (host_draft_verify_lens: K = 16 gives
     1, 5, 9, 17) and every padded step taking the fewest rows that hold its longest draft;
@@ -167,7 +167,7 @@ def test_padded_step_equals_the_host_step(qwen3_checkpoint, method, monkeypatch,
     """Greedy requests with logprobs beside seeded sampled ones: the greedy rows' tokens and
     logprobs are the host step's; the sampled rows are reproducible. (A sampled row's draws on the
     padded step follow its noise keyed by position, rejection_sampler.sample_padded, which is the
-    target's distribution but not the host step's plain sampler's draw: tests/test_padded_sampling.py.)"""
+    target's distribution but not the host step's plain sampler's draw: test_padded_sampling.py.)"""
     spec = dict(SPECS[method], **({"suffix_decoding_min_token_prob": 0.0} if method == "suffix" else {}))
     params = [greedy(logprobs=1), greedy(logprobs=3),
               SamplingParams(temperature=0.9, top_p=0.95, max_tokens=MAX_TOKENS, ignore_eos=True, seed=3),

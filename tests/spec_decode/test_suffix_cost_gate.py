@@ -178,7 +178,7 @@ def auto_proposer(k: int = 8, **settings) -> tuple[SuffixProposer, FakeClock]:
 
 
 def one(history: list[int], seq_id: int = 1):
-    from tests.test_suffix_lazy_index import make_batch
+    from tests.spec_decode.test_suffix_lazy_index import make_batch
 
     return make_batch([history], [seq_id], [True], 8)
 
@@ -252,7 +252,7 @@ def test_a_bar_of_k_or_more_looks_nothing_up_and_pauses_longer():
 def test_lazy_and_eager_indexing_still_draft_the_same_under_auto():
     import random
 
-    from tests.test_suffix_lazy_index import EagerSuffixProposer, random_workload, run_both
+    from tests.spec_decode.test_suffix_lazy_index import EagerSuffixProposer, random_workload, run_both
 
     rng = random.Random(3)
     workloads = [random_workload(rng, 4, rng.randrange(10, 40), rng.randrange(10, 40)) for _ in range(6)]
