@@ -23,10 +23,16 @@ Drafting walks down from a Match like the trie walk: at each step the most frequ
 among the occurrences (ties: the most recent), its empirical probability count / occurrences
 that go on, the path's probability the product; it stops below min_token_prob. A single
 occurrence is copied in one slice. In a sequence's own store an occurrence that runs into the
-context's end keeps copying from the draft itself (a loop drafts on past the end).
+context's end keeps copying from the draft itself (a loop drafts on past the end). Where the
+occurrences left all go on alike (an ended one counts for none) the walk takes that whole run at
+once: one slice compare per occurrence, or one compare for them all when they are equally spaced
+(a loop: the tokens from the oldest on repeat with that period); the drafts and scores are the
+token-at-a-time walk's (tests/spec_decode/test_suffix_reference_drafts.py holds them to a plain
+reference).
 Costs: appending n tokens O(n) dict operations (a prompt's time: docs/perf-log.md), a step's advance
-O(new tokens x candidates), a lookup O(candidates x max_depth) at worst, a draft O(draft x
-candidates) and one slice for a single occurrence.
+O(new tokens x candidates), a lookup one slice compare per candidate (O(max_depth) each at worst),
+a draft one slice compare per candidate per run (one for a loop) plus O(candidates) per branching
+token, and one slice for a single occurrence.
 """
 
 from __future__ import annotations
