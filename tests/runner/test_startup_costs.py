@@ -19,6 +19,7 @@ from foretell.runner.cuda_graph import batch_buckets
 from foretell.runner.startup_costs import GraphReplayTimer, prior_batches, replay_timer_for, time_step_priors
 from foretell.spec_decode.acceptance_estimate import AcceptanceEstimate
 from foretell.spec_decode.adaptive import AdaptiveDraftLength
+from tests.fixtures.adaptive_sim import SimulatedEngine, expected_tokens
 
 
 def device_ms(batch: int, k: int) -> float:
@@ -138,35 +139,15 @@ def test_a_bucket_without_priors_learns_as_before():
 
 # ---------------------------------------------------------------------- the policy on seeded costs
 
-def expected_tokens(rates: list[float], k: int) -> float:
-    total, reach = 1.0, 1.0
-    for r in rates[:k]:
-        reach *= r
-        total += reach
-    return total
-
-
 def true_ms(batch: int, k: int) -> float:
     """A real step: the replays' device time and the host work a replay does not hold."""
     return device_ms(batch, k) + 0.3 + 0.002 * batch
 
 
 def run(policy: AdaptiveDraftLength, batch: int, rates: list[float], steps: int, rng: random.Random) -> list[int]:
-    """Like Engine.step: choose, verify the drafts chosen the step before (Bernoulli acceptance),
-    report the step's time (2% timing noise; a switch step costs the mean of the two k)."""
-    chosen = []
-    for _ in range(steps):
-        verifies = policy.last
-        k = policy.choose(batch)
-        for _ in range(batch):
-            accepted = 0
-            while accepted < verifies and rng.random() < rates[accepted]:
-                accepted += 1
-            policy.observe(verifies, accepted)
-        seconds = 0.5 * (true_ms(batch, verifies) + true_ms(batch, k)) / 1000 * rng.uniform(0.98, 1.02)
-        policy.record_step(seconds, batch, batch * (verifies + 1))
-        chosen.append(k)
-    return chosen
+    """The simulated engine's steps (2% timing noise; a switch step costs the mean of the two k),
+    drawing from the caller's generator: the k chosen each step."""
+    return SimulatedEngine(policy, rng=rng).run(batch, rates, true_ms, steps)["chosen"]
 
 
 def seeded_policy(max_num_seqs: int, replay_error: float, rng: random.Random,

@@ -21,47 +21,7 @@ from foretell.spec_decode.adaptive import (
     EXPLORE_MAX_GAP,
     AdaptiveDraftLength,
 )
-
-
-def expected_tokens(rates: list[float], k: int) -> float:
-    """E[tokens of a sequence step verifying k drafts] under conditional rates (the reference)."""
-    total, reach = 1.0, 1.0
-    for r in rates[:k]:
-        reach *= r
-        total += reach
-    return total
-
-
-class SimulatedEngine:
-    """Drives a policy like Engine.step: choose, verify the drafts chosen the step before, report
-    the step's time. A step verifying k_prev and drafting k costs the mean of the two steady steps."""
-
-    def __init__(self, policy: AdaptiveDraftLength, seed: int, noise: float = 0.02):
-        self.policy = policy
-        self.rng = random.Random(seed)
-        self.noise = noise
-
-    def run(self, batch: int, rates: list[float], true_ms, steps: int) -> dict:
-        policy, rng = self.policy, self.rng
-        tokens = seconds = 0.0
-        chosen = []
-        exploring_before = policy.num_exploring_steps
-        for _ in range(steps):
-            verifies = policy.last
-            k = policy.choose(batch)
-            for _ in range(batch):
-                accepted = 0
-                while accepted < verifies and rng.random() < rates[accepted]:
-                    accepted += 1
-                policy.observe(verifies, accepted)
-            step = 0.5 * (true_ms(batch, verifies) + true_ms(batch, k)) / 1000
-            policy.record_step(step * rng.uniform(1 - self.noise, 1 + self.noise), batch, batch * (verifies + 1))
-            tokens += batch * expected_tokens(rates, verifies)
-            seconds += step
-            chosen.append(k)
-        best = max(batch * expected_tokens(rates, k) / (true_ms(batch, k) / 1000) for k in range(policy.max_k + 1))
-        return {"efficiency": tokens / seconds / best, "chosen": chosen,
-                "exploring_share": (policy.num_exploring_steps - exploring_before) / steps}
+from tests.fixtures.adaptive_sim import SimulatedEngine, expected_tokens
 
 
 def best_fixed_k(batch: int, rates: list[float], true_ms, max_k: int = 4) -> int:
