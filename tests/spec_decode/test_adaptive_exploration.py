@@ -11,7 +11,6 @@ shape) reaches the 0.97 bar in the simulation."""
 
 from __future__ import annotations
 
-
 import pytest
 
 from foretell.engine.step_costs import LearnedStepCosts
