@@ -191,14 +191,16 @@ class _StepCalls(TorchFunctionMode):
 def measure_engine_steps(batch_size: int, method: str = "suffix", num_prompts: int | None = None,
                          max_tokens: int = 48, k: int | None = None, count_calls: bool = True,
                          paused: bool = False, stub_forward: bool = False, stub_tokens: str = "constant",
-                         speculative_options: dict | None = None) -> dict:
+                         speculative_options: dict | None = None, time_propose: bool = False) -> dict:
     """CPU seconds per engine step (the process's, one intra-op thread) of the default target with
     a host drafter (method "none": plain decoding) on the repetitive prompts, batch_size at once
     (num_prompts, default 2 x batch_size, greedy, max_tokens each), and per step the torch calls it
     makes (count_calls: a second run under _StepCalls, whose own overhead the timed run does not
     carry). paused: every sequence held in the gate's pause (pause_all, between steps);
     stub_forward: the target's arithmetic stubbed, the GPU's step pipeline (bench/stub_target.py,
-    its tokens: stub_tokens); speculative_options: more speculative_config fields."""
+    its tokens: stub_tokens); speculative_options: more speculative_config fields; time_propose: the
+    drafter's propose timed in the timed run too (this thread's CPU microseconds a call, median and
+    mean: its host work inside the engine, caches as the engine's step leaves them)."""
     from foretell import LLM, SamplingParams
     from foretell.bench.repetitive import repetitive_prompts
     from foretell.bench.stub_target import stubbed_target
@@ -221,6 +223,18 @@ def measure_engine_steps(batch_size: int, method: str = "suffix", num_prompts: i
         engine = llm.engine
         proposer = engine.runner.proposer
         mode = _StepCalls() if counting else None
+        propose_s: list[float] = []
+        if time_propose and not counting and proposer is not None:
+            untimed = proposer.propose
+
+            def timed_propose(batch, _propose=untimed):
+                c0 = time.thread_time()
+                try:
+                    return _propose(batch)
+                finally:
+                    propose_s.append(time.thread_time() - c0)
+
+            proposer.propose = timed_propose
         if mode is not None and proposer is not None:
             propose = proposer.propose
 
@@ -273,6 +287,9 @@ def measure_engine_steps(batch_size: int, method: str = "suffix", num_prompts: i
                 gate_bar=stats.get("suffix_gate", {}).get("bar"),
                 padded_steps=sum(getattr(kind, "num_steps", 0) for kind in runner.pipeline.kinds),
             )
+            if propose_s:
+                result.update(propose_calls=len(propose_s), propose_us_median=1e6 * statistics.median(propose_s),
+                              propose_us_mean=1e6 * statistics.fmean(propose_s))
         del llm, engine, proposer
     return result
 
@@ -294,6 +311,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="with --engine: the target's arithmetic stubbed, the GPU's step pipeline")
     parser.add_argument("--stub-tokens", default="constant", choices=["constant", "fresh"],
                         help="with --stub-forward: the stub's tokens (bench/stub_target.py)")
+    parser.add_argument("--time-propose", action="store_true",
+                        help="with --engine: time the drafter's propose calls too (thread CPU, median and mean)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="runs (with --engine: of each method, interleaved); medians printed")
     parser.add_argument("--workload", default="rewrite", choices=WORKLOADS, help="without --engine (module docstring)")
@@ -306,7 +325,8 @@ def main(argv: list[str] | None = None) -> None:
                 for method in methods:
                     r = measure_engine_steps(b, method, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
                                              k=args.k, count_calls=not args.no_count_calls, paused=args.paused,
-                                             stub_forward=args.stub_forward, stub_tokens=args.stub_tokens)
+                                             stub_forward=args.stub_forward, stub_tokens=args.stub_tokens,
+                                             time_propose=args.time_propose)
                     cpu_ms[method].append(r["cpu_ms_per_step"])
                     print(" ".join(f"{key}={value:.3f}" if isinstance(value, float) else f"{key}={value}"
                                    for key, value in r.items()), flush=True)
