@@ -216,7 +216,8 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     names = [
         "revision", "tokenizer_revision", "download_dir",
         "tokenizer", "dtype", "device", "load_format", "quantization", "max_model_len", "seed", "attention_backend",
-        "enforce_eager", "small_m_gemm", "batch_invariant", "warm_up", "num_cpu_threads", "cpu_compile", "skip_tokenizer_init", "block_size", "kv_cache_memory_bytes", "gpu_memory_utilization",
+        "enforce_eager", "small_m_gemm", "batch_invariant", "warm_up", "num_cpu_threads", "cpu_compile",
+        "skip_tokenizer_init", "block_size", "kv_cache_memory_bytes", "gpu_memory_utilization",
         "num_kv_blocks", "kv_cache_dtype", "enable_prefix_caching", "max_num_seqs", "max_num_batched_tokens",
         "enable_chunked_prefill", "async_scheduling", "tensor_parallel_size", "enable_expert_parallel",
     ]

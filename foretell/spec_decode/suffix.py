@@ -23,9 +23,9 @@ is read), so a draft pays only when enough of it is accepted. Each sequence keep
 proposed and, when the next step's tokens arrive, counts how many of them it got right; a moving
 average of that count (half each step) below min_accepted_tokens stops the sequence's drafting
 for `pause` tokens (no lookup, no draft: its steps are plain decode steps, queued ahead, and the
-drafter only stores their tokens; the probe indexes them in one extend), after which one draft probes again: accepted well (the average,
-reset to the bar at the pause, stays at or above it), drafting goes on and the pause length
-starts over; else it pauses again, twice as long (up to MAX_PAUSE tokens). Drafts change speed
+drafter only stores their tokens; the probe indexes them in one extend), after which one draft
+probes again: accepted well (the average, reset to the bar at the pause, stays at or above it),
+drafting goes on and the pause length starts over; else it pauses again, twice as long (up to MAX_PAUSE tokens). Drafts change speed
 only, never the tokens: the output stays the target's.
 min_accepted_tokens "auto" (suffix_gate.py): the bar is what a draft must accept for a drafting
 step to pay on this machine, t_draft / t_plain - 1, learned from the time between the drafter's
