@@ -319,9 +319,7 @@ class SuffixIndex:
             else:
                 piece = window[p - from_late : p - from_late + n]
             if piece != ref:
-                j = 0
-                while piece[j] == ref[j]:
-                    j += 1
+                j = _agreeing_length(piece, ref)
                 if j < run:
                     if j == 0:
                         return 0, positions
@@ -364,9 +362,7 @@ class SuffixIndex:
         run = min(longest, sorted(lasts)[-2] + 1)  # two occurrences left at each step (one: the walk copies)
         for i, piece in enumerate(pieces):
             if i != i_ref and piece != ref[: len(piece)]:
-                j = 0
-                while piece[j] == ref[j]:  # they differ before len(piece)
-                    j += 1
+                j = _agreeing_length(piece, ref)  # they differ before len(piece)
                 if j < run:
                     if j == 0:
                         return 0, positions
@@ -392,3 +388,11 @@ class SuffixIndex:
             draft.append(draft[p - end])
             p += 1
         return len(draft) - before
+
+
+def _agreeing_length(piece: list[int], ref: list[int]) -> int:
+    """How many leading tokens piece and ref share (they differ within both's length)."""
+    j = 0
+    while piece[j] == ref[j]:
+        j += 1
+    return j
