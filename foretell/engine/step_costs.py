@@ -50,6 +50,7 @@ from collections import deque
 from typing import Mapping, Sequence
 
 from foretell.spec_decode.adaptive import AdaptiveDraftLength
+from foretell.spec_decode.cost_buckets import bucket_of, lower_median, nearest_bucket
 
 logger = logging.getLogger("foretell")
 
@@ -92,8 +93,7 @@ class _Cell:
             self.seen = True
             return False
         self.samples.append(seconds)
-        ordered = sorted(self.samples)
-        old, self.seconds = self.seconds, ordered[(len(ordered) - 1) // 2]
+        old, self.seconds = self.seconds, lower_median(self.samples)
         return self.seconds != old
 
     def converged(self) -> bool:
@@ -147,7 +147,7 @@ class LearnedStepCosts:
     @staticmethod
     def bucket_of(batch_size: int) -> int:
         """The power of two at or below batch_size: the smallest batch of its bucket."""
-        return 1 << (max(1, batch_size).bit_length() - 1)
+        return bucket_of(batch_size)
 
     def record(self, batch_size: int, k: int, seconds: float) -> None:
         """A steady step: batch_size sequences verified k drafts each and drafted k, in seconds."""
@@ -242,7 +242,7 @@ class LearnedStepCosts:
         found = [b for b, n in self._num_timed.items() if b != exclude and n >= min_timed]
         if not found:
             return None
-        return min(found, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
+        return nearest_bucket(found, bucket)
 
     def _curve(self, bucket: int) -> list[float]:
         """[K + 1] seconds by k at this bucket: timed cells and estimates."""
@@ -281,9 +281,8 @@ class LearnedStepCosts:
             others = [b for b in self.seeded if b != bucket and self._gaps.get(b)]
             if not others:
                 return 0.0, None
-            source = min(others, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
-        gaps = sorted(self._gaps[source])
-        return gaps[(len(gaps) - 1) // 2], source
+            source = nearest_bucket(others, bucket)
+        return lower_median(self._gaps[source]), source
 
     def _piecewise_linear(self, timed: list[tuple[int, float]]) -> list[float]:
         """[K + 1]: through the timed (k, seconds), ascending in k, two at least; outside them the

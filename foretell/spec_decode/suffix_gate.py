@@ -39,6 +39,8 @@ import time
 from collections import deque
 from typing import Callable
 
+from foretell.spec_decode.cost_buckets import bucket_of, lower_median, nearest_bucket
+
 #: The bar before any bucket has timed both kinds of step (the fixed bar's default).
 AUTO_PRIOR_BAR = 1.0
 #: The lowest bar "auto" sets (a draft that accepts nothing still costs a little).
@@ -57,11 +59,6 @@ DRAFT_STALE_AFTER = 4096
 #: probe costs about `bar` plain steps more than a plain step, so probes that keep failing cost at
 #: most ~1 / PAUSE_PER_BAR of the paused tokens' time.
 PAUSE_PER_BAR = 16
-
-
-def bucket_of(batch_size: int) -> int:
-    """The power of two at or below batch_size: the smallest batch of its bucket."""
-    return 1 << (max(1, batch_size).bit_length() - 1)
 
 
 class _BucketCosts:
@@ -83,8 +80,7 @@ class _BucketCosts:
         samples = self.draft if drafted else self.plain
         samples.append(seconds)
         if len(samples) >= MIN_COST_SAMPLES:
-            ordered = sorted(samples)
-            median = ordered[(len(ordered) - 1) // 2]
+            median = lower_median(samples)
             if drafted:
                 self.draft_s = median
             else:
@@ -185,7 +181,7 @@ class StepCostBar:
             if not timed:
                 bar = AUTO_PRIOR_BAR
             else:
-                nearest = min(timed, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
+                nearest = nearest_bucket(timed, bucket)
                 bar = min(max(self.buckets[nearest].ratio - 1.0, MIN_AUTO_BAR), self.max_bar)
             self._bars[bucket] = bar
         return bar
