@@ -129,9 +129,8 @@ class SequenceState:
     def new_tokens(self, history: list[int]) -> list[int] | None:
         """The tokens of history after those seen; None when history does not continue them
         (length and last token checked: cheap). One read of history (a TokenHistory's slice)."""
-        pending = self.pending
-        last = pending or self.index.tokens
-        n = len(self.index.tokens) + len(pending)
+        last = self.pending or self.index.tokens
+        n = self.num_seen
         if n == 0:
             return history[:]
         tail = history[n - 1 :]  # the last token seen, then the new ones
