@@ -82,6 +82,12 @@ def run_batch(llm: LLM, batch: int, new_tokens: int, repeats: int = 1) -> dict:
     if steps:  # per-step time: tells a slower step (overhead) from a worse choice (fewer tokens a step)
         row["num_steps"] = steps / repeats
         row["ms_per_step"] = 1000 * sum(walls) / steps
+    launched = after.get("steps_queued_ahead", 0) - before.get("steps_queued_ahead", 0)
+    if steps:  # steps whose launch was queued ahead of the step before's results (and used): the rest paid
+        # their host work between two device steps
+        row["queued_ahead_share"] = (after.get("steps_queued_ahead_used", 0)
+                                     - before.get("steps_queued_ahead_used", 0)) / steps
+        row["queued_ahead_dropped"] = launched - row["queued_ahead_share"] * steps
     if after.get("num_drafts"):
         drafts = after["num_drafts"] - before.get("num_drafts", 0)
         accepted = after["num_accepted_tokens"] - before.get("num_accepted_tokens", 0)

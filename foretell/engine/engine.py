@@ -266,7 +266,7 @@ class Engine:
         stats = self.metrics.as_dict()
         if self.adaptive is not None:
             stats.update(self.adaptive.stats())  # the chosen draft lengths, estimates, step costs
-        stats.update(self.runner.drafter_stats())  # e.g. the suffix gate's bar
+        stats.update(self.runner.runner_stats())  # the suffix gate's bar, steps queued ahead, ...
         if self.facts.synthetic_acceptance:
             stats["synthetic_acceptance"] = True  # accept decisions were drawn, text is synthetic
         stats.update(

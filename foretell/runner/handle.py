@@ -7,7 +7,7 @@ several tensor-parallel ranks.
   results = runner.execute(sched) # per scheduled sequence; runner.last_times: the step's times
   runner.forget(seq_id); runner.abandon_step(seq_ids); runner.reset_pipeline(); runner.shutdown()
   runner.drop_cached_responses()  # after synthetic requests: the drafter keeps none of their responses
-  runner.drafter_stats()          # what the drafter adds to get_stats() (rank 0's)
+  runner.runner_stats()           # what the drafter and the step pipeline add to get_stats() (rank 0's)
   runner.replay_step_costs(max_k) # adaptive speculation's start-up step costs (None: not timed)
 
 A ParallelRunner whose workers died or fell out of step raises one of RUNNER_LOST from execute():
@@ -42,7 +42,7 @@ class RunnerHandle(Protocol):
 
     def drop_cached_responses(self) -> None: ...
 
-    def drafter_stats(self) -> dict: ...
+    def runner_stats(self) -> dict: ...
 
     def replay_step_costs(self, max_k: int) -> dict[int, list[float]] | None: ...
 

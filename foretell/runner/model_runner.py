@@ -344,9 +344,13 @@ class ModelRunner:
         if self.proposer is not None:
             self.proposer.drop_cached_responses()
 
-    def drafter_stats(self) -> dict:
-        """What the drafter adds to get_stats() (Proposer.stats)."""
-        return self.proposer.stats() if self.proposer is not None else {}
+    def runner_stats(self) -> dict:
+        """What the runner adds to get_stats(): the drafter's (Proposer.stats) and the step
+        pipeline's steps queued ahead of their results, and how many of those the scheduler's
+        next decision matched (the others were dropped and launched again from host inputs)."""
+        stats = self.proposer.stats() if self.proposer is not None else {}
+        stats.update(steps_queued_ahead=self.pipeline.num_launched, steps_queued_ahead_used=self.pipeline.num_used)
+        return stats
 
     def shutdown(self) -> None:
         """Wait for the grammar masks being filled ahead and end their thread (RunnerHandle's; a

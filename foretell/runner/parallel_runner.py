@@ -71,8 +71,8 @@ class RankRunner:
     def drop_cached_responses(self) -> None:
         self.runner.drop_cached_responses()
 
-    def drafter_stats(self) -> dict:
-        return self.runner.drafter_stats()
+    def runner_stats(self) -> dict:
+        return self.runner.runner_stats()
 
     def graph_state(self) -> dict:
         """Whether this rank captured its graphs and queues steps ahead, and why
@@ -150,9 +150,9 @@ class ParallelRunner:
     def drop_cached_responses(self) -> None:
         self._broadcast("drop_cached_responses")
 
-    def drafter_stats(self) -> dict:
-        """Rank 0's drafter stats (ModelRunner.drafter_stats)."""
-        return self._call("drafter_stats")
+    def runner_stats(self) -> dict:
+        """Rank 0's runner stats (ModelRunner.runner_stats)."""
+        return self._call("runner_stats")
 
     def replay_step_costs(self, max_k: int) -> None:
         """Not timed under tensor parallelism (runner/startup_costs.py): costs learned from steps."""

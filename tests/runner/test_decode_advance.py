@@ -91,7 +91,10 @@ def test_advanced_steps_equal_eager_across_block_boundaries(qwen3_checkpoint, bl
     llm, _, counts = graphed_llm(qwen3_checkpoint, block_size=block_size)
     assert_same(outputs(llm, params), expected)
     assert counts.advances > 0 and counts.uploads > 0 and counts.uploads_in_advances == 0
-    assert llm.engine.runner.pipeline.num_used > 0
+    pipeline = llm.engine.runner.pipeline
+    assert pipeline.num_used > 0
+    stats = llm.get_stats()  # the pipeline's counts, public
+    assert stats["steps_queued_ahead"] == pipeline.num_launched >= stats["steps_queued_ahead_used"] == pipeline.num_used
     assert_all_free(llm)
 
 
