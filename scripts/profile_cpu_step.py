@@ -2,7 +2,7 @@
 
     python scripts/profile_cpu_step.py [--method none|eagle3] [--num-prompts 4] [--max-tokens 64]
         [--cprofile 30] [--torch-profile 30] [--count-ops] [--forward-loop 200 [--verify-rows 4]]
-        [--skip-run] [--dtype auto]
+        [--skip-run] [--dtype auto] [--cpu-compile]
 
 The shipped default Qwen3 family (foretell/default_models), GSM8K prompts one at a time (batch 1),
 on the CPU with one torch thread. Each part of Engine.step is wrapped in a timer for the measured
@@ -201,6 +201,8 @@ def main() -> None:
                         help="also time N target forwards of one decode step (min and median)")
     parser.add_argument("--verify-rows", type=int, default=0, metavar="R",
                         help="with --forward-loop, also time a verify forward of R rows (alternating with the decode)")
+    parser.add_argument("--cpu-compile", action="store_true",
+                        help="the CPU fast path through torch.compile (runner/cpu_compile.py)")
     parser.add_argument("--skip-run", action="store_true",
                         help="skip the measured run of the prompts (only the loops and counts asked for)")
     args = parser.parse_args()
@@ -209,6 +211,7 @@ def main() -> None:
         "qwen3", None if args.method == "none" else args.method,
         num_speculative_tokens=None if args.method == "none" else args.k,
         device="cpu", dtype=args.dtype, num_cpu_threads=args.threads, log_stats_interval_s=0,
+        cpu_compile=args.cpu_compile,
     )
     tok = llm.tokenizer
     prompts = [tok.encode(p.text) for p in load_prompts("gsm8k", args.num_prompts, seed=0)]

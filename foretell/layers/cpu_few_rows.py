@@ -15,12 +15,16 @@ result may differ in the last bit from the one-row GEMV's, as F.linear's did alr
 form's rows are independent of M at every shape). One row, more than 8 rows, other dtypes, CUDA,
 autograd and inputs of other ranks keep F.linear. Linear.matmul and LMHead.forward call it when no
 SmallMGemm (CUDA's few-row kernels, the batch-invariant GEMM) is bound, so the module path and the
-CPU's few-call forward (DecoderModel.forward_torch) compute the same bits.
+CPU's few-call forward (DecoderModel.forward_torch) compute the same bits. A weight stored
+transposed (cpu_weight_layout.py: on Intel CPUs, where MKL's x @ W_kn form streams it once for
+few rows and this form does not) keeps F.linear too.
 """
 
 from __future__ import annotations
 
 import torch
+
+from foretell.layers.cpu_weight_layout import is_transposed
 
 MAX_ROWS = 8  # above it MKL's usual form is as fast (16 rows: equal) or faster
 
@@ -29,7 +33,7 @@ def fits_few_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether few_rows_linear serves x [M, K] against weight [N, K] (else F.linear)."""
     return (x.dim() == 2 and 2 <= x.shape[0] <= MAX_ROWS and x.device.type == "cpu"
             and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and not (x.requires_grad or weight.requires_grad))
+            and not (x.requires_grad or weight.requires_grad) and not is_transposed(weight))
 
 
 def few_rows_linear(

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from foretell.layers.cpu_few_rows import MAX_ROWS as FEW_ROWS_MAX
+from foretell.layers.cpu_weight_layout import is_transposed
 from foretell.ops.attention.metadata import AttentionMetadata
 from foretell.ops.attention.reference import TorchAttentionBackend
 from foretell.runner.cpu_compile_direct import DirectCompiled
@@ -46,8 +47,8 @@ MAX_COMPILED_ROWS = 8  # a verify of up to 7 drafts (a row count more is one gra
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # [T, out]
     """Linear.matmul's CPU forms: F.linear for one row, W x^T for 2-8 rows (cpu_few_rows.py: MKL
-    streams the weight once that way)."""
-    if 2 <= x.shape[0] <= FEW_ROWS_MAX:
+    streams the weight once that way), F.linear for a weight stored transposed (cpu_weight_layout.py)."""
+    if 2 <= x.shape[0] <= FEW_ROWS_MAX and not is_transposed(weight):
         out = torch.mm(weight, x.t()) if bias is None else torch.addmm(bias.unsqueeze(1), weight, x.t())
         return out.t()
     return F.linear(x, weight, bias)

@@ -43,6 +43,7 @@ from foretell.layers.batch_invariant import prepare_batch_invariant
 from foretell.layers.vocab_parallel import ParallelLMHead
 from foretell.ops.gemm.dispatch import SmallMGemm
 from foretell.models.base import HFConfig, ModelOptions
+from foretell.layers.cpu_weight_layout import store_weights_transposed, transposed_weights_preferred
 from foretell.runner.cpu_compile import install_cpu_compile
 from foretell.runner.cpu_compile_head import install_cpu_compile_head
 from foretell.runner.graph_setup import StepGraphSetup, build_step_pipeline
@@ -113,6 +114,8 @@ class ModelRunner:
         self.model = build_model(mc.model, self.hf_config, options, mc.load_format, mc.seed)
         if self.proposer is not None:
             self.proposer.load(self.model, mc.load_format)
+        if self.device.type == "cpu" and not mc.batch_invariant and transposed_weights_preferred():
+            store_weights_transposed(cpu_transposable_models(self.model, self.proposer))  # cpu_weight_layout.py
         if mc.cpu_compile:  # the CPU's decode and verify forward through torch.compile (cpu_compile.py)
             verify_rows = (1 + config.speculative.num_speculative_tokens,) if config.speculative is not None else ()
             install_cpu_compile(self.model, self.device, (1, *verify_rows), self.tensor_parallel.world_size,
@@ -356,3 +359,14 @@ class ModelRunner:
         """Wait for the grammar masks being filled ahead and end their thread (RunnerHandle's; a
         ParallelRunner stops its workers)."""
         self.host_step.structured.close()
+
+
+def cpu_transposable_models(model: torch.nn.Module, proposer: "Proposer | None") -> list[torch.nn.Module]:
+    """The models whose float weights may be stored transposed on the CPU (cpu_weight_layout.py):
+    the Llama family (target or draft model) and the EAGLE3 head over a Llama layer; their code
+    never views a weight's memory (MLA's does)."""
+    from foretell.models.eagle3 import Eagle3Head
+    from foretell.models.llama import LlamaForCausalLM
+
+    drafts = proposer.draft_modules() if proposer is not None else []
+    return [m for m in (model, *drafts) if isinstance(m, LlamaForCausalLM) or type(m) is Eagle3Head]
