@@ -139,7 +139,9 @@ def processed_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
                 drop |= rank[None, :] >= batch.top_k[:, None]
             if batch.any_top_p:
                 before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly above each token
-                drop |= before >= batch.top_p[:, None]
+                # top_p 1 keeps every token: the float32 cumsum can pass 1.0 before the tail (by how
+                # much depends on the CPU's vector width), which must not cut a row without top-p
+                drop |= (before >= batch.top_p[:, None]) & (batch.top_p < 1)[:, None]
             drop[:, 0] = False  # always keep the most likely token
             dropped = dropped.scatter(-1, order, drop)
         if batch.any_min_p:

@@ -69,3 +69,15 @@ def test_untruncated_rows_are_the_softmax_itself_and_truncated_rows_the_renormal
         assert torch.equal(probs[r] > 0, want > 0), f"row {r}: another set of tokens kept"
         torch.testing.assert_close(probs[r].double(), want, rtol=1e-5, atol=1e-7)
     assert torch.allclose(probs.double().sum(dim=-1), torch.ones(len(PARAMS), dtype=torch.float64), atol=1e-6)
+
+
+def test_top_p_one_keeps_every_token_though_the_cumsum_passes_one():
+    """A row without top-p (1.0) beside a truncated row keeps its whole softmax: its float32 cumsum
+    of sorted probabilities passes 1.0 before the tail on many rows (20 seeds here; how often
+    depends on the CPU's vector width), which cut tail tokens of untruncated rows."""
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=5)]
+    for seed in range(20):
+        logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+        probs = probs_of(logits, params)
+        assert bool((probs[0] > 0).all()), f"seed {seed}: tokens cut from a row without top-p"
+        torch.testing.assert_close(probs[0], torch.softmax(logits[0], dim=-1), rtol=0, atol=0)
