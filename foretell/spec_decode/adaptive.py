@@ -202,8 +202,9 @@ class AdaptiveDraftLength:
         return best_k
 
     def choose(self, batch_size: int) -> int:
-        """Drafts per sequence for the next step; batch_size = the sequences that sample in this
-        one (0: none samples, nothing is drafted; the last choice stands)."""
+        """Drafts per sequence for the next step; batch_size = the sequences it is expected to run
+        (the scheduler's running ones; 0: none samples in this step, nothing is drafted, the last
+        choice stands)."""
         if batch_size <= 0:
             self.step_batch = 0
             return self.last
