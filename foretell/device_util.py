@@ -1,11 +1,15 @@
-"""Devices: checking that an asked-for device exists, and moving small host lists to it without
-stalling it.
+"""Devices: checking that an asked-for device exists, moving small host lists to it without
+stalling it, and capturing CUDA graphs with the garbage collector held off.
 
 torch.tensor(values, device="cuda") copies from pageable memory, which waits for every kernel
 already queued; building the tensor on the host, pinning it and copying asynchronously does not.
 """
 
 from __future__ import annotations
+
+import contextlib
+import gc
+from typing import Iterator
 
 import torch
 
@@ -65,3 +69,21 @@ def release_cached_device_memory() -> None:
     """Give the CUDA caching allocator's free blocks back to the device (after an engine goes)."""
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def graph_capture(graph: "torch.cuda.CUDAGraph", pool=None) -> Iterator[None]:
+    """torch.cuda.graph(graph, pool=pool) with Python's garbage collector off for the capture.
+    torch.cuda.graph collects once before the capture begins, but an allocation during it can
+    start a collection that frees an older engine's CUDA graphs (one in a reference cycle), and a
+    graph destroyed while a stream captures invalidates the capture ("operation not permitted
+    when stream is capturing"): seen on the H200 when a second engine was built in the process
+    of a first, its graphs lost and the process's CUDA generator left unusable."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            yield
+    finally:
+        if enabled:
+            gc.enable()

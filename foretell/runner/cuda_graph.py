@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from foretell.device_util import graph_capture
 from foretell.ops.attention.metadata import AttentionMetadata
 from foretell.layers.sampler import argmax_rows
 from foretell.ops.step.decode_advance import advance_decode_inputs
@@ -141,7 +142,7 @@ class CudaGraphRunner:
                     self._forward(bucket, q)
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
+                with graph_capture(graph, pool=self.pool):
                     hidden, aux, logits, greedy = self._forward(bucket, q)
                 if self.pool is None:
                     self.pool = graph.pool()

@@ -37,6 +37,7 @@ from typing import Any, Protocol
 
 import torch
 
+from foretell.device_util import graph_capture
 from foretell.ops.attention.metadata import AttentionMetadata, subdivide_block_table
 from foretell.ops.step.dispatch import catch_up_inputs
 from foretell.spec_decode.proposer import PaddedDrafter
@@ -210,7 +211,7 @@ class DraftGraphRunner:
                     self._loop(bucket, q, m)
                 torch.cuda.synchronize(self.target.device)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.target.pool):
+                with graph_capture(graph, pool=self.target.pool):
                     drafts = self._loop(bucket, q, m)
                 self.graphs[(bucket, q, m)] = CapturedDraft(graph, drafts)
         torch.cuda.synchronize(self.target.device)

@@ -25,6 +25,8 @@ from typing import Any, Callable
 
 import torch
 
+from foretell.device_util import graph_capture
+
 
 @dataclass(frozen=True)
 class KernelTiming:
@@ -125,6 +127,6 @@ def _time_graph(fn: Callable[[], Any], device: torch.device, warmup: int, iters:
         fn()  # compiles (Triton) and settles allocations before capture
         torch.cuda.synchronize(device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with graph_capture(graph):
             fn()
         return _time_events(graph.replay, device, warmup, iters, 0)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from foretell.device_util import graph_capture
 from foretell.models.base import side_by_side
 from foretell.spec_decode.tree.proposer import Eagle3TreeDrafter
 from foretell.spec_decode.tree.shape import DraftTree
@@ -134,7 +135,7 @@ class TreeDraftGraphs:
                         body(bucket)
                     torch.cuda.synchronize(self.device)
                     graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=self.pool):
+                    with graph_capture(graph, pool=self.pool):
                         tree = body(bucket)
                     if self.pool is None:
                         self.pool = graph.pool()
