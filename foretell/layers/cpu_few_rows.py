@@ -24,7 +24,12 @@ from __future__ import annotations
 
 import torch
 
-from foretell.layers.cpu_weight_layout import is_transposed
+
+def is_transposed(weight: torch.Tensor) -> bool:
+    """Whether a [N, K] weight is stored as the transpose of a contiguous [K, N] tensor
+    (cpu_weight_layout.py stores them so on some CPUs)."""
+    return weight.dim() == 2 and weight.shape[0] > 1 and weight.stride() == (1, weight.shape[0])
+
 
 MAX_ROWS = 8  # above it MKL's usual form is as fast (16 rows: equal) or faster
 

@@ -28,12 +28,9 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from foretell.layers.cpu_few_rows import is_transposed
+
 LAYOUT_ENV = "FORETELL_CPU_WEIGHT_LAYOUT"
-
-
-def is_transposed(weight: torch.Tensor) -> bool:
-    """Whether a [N, K] weight is stored as the transpose of a contiguous [K, N] tensor."""
-    return weight.dim() == 2 and weight.shape[0] > 1 and weight.stride() == (1, weight.shape[0])
 
 
 @functools.lru_cache(maxsize=1)

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from foretell.layers.cpu_few_rows import MAX_ROWS as FEW_ROWS_MAX
-from foretell.layers.cpu_weight_layout import is_transposed
+from foretell.layers.cpu_few_rows import is_transposed
 from foretell.ops.attention.metadata import AttentionMetadata
 from foretell.ops.attention.reference import TorchAttentionBackend
 from foretell.runner.cpu_compile_direct import DirectCompiled
