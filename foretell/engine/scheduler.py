@@ -10,8 +10,9 @@ the queue, to be prefilled again (prompt and output so far) and continue exactly
 
 Under adaptive speculation (spec_decode/adaptive.py) a DraftLength policy chooses, each step,
 how many drafts the proposer makes for the next one (SchedulerOutput.num_next_drafts) from the
-number of running sequences (the next step's batch); the next step verifies at most that many
-(draft_limit), and postprocess() reports every verify's drafted and accepted counts back to it.
+batch it expects (running and waiting sequences, up to max_num_seqs); the next step verifies at
+most that many (draft_limit), and postprocess() reports every verify's drafted and accepted
+counts back to it.
 
 postprocess() applies what the runner produced: accepted drafts plus one new token per sampling
 sequence, stop conditions, and the commit of newly full blocks to the prefix cache. Rejected draft
@@ -208,12 +209,13 @@ class Scheduler:
             out.scheduled.append(ScheduledSequence(seq, num_new, drafts, samples, limit))
             budget -= num_new
         if self.draft_length is not None:
-            # Chosen for the batch the next step runs: every running sequence (those still in
-            # prefill included), not the few that sample now. While a batch fills, a choice for
-            # the first sequences to finish their prompts alone drafted long, and their drafts
-            # padded the next step's verify of the whole batch to that length.
+            # Chosen for the batch the coming steps run: every running sequence (those still in
+            # prefill included) and the waiting ones that fit beside them, not the few that sample
+            # now. While a batch fills, a choice for the first sequences to finish their prompts
+            # drafted long, and their drafts padded the verify of the whole batch to that length.
             num_sampling = sum(1 for item in out.scheduled if item.samples)
-            next_batch = len(self.running) if num_sampling else 0
+            expected = min(len(self.running) + len(self.waiting), self.config.max_num_seqs)
+            next_batch = expected if num_sampling else 0
             out.num_next_drafts = self.draft_limit = self.draft_length.choose(next_batch)
         return out
 

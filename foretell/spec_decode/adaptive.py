@@ -202,9 +202,9 @@ class AdaptiveDraftLength:
         return best_k
 
     def choose(self, batch_size: int) -> int:
-        """Drafts per sequence for the next step; batch_size = the sequences it is expected to run
-        (the scheduler's running ones; 0: none samples in this step, nothing is drafted, the last
-        choice stands)."""
+        """Drafts per sequence for the next step; batch_size = the sequences the coming steps are
+        expected to run (the scheduler's running and waiting ones, up to max_num_seqs; 0: none
+        samples in this step, nothing is drafted, the last choice stands)."""
         if batch_size <= 0:
             self.step_batch = 0
             return self.last

@@ -1,7 +1,8 @@
 """The scheduler asks adaptive speculation's policy (a DraftLength) for the next step's drafts with
-the batch that step will run: every running sequence, those still in prefill included. While a
-batch fills under a token budget, the first sequences to finish their prompts sample alone; a
-choice for them alone drafted long, and their drafts padded the next verify of the whole batch."""
+the batch the coming steps will run: every running sequence (those still in prefill included) and
+the waiting ones beside them, up to max_num_seqs. While a batch fills under a token budget, the
+first sequences to finish their prompts sample alone; a choice for them alone drafted long, and
+their drafts padded the next verify of the whole batch."""
 
 from __future__ import annotations
 
@@ -26,10 +27,11 @@ class RecordingDraftLength:
         pass
 
 
-def filling_scheduler(num_seqs: int, prompt_len: int, budget: int) -> tuple[Scheduler, RecordingDraftLength]:
+def filling_scheduler(num_seqs: int, prompt_len: int, budget: int,
+                      max_num_seqs: int = 128) -> tuple[Scheduler, RecordingDraftLength]:
     manager = BlockManager(256, 4)
-    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=budget), manager, max_model_len=128,
-                          num_lookahead_tokens=4)
+    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs)
+    scheduler = Scheduler(config, manager, max_model_len=128, num_lookahead_tokens=4)
     policy = RecordingDraftLength()
     scheduler.draft_length = policy
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -38,19 +40,27 @@ def filling_scheduler(num_seqs: int, prompt_len: int, budget: int) -> tuple[Sche
     return scheduler, policy
 
 
-def test_choice_is_for_every_running_sequence_while_the_batch_fills():
+def test_choice_is_for_the_whole_batch_while_it_fills():
     # 4 prompts of 6 tokens under a budget of 10: step 1 prefills prompt 0 and 4 tokens of 1
-    # (only sequence 0 samples), step 2 the rest of 1 and 2 and part of 3.
+    # (only sequence 0 samples; 2 wait), step 2 the rest of 1 and 2 and part of 3.
     scheduler, policy = filling_scheduler(num_seqs=4, prompt_len=6, budget=10)
     first = scheduler.schedule()
     assert [item.samples for item in first.scheduled] == [True, False]
-    assert policy.asked == [2]  # both running sequences, not the one that samples
+    assert len(scheduler.running) == 2 and len(scheduler.waiting) == 2
+    assert policy.asked == [4]  # the batch it fills to, not the one sequence that samples
     assert first.num_next_drafts == 2
     for item in first.scheduled:
         scheduler.postprocess(item, [7] if item.samples else [], 0)
     second = scheduler.schedule()
     assert sum(item.samples for item in second.scheduled) < len(scheduler.running)
-    assert policy.asked[-1] == len(scheduler.running)
+    assert policy.asked[-1] == 4
+
+
+def test_the_expected_batch_stops_at_max_num_seqs():
+    scheduler, policy = filling_scheduler(num_seqs=6, prompt_len=3, budget=64, max_num_seqs=4)
+    scheduler.schedule()
+    assert len(scheduler.running) == 4 and len(scheduler.waiting) == 2
+    assert policy.asked == [4]
 
 
 def test_a_step_where_nothing_samples_asks_for_zero():
