@@ -232,9 +232,7 @@ def build_step_pipeline(
     if step_graphs.draft_loop is not None:
         kinds.append(GraphedVerify(step_graphs.padded_forward, step_graphs.draft_loop, verifier, block_size,
                                    max_model_len, sampler.noise, vocab_size, take_draft_probs,
-                                   # grammars on the padded step with a model's draft loop (padded_verify.py)
-                                   structured=None if isinstance(step_graphs.draft_loop, HostDraftSlots)
-                                   else structured))
+                                   structured=structured))  # grammars on the padded step (padded_verify.py)
     # A drafter's general-path loop needs the host's accept counts: nothing is queued past it.
     queue_ahead = queue_ahead and (not has_drafter or step_graphs.draft_loop is not None)
     return StepPipeline(queue_ahead, kinds)

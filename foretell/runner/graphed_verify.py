@@ -4,13 +4,13 @@ on the device, the draft loop over the same buffers, and a single host read for 
 GraphedVerify is the step kind (runner/step_pipeline.py): it takes a batch where every sequence
 feeds one row plus its drafts (0..K of them) and samples, greedy or sampled (temperature, top-k,
 top-p, min-p), with or without logprobs and logits controls (penalties, logit_bias, min_tokens,
-bad words, allowed tokens: padded_logits_controls.py; grammars with a model drafter's loop:
-structured/padded_verify.py, the host step's otherwise). The step verifies q - 1 drafts per
-sequence, q the shortest verify length of the draft loop that holds the most drafts (K + 1, or
-under adaptive speculation 1..K + 1: the chosen k + 1, k = 0 being a padded decode whose draft
-loop catches the drafter up); a sequence with fewer drafts (a budget or length cut) is padded to
-q - 1 with PAD_DRAFT_TOKEN rows and accepts none of them (caps for greedy and drawn acceptance,
-lengths for rejection sampling, whose bonus token comes from the sequence's own row). The padded
+bad words, allowed tokens: padded_logits_controls.py; grammars: structured/padded_verify.py).
+The step verifies q - 1 drafts per sequence, q the shortest verify length of the draft loop that
+holds the most drafts (K + 1, or under adaptive speculation 1..K + 1: the chosen k + 1, k = 0
+being a padded decode whose draft loop catches the drafter up); a sequence with fewer drafts (a
+budget or length cut) is padded to q - 1 with PAD_DRAFT_TOKEN rows and accepts none of them (caps
+for greedy and drawn acceptance, lengths for rejection sampling, whose bonus token comes from the
+sequence's own row). The padded
 rows write K/V in the sequence's lookahead slots, past anything it has computed (overwritten
 before being read, as rejected drafts' are). The draft loop drafts m per sequence: q - 1, or K
 when the scheduler's choice for the next step asks for more than q - 1 (num_drafts; the
@@ -60,6 +60,7 @@ from foretell.engine.scheduler import ScheduledSequence, SchedulerOutput
 from foretell.engine.sequence import Sequence
 from foretell.layers.sampler import NoiseSource, SamplingBatch, sequence_key
 from foretell.runner.cuda_graph import CudaGraphRunner
+from foretell.runner.host_drafts import HostDraftSlots
 from foretell.runner.input_batch import InputBatch, build_input_batch
 from foretell.runner.padded_logits_controls import padded_step_takes
 from foretell.runner.padded_step_extras import PackedLogprobBuffer, PaddedStepExtras
@@ -100,7 +101,7 @@ class GraphedVerify:
     num_controlled_steps: int = 0  # ... with a sequence whose logits are processed (penalties, bias, ...)
     enabled: bool = True  # False: every batch takes the host step (tests and A/B runs set it; the runner never)
     # Grammar masks on this step (structured/padded_verify.py); None: grammar requests take the
-    # host step (a host drafter's verify: its drafts are proposed after the step, by the runner).
+    # host step (tests and A/B runs).
     structured: StructuredOutputs | None = None
     num_grammar_steps: int = 0  # padded steps with a sequence under a grammar
 
@@ -185,7 +186,8 @@ class GraphedVerify:
         sampled = self._sampling(seqs, q)
         extras = PaddedStepExtras.for_sequences(seqs, self.vocab_size, self.graphs.device)
         if self.structured is not None:  # filled while the forward runs; never queued ahead
-            extras.grammar = padded_verify_grammar(self.structured, self.grammar_masks, items, q, self.draft_graphs.k)
+            extras.grammar = padded_verify_grammar(self.structured, self.grammar_masks, items, q, self.draft_graphs.k,
+                                                   shapes_drafts=not isinstance(self.draft_graphs, HostDraftSlots))
             self.num_grammar_steps += extras.grammar is not None
         draft_probs = None
         if sampled is not None and any(probs is not None for probs in kept):  # drafts the host step sampled

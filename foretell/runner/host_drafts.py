@@ -44,6 +44,7 @@ from foretell.engine.scheduler import SchedulerOutput
 from foretell.runner.sequence_result import SequenceResult
 from foretell.spec_decode.proposer import DraftBatch, Proposer
 from foretell.spec_decode.token_history import TokenHistory
+from foretell.structured.runtime import StructuredOutputs
 
 _NO_TENSOR = torch.empty(0)  # the DraftBatch fields a host drafter never reads
 
@@ -90,11 +91,19 @@ def token_draft_batch(sched: SchedulerOutput, results: list[SequenceResult], blo
 
 
 def propose_from_tokens(proposer: Proposer, sched: SchedulerOutput, results: list[SequenceResult],
-                        block_size: int, max_model_len: int) -> None:
-    """A host drafter's next drafts into results, after a padded step (which drafted none)."""
+                        block_size: int, max_model_len: int, structured: StructuredOutputs | None = None) -> None:
+    """A host drafter's next drafts into results, after a padded step (which drafted none). Under a
+    grammar (structured: the runner's, when a sequence of the step has one) they are shaped as the
+    host step shapes them (cut where the grammar rejects one, its forced tokens drafted, at most K:
+    StructuredOutputs.limit_drafts) and the next step's verify rows start filling on the worker;
+    the padded step's own shaping (PaddedVerifyGrammar.after_read) leaves a host drafter's alone."""
     proposal = proposer.propose(token_draft_batch(sched, results, block_size, max_model_len))
     for result, drafts in zip(results, proposal.token_ids):
         result.next_drafts = drafts
+    if structured is not None and any(item.seq.sampling_params.structured_outputs is not None
+                                      for item in sched.scheduled):
+        structured.grammar_drafts(sched.scheduled, results, [None] * len(results), max_drafts=proposer.k)
+        structured.fill_ahead(sched.scheduled, results)
 
 
 class HostDraftSlots:

@@ -286,7 +286,8 @@ class ModelRunner:
             results = self.pipeline.finish(step, sched.num_next_drafts)
             t1 = time.perf_counter()
             if self.drafts_from_tokens:  # a host drafter's drafts, from the host lists (host_drafts.py)
-                propose_from_tokens(self.proposer, sched, results, block_size, self.max_model_len)
+                propose_from_tokens(self.proposer, sched, results, block_size, self.max_model_len,
+                                    self.host_step.structured)
             self.last_times = StepTimes(target_s=t1 - t0, draft_s=time.perf_counter() - t1)
             return results
         results = [SequenceResult() for _ in sched.scheduled]

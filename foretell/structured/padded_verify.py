@@ -40,10 +40,13 @@ exact), and drafts the host step drew from a distribution keep it (GraphedVerify
 their probabilities and never cuts them), so rejection sampling keeps the masked target's
 distribution.
 
-What stays on the host step: grammar requests of a host drafter (n-gram, suffix: their drafts are
-proposed after the padded step, by the runner; their host step replays the target's graphs
-anyway), of plain decoding without a drafter, and of every batch the padded step does not take
-(prefill chunks, trees, tensor parallelism).
+A host drafter (n-gram, suffix) verifies grammar requests on the padded step too (its draft loop
+is runner/host_drafts.HostDraftSlots, which drafts nothing): steps 1-3 and 5 as above, and step 6
+after the read, once the drafter has proposed from the host's token lists
+(host_drafts.propose_from_tokens shapes those drafts and starts the next rows' fill).
+
+What stays on the host step: grammar requests of plain decoding without a drafter, and of every
+batch the padded step does not take (prefill chunks, trees, tensor parallelism).
 """
 
 from __future__ import annotations
@@ -95,10 +98,11 @@ class GrammarMaskBuffer:
 
 
 def padded_verify_grammar(structured: StructuredOutputs, buffer: GrammarMaskBuffer, items: list, q: int,
-                          max_drafts: int) -> "PaddedVerifyGrammar | None":
+                          max_drafts: int, shapes_drafts: bool = True) -> "PaddedVerifyGrammar | None":
     """The grammar of a padded step of q rows per sequence (items: the ScheduledSequence of each,
     in row order, each with at most q - 1 drafts), its masks on the device; None when no sequence
-    has structured outputs."""
+    has structured outputs. shapes_drafts False: a host drafter's step, whose drafts are proposed
+    and shaped after the read (host_drafts.propose_from_tokens), not by after_read."""
     structured_items = [item for item in items if item.seq.sampling_params.structured_outputs is not None]
     if not structured_items:
         return None  # rows filled ahead for other steps are keyed (fill_verify_rows checks them)
@@ -121,7 +125,7 @@ def padded_verify_grammar(structured: StructuredOutputs, buffer: GrammarMaskBuff
     structured.timer.verify_fill_seconds += filled - started
     structured.timer.verify_apply_seconds += time.perf_counter() - filled
     structured.timer.seconds += time.perf_counter() - started
-    return PaddedVerifyGrammar(structured, items, bitmask, max_drafts)
+    return PaddedVerifyGrammar(structured, items, bitmask, max_drafts, shapes_drafts)
 
 
 @dataclass
@@ -133,6 +137,7 @@ class PaddedVerifyGrammar:
     items: list  # the step's ScheduledSequence, in row order
     bitmask: torch.Tensor  # [n * q, words] int32 on the device
     max_drafts: int  # K: the most drafts a sequence's next verify holds
+    shapes_drafts: bool = True  # False: a host drafter's (its drafts come after the read)
 
     def apply(self, logits: torch.Tensor, raw_logits: torch.Tensor) -> torch.Tensor:
         """The logits verification reads, masked: logits [n, q, vocab] float32 is raw_logits
@@ -156,6 +161,9 @@ class PaddedVerifyGrammar:
         """After the step's read (results: each sequence's SequenceResult, next_drafts the draft
         loop's): the structured sequences' next drafts under their grammars, at most max_drafts
         (forced drafts per structured_forced_drafts), and their next verify rows started on the
-        worker thread. The drafts are deterministic (no probabilities)."""
+        worker thread. The drafts are deterministic (no probabilities). A host drafter's step
+        (shapes_drafts False) does both after its drafter proposes (propose_from_tokens)."""
+        if not self.shapes_drafts:
+            return
         self.structured.grammar_drafts(self.items, results, [None] * len(self.items), self.max_drafts)
         self.structured.fill_ahead(self.items, results)

@@ -23,13 +23,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fixtures.padded_step import padded_step_for_host_drafters
 from foretell import LLM, SamplingParams
 from foretell.bench.suffix_host_cost import _StepCalls
 from foretell.engine.scheduler import ScheduledSequence, SchedulerOutput
 from foretell.engine.sequence import Sequence
 from foretell.runner.graphed_verify import GraphedVerify
 from foretell.runner.host_drafts import HostDraftSlots, host_draft_verify_lens, token_draft_batch
-from foretell.runner.graph_setup import StepGraphSetup
 from foretell.runner.host_step import HostStep
 from foretell.runner.input_batch import build_input_batch
 from foretell.runner.sequence_result import SequenceResult
@@ -72,19 +72,7 @@ def plain(qwen3_checkpoint):
 
 @pytest.fixture
 def padded_on_cpu(monkeypatch):
-    """The padded step for host drafters on the CPU's torch backend: the target's buffers
-    uncaptured with the GPU's verify lengths (host_draft_verify_lens), as on the GPU's graphs. (Without
-    graphs the engine keeps host drafters on the host step, where no padding is cheaper.)"""
-    built = StepGraphSetup.padded_forward
-
-    def padded_forward(self, target):
-        forward = built(self, target)
-        if forward is None and target is None and self.proposer is not None \
-                and self.proposer.capabilities.drafts_from_tokens:
-            return self.graph_runner(capture_graphs=False, reads_host_lengths=True)
-        return forward
-
-    monkeypatch.setattr(StepGraphSetup, "padded_forward", padded_forward)
+    padded_step_for_host_drafters(monkeypatch)  # fixtures/padded_step.py
 
 
 def padded(llm):

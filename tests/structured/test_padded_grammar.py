@@ -7,8 +7,11 @@
 - The engine, greedy, fp32 on the fixtures: with eagle3, draft_model and MTP a grammar request
   verifies on the padded step (counted) and its tokens equal the host step's (the same engine
   with GraphedVerify.enabled off) token for token, and every output matches its constraint; the
-  proposer's own (host, masked, eager) draft loop runs only after prefill chunks; n-gram keeps
-  its grammar on the host step (host drafters propose after the padded step), same tokens.
+  proposer's own (host, masked, eager) draft loop runs only after prefill chunks; n-gram and
+  suffix (host drafters: their drafts proposed, and shaped by the grammar, after the padded step's
+  read) verify grammar requests on the padded step too where the target has its padded forward
+  (on the CPU installed as the GPU's graphs would be), the host step's tokens; without it (the
+  CPU's default) they stay on the host step.
 - A batch mixing a grammar request with plain ones and other draft counts (padded rows), and
   sampled grammar requests, on the padded step: plain greedy's tokens, inside the grammar.
 - structured_forced_drafts on the padded step: on, forced drafts are counted and no verify
@@ -26,6 +29,7 @@ import torch
 from fixtures import deepseek as ds
 from fixtures.grammar_prompts import DS_PROMPTS, K, PROMPTS, constraints
 from fixtures.grammar_stubs import VOCAB, FakeSeq, SamplingItem, encode
+from fixtures.padded_step import padded_step_for_host_drafters
 from foretell import LLM, SamplingParams
 from foretell.bench.device_syncs import syncs_per_step
 from foretell.runner.graphed_verify import GraphedVerify
@@ -145,6 +149,28 @@ def test_greedy_grammar_on_the_padded_step_equals_the_host_step(method, request,
         return
     assert sum(kind.num_grammar_steps for kind in kinds) > 10
     assert loops and not any(loops)  # the masked host draft loop ran after prefill rows only
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_host_drafters_verify_grammars_on_the_padded_step(method, qwen3_checkpoint, monkeypatch):
+    """With the target's padded forward (installed on the CPU as the GPU's graphs give it), a host
+    drafter's grammar requests verify there: the host step's tokens (the same engine with the
+    padded kinds off), every output inside its constraint, drafts shaped by the grammar after the
+    drafter proposes (forced tokens drafted: more drafts than the drafter alone would make)."""
+    padded_step_for_host_drafters(monkeypatch)
+    config = {"method": method, "num_speculative_tokens": K}
+    if method == "ngram":
+        config["prompt_lookup_min"] = 1
+    with LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=128, speculative_config=config) as llm:
+        expected = host_step_run(llm, PROMPTS)
+        kinds = padded_kinds(llm)
+        structured = llm.engine.runner.host_step.structured
+        forced_before = structured.timer.forced_drafts
+        got = run(llm, PROMPTS)
+        assert sum(kind.num_grammar_steps for kind in kinds) > 10
+        assert structured.timer.forced_drafts > forced_before  # shaped after the proposer's drafts
+        assert llm.get_stats()["num_drafts"] > 0
+    assert got == expected
 
 
 def test_mtp_grammar_on_the_padded_step_equals_the_host_step(checkpoint_root, tokenizer_dir):
