@@ -129,3 +129,30 @@ def test_a_grammar_step_reads_the_device_once(qwen3_checkpoint, eagle3_head):
     assert verifies
     for counts in verifies:
         assert counts["syncs"] <= 1, counts["sites"]
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_host_drafters_grammars_verify_on_the_graphs(method, qwen3_checkpoint):
+    """A host drafter's grammar requests verify on the target's captured graphs (HostDraftSlots:
+    no draft loop; the drafts shaped by the grammar after the drafter proposes), the host step's
+    tokens, every output inside its constraint."""
+    from foretell.runner.host_drafts import HostDraftSlots
+
+    spec = {"method": method, "num_speculative_tokens": K}
+    if method == "ngram":
+        spec["prompt_lookup_min"] = 1
+    with LLM(qwen3_checkpoint, device="cuda", dtype="float32", num_kv_blocks=256, max_num_seqs=8,
+             speculative_config=spec) as llm:
+        runner = llm.engine.runner
+        assert runner.graphs.captures and isinstance(runner.draft_graphs, HostDraftSlots)
+        kinds = padded_kinds(llm)
+        for kind in kinds:
+            kind.enabled = False
+        expected = run(llm, PROMPTS)
+        for kind in kinds:
+            kind.enabled = True
+        grammar_steps = sum(kind.num_grammar_steps for kind in kinds)
+        got = run(llm, PROMPTS)
+        assert sum(kind.num_grammar_steps for kind in kinds) > grammar_steps
+        assert llm.get_stats()["num_drafts"] > 0
+    assert got == expected
