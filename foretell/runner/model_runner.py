@@ -43,6 +43,7 @@ from foretell.layers.batch_invariant import prepare_batch_invariant
 from foretell.layers.vocab_parallel import ParallelLMHead
 from foretell.ops.gemm.dispatch import SmallMGemm
 from foretell.models.base import HFConfig, ModelOptions
+from foretell.layers.cpu_draft_weights import draft_weight_format, pack_draft_weights
 from foretell.layers.cpu_weight_layout import store_weights_transposed, transposed_weights_preferred
 from foretell.runner.cpu_compile import install_cpu_compile
 from foretell.runner.cpu_compile_head import install_cpu_compile_head
@@ -116,6 +117,9 @@ class ModelRunner:
             self.proposer.load(self.model, mc.load_format)
         if self.device.type == "cpu" and not mc.batch_invariant and transposed_weights_preferred():
             store_weights_transposed(cpu_transposable_models(self.model, self.proposer))  # cpu_weight_layout.py
+        if self.device.type == "cpu" and self.proposer is not None and not mc.batch_invariant and not mc.cpu_compile:
+            # an EAGLE3 head's linears read int8 (or fp16) weights packed for fbgemm (cpu_draft_weights.py)
+            pack_draft_weights(cpu_packed_draft_heads(self.proposer), draft_weight_format(), exclude=self.model)
         if mc.cpu_compile:  # the CPU's decode and verify forward through torch.compile (cpu_compile.py)
             verify_rows = (1 + config.speculative.num_speculative_tokens,) if config.speculative is not None else ()
             install_cpu_compile(self.model, self.device, (1, *verify_rows), self.tensor_parallel.world_size,
@@ -360,6 +364,15 @@ class ModelRunner:
         """Wait for the grammar masks being filled ahead and end their thread (RunnerHandle's; a
         ParallelRunner stops its workers)."""
         self.host_step.structured.close()
+
+
+def cpu_packed_draft_heads(proposer: "Proposer") -> list[torch.nn.Module]:
+    """The drafter modules whose CPU weights are packed for fbgemm (cpu_draft_weights.py): EAGLE3
+    heads over a Llama layer. A draft model keeps its float32 weights: one that is the target's own
+    checkpoint drafts exactly what the target verifies, which tests and A/B runs rely on."""
+    from foretell.models.eagle3 import Eagle3Head
+
+    return [m for m in proposer.draft_modules() if type(m) is Eagle3Head]
 
 
 def cpu_transposable_models(model: torch.nn.Module, proposer: "Proposer | None") -> list[torch.nn.Module]:
