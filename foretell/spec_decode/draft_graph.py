@@ -40,6 +40,7 @@ import torch
 from foretell.device_util import graph_capture
 from foretell.ops.attention.metadata import AttentionMetadata, subdivide_block_table
 from foretell.ops.step.dispatch import catch_up_inputs
+from foretell.spec_decode.catch_up_host import catch_up_inputs_host
 from foretell.spec_decode.proposer import PaddedDrafter
 
 
@@ -161,7 +162,9 @@ class DraftGraphRunner:
             return device_metadata(starts, seq_lens, draft_table, slots, p.draft_block_size, rows_per_seq,
                                    t.max_model_len, self.reads_host_lengths)
 
-        catch_up = catch_up_inputs(
+        # on the CPU the verifier's outputs are host memory: the catch-up's inputs from host ints
+        inputs_of = catch_up_inputs_host if t.device.type == "cpu" else catch_up_inputs
+        catch_up = inputs_of(
             t.input_ids[:rows].view(bucket, q), t.positions[:rows].view(bucket, q)[:, 0], self.accepted[:bucket],
             self.next_token[:bucket], self.num_live, table, t.block_size, n, self.shift, max(m - 1, 0),
             t.max_model_len - 1,
