@@ -10,9 +10,9 @@ the queue, to be prefilled again (prompt and output so far) and continue exactly
 
 Under adaptive speculation (spec_decode/adaptive.py) a DraftLength policy chooses, each step,
 how many drafts the proposer makes for the next one (SchedulerOutput.num_next_drafts) from the
-batch it expects (running and waiting sequences, up to max_num_seqs); the next step verifies at
-most that many (draft_limit), and postprocess() reports every verify's drafted and accepted
-counts back to it.
+batch it expects (running sequences, and the waiting ones unless the KV cache keeps them out, up
+to max_num_seqs); the next step verifies at most that many (draft_limit), and postprocess()
+reports every verify's drafted and accepted counts back to it.
 
 postprocess() applies what the runner produced: accepted drafts plus one new token per sampling
 sequence, stop conditions, and the commit of newly full blocks to the prefix cache. Rejected draft
@@ -189,6 +189,7 @@ class Scheduler:
             budget -= num_new
             i += 1
 
+        out_of_blocks = bool(out.preempted)  # waiting sequences cannot join for now (adaptive's batch)
         while (
             self.waiting
             and not out.preempted
@@ -202,6 +203,7 @@ class Scheduler:
             if num_new == 0 or not self._reserve(seq, num_new, samples):
                 self.block_manager.free(seq)
                 seq.num_computed_tokens = 0
+                out_of_blocks = True
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -210,11 +212,13 @@ class Scheduler:
             budget -= num_new
         if self.draft_length is not None:
             # Chosen for the batch the coming steps run: every running sequence (those still in
-            # prefill included) and the waiting ones that fit beside them, not the few that sample
-            # now. While a batch fills, a choice for the first sequences to finish their prompts
-            # drafted long, and their drafts padded the verify of the whole batch to that length.
+            # prefill included) and, unless the KV cache is what keeps them out, the waiting ones
+            # that fit beside them; not the few that sample now. While a batch fills, a choice for
+            # the first sequences to finish their prompts drafted long, and their drafts padded
+            # the verify of the whole batch to that length.
             num_sampling = sum(1 for item in out.scheduled if item.samples)
-            expected = min(len(self.running) + len(self.waiting), self.config.max_num_seqs)
+            joining = 0 if out_of_blocks else len(self.waiting)
+            expected = min(len(self.running) + joining, self.config.max_num_seqs)
             next_batch = expected if num_sampling else 0
             out.num_next_drafts = self.draft_limit = self.draft_length.choose(next_batch)
         return out

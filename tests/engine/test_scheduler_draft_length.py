@@ -27,9 +27,9 @@ class RecordingDraftLength:
         pass
 
 
-def filling_scheduler(num_seqs: int, prompt_len: int, budget: int,
-                      max_num_seqs: int = 128) -> tuple[Scheduler, RecordingDraftLength]:
-    manager = BlockManager(256, 4)
+def filling_scheduler(num_seqs: int, prompt_len: int, budget: int, max_num_seqs: int = 128,
+                      num_blocks: int = 256) -> tuple[Scheduler, RecordingDraftLength]:
+    manager = BlockManager(num_blocks, 4)
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs)
     scheduler = Scheduler(config, manager, max_model_len=128, num_lookahead_tokens=4)
     policy = RecordingDraftLength()
@@ -69,3 +69,13 @@ def test_a_step_where_nothing_samples_asks_for_zero():
     out = scheduler.schedule()
     assert not any(item.samples for item in out.scheduled)
     assert policy.asked == [0]
+
+
+def test_waiting_sequences_the_cache_keeps_out_are_not_counted():
+    """Out of KV blocks, the waiting sequences will not join soon: the choice is for the running
+    ones (a server whose cache, not max_num_seqs, bounds the batch)."""
+    scheduler, policy = filling_scheduler(num_seqs=6, prompt_len=8, budget=64, num_blocks=8)
+    first = scheduler.schedule()
+    assert scheduler.waiting and 0 < len(scheduler.running) < 6
+    assert any(item.samples for item in first.scheduled)
+    assert policy.asked == [len(scheduler.running)]
