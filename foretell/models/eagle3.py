@@ -38,6 +38,7 @@ all-gather of g (the norms and the residual need all of it). Norms, rotary and d
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from foretell.ops.common import kernel_choice
@@ -55,6 +56,9 @@ from foretell.models.base import (
 from foretell.models.llama import DecoderDims, DecoderMLP, DecoderSwitches
 
 HEAD_LAYER = r"^(?:midlayer|layers\.0)\."  # the draft layer in either published format
+# The CPU's table of normed embedding rows (Eagle3LayerBase.build_normed_embedding_table) up to this size:
+# the default head's 4096 x 256; not a large vocabulary's copy of its embedding.
+MAX_NORMED_TABLE_ELEMENTS = 1 << 22
 
 
 def eagle3_weight_rules(has_embed: bool, has_lm_head: bool) -> WeightRules:
@@ -106,7 +110,14 @@ class Eagle3LayerBase(nn.Module):
         self, input_ids: torch.Tensor, embedding: nn.Module, g: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (x [n, 2H], residual [n, H])
         """x = [input_layernorm(embedding(input_ids)) ; hidden_norm(g)], embedding first (one launch
-        on CUDA: ops/pointwise/triton_eagle3_input.py), and the residual the attention's output is added to."""
+        on CUDA: ops/pointwise/triton_eagle3_input.py; on the CPU in float32 the normed rows come from
+        a table of every token's, build_normed_embedding_table), and the residual the attention's output is added to."""
+        table = self.normed_embedding
+        if table is not None and table[0] is embedding and g.dtype == torch.float32 and not g.requires_grad:
+            norm = self.hidden_norm  # the same bits as the module path's, in three torch calls
+            normed_g = torch.rms_norm(g, (g.shape[-1],), norm.weight, norm.eps)  # rms_norm_torch's float32 form
+            x = torch.cat([F.embedding(input_ids, table[1]), normed_g], dim=-1)
+            return x, normed_g if self.norm_before_residual else g
         weight = getattr(embedding, "weight", None)
         norms = (self.input_layernorm, self.hidden_norm)
         # the one-launch kernel gathers whole-vocabulary rows: not from a rank's share of them
@@ -124,6 +135,24 @@ class Eagle3LayerBase(nn.Module):
             normed_g, _ = self.hidden_norm(g)
             x = torch.cat([embeds, normed_g], dim=-1)
         return x, normed_g if self.norm_before_residual else g
+
+    #: (embedding, its rows after input_layernorm [vocab, H]) once build_normed_embedding_table ran (the CPU)
+    normed_embedding: tuple[nn.Module, torch.Tensor] | None = None
+
+    def build_normed_embedding_table(self, embedding: nn.Module) -> bool:
+        """Keep input_layernorm over every row of the float32 CPU embedding [vocab, H] for layer_input
+        (a row's norm does not depend on the rows beside it: the same bits as norming the rows a
+        step gathers). Not for a vocabulary split over ranks or a table above
+        MAX_NORMED_TABLE_ELEMENTS; the weights must not change afterwards. Returns whether it did."""
+        weight, norm = getattr(embedding, "weight", None), self.input_layernorm
+        if (not isinstance(embedding, VocabEmbedding) or isinstance(embedding, VocabParallelEmbedding)
+                or weight.device.type != "cpu" or weight.dtype != torch.float32 or norm.weight.dtype != torch.float32
+                or weight.numel() > MAX_NORMED_TABLE_ELEMENTS):
+            return False
+        with torch.no_grad():
+            table = torch.rms_norm(weight, (weight.shape[-1],), norm.weight, norm.eps)  # [vocab, H]
+        self.normed_embedding = (embedding, table)
+        return True
 
     def forward(
         self,
@@ -217,6 +246,11 @@ class Eagle3Head(nn.Module):
 
     def attention_layers(self) -> list[Attention]:
         return [self.midlayer.self_attn.attn]
+
+    def prepare_cpu_input_table(self) -> bool:
+        """On the CPU, after loading and share(): the layer's table of normed embedding rows
+        (Eagle3LayerBase.build_normed_embedding_table); returns whether it was built."""
+        return self.midlayer.build_normed_embedding_table(self.embed_tokens or self.shared_embed)
 
     def combine(self, aux: list[torch.Tensor]) -> torch.Tensor:  # 3 x [n, Ht] -> [n, H]
         features = side_by_side(aux)  # [n, 3 * Ht]: no copy when the aux states share the target's buffer

@@ -119,7 +119,10 @@ class ModelRunner:
             store_weights_transposed(cpu_transposable_models(self.model, self.proposer))  # cpu_weight_layout.py
         if self.device.type == "cpu" and self.proposer is not None and not mc.batch_invariant and not mc.cpu_compile:
             # an EAGLE3 head's linears read int8 (or fp16) weights packed for fbgemm (cpu_draft_weights.py)
-            pack_draft_weights(cpu_packed_draft_heads(self.proposer), draft_weight_format(), exclude=self.model)
+            heads = cpu_packed_draft_heads(self.proposer)
+            pack_draft_weights(heads, draft_weight_format(), exclude=self.model)
+            for head in heads:  # its layer's normed embedding rows, gathered per step (models/eagle3.py)
+                head.prepare_cpu_input_table()
         if mc.cpu_compile:  # the CPU's decode and verify forward through torch.compile (cpu_compile.py)
             verify_rows = (1 + config.speculative.num_speculative_tokens,) if config.speculative is not None else ()
             install_cpu_compile(self.model, self.device, (1, *verify_rows), self.tensor_parallel.world_size,
