@@ -44,6 +44,7 @@ from foretell.layers.vocab_parallel import ParallelLMHead
 from foretell.ops.gemm.dispatch import SmallMGemm
 from foretell.models.base import HFConfig, ModelOptions
 from foretell.layers.cpu_draft_weights import draft_weight_format, pack_draft_weights
+from foretell.models.eagle3_cpu_step import cpu_step_fits
 from foretell.layers.cpu_weight_layout import store_weights_transposed, transposed_weights_preferred
 from foretell.runner.cpu_compile import install_cpu_compile
 from foretell.runner.cpu_compile_head import install_cpu_compile_head
@@ -123,6 +124,8 @@ class ModelRunner:
             pack_draft_weights(heads, draft_weight_format(), exclude=self.model)
             for head in heads:  # its layer's normed embedding rows, gathered per step (models/eagle3.py)
                 head.prepare_cpu_input_table()
+            # the head's step in direct torch calls where it fits (models/eagle3_cpu_step.py)
+            self.proposer.cpu_direct_step = len(heads) == 1 and cpu_step_fits(heads[0])
         if mc.cpu_compile:  # the CPU's decode and verify forward through torch.compile (cpu_compile.py)
             verify_rows = (1 + config.speculative.num_speculative_tokens,) if config.speculative is not None else ()
             install_cpu_compile(self.model, self.device, (1, *verify_rows), self.tensor_parallel.world_size,

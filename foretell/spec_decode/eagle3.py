@@ -26,6 +26,7 @@ from foretell.distributed.tensor_parallel import TensorParallel
 from foretell.loader import checkpoint_keys, load_weights
 from foretell.models.base import HFConfig, ModelOptions
 from foretell.models.eagle3 import Eagle3Head
+from foretell.models.eagle3_cpu_step import eagle3_cpu_step
 from foretell.spec_decode.draft_loop import DraftLoopProposer, catch_up_rows
 from foretell.spec_decode.proposer import DraftBatch
 
@@ -99,6 +100,8 @@ class Eagle3Proposer(DraftLoopProposer):
         self.head: Eagle3Head | None = None
         # The head's compiled CPU step when the runner installs one (--cpu-compile: runner/cpu_compile_head.py)
         self.cpu_head_step = None
+        # Whether the head's step runs as direct torch calls on the CPU (models/eagle3_cpu_step.py; the runner sets it)
+        self.cpu_direct_step = False
 
     @classmethod
     def from_config(cls, config, target_hf_config, options) -> "Eagle3Proposer":
@@ -181,9 +184,12 @@ class Eagle3Proposer(DraftLoopProposer):
 
     def _head_step(self, input_ids, positions, metadata, keep_rows=None, greedy_only=False, *, g=None, aux=None):
         """head.step from g (the previous h) or from the aux hidden states (fc first), through the
-        compiled CPU step when one is installed (it runs head.step itself where a step does not fit)."""
+        compiled CPU step when one is installed (it runs head.step itself where a step does not fit),
+        or its direct torch calls on the CPU (cpu_direct_step: the same bits)."""
         if self.cpu_head_step is not None and not greedy_only:
             return self.cpu_head_step(input_ids, positions, metadata, keep_rows, g=g, aux=aux)
+        if self.cpu_direct_step and not greedy_only:
+            return eagle3_cpu_step(self.head, input_ids, positions, metadata, keep_rows, g=g, aux=aux)
         return self.head.step(input_ids, positions, self.head.combine(aux) if g is None else g, metadata, keep_rows,
                               greedy_only)
 
