@@ -122,6 +122,8 @@ def time_forward_loop(llm, prompt: list[int], n: int, verify_rows: int = 0) -> N
                        SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
     engine.step()  # the prefill
     item = engine.scheduler.schedule().scheduled[0]  # the first decode step, never postprocessed
+    # with a drafter that step verifies the prefill's drafts: the decode row alone is timed as such
+    item = replace(item, num_new_tokens=1, draft_token_ids=[])
     runner = engine.runner
     block_size = runner.cache_plan.block_size
     items = {"decode forward (1 row)": item}
