@@ -156,6 +156,8 @@ def _instrumented(llm, clock: _Clock) -> Iterator[None]:
     for name in _FORWARD_METHODS:
         if hasattr(runner.model, name):
             targets.append((runner.model, name, "target forward"))
+    if hasattr(runner.proposer, "_head_step"):  # EAGLE3's head step, also where it skips the modules (the CPU)
+        targets.append((runner.proposer, "_head_step", "drafter forward"))
     drafter = runner.proposer.draft_modules() if runner.proposer is not None else []
     for module in drafter:
         for name in _FORWARD_METHODS:

@@ -111,9 +111,11 @@ class Eagle3LayerBase(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (x [n, 2H], residual [n, H])
         """x = [input_layernorm(embedding(input_ids)) ; hidden_norm(g)], embedding first (one launch
         on CUDA: ops/pointwise/triton_eagle3_input.py; on the CPU in float32 the normed rows come from
-        a table of every token's, build_normed_embedding_table), and the residual the attention's output is added to."""
+        a table of every token's, build_normed_embedding_table), and the residual the attention's
+        output is added to."""
         table = self.normed_embedding
-        if table is not None and table[0] is embedding and g.dtype == torch.float32 and not g.requires_grad:
+        if (table is not None and table[0] is embedding and g.dtype == torch.float32 and not g.requires_grad
+                and not kernel_choice.use_triton(input_ids, g)):
             norm = self.hidden_norm  # the same bits as the module path's, in three torch calls
             normed_g = torch.rms_norm(g, (g.shape[-1],), norm.weight, norm.eps)  # rms_norm_torch's float32 form
             x = torch.cat([F.embedding(input_ids, table[1]), normed_g], dim=-1)

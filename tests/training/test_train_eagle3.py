@@ -90,9 +90,11 @@ def random_head(target: str, draft_vocab: int = 200, seed: int = 3) -> tuple[Eag
     return head, vocab
 
 
-def test_twin_equals_engine_head_along_the_ttt_chain(qwen3_checkpoint, tmp_path):
+def test_twin_equals_engine_head_along_the_ttt_chain(qwen3_checkpoint, tmp_path, monkeypatch):
     """Every TTT step of the twin equals the engine's head run as the engine runs it: catch-up
-    over rows 0..t with the target's features, then chained single-row steps."""
+    over rows 0..t with the target's features, then chained single-row steps (the head's float32
+    weights: not the CPU's fp16 packing, layers/cpu_draft_weights.py)."""
+    monkeypatch.setenv("FORETELL_CPU_DRAFT_WEIGHTS", "fp32")
     from transformers import AutoModelForCausalLM
 
     head, vocab = random_head(qwen3_checkpoint)
