@@ -60,7 +60,6 @@ from foretell.engine.scheduler import ScheduledSequence, SchedulerOutput
 from foretell.engine.sequence import Sequence
 from foretell.layers.sampler import NoiseSource, SamplingBatch, sequence_key
 from foretell.runner.cuda_graph import CudaGraphRunner
-from foretell.runner.host_drafts import HostDraftSlots
 from foretell.runner.input_batch import InputBatch, build_input_batch
 from foretell.runner.padded_logits_controls import padded_step_takes
 from foretell.runner.padded_step_extras import PackedLogprobBuffer, PaddedStepExtras
@@ -100,9 +99,7 @@ class GraphedVerify:
     num_logprob_steps: int = 0  # ... with a sequence asking for logprobs
     num_controlled_steps: int = 0  # ... with a sequence whose logits are processed (penalties, bias, ...)
     enabled: bool = True  # False: every batch takes the host step (tests and A/B runs set it; the runner never)
-    # Grammar masks on this step (structured/padded_verify.py); None: grammar requests take the
-    # host step (tests and A/B runs).
-    structured: StructuredOutputs | None = None
+    structured: StructuredOutputs | None = None  # grammar masks here (padded_verify.py); None: the host step's
     num_grammar_steps: int = 0  # padded steps with a sequence under a grammar
 
     def __post_init__(self):
@@ -187,7 +184,7 @@ class GraphedVerify:
         extras = PaddedStepExtras.for_sequences(seqs, self.vocab_size, self.graphs.device)
         if self.structured is not None:  # filled while the forward runs; never queued ahead
             extras.grammar = padded_verify_grammar(self.structured, self.grammar_masks, items, q, self.draft_graphs.k,
-                                                   shapes_drafts=not isinstance(self.draft_graphs, HostDraftSlots))
+                                                   shapes_drafts=not self.draft_graphs.drafts_on_host)
             self.num_grammar_steps += extras.grammar is not None
         draft_probs = None
         if sampled is not None and any(probs is not None for probs in kept):  # drafts the host step sampled

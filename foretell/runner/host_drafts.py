@@ -110,6 +110,8 @@ class HostDraftSlots:
     """The padded verify step's draft loop for a host drafter: the verifier's output buffers and
     the verify lengths the target's padded forward takes; drafts nothing on the device."""
 
+    drafts_on_host = True  # proposed after the step's read (propose_from_tokens), not by a device loop
+
     def __init__(self, target, k: int):  # target: the padded forward (a CudaGraphRunner)
         self.target = target
         self.k = k  # K: the most drafts a step verifies

@@ -107,6 +107,8 @@ class DraftGraphRunner:
     verify lengths the runner asks for (verify_lens) with m = K and m = q - 1 (a step drafting as
     many as it verified, adaptive speculation's steady state); any other (q, m) runs eagerly."""
 
+    drafts_on_host = False  # its drafts come from the device loop (runner/host_drafts.HostDraftSlots': the host's)
+
     def __init__(self, proposer: PaddedDrafter, target: PaddedForward, k: int, reads_host_lengths: bool = False,
                  verify_lens: tuple[int, ...] | None = None):
         self.proposer = proposer
