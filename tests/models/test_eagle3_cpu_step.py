@@ -9,17 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fixtures.eagle3_steps import K, cpu_drafter as drafter, noisy_draft_cache, step_inputs
 from foretell import LLM, SamplingParams
 from foretell.models.eagle3_cpu_step import cpu_step_fits, eagle3_cpu_step
-from foretell.spec_decode.proposer import catch_up_metadata
-
-K = 3
-
-
-def drafter(qwen3_checkpoint, eagle3_head):
-    llm = LLM(qwen3_checkpoint, dtype="float32", device="cpu", num_kv_blocks=32, num_cpu_threads=1, max_num_seqs=1,
-              speculative_config={"method": "eagle3", "model": eagle3_head, "num_speculative_tokens": K})
-    return llm, llm.engine.runner.proposer
 
 
 @pytest.mark.parametrize("before_residual", [False, True])
@@ -28,21 +20,15 @@ def test_direct_step_equals_head_step(qwen3_checkpoint, eagle3_head, before_resi
     head = proposer.head
     assert proposer.cpu_direct_step and cpu_step_fits(head)
     head.midlayer.norm_before_residual = before_residual
-    cache = head.midlayer.self_attn.attn.kv_cache  # [2, num_blocks, block_size, KV, D]
+    cache, gen = noisy_draft_cache(head)  # [2, num_blocks, block_size, KV, D]
     block_size = proposer.draft_block_size
-    gen = torch.Generator().manual_seed(0)
-    cache.copy_(torch.randn(cache.shape, generator=gen))
-    table = torch.tensor([[5, 2, 7, 1, 4, 0]], dtype=torch.int32)  # [1, 6]: blocks out of order
     target_hidden = head.fc.weight.shape[1] // 3
     with torch.inference_mode():
         for seq_len in (1, 4, 17, 6 * block_size - 1):  # the context after the step's rows
             for rows, keep in ((1, None), (K + 1, [2]), (K + 1, [0, 3]), (2, None)):
                 if seq_len < rows:
                     continue
-                first = seq_len - rows
-                meta = catch_up_metadata([first], [rows], table, block_size, block_size)
-                ids = torch.randint(0, head.vocab_size, (rows,), generator=gen)
-                positions = torch.arange(first, seq_len)
+                meta, ids, positions = step_inputs(head, seq_len, rows, block_size, gen)
                 keep_rows = None if keep is None else torch.tensor(keep)
                 if keep is None:  # a chain step: from the previous h
                     kw = {"g": torch.randn(rows, head.hidden_size, generator=gen)}

@@ -10,11 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fixtures.eagle3_steps import K, cpu_drafter, noisy_draft_cache, step_inputs
 from foretell import LLM, SamplingParams
 from foretell.runner.cpu_compile_head import CompiledHeadStep, install_cpu_compile_head
 from foretell.spec_decode.proposer import catch_up_metadata
-
-K = 3
 PROMPTS = [[11, 42, 7, 99, 3, 250, 18, 64, 5], [5, 17, 200, 31, 9, 77, 140, 2, 66, 8, 19]]
 
 
@@ -32,24 +31,15 @@ def unique_graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def eager_drafter(qwen3_checkpoint, eagle3_head, **kw):
-    llm = LLM(qwen3_checkpoint, dtype="float32", device="cpu", num_kv_blocks=32, num_cpu_threads=1, max_num_seqs=1,
-              speculative_config={"method": "eagle3", "model": eagle3_head, "num_speculative_tokens": K}, **kw)
-    return llm, llm.engine.runner.proposer
-
-
 @pytest.mark.slow
 def test_compiled_head_step_matches_eager_without_recompiles(qwen3_checkpoint, eagle3_head):
-    _, proposer = eager_drafter(qwen3_checkpoint, eagle3_head)
+    _, proposer = cpu_drafter(qwen3_checkpoint, eagle3_head)
     assert proposer.cpu_head_step is None  # the flag is off: nothing installed
     assert install_cpu_compile_head(proposer, (1, K + 1))
     step = proposer.cpu_head_step
     head = step.head
-    cache = head.midlayer.self_attn.attn.kv_cache  # [2, num_blocks, block_size, KV, D]
+    cache, gen = noisy_draft_cache(head)  # [2, num_blocks, block_size, KV, D]
     block_size = proposer.draft_block_size
-    gen = torch.Generator().manual_seed(0)
-    cache.copy_(torch.randn(cache.shape, generator=gen))
-    table = torch.tensor([[5, 2, 7, 1, 4, 0]], dtype=torch.int32)  # [1, 6]: blocks out of order
     target_hidden = head.fc.weight.shape[1] // 3  # fc: [H, 3 x the target's hidden]
     graphs_before = unique_graphs()
     with torch.inference_mode():
@@ -57,10 +47,7 @@ def test_compiled_head_step_matches_eager_without_recompiles(qwen3_checkpoint, e
             for rows in (1, K + 1):
                 if seq_len < rows:
                     continue
-                first = seq_len - rows
-                meta = catch_up_metadata([first], [rows], table, block_size, block_size)
-                ids = torch.randint(0, head.vocab_size, (rows,), generator=gen)
-                positions = torch.arange(first, seq_len)
+                meta, ids, positions = step_inputs(head, seq_len, rows, block_size, gen)
                 if rows == 1:  # a chain step: from the previous h, every row kept
                     kw, keep = {"g": torch.randn(1, head.hidden_size, generator=gen)}, None
                 else:  # a catch-up: fc over the aux hidden states, one drafting row kept
@@ -82,7 +69,7 @@ def test_compiled_head_step_matches_eager_without_recompiles(qwen3_checkpoint, e
 
 
 def test_steps_the_compiled_head_does_not_cover_run_eagerly(qwen3_checkpoint, eagle3_head, caplog):
-    _, proposer = eager_drafter(qwen3_checkpoint, eagle3_head)
+    _, proposer = cpu_drafter(qwen3_checkpoint, eagle3_head)
     head = proposer.head
     step = CompiledHeadStep(head, (1, K + 1))
     block_size = proposer.draft_block_size
@@ -111,7 +98,7 @@ def test_eagle3_equals_plain_with_the_head_compiled(qwen3_checkpoint, eagle3_hea
     plain = LLM(qwen3_checkpoint, dtype="float32", device="cpu", num_kv_blocks=32, num_cpu_threads=1,
                 max_num_seqs=1)
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
-    spec, proposer = eager_drafter(qwen3_checkpoint, eagle3_head, cpu_compile=True)
+    spec, proposer = cpu_drafter(qwen3_checkpoint, eagle3_head, cpu_compile=True)
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == want
     step = proposer.cpu_head_step
     assert step is not None and step.row_counts == (1, K + 1)
