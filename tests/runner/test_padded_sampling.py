@@ -18,6 +18,7 @@ import random
 import pytest
 import torch
 
+from fixtures.padded_step import count_steps
 from foretell import LLM, SamplingParams
 from foretell.layers.sampler import (
     UNIFORM_STREAM,
@@ -29,7 +30,6 @@ from foretell.layers.sampler import (
     row_seeds_on_device,
     sequence_key,
 )
-from foretell.runner.graphed_verify import GraphedVerify
 from foretell.runner.host_step import HostStep
 from foretell.spec_decode.rejection_sampler import PaddedSampling
 from foretell.spec_decode.verifier import ExactVerifier
@@ -165,22 +165,6 @@ def test_first_token_follows_the_target_distribution(drafts_from):
 
 # ---- the engine -------------------------------------------------------------------------------
 
-def count_steps(monkeypatch) -> dict:
-    counts = {"padded": 0, "host_verify": 0}
-    launch, sample = GraphedVerify.launch, HostStep.sample
-
-    def counted_launch(self, sched, batch):
-        step = launch(self, sched, batch)
-        counts["padded"] += step is not None
-        return step
-
-    def counted_sample(self, sched, batch, logits, results):
-        counts["host_verify"] += any(item.draft_token_ids for item in sched.scheduled)
-        return sample(self, sched, batch, logits, results)
-
-    monkeypatch.setattr(GraphedVerify, "launch", counted_launch)
-    monkeypatch.setattr(HostStep, "sample", counted_sample)
-    return counts
 
 
 def test_sampled_and_mixed_batches_take_the_padded_step(qwen3_checkpoint, eagle3_head, monkeypatch):

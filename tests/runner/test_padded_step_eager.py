@@ -16,31 +16,13 @@ import pytest
 import torch
 from torch import nn
 
+from fixtures.padded_step import count_steps
 from foretell import LLM, SamplingParams
 from foretell.runner.cuda_graph import CudaGraphRunner
-from foretell.runner.graphed_verify import GraphedVerify
-from foretell.runner.host_step import HostStep
 
 PROMPTS = ["The cat reads the book. The cat", "a b a b a b a b", "Question: what"]
 
 
-def count_steps(monkeypatch) -> dict:
-    """Counts of verify steps the padded step launched and of steps the host step sampled."""
-    counts = {"padded": 0, "host_verify": 0}
-    launch, sample = GraphedVerify.launch, HostStep.sample
-
-    def counted_launch(self, sched, batch):
-        step = launch(self, sched, batch)
-        counts["padded"] += step is not None
-        return step
-
-    def counted_sample(self, sched, batch, logits, results):
-        counts["host_verify"] += any(item.draft_token_ids for item in sched.scheduled)
-        return sample(self, sched, batch, logits, results)
-
-    monkeypatch.setattr(GraphedVerify, "launch", counted_launch)
-    monkeypatch.setattr(HostStep, "sample", counted_sample)
-    return counts
 
 
 def generate(folder, max_tokens=12, prompts=PROMPTS, **kwargs):
