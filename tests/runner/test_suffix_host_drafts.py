@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from fixtures.padded_step import padded_step_for_host_drafters
+from fixtures.spec_prompts import PROMPTS, STRESS
 from foretell import LLM, SamplingParams
 from foretell.bench.suffix_host_cost import _StepCalls
 from foretell.engine.scheduler import ScheduledSequence, SchedulerOutput
@@ -36,14 +37,7 @@ from foretell.runner.sequence_result import SequenceResult
 from foretell.spec_decode.ngram import NgramProposer
 from foretell.spec_decode.suffix import SuffixProposer
 
-PROMPTS = [
-    "The cat reads the book. The cat reads the book. The cat",
-    "def add(x):\n    return x + 1\ndef add(x):\n    return",
-    "Question: what is 3 plus 7? Answer:",
-    "a b a b a b",
-]
 MAX_TOKENS = 20
-STRESS = dict(max_num_batched_tokens=8, num_kv_blocks=14, block_size=4)  # chunks + preemption
 SPECS = {
     "suffix": {"method": "suffix", "num_speculative_tokens": 5, "suffix_decoding_max_tree_depth": 6,
                "suffix_decoding_min_match_length": 2},

@@ -6,16 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from fixtures.spec_prompts import PROMPTS, STRESS
 from foretell import LLM, SamplingParams
 
-PROMPTS = [
-    "The cat reads the book. The cat reads the book. The cat",
-    "def add(x):\n    return x + 1\ndef add(x):\n    return",
-    "Question: what is 3 plus 7? Answer:",
-    "a b a b a b",
-]
 MAX_TOKENS = 24
-STRESS = dict(max_num_batched_tokens=8, num_kv_blocks=14, block_size=4)  # chunks + preemption
 
 
 def greedy() -> SamplingParams:
