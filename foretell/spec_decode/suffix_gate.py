@@ -10,25 +10,48 @@ drafting step waits for its results, proposes on the host and launches a verify 
 larger; the figures are in docs/perf-log.md). A fixed bar is too low on one and too high on the other.
 
 How it is timed, without a device sync or a start-up measurement: the drafter is called once per
-engine step (after the step's results are read), so the time between two of its calls is one whole
-engine step (the drafter's own work, the scheduler, the runner's launch and read back, the output
-processing): Engine.step()'s period, measured where the drafter sees it. An interval counts when the
-batch is steady (the same sequences, all sampling, as the call before: no prefill chunk, no request
-joining or leaving, no idle gap between generate() calls) and is classified by what the first call
-drafted: a drafting step (the call drafted for any sequence: the interval holds the proposal and the
-verify) or a plain one (neither that call nor the one before drafted: the interval holds a plain
-step queued ahead, not the step that falls back from a verify). Per batch-size bucket (powers of two)
-the lower median of the last COST_WINDOW intervals of each kind is its cost; the bar is
-t_draft / t_plain - 1, clamped to [MIN_AUTO_BAR, k + 1] (k + 1: no draft of at most k tokens can pay),
-taken from the nearest bucket that has timed both (ties: the smaller), AUTO_PRIOR_BAR before any has.
+engine step, after the step's results are read (the runner's propose_from_tokens, or the host
+step's propose), so the time between two of its calls is one whole engine step: Engine.step()'s
+period, measured where the drafter sees it. An interval counts when the batch is steady (the same
+sequences, all sampling, as the call before: no prefill chunk, no request joining or leaving, no
+idle gap between generate() calls). Call i closes step i's results and proposes the drafts of step
+i + 1; the interval from call i to call i + 1 holds the drafter's work at call i, the engine's output
+processing and schedule, and step i + 1's launch and read back. Where steps are queued ahead
+(runner/step_pipeline.py: a GPU), step i's finish queues step i + 1 as a plain step (no drafts)
+before reading step i, and a verify with host drafts queues nothing (its next step's drafts come
+from the host after it is read). So, by what call i and call i - 1 drafted (any sequence):
+  - drafting (call i drafted): step i + 1 verifies the drafts. When call i - 1 did not draft, a
+    plain step i + 1 was queued ahead and is dropped; it still runs on the device before the verify,
+    so the interval holds it too. Then the proposal, the verify's launch and its wait;
+  - fallback (call i did not draft, call i - 1 did): step i + 1 is a plain step, but step i was a
+    verify and queued nothing: it is launched from the host and waited for whole (the host work
+    and the device's latency in a row, not side by side), and it queues step i + 2;
+  - plain (neither drafted): step i + 1 was queued ahead by step i's finish: the host's work runs
+    while the device computes, the interval is a plain step's period (on a GPU with a small
+    target, its host work). On a CPU nothing is queued ahead: plain and fallback cost the same.
+A run of m drafting intervals (m calls in a row drafted) is followed by one fallback interval, so
+drafting costs the m intervals plus the fallback's excess over a plain step, against m + 1 plain
+steps: per drafting step t_draft = D + (F - P) / m, D the drafting interval, F the fallback, P the
+plain one. With a run of one: a draft pays when its 1 + a tokens plus the fallback's one cost less
+than 2 + a plain steps, D + F < (2 + a) P, i.e. a > (D + F - P) / P - 1.
+Per batch-size bucket (powers of two) the lower median of the last COST_WINDOW intervals of each kind
+is its D, F and P; m is the mean run length over the last COST_WINDOW runs that ended in a timed
+fallback (a run counts from its chain's first call when the batch changed under it: the step after
+a batch change is not queued ahead anyway). Until a bucket has timed MIN_COST_SAMPLES fallbacks
+its t_draft is D alone. The bar is t_draft / P - 1, clamped to [MIN_AUTO_BAR, k + 1] (k + 1: no
+draft of at most k tokens can pay), taken from the nearest bucket that has timed D and P (ties: the
+smaller), AUTO_PRIOR_BAR before any has.
 
 A workload where every sequence drafts every step never shows a plain step: once a bucket has timed
 MIN_COST_SAMPLES drafting steps and lacks plain ones, the drafter drafts nothing for EXPLORE_STEPS
-steps (drafts change speed only, never tokens), and tries again after EXPLORE_INTERVAL more
-drafting steps if the batch changed in between. The other way round, a bar that stops drafting
-(a bar of k or more) would never time a drafting step again: a bucket's drafting cost older than
-DRAFT_STALE_AFTER timed intervals is dropped, so the prior (or a nearer bucket) drafts for a few
-steps and times it afresh (a slow first measurement, a machine that got faster). The engine's
+steps (drafts change speed only, never tokens: the first of them times a fallback, the others plain
+steps), and tries again after EXPLORE_INTERVAL more drafting steps if the batch changed in between;
+a bucket that knows its plain cost but has timed fewer than MIN_COST_SAMPLES fallbacks drafts
+nothing for one step after a drafting one (a fallback to time), at most once per EXPLORE_INTERVAL
+drafting steps. The other way round, a bar that stops drafting (a bar of k or more) would never
+time a drafting step again: a bucket's drafting cost older than DRAFT_STALE_AFTER timed intervals
+is dropped (its fallbacks too), so the prior (or a nearer bucket) drafts for a few steps and
+times it afresh (a slow first measurement, a machine that got faster). The engine's
 warm-up (compile-bound steps) teaches nothing: the drafter starts the costs afresh after it
 (SuffixProposer.drop_cached_responses).
 """
@@ -62,20 +85,25 @@ PAUSE_PER_BAR = 16
 
 
 class _BucketCosts:
-    """One batch-size bucket's recent drafting and plain step seconds."""
+    """One batch-size bucket's recent drafting, fallback and plain step seconds (module docstring)."""
 
-    __slots__ = ("draft", "plain", "draft_s", "plain_s", "num_draft", "explored_at", "drafted_at")
+    __slots__ = ("draft", "plain", "fallback", "draft_s", "plain_s", "fallback_s", "run_length", "num_draft",
+                 "explored_at", "drafted_at")
 
     def __init__(self):
         self.draft: deque[float] = deque(maxlen=COST_WINDOW)
         self.plain: deque[float] = deque(maxlen=COST_WINDOW)
+        self.fallback: deque[tuple[float, int]] = deque(maxlen=COST_WINDOW)  # (seconds, its run's m)
         self.draft_s: float | None = None  # lower medians, None until MIN_COST_SAMPLES
         self.plain_s: float | None = None
+        self.fallback_s: float | None = None
+        self.run_length = 1.0  # drafting intervals per timed fallback (its runs' mean m)
         self.num_draft = 0  # drafting intervals recorded in all
         self.explored_at: int | None = None  # num_draft at the last exploration
         self.drafted_at = 0  # StepCostBar.num_intervals at the last drafting interval
 
     def add(self, seconds: float, drafted: bool) -> None:
+        """A drafting or a plain interval."""
         self.num_draft += drafted
         samples = self.draft if drafted else self.plain
         samples.append(seconds)
@@ -86,12 +114,34 @@ class _BucketCosts:
             else:
                 self.plain_s = median
 
+    def add_fallback(self, seconds: float, run_length: int) -> None:
+        """A fallback interval, after a run of run_length drafting intervals."""
+        self.fallback.append((seconds, run_length))
+        if len(self.fallback) >= MIN_COST_SAMPLES:
+            self.fallback_s = lower_median([f for f, _ in self.fallback])
+            self.run_length = sum(m for _, m in self.fallback) / len(self.fallback)
+
+    def forget_drafting(self) -> None:
+        """Drop the drafting and fallback costs (stale: module docstring)."""
+        self.draft.clear()
+        self.fallback.clear()
+        self.draft_s = self.fallback_s = None
+        self.run_length = 1.0
+
+    @property
+    def charged_draft_s(self) -> float | None:
+        """t_draft: a drafting interval plus its share of the fallback's excess over a plain step
+        (D + (F - P) / m), D alone before MIN_COST_SAMPLES fallbacks; None until D is known."""
+        if self.draft_s is None or self.fallback_s is None or self.plain_s is None:
+            return self.draft_s
+        return self.draft_s + (self.fallback_s - self.plain_s) / self.run_length
+
     @property
     def ratio(self) -> float | None:
         """t_draft / t_plain, None until both are known."""
         if self.draft_s is None or self.plain_s is None:
             return None
-        return self.draft_s / self.plain_s
+        return self.charged_draft_s / self.plain_s
 
 
 class StepCostBar:
@@ -107,12 +157,13 @@ class StepCostBar:
         self.buckets: dict[int, _BucketCosts] = {}
         self.bar = AUTO_PRIOR_BAR  # this step's
         self.learned = False  # whether this step's bar comes from timed steps (not the prior)
-        self.explore = False  # this step drafts nothing (timing a plain step)
+        self.explore = False  # this step drafts nothing (timing a plain or a fallback step)
         self._explore_left = 0
         self._last_time: float | None = None
         self._last_key: tuple | None = None
         self._drafted: bool | None = None  # what the last call drafted (None: not a steady chain)
         self._drafted_before: bool | None = None  # ... and the call before it
+        self._run_length = 0  # drafting intervals timed since this chain's last call without drafts
         self._bars: dict[int, float] = {}  # bucket -> its bar, until a cost changes
         self._any_timed = False  # some bucket has timed both kinds of step
         self.num_intervals = 0  # timed intervals, all buckets (the clock of staleness)
@@ -125,18 +176,28 @@ class StepCostBar:
         batch_size = len(samples)
         steady = key is not None and key[1] and key == self._last_key and self._drafted is not None
         if steady:
-            drafted = self._drafted
-            if drafted or self._drafted_before is False:
-                self._record(batch_size, now - self._last_time, drafted)
+            drafted, seconds = self._drafted, now - self._last_time
+            if drafted:
+                self._run_length += 1
+                self._record(batch_size, seconds, True)
+            elif self._drafted_before is False:
+                self._record(batch_size, seconds, False)
+            elif self._drafted_before:  # the step that falls back from the run's last verify
+                self._record_fallback(batch_size, seconds, self._run_length)
+            if not drafted:
+                self._run_length = 0
         else:
             self._drafted = None  # a new chain: the next interval has no step before it
+            self._run_length = 0
         self._drafted_before = self._drafted
         self._last_time, self._last_key = now, key
         self.bar = self._bar(batch_size)
         self.learned = self._any_timed
-        self.explore = self._explore_left > 0 or (steady and self._should_explore(batch_size))
+        if self._explore_left == 0 and steady:
+            self._explore_left = self._exploration(batch_size, self._drafted)
+        self.explore = self._explore_left > 0
         if self.explore:
-            self._explore_left = (self._explore_left or EXPLORE_STEPS) - 1
+            self._explore_left -= 1
         return self.bar
 
     def restart(self) -> None:
@@ -157,21 +218,42 @@ class StepCostBar:
         if drafted:
             costs.drafted_at = self.num_intervals
         elif costs.draft_s is not None and self.num_intervals - costs.drafted_at > DRAFT_STALE_AFTER:
-            costs.draft.clear()  # stale: drafting is timed again (module docstring)
-            costs.draft_s = None
+            costs.forget_drafting()  # stale: drafting is timed again (module docstring)
         costs.add(seconds, drafted)
-        if costs.ratio != before:
+        self._changed(costs, before)
+
+    def _record_fallback(self, batch_size: int, seconds: float, run_length: int) -> None:
+        costs = self.buckets.get(bucket_of(batch_size))
+        if costs is None:  # (a run's drafting intervals made the bucket)
+            return
+        before = costs.ratio
+        self.num_intervals += 1
+        costs.add_fallback(seconds, run_length)
+        self._changed(costs, before)
+
+    def _changed(self, costs: _BucketCosts, ratio_before: float | None) -> None:
+        if costs.ratio != ratio_before:
             self._bars.clear()
             self._any_timed = any(c.ratio is not None for c in self.buckets.values())
 
-    def _should_explore(self, batch_size: int) -> bool:
+    def _exploration(self, batch_size: int, last_drafted: bool) -> int:
+        """Steps to draft nothing from this call on (module docstring): EXPLORE_STEPS when the
+        bucket has timed drafting and no plain steps, 1 when it lacks fallbacks and the last call
+        drafted (the next interval is a fallback), else 0; at most once per EXPLORE_INTERVAL
+        drafting intervals."""
         costs = self.buckets.get(bucket_of(batch_size))
-        if costs is None or costs.draft_s is None or costs.plain_s is not None:
-            return False
+        if costs is None or costs.draft_s is None:
+            return 0
+        if costs.plain_s is None:
+            steps = EXPLORE_STEPS
+        elif costs.fallback_s is None and last_drafted:
+            steps = 1
+        else:
+            return 0
         if costs.explored_at is not None and costs.num_draft - costs.explored_at < EXPLORE_INTERVAL:
-            return False
+            return 0
         costs.explored_at = costs.num_draft
-        return True
+        return steps
 
     def _bar(self, batch_size: int) -> float:
         bucket = bucket_of(batch_size)
@@ -187,8 +269,10 @@ class StepCostBar:
         return bar
 
     def as_dict(self) -> dict:
-        """For get_stats(): the bar now, and per bucket (named by its smallest batch) the drafting
-        and plain step costs in ms (None: not timed yet) and the bar they give."""
+        """For get_stats(): the bar now, and per bucket (named by its smallest batch) the step costs
+        in ms (None: not timed yet): a drafting step's as charged (t_draft: its interval and its
+        share of the fallback's excess), the fallback step's, the plain step's; the drafting
+        intervals per fallback (m), and the bar they give."""
         sizes = sorted(self.buckets)
 
         def ms(seconds):
@@ -198,7 +282,9 @@ class StepCostBar:
             "auto": True,
             "bar": round(self.bar, 4),
             "batch_sizes": sizes,
-            "draft_step_ms": [ms(self.buckets[b].draft_s) for b in sizes],
+            "draft_step_ms": [ms(self.buckets[b].charged_draft_s) for b in sizes],
+            "fallback_step_ms": [ms(self.buckets[b].fallback_s) for b in sizes],
             "plain_step_ms": [ms(self.buckets[b].plain_s) for b in sizes],
+            "steps_per_fallback": [round(self.buckets[b].run_length, 2) for b in sizes],
             "bars": [round(self._bar(b), 4) for b in sizes],
         }
