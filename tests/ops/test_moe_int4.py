@@ -156,12 +156,13 @@ def poison_buffers(monkeypatch):
 
 
 SMALL_TILES = {"gate_up": {"BLOCK_N": 32, "BLOCK_K": 32}, "down": {"BLOCK_N": 64, "BLOCK_K": 32, "SPLIT": 2}}
+PREFETCHED_SMALL_TILES = {name: {**cfg, "PREFETCH": 1} for name, cfg in SMALL_TILES.items()}
 
 
 @pytest.mark.parametrize(
     "num_tokens, top_k, hidden, inter, with_shared, config",
     [(1, 8, 96, 64, True, None), (2, 2, 72, 40, False, None), (2, 3, 96, 72, True, SMALL_TILES),
-     (1, 1, 64, 32, False, {"down": {"SPLIT": 1}})],
+     (1, 1, 64, 32, False, {"down": {"SPLIT": 1}}), (2, 3, 96, 72, True, PREFETCHED_SMALL_TILES)],
 )
 def test_kernels_match_the_twin(kernels, num_tokens, top_k, hidden, inter, with_shared, config, monkeypatch):
     """Default tiles (one K chunk) and small ones (several chunks, a partial one; the down slot
@@ -180,6 +181,21 @@ def test_kernels_match_the_twin(kernels, num_tokens, top_k, hidden, inter, with_
             torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
 
 
+def test_prefetching_the_next_tile_changes_no_bit(kernels):
+    """PREFETCH only moves loads earlier: the same sums in the same order, over several tiles and a
+    partial last one (H = 72, I = 40 with 32-column tiles)."""
+    gen = torch.Generator().manual_seed(_seed())
+    case = int4_moe_case(2, 3, 72, 40, torch.float32, gen, True)
+    plain = kernels.fused_int4_experts_gemv_triton(*case, config=SMALL_TILES)
+    prefetched = kernels.fused_int4_experts_gemv_triton(*case, config=PREFETCHED_SMALL_TILES)
+    assert torch.equal(plain, prefetched)
+
+
+def test_sweep_candidates_are_valid_configs(kernels):
+    for config in kernels.candidate_configs(1, 8):
+        assert kernels._resolve(config, 1, 8)["gate_up"]["PREFETCH"] in (0, 1)
+
+
 def test_kernel_config_errors_name_the_key(kernels):
     gen = torch.Generator().manual_seed(0)
     case = int4_moe_case(1, 2, 64, 32, torch.float32, gen)
@@ -187,3 +203,5 @@ def test_kernel_config_errors_name_the_key(kernels):
         kernels.fused_int4_experts_gemv_triton(*case, config={"down": {"BLOCK": 4}})
     with pytest.raises(ValueError, match="BLOCK_K must be a power of two >= 32"):
         kernels.fused_int4_experts_gemv_triton(*case, config={"gate_up": {"BLOCK_K": 16}})
+    with pytest.raises(ValueError, match="PREFETCH must be 0 or 1"):
+        kernels.fused_int4_experts_gemv_triton(*case, config={"down": {"PREFETCH": 2}})

@@ -43,6 +43,7 @@ import triton.language as tl
 
 from foretell.ops.moe.int4_reference import INT4_GROUP, check_int4_expert_inputs
 from foretell.ops.moe.gemv_common import (
+    QUANTIZED_KERNEL_KEYS,
     _combine_split_slots,
     _down_program,
     _store_silu_product,
@@ -91,24 +92,31 @@ def _nibble_pair(sums, packed, shift: tl.constexpr, x_even, x_odd):
 
 
 @triton.jit
-def _int4_words(packed_rows, scale_rows, k0, row_valid, num_words, num_groups, x0, x1, x2, x3, x4, x5, x6, x7, c,
-                BLOCK_K: tl.constexpr):
-    """Per row and packed word of the tile at columns k0 .. k0 + BLOCK_K: scale * sum over the word's
-    8 nibbles of (q - 8) * x, [BLOCK_N, BLOCK_K / 8] float32, from _x_lanes' vectors. packed_rows /
-    scale_rows [BLOCK_N, 1]: the rows' packed words and scales. With f_i = 1 + q_i 2^-e_i
-    (_nibble_pair; e_i 8 or 4) and x'_i = 2^e_i x_i, sum_i f_i x'_i - c = sum_i (q_i - 8) x_i."""
+def _int4_tile(packed_rows, scale_rows, k0, row_valid, num_words, num_groups, BLOCK_K: tl.constexpr):
+    """The packed words [BLOCK_N, BLOCK_K / 8] int32 of the tile at columns k0 .. k0 + BLOCK_K and each
+    word's group scale [BLOCK_N, BLOCK_K / 8] (the scales' dtype); 0 past the rows' end, so a tile
+    loaded past the last one (the prefetch after the loop's last tile) reads no memory."""
     word = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     packed = tl.load(packed_rows + word[None, :], mask=row_valid[:, None] & (word < num_words)[None, :], other=0,
                      eviction_policy="evict_first")  # [BLOCK_N, WORDS] int32
+    group = word // 4  # 32 columns a scale: 4 words
+    scales = tl.load(scale_rows + group[None, :], mask=row_valid[:, None] & (group < num_groups)[None, :],
+                     other=0.0)  # [BLOCK_N, WORDS]
+    return packed, scales
+
+
+@triton.jit
+def _int4_word_sums(packed, scales, x0, x1, x2, x3, x4, x5, x6, x7, c):
+    """Per row and packed word of a tile (_int4_tile's packed words and scales): scale * sum over the
+    word's 8 nibbles of (q - 8) * x, [BLOCK_N, BLOCK_K / 8] float32, from _x_lanes' vectors. With
+    f_i = 1 + q_i 2^-e_i (_nibble_pair; e_i 8 or 4) and x'_i = 2^e_i x_i, sum_i f_i x'_i - c =
+    sum_i (q_i - 8) x_i."""
     sums = tl.zeros(packed.shape, tl.float32) - c[None, :]
     sums = _nibble_pair(sums, packed, 15, x0, x1)
     sums = _nibble_pair(sums, packed, 7, x2, x3)
     sums = _nibble_pair(sums, packed, -1, x4, x5)
     sums = _nibble_pair(sums, packed, -9, x6, x7)
-    group = word // 4  # 32 columns a scale: 4 words
-    scales = tl.load(scale_rows + group[None, :], mask=row_valid[:, None] & (group < num_groups)[None, :],
-                     other=0.0).to(tl.float32)  # [BLOCK_N, WORDS]
-    return sums * scales
+    return sums * scales.to(tl.float32)
 
 
 @triton.jit
@@ -132,6 +140,7 @@ def _int4_gate_up_kernel(
     ZERO_COUNTERS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PREFETCH: tl.constexpr,  # 1: the next tile's words loaded before this tile's are summed
 ):
     pair = tl.program_id(0)
     if ZERO_COUNTERS:
@@ -150,12 +159,26 @@ def _int4_gate_up_kernel(
     # x in the weights' dtype, as the bf16 kernels feed it (_x_lanes rounds it)
     gate = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)  # per row and word lane: summed once, after
     up = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        x0, x1, x2, x3, x4, x5, x6, x7, c = _x_lanes(x_ptr + token * stride_x, k0, hidden, BLOCK_K, dtype)
-        gate += _int4_words(gate_packed, gate_scales, k0, col_valid, num_words, num_groups, x0, x1, x2, x3, x4, x5,
-                            x6, x7, c, BLOCK_K)
-        up += _int4_words(up_packed, up_scales, k0, col_valid, num_words, num_groups, x0, x1, x2, x3, x4, x5, x6, x7,
-                          c, BLOCK_K)
+    x_row = x_ptr + token * stride_x
+    if PREFETCH:  # tile k0 + BLOCK_K's words in flight while tile k0's are summed
+        gate_words, gate_s = _int4_tile(gate_packed, gate_scales, 0, col_valid, num_words, num_groups, BLOCK_K)
+        up_words, up_s = _int4_tile(up_packed, up_scales, 0, col_valid, num_words, num_groups, BLOCK_K)
+        for k0 in range(0, hidden, BLOCK_K):
+            x0, x1, x2, x3, x4, x5, x6, x7, c = _x_lanes(x_row, k0, hidden, BLOCK_K, dtype)
+            next_gate, next_gate_s = _int4_tile(gate_packed, gate_scales, k0 + BLOCK_K, col_valid, num_words,
+                                                num_groups, BLOCK_K)
+            next_up, next_up_s = _int4_tile(up_packed, up_scales, k0 + BLOCK_K, col_valid, num_words, num_groups,
+                                            BLOCK_K)
+            gate += _int4_word_sums(gate_words, gate_s, x0, x1, x2, x3, x4, x5, x6, x7, c)
+            up += _int4_word_sums(up_words, up_s, x0, x1, x2, x3, x4, x5, x6, x7, c)
+            gate_words, gate_s, up_words, up_s = next_gate, next_gate_s, next_up, next_up_s
+    else:
+        for k0 in range(0, hidden, BLOCK_K):
+            x0, x1, x2, x3, x4, x5, x6, x7, c = _x_lanes(x_row, k0, hidden, BLOCK_K, dtype)
+            gate_words, gate_s = _int4_tile(gate_packed, gate_scales, k0, col_valid, num_words, num_groups, BLOCK_K)
+            up_words, up_s = _int4_tile(up_packed, up_scales, k0, col_valid, num_words, num_groups, BLOCK_K)
+            gate += _int4_word_sums(gate_words, gate_s, x0, x1, x2, x3, x4, x5, x6, x7, c)
+            up += _int4_word_sums(up_words, up_s, x0, x1, x2, x3, x4, x5, x6, x7, c)
     _store_silu_product(tl.sum(gate, axis=1), tl.sum(up, axis=1), act_ptr, pair, stride_act, cols, col_valid)
 
 
@@ -163,7 +186,7 @@ def _int4_gate_up_kernel(
 def _int4_down_slot(
     act_ptr, packed_ptr, scale_ptr, ids_ptr, weights_ptr, pair, cols, col_valid, inter, stride_act,
     stride_packed_expert, stride_scale_expert, words_per_row, groups_per_row,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """One slot's weighted output for BLOCK_N columns: round(W_down[e] . act[pair]) * weight."""
     expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -172,10 +195,20 @@ def _int4_down_slot(
     rows_scale = scale_ptr + expert * stride_scale_expert + cols[:, None].to(tl.int64) * num_groups
     dtype = act_ptr.dtype.element_ty
     y = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)  # per row and word lane: summed once, after
-    for k0 in range(0, inter, BLOCK_K):
-        x0, x1, x2, x3, x4, x5, x6, x7, c = _x_lanes(act_ptr + pair * stride_act, k0, inter, BLOCK_K, dtype)
-        y += _int4_words(rows_packed, rows_scale, k0, col_valid, num_words, num_groups, x0, x1, x2, x3, x4, x5, x6,
-                         x7, c, BLOCK_K)
+    act_row = act_ptr + pair * stride_act
+    if PREFETCH:  # as in the gate_up kernel
+        words, scales = _int4_tile(rows_packed, rows_scale, 0, col_valid, num_words, num_groups, BLOCK_K)
+        for k0 in range(0, inter, BLOCK_K):
+            x0, x1, x2, x3, x4, x5, x6, x7, c = _x_lanes(act_row, k0, inter, BLOCK_K, dtype)
+            next_words, next_scales = _int4_tile(rows_packed, rows_scale, k0 + BLOCK_K, col_valid, num_words,
+                                                 num_groups, BLOCK_K)
+            y += _int4_word_sums(words, scales, x0, x1, x2, x3, x4, x5, x6, x7, c)
+            words, scales = next_words, next_scales
+    else:
+        for k0 in range(0, inter, BLOCK_K):
+            x0, x1, x2, x3, x4, x5, x6, x7, c = _x_lanes(act_row, k0, inter, BLOCK_K, dtype)
+            words, scales = _int4_tile(rows_packed, rows_scale, k0, col_valid, num_words, num_groups, BLOCK_K)
+            y += _int4_word_sums(words, scales, x0, x1, x2, x3, x4, x5, x6, x7, c)
     return tl.sum(y, axis=1).to(dtype).to(tl.float32) * tl.load(weights_ptr + pair)
 
 
@@ -205,6 +238,7 @@ def _int4_down_combine_kernel(
     HAS_SHARED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     token, col_block, group, cols, col_valid = _down_program(hidden, BLOCK_N)
     if GROUPS == 1:
@@ -213,7 +247,7 @@ def _int4_down_combine_kernel(
             acc += _int4_down_slot(act_ptr, packed_ptr, scale_ptr, ids_ptr, weights_ptr, token * TOP_K + k, cols,
                                    col_valid, inter, stride_act, stride_packed_expert, stride_scale_expert,
                                    words_per_row, groups_per_row,
-                                   BLOCK_N, BLOCK_K)
+                                   BLOCK_N, BLOCK_K, PREFETCH)
         _store_token(acc, shared_ptr, out_ptr, token, cols, col_valid, stride_shared, stride_out, HAS_SHARED)
     else:
         for j in tl.static_range(SLOTS):
@@ -223,30 +257,49 @@ def _int4_down_combine_kernel(
                 value = _int4_down_slot(act_ptr, packed_ptr, scale_ptr, ids_ptr, weights_ptr, pair, cols, col_valid,
                                         inter, stride_act, stride_packed_expert, stride_scale_expert,
                                         words_per_row, groups_per_row,
-                                        BLOCK_N, BLOCK_K)
+                                        BLOCK_N, BLOCK_K, PREFETCH)
                 tl.store(scratch_ptr + pair * hidden + cols, value, mask=col_valid)
         _combine_split_slots(scratch_ptr, counters_ptr, shared_ptr, out_ptr, token, col_block, cols, col_valid, hidden,
                              stride_shared, stride_out, TOP_K, GROUPS, HAS_SHARED, BLOCK_N)
+
+
+INT4_KERNEL_KEYS = QUANTIZED_KERNEL_KEYS + ("PREFETCH",)
 
 
 def int4_launch_config(num_tokens: int, top_k: int) -> dict:
     """The H200 sweep's winners at Kimi-K2.5's shapes (b3ec0f8), the same at 1 to 8 tokens: gate_up
     four rows a program over 1024-column tiles (faster than 16 rows of 256); the down kernel
     eight columns of 256 over two warps, slots spread over at most 8 programs a column block (the
-    figures: docs/perf-log.md, "Figures moved from docstrings")."""
+    figures: docs/perf-log.md, "Figures moved from docstrings"). PREFETCH 0: each tile's words
+    loaded in the iteration that sums them."""
     return {
-        "gate_up": {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4},
-        "down": {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 2, "SPLIT": min(max(top_k, 1), 8)},
+        "gate_up": {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4, "PREFETCH": 0},
+        "down": {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 2, "SPLIT": min(max(top_k, 1), 8), "PREFETCH": 0},
     }
 
 
+def candidate_configs(num_tokens: int, top_k: int) -> list[dict]:
+    """Whole configs (both kernels) for the in-graph sweep (bench/kernels/moe_int4_chain.py): the
+    default's tiles with the next tile prefetched, then prefetching with more rows a program."""
+    default = int4_launch_config(num_tokens, top_k)
+    gate_up, down = default["gate_up"], default["down"]
+    configs = [{"gate_up": {**gate_up, "PREFETCH": 1}, "down": {**down, "PREFETCH": 1}}]
+    for up_rows, up_k, down_rows, down_k, warps in ((8, 1024, 16, 256, 4), (4, 512, 8, 512, 2), (8, 512, 16, 128, 2),
+                                                    (2, 1024, 4, 256, 1)):
+        configs.append({"gate_up": {**gate_up, "BLOCK_N": up_rows, "BLOCK_K": up_k, "PREFETCH": 1},
+                        "down": {**down, "BLOCK_N": down_rows, "BLOCK_K": down_k, "num_warps": warps, "PREFETCH": 1}})
+    return configs
+
+
 def _resolve(config: dict | None, num_tokens: int, top_k: int) -> dict:
-    resolved = override_kernel_configs(int4_launch_config(num_tokens, top_k), config, "int4 MoE")
+    resolved = override_kernel_configs(int4_launch_config(num_tokens, top_k), config, "int4 MoE", INT4_KERNEL_KEYS)
     for name, cfg in resolved.items():
         block_k = cfg["BLOCK_K"]
         if block_k < INT4_GROUP or block_k & (block_k - 1) or cfg["BLOCK_N"] & (cfg["BLOCK_N"] - 1):
             raise ValueError(f"int4 MoE {name}: BLOCK_K must be a power of two >= {INT4_GROUP} and BLOCK_N a power "
                              f"of two, got {cfg}")
+        if cfg["PREFETCH"] not in (0, 1):
+            raise ValueError(f"int4 MoE {name}: PREFETCH must be 0 or 1, got {cfg['PREFETCH']!r}")
     return resolved
 
 
