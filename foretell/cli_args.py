@@ -132,6 +132,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
     sp.add_argument("--adaptive-speculation", dest="adaptive", action="store_true", default=None,
                     help="draft 0 to --num-speculative-tokens tokens per step, the count with the most "
                          "expected tokens per second (step costs measured at start-up)")
+    sp.add_argument("--adaptive-skip-catch-up", choices=["on", "off"],
+                    help="adaptive, eagle3 / mtp: on (default): a step whose batch drafts nothing next runs no "
+                         "drafter (its KV cache keeps holes there); off: the drafter still catches up")
     sp.add_argument("--topk", type=int,
                     help="eagle3: draft a tree, expanding this many children per node and keeping this many "
                          "nodes per depth (--num-speculative-tokens is its depth); 1 (default): a chain")
@@ -197,6 +200,7 @@ def speculative_config_from_args(args: argparse.Namespace) -> dict[str, Any] | N
         "draft_tensor_parallel_size": getattr(args, "draft_tensor_parallel_size", None),
         "adaptive": getattr(args, "adaptive", None),
         "structured_forced_drafts": {"on": True, "off": False}.get(getattr(args, "structured_forced_drafts", None)),
+        "adaptive_skip_catch_up": {"on": True, "off": False}.get(getattr(args, "adaptive_skip_catch_up", None)),
         **{name: getattr(args, name, None) for name in SUFFIX_FLAGS},
     }
     if args.eagle3_aux_layer_ids:

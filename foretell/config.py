@@ -193,6 +193,11 @@ class SpeculativeConfig:
     # measured at start-up and running acceptance estimates.
     # None: as num_speculative_tokens says (true for "auto", else false).
     adaptive: bool | None = None
+    # Under adaptive speculation, a step whose whole batch drafts 0 for the next one runs no drafter
+    # at all when the drafter reads the target's hidden states each step (EAGLE3, MTP): its KV cache
+    # keeps holes at the skipped positions (later drafts a little worse, output exact). False: the
+    # drafter still catches up on every accepted token. A draft LM always catches up.
+    adaptive_skip_catch_up: bool = True
     # Read as "input of layer i" (vLLM's reading). None: the head's config, else 2, N//2, N-3.
     eagle3_aux_layer_ids: list[int] | None = None
     prompt_lookup_min: int = 2
@@ -269,6 +274,11 @@ class SpeculativeConfig:
                 f"eagle3_aux_layer_ids must name 3 layers, got {self.eagle3_aux_layer_ids}"
             )
         self._check_tree()
+        if not isinstance(self.adaptive_skip_catch_up, bool):
+            raise ValueError(
+                f"speculative_config adaptive_skip_catch_up must be true or false, got "
+                f"{self.adaptive_skip_catch_up!r}"
+            )
         if not isinstance(self.structured_forced_drafts, bool):
             raise ValueError(
                 f"speculative_config structured_forced_drafts must be true or false, got "

@@ -198,13 +198,21 @@ class StepGraphSetup:
         spec = self.config.speculative
         loop = DraftGraphRunner(drafter, padded_forward, spec.num_speculative_tokens,
                                 reads_host_lengths=not graph_safe,  # adaptive: verifies of 0..K drafts
-                                verify_lens=tuple(range(1, spec.num_speculative_tokens + 2)) if spec.adaptive else None)
+                                verify_lens=tuple(range(1, spec.num_speculative_tokens + 2)) if spec.adaptive else None,
+                                skip_catch_up=skips_catch_up(spec, self.proposer))
         try:
             loop.capture()
         except RuntimeError as e:
             logger.warning("draft-loop graph capture failed, drafting eagerly: %s", e)
             torch.cuda.synchronize(self.device)
         return loop
+
+
+def skips_catch_up(spec, proposer: Proposer | None) -> bool:
+    """Whether a step that drafts nothing for the next one runs no drafter (adaptive speculation
+    with adaptive_skip_catch_up, a drafter whose cache tolerates holes: EAGLE3, MTP)."""
+    return bool(spec is not None and spec.adaptive and spec.adaptive_skip_catch_up and proposer is not None
+                and proposer.capabilities.catch_up_skippable)
 
 
 def build_step_pipeline(

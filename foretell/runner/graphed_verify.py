@@ -7,11 +7,11 @@ top-p, min-p), with or without logprobs and logits controls (penalties, logit_bi
 bad words, allowed tokens: padded_logits_controls.py; grammars: structured/padded_verify.py).
 The step verifies q - 1 drafts per sequence, q the shortest verify length of the draft loop that
 holds the most drafts (K + 1, or under adaptive speculation 1..K + 1: the chosen k + 1, k = 0
-being a padded decode whose draft loop catches the drafter up); a sequence with fewer drafts (a
-budget or length cut) is padded to q - 1 with PAD_DRAFT_TOKEN rows and accepts none of them (caps
-for greedy and drawn acceptance, lengths for rejection sampling, whose bonus token comes from the
-sequence's own row). The padded
-rows write K/V in the sequence's lookahead slots, past anything it has computed (overwritten
+being a padded decode whose draft loop catches the drafter up, or, for an EAGLE3 or MTP drafter
+when the next step drafts nothing, runs no drafter: DraftGraphRunner.skips); a sequence with
+fewer drafts (a budget or length cut) is padded to q - 1 with PAD_DRAFT_TOKEN rows and accepts
+none of them (caps for greedy and drawn acceptance, lengths for rejection sampling, whose bonus
+token comes from the sequence's own row). The padded rows write K/V in the sequence's lookahead slots, past anything it has computed (overwritten
 before being read, as rejected drafts' are). The draft loop drafts m per sequence: q - 1, or K
 when the scheduler's choice for the next step asks for more than q - 1 (num_drafts; the
 scheduler takes the first k). It runs on the
@@ -154,10 +154,11 @@ class GraphedVerify:
     def num_drafts(self, q: int, num_next_drafts: int | None) -> int:
         """m, the drafts a step of q rows makes: q - 1 (what it verified: adaptive speculation's
         steady state) unless the scheduler's choice for the next step (None: K, not adaptive)
-        asks for more, then K (the scheduler takes the first num_next_drafts)."""
+        asks for more, then K (the scheduler takes the first num_next_drafts); 0 when the next
+        step drafts nothing and the draft loop then runs no drafter (skips)."""
         k = self.draft_graphs.k
         wanted = k if num_next_drafts is None else num_next_drafts
-        return q - 1 if wanted <= q - 1 else k
+        return 0 if wanted == 0 and self.draft_graphs.skips(0) else q - 1 if wanted <= q - 1 else k
 
     def launch(self, sched: SchedulerOutput, batch: InputBatch) -> "LaunchedVerify | None":
         """The step the scheduler decided, its inputs from `batch` (sequences with fewer drafts

@@ -133,6 +133,10 @@ class HostDraftSlots:
     def capture(self) -> None:
         pass
 
+    def skips(self, m: int) -> bool:
+        """DraftGraphRunner.skips' answer: no (this loop never runs a drafter, whatever m)."""
+        return False
+
     def catch_up_fits(self, first_position: int, q: int | None = None) -> bool:
         """Whether a verify of q rows (None: K + 1) from first_position keeps every row, padding
         included, below max_model_len (the rotary table and the block table end there)."""

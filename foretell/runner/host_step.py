@@ -20,7 +20,10 @@ sampling rows into each sequence's tokens: the sampler when the step verifies no
 verifier (spec_decode/verifier.py, the same one the padded step uses: greedy acceptance by the
 same op, rejection sampling for sampled rows, or simulated acceptance); propose() hands the
 proposer its rows (the accepted prefix of a verify, a prefill chunk) as a DraftBatch and keeps the
-draft probabilities of sampled requests for their next verify.
+draft probabilities of sampled requests for their next verify. With skip_catch_up (adaptive
+speculation, an EAGLE3 or MTP drafter: graph_setup.skips_catch_up) a step of verify or decode rows
+only whose next step drafts nothing runs no drafter, as the padded step's draft loop does
+(spec_decode/draft_graph.py: its KV cache keeps holes there); prefill rows are always caught up.
 
 Under tensor parallelism a step whose sampling rows are all greedy and ask for no logprobs needs
 no logits: greedy_without_logits() says so (the one place that decides), the runner then hands
@@ -40,7 +43,7 @@ from foretell.runner.host_drafts import token_draft_batch
 from foretell.runner.input_batch import InputBatch
 from foretell.runner.logits_processing import apply_sampling_controls
 from foretell.runner.logprobs import add_logprobs
-from foretell.spec_decode.proposer import DraftBatch, Proposer
+from foretell.spec_decode.proposer import DraftBatch, Proposal, Proposer
 from foretell.spec_decode.verifier import Verifier
 from foretell.structured.runtime import StructuredOutputs
 
@@ -57,6 +60,7 @@ class HostStep:
         device: torch.device,
         tensor_parallel: bool = False,  # the vocabulary is split over ranks
         structured: StructuredOutputs | None = None,  # grammar masks (None: no tokenizer, none allowed)
+        skip_catch_up: bool = False,  # a step drafting nothing next may run no drafter (module docstring)
     ):
         self.sampler = sampler
         self.verifier = verifier
@@ -68,6 +72,7 @@ class HostStep:
         self.tensor_parallel = tensor_parallel
         self.draft_probs: dict[int, torch.Tensor] = {}  # seq_id -> [k, vocab] for sampled drafts
         self.structured = structured or StructuredOutputs(None, vocab_size)
+        self.skip_catch_up = skip_catch_up
 
     def _sampling_rows(self, sched: SchedulerOutput, batch: InputBatch):
         params, seeds = [], []
@@ -156,11 +161,12 @@ class HostStep:
                 results: list) -> None:
         """The proposer's catch-up over each sequence's final rows (hidden [rows, hidden]) and its
         next drafts, into results."""
-        if self.proposer.capabilities.drafts_from_tokens:  # n-gram, suffix: host lists only, no rows gathered
-            draft_batch = token_draft_batch(sched, results, self.block_size, self.max_model_len)
+        if self.runs_no_drafter(sched):
+            proposal = Proposal([[] for _ in sched.scheduled], [None] * len(sched.scheduled))
+        elif self.proposer.capabilities.drafts_from_tokens:  # n-gram, suffix: host lists only, no rows gathered
+            proposal = self.proposer.propose(token_draft_batch(sched, results, self.block_size, self.max_model_len))
         else:
-            draft_batch = self.draft_batch(sched, batch, hidden, aux, results)
-        proposal = self.proposer.propose(draft_batch)
+            proposal = self.proposer.propose(self.draft_batch(sched, batch, hidden, aux, results))
         for i, drafts in enumerate(proposal.token_ids):
             results[i].next_drafts = drafts
         # Under a grammar: drafts it rejects cut, the tokens it forces drafted, past k (this step
@@ -171,6 +177,12 @@ class HostStep:
             if probs is not None and not item.seq.sampling_params.greedy:
                 self.draft_probs[item.seq.seq_id] = probs
         self.structured.fill_ahead(sched.scheduled, results)  # the next step's grammar masks, on a worker
+
+    def runs_no_drafter(self, sched: SchedulerOutput) -> bool:
+        """Whether this step skips the drafter (skip_catch_up): the next step drafts nothing, and
+        every sequence samples from verify or decode rows alone (no prefill rows to catch up)."""
+        return self.skip_catch_up and sched.num_next_drafts == 0 and all(
+            item.samples and item.num_new_tokens == 1 + len(item.draft_token_ids) for item in sched.scheduled)
 
     def draft_batch(self, sched: SchedulerOutput, batch: InputBatch, hidden: torch.Tensor, aux: list[torch.Tensor],
                     results: list, path_rows: dict[int, list[int]] | None = None) -> DraftBatch:

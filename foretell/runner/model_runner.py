@@ -48,7 +48,7 @@ from foretell.models.eagle3_cpu_step import cpu_step_fits
 from foretell.layers.cpu_weight_layout import store_weights_transposed, transposed_weights_preferred
 from foretell.runner.cpu_compile import install_cpu_compile
 from foretell.runner.cpu_compile_head import install_cpu_compile_head
-from foretell.runner.graph_setup import StepGraphSetup, build_step_pipeline
+from foretell.runner.graph_setup import StepGraphSetup, build_step_pipeline, skips_catch_up
 from foretell.runner.input_batch import InputBatch, build_input_batch
 from foretell.runner.host_step import HostStep
 from foretell.runner.host_drafts import propose_from_tokens
@@ -166,7 +166,8 @@ class ModelRunner:
                                   tensor_parallel=self.tensor_parallel.is_parallel,
                                   structured=StructuredOutputs(mc.tokenizer or mc.model, self.vocab_size,
                                                                forced_drafts=config.speculative is None
-                                                               or config.speculative.structured_forced_drafts))
+                                                               or config.speculative.structured_forced_drafts),
+                                  skip_catch_up=skips_catch_up(config.speculative, self.proposer))
         self.pipeline = build_step_pipeline(
             step_graphs, queue_ahead=queue_ahead, has_drafter=self.proposer is not None,
             target_forward=self.target_forward, sampler=sampler, verifier=self.verifier,

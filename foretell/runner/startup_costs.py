@@ -128,8 +128,10 @@ class GraphReplayTimer:
     def draft_seconds(self, bucket: int, q: int, m: int) -> float:
         """(Uncaptured, the loop reads the outputs of the target's last run: time verify_seconds
         of the same (bucket, q) first, as time_step_priors does.)"""
-        self._prepare(bucket, q)
         loop = self.draft_loop
+        if loop.skips(m):  # no drafter runs
+            return 0.0
+        self._prepare(bucket, q)
         loop.num_live.fill_(bucket)  # every sequence writes its draft KV, as in a real step
         loop.accepted[:bucket].fill_(q - 1)
         loop.next_token[:bucket].fill_(0)
@@ -152,12 +154,13 @@ def replay_timer_for(
     max_context_tokens: int,  # what one sequence may hold: max_model_len and the KV cache's blocks
 ) -> GraphReplayTimer | None:
     """A timer over the runner's graphs when every graph a steady adaptive step replays was
-    captured (verify (bucket, k + 1), draft loop (bucket, k + 1, k) at every bucket and k), else None."""
+    captured (verify (bucket, k + 1), draft loop (bucket, k + 1, k) at every bucket and k, but none
+    for k = 0 when that step runs no drafter: DraftGraphRunner.skips), else None."""
     if target is None or not target.captures or not isinstance(draft_loop, DraftGraphRunner):
         return None
     keys = [(b, k + 1) for b in target.buckets for k in range(max_k + 1)]
-    if any(key not in target.graphs for key in keys) or any((*key, key[1] - 1) not in draft_loop.graphs
-                                                            for key in keys):
+    if any(key not in target.graphs for key in keys) or any(
+            (*key, key[1] - 1) not in draft_loop.graphs and not draft_loop.skips(key[1] - 1) for key in keys):
         return None
     context_len = min(CONTEXT_TOKENS, max_context_tokens)
     if context_len < max_k + 1:

@@ -14,6 +14,11 @@ past it: their KV is overwritten by later steps). The captured loop:
      a draft LM (row_offset 0) feeds the token at p0 + r itself (q + 1 rows, row a + 1 drafts);
   2. drafts token 1 by argmax (through d2t for EAGLE3), then m - 1 single-row steps (m drafts,
      0..K: m = 0 only catches up, the drafter's side of a k = 0 step under adaptive speculation).
+With skip_catch_up (adaptive_skip_catch_up, an EAGLE3 or MTP drafter:
+ProposerCapabilities.catch_up_skippable) an m = 0 step runs nothing at all: the drafter's KV
+cache keeps holes at that step's positions, and the next drafting step's catch-up needs none of
+them (its rows pair the target's features at p0 + r with the tokens at p0 + r + 1, all from its
+own verify).
 Near max_model_len, a chained step whose draft sits at or past the limit (never verified: the
 scheduler's room cap) runs at position max_model_len - 1 (ops/step dispatch.catch_up_inputs), and the
 runner graphs a batch only when its catch-up rows fit below the limit (catch_up_fits).
@@ -110,10 +115,12 @@ class DraftGraphRunner:
     drafts_on_host = False  # its drafts come from the device loop (runner/host_drafts.HostDraftSlots': the host's)
 
     def __init__(self, proposer: PaddedDrafter, target: PaddedForward, k: int, reads_host_lengths: bool = False,
-                 verify_lens: tuple[int, ...] | None = None):
+                 verify_lens: tuple[int, ...] | None = None, skip_catch_up: bool = False):
         self.proposer = proposer
         self.target = target
         self.k = k  # K: the most drafts a step makes or verifies
+        # m = 0 runs no drafter (module docstring); only for a drafter whose cache tolerates holes.
+        self.skip_catch_up = skip_catch_up
         # The verify lengths q the padded step takes (its target graphs'): K + 1, or 1..K + 1.
         self.verify_lens = tuple(sorted(set(verify_lens or (k + 1,))))
         if not all(1 <= q <= k + 1 for q in self.verify_lens):
@@ -135,6 +142,7 @@ class DraftGraphRunner:
             self.rows_per_seq(q): torch.arange(max_bucket + 1, **i32) * self.rows_per_seq(q) for q in self.verify_lens
         }
         self.single_starts = torch.arange(max_bucket + 1, **i32)
+        self.no_drafts = torch.zeros((max_bucket, 0), dtype=torch.int64, device=device)  # [max_bucket, 0]
         self.graphs: dict[tuple[int, int, int], CapturedDraft] = {}  # (bucket, q, m) -> its captured loop
 
     def rows_per_seq(self, q: int) -> int:
@@ -142,9 +150,14 @@ class DraftGraphRunner:
         target's features at t with the token at t + 1), q + 1 (a draft LM feeds each token)."""
         return q + 1 - self.shift
 
+    def skips(self, m: int) -> bool:
+        """Whether a step drafting m runs no drafter (m = 0 with skip_catch_up)."""
+        return m == 0 and self.skip_catch_up
+
     def loop_keys(self) -> list[tuple[int, int]]:
-        """The (q, m) loops captured per bucket: m = K for every verify length, and m = q - 1."""
-        return sorted({(q, m) for q in self.verify_lens for m in (self.k, q - 1)})
+        """The (q, m) loops captured per bucket: m = K for every verify length, and m = q - 1
+        (but m = 0 when it runs nothing: skips)."""
+        return sorted({(q, m) for q in self.verify_lens for m in (self.k, q - 1) if not self.skips(m)})
 
     def catch_up_fits(self, first_position: int, q: int | None = None) -> bool:
         """Whether a verify step of q rows (None: K + 1) starting at first_position (p0) has every
@@ -225,9 +238,11 @@ class DraftGraphRunner:
         """Replay after the target's (bucket, q) forward (None: K + 1) and the verifier's
         acceptance into accepted / next_token / num_live; returns m drafts (None: K) per sequence
         [num_seqs, m]. Uncaptured (no graph for the key: off CUDA, --enforce-eager, a capture that
-        failed, a (q, m) not in loop_keys()) the same loop runs eagerly."""
+        failed, a (q, m) not in loop_keys()) the same loop runs eagerly; when it skips(m), nothing."""
         q = self.k + 1 if q is None else q
         m = self.k if m is None else m
+        if self.skips(m):
+            return self.no_drafts[:num_seqs]  # a static buffer's view, as the read-back wants
         captured = self.graphs.get((bucket, q, m))
         if captured is None:
             return self._loop(bucket, q, m)[:num_seqs]

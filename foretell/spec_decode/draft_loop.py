@@ -76,6 +76,7 @@ class DraftLoopProposer(ProposerBase):
         return ProposerCapabilities(
             aux_hidden_state_layers=self.aux_hidden_state_layers,
             draft_kv_reads_next_token=self.row_offset == -1,
+            catch_up_skippable=self.row_offset == -1,  # reads the target's features (EAGLE3, MTP)
             max_positions=self.max_positions,
         )
 

@@ -37,7 +37,7 @@ class HybridProposer:
 
     @property
     def capabilities(self) -> ProposerCapabilities:
-        return replace(self.model.capabilities, deterministic=False)
+        return replace(self.model.capabilities, deterministic=False, catch_up_skippable=False)  # proposes every step
 
     def load(self, target: nn.Module, load_format: str = "auto") -> None:
         self.model.load(target, load_format)

@@ -99,6 +99,12 @@ class ProposerCapabilities:
     #: so the runner hands it no device rows and verifies its drafts on the padded step
     #: (runner/host_drafts.py).
     drafts_from_tokens: bool = False
+    #: Whether a step may run no drafter at all, its catch-up skipped (adaptive speculation's
+    #: steps that draft nothing next: adaptive_skip_catch_up): the drafter reads the target's
+    #: hidden states each step (EAGLE3, MTP), so its KV cache may keep holes at the skipped
+    #: positions (never-written or stale slots: finite values, read as slightly wrong context;
+    #: drafts get worse, the output stays exact). Not a draft LM: its KV cache is its only context.
+    catch_up_skippable: bool = False
     #: The most positions the drafter's own model can embed (a draft LM's rotary table), or None
     #: when it has no limit of its own; the runner keeps max_model_len within it.
     max_positions: int | None = None

@@ -205,11 +205,18 @@ def test_adaptive_k_zero_with_a_draft_lm_stays_padded(qwen3_checkpoint, monkeypa
 
 
 def test_draft_loop_keys_and_bad_verify_lengths(qwen3_checkpoint, eagle3_head):
-    llm = adaptive_llm(qwen3_checkpoint, {"method": "eagle3", "model": eagle3_head}, "off")
+    """The loops per (q, m); with adaptive_skip_catch_up (the default) no m = 0 loop, and a step
+    whose next step drafts nothing drafts 0 whatever it verified."""
+    llm = adaptive_llm(qwen3_checkpoint, {"method": "eagle3", "model": eagle3_head}, "off",
+                       adaptive_skip_catch_up=False)
     loop = llm.engine.runner.draft_graphs
     assert loop.verify_lens == (1, 2, 3, 4)
     assert loop.loop_keys() == [(1, 0), (1, 3), (2, 1), (2, 3), (3, 2), (3, 3), (4, 3)]
     kind = padded_kind(llm)
-    assert [kind.num_drafts(q, k) for q, k in ((1, 0), (1, 2), (3, 1), (3, 2), (3, 3), (4, None))] == [0, 3, 2, 2, 3, 3]
+    cases = ((1, 0), (1, 2), (3, 0), (3, 1), (3, 2), (3, 3), (4, None))
+    assert [kind.num_drafts(q, k) for q, k in cases] == [0, 3, 2, 2, 2, 3, 3]
+    loop.skip_catch_up = True
+    assert loop.loop_keys() == [(1, 3), (2, 1), (2, 3), (3, 2), (3, 3), (4, 3)]
+    assert [kind.num_drafts(q, k) for q, k in cases] == [0, 3, 0, 2, 2, 3, 3]
     with pytest.raises(ValueError, match="verify lengths must lie in 1..4"):
         type(loop)(loop.proposer, loop.target, 3, verify_lens=(5,))
