@@ -5,6 +5,12 @@
 1. json: N GSM8K prompts with each of two JSON schemas, greedy, EAGLE3 k=3 (--method): the share
    of responses that validate with the jsonschema package, and the mean acceptance length
    (1 + accepted / drafts) of the same prompts without a grammar and with it (bar: >= 90%).
+   Two more ratios, from each token's origin (SamplingParams.return_token_origins), because that
+   mean counts only verifies with drafts: a step whose drafts the grammar cut to none does not
+   lower it, and a JSON response is far shorter than the plain one (max_tokens), whose later text
+   the drafter predicts better. tokens_per_step: output tokens per sequence step, every step
+   counted (the one that ends the prefill too); position_matched: the plain run's mean
+   acceptance length over each prompt's first tokens, as many as its JSON response has.
 2. overhead at batch 1 (one prompt, --overhead-tokens tokens, EOS ignored), plain and with the
    drafter: tok/s with no controls, with a no-op logit bias (the host step that every request with
    logits controls takes: off CUDA graphs and decode-ahead), and with an always-true grammar
@@ -114,14 +120,39 @@ def spec_config(method: str) -> dict | None:
     return config
 
 
+def origin_counts(outs, lengths: list[int] | None = None) -> dict:
+    """Steps, verifies with drafts, accepted drafts and tokens of these outputs (their token
+    origins); when lengths is given, only the steps that emitted output i's first lengths[i]
+    tokens (all of each such step's tokens)."""
+    steps = verifies = accepted = tokens = 0
+    for i, out in enumerate(outs):
+        origins = out.outputs[0].token_origins
+        if lengths is not None:
+            last_step = origins[min(lengths[i], len(origins)) - 1].step if lengths[i] and origins else -1
+            origins = [o for o in origins if o.step <= last_step]
+        tokens += len(origins)
+        steps += len({o.step for o in origins})
+        verifies += len({o.step for o in origins if o.num_drafts})
+        accepted += sum(o.kind == "accepted" for o in origins)
+    return {"steps": steps, "verifies": verifies, "accepted": accepted, "tokens": tokens,
+            "tokens_per_step": tokens / steps if steps else None,
+            "mean_acceptance_length": 1 + accepted / verifies if verifies else None}
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
 def json_check(llm: LLM, prompts: list[str], max_tokens: int) -> dict:
     """Each schema's validity and acceptance length against the same prompts without a grammar."""
     window = Window(llm)
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+    plain = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, return_token_origins=True),
+                         use_tqdm=False)
     report: dict = {"num_prompts": len(prompts), "without_grammar": window.close()}
+    report["without_grammar"]["origins"] = origin_counts(plain)
     for (suffix, forced), (schema_name, schema) in [(m, s) for m in forced_modes(llm) for s in SCHEMAS.items()]:
         name = schema_name + suffix
-        constrained = SamplingParams(temperature=0, max_tokens=max_tokens,
+        constrained = SamplingParams(temperature=0, max_tokens=max_tokens, return_token_origins=True,
                                      structured_outputs={"json": schema, "disable_any_whitespace": True})
         with probe.grammar_forced_drafts(llm, forced):
             window = Window(llm)
@@ -136,11 +167,18 @@ def json_check(llm: LLM, prompts: list[str], max_tokens: int) -> dict:
             except (ValueError, jsonschema.ValidationError) as e:
                 failures.append({"text": text[:200], "finish_reason": o.outputs[0].finish_reason,
                                  "error": str(e)[:200]})
-        without = report["without_grammar"]["mean_acceptance_length"]
-        ratio = with_grammar["mean_acceptance_length"] / without if without and with_grammar["mean_acceptance_length"] else None
+        with_grammar["origins"] = origins = origin_counts(outs)
+        plain_origins = report["without_grammar"]["origins"]
+        matched = origin_counts(plain, [len(o.outputs[0].token_origins) for o in outs])
         report[name] = {"schema": schema, "forced_drafts": forced, "valid_percent": 100.0 * valid / len(prompts),
                         "failures": failures[:5],
-                        "with_grammar": with_grammar, "acceptance_length_ratio": ratio,
+                        "with_grammar": with_grammar,
+                        "acceptance_length_ratio": ratio(with_grammar["mean_acceptance_length"],
+                                                         report["without_grammar"]["mean_acceptance_length"]),
+                        "tokens_per_step_ratio": ratio(origins["tokens_per_step"], plain_origins["tokens_per_step"]),
+                        "position_matched_without": matched,
+                        "position_matched_ratio": ratio(origins["mean_acceptance_length"],
+                                                        matched["mean_acceptance_length"]),
                         "examples": [o.outputs[0].text for o in outs[:3]]}
     return report
 
@@ -221,7 +259,9 @@ def main(argv=None) -> int:
               f"valid; mean acceptance length {j['without_grammar']['mean_acceptance_length'] or 0:.3f} without -> "
               f"{r['mean_acceptance_length'] or 0:.3f} with ({100 * (j[name]['acceptance_length_ratio'] or 0):.1f}%); "
               f"{r['drafts_per_verify'] or 0:.2f} drafts a verify, {r['forced_drafts']} forced, "
-              f"{r['jit_compiles']} compilations")
+              f"{r['jit_compiles']} compilations; tokens a step {100 * (j[name]['tokens_per_step_ratio'] or 0):.1f}% "
+              f"of the plain run's, acceptance length {100 * (j[name]['position_matched_ratio'] or 0):.1f}% of "
+              f"its first tokens'")
     for name in ("overhead_batch1_plain", "overhead_batch1_spec"):
         runs = report[name]
         line = ", ".join(f"{k} {r['tok_s']:.0f} tok/s ({r['ms_per_step']:.2f} ms/step, masks "
