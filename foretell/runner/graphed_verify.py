@@ -11,10 +11,10 @@ being a padded decode whose draft loop catches the drafter up, or, for an EAGLE3
 when the next step drafts nothing, runs no drafter: DraftGraphRunner.skips); a sequence with
 fewer drafts (a budget or length cut) is padded to q - 1 with PAD_DRAFT_TOKEN rows and accepts
 none of them (caps for greedy and drawn acceptance, lengths for rejection sampling, whose bonus
-token comes from the sequence's own row). The padded rows write K/V in the sequence's lookahead slots, past anything it has computed (overwritten
-before being read, as rejected drafts' are). The draft loop drafts m per sequence: q - 1, or K
-when the scheduler's choice for the next step asks for more than q - 1 (num_drafts; the
-scheduler takes the first k). It runs on the
+token comes from the sequence's own row). The padded rows write K/V in the sequence's lookahead
+slots, past anything it has computed (overwritten before being read, as rejected drafts' are).
+The draft loop drafts m per sequence: q - 1, or K when the scheduler's choice for the next step
+asks for more than q - 1 (num_drafts; the scheduler takes the first k). It runs on the
 target's padded forward and the draft loop (spec_decode/draft_graph.py) whether they are captured
 CUDA graphs or not: off CUDA, under --enforce-eager, after a refused capture, or with an attention
 backend that reads host lengths (the CPU's default torch backend: then the bucket is the exact

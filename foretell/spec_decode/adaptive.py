@@ -3,7 +3,8 @@
 speculative_config {"num_speculative_tokens": "auto"} or {"adaptive": true,
 "num_speculative_tokens": K} turns it on (config.py). Each engine step the scheduler asks
 AdaptiveDraftLength.choose(batch_size) for k in 0..K, the drafts the proposer makes for the next
-step (k = 0: a plain decode step; the drafter still catches up on the accepted tokens), and
+step (k = 0: a plain decode step; a draft LM still catches up on the accepted tokens, an EAGLE3
+or MTP head runs not at all under adaptive_skip_catch_up, config.py), and
 reports every verify back through observe(). The choice maximizes expected tokens per second,
 
     k* = argmax_k  E[tokens per sequence step | k] / T(batch, k)
