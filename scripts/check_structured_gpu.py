@@ -20,7 +20,8 @@
 Parts 1-3 with the drafter run twice in its engine, grammar-forced drafts on and off
 (StructuredOutputs.forced_drafts, which speculative_config structured_forced_drafts sets), one
 after the other, so the forced drafts' acceptance and cost separate from the rest: every window
-also counts Triton compilations (new verify lengths past k), drafts per verify and forced drafts.
+also counts Triton compilations (new verify lengths past k), drafts per verify and forced drafts
+(and how many of those were tokens a fast-forward run held back: forced_drafts.forced_tail).
 Writes OUT_DIR/check_structured_gpu.json and prints a short table. Runs on the CPU too (slowly;
 pass --num-prompts 8 --overhead-tokens 32 there).
 """
@@ -89,7 +90,7 @@ class Window:
         timer = probe.grammar_mask_timer(self.llm)
         return {"steps": stats["num_steps"], "drafts": stats.get("num_drafts", 0),
                 "draft_tokens": stats.get("num_draft_tokens", 0), "jit": stats.get("jit_compiles", 0),
-                "forced": timer.forced_drafts, "forced_s": timer.forced_seconds,
+                "forced": timer.forced_drafts, "held_back": timer.held_back_drafts, "forced_s": timer.forced_seconds,
                 "accepted": stats.get("num_accepted_tokens", 0), "mask_s": timer.seconds,
                 "fill_s": timer.verify_fill_seconds, "apply_s": timer.verify_apply_seconds,
                 "draft_s": timer.draft_seconds, "ahead": timer.rows_filled_ahead, "time": time.perf_counter()}
@@ -108,7 +109,7 @@ class Window:
                 "forced_drafts_ms_per_step": 1e3 * d["forced_s"] / max(d["steps"], 1),
                 "rows_filled_ahead": d["ahead"],
                 "drafts_per_verify": d["draft_tokens"] / d["drafts"] if d["drafts"] else None,
-                "forced_drafts": d["forced"], "jit_compiles": d["jit"]}
+                "forced_drafts": d["forced"], "held_back_drafts": d["held_back"], "jit_compiles": d["jit"]}
 
 
 def spec_config(method: str) -> dict | None:
@@ -258,7 +259,8 @@ def main(argv=None) -> int:
         print(f"JSON schema {name}, {j['num_prompts']} prompts, {args.method} k=3: {j[name]['valid_percent']:.1f}% "
               f"valid; mean acceptance length {j['without_grammar']['mean_acceptance_length'] or 0:.3f} without -> "
               f"{r['mean_acceptance_length'] or 0:.3f} with ({100 * (j[name]['acceptance_length_ratio'] or 0):.1f}%); "
-              f"{r['drafts_per_verify'] or 0:.2f} drafts a verify, {r['forced_drafts']} forced, "
+              f"{r['drafts_per_verify'] or 0:.2f} drafts a verify, {r['forced_drafts']} forced "
+              f"({r['held_back_drafts']} held back), "
               f"{r['jit_compiles']} compilations; tokens a step {100 * (j[name]['tokens_per_step_ratio'] or 0):.1f}% "
               f"of the plain run's, acceptance length {100 * (j[name]['position_matched_ratio'] or 0):.1f}% of "
               f"its first tokens'")

@@ -57,6 +57,7 @@ class MaskTimer:
     forced_seconds: float = 0.0  # the proposer's drafts shaped by the grammar (StructuredOutputs.grammar_drafts)
     forced_drafts: int = 0  # drafts that are the grammar's forced tokens, appended or replacing the proposer's
     replaced_drafts: int = 0  # proposer drafts replaced by forced tokens
+    held_back_drafts: int = 0  # forced drafts that are the token a fast-forward run held back (forced_drafts.py)
 
     def add_draft(self, seconds: float) -> None:
         self.draft_seconds += seconds

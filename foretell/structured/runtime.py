@@ -80,6 +80,7 @@ class StructuredOutputs:
         self.timer = MaskTimer()  # host time spent on masks (verify rows and draft loops)
         self._verify_rows = VerifyRows(self.timer)  # the verify rows' fill, and the thread filling ahead
         self.draft_limit: int | None = None  # the most drafts grammar_drafts() leaves (limit_drafts)
+        self.held_back_drafts = True  # grammar_drafts: the token a forced run holds back drafted too (forced_tail)
 
     # ---- matchers ------------------------------------------------------------------------
     def _tokenizer(self):
@@ -269,10 +270,12 @@ class StructuredOutputs:
                 if not drawn and drafts:
                     result.next_drafts = drafts[: matcher.allowed_prefix(drafts)]
                 continue
-            shaped = drafts_under_grammar(matcher, drafts, not drawn, max_drafts)
+            shaped = drafts_under_grammar(matcher, drafts, not drawn, max_drafts,
+                                          self._tokenizer().tokenize_bytes if self.held_back_drafts else None)
             result.next_drafts = shaped.token_ids
             self.timer.forced_drafts += shaped.num_forced
             self.timer.replaced_drafts += shaped.num_replaced
+            self.timer.held_back_drafts += shaped.num_held_back
             if drawn and shaped.num_forced:  # drawn drafts are never cut or replaced: appended only
                 forced = to_device(shaped.token_ids[len(drafts):], torch.int64, probs.device)  # [forced]
                 one_hot = probs.new_zeros(len(forced), probs.shape[-1]).scatter_(1, forced[:, None], 1.0)  # [forced, vocab]
