@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from foretell.ops.moe.int4_f16_dot import INTERPRETED, group_dots, group_tile, x_group_pairs
 from foretell.ops.moe.int4_reference import INT4_GROUP, check_int4_expert_inputs
 from foretell.ops.moe.gemv_common import (
     QUANTIZED_KERNEL_KEYS,
@@ -140,7 +141,8 @@ def _int4_gate_up_kernel(
     ZERO_COUNTERS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PREFETCH: tl.constexpr,  # 1: the next tile's words loaded before this tile's are summed
+    F16_DOT: tl.constexpr,  # 1: words dotted with x in f16 pairs (int4_f16_dot.py), 0: the float32 lanes
+    INTERPRETED: tl.constexpr,
 ):
     pair = tl.program_id(0)
     if ZERO_COUNTERS:
@@ -157,28 +159,26 @@ def _int4_gate_up_kernel(
     up_scales = scale_ptr + expert * stride_scale_expert + up_rows * num_groups
     dtype = act_ptr.dtype.element_ty
     # x in the weights' dtype, as the bf16 kernels feed it (_x_lanes rounds it)
-    gate = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)  # per row and word lane: summed once, after
-    up = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+    if F16_DOT:  # per row and group of 32 columns: summed once, after
+        gate = tl.zeros([BLOCK_N, BLOCK_K // 32], dtype=tl.float32)
+        up = tl.zeros([BLOCK_N, BLOCK_K // 32], dtype=tl.float32)
+    else:  # per row and word lane: summed once, after
+        gate = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+        up = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
     x_row = x_ptr + token * stride_x
-    if PREFETCH:  # tile k0 + BLOCK_K's words in flight while tile k0's are summed
-        gate_words, gate_s = _int4_tile(gate_packed, gate_scales, 0, col_valid, num_words, num_groups, BLOCK_K)
-        up_words, up_s = _int4_tile(up_packed, up_scales, 0, col_valid, num_words, num_groups, BLOCK_K)
-        for k0 in range(0, hidden, BLOCK_K):
+    for k0 in range(0, hidden, BLOCK_K):
+        if F16_DOT:
+            pairs, x_scale = x_group_pairs(x_row, k0, hidden, BLOCK_K, dtype)
+            words, scales = group_tile(gate_packed, gate_scales, k0, col_valid, num_words, num_groups, BLOCK_K)
+            gate += group_dots(words, pairs, INTERPRETED) * (scales.to(tl.float32) * x_scale)
+            words, scales = group_tile(up_packed, up_scales, k0, col_valid, num_words, num_groups, BLOCK_K)
+            up += group_dots(words, pairs, INTERPRETED) * (scales.to(tl.float32) * x_scale)
+        else:
             x0, x1, x2, x3, x4, x5, x6, x7, c = _x_lanes(x_row, k0, hidden, BLOCK_K, dtype)
-            next_gate, next_gate_s = _int4_tile(gate_packed, gate_scales, k0 + BLOCK_K, col_valid, num_words,
-                                                num_groups, BLOCK_K)
-            next_up, next_up_s = _int4_tile(up_packed, up_scales, k0 + BLOCK_K, col_valid, num_words, num_groups,
-                                            BLOCK_K)
-            gate += _int4_word_sums(gate_words, gate_s, x0, x1, x2, x3, x4, x5, x6, x7, c)
-            up += _int4_word_sums(up_words, up_s, x0, x1, x2, x3, x4, x5, x6, x7, c)
-            gate_words, gate_s, up_words, up_s = next_gate, next_gate_s, next_up, next_up_s
-    else:
-        for k0 in range(0, hidden, BLOCK_K):
-            x0, x1, x2, x3, x4, x5, x6, x7, c = _x_lanes(x_row, k0, hidden, BLOCK_K, dtype)
-            gate_words, gate_s = _int4_tile(gate_packed, gate_scales, k0, col_valid, num_words, num_groups, BLOCK_K)
-            up_words, up_s = _int4_tile(up_packed, up_scales, k0, col_valid, num_words, num_groups, BLOCK_K)
-            gate += _int4_word_sums(gate_words, gate_s, x0, x1, x2, x3, x4, x5, x6, x7, c)
-            up += _int4_word_sums(up_words, up_s, x0, x1, x2, x3, x4, x5, x6, x7, c)
+            words, scales = _int4_tile(gate_packed, gate_scales, k0, col_valid, num_words, num_groups, BLOCK_K)
+            gate += _int4_word_sums(words, scales, x0, x1, x2, x3, x4, x5, x6, x7, c)
+            words, scales = _int4_tile(up_packed, up_scales, k0, col_valid, num_words, num_groups, BLOCK_K)
+            up += _int4_word_sums(words, scales, x0, x1, x2, x3, x4, x5, x6, x7, c)
     _store_silu_product(tl.sum(gate, axis=1), tl.sum(up, axis=1), act_ptr, pair, stride_act, cols, col_valid)
 
 
@@ -186,7 +186,8 @@ def _int4_gate_up_kernel(
 def _int4_down_slot(
     act_ptr, packed_ptr, scale_ptr, ids_ptr, weights_ptr, pair, cols, col_valid, inter, stride_act,
     stride_packed_expert, stride_scale_expert, words_per_row, groups_per_row,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F16_DOT: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     """One slot's weighted output for BLOCK_N columns: round(W_down[e] . act[pair]) * weight."""
     expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -194,18 +195,17 @@ def _int4_down_slot(
     rows_packed = packed_ptr + expert * stride_packed_expert + cols[:, None].to(tl.int64) * num_words
     rows_scale = scale_ptr + expert * stride_scale_expert + cols[:, None].to(tl.int64) * num_groups
     dtype = act_ptr.dtype.element_ty
-    y = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)  # per row and word lane: summed once, after
+    if F16_DOT:  # per row and group of 32 columns: summed once, after
+        y = tl.zeros([BLOCK_N, BLOCK_K // 32], dtype=tl.float32)
+    else:  # per row and word lane: summed once, after
+        y = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
     act_row = act_ptr + pair * stride_act
-    if PREFETCH:  # as in the gate_up kernel
-        words, scales = _int4_tile(rows_packed, rows_scale, 0, col_valid, num_words, num_groups, BLOCK_K)
-        for k0 in range(0, inter, BLOCK_K):
-            x0, x1, x2, x3, x4, x5, x6, x7, c = _x_lanes(act_row, k0, inter, BLOCK_K, dtype)
-            next_words, next_scales = _int4_tile(rows_packed, rows_scale, k0 + BLOCK_K, col_valid, num_words,
-                                                 num_groups, BLOCK_K)
-            y += _int4_word_sums(words, scales, x0, x1, x2, x3, x4, x5, x6, x7, c)
-            words, scales = next_words, next_scales
-    else:
-        for k0 in range(0, inter, BLOCK_K):
+    for k0 in range(0, inter, BLOCK_K):
+        if F16_DOT:
+            pairs, x_scale = x_group_pairs(act_row, k0, inter, BLOCK_K, dtype)
+            words, scales = group_tile(rows_packed, rows_scale, k0, col_valid, num_words, num_groups, BLOCK_K)
+            y += group_dots(words, pairs, INTERPRETED) * (scales.to(tl.float32) * x_scale)
+        else:
             x0, x1, x2, x3, x4, x5, x6, x7, c = _x_lanes(act_row, k0, inter, BLOCK_K, dtype)
             words, scales = _int4_tile(rows_packed, rows_scale, k0, col_valid, num_words, num_groups, BLOCK_K)
             y += _int4_word_sums(words, scales, x0, x1, x2, x3, x4, x5, x6, x7, c)
@@ -238,7 +238,8 @@ def _int4_down_combine_kernel(
     HAS_SHARED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    F16_DOT: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     token, col_block, group, cols, col_valid = _down_program(hidden, BLOCK_N)
     if GROUPS == 1:
@@ -247,7 +248,7 @@ def _int4_down_combine_kernel(
             acc += _int4_down_slot(act_ptr, packed_ptr, scale_ptr, ids_ptr, weights_ptr, token * TOP_K + k, cols,
                                    col_valid, inter, stride_act, stride_packed_expert, stride_scale_expert,
                                    words_per_row, groups_per_row,
-                                   BLOCK_N, BLOCK_K, PREFETCH)
+                                   BLOCK_N, BLOCK_K, F16_DOT, INTERPRETED)
         _store_token(acc, shared_ptr, out_ptr, token, cols, col_valid, stride_shared, stride_out, HAS_SHARED)
     else:
         for j in tl.static_range(SLOTS):
@@ -257,49 +258,57 @@ def _int4_down_combine_kernel(
                 value = _int4_down_slot(act_ptr, packed_ptr, scale_ptr, ids_ptr, weights_ptr, pair, cols, col_valid,
                                         inter, stride_act, stride_packed_expert, stride_scale_expert,
                                         words_per_row, groups_per_row,
-                                        BLOCK_N, BLOCK_K, PREFETCH)
+                                        BLOCK_N, BLOCK_K, F16_DOT, INTERPRETED)
                 tl.store(scratch_ptr + pair * hidden + cols, value, mask=col_valid)
         _combine_split_slots(scratch_ptr, counters_ptr, shared_ptr, out_ptr, token, col_block, cols, col_valid, hidden,
                              stride_shared, stride_out, TOP_K, GROUPS, HAS_SHARED, BLOCK_N)
 
 
-INT4_KERNEL_KEYS = QUANTIZED_KERNEL_KEYS + ("PREFETCH",)
+INT4_KERNEL_KEYS = QUANTIZED_KERNEL_KEYS + ("F16_DOT",)
+F16_DOT_DTYPES = (torch.bfloat16, torch.float16)  # model dtypes whose rounding the f16 word dot stays within
 
 
 def int4_launch_config(num_tokens: int, top_k: int) -> dict:
     """The H200 sweep's winners at Kimi-K2.5's shapes (b3ec0f8), the same at 1 to 8 tokens: gate_up
     four rows a program over 1024-column tiles (faster than 16 rows of 256); the down kernel
     eight columns of 256 over two warps, slots spread over at most 8 programs a column block (the
-    figures: docs/perf-log.md, "Figures moved from docstrings"). PREFETCH 0: each tile's words
-    loaded in the iteration that sums them."""
+    figures: docs/perf-log.md, "Figures moved from docstrings"). F16_DOT 0: the float32 word sums."""
     return {
-        "gate_up": {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4, "PREFETCH": 0},
-        "down": {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 2, "SPLIT": min(max(top_k, 1), 8), "PREFETCH": 0},
+        "gate_up": {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4, "F16_DOT": 0},
+        "down": {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 2, "SPLIT": min(max(top_k, 1), 8), "F16_DOT": 0},
     }
 
 
 def candidate_configs(num_tokens: int, top_k: int) -> list[dict]:
-    """Whole configs (both kernels) for the in-graph sweep (bench/kernels/moe_int4_chain.py): the
-    default's tiles with the next tile prefetched, then prefetching with more rows a program."""
+    """Whole configs (both kernels) for the in-graph sweep (bench/kernels/moe_int4_chain.py): the f16
+    word dot on the default tiles, then tile pairs with it off and on."""
     default = int4_launch_config(num_tokens, top_k)
     gate_up, down = default["gate_up"], default["down"]
-    configs = [{"gate_up": {**gate_up, "PREFETCH": 1}, "down": {**down, "PREFETCH": 1}}]
-    for up_rows, up_k, down_rows, down_k, warps in ((8, 1024, 16, 256, 4), (4, 512, 8, 512, 2), (8, 512, 16, 128, 2),
-                                                    (2, 1024, 4, 256, 1)):
-        configs.append({"gate_up": {**gate_up, "BLOCK_N": up_rows, "BLOCK_K": up_k, "PREFETCH": 1},
-                        "down": {**down, "BLOCK_N": down_rows, "BLOCK_K": down_k, "num_warps": warps, "PREFETCH": 1}})
-    return configs
+    configs = [{"gate_up": {**gate_up, "F16_DOT": 1}, "down": {**down, "F16_DOT": 1}}]
+    tiles = (((8, 512, 2), (8, 256, 1)), ((8, 1024, 4), (16, 256, 2)), ((4, 1024, 2), (8, 512, 2)),
+             ((16, 512, 4), (8, 128, 1)), ((2, 1024, 1), (4, 256, 1)))
+    for f16_dot in (0, 1):
+        for (up_rows, up_k, up_warps), (down_rows, down_k, down_warps) in tiles:
+            configs.append({
+                "gate_up": {**gate_up, "BLOCK_N": up_rows, "BLOCK_K": up_k, "num_warps": up_warps, "F16_DOT": f16_dot},
+                "down": {**down, "BLOCK_N": down_rows, "BLOCK_K": down_k, "num_warps": down_warps,
+                         "F16_DOT": f16_dot}})
+    return [c for c in configs if c != default]
 
 
-def _resolve(config: dict | None, num_tokens: int, top_k: int) -> dict:
+def _resolve(config: dict | None, num_tokens: int, top_k: int, dtype: torch.dtype) -> dict:
+    """The launch config (int4_launch_config updated by config), checked; dtype: the model dtype
+    (the scales')."""
     resolved = override_kernel_configs(int4_launch_config(num_tokens, top_k), config, "int4 MoE", INT4_KERNEL_KEYS)
     for name, cfg in resolved.items():
         block_k = cfg["BLOCK_K"]
         if block_k < INT4_GROUP or block_k & (block_k - 1) or cfg["BLOCK_N"] & (cfg["BLOCK_N"] - 1):
             raise ValueError(f"int4 MoE {name}: BLOCK_K must be a power of two >= {INT4_GROUP} and BLOCK_N a power "
                              f"of two, got {cfg}")
-        if cfg["PREFETCH"] not in (0, 1):
-            raise ValueError(f"int4 MoE {name}: PREFETCH must be 0 or 1, got {cfg['PREFETCH']!r}")
+        if cfg["F16_DOT"] not in (0, 1):
+            raise ValueError(f"int4 MoE {name}: F16_DOT must be 0 or 1, got {cfg['F16_DOT']!r}")
+        if cfg["F16_DOT"] and dtype not in F16_DOT_DTYPES:
+            raise ValueError(f"int4 MoE {name}: F16_DOT needs bfloat16 or float16 scales (the model dtype), got {dtype}")
     return resolved
 
 
@@ -320,7 +329,7 @@ def fused_int4_experts_gemv_triton(
         hidden, gate_up_packed, gate_up_scale, down_packed, down_scale, weights, ids, shared)
     if num_tokens * top_k == 0:
         return no_pairs_output(num_tokens, hidden_size, shared, out_dtype, hidden.device)
-    cfg = _resolve(config, num_tokens, top_k)
+    cfg = _resolve(config, num_tokens, top_k, gate_up_scale.dtype)
     up_cfg, down_cfg = cfg["gate_up"], cfg["down"]
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     gate_up_packed, gate_up_scale, down_packed, down_scale = (
@@ -330,13 +339,13 @@ def fused_int4_experts_gemv_triton(
     _int4_gate_up_kernel[plan.gate_up_grid(up_cfg["BLOCK_N"])](
         hidden, gate_up_packed, gate_up_scale, plan.flat_ids, plan.act, plan.counters, plan.num_counters,
         hidden_size, inter, hidden.stride(0), gate_up_packed.stride(0), gate_up_scale.stride(0), plan.act.stride(0),
-        gate_up_packed.shape[2], gate_up_scale.shape[2], **plan.gate_up_constexprs, **launch_options(up_cfg),
+        gate_up_packed.shape[2], gate_up_scale.shape[2], **plan.gate_up_constexprs, **launch_options(up_cfg), INTERPRETED=INTERPRETED,
     )
     _int4_down_combine_kernel[plan.down_grid](
         plan.act, down_packed, down_scale, plan.flat_ids, plan.pair_weights, plan.shared_or_out, plan.scratch,
         plan.counters, plan.out, hidden_size, inter, plan.act.stride(0), down_packed.stride(0), down_scale.stride(0),
         plan.stride_shared, plan.out.stride(0), down_packed.shape[2], down_scale.shape[2],
-        **plan.down_constexprs, **launch_options(down_cfg),
+        **plan.down_constexprs, **launch_options(down_cfg), INTERPRETED=INTERPRETED,
         enable_fp_fusion=False,  # each weighted slot output rounded to float32 before it is added
     )
     return plan.out
