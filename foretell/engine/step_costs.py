@@ -331,7 +331,7 @@ def start_adaptive_speculation(engine) -> AdaptiveDraftLength:
     priors = engine.runner.replay_step_costs(max_k)
     costs = LearnedStepCosts(max_k, priors=priors)
     costs.startup_seconds = time.perf_counter() - start
-    policy = AdaptiveDraftLength(costs)
+    policy = AdaptiveDraftLength(costs, holes_after_zero=engine.facts.skips_catch_up)
     engine.scheduler.draft_length = policy
     if priors:
         logger.info("adaptive speculation: k = 0..%d, step costs seeded from graph replays at batches %s (%.2f s), "

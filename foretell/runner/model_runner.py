@@ -84,6 +84,7 @@ class RunnerFacts:
     keep_draft_rows: bool  # verifies keep k + 1 rows (the graphs' shape): the scheduler caps instead
     draft_kv_reads_next_token: bool  # the drafter's cache reads one slot past the target's
     synthetic_acceptance: bool
+    skips_catch_up: bool  # a step drafting nothing next runs no drafter (graph_setup.skips_catch_up)
     device: str
     dtype: str
 
@@ -190,6 +191,7 @@ class ModelRunner:
             keep_draft_rows=self.padded_forward is not None or self.uses_tree,  # (trees cap their path)
             draft_kv_reads_next_token=bool(capabilities and capabilities.draft_kv_reads_next_token),
             synthetic_acceptance=self.verifier.synthetic,
+            skips_catch_up=skips_catch_up(self.config.speculative, self.proposer),
             device=str(self.device),
             dtype=str(self.dtype).replace("torch.", ""),
         )

@@ -18,7 +18,11 @@ sequence sampled and verified k drafts and the choice before was k too); in test
 StepCostModel. With seeded costs nothing needs timing, so exploration only looks for acceptance.
 
 Acceptance: spec_decode/acceptance_estimate.py (fading per-position counts and a prior, with the
-evidence and optimistic rates exploration reads).
+evidence and optimistic rates exploration reads). With a drafter that skips its catch-up at k = 0
+(holes_after_zero), the verifies of the first IGNORED_AFTER_ZERO drafting choices after a k = 0
+are not observed: the head drafts them over a KV cache with holes at the skipped positions and
+accepts far less than it will once drafting runs on (docs/perf-log.md); counted, those probes
+would pull the estimate down at exactly the batch sizes that chose k = 0, and hold adaptive there.
 
 Exploration is separate from the choice and scheduled (per batch bucket, a power of two): it looks
 for something to learn after EXPLORE_EVERY steps, then after gaps that double up to
@@ -55,6 +59,8 @@ RECENT_CHOICES = 256
 #: doubles the gap to the next look, up to EXPLORE_MAX_GAP.
 EXPLORE_EVERY = 8
 EXPLORE_MAX_GAP = 256
+#: Drafting choices after a k = 0 whose verifies the estimate does not observe (holes_after_zero).
+IGNORED_AFTER_ZERO = 8
 
 
 class StepCosts(Protocol):
@@ -162,8 +168,9 @@ class AdaptiveDraftLength:
     """The scheduler's draft-length policy under adaptive speculation (a DraftLength: choose,
     observe), which the engine also tells each step's wall time (record_step)."""
 
-    def __init__(self, costs: StepCosts, estimate: AcceptanceEstimate | None = None):
+    def __init__(self, costs: StepCosts, estimate: AcceptanceEstimate | None = None, holes_after_zero: bool = False):
         self.costs = costs
+        self.holes_after_zero = holes_after_zero  # k = 0 runs no drafter: its cache has holes after one
         self.max_k = costs.max_k
         self.estimate = estimate or AcceptanceEstimate(self.max_k)
         if self.estimate.max_k != self.max_k:
@@ -185,6 +192,8 @@ class AdaptiveDraftLength:
         self.num_explorations = 0
         self.num_exploring_steps = 0  # steps whose choice an exploration held
         self.num_timed_steps = 0  # steady steps handed to the cost model
+        self.drafting_since_zero: int | None = None  # drafting choices since the last k = 0 (None: none yet)
+        self.num_ignored_observations = 0  # verifies not observed (holes_after_zero)
 
     def rates(self, batch_size: int) -> list[float]:
         """[K + 1]: expected tokens per second of a sequence at this batch size, by k."""
@@ -217,6 +226,10 @@ class AdaptiveDraftLength:
         self.chosen_histogram[k] += 1
         self.recent.append(k)
         self.last = k
+        if k == 0:
+            self.drafting_since_zero = 0
+        elif self.drafting_since_zero is not None:
+            self.drafting_since_zero += 1
         return k
 
     def _explore(self, batch_size: int) -> int | None:
@@ -260,6 +273,10 @@ class AdaptiveDraftLength:
         return max(found, key=lambda k: hopes[k]) if found else None
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
+        if (self.holes_after_zero and self.drafting_since_zero is not None
+                and self.drafting_since_zero <= IGNORED_AFTER_ZERO):
+            self.num_ignored_observations += 1
+            return
         self.estimate.observe(num_drafted, num_accepted)
 
     def record_step(self, seconds: float, num_sequences: int, num_rows: int) -> None:
@@ -284,4 +301,5 @@ class AdaptiveDraftLength:
             "adaptive_timed_steps": self.num_timed_steps,
             "adaptive_explorations": self.num_explorations,
             "adaptive_exploring_steps": self.num_exploring_steps,
+            "adaptive_ignored_observations": self.num_ignored_observations,
         }

@@ -228,3 +228,45 @@ def test_tensor_parallel_plans_carry_the_choice():
     seq = Sequence(0, "r", 0, [1, 2, 3], SamplingParams(max_tokens=4), frozenset())
     sched = SchedulerOutput([ScheduledSequence(seq, 3, [], True)], num_next_drafts=2)
     assert SequenceMirrors().apply(PlanEncoder().encode(sched)).num_next_drafts == 2
+
+
+def run_with_holes(policy: AdaptiveDraftLength, batch: int, steps: int, since_zero: list[int]) -> list[int]:
+    """As run(), with a drafter whose KV cache has holes after a k = 0 step (an EAGLE3 head that
+    skipped its catch-up): the first 8 drafting steps after a zero accept nothing, later ones all.
+    since_zero[0] counts drafting steps since the last zero (-1: none yet), across calls."""
+    chosen, drafts = [], 0
+    for _ in range(steps):
+        if drafts:
+            for _ in range(batch):
+                policy.observe(drafts, 0 if 0 <= since_zero[0] <= 8 else drafts)
+        drafts = policy.choose(batch)
+        if drafts == 0:
+            since_zero[0] = 0
+        elif since_zero[0] >= 0:
+            since_zero[0] += 1
+        chosen.append(drafts)
+    return chosen
+
+
+@pytest.mark.parametrize("holes_after_zero", [False, True])
+def test_probes_over_a_holed_cache_do_not_pull_the_estimate_down(holes_after_zero):
+    """Batch 64 prices drafts out (k = 0), batch 1 wants them; with skipped catch-ups the first
+    drafting steps after a zero accept nothing. Observed, they drag the estimate down each time the
+    batch shrinks again; ignored (holes_after_zero), the estimate stays what drafting accepts."""
+    model = costs([1.0, 1.1, 1.2, 1.3, 1.4], growth=[1.0, 1.0, 30.0])
+    policy = AdaptiveDraftLength(model, holes_after_zero=holes_after_zero)
+    since_zero = [-1]
+    run_with_holes(policy, 1, 40, since_zero)  # learns full acceptance at batch 1
+    assert policy.stats()["adaptive_acceptance_estimate"][0] > 0.9
+    first_rates = []
+    for _ in range(4):  # the batch grows and shrinks: k = 0 at 64, then 8 drafting steps at batch 1
+        assert run_with_holes(policy, 64, 20, since_zero)[-1] == 0
+        assert run_with_holes(policy, 1, 8, since_zero)[0] > 0
+        first_rates.append(policy.stats()["adaptive_acceptance_estimate"][0])
+    stats = policy.stats()
+    if holes_after_zero:
+        assert min(first_rates) > 0.9, first_rates
+        assert stats["adaptive_ignored_observations"] > 0
+    else:
+        assert min(first_rates) < 0.5, first_rates
+        assert stats["adaptive_ignored_observations"] == 0
