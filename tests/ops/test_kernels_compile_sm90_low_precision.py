@@ -25,7 +25,6 @@ CASES = [
     "fp8 activation quantizer, per token group of 128", "fp8 gemm, 128x128 blocks, 128x128 tiles",
     "fp8 gemm, per channel, bias, 64-row tiles", "int4 moe gemv gate_up, Kimi-K2.5",
     "int4 moe gemv down + combine, Kimi-K2.5, slot split", "int4 moe gemv down + combine, unsplit",
-    "int4 moe gemv gate_up, Kimi-K2.5, f16 word dot", "int4 moe gemv down + combine, Kimi-K2.5, slot split, f16 word dot",
 ]
 
 

@@ -156,13 +156,12 @@ def poison_buffers(monkeypatch):
 
 
 SMALL_TILES = {"gate_up": {"BLOCK_N": 32, "BLOCK_K": 32}, "down": {"BLOCK_N": 64, "BLOCK_K": 32, "SPLIT": 2}}
-F16_SMALL_TILES = {name: {**cfg, "F16_DOT": 1} for name, cfg in SMALL_TILES.items()}
 
 
 @pytest.mark.parametrize(
     "num_tokens, top_k, hidden, inter, with_shared, config",
     [(1, 8, 96, 64, True, None), (2, 2, 72, 40, False, None), (2, 3, 96, 72, True, SMALL_TILES),
-     (1, 1, 64, 32, False, {"down": {"SPLIT": 1}})]
+     (1, 1, 64, 32, False, {"down": {"SPLIT": 1}})],
 )
 def test_kernels_match_the_twin(kernels, num_tokens, top_k, hidden, inter, with_shared, config, monkeypatch):
     """Default tiles (one K chunk) and small ones (several chunks, a partial one; the down slot
@@ -181,31 +180,6 @@ def test_kernels_match_the_twin(kernels, num_tokens, top_k, hidden, inter, with_
             torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
 
 
-@pytest.mark.parametrize("config", [{"gate_up": {"F16_DOT": 1}, "down": {"F16_DOT": 1}}, F16_SMALL_TILES])
-def test_f16_word_dot_matches_the_twin(kernels, config, monkeypatch):
-    """The f16 word dot (int4_f16_dot.py, its interpreter twin here; the PTX in
-    tests/gpu/test_moe_int4_gpu.py) against the twin in bf16: several tiles and a ragged last group
-    (H = 72), x spanning 2^-12 .. 2^12 (past f16's range without the per-tile power-of-two scale) and
-    a zero tile."""
-    poison_buffers(monkeypatch)
-    seed = _seed()
-    gen = torch.Generator().manual_seed(seed)
-    x, gu_p, gu_s, d_p, d_s, weights, ids, shared = int4_moe_case(2, 3, 72, 40, torch.bfloat16, gen, True)
-    x = (x * torch.exp2(torch.randint(-12, 13, x.shape, generator=gen))).to(x.dtype)
-    x[1, :32] = 0  # a whole zero tile (32-column tiles): x_scale 1, no division by zero
-    want = ref.int4_experts_forward_torch(x, gu_p, gu_s, d_p, d_s, weights, ids) + shared
-    got = kernels.fused_int4_experts_gemv_triton(x, gu_p, gu_s, d_p, d_s, weights, ids, shared, config=config)
-    with reports_seed(seed):
-        assert not torch.isnan(got).any()
-        scale = want.abs().amax(dim=1, keepdim=True)
-        torch.testing.assert_close(got / scale, want / scale, rtol=0, atol=2e-2)
-
-
-def test_sweep_candidates_are_valid_configs(kernels):
-    for config in kernels.candidate_configs(1, 8):
-        assert kernels._resolve(config, 1, 8, torch.bfloat16)["gate_up"]["F16_DOT"] in (0, 1)
-
-
 def test_kernel_config_errors_name_the_key(kernels):
     gen = torch.Generator().manual_seed(0)
     case = int4_moe_case(1, 2, 64, 32, torch.float32, gen)
@@ -213,7 +187,3 @@ def test_kernel_config_errors_name_the_key(kernels):
         kernels.fused_int4_experts_gemv_triton(*case, config={"down": {"BLOCK": 4}})
     with pytest.raises(ValueError, match="BLOCK_K must be a power of two >= 32"):
         kernels.fused_int4_experts_gemv_triton(*case, config={"gate_up": {"BLOCK_K": 16}})
-    with pytest.raises(ValueError, match="F16_DOT must be 0 or 1"):
-        kernels.fused_int4_experts_gemv_triton(*case, config={"down": {"F16_DOT": 2}})
-    with pytest.raises(ValueError, match="F16_DOT needs bfloat16 or float16 scales"):
-        kernels.fused_int4_experts_gemv_triton(*case, config={"down": {"F16_DOT": 1}})  # float32

@@ -30,8 +30,8 @@ that does not read weights is gemv_common.py's):
 
 Twin: int4_experts_forward_torch (int4_reference.py: the used experts dequantized, then
 experts_forward_torch) plus the shared output. Grids are fixed by shapes and the launch config and
-nothing is read on the host, so the forward can be captured in a CUDA graph. Tiles: the H200
-sweep's winners at Kimi-K2.5's shapes (H = 7168, I = 2048, 8 of 384 experts; int4_launch_config).
+nothing is read on the host, so the forward can be captured in a CUDA graph. Tiles: the H200's
+best at Kimi-K2.5's shapes (H = 7168, I = 2048, 8 of 384 experts; int4_launch_config).
 This module imports triton: CUDA (or the interpreter tests, tests/ops/test_moe_int4.py) only.
 """
 
@@ -41,10 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
-from foretell.ops.moe.int4_f16_dot import INTERPRETED, group_dots, group_tile, x_group_pairs
 from foretell.ops.moe.int4_reference import INT4_GROUP, check_int4_expert_inputs
 from foretell.ops.moe.gemv_common import (
-    QUANTIZED_KERNEL_KEYS,
     _combine_split_slots,
     _down_program,
     _store_silu_product,
@@ -93,31 +91,24 @@ def _nibble_pair(sums, packed, shift: tl.constexpr, x_even, x_odd):
 
 
 @triton.jit
-def _int4_tile(packed_rows, scale_rows, k0, row_valid, num_words, num_groups, BLOCK_K: tl.constexpr):
-    """The packed words [BLOCK_N, BLOCK_K / 8] int32 of the tile at columns k0 .. k0 + BLOCK_K and each
-    word's group scale [BLOCK_N, BLOCK_K / 8] (the scales' dtype); 0 past the rows' end, so a tile
-    loaded past the last one (the prefetch after the loop's last tile) reads no memory."""
+def _int4_words(packed_rows, scale_rows, k0, row_valid, num_words, num_groups, x0, x1, x2, x3, x4, x5, x6, x7, c,
+                BLOCK_K: tl.constexpr):
+    """Per row and packed word of the tile at columns k0 .. k0 + BLOCK_K: scale * sum over the word's
+    8 nibbles of (q - 8) * x, [BLOCK_N, BLOCK_K / 8] float32, from _x_lanes' vectors. packed_rows /
+    scale_rows [BLOCK_N, 1]: the rows' packed words and scales. With f_i = 1 + q_i 2^-e_i
+    (_nibble_pair; e_i 8 or 4) and x'_i = 2^e_i x_i, sum_i f_i x'_i - c = sum_i (q_i - 8) x_i."""
     word = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     packed = tl.load(packed_rows + word[None, :], mask=row_valid[:, None] & (word < num_words)[None, :], other=0,
                      eviction_policy="evict_first")  # [BLOCK_N, WORDS] int32
-    group = word // 4  # 32 columns a scale: 4 words
-    scales = tl.load(scale_rows + group[None, :], mask=row_valid[:, None] & (group < num_groups)[None, :],
-                     other=0.0)  # [BLOCK_N, WORDS]
-    return packed, scales
-
-
-@triton.jit
-def _int4_word_sums(packed, scales, x0, x1, x2, x3, x4, x5, x6, x7, c):
-    """Per row and packed word of a tile (_int4_tile's packed words and scales): scale * sum over the
-    word's 8 nibbles of (q - 8) * x, [BLOCK_N, BLOCK_K / 8] float32, from _x_lanes' vectors. With
-    f_i = 1 + q_i 2^-e_i (_nibble_pair; e_i 8 or 4) and x'_i = 2^e_i x_i, sum_i f_i x'_i - c =
-    sum_i (q_i - 8) x_i."""
     sums = tl.zeros(packed.shape, tl.float32) - c[None, :]
     sums = _nibble_pair(sums, packed, 15, x0, x1)
     sums = _nibble_pair(sums, packed, 7, x2, x3)
     sums = _nibble_pair(sums, packed, -1, x4, x5)
     sums = _nibble_pair(sums, packed, -9, x6, x7)
-    return sums * scales.to(tl.float32)
+    group = word // 4  # 32 columns a scale: 4 words
+    scales = tl.load(scale_rows + group[None, :], mask=row_valid[:, None] & (group < num_groups)[None, :],
+                     other=0.0).to(tl.float32)  # [BLOCK_N, WORDS]
+    return sums * scales
 
 
 @triton.jit
@@ -141,8 +132,6 @@ def _int4_gate_up_kernel(
     ZERO_COUNTERS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    F16_DOT: tl.constexpr,  # 1: words dotted with x in f16 pairs (int4_f16_dot.py), 0: the float32 lanes
-    INTERPRETED: tl.constexpr,
 ):
     pair = tl.program_id(0)
     if ZERO_COUNTERS:
@@ -159,26 +148,14 @@ def _int4_gate_up_kernel(
     up_scales = scale_ptr + expert * stride_scale_expert + up_rows * num_groups
     dtype = act_ptr.dtype.element_ty
     # x in the weights' dtype, as the bf16 kernels feed it (_x_lanes rounds it)
-    if F16_DOT:  # per row and group of 32 columns: summed once, after
-        gate = tl.zeros([BLOCK_N, BLOCK_K // 32], dtype=tl.float32)
-        up = tl.zeros([BLOCK_N, BLOCK_K // 32], dtype=tl.float32)
-    else:  # per row and word lane: summed once, after
-        gate = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
-        up = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
-    x_row = x_ptr + token * stride_x
+    gate = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)  # per row and word lane: summed once, after
+    up = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
-        if F16_DOT:
-            pairs, x_scale = x_group_pairs(x_row, k0, hidden, BLOCK_K, dtype)
-            words, scales = group_tile(gate_packed, gate_scales, k0, col_valid, num_words, num_groups, BLOCK_K)
-            gate += group_dots(words, pairs, INTERPRETED) * (scales.to(tl.float32) * x_scale)
-            words, scales = group_tile(up_packed, up_scales, k0, col_valid, num_words, num_groups, BLOCK_K)
-            up += group_dots(words, pairs, INTERPRETED) * (scales.to(tl.float32) * x_scale)
-        else:
-            x0, x1, x2, x3, x4, x5, x6, x7, c = _x_lanes(x_row, k0, hidden, BLOCK_K, dtype)
-            words, scales = _int4_tile(gate_packed, gate_scales, k0, col_valid, num_words, num_groups, BLOCK_K)
-            gate += _int4_word_sums(words, scales, x0, x1, x2, x3, x4, x5, x6, x7, c)
-            words, scales = _int4_tile(up_packed, up_scales, k0, col_valid, num_words, num_groups, BLOCK_K)
-            up += _int4_word_sums(words, scales, x0, x1, x2, x3, x4, x5, x6, x7, c)
+        x0, x1, x2, x3, x4, x5, x6, x7, c = _x_lanes(x_ptr + token * stride_x, k0, hidden, BLOCK_K, dtype)
+        gate += _int4_words(gate_packed, gate_scales, k0, col_valid, num_words, num_groups, x0, x1, x2, x3, x4, x5,
+                            x6, x7, c, BLOCK_K)
+        up += _int4_words(up_packed, up_scales, k0, col_valid, num_words, num_groups, x0, x1, x2, x3, x4, x5, x6, x7,
+                          c, BLOCK_K)
     _store_silu_product(tl.sum(gate, axis=1), tl.sum(up, axis=1), act_ptr, pair, stride_act, cols, col_valid)
 
 
@@ -186,8 +163,7 @@ def _int4_gate_up_kernel(
 def _int4_down_slot(
     act_ptr, packed_ptr, scale_ptr, ids_ptr, weights_ptr, pair, cols, col_valid, inter, stride_act,
     stride_packed_expert, stride_scale_expert, words_per_row, groups_per_row,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F16_DOT: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One slot's weighted output for BLOCK_N columns: round(W_down[e] . act[pair]) * weight."""
     expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -195,20 +171,11 @@ def _int4_down_slot(
     rows_packed = packed_ptr + expert * stride_packed_expert + cols[:, None].to(tl.int64) * num_words
     rows_scale = scale_ptr + expert * stride_scale_expert + cols[:, None].to(tl.int64) * num_groups
     dtype = act_ptr.dtype.element_ty
-    if F16_DOT:  # per row and group of 32 columns: summed once, after
-        y = tl.zeros([BLOCK_N, BLOCK_K // 32], dtype=tl.float32)
-    else:  # per row and word lane: summed once, after
-        y = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
-    act_row = act_ptr + pair * stride_act
+    y = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)  # per row and word lane: summed once, after
     for k0 in range(0, inter, BLOCK_K):
-        if F16_DOT:
-            pairs, x_scale = x_group_pairs(act_row, k0, inter, BLOCK_K, dtype)
-            words, scales = group_tile(rows_packed, rows_scale, k0, col_valid, num_words, num_groups, BLOCK_K)
-            y += group_dots(words, pairs, INTERPRETED) * (scales.to(tl.float32) * x_scale)
-        else:
-            x0, x1, x2, x3, x4, x5, x6, x7, c = _x_lanes(act_row, k0, inter, BLOCK_K, dtype)
-            words, scales = _int4_tile(rows_packed, rows_scale, k0, col_valid, num_words, num_groups, BLOCK_K)
-            y += _int4_word_sums(words, scales, x0, x1, x2, x3, x4, x5, x6, x7, c)
+        x0, x1, x2, x3, x4, x5, x6, x7, c = _x_lanes(act_ptr + pair * stride_act, k0, inter, BLOCK_K, dtype)
+        y += _int4_words(rows_packed, rows_scale, k0, col_valid, num_words, num_groups, x0, x1, x2, x3, x4, x5, x6,
+                         x7, c, BLOCK_K)
     return tl.sum(y, axis=1).to(dtype).to(tl.float32) * tl.load(weights_ptr + pair)
 
 
@@ -238,8 +205,6 @@ def _int4_down_combine_kernel(
     HAS_SHARED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    F16_DOT: tl.constexpr,
-    INTERPRETED: tl.constexpr,
 ):
     token, col_block, group, cols, col_valid = _down_program(hidden, BLOCK_N)
     if GROUPS == 1:
@@ -248,7 +213,7 @@ def _int4_down_combine_kernel(
             acc += _int4_down_slot(act_ptr, packed_ptr, scale_ptr, ids_ptr, weights_ptr, token * TOP_K + k, cols,
                                    col_valid, inter, stride_act, stride_packed_expert, stride_scale_expert,
                                    words_per_row, groups_per_row,
-                                   BLOCK_N, BLOCK_K, F16_DOT, INTERPRETED)
+                                   BLOCK_N, BLOCK_K)
         _store_token(acc, shared_ptr, out_ptr, token, cols, col_valid, stride_shared, stride_out, HAS_SHARED)
     else:
         for j in tl.static_range(SLOTS):
@@ -258,57 +223,31 @@ def _int4_down_combine_kernel(
                 value = _int4_down_slot(act_ptr, packed_ptr, scale_ptr, ids_ptr, weights_ptr, pair, cols, col_valid,
                                         inter, stride_act, stride_packed_expert, stride_scale_expert,
                                         words_per_row, groups_per_row,
-                                        BLOCK_N, BLOCK_K, F16_DOT, INTERPRETED)
+                                        BLOCK_N, BLOCK_K)
                 tl.store(scratch_ptr + pair * hidden + cols, value, mask=col_valid)
         _combine_split_slots(scratch_ptr, counters_ptr, shared_ptr, out_ptr, token, col_block, cols, col_valid, hidden,
                              stride_shared, stride_out, TOP_K, GROUPS, HAS_SHARED, BLOCK_N)
 
 
-INT4_KERNEL_KEYS = QUANTIZED_KERNEL_KEYS + ("F16_DOT",)
-F16_DOT_DTYPES = (torch.bfloat16, torch.float16)  # model dtypes whose rounding the f16 word dot stays within
-
-
 def int4_launch_config(num_tokens: int, top_k: int) -> dict:
-    """The H200 sweep's winners at Kimi-K2.5's shapes (b3ec0f8), the same at 1 to 8 tokens: gate_up
-    four rows a program over 1024-column tiles (faster than 16 rows of 256); the down kernel
-    eight columns of 256 over two warps, slots spread over at most 8 programs a column block (the
-    figures: docs/perf-log.md, "Figures moved from docstrings"). F16_DOT 0: the float32 word sums."""
+    """The H200's best at Kimi-K2.5's shapes (H = 7168, I = 2048, 8 of 384 experts) in a CUDA graph
+    over 16 MoE layers (8d8d90d; the sweep before it at b3ec0f8), used at every token count: gate_up
+    eight rows of gate and of up a program over 512-column tiles on two warps; the down kernel
+    eight columns of 256 on one warp, slots spread over at most 8 programs a column block (the
+    figures: docs/perf-log.md)."""
     return {
-        "gate_up": {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4, "F16_DOT": 0},
-        "down": {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 2, "SPLIT": min(max(top_k, 1), 8), "F16_DOT": 0},
+        "gate_up": {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 2},
+        "down": {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 1, "SPLIT": min(max(top_k, 1), 8)},
     }
 
 
-def candidate_configs(num_tokens: int, top_k: int) -> list[dict]:
-    """Whole configs (both kernels) for the in-graph sweep (bench/kernels/moe_int4_chain.py): the f16
-    word dot on the default tiles, then tile pairs with it off and on."""
-    default = int4_launch_config(num_tokens, top_k)
-    gate_up, down = default["gate_up"], default["down"]
-    configs = [{"gate_up": {**gate_up, "F16_DOT": 1}, "down": {**down, "F16_DOT": 1}}]
-    tiles = (((8, 512, 2), (8, 256, 1)), ((8, 1024, 4), (16, 256, 2)), ((4, 1024, 2), (8, 512, 2)),
-             ((16, 512, 4), (8, 128, 1)), ((2, 1024, 1), (4, 256, 1)))
-    for f16_dot in (0, 1):
-        for (up_rows, up_k, up_warps), (down_rows, down_k, down_warps) in tiles:
-            configs.append({
-                "gate_up": {**gate_up, "BLOCK_N": up_rows, "BLOCK_K": up_k, "num_warps": up_warps, "F16_DOT": f16_dot},
-                "down": {**down, "BLOCK_N": down_rows, "BLOCK_K": down_k, "num_warps": down_warps,
-                         "F16_DOT": f16_dot}})
-    return [c for c in configs if c != default]
-
-
-def _resolve(config: dict | None, num_tokens: int, top_k: int, dtype: torch.dtype) -> dict:
-    """The launch config (int4_launch_config updated by config), checked; dtype: the model dtype
-    (the scales')."""
-    resolved = override_kernel_configs(int4_launch_config(num_tokens, top_k), config, "int4 MoE", INT4_KERNEL_KEYS)
+def _resolve(config: dict | None, num_tokens: int, top_k: int) -> dict:
+    resolved = override_kernel_configs(int4_launch_config(num_tokens, top_k), config, "int4 MoE")
     for name, cfg in resolved.items():
         block_k = cfg["BLOCK_K"]
         if block_k < INT4_GROUP or block_k & (block_k - 1) or cfg["BLOCK_N"] & (cfg["BLOCK_N"] - 1):
             raise ValueError(f"int4 MoE {name}: BLOCK_K must be a power of two >= {INT4_GROUP} and BLOCK_N a power "
                              f"of two, got {cfg}")
-        if cfg["F16_DOT"] not in (0, 1):
-            raise ValueError(f"int4 MoE {name}: F16_DOT must be 0 or 1, got {cfg['F16_DOT']!r}")
-        if cfg["F16_DOT"] and dtype not in F16_DOT_DTYPES:
-            raise ValueError(f"int4 MoE {name}: F16_DOT needs bfloat16 or float16 scales (the model dtype), got {dtype}")
     return resolved
 
 
@@ -329,7 +268,7 @@ def fused_int4_experts_gemv_triton(
         hidden, gate_up_packed, gate_up_scale, down_packed, down_scale, weights, ids, shared)
     if num_tokens * top_k == 0:
         return no_pairs_output(num_tokens, hidden_size, shared, out_dtype, hidden.device)
-    cfg = _resolve(config, num_tokens, top_k, gate_up_scale.dtype)
+    cfg = _resolve(config, num_tokens, top_k)
     up_cfg, down_cfg = cfg["gate_up"], cfg["down"]
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     gate_up_packed, gate_up_scale, down_packed, down_scale = (
@@ -339,13 +278,13 @@ def fused_int4_experts_gemv_triton(
     _int4_gate_up_kernel[plan.gate_up_grid(up_cfg["BLOCK_N"])](
         hidden, gate_up_packed, gate_up_scale, plan.flat_ids, plan.act, plan.counters, plan.num_counters,
         hidden_size, inter, hidden.stride(0), gate_up_packed.stride(0), gate_up_scale.stride(0), plan.act.stride(0),
-        gate_up_packed.shape[2], gate_up_scale.shape[2], **plan.gate_up_constexprs, **launch_options(up_cfg), INTERPRETED=INTERPRETED,
+        gate_up_packed.shape[2], gate_up_scale.shape[2], **plan.gate_up_constexprs, **launch_options(up_cfg),
     )
     _int4_down_combine_kernel[plan.down_grid](
         plan.act, down_packed, down_scale, plan.flat_ids, plan.pair_weights, plan.shared_or_out, plan.scratch,
         plan.counters, plan.out, hidden_size, inter, plan.act.stride(0), down_packed.stride(0), down_scale.stride(0),
         plan.stride_shared, plan.out.stride(0), down_packed.shape[2], down_scale.shape[2],
-        **plan.down_constexprs, **launch_options(down_cfg), INTERPRETED=INTERPRETED,
+        **plan.down_constexprs, **launch_options(down_cfg),
         enable_fp_fusion=False,  # each weighted slot output rounded to float32 before it is added
     )
     return plan.out
