@@ -64,6 +64,7 @@ from foretell.runner.input_batch import InputBatch, build_input_batch
 from foretell.runner.padded_logits_controls import padded_step_takes
 from foretell.runner.padded_step_extras import PackedLogprobBuffer, PaddedStepExtras
 from foretell.runner.sequence_result import SequenceResult
+from foretell.ops.step.dispatch import accept_drafts
 from foretell.runner.step_pipeline import HostCopy
 from foretell.spec_decode.draft_graph import DraftGraphRunner
 from foretell.spec_decode.rejection_sampler import PaddedSampling, dense_draft_probs
@@ -108,6 +109,24 @@ class GraphedVerify:
         self.grammar_masks = GrammarMaskBuffer(self.graphs.input_ids.numel(), self.graphs.device)
         if self.structured is not None:  # a grammar request's drafts, forced ones included, fit this step
             self.structured.limit_drafts(self.draft_graphs.k)
+        self.compile_verification()
+
+    def compile_verification(self) -> None:
+        """Greedy verification once per verify length of the captured graphs, on their own buffers
+        (one sequence, with and without caps), so that its kernels (one per draft count) compile at
+        start-up: a host drafter (suffix, n-gram) drafts nothing in the warm-up's dummy requests and
+        compiled them in its first real drafting steps. Nothing is read back; the next step
+        overwrites what this writes. A drawn verifier (simulated acceptance) runs other kernels."""
+        if self.verifier.synthetic or not self.graphs.captures:
+            return
+        loop = self.draft_graphs
+        caps = torch.zeros(1, dtype=torch.int64, device=self.graphs.device)  # [1]
+        for q in sorted({q for _, q in self.graphs.graphs if q > 1}):
+            key = min(k for k in self.graphs.graphs if k[1] == q)
+            greedy = self.graphs.graphs[key].greedy[:q].view(1, q)
+            drafts_in = self.graphs.input_ids[:q].view(1, q)[:, 1:]
+            for step_caps in (None, caps):
+                accept_drafts(greedy, drafts_in, step_caps, loop.accepted, loop.next_token, loop.num_live)
 
     def verify_length(self, sched: SchedulerOutput) -> int | None:
         """q, the rows per sequence of this batch's padded step: the shortest verify length the

@@ -1,0 +1,51 @@
+"""GraphedVerify.compile_verification: greedy verification runs once per captured verify length (with
+and without caps) at start-up, so a host drafter's first drafting steps compile nothing (on the
+H200 a suffix engine compiled 4 kernels in its first drafting steps after the warm-up)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from foretell.runner import graphed_verify
+from foretell.runner.graphed_verify import GraphedVerify
+
+
+def _graphs(keys, captures=True):
+    rows = 4 * 17
+    outputs = {key: SimpleNamespace(greedy=torch.arange(rows, dtype=torch.int64)) for key in keys}
+    return SimpleNamespace(graphs=outputs, input_ids=torch.zeros(rows, dtype=torch.int64), captures=captures,
+                           device=torch.device("cpu"))
+
+
+def _verify(graphs, synthetic=False):
+    loop = SimpleNamespace(accepted=torch.zeros(4, dtype=torch.int64), next_token=torch.zeros(4, dtype=torch.int64),
+                           num_live=torch.zeros((), dtype=torch.int64), k=16)
+    verify = GraphedVerify.__new__(GraphedVerify)  # the fields compile_verification reads
+    verify.graphs, verify.draft_graphs = graphs, loop
+    verify.verifier = SimpleNamespace(synthetic=synthetic)
+    return verify
+
+
+def test_each_verify_length_is_verified_with_and_without_caps(monkeypatch):
+    calls = []
+
+    def record(greedy, drafts, caps, accepted, next_token, num_live):
+        calls.append((tuple(greedy.shape), tuple(drafts.shape), drafts.stride(0), caps is None))
+
+    monkeypatch.setattr(graphed_verify, "accept_drafts", record)
+    _verify(_graphs([(1, 1), (4, 1), (1, 5), (4, 5), (1, 9), (1, 17)])).compile_verification()
+    assert calls == [((1, q), (1, q - 1), q, caps_none) for q in (5, 9, 17) for caps_none in (True, False)]
+
+
+def test_the_real_kernel_twin_runs_and_writes_only_the_loop_buffers():
+    verify = _verify(_graphs([(1, 5), (2, 17)]))
+    verify.compile_verification()  # the torch twin on the CPU: shapes and arguments as on the GPU
+    assert int(verify.draft_graphs.num_live) == 1
+
+
+def test_nothing_runs_without_captured_graphs_or_with_a_drawn_verifier(monkeypatch):
+    monkeypatch.setattr(graphed_verify, "accept_drafts", lambda *a: (_ for _ in ()).throw(AssertionError("ran")))
+    _verify(_graphs([(1, 5)], captures=False)).compile_verification()
+    _verify(_graphs([(1, 5)]), synthetic=True).compile_verification()
