@@ -30,6 +30,15 @@ and the host only keeps its positions and slots for matches(). Crossing into a b
 lacks, or anything else (sampling, logits controls, logprobs, another bucket), packs and uploads
 the inputs as before.
 
+A speculative engine whose drafter runs not at all on a step that drafts nothing (adaptive
+speculation's k = 0 with adaptive_skip_catch_up: graph_setup.skips_catch_up) decodes its k = 0
+steps here too (`zero_drafts_only`): a step of plain decode rows whose next step drafts nothing
+(SchedulerOutput.num_next_drafts == 0) is exactly a plain decode step, so it takes this path
+rather than the padded verify's (no verification, no accepted counts, no draft buffers read back,
+no block tables compared: the same host and device work as an engine without a drafter), and a
+step queued after it is queued only while the scheduler's choice stays 0 (a choice to draft goes
+back to the padded verify step, launched from host inputs).
+
 DecodeAhead is the step kind (what launches such a step, with the target's graphs, forward and
 sampler it needs); LaunchedDecode is one step on its way.
 """
@@ -81,6 +90,18 @@ class DecodeAhead:
     # Pinned buffers and events for the tokens' copies to the host, reused (runner/pinned_ring.py);
     # made at the first copy, on the device of the tokens.
     token_copies: PinnedRing | None = None
+    # A speculative engine's k = 0 steps (module docstring): only steps whose next step drafts
+    # nothing are taken, and the draft probabilities the host step kept for a taken step's
+    # sequences are dropped (HostStep.forget_draft_probs: none of them is verified now).
+    zero_drafts_only: bool = False
+    forget_draft_probs: Callable[[list[ScheduledSequence]], None] | None = None
+
+    def takes(self, sched: SchedulerOutput) -> bool:
+        """Whether this kind launches sched's batch: plain decode rows and, with zero_drafts_only,
+        a next step that drafts nothing."""
+        if self.zero_drafts_only and sched.num_next_drafts != 0:
+            return False
+        return plain_decode(sched.scheduled)
 
     def copy_tokens(self, token_ids: torch.Tensor) -> HostCopy:
         """token_ids [num_seqs] int64 on the device (then, with logprobs, their packed values): their
@@ -90,8 +111,10 @@ class DecodeAhead:
         return HostCopy.queue(token_ids, self.token_copies)
 
     def launch(self, sched: SchedulerOutput, batch: InputBatch) -> "LaunchedDecode | None":
-        if not plain_decode(sched.scheduled):
+        if not self.takes(sched):
             return None
+        if self.forget_draft_probs is not None:
+            self.forget_draft_probs(sched.scheduled)
         seqs = [item.seq for item in sched.scheduled]
         # Rebuilt from the host's lists at every launch from host inputs (padded_logits_controls.py).
         controls = PaddedLogitsControls.for_sequences(seqs, self.vocab_size, batch.device)
@@ -181,10 +204,13 @@ class LaunchedDecode:
 
     def launch_next(self, num_next_drafts: int | None = None) -> "LaunchedDecode | None":
         """The step after this one for the same sequences, its input tokens this one's (still on
-        the device), when next_rows() allows it (no drafter: num_next_drafts is None): advanced on
-        the device when the graph's buffers still hold this step's inputs and its table covers
-        every next position, else from inputs built on the host."""
+        the device), when next_rows() allows it (no drafter: num_next_drafts is None; with
+        zero_drafts_only, only while it is 0): advanced on the device when the graph's buffers
+        still hold this step's inputs and its table covers every next position, else from inputs
+        built on the host."""
         kind = self.kind
+        if kind.zero_drafts_only and num_next_drafts != 0:  # the next step drafts: the padded verify's
+            return None
         graphs = kind.graphs
         if self.table_ends is not None and graphs.inputs_version == self.inputs_version:
             rows = next_rows(self, kind.block_size, kind.max_model_len, self.table_ends)

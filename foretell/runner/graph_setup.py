@@ -17,7 +17,8 @@ StepGraphSetup.build() runs once, after the KV caches are allocated and max_mode
      than padding every sequence to the longest draft).
 build_step_pipeline() then makes the step pipeline (step_pipeline.py) from them: plain decoding
 queued ahead without a drafter (decode_ahead.py), the padded verify step with one
-(graphed_verify.py).
+(graphed_verify.py), and plain decoding again for the k = 0 steps of a drafter that then runs
+not at all (skips_catch_up: decode_ahead.py's zero_drafts_only).
 """
 
 from __future__ import annotations
@@ -228,19 +229,28 @@ def build_step_pipeline(
     block_size: int,
     max_model_len: int,
     structured: StructuredOutputs | None = None,  # grammar masks (HostStep's), for the padded verify
+    forget_draft_probs: Callable | None = None,  # HostStep.forget_draft_probs, for k = 0 steps decoded plainly
 ) -> StepPipeline:
-    """The device steps a runner may launch: plain decoding one step ahead (without a drafter, and
-    for a host drafter's steps that carry no drafts), the padded verify (with a drafter whose loop
-    runs padded, captured or not)."""
+    """The device steps a runner may launch: plain decoding one step ahead (without a drafter, for
+    a host drafter's steps that carry no drafts, and for the k = 0 steps of a drafter that skips its
+    catch-up there), the padded verify (with a drafter whose loop runs padded, captured or not)."""
     kinds: list[StepKind] = []
     # A host drafter's step without drafts is a plain decode step, queued ahead as plain decoding's.
     host_drafter = isinstance(step_graphs.draft_loop, HostDraftSlots)
     if queue_ahead and (not has_drafter or host_drafter):
         kinds.append(DecodeAhead(step_graphs.target, target_forward, sampler, vocab_size, block_size, max_model_len))
     if step_graphs.draft_loop is not None:
-        kinds.append(GraphedVerify(step_graphs.padded_forward, step_graphs.draft_loop, verifier, block_size,
-                                   max_model_len, sampler.noise, vocab_size, take_draft_probs,
-                                   structured=structured))  # grammars on the padded step (padded_verify.py)
+        verify = GraphedVerify(step_graphs.padded_forward, step_graphs.draft_loop, verifier, block_size,
+                               max_model_len, sampler.noise, vocab_size, take_draft_probs,
+                               structured=structured)  # grammars on the padded step (padded_verify.py)
+        kinds.append(verify)
+        if queue_ahead and isinstance(step_graphs.draft_loop, DraftGraphRunner) and step_graphs.draft_loop.skips(0):
+            # A k = 0 step whose drafter runs not at all is a plain decode step: decoded as one
+            # (after the padded verify in the kinds: it declines what this one takes).
+            verify.zero_draft_decode = DecodeAhead(step_graphs.target, target_forward, sampler, vocab_size,
+                                                   block_size, max_model_len, zero_drafts_only=True,
+                                                   forget_draft_probs=forget_draft_probs)
+            kinds.append(verify.zero_draft_decode)
     # A drafter's general-path loop needs the host's accept counts: nothing is queued past it.
     queue_ahead = queue_ahead and (not has_drafter or step_graphs.draft_loop is not None)
     return StepPipeline(queue_ahead, kinds)

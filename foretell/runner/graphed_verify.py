@@ -7,8 +7,9 @@ top-p, min-p), with or without logprobs and logits controls (penalties, logit_bi
 bad words, allowed tokens: padded_logits_controls.py; grammars: structured/padded_verify.py).
 The step verifies q - 1 drafts per sequence, q the shortest verify length of the draft loop that
 holds the most drafts (K + 1, or under adaptive speculation 1..K + 1: the chosen k + 1, k = 0
-being a padded decode whose draft loop catches the drafter up, or, for an EAGLE3 or MTP drafter
-when the next step drafts nothing, runs no drafter: DraftGraphRunner.skips); a sequence with
+being a padded decode whose draft loop catches the drafter up; for an EAGLE3 or MTP drafter
+whose next step drafts nothing, it runs no drafter (DraftGraphRunner.skips), and a batch of plain
+decode rows is then left to plain decoding (zero_draft_decode, decode_ahead.py)); a sequence with
 fewer drafts (a budget or length cut) is padded to q - 1 with PAD_DRAFT_TOKEN rows and accepts
 none of them (caps for greedy and drawn acceptance, lengths for rejection sampling, whose bonus
 token comes from the sequence's own row). The padded rows write K/V in the sequence's lookahead
@@ -60,6 +61,7 @@ from foretell.engine.scheduler import ScheduledSequence, SchedulerOutput
 from foretell.engine.sequence import Sequence
 from foretell.layers.sampler import NoiseSource, SamplingBatch, sequence_key
 from foretell.runner.cuda_graph import CudaGraphRunner
+from foretell.runner.decode_ahead import DecodeAhead
 from foretell.runner.input_batch import InputBatch, build_input_batch
 from foretell.runner.padded_logits_controls import padded_step_takes
 from foretell.runner.padded_step_extras import PackedLogprobBuffer, PaddedStepExtras
@@ -102,6 +104,7 @@ class GraphedVerify:
     enabled: bool = True  # False: every batch takes the host step (tests and A/B runs set it; the runner never)
     structured: StructuredOutputs | None = None  # grammar masks here (padded_verify.py); None: the host step's
     num_grammar_steps: int = 0  # padded steps with a sequence under a grammar
+    zero_draft_decode: DecodeAhead | None = None  # takes the k = 0 batches it can (module docstring)
 
     def __post_init__(self):
         # rows: the padded forward's most (largest bucket x q)
@@ -181,7 +184,9 @@ class GraphedVerify:
 
     def launch(self, sched: SchedulerOutput, batch: InputBatch) -> "LaunchedVerify | None":
         """The step the scheduler decided, its inputs from `batch` (sequences with fewer drafts
-        padded to the step's q - 1), when the batch fits."""
+        padded to the step's q - 1), when the batch fits and is not plain decoding's (zero_draft_decode)."""
+        if self.zero_draft_decode is not None and self.zero_draft_decode.takes(sched):
+            return None
         q = self._length_that_fits(sched, batch)
         if q is None:
             return None

@@ -151,6 +151,13 @@ class HostStep:
         here: the padded step (graphed_verify.py) verifies those drafts."""
         return self._pop_draft_probs(item)
 
+    def forget_draft_probs(self, items) -> None:
+        """Drop the draft probabilities kept for these scheduled sequences: a step that verifies
+        none of their drafts (a k = 0 step decoded plainly, decode_ahead.py) ends them."""
+        if self.draft_probs:  # none kept: the common case, nothing per sequence
+            for item in items:
+                self.draft_probs.pop(item.seq.seq_id, None)
+
     def _pop_draft_probs(self, item) -> torch.Tensor | None:
         probs = self.draft_probs.pop(item.seq.seq_id, None)
         if probs is None or item.seq.sampling_params.greedy:

@@ -174,7 +174,7 @@ class ModelRunner:
             target_forward=self.target_forward, sampler=sampler, verifier=self.verifier,
             take_draft_probs=self.host_step.take_draft_probs, vocab_size=self.vocab_size,
             block_size=self.cache_plan.block_size, max_model_len=self.max_model_len,
-            structured=self.host_step.structured)
+            structured=self.host_step.structured, forget_draft_probs=self.host_step.forget_draft_probs)
         self.tree_step = None if not self.uses_tree else TreeStep(
             self.model, self.proposer, self.host_step, self.target_forward, config, self.cache_plan.block_size,
             self.device, self.tensor_parallel.is_parallel, step_graphs.tree_verify)
