@@ -73,7 +73,7 @@ def apply_result(
     """One sequence's share of a step: tokens, stops, logprobs, counters. Returns the tokens
     kept (empty for a prefill chunk that does not reach the end, or a finished sequence)."""
     seq = item.seq
-    if metrics.spec is not None:
+    if metrics.spec is not None and result.num_drafts:  # (a step without drafts records nothing)
         metrics.spec.record(result.num_drafts, result.num_accepted)
     if result.prompt_logprobs:
         seq.prompt_logprobs.extend(result.prompt_logprobs)

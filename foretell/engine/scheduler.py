@@ -216,10 +216,10 @@ class Scheduler:
             # that fit beside them; not the few that sample now. While a batch fills, a choice for
             # the first sequences to finish their prompts drafted long, and their drafts padded
             # the verify of the whole batch to that length.
-            num_sampling = sum(1 for item in out.scheduled if item.samples)
+            any_samples = any(item.samples for item in out.scheduled)  # (stops at the first: this runs every step)
             joining = 0 if out_of_blocks else len(self.waiting)
             expected = min(len(self.running) + joining, self.config.max_num_seqs)
-            next_batch = expected if num_sampling else 0
+            next_batch = expected if any_samples else 0
             out.num_next_drafts = self.draft_limit = self.draft_length.choose(next_batch)
         return out
 
