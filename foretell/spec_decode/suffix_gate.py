@@ -88,7 +88,7 @@ class _BucketCosts:
     """One batch-size bucket's recent drafting, fallback and plain step seconds (module docstring)."""
 
     __slots__ = ("draft", "plain", "fallback", "draft_s", "plain_s", "fallback_s", "run_length", "num_draft",
-                 "explored_at", "drafted_at")
+                 "explored_at", "drafted_at", "ratio")
 
     def __init__(self):
         self.draft: deque[float] = deque(maxlen=COST_WINDOW)
@@ -101,6 +101,7 @@ class _BucketCosts:
         self.num_draft = 0  # drafting intervals recorded in all
         self.explored_at: int | None = None  # num_draft at the last exploration
         self.drafted_at = 0  # StepCostBar.num_intervals at the last drafting interval
+        self.ratio: float | None = None  # t_draft / t_plain, None until both are known (kept by _update)
 
     def add(self, seconds: float, drafted: bool) -> None:
         """A drafting or a plain interval."""
@@ -113,6 +114,7 @@ class _BucketCosts:
                 self.draft_s = median
             else:
                 self.plain_s = median
+            self._update()
 
     def add_fallback(self, seconds: float, run_length: int) -> None:
         """A fallback interval, after a run of run_length drafting intervals."""
@@ -120,6 +122,7 @@ class _BucketCosts:
         if len(self.fallback) >= MIN_COST_SAMPLES:
             self.fallback_s = lower_median([f for f, _ in self.fallback])
             self.run_length = sum(m for _, m in self.fallback) / len(self.fallback)
+            self._update()
 
     def forget_drafting(self) -> None:
         """Drop the drafting and fallback costs (stale: module docstring)."""
@@ -127,6 +130,7 @@ class _BucketCosts:
         self.fallback.clear()
         self.draft_s = self.fallback_s = None
         self.run_length = 1.0
+        self.ratio = None
 
     @property
     def charged_draft_s(self) -> float | None:
@@ -136,12 +140,12 @@ class _BucketCosts:
             return self.draft_s
         return self.draft_s + (self.fallback_s - self.plain_s) / self.run_length
 
-    @property
-    def ratio(self) -> float | None:
-        """t_draft / t_plain, None until both are known."""
+    def _update(self) -> None:
+        """ratio after a cost changed (an attribute: the gate reads it every step)."""
         if self.draft_s is None or self.plain_s is None:
-            return None
-        return self.charged_draft_s / self.plain_s
+            self.ratio = None
+        else:
+            self.ratio = self.charged_draft_s / self.plain_s
 
 
 class StepCostBar:
@@ -167,6 +171,7 @@ class StepCostBar:
         self._bars: dict[int, float] = {}  # bucket -> its bar, until a cost changes
         self._any_timed = False  # some bucket has timed both kinds of step
         self.num_intervals = 0  # timed intervals, all buckets (the clock of staleness)
+        self._batch_size, self._bucket = 0, 0  # the last call's batch size and its bucket
 
     def begin_step(self, seq_ids: list | None, samples: list[bool]) -> float:
         """The drafter's call of a step: the interval since the last call becomes a sample when the
@@ -174,16 +179,19 @@ class StepCostBar:
         now = self.clock()
         key = (tuple(seq_ids), all(samples)) if seq_ids else None
         batch_size = len(samples)
+        if batch_size != self._batch_size:
+            self._batch_size, self._bucket = batch_size, bucket_of(batch_size)
+        bucket = self._bucket
         steady = key is not None and key[1] and key == self._last_key and self._drafted is not None
         if steady:
             drafted, seconds = self._drafted, now - self._last_time
             if drafted:
                 self._run_length += 1
-                self._record(batch_size, seconds, True)
+                self._record(bucket, seconds, True)
             elif self._drafted_before is False:
-                self._record(batch_size, seconds, False)
+                self._record(bucket, seconds, False)
             elif self._drafted_before:  # the step that falls back from the run's last verify
-                self._record_fallback(batch_size, seconds, self._run_length)
+                self._record_fallback(bucket, seconds, self._run_length)
             if not drafted:
                 self._run_length = 0
         else:
@@ -191,10 +199,13 @@ class StepCostBar:
             self._run_length = 0
         self._drafted_before = self._drafted
         self._last_time, self._last_key = now, key
-        self.bar = self._bar(batch_size)
+        bar = self._bars.get(bucket)
+        self.bar = bar if bar is not None else self._bar(bucket)
         self.learned = self._any_timed
         if self._explore_left == 0 and steady:
-            self._explore_left = self._exploration(batch_size, self._drafted)
+            costs = self.buckets.get(bucket)
+            if costs is not None and costs.draft_s is not None:
+                self._explore_left = self._exploration(costs, self._drafted)
         self.explore = self._explore_left > 0
         if self.explore:
             self._explore_left -= 1
@@ -208,8 +219,7 @@ class StepCostBar:
         """What this step's call drafted (any sequence)."""
         self._drafted = drafted if self._last_key is not None else None
 
-    def _record(self, batch_size: int, seconds: float, drafted: bool) -> None:
-        bucket = bucket_of(batch_size)
+    def _record(self, bucket: int, seconds: float, drafted: bool) -> None:
         costs = self.buckets.get(bucket)
         if costs is None:
             costs = self.buckets[bucket] = _BucketCosts()
@@ -222,8 +232,8 @@ class StepCostBar:
         costs.add(seconds, drafted)
         self._changed(costs, before)
 
-    def _record_fallback(self, batch_size: int, seconds: float, run_length: int) -> None:
-        costs = self.buckets.get(bucket_of(batch_size))
+    def _record_fallback(self, bucket: int, seconds: float, run_length: int) -> None:
+        costs = self.buckets.get(bucket)
         if costs is None:  # (a run's drafting intervals made the bucket)
             return
         before = costs.ratio
@@ -234,16 +244,13 @@ class StepCostBar:
     def _changed(self, costs: _BucketCosts, ratio_before: float | None) -> None:
         if costs.ratio != ratio_before:
             self._bars.clear()
-            self._any_timed = any(c.ratio is not None for c in self.buckets.values())
+            self._any_timed = costs.ratio is not None or any(c.ratio is not None for c in self.buckets.values())
 
-    def _exploration(self, batch_size: int, last_drafted: bool) -> int:
-        """Steps to draft nothing from this call on (module docstring): EXPLORE_STEPS when the
-        bucket has timed drafting and no plain steps, 1 when it lacks fallbacks and the last call
-        drafted (the next interval is a fallback), else 0; at most once per EXPLORE_INTERVAL
-        drafting intervals."""
-        costs = self.buckets.get(bucket_of(batch_size))
-        if costs is None or costs.draft_s is None:
-            return 0
+    def _exploration(self, costs: _BucketCosts, last_drafted: bool) -> int:
+        """Steps to draft nothing from this call on (module docstring), for a bucket that has timed
+        drafting: EXPLORE_STEPS when it has timed no plain steps, 1 when it lacks fallbacks and the
+        last call drafted (the next interval is a fallback), else 0; at most once per
+        EXPLORE_INTERVAL drafting intervals."""
         if costs.plain_s is None:
             steps = EXPLORE_STEPS
         elif costs.fallback_s is None and last_drafted:
@@ -255,16 +262,19 @@ class StepCostBar:
         costs.explored_at = costs.num_draft
         return steps
 
-    def _bar(self, batch_size: int) -> float:
-        bucket = bucket_of(batch_size)
+    def _bar(self, bucket: int) -> float:
+        """The bar of a bucket (a power of two), kept in _bars until a cost changes."""
         bar = self._bars.get(bucket)
         if bar is None:
-            timed = [b for b, costs in self.buckets.items() if costs.ratio is not None]
-            if not timed:
-                bar = AUTO_PRIOR_BAR
+            own = self.buckets.get(bucket)
+            if own is not None and own.ratio is not None:  # timed itself: the nearest bucket
+                ratio = own.ratio
+            elif not self._any_timed:
+                ratio = None
             else:
-                nearest = nearest_bucket(timed, bucket)
-                bar = min(max(self.buckets[nearest].ratio - 1.0, MIN_AUTO_BAR), self.max_bar)
+                timed = [b for b, costs in self.buckets.items() if costs.ratio is not None]
+                ratio = self.buckets[nearest_bucket(timed, bucket)].ratio
+            bar = AUTO_PRIOR_BAR if ratio is None else min(max(ratio - 1.0, MIN_AUTO_BAR), self.max_bar)
             self._bars[bucket] = bar
         return bar
 
