@@ -41,7 +41,8 @@ WARMUP_MAX_TOKENS = 16  # the bench's short warm-up run (bench/offline.py)
 class DrafterClock:
     """Thread CPU seconds per drafter part (module docstring), gathered while installed."""
 
-    def __init__(self):
+    def __init__(self, steps_only: bool = False):
+        self.steps_only = steps_only  # time propose and forget only (no nested timers in a step's time)
         self.seconds: dict[str, list[float]] = defaultdict(list)
         self.steps: list[tuple[float, dict[str, float]]] = []  # per propose: its time, its parts' times
         self._step_parts: dict[str, float] | None = None  # the parts of the propose running now
@@ -102,6 +103,8 @@ class DrafterClock:
         parts = [(Proposer, "propose", "step"), (Proposer, "observe", first_observe), (Proposer, "forget", "forget"),
                  (Proposer, "draft", "draft"), (Cache, "add", "cache_all"), (Cache, "evict_oldest", "evict"),
                  (Index, "extend", extend), (Index, "lookup", "lookup"), (Bar, "begin_step", "gate")]
+        if self.steps_only:
+            parts = parts[:1] + parts[2:3]
         patched = []
         for owner, name, part in parts:
             part_of = part if callable(part) else (lambda o, a, _part=part: _part)
@@ -147,7 +150,8 @@ class DrafterClock:
 
 
 def run(dataset: str = "gsm8k", num_prompts: int = 16, max_tokens: int = 128, k: int = 3,
-        batch_size: int = 1, gate: str | float = "auto", stub_forward: bool = False) -> dict:
+        batch_size: int = 1, gate: str | float = "auto", stub_forward: bool = False,
+        steps_only: bool = False) -> dict:
     """The measured run's report (DrafterClock.report), after the bench's warm-up (bench/offline.py:
     every prompt for one token, then the first batch for WARMUP_MAX_TOKENS). stub_forward: the
     target's arithmetic stubbed, the GPU's step pipeline (bench/stub_target.py; its tokens are
@@ -172,7 +176,7 @@ def run(dataset: str = "gsm8k", num_prompts: int = 16, max_tokens: int = 128, k:
     with stubbed_target(llm, "constant") if stub_forward else contextlib.nullcontext():
         run_closed_loop(llm, requests, params(1), batch_size)
         run_closed_loop(llm, requests[:batch_size], params(min(WARMUP_MAX_TOKENS, max_tokens)), batch_size)
-        clock = DrafterClock()
+        clock = DrafterClock(steps_only)
         with clock.installed():
             w0 = time.perf_counter()
             run_closed_loop(llm, requests, params(max_tokens), batch_size)
@@ -196,9 +200,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stub-forward", action="store_true",
                         help="the target's arithmetic stubbed, the GPU's step pipeline (constant tokens)")
     parser.add_argument("--gate", default="auto", help='the acceptance gate\'s bar: "auto" or a number')
+    parser.add_argument("--steps-only", action="store_true",
+                        help="time whole propose and forget calls only (no timers nested in a step)")
     args = parser.parse_args(argv)
     gate = args.gate if args.gate == "auto" else float(args.gate)
-    r = run(args.dataset, args.num_prompts, args.max_tokens, args.k, args.batch_size, gate, args.stub_forward)
+    r = run(args.dataset, args.num_prompts, args.max_tokens, args.k, args.batch_size, gate, args.stub_forward,
+            args.steps_only)
     for key, value in r.items():
         print(f"{key}: {value}")
 

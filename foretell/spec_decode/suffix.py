@@ -121,6 +121,13 @@ class SequenceState:
         """Every token seen (a copy when some are pending)."""
         return self.index.tokens + self.pending if self.pending else self.index.tokens
 
+    def tokens_from(self, start: int) -> list[int]:
+        """The tokens seen from position start on, a new list (no copy of those before start)."""
+        indexed = self.index.tokens
+        if start >= len(indexed):
+            return self.pending[start - len(indexed) :]
+        return indexed[start:] + self.pending
+
     def follows(self, history: list[int]) -> bool:
         """Whether history continues what this state has seen (a cheap check: length and the
         last token seen)."""
@@ -191,7 +198,10 @@ class SuffixProposer(ProposerBase):
             state.prompt_length = num_tokens - 1  # the first sampled token ends the history
         if not (samples and lookup) or num_tokens < state.resume_at:  # no lookup: the tokens wait, unindexed
             if new:
-                state.pending += new
+                if state.pending:
+                    state.pending += new
+                else:  # (new is a list of its own: a prompt is not copied again)
+                    state.pending = new if type(new) is list else list(new)
             return None
         if state.pending:
             new = state.pending + new
@@ -240,7 +250,7 @@ class SuffixProposer(ProposerBase):
         """A sequence is done (or preempted): its response joins the global cache."""
         state = self.states.pop(seq_id, None)
         if state is not None and state.prompt_length is not None:
-            self.cache.add(state.tokens[state.prompt_length :])  # pending tokens included
+            self.cache.add(state.tokens_from(state.prompt_length))  # pending tokens included
 
     def drop_cached_responses(self) -> None:
         """Forget the finished requests' responses in the global cache (after the warm-up's

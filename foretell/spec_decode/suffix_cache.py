@@ -38,10 +38,10 @@ class GlobalSuffixCache:
 
     def add(self, response: list[int]) -> None:
         """Cache a finished response, evicting the oldest ones to stay within both bounds. A
-        response longer than max_tokens keeps its last max_tokens tokens."""
+        response longer than max_tokens keeps its last max_tokens tokens (one copy kept)."""
         if not self.enabled or not response:
             return
-        response = list(response[-self.max_tokens :])
+        response = response[-self.max_tokens :] if isinstance(response, list) else list(response[-self.max_tokens :])
         while self.responses and (
             len(self.responses) >= self.max_requests or self.num_tokens + len(response) > self.max_tokens
         ):

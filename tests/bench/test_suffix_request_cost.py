@@ -49,3 +49,11 @@ def test_evictions_are_timed_apart_from_caching():
         drive(proposer, num_requests=3)
     assert len(clock.seconds["evict"]) == 2  # each response after the first evicts the one before
     assert clock.report(3)["evictions"] == 2
+
+
+def test_steps_only_times_whole_calls():
+    clock = DrafterClock(steps_only=True)
+    with clock.installed():
+        drive(SuffixProposer(4))
+    assert len(clock.steps) == 3 * 6 and len(clock.seconds["forget"]) == 3
+    assert "prompt" not in clock.seconds and all(parts == {} for _, parts in clock.steps)
