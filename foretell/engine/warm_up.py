@@ -41,8 +41,39 @@ def warm_up(engine) -> float:
         for request_id, tokens in prompts.items():
             _run(engine, {f"{request_id}-cached": tokens}, params)
     _run(engine, {f"{r}-batched": t for r, t in prompts.items()}, params)  # mixed batches
+    if engine.config.speculative is not None and engine.config.speculative.adaptive:
+        # Adaptive speculation's policy starts after the warm-up, which drafts K every step: every k
+        # in 0..K (k = 0 a plain decode step, decode_ahead.py's zero_drafts_only route), held for a
+        # few steps each, so their kernels compile here and not in the first requests.
+        engine.scheduler.draft_length = EveryDraftCount(k)
+        first = next(iter(prompts.items()))
+        _run(engine, {f"{first[0]}-every-k": first[1]}, params)
+        _run(engine, {f"{r}-every-k-batched": t for r, t in prompts.items()}, params)
+        engine.scheduler.draft_length = None
     leave_no_trace(engine)
     return time.perf_counter() - start
+
+
+class EveryDraftCount:
+    """The warm-up's draft-length policy under adaptive speculation (a scheduler DraftLength): k = 0,
+    1, .., K in turn, each for STEPS_EACH steps in a row (a k = 0 step queued after a k = 0 step
+    takes its own route), whatever the batch; it learns nothing."""
+
+    STEPS_EACH = 3
+
+    def __init__(self, max_k: int):
+        self.max_k = max_k
+        self.num_chosen = 0
+        self.chosen: list[int] = []
+
+    def choose(self, batch_size: int) -> int:
+        k = (self.num_chosen // self.STEPS_EACH) % (self.max_k + 1)
+        self.num_chosen += 1
+        self.chosen.append(k)
+        return k
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        pass
 
 
 def _run(engine, prompts: dict[str, list[int]], params: SamplingParams) -> None:

@@ -36,6 +36,28 @@ def test_warm_up_leaves_no_trace(qwen3_checkpoint, spec):
     assert outputs(warm) == outputs(cold)
 
 
+def test_adaptive_warm_up_runs_every_draft_count(qwen3_checkpoint, monkeypatch):
+    """Under adaptive speculation the warm-up drafts every k in 0..K, each a few steps in a row, so
+    their step kinds compile before the first request; the policy starts after it."""
+    from foretell.engine import warm_up as warm_up_module
+
+    made = []
+
+    class Recording(warm_up_module.EveryDraftCount):
+        def __init__(self, max_k):
+            super().__init__(max_k)
+            made.append(self)
+
+    monkeypatch.setattr(warm_up_module, "EveryDraftCount", Recording)
+    config = {"method": "draft_model", "model": qwen3_checkpoint, "num_speculative_tokens": "auto"}
+    llm = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=64, warm_up="on", max_num_batched_tokens=64,
+              speculative_config=config)
+    (policy,) = made
+    assert set(policy.chosen) == set(range(policy.max_k + 1))
+    assert [0, 0, 0, 1, 1, 1] == policy.chosen[:6]
+    assert llm.engine.scheduler.draft_length is llm.engine.adaptive  # the real policy after the warm-up
+
+
 def test_warm_up_is_off_by_default_on_cpu_and_checks_its_value(qwen3_checkpoint):
     assert LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=64).engine.warm_up_seconds == 0.0
     with pytest.raises(ValueError, match="warm_up must be auto, on or off"):

@@ -28,3 +28,34 @@ def test_two_hundred_prompt_lengths_compile_nothing_after_warm_up():
             for n in lengths:
                 llm.generate([{"prompt_token_ids": ids[:n]}], params, use_tqdm=False)
         assert counter.count == after_warm_up, f"{counter.count - after_warm_up} compilations after warm-up"
+
+
+def _compiles_after_warm_up(spec: dict, prompts: list[str], batch: bool) -> int:
+    counter = jit_compile_counter()
+    with LLM(member_path("target"), device="cuda", speculative_config=spec, kv_cache_memory_bytes=2 << 30) as llm:
+        after_warm_up = counter.count
+        params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+        for _ in range(2):
+            if batch:
+                llm.generate(prompts, params, use_tqdm=False)
+            else:
+                for prompt in prompts:
+                    llm.generate([prompt], params, use_tqdm=False)
+        return counter.count - after_warm_up
+
+
+def test_adaptive_speculation_compiles_nothing_after_warm_up():
+    """Every k in 0..K (k = 0 decoded plainly) is met in the warm-up (engine/warm_up.py), so adaptive
+    speculation's choices compile nothing in serving, alone or batched."""
+    spec = {"method": "eagle3", "model": member_path("eagle3"), "num_speculative_tokens": "auto"}
+    assert _compiles_after_warm_up(spec, gsm8k_test_prompts(16), batch=True) == 0
+    assert _compiles_after_warm_up(spec, gsm8k_test_prompts(4), batch=False) == 0
+
+
+def test_suffix_drafting_compiles_nothing_after_warm_up():
+    """A host drafter drafts nothing on the warm-up's dummy prompts; its verification kernels are
+    compiled at start-up instead (GraphedVerify.compile_verification)."""
+    from foretell.bench.repetitive import repetitive_prompts
+
+    spec = {"method": "suffix", "num_speculative_tokens": 16}
+    assert _compiles_after_warm_up(spec, [p.text for p in repetitive_prompts(8)], batch=False) == 0
