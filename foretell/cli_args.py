@@ -92,6 +92,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
                         "(Inductor's C++ backend, needs a C++ compiler; compiles at the first steps)")
     g.add_argument("--warm-up", default="auto", choices=["auto", "on", "off"],
                    help="dummy requests at start-up so no kernel compiles during serving (auto: on CUDA)")
+    g.add_argument("--gc-freeze", default="auto", choices=["auto", "on", "off"],
+                   help="after start-up, exempt the engine's objects from full garbage collections (gc.freeze; "
+                        "auto: on CUDA)")
     g.add_argument("--skip-tokenizer-init", action="store_true", help="token-id prompts only")
     par = parser.add_argument_group("parallelism")
     par.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
@@ -220,7 +223,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     names = [
         "revision", "tokenizer_revision", "download_dir",
         "tokenizer", "dtype", "device", "load_format", "quantization", "max_model_len", "seed", "attention_backend",
-        "enforce_eager", "small_m_gemm", "batch_invariant", "warm_up", "num_cpu_threads", "cpu_compile",
+        "enforce_eager", "small_m_gemm", "batch_invariant", "warm_up", "gc_freeze", "num_cpu_threads", "cpu_compile",
         "skip_tokenizer_init", "block_size", "kv_cache_memory_bytes", "gpu_memory_utilization",
         "num_kv_blocks", "kv_cache_dtype", "enable_prefix_caching", "max_num_seqs", "max_num_batched_tokens",
         "enable_chunked_prefill", "async_scheduling", "tensor_parallel_size", "enable_expert_parallel",

@@ -58,6 +58,11 @@ class ModelConfig:
     # Run a few dummy requests at start-up so Triton compiles its kernels' shape variants before
     # the first real request (engine/warm_up.py). auto: on CUDA only.
     warm_up: str = "auto"
+    # After start-up, move every object the engine made into the collector's permanent generation
+    # (gc.freeze; gc.unfreeze at shutdown), so full collections, which otherwise walk the engine's
+    # hundreds of thousands of objects (tens of ms at batch 256) while the device idles, skip
+    # them. auto: on CUDA only (the host's time is the step's there).
+    gc_freeze: str = "auto"
     # Bitwise-exact mode (issue 23): every token's logits the same bits however its step was
     # formed (decode, verify, prefill chunk; batch size, order and companions; prefix-cache hit
     # or recompute), because every op reduces a row in an order set by that row's own sizes
@@ -75,6 +80,8 @@ class ModelConfig:
             raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
         if self.warm_up not in ("auto", "on", "off"):
             raise ValueError(f"warm_up must be auto, on or off, got {self.warm_up!r}")
+        if self.gc_freeze not in ("auto", "on", "off"):
+            raise ValueError(f"gc_freeze must be auto, on or off, got {self.gc_freeze!r}")
         if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
         if self.load_format not in ("auto", "safetensors", "pt", "dummy"):

@@ -8,6 +8,7 @@ tensor_parallel_size > 1 a ParallelRunner driving one worker process per rank. A
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import time
@@ -69,14 +70,23 @@ class Engine:
             logger.info("warm-up: %.1f s of dummy requests (Triton kernels compiled)", self.warm_up_seconds)
         # Adaptive speculation: its step costs are learned from the steps as they run (step()).
         self.adaptive = start_adaptive_speculation(self) if config.speculative and config.speculative.adaptive else None
+        freeze = config.model.gc_freeze
+        self.gc_frozen = freeze == "on" or (freeze == "auto" and facts.device.startswith("cuda"))
+        if self.gc_frozen:  # (ModelConfig.gc_freeze) the garbage of start-up collected first
+            gc.collect()
+            gc.freeze()
 
     @property
     def max_model_len(self) -> int:
         return self.facts.max_model_len
 
     def shutdown(self) -> None:
-        """Stop the runner's worker processes (tensor parallelism); nothing to do on one device."""
+        """Stop the runner's worker processes (tensor parallelism; nothing to do on one device), and
+        give the objects gc.freeze exempted back to the collector (this engine's may sit in cycles)."""
         self.runner.shutdown()
+        if self.gc_frozen:
+            gc.unfreeze()
+            self.gc_frozen = False
 
     # ---- requests --------------------------------------------------------------------
     def add_request(
