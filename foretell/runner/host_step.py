@@ -106,6 +106,7 @@ class HostStep:
                                                  [item.accept_limit for item in items])
             outputs, accepted = verify.output_token_ids, verify.num_accepted
         else:
+            self.forget_draft_probs(items)  # drafts proposed for this step and then cut: never verified
             outputs, accepted = [[t] for t in greedy.tolist()], [0] * len(items)
         self._set_results(sched, batch, outputs, accepted, results)
 
@@ -128,6 +129,9 @@ class HostStep:
             chosen_rows = to_device(rows, torch.int64, self.device) if sampling.max_num_logprobs >= 0 else None
             chosen_tokens = verify.emitted_tokens
         else:
+            # Drafts proposed for this step and then cut to none (a budget, a length cap, a k = 0 choice):
+            # their probabilities must not meet the next drafts of the same sequences.
+            self.forget_draft_probs(items)
             sampled = self.sampler(logits, sampling)
             tokens = sampled.token_ids.tolist()
             outputs, accepted = [[t] for t in tokens], [0] * len(tokens)

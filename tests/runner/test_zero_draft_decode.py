@@ -15,6 +15,7 @@ probabilities kept for a sequence that then verifies nothing are dropped.
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from foretell.engine.sequence import Sequence
 from foretell.runner.decode_ahead import DecodeAhead
 from foretell.runner.host_step import HostStep
 from foretell.runner.input_batch import build_input_batch
+from foretell.runner.sequence_result import SequenceResult
 from foretell.spec_decode.adaptive import AdaptiveDraftLength
 
 
@@ -186,3 +188,15 @@ def test_forget_draft_probs():
     assert list(host.draft_probs) == [9]
     kind = DecodeAhead(None, None, None, 16, 4, 100, zero_drafts_only=True, forget_draft_probs=host.forget_draft_probs)
     assert kind.launch(_sched(3), None) is None and list(host.draft_probs) == [9]  # declined: nothing dropped
+
+
+def test_a_step_whose_drafts_were_cut_forgets_their_probabilities():
+    """Drafts proposed for a step and cut to none before it ran (no verify): the probabilities kept
+    for them are dropped with the step, not handed to the sequence's next, different drafts."""
+    host = HostStep(None, None, None, 16, 4, 100, torch.device("cpu"))
+    sched = _sched(0)
+    host.draft_probs = {sched.scheduled[0].seq.seq_id: torch.zeros(2, 16)}
+    batch = SimpleNamespace(sampling_seq_index=[0])
+    results = [SequenceResult()]
+    host.sample_greedy(sched, batch, torch.tensor([5]), results)
+    assert results[0].new_token_ids == [5] and not host.draft_probs
