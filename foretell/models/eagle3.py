@@ -17,7 +17,9 @@ On CUDA the x line (embedding gather, two norms, concatenation) is one launch
 (ops/pointwise/triton_eagle3_input.py). The drafter (spec_decode/eagle3.py) runs `step`: the last add is
 fused into the final norm, and a catch-up over several rows per sequence keeps only its drafting
 rows after the attention block (`keep_rows`: every row's keys and values are cached by then, and
-only those rows' h are read), so the MLP and the LM head run on one row per sequence. (The o
+only those rows' h are read), so the MLP and the LM head run on one row per sequence; a catch-up
+whose rows draft nothing (a prompt chunk) runs `cache_kv`: the layer input and the keys and values
+only (layers/attention/kv_only.py), no queries, attention, o_proj, MLP or LM head. (The o
 projection stays on every row: a gather before it breaks the launch chain that lets it stream its
 weights during the attention, and it ran slower on the H200: docs/perf-log.md.)
 
@@ -43,6 +45,7 @@ from torch import nn
 
 from foretell.ops.common import kernel_choice
 from foretell.layers.attention.layer import Attention
+from foretell.layers.attention.kv_only import trailing_projection, write_rotated_kv
 from foretell.layers.attention.qkv_block import attend_qkv
 from foretell.ops.attention.metadata import AttentionMetadata
 from foretell.layers.embedding import VocabEmbedding
@@ -95,10 +98,17 @@ class Eagle3Attention(nn.Module):
         # RoPE, the KV write and attention: few torch calls on the CPU, the module path elsewhere
         return self.o_proj(attend_qkv(self.attn, self.qkv_proj(x), positions, self.rotary_emb, metadata))
 
+    def cache_kv(self, positions, x, metadata) -> None:  # x [n, 2H]
+        """forward's keys and values into the cache, the same bits (layers/attention/kv_only.py
+        says where the projection's k | v rows are multiplied alone), without queries, attention or o_proj."""
+        kv = trailing_projection(self.qkv_proj, x, self.qkv_proj.q_size)  # [n, 2 * KV * D]: k | v
+        write_rotated_kv(self.attn, kv, positions, self.rotary_emb, metadata)
+
 
 class Eagle3LayerBase(nn.Module):
     """The EAGLE3 layer's data flow, whatever its attention: a subclass builds self_attn (taking
-    [n, 2H]) and mlp, and calls add_norms."""
+    [n, 2H], with cache_kv(positions, x, metadata) caching its keys and values alone) and mlp, and
+    calls add_norms."""
 
     def add_norms(self, config: HFConfig, hidden: int, eps: float, **kw) -> None:
         self.norm_before_residual = bool(config.get("norm_before_residual", False))
@@ -155,6 +165,19 @@ class Eagle3LayerBase(nn.Module):
             table = torch.rms_norm(weight, (weight.shape[-1],), norm.weight, norm.eps)  # [vocab, H]
         self.normed_embedding = (embedding, table)
         return True
+
+    def cache_kv(
+        self,
+        positions: torch.Tensor,  # [n]
+        input_ids: torch.Tensor,  # [n] token ids
+        embedding: nn.Module,
+        g: torch.Tensor,  # [n, H]
+        metadata: AttentionMetadata,
+    ) -> None:
+        """What forward leaves in the draft cache, and nothing else: the layer input, then the
+        attention's keys and values (no queries, attention, o_proj or MLP)."""
+        x, _ = self.layer_input(input_ids, embedding, g)  # [n, 2H]
+        self.self_attn.cache_kv(positions, x, metadata)
 
     def forward(
         self,
@@ -272,6 +295,18 @@ class Eagle3Head(nn.Module):
     ) -> torch.Tensor:  # [n, H], before the final norm
         mlp_out, h_attn = self._layer(input_ids, positions, g, metadata)
         return h_attn + mlp_out
+
+    def cache_kv(
+        self,
+        input_ids: torch.Tensor,  # [n] target token ids
+        positions: torch.Tensor,  # [n]
+        g: torch.Tensor,  # [n, H]
+        metadata: AttentionMetadata,
+    ) -> None:
+        """forward's writes to the draft cache alone (the rows' keys and values, what a catch-up
+        over rows that draft nothing needs): fc's g in, then the layer input, the K and V
+        projections, RoPE on the keys and the cache write."""
+        self.midlayer.cache_kv(positions, input_ids, self.embed_tokens or self.shared_embed, g, metadata)
 
     def step(
         self,

@@ -62,6 +62,11 @@ class Eagle3Proposer(DraftLoopProposer):
     method = "eagle3"
     row_offset = -1
     head_class: type[Eagle3Head] = Eagle3Head
+    # A catch-up whose rows draft nothing (a prompt chunk, a step before one that drafts nothing)
+    # runs head.cache_kv: fc, the layer input and the keys and values only. False: the whole
+    # layer over every row, as before (for comparisons; the same cache bits where
+    # layers/attention/kv_only.py runs the whole q|k|v projection: everywhere but CUDA).
+    kv_only_catch_up = True
 
     def __init__(self, config, target_hf_config: HFConfig, options: ModelOptions):
         super().__init__(config.num_speculative_tokens)
@@ -165,8 +170,12 @@ class Eagle3Proposer(DraftLoopProposer):
 
     def catch_up(self, batch: DraftBatch, last_rows: list[int], greedy_only: bool = False):
         input_ids, positions, metadata = catch_up_rows(batch, self.row_offset, self.draft_block_size)
-        if not last_rows:  # nothing drafts: the forward only caches the rows' keys and values
-            self.head(input_ids, positions, self.head.combine(batch.aux_hidden_states), metadata)
+        if not last_rows:  # nothing drafts: only the rows' keys and values are wanted
+            g = self.head.combine(batch.aux_hidden_states)  # [n, H]
+            if self.kv_only_catch_up:
+                self.head.cache_kv(input_ids, positions, g, metadata)
+            else:
+                self.head(input_ids, positions, g, metadata)
             return None, None
         if list(last_rows) == list(range(batch.num_seqs)):  # every sequence drafts: no upload
             keep_rows = metadata.query_start_loc[1:] - 1  # [B] int32 (index_select takes it)
