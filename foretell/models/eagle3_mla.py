@@ -6,10 +6,10 @@ hidden_norm, norm, lm_head over the draft vocabulary, d2t, optional embed_tokens
 midlayer.self_attn holds MLA projections taking the 2H-wide [embedding ; hidden] input:
 q_a_proj [q_lora, 2H] (or q_proj [heads * (nope + rope), 2H]), q_a_layernorm, q_b_proj,
 kv_a_proj_with_mqa [kv_lora_rank + rope, 2H], kv_a_layernorm, kv_b_proj, o_proj [H, heads * v];
-and midlayer.mlp is a dense SiLU MLP of intermediate_size. A catch-up whose rows draft nothing
-caches their latents alone (cache_latents: the kv_a projection, its norm, k_pe's RoPE, the write). Its rope is DeepSeek's (interleaved
+and midlayer.mlp is a dense SiLU MLP of intermediate_size. Its rope is DeepSeek's (interleaved
 pairs, the head's own rope_theta / rope_scaling, YaRN softmax correction), and its DraftKVCache
-is a latent cache like the target's.
+is a latent cache like the target's. A catch-up whose rows draft nothing caches their latents
+alone (cache_latents: the kv_a projection, its norm, k_pe's RoPE and the write).
 
 Tensor parallel (draft_tensor_parallel_size = the target's tensor_parallel_size): the MLA
 projections split as in the DeepSeek target (q_b_proj or q_proj and kv_b_proj by heads, o_proj

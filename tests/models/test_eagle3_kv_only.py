@@ -181,7 +181,8 @@ def test_mla_head_caches_the_latents_alone(q_lora_rank, dtype):
 # ---------------------------------------------------------------- in the engine
 
 
-PROMPTS = [{"prompt_token_ids": [11, 42, 7, 99, 3, 250, 18, 64, 5, 77, 31, 2]}, {"prompt_token_ids": [5, 17, 200, 31, 9]}]
+PROMPTS = [{"prompt_token_ids": [11, 42, 7, 99, 3, 250, 18, 64, 5, 77, 31, 2]},
+           {"prompt_token_ids": [5, 17, 200, 31, 9]}]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 

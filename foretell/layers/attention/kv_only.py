@@ -68,7 +68,7 @@ def trailing_projection(
 
 def write_rotated_kv(
     attn: Attention,
-    kv: torch.Tensor,  # [T, 2 * KV * D]: keys then values (unit last stride; keys overwritten: RoPE in place on the CPU)
+    kv: torch.Tensor,  # [T, 2 * KV * D]: keys then values, unit last stride (the CPU rotates the keys in place)
     positions: torch.Tensor,  # [T]
     rotary_emb: RotaryEmbedding,
     metadata: AttentionMetadata,
