@@ -25,6 +25,10 @@ keeps its k draft rows with its acceptance capped (ScheduledSequence.accept_limi
 drafts a sequence accepts is the verifier's (spec_decode/verifier.py: exact greedy, or drawn when
 acceptance is simulated), chosen when the runner is built.
 
+A host drafter's step of greedy rows only (no logits controls, logprobs or grammar; an exact
+verifier) is verified on the host instead (runner/host_verify.py): nothing on the device reads
+its verification, so the graph's greedy tokens are read back and counted there.
+
 Sampled rows: the verifier rejection-samples over the target's [n, k + 1, vocab] logits on the
 device (verifier.sample_padded), drawing counter-based noise keyed by each sequence's key (its
 seed and sample index, or the engine's seed and the sequence for a request without a seed) and
@@ -62,9 +66,11 @@ from foretell.engine.sequence import Sequence
 from foretell.layers.sampler import NoiseSource, SamplingBatch, sequence_key
 from foretell.runner.cuda_graph import CudaGraphRunner
 from foretell.runner.decode_ahead import DecodeAhead
+from foretell.runner.host_verify import HostVerifiedStep
 from foretell.runner.input_batch import InputBatch, build_input_batch
 from foretell.runner.padded_logits_controls import padded_step_takes
 from foretell.runner.padded_step_extras import PackedLogprobBuffer, PaddedStepExtras
+from foretell.runner.pinned_ring import PinnedRing
 from foretell.runner.sequence_result import SequenceResult
 from foretell.ops.step.dispatch import accept_drafts
 from foretell.runner.step_pipeline import HostCopy
@@ -104,12 +110,14 @@ class GraphedVerify:
     enabled: bool = True  # False: every batch takes the host step (tests and A/B runs set it; the runner never)
     structured: StructuredOutputs | None = None  # grammar masks here (padded_verify.py); None: the host step's
     num_grammar_steps: int = 0  # padded steps with a sequence under a grammar
+    num_host_verified_steps: int = 0  # ... verified on the host (a host drafter's greedy steps: host_verify.py)
     zero_draft_decode: DecodeAhead | None = None  # takes the k = 0 batches it can (module docstring)
 
     def __post_init__(self):
         # rows: the padded forward's most (largest bucket x q)
         self.logprob_out = PackedLogprobBuffer(self.graphs.input_ids.numel(), self.graphs.device)
         self.grammar_masks = GrammarMaskBuffer(self.graphs.input_ids.numel(), self.graphs.device)
+        self.greedy_copies = PinnedRing(torch.int64, self.graphs.device)  # a host-verified step's tokens
         if self.structured is not None:  # a grammar request's drafts, forced ones included, fit this step
             self.structured.limit_drafts(self.draft_graphs.k)
         self.compile_verification()
@@ -182,7 +190,7 @@ class GraphedVerify:
         wanted = k if num_next_drafts is None else num_next_drafts
         return 0 if wanted == 0 and self.draft_graphs.skips(0) else q - 1 if wanted <= q - 1 else k
 
-    def launch(self, sched: SchedulerOutput, batch: InputBatch) -> "LaunchedVerify | None":
+    def launch(self, sched: SchedulerOutput, batch: InputBatch) -> "LaunchedVerify | HostVerifiedStep | None":
         """The step the scheduler decided, its inputs from `batch` (sequences with fewer drafts
         padded to the step's q - 1), when the batch fits and is not plain decoding's (zero_draft_decode)."""
         if self.zero_draft_decode is not None and self.zero_draft_decode.takes(sched):
@@ -211,6 +219,12 @@ class GraphedVerify:
             extras.grammar = padded_verify_grammar(self.structured, self.grammar_masks, items, q, self.draft_graphs.k,
                                                    shapes_drafts=not self.draft_graphs.drafts_on_host)
             self.num_grammar_steps += extras.grammar is not None
+        if q > 1 and self._verifies_on_host(sampled, extras):  # a host drafter's greedy step (host_verify.py)
+            self.num_steps += 1
+            self.num_mixed_steps += short
+            self.num_host_verified_steps += 1
+            greedy = self.graphs.graphs[key].greedy[: len(items) * q]  # [n * q] int64, the graph's output
+            return HostVerifiedStep(seqs, key, HostCopy.queue(greedy, self.greedy_copies), draft_ids, limits)
         draft_probs = None
         if sampled is not None and any(probs is not None for probs in kept):  # drafts the host step sampled
             drafts = self.graphs.input_ids[: len(items) * q].view(len(items), q)[:, 1:]
@@ -224,6 +238,13 @@ class GraphedVerify:
                                          extras)
         return self._launched(seqs, key, outputs, [seq.num_computed_tokens for seq in seqs], draft_ids, limits,
                               sampled, extras)
+
+    def _verifies_on_host(self, sampled: PaddedSampling | None, extras: PaddedStepExtras) -> bool:
+        """Whether a step of drafts is verified on the host (host_verify.py): a host drafter's
+        (nothing on the device reads the verification), greedy rows only, no logits controls,
+        logprobs or grammar (verification reads the graph's greedy tokens), an exact verifier."""
+        return (self.draft_graphs.drafts_on_host and sampled is None and not self.verifier.synthetic
+                and extras.controls is None and extras.logprobs is None and extras.grammar is None)
 
     def _padded_batch(self, items: list[ScheduledSequence], q: int, device: torch.device) -> InputBatch | None:
         """The batch with every sequence's drafts padded to q - 1 (PAD_DRAFT_TOKEN), None when a
