@@ -146,6 +146,37 @@ def build_input_batch(
     )
 
 
+class DeferredInputBatch(InputBatch):
+    """build_input_batch(scheduled, block_size, device), built at the first read of any field but
+    `device` and `block_size` (every field and property reads as the built batch's from then on).
+
+    The runner hands the scheduler's batch to the step kinds before knowing which one runs it: the
+    padded verify of a host drafter's drafts of unequal lengths builds its own padded batch and
+    reads only `device` here, so the batch is never built on that path (it was built twice)."""
+
+    def __init__(self, scheduled: list[ScheduledSequence], block_size: int, device: torch.device):
+        # no dataclass __init__: the fields arrive with the build (_build)
+        self._scheduled = scheduled
+        self.block_size = block_size
+        self.device = device
+
+    def __getattr__(self, name: str):
+        """Reached only for what the instance lacks: a field before the build."""
+        if name.startswith("__") or "_scheduled" not in vars(self):
+            raise AttributeError(name)
+        self._build()
+        return getattr(self, name)
+
+    def _build(self) -> None:
+        built = build_input_batch(self._scheduled, self.block_size, self.device)
+        del self._scheduled
+        vars(self).update(vars(built))
+
+    @property
+    def is_built(self) -> bool:
+        return "_scheduled" not in vars(self)
+
+
 def build_decode_batch(
     seqs: list[Sequence],
     positions: list[int],  # per sequence: the position of its one input token

@@ -49,7 +49,8 @@ from foretell.layers.cpu_weight_layout import store_weights_transposed, transpos
 from foretell.runner.cpu_compile import install_cpu_compile
 from foretell.runner.cpu_compile_head import install_cpu_compile_head
 from foretell.runner.graph_setup import StepGraphSetup, build_step_pipeline, skips_catch_up
-from foretell.runner.input_batch import InputBatch, build_input_batch
+from foretell.runner.input_batch import DeferredInputBatch, InputBatch
+from foretell.runner.input_batch import build_input_batch  # noqa: F401 (bench/step_parts.py wraps this name)
 from foretell.runner.host_step import HostStep
 from foretell.runner.host_drafts import propose_from_tokens
 from foretell.runner.step_checks import check_step
@@ -293,7 +294,8 @@ class ModelRunner:
         block_size = self.cache_plan.block_size
         step = self.pipeline.take(sched.scheduled, block_size)  # the step queued ahead, when it is this one
         if step is None:
-            batch = build_input_batch(sched.scheduled, block_size, self.device)
+            # built at first use: a padded verify of unequal draft counts builds only its padded batch
+            batch = DeferredInputBatch(sched.scheduled, block_size, self.device)
             step = self.pipeline.launch(sched, batch)
         if step is not None:  # queues the step after it when it can, then reads its results
             results = self.pipeline.finish(step, sched.num_next_drafts)
