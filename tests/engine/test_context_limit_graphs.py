@@ -42,15 +42,18 @@ def test_graphed_verify_runs_to_exactly_max_model_len(folders, draft, async_sche
     from foretell.spec_decode import draft_graph
 
     placed_past = []  # per graphed draft loop: the furthest chained position it would have used
-    original = draft_graph.catch_up_inputs
 
-    def spying(*args):
-        unbounded = original(*args[:-1], 10**9)
-        live = int(args[4])  # num_live
-        placed_past.append(int(unbounded.chained.positions[:, :live].max()) if live else -1)
-        return original(*args)
+    def spy(original):
+        def spying(*args):
+            unbounded = original(*args[:-1], 10**9)
+            live = int(args[4])  # num_live
+            placed_past.append(int(unbounded.chained.positions[:, :live].max()) if live else -1)
+            return original(*args)
+        return spying
 
-    monkeypatch.setattr(draft_graph, "catch_up_inputs", spying)
+    # the device's form and the CPU's (from host ints: spec_decode/catch_up_host.py), whichever runs
+    for name in ("catch_up_inputs", "catch_up_inputs_host"):
+        monkeypatch.setattr(draft_graph, name, spy(getattr(draft_graph, name)))
     if draft == "qwen3":
         spec = {"method": "draft_model", "model": folders["qwen3"], "num_speculative_tokens": 3}
     else:
