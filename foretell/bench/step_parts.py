@@ -36,7 +36,7 @@ PARTS = (
     ("foretell.engine.engine", "Engine", "_finish_step"),
     ("foretell.engine.scheduler", "Scheduler", "schedule"),
     ("foretell.runner.model_runner", "ModelRunner", "execute"),
-    ("foretell.runner.model_runner", None, "build_input_batch"),
+    ("foretell.runner.input_batch", None, "build_input_batch"),  # the scheduler's batch, built at its first read
     ("foretell.runner.model_runner", None, "propose_from_tokens"),
     ("foretell.runner.step_pipeline", "StepPipeline", "take"),
     ("foretell.runner.step_pipeline", "StepPipeline", "launch"),

@@ -50,7 +50,6 @@ from foretell.runner.cpu_compile import install_cpu_compile
 from foretell.runner.cpu_compile_head import install_cpu_compile_head
 from foretell.runner.graph_setup import StepGraphSetup, build_step_pipeline, skips_catch_up
 from foretell.runner.input_batch import DeferredInputBatch, InputBatch
-from foretell.runner.input_batch import build_input_batch  # noqa: F401 (bench/step_parts.py wraps this name)
 from foretell.runner.host_step import HostStep
 from foretell.runner.host_drafts import propose_from_tokens
 from foretell.runner.step_checks import check_step
