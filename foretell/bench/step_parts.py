@@ -46,7 +46,7 @@ PARTS = (
     ("foretell.runner.graphed_verify", "GraphedVerify", "launch_after"),
     ("foretell.runner.graphed_verify", "GraphedVerify", "_verify_on_device"),
     ("foretell.runner.graphed_verify", "GraphedVerify", "_launched"),
-    ("foretell.runner.graphed_verify", "LaunchedVerify", "results"),
+    ("foretell.runner.launched_verify", "LaunchedVerify", "results"),
     ("foretell.runner.cuda_graph", "CudaGraphRunner", "run"),
     ("foretell.spec_decode.adaptive", "AdaptiveDraftLength", "choose"),
     ("foretell.spec_decode.adaptive", "AdaptiveDraftLength", "observe"),

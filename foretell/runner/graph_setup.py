@@ -240,17 +240,14 @@ def build_step_pipeline(
     if queue_ahead and (not has_drafter or host_drafter):
         kinds.append(DecodeAhead(step_graphs.target, target_forward, sampler, vocab_size, block_size, max_model_len))
     if step_graphs.draft_loop is not None:
-        verify = GraphedVerify(step_graphs.padded_forward, step_graphs.draft_loop, verifier, block_size,
-                               max_model_len, sampler.noise, vocab_size, take_draft_probs,
-                               structured=structured)  # grammars on the padded step (padded_verify.py)
-        kinds.append(verify)
         if queue_ahead and isinstance(step_graphs.draft_loop, DraftGraphRunner) and step_graphs.draft_loop.skips(0):
             # A k = 0 step whose drafter runs not at all is a plain decode step: decoded as one
-            # (after the padded verify in the kinds: it declines what this one takes).
-            verify.zero_draft_decode = DecodeAhead(step_graphs.target, target_forward, sampler, vocab_size,
-                                                   block_size, max_model_len, zero_drafts_only=True,
-                                                   forget_draft_probs=forget_draft_probs)
-            kinds.append(verify.zero_draft_decode)
+            # (before the padded verify in the kinds: it declines every batch that drafts next).
+            kinds.append(DecodeAhead(step_graphs.target, target_forward, sampler, vocab_size, block_size,
+                                     max_model_len, zero_drafts_only=True, forget_draft_probs=forget_draft_probs))
+        kinds.append(GraphedVerify(step_graphs.padded_forward, step_graphs.draft_loop, verifier, block_size,
+                                   max_model_len, sampler.noise, vocab_size, take_draft_probs,
+                                   structured=structured))  # grammars on the padded step (padded_verify.py)
     # A drafter's general-path loop needs the host's accept counts: nothing is queued past it.
     queue_ahead = queue_ahead and (not has_drafter or step_graphs.draft_loop is not None)
     return StepPipeline(queue_ahead, kinds)

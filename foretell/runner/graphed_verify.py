@@ -9,7 +9,8 @@ The step verifies q - 1 drafts per sequence, q the shortest verify length of the
 holds the most drafts (K + 1, or under adaptive speculation 1..K + 1: the chosen k + 1, k = 0
 being a padded decode whose draft loop catches the drafter up; for an EAGLE3 or MTP drafter
 whose next step drafts nothing, it runs no drafter (DraftGraphRunner.skips), and a batch of plain
-decode rows is then left to plain decoding (zero_draft_decode, decode_ahead.py)); a sequence with
+decode rows is then taken by plain decoding before it reaches this kind: decode_ahead.py's
+zero_drafts_only); a sequence with
 fewer drafts (a budget or length cut) is padded to q - 1 with PAD_DRAFT_TOKEN rows and accepts
 none of them (caps for greedy and drawn acceptance, lengths for rejection sampling, whose bonus
 token comes from the sequence's own row). The padded rows write K/V in the sequence's lookahead
@@ -65,13 +66,12 @@ from foretell.engine.scheduler import ScheduledSequence, SchedulerOutput
 from foretell.engine.sequence import Sequence
 from foretell.layers.sampler import NoiseSource, SamplingBatch, sequence_key
 from foretell.runner.cuda_graph import CudaGraphRunner
-from foretell.runner.decode_ahead import DecodeAhead
 from foretell.runner.host_verify import HostVerifiedStep
 from foretell.runner.input_batch import InputBatch, build_input_batch
+from foretell.runner.launched_verify import LaunchedVerify
 from foretell.runner.padded_logits_controls import padded_step_takes
 from foretell.runner.padded_step_extras import PackedLogprobBuffer, PaddedStepExtras
 from foretell.runner.pinned_ring import PinnedRing
-from foretell.runner.sequence_result import SequenceResult
 from foretell.ops.step.dispatch import accept_drafts
 from foretell.runner.step_pipeline import HostCopy
 from foretell.spec_decode.draft_graph import DraftGraphRunner
@@ -111,7 +111,6 @@ class GraphedVerify:
     structured: StructuredOutputs | None = None  # grammar masks here (padded_verify.py); None: the host step's
     num_grammar_steps: int = 0  # padded steps with a sequence under a grammar
     num_host_verified_steps: int = 0  # ... verified on the host (a host drafter's greedy steps: host_verify.py)
-    zero_draft_decode: DecodeAhead | None = None  # takes the k = 0 batches it can (module docstring)
 
     def __post_init__(self):
         # rows: the padded forward's most (largest bucket x q)
@@ -192,9 +191,7 @@ class GraphedVerify:
 
     def launch(self, sched: SchedulerOutput, batch: InputBatch) -> "LaunchedVerify | HostVerifiedStep | None":
         """The step the scheduler decided, its inputs from `batch` (sequences with fewer drafts
-        padded to the step's q - 1), when the batch fits and is not plain decoding's (zero_draft_decode)."""
-        if self.zero_draft_decode is not None and self.zero_draft_decode.takes(sched):
-            return None
+        padded to the step's q - 1), when the batch fits."""
         q = self._length_that_fits(sched, batch)
         if q is None:
             return None
@@ -362,83 +359,3 @@ class GraphedVerify:
         copy = HostCopy(*self.graphs.side.download_outputs(read_back))
         return LaunchedVerify(self, seqs, key, accepted, next_token, drafts, copy, starts, draft_ids, limits,
                               sampled, extras)
-
-
-@dataclass
-class LaunchedVerify:
-    """A padded verify step queued on the device whose results the host has not read yet."""
-
-    kind: GraphedVerify  # what launched it, and launches the step after it
-    seqs: list[Sequence]
-    key: tuple[int, int]  # (batch bucket, k + 1)
-    accepted: torch.Tensor  # [num_seqs] int64 on the device
-    next_token: torch.Tensor  # [num_seqs] int64
-    drafts: torch.Tensor  # [num_seqs, m] int64: the drafts for the step after this one
-    copy: HostCopy  # of [accepted, next_token, drafts]
-    # What the step verifies, on the host: its first position per sequence and its drafts. A
-    # step launched ahead learns them when the step before it is read (expect()).
-    start_positions: list[int]
-    draft_token_ids: list[list[int]]
-    accept_limits: list[int | None]
-    sampled: PaddedSampling | None  # the sampled rows' parameters and keys (None: greedy only)
-    extras: PaddedStepExtras  # logits controls and logprobs (the latter in the copy after the drafts)
-
-    @property
-    def num_drafts(self) -> int:
-        """m: the drafts per sequence this step makes."""
-        return self.drafts.shape[1]
-
-    def launch_next(self, num_next_drafts: int | None = None) -> "LaunchedVerify | None":
-        """The step after this one (num_next_drafts: the scheduler's choice of drafts for it,
-        None: all), queued when can_follow() allows."""
-        if not self.kind.can_follow(self, num_next_drafts):
-            return None
-        return self.kind.launch_after(self, num_next_drafts)
-
-    def read(self, following: "LaunchedVerify | None") -> list[SequenceResult]:
-        """This step's results; the step queued after it learns what it verifies from them."""
-        results = self.results()
-        if following is not None:
-            following.expect(self, results)
-        return results
-
-    def results(self) -> list[SequenceResult]:
-        n, m = len(self.seqs), self.num_drafts
-        host = self.copy.read()
-        results = [
-            SequenceResult(
-                new_token_ids=drafts[: host[i]] + [host[n + i]],
-                num_accepted=host[i],
-                num_drafts=len(drafts) if limit is None else min(len(drafts), limit),
-                next_drafts=host[2 * n + i * m : 2 * n + (i + 1) * m],
-            )
-            for i, (drafts, limit) in enumerate(zip(self.draft_token_ids, self.accept_limits))
-        ]
-        self.extras.read(self.key[1], host[2 * n + n * m :], results)  # logprobs, grammars
-        return results
-
-    def expect(self, previous: "LaunchedVerify", previous_results: list) -> None:
-        """Fill in what this step (launched after `previous`) verifies, from previous's results."""
-        self.start_positions = [
-            p + r.num_accepted + 1 for p, r in zip(previous.start_positions, previous_results)
-        ]
-        q = self.key[1]
-        self.draft_token_ids = [r.next_drafts[: q - 1] for r in previous_results]
-
-    def matches(self, scheduled: list[ScheduledSequence], block_size: int) -> bool:
-        """Whether the scheduler's decision is this step: its sequences in order, each verifying
-        the expected drafts from the expected position, with no cap on acceptance."""
-        if len(scheduled) != len(self.seqs):
-            return False
-        q = self.key[1]
-        for item, seq, start, drafts in zip(scheduled, self.seqs, self.start_positions, self.draft_token_ids):
-            if (
-                item.seq is not seq
-                or seq.num_computed_tokens != start
-                or item.num_new_tokens != q
-                or not item.samples
-                or item.accept_limit is not None
-                or item.draft_token_ids != drafts
-            ):
-                return False
-        return True

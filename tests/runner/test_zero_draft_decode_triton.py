@@ -35,7 +35,7 @@ def test_k_zero_steps_share_the_graph_buffers_with_padded_verifies(qwen3_checkpo
     spec = {"method": "eagle3", "model": eagle3_head, "num_speculative_tokens": "auto"}
     llm = LLM(qwen3_checkpoint, speculative_config=spec, **options)
     runner = llm.engine.runner
-    verify, plain = runner.pipeline.kinds
+    plain, verify = runner.pipeline.kinds  # plain decoding tried first
     assert isinstance(plain, DecodeAhead) and plain.zero_drafts_only and plain.graphs is verify.graphs is runner.graphs
     choices = itertools.cycle([0, 0, 0, 2, 0, 0, 0, 0, 3, 3, 0, 1])
     monkeypatch.setattr(AdaptiveDraftLength, "choose", lambda self, batch_size: next(choices))
