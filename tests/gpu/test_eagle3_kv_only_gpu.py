@@ -1,8 +1,11 @@
 """Eagle3Head.cache_kv on CUDA at the Llama-3.1-8B head's shape (bf16, Triton backend): the draft cache
 it leaves against the whole layer's, for a prompt chunk (8 x 128 rows) and a decode step (256 x 1).
 With the whole q|k|v projection (layers/attention/kv_only.py's form off CUDA) the cache must be equal
-bit for bit; with the k|v rows multiplied alone (CUDA's form) it must be close, and the test prints
-whether cuBLAS gave the same bits (a different output width may pick another kernel)."""
+bit for bit for the prompt chunk; at one row a sequence the whole layer rotates its keys in the one-launch
+decode kernel (ops/attention/triton_rope_paged.py), which on the H200 left a few keys one bf16 ulp from
+rope_write_kv_triton's (values equal). With the k|v rows multiplied alone (CUDA's form) the cache must be
+close, and the test prints whether cuBLAS gave the same bits (a different output width may pick another
+kernel)."""
 
 from __future__ import annotations
 
@@ -42,6 +45,13 @@ def head():
     return head.eval()
 
 
+def assert_nearly_equal_bf16(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal but for a few roundings: within a bf16 ulp or two, on at most 1 element in 10,000."""
+    torch.testing.assert_close(got.float(), want.float(), atol=2 ** -6, rtol=2 ** -7)
+    differ = (got != want).sum().item()
+    assert differ <= got.numel() // 10_000, f"{differ} of {got.numel()} elements differ"
+
+
 @pytest.mark.parametrize("seqs,rows", [(8, 128), (256, 1)])
 @pytest.mark.parametrize("rows_alone", [False, True])
 def test_cache_against_the_whole_layers(head, monkeypatch, seqs, rows, rows_alone):
@@ -66,9 +76,12 @@ def test_cache_against_the_whole_layers(head, monkeypatch, seqs, rows, rows_alon
         head.cache_kv(ids, positions, head.combine(aux), meta)
     torch.cuda.synchronize()
     assert not torch.equal(want, before)
-    if not rows_alone:
+    if not rows_alone and rows > 1:
         assert torch.equal(cache, want)
+    elif not rows_alone:  # one row a sequence: the whole layer rotates its keys in the one-launch decode kernel
+        assert torch.equal(cache[1], want[1])  # values: the same projection's bits
+        assert_nearly_equal_bf16(cache[0], want[0])  # keys: H200 9186cbb, 1,959 of 134M elements one ulp apart
     else:
-        torch.testing.assert_close(cache, want)
+        assert_nearly_equal_bf16(cache, want)
         same = torch.equal(cache, want)
         print(f"k|v rows alone, {seqs} x {rows}: cache bit for bit equal to the whole layer's: {same}")
