@@ -27,6 +27,17 @@ drafter only stores their tokens; the probe indexes them in one extend), after w
 probes again: accepted well (the average, reset to the bar at the pause, stays at or above it),
 drafting goes on and the pause length starts over; else it pauses again, twice as long (up to MAX_PAUSE tokens). Drafts change speed
 only, never the tokens: the output stays the target's.
+The sequence's average alone over-predicts the next draft (it is updated on drafted steps only and
+halves each step: one whole acceptance lifts it over the bar, and on GSM8K the drafts after it
+accept far less; bench/suffix_gate_sim.py replays the real drafter over recorded outputs and shows
+it). What predicts a draft is the match it comes from: drafts from a match of min_match_length to
+twice that accept much less than those from longer matches. So under a learned "auto" bar each
+draft is also held to its class (MatchCalibration: the length of its match, key_length to 2
+key_length - 1, to 4 key_length - 1, longer): expected accepted = the share of drafted tokens the
+class's last CALIBRATION_WINDOW judged drafts accepted, times the draft's length; below the bar the
+draft is not proposed (no pause: the match grows with the tokens and may leave the class), except
+one in PROBE_EVERY, which keeps the class's share current, and a draft right after one accepted
+whole (a run going on).
 min_accepted_tokens "auto" (suffix_gate.py): the bar is what a draft must accept for a drafting
 step to pay on this machine, t_draft / t_plain - 1, learned from the time between the drafter's
 calls (one engine step each); once learned, a draft no longer than the bar is not proposed (even
@@ -48,10 +59,14 @@ batch without seq_ids is drafted from fresh indexes (slow, same drafts as a firs
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 FIRST_PAUSE = 4  # tokens a sequence stops drafting after its drafts fell below the bar
 MAX_PAUSE = 64  # ... doubling while its probes keep failing, at most this many
+CALIBRATION_WINDOW = 32  # judged drafts a match-length class keeps (its share of drafted tokens accepted)
+MIN_CALIBRATION = 4  # judged drafts a class needs before its share gates a draft
+PROBE_EVERY = 8  # a class expected below the bar still proposes one of this many of its drafts
 
 from foretell.spec_decode.proposer import DraftBatch, Proposal, ProposerBase, ProposerCapabilities
 from foretell.spec_decode.suffix_cache import GlobalSuffixCache
@@ -90,6 +105,53 @@ class SuffixSettings:
         return min(self.min_match_length, self.max_tree_depth)
 
 
+class MatchCalibration:
+    """What a draft is expected to accept, by the length of the match it comes from: per class
+    (a match of key_length to 2 key_length - 1 tokens, up to 4 key_length - 1, longer), the share of
+    drafted tokens the last CALIBRATION_WINDOW judged drafts of the class had accepted; a draft's
+    expectation is that share times its length (module docstring, the acceptance gate)."""
+
+    NUM_CLASSES = 3
+
+    def __init__(self, key_length: int):
+        self.key_length = max(1, key_length)
+        self.judged: list[deque[tuple[int, int]]] = [deque(maxlen=CALIBRATION_WINDOW) for _ in range(self.NUM_CLASSES)]
+        self.sums = [[0, 0] for _ in range(self.NUM_CLASSES)]  # per class: accepted, drafted tokens in the window
+        self.skipped = [0] * self.NUM_CLASSES  # drafts not proposed since the class's last probe
+
+    def class_of(self, match_length: int) -> int:
+        return min(self.NUM_CLASSES - 1, max(0, (match_length // self.key_length).bit_length() - 1))
+
+    def expected(self, match_length: int, length: int) -> float | None:
+        """Tokens a draft of `length` from a match of match_length is expected to accept; None
+        before its class has MIN_CALIBRATION judged drafts."""
+        c = self.class_of(match_length)
+        if len(self.judged[c]) < MIN_CALIBRATION:
+            return None
+        accepted, drafted = self.sums[c]
+        return length * accepted / drafted
+
+    def probe(self, match_length: int) -> bool:
+        """Whether a draft expected below the bar is proposed anyway (one in PROBE_EVERY)."""
+        c = self.class_of(match_length)
+        self.skipped[c] += 1
+        if self.skipped[c] >= PROBE_EVERY:
+            self.skipped[c] = 0
+            return True
+        return False
+
+    def add(self, match_length: int, accepted: int, length: int) -> None:
+        c = self.class_of(match_length)
+        window, sums = self.judged[c], self.sums[c]
+        if len(window) == window.maxlen:
+            old_accepted, old_length = window[0]
+            sums[0] -= old_accepted
+            sums[1] -= old_length
+        window.append((accepted, length))
+        sums[0] += accepted
+        sums[1] += length
+
+
 class SequenceState:
     """What the drafter keeps of one sequence between steps: its own index (its tokens so far,
     less `pending`: those not indexed yet) and its matches there and in the global cache."""
@@ -107,6 +169,8 @@ class SequenceState:
         # against), the moving average of accepted tokens per draft, no draft before the
         # history reaches resume_at tokens, and the next pause's length.
         self.last_draft: list[int] = []
+        self.last_match_length = 0  # the match last_draft came from (its calibration class)
+        self.run_going = False  # the last draft was accepted whole (the next one is not held to its class)
         self.accepted_average = float("inf")  # no draft yet: nothing against drafting
         self.resume_at = 0
         self.pause = FIRST_PAUSE
@@ -159,8 +223,10 @@ class SuffixProposer(ProposerBase):
         if bar == "auto":  # learned from the steps (suffix_gate.py); k + 1: no draft can pay
             self.cost_bar: StepCostBar | None = StepCostBar(max_bar=num_speculative_tokens + 1)
             self.bar = self.cost_bar.bar
+            self.calibration: MatchCalibration | None = MatchCalibration(s.key_length)
         elif isinstance(bar, (int, float)) and not isinstance(bar, bool) and bar >= 0:
             self.cost_bar, self.bar = None, float(bar)
+            self.calibration = None
         else:
             raise ValueError(f"suffix min_accepted_tokens must be a number >= 0 or 'auto', got {bar!r}")
 
@@ -232,6 +298,9 @@ class SuffixProposer(ProposerBase):
         accepted, limit = 0, min(len(draft), len(new) - 1)  # the last new token is the target's own
         while accepted < limit and draft[accepted] == new[accepted]:
             accepted += 1
+        state.run_going = accepted == len(draft)
+        if self.calibration is not None:
+            self.calibration.add(state.last_match_length, accepted, len(draft))
         average = accepted if state.accepted_average == float("inf") else 0.5 * (state.accepted_average + accepted)
         if average >= bar:
             state.accepted_average, state.pause = average, FIRST_PAUSE
@@ -306,7 +375,9 @@ class SuffixProposer(ProposerBase):
                 drafts.append(EMPTY_DRAFT)
                 continue
             draft = self.draft(state, batch.num_useful_drafts(i, self.k), min_length)
-            state.last_draft = draft.token_ids
+            if min_length > 0 and draft.token_ids and not (state.run_going or self._expected_to_pay(draft)):
+                draft = EMPTY_DRAFT  # (no pause: a longer match next step may pay)
+            state.last_draft, state.last_match_length = draft.token_ids, draft.match_length
             if min_length > 0 and not draft.token_ids:
                 # A match, but no draft the learned bar lets pay: the next lookups would likely
                 # find the same, each costing host time on a step that would be plain anyway.
@@ -315,6 +386,12 @@ class SuffixProposer(ProposerBase):
         if cost_bar is not None:
             cost_bar.end_step(any(d.token_ids for d in drafts))
         return drafts
+
+    def _expected_to_pay(self, draft: Draft) -> bool:
+        """Whether the draft's class expects it to accept at least the bar (MatchCalibration;
+        yes before the class is calibrated, and for one in PROBE_EVERY of a failing class)."""
+        expected = self.calibration.expected(draft.match_length, len(draft.token_ids))
+        return expected is None or expected >= self.bar or self.calibration.probe(draft.match_length)
 
     def propose(self, batch: DraftBatch) -> Proposal:
         tokens = [draft.token_ids for draft in self.propose_drafts(batch)]
