@@ -21,9 +21,10 @@ Attention.forward_rotary) writes them there, bit for bit:
     rows, the key heads rotated in place, one index_copy_ of keys and values side by side;
   - a Triton backend (fuses_rope) with a cache in the key's dtype or FP8: rope_write_kv_triton
     with no query heads, the launch the full block's prefill makes (its one-launch decode form,
-    triton_rope_paged, rotates with the same roundings on paper, yet on the H200 left a few keys
-    of a 256 x 1 catch-up one bf16 ulp apart: tests/gpu/test_eagle3_kv_only_gpu.py; a drafter's
-    cache, so drafts may differ there, never the output);
+    triton_rope_paged, rotates with the same roundings on paper, but the GPU's compiler fuses
+    RoPE's products with their sums differently in the two kernels: at one row a sequence keys
+    one rounding apart, tests/gpu/test_eagle3_kv_only_gpu.py; a drafter's cache, so drafts may
+    differ there, never the output);
   - anything else: RotaryEmbedding.rotate_heads, then the backend's write_kv with the layer's
     FP8 scales (what norm_and_rotate and Attention.forward run).
 """
