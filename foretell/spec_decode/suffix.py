@@ -375,10 +375,11 @@ class SuffixProposer(ProposerBase):
                 drafts.append(EMPTY_DRAFT)
                 continue
             draft = self.draft(state, batch.num_useful_drafts(i, self.k), min_length)
-            if min_length > 0 and draft.token_ids and not (state.run_going or self._expected_to_pay(draft)):
+            held = min_length > 0 and draft.token_ids and not (state.run_going or self._expected_to_pay(draft))
+            if held:
                 draft = EMPTY_DRAFT  # (no pause: a longer match next step may pay)
             state.last_draft, state.last_match_length = draft.token_ids, draft.match_length
-            if min_length > 0 and not draft.token_ids:
+            if min_length > 0 and not draft.token_ids and not held:
                 # A match, but no draft the learned bar lets pay: the next lookups would likely
                 # find the same, each costing host time on a step that would be plain anyway.
                 self._pause(state, len(history))
