@@ -265,3 +265,69 @@ def test_rope_attention_in_one_launch_at_llama_shapes(num_splits, q_len, with_no
     torch.testing.assert_close(outs[0].float(), expected.float(), rtol=2e-2, atol=2e-2,
                                msg=lambda m: f"attention (seed {seed}): {m}")
     assert all(torch.equal(o, outs[0]) for o in outs), f"launches differ (seed {seed})"
+
+
+def _ancestor_mask(shape, seed: int) -> torch.Tensor:  # [T, T] bool: a random draft tree's ancestor mask
+    from foretell.spec_decode.tree.build import build_tree
+
+    gen = torch.Generator().manual_seed(seed)
+    vocab = 23
+    tree = build_tree(shape, torch.zeros(1, dtype=torch.int64), torch.randn(1, vocab, generator=gen),
+                      lambda tokens, slot, depth: torch.randn(1, shape.topk, vocab, generator=gen))
+    return tree.ancestor_mask[0]
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 8])
+def test_rope_attention_in_one_launch_with_a_tree_mask(num_splits):
+    """A 16-node tree verify (ops/attention/triton_rope_paged.py with tree_mask) beside decode rows,
+    a chain verify and a drafter's frontier rows, bf16 at Llama-8B heads, long contexts: the cache
+    and the output within bf16 rounding of the two launches with the same mask (rope_write_kv_triton,
+    paged_attention_triton), every repeat identical, and the mask matters."""
+    from foretell.ops.attention.triton_rope_paged import rope_paged_attention_triton
+    from foretell.ops.attention.triton_rope_kv import rope_write_kv_triton
+    from foretell.layers.rotary import RotaryEmbedding
+    from foretell.spec_decode.tree.shape import TreeShape
+
+    width = 16
+    specs = [(511, 16), (4095, 1), (700, 4), (8000, 3), (63, 16)]
+    seed = random.randrange(2**31)
+    query, key, value, cache, md = _batch(specs, 8, 4, 128, 16, torch.bfloat16, seed, extra_width=64)
+    mask = torch.ones(md.query_start_loc_cpu[-1], width, dtype=torch.bool)  # [num_tokens, width]; decode rows all true
+    starts = md.query_start_loc_cpu
+    mask[starts[0]:starts[1]] = _ancestor_mask(TreeShape(5, 4, 16), seed)
+    frontier = torch.rand(3, width, generator=torch.Generator().manual_seed(seed)) < 0.5
+    frontier[torch.arange(3), width - 3 + torch.arange(3)] = True  # each frontier row sees itself
+    mask[starts[3]:starts[4]] = frontier
+    mask[starts[4]:starts[5]] = _ancestor_mask(TreeShape(3, 4, 16), seed + 1)
+    mask[starts[2]:starts[3], width - 4:] = torch.ones(4, 4, dtype=torch.bool).tril_()  # a chain: causal
+    mask = mask.to(DEVICE)
+    positions = torch.cat([torch.arange(p, p + q, device=DEVICE) for p, q in specs])
+    rotary = RotaryEmbedding(128, 16384, 500000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, device=DEVICE)
+    rope = (rotary.cos_cache, rotary.sin_cache)
+    two_cache = cache.clone()
+    q = rope_write_kv_triton(positions, query, key, value, *rope, two_cache, md.slot_mapping)
+    expected = torch.full_like(q, float("nan"))
+    paged_attention_triton(q, two_cache, md.block_table, md.seq_lens, md.query_start_loc, md.max_query_len,
+                           128**-0.5, expected, num_splits=num_splits, tree_mask=mask)
+    outs = []
+    for _ in range(5):
+        one_cache = cache.clone()
+        outs.append(rope_paged_attention_triton(
+            positions, query, key, value, *rope, one_cache, md.slot_mapping, md.block_table, md.seq_lens,
+            md.query_start_loc, md.max_query_len, 128**-0.5, num_splits=num_splits, tree_mask=mask))
+        torch.testing.assert_close(one_cache, two_cache, rtol=2e-2, atol=2e-2, equal_nan=True,
+                                   msg=lambda m: f"cache (seed {seed}): {m}")
+        assert (one_cache != two_cache).logical_and(~two_cache.isnan()).float().mean() < 1e-3
+    assert not outs[0].isnan().any(), f"unwritten rows or NaN read (seed {seed})"
+    torch.testing.assert_close(outs[0].float(), expected.float(), rtol=2e-2, atol=2e-2,
+                               msg=lambda m: f"attention (seed {seed}): {m}")
+    assert all(torch.equal(o, outs[0]) for o in outs), f"launches differ (seed {seed})"
+    causal = rope_paged_attention_triton(positions, query, key, value, *rope, cache.clone(), md.slot_mapping,
+                                         md.block_table, md.seq_lens, md.query_start_loc, md.max_query_len,
+                                         128**-0.5, num_splits=num_splits)
+    tree_rows = slice(starts[0], starts[1])
+    assert not torch.allclose(causal[tree_rows].float(), outs[0][tree_rows].float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(causal[starts[1]:starts[3]].float(), outs[0][starts[1]:starts[3]].float(),
+                               rtol=2e-2, atol=2e-2,
+                               msg=lambda m: f"decode and chain rows under all-true / causal masks (seed {seed}): {m}")

@@ -60,6 +60,7 @@ class Step:
             for norm in self.qk_norm:
                 norm.weight.data = (1 + 0.3 * torch.randn(head_dim, generator=gen)).to(dtype).to(DEVICE)
         self.padded = padded  # a sequence whose rows are padding: slot -1
+        self.tree_mask = None  # [num_tokens, W] bool over each sequence's last W keys (test_attention_rope_paged_tree.py)
         if padded is not None:
             starts = b.metadata.query_start_loc_cpu
             b.metadata.slot_mapping[starts[padded]:starts[padded + 1]] = -1
@@ -69,7 +70,7 @@ class Step:
         return fused.rope_paged_attention_triton(
             self.positions, self.query, self.key, self.value, self.rotary.cos_cache, self.rotary.sin_cache, cache,
             md.slot_mapping, md.block_table, md.seq_lens, md.query_start_loc, md.max_query_len, self.batch.scale,
-            style=self.rotary.style, qk_norm=self.qk_norm, **split)
+            style=self.rotary.style, qk_norm=self.qk_norm, tree_mask=self.tree_mask, **split)
 
     def run_two_launches(self, cache, **split):
         md = self.batch.metadata
@@ -78,7 +79,8 @@ class Step:
                                      qk_norm=self.qk_norm)
         out = torch.full_like(q, float("nan"))
         return kernels.paged_attention_triton(q, cache, md.block_table, md.seq_lens, md.query_start_loc,
-                                              md.max_query_len, self.batch.scale, out, **split)
+                                              md.max_query_len, self.batch.scale, out, tree_mask=self.tree_mask,
+                                              **split)
 
     def run_torch(self):  # CPU tensors: the torch path of every step
         md = self.batch.metadata
@@ -89,7 +91,7 @@ class Step:
         cache = self.batch.cache.clone()
         real = md.slot_mapping >= 0
         write_kv_torch(k[real], self.value[real], cache, md.slot_mapping[real])
-        return TorchAttentionBackend().attend(q, cache, md, self.batch.scale)
+        return TorchAttentionBackend().attend(q, cache, md, self.batch.scale, tree_mask=self.tree_mask)
 
     def live_rows(self) -> torch.Tensor:  # [num_tokens] bool: rows of sequences that are not padding
         rows = torch.ones(self.query.shape[0], dtype=torch.bool, device=DEVICE)

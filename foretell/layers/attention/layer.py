@@ -83,13 +83,15 @@ class Attention(nn.Module):
         qk_norm: tuple[RMSNorm, RMSNorm] | None = None,  # (q_norm, k_norm) per head, before RoPE
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """(q_norm / k_norm,) RoPE on query and key, then forward: the backend's rope_attend when it
-        has one (the cache and norms in the query's dtype: one launch for decode, two for prefill),
-        else the modules one after the other."""
+        has one (the cache and norms in the query's dtype: one launch for decode and verify, two for
+        prefill) and, for a draft tree's rows (metadata.tree_mask), when it also honours the mask
+        (fuses_tree_rope); else the modules one after the other."""
         if self.kv_cache is None:
             raise RuntimeError("attention layer has no KV cache bound; the runner must bind one")
         norms_fit = qk_norm is None or all(n.weight.dtype == query.dtype for n in qk_norm)
         cache_fits = self.kv_cache.dtype == query.dtype or is_fp8(self.kv_cache.dtype)
-        if (self.backend.fuses_rope and norms_fit and cache_fits and metadata.tree_mask is None
+        mask_fits = metadata.tree_mask is None or getattr(self.backend, "fuses_tree_rope", False)
+        if (self.backend.fuses_rope and norms_fit and cache_fits and mask_fits
                 and rotary_emb.fusable(positions, query, key)):
             k_scale, v_scale = self.kv_scales.values
             return self.backend.rope_attend(positions, query, key, value, rotary_emb, self.kv_cache, metadata,

@@ -22,6 +22,7 @@ class TritonAttentionBackend:
     name = "triton"
     graph_safe = True
     fuses_rope = True
+    fuses_tree_rope = True  # rope_attend honours metadata.tree_mask (a draft tree's rows)
 
     def __init__(self):
         self.split_counters = SplitCounters()  # shared by every layer: launches run in stream order
@@ -52,8 +53,9 @@ class TritonAttentionBackend:
         v_scale: float = 1.0,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """(q_norm / k_norm,) rotary_emb(positions, query, key), write_kv of the rotated key, then
-        attend: one launch for decode and short verify steps (triton_rope_paged.fits), else
-        RoPE + KV write in one and the attention in a second."""
+        attend under metadata.tree_mask when it holds one: one launch for decode and short verify
+        steps, tree verifies included (triton_rope_paged.fits), else RoPE + KV write in one and the
+        attention in a second."""
         from foretell.ops.attention import triton_rope_paged
         from foretell.ops.attention.triton_rope_kv import rope_write_kv_triton
 
@@ -63,12 +65,12 @@ class TritonAttentionBackend:
                 positions, query, key, value, rotary_emb.cos_cache, rotary_emb.sin_cache, kv_cache,
                 metadata.slot_mapping, metadata.block_table, metadata.seq_lens, metadata.query_start_loc,
                 metadata.max_query_len, scale, style=rotary_emb.style, qk_norm=qk_norm, counters=self.split_counters,
-                k_scale=k_scale, v_scale=v_scale,
+                k_scale=k_scale, v_scale=v_scale, tree_mask=metadata.tree_mask,
             )
         query = rope_write_kv_triton(positions, query, key, value, rotary_emb.cos_cache, rotary_emb.sin_cache,
                                      kv_cache, metadata.slot_mapping, style=rotary_emb.style, qk_norm=qk_norm,
                                      k_scale=k_scale, v_scale=v_scale)
-        return self.attend(query, kv_cache, metadata, scale, k_scale, v_scale)
+        return self.attend(query, kv_cache, metadata, scale, k_scale, v_scale, tree_mask=metadata.tree_mask)
 
     def attend(
         self,

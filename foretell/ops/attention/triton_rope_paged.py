@@ -24,6 +24,11 @@ outputs agree within float32 rounding. Twin:
 rope_write_kv_triton then paged_attention_triton (and through them the torch path);
 tests/ops/test_attention_rope_paged.py holds them together in Triton's interpreter.
 
+A draft tree's forward (a tree verify of up to 16 nodes, a drafter's frontier rows) passes
+tree_mask [num_tokens, W] with triton_paged.py's semantics: on top of the causal limit, a row sees
+key seq_len - W + c of its sequence only where its mask row's column c is set (all-true rows: plain
+causal rows). Without a mask the kernel is compiled without it (TREE_MASK off).
+
 An FP8 cache (fp8_kv.py): the new keys and values go in as key / k_scale and value / v_scale in
 e4m3 (rounded to the query's dtype first, as the two launches round them), the tiles read back are
 converted to the query's dtype, k_scale rides in the softmax scale and v_scale multiplies the
@@ -42,6 +47,7 @@ from foretell.ops.attention.triton_paged import (
     _check_cache,
     _choose_num_splits,
     _launch_config,
+    _tree_mask_rows,
 )
 from foretell.ops.attention.triton_varlen import (
     context_tile,
@@ -132,6 +138,9 @@ def _rope_paged_attention_kernel(
     block_table_ptr,  # [num_seqs, max_blocks] int32
     seq_lens_ptr,  # [num_seqs] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
+    tree_mask_ptr,  # [num_tokens, mask_width] int8 (read with TREE_MASK)
+    mask_width,
+    stride_mask_token,
     scale_log2,  # softmax scale * log2(e) (* k_scale for an FP8 cache)
     k_inv_scale,  # FP8 caches: 1 / k_scale, 1 / v_scale and v_scale (unused otherwise)
     v_inv_scale,
@@ -166,6 +175,7 @@ def _rope_paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     FP8_CACHE: tl.constexpr,  # e4m3 cache: scaled on write, tiles converted to the query's dtype on read
     PDL: tl.constexpr,
+    TREE_MASK: tl.constexpr,  # rows see, of the sequence's last mask_width keys, only those their tree_mask row marks
 ):
     join_dependent_chain(PDL)  # the o projection's GEMV streams weights meanwhile
     seq = tl.program_id(0)  # one query block per sequence
@@ -244,6 +254,13 @@ def _rope_paged_attention_kernel(
         scores = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
         scores += tl.dot(q2, tl.trans(k2), input_precision=DOT_PRECISION)
         visible = (key_pos[None, :] <= row_pos[:, None]) & key_valid[None, :]
+        if TREE_MASK:
+            # [TILE_N]: the mask column of this key, the sequence's last mask_width keys (< 0: before them)
+            column = key_pos - (prefix_len + q_len - mask_width)
+            in_mask = (column >= 0) & (column < mask_width) & key_valid
+            seen = tl.load(tree_mask_ptr + row_index[:, None] * stride_mask_token + column[None, :],
+                           mask=row_valid[:, None] & in_mask[None, :], other=1)
+            visible = visible & (seen != 0)
         scores = tl.where(visible, scores * scale_log2, float("-inf"))
         p, alpha, m_i, l_i = online_softmax_step(scores, m_i, l_i)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -292,8 +309,10 @@ def rope_paged_attention_triton(
     min_split_tokens: int = MIN_SPLIT_TOKENS,
     k_scale: float = 1.0,  # FP8 caches: stored key = key / k_scale, read back as stored * k_scale
     v_scale: float = 1.0,
+    tree_mask: torch.Tensor | None = None,  # [num_tokens, W] bool/int8/uint8 over each sequence's last W keys
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """rope_write_kv_triton then paged_attention_triton, in one launch (a batch that `fits`)."""
+    """rope_write_kv_triton then paged_attention_triton (with the same tree_mask), in one launch
+    (a batch that `fits`)."""
     num_tokens, num_heads, head_dim = query.shape
     _check_cache(kv_cache)
     num_kv_heads = kv_cache.shape[3]
@@ -309,6 +328,7 @@ def rope_paged_attention_triton(
             "run rope_write_kv_triton and paged_attention_triton instead")
     if style not in ("neox", "gptj"):
         raise ValueError(f"rope style {style!r} is not one of neox, gptj")
+    mask_rows = _tree_mask_rows(tree_mask, num_tokens)  # int8 view, or None: compiled without TREE_MASK
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
@@ -346,6 +366,8 @@ def rope_paged_attention_triton(
         q_norm.weight if q_norm is not None else query, k_norm.weight if k_norm is not None else key,
         q_norm.eps if q_norm is not None else 0.0, k_norm.eps if k_norm is not None else 0.0,
         k_cache, v_cache, out, part_acc, part_max, part_sum, counter_buf, block_table, seq_lens, query_start_loc,
+        out if mask_rows is None else mask_rows,  # unread without TREE_MASK
+        0 if mask_rows is None else mask_rows.shape[1], 0 if mask_rows is None else mask_rows.stride(0),
         scale * _LOG2E * k_scale, 1.0 / k_scale, 1.0 / v_scale, v_scale,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         cos_cache.stride(0), out.stride(0), out.stride(1),
@@ -367,6 +389,7 @@ def rope_paged_attention_triton(
         DOT_PRECISION=dot_precision(tiles),
         FP8_CACHE=fp8,
         PDL=pdl,
+        TREE_MASK=mask_rows is not None,
         num_warps=WARPS_16_BIT if tiles.itemsize == 2 else config["num_warps"],
         **launch_options(pdl),
     )
