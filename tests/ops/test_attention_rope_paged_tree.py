@@ -5,8 +5,8 @@ A batch holds a tree verify (the ancestor mask of a tree built by spec_decode/tr
 drafter's frontier rows (a mask reaching keys cached by earlier forwards), plain decode and verify
 rows (all-true mask rows: causal) and a padded sequence (slot -1, all-true rows). The kernel is held
 against the two launches it replaces with the same mask (rope_write_kv_triton, then
-paged_attention_triton: the cache bit for bit, the output within float32 rounding of the other
-summation order) and against reference.py's TorchAttentionBackend (within the dtype's tolerance),
+paged_attention_triton: the cache bit for bit; the output within the dtype's tolerance, its scores
+summed in another order, so not bit for bit) and against reference.py's TorchAttentionBackend (within the dtype's tolerance),
 over contexts that span tiles, split several ways. Then the layer: Attention.forward_rotary takes
 the one launch for a tree's rows on the Triton backend and the modules on a backend without
 fuses_tree_rope. Bad masks are refused.
@@ -88,7 +88,8 @@ def test_tree_rows_match_the_two_launches_and_torch(dtype, num_splits, min_split
 def test_qwen3_norms_gptj_and_a_bool_or_uint8_mask():
     seed = random.randrange(2**31)
     gen = torch.Generator().manual_seed(seed)
-    specs = [(33, 6, _random_tree_mask(TreeShape(3, 2, 6), gen)), (17, 1, None), (70, 3, _random_frontier_mask(3, 8, gen))]
+    specs = [(33, 6, _random_tree_mask(TreeShape(3, 2, 6), gen)), (17, 1, None),
+             (70, 3, _random_frontier_mask(3, 8, gen))]
     step = TreeStep(specs, 8, 2, 32, torch.float32, seed, style="gptj", with_norm=True)
     _check(step, torch.float32, seed, num_splits=4, min_split_tokens=1)
     as_bool = step.run_fused(step.batch.cache.clone())
@@ -123,7 +124,8 @@ def test_bad_tree_mask_is_refused():
 
 def _tree_layer_step(seed: int) -> TreeStep:
     gen = torch.Generator().manual_seed(seed)
-    specs = [(21, 8, _random_tree_mask(TreeShape(3, 3, 8), gen)), (50, 1, None), (6, 2, _random_frontier_mask(2, 5, gen))]
+    specs = [(21, 8, _random_tree_mask(TreeShape(3, 3, 8), gen)), (50, 1, None),
+             (6, 2, _random_frontier_mask(2, 5, gen))]
     step = TreeStep(specs, 8, 4, 64, torch.float16, seed)
     step.batch.metadata.tree_mask = step.tree_mask
     return step
