@@ -96,14 +96,24 @@ def propose_from_tokens(proposer: Proposer, sched: SchedulerOutput, results: lis
     grammar (structured: the runner's, when a sequence of the step has one) they are shaped as the
     host step shapes them (cut where the grammar rejects one, its forced tokens drafted, at most K:
     StructuredOutputs.limit_drafts) and the next step's verify rows start filling on the worker;
-    the padded step's own shaping (PaddedVerifyGrammar.after_read) leaves a host drafter's alone."""
-    proposal = proposer.propose(token_draft_batch(sched, results, block_size, max_model_len))
-    for result, drafts in zip(results, proposal.token_ids):
-        result.next_drafts = drafts
-    if structured is not None and any(item.seq.sampling_params.structured_outputs is not None
-                                      for item in sched.scheduled):
-        structured.grammar_drafts(sched.scheduled, results, [None] * len(results), max_drafts=proposer.k)
-        structured.fill_ahead(sched.scheduled, results)
+    the padded step's own shaping (PaddedVerifyGrammar.after_read) leaves a host drafter's alone.
+    A drafter with propose_step (suffix) builds the DraftBatch only when some sequence may draft
+    (SuffixProposer.propose_step: a step where nobody drafts costs near a plain engine's)."""
+    propose_step = getattr(proposer, "propose_step", None)  # the suffix drafter's: no DraftBatch when nobody drafts
+    if propose_step is None:
+        proposed = proposer.propose(token_draft_batch(sched, results, block_size, max_model_len)).token_ids
+    else:
+        proposed = propose_step(sched.scheduled, results,
+                                lambda: token_draft_batch(sched, results, block_size, max_model_len))
+    if proposed is not None:  # (None: no drafts, the results' next_drafts stay empty)
+        for result, drafts in zip(results, proposed):
+            result.next_drafts = drafts
+    if structured is not None:
+        for item in sched.scheduled:  # (a loop: a generator costs more at batch 1, every step)
+            if item.seq.sampling_params.structured_outputs is not None:
+                structured.grammar_drafts(sched.scheduled, results, [None] * len(results), max_drafts=proposer.k)
+                structured.fill_ahead(sched.scheduled, results)
+                break
 
 
 class HostDraftSlots:

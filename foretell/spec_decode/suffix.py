@@ -51,6 +51,11 @@ only for now, so the best chain is drafted.
 The drafts are deterministic (argmax of the empirical distribution): no draft probabilities, so
 rejection sampling treats them as one-hot and sampling stays exact.
 
+The runner's padded host step calls propose_step, not propose: most steps draft for nobody (no
+sequence has a match, or the gate pauses every one), and such a quiet step is found from the
+scheduled sequences without a DraftBatch, observe or the bar (the same drafts and states; the gate
+still times it): a no-draft step's host work is then near a plain engine's.
+
 Per-sequence state is keyed by DraftBatch.seq_ids; forget(seq_id) (a finished, aborted or
 preempted sequence) moves its response (the tokens after its prompt) into the global cache;
 drop_cached_responses() empties the cache (the engine's warm-up does, after its dummy requests). A
@@ -61,6 +66,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 FIRST_PAUSE = 4  # tokens a sequence stops drafting after its drafts fell below the bar
 MAX_PAUSE = 64  # ... doubling while its probes keep failing, at most this many
@@ -359,15 +365,23 @@ class SuffixProposer(ProposerBase):
     def propose_drafts(self, batch: DraftBatch) -> list[Draft]:
         """Every sequence's draft (empty for those that did not sample or that the gate
         pauses); states updated."""
-        seq_ids = batch.seq_ids if batch.seq_ids else [None] * batch.num_seqs
+        return self._draft_batch(batch, *self._begin_gate(batch.seq_ids, batch.samples))
+
+    def _begin_gate(self, seq_ids: list | None, samples: list[bool]) -> tuple[bool, float]:
+        """The gate's call of this step (under "auto": its bar from the steps timed so far):
+        (whether sequences look up matches, the length a draft must exceed)."""
         cost_bar = self.cost_bar
-        lookup, min_length = True, 0.0
-        if cost_bar is not None:  # "auto": this step's bar, from the steps timed so far
-            self.bar = cost_bar.begin_step(batch.seq_ids, batch.samples)
-            if cost_bar.learned:  # (the prior bar is a guess: it only gates as a fixed bar does)
-                min_length = self.bar  # a draft no longer than the bar cannot pay, accepted whole
-            # explore: a plain step to time; a bar of k or more: no draft can pay
-            lookup = not cost_bar.explore and min_length < self.k
+        if cost_bar is None:
+            return True, 0.0
+        self.bar = cost_bar.begin_step(seq_ids, samples)
+        # (the prior bar is a guess: it only gates as a fixed bar does)
+        min_length = self.bar if cost_bar.learned else 0.0  # a draft no longer cannot pay, accepted whole
+        # explore: a plain step to time; a bar of k or more: no draft can pay
+        return not cost_bar.explore and min_length < self.k, min_length
+
+    def _draft_batch(self, batch: DraftBatch, lookup: bool, min_length: float) -> list[Draft]:
+        """propose_drafts after the gate's call (_begin_gate gave lookup and min_length)."""
+        seq_ids = batch.seq_ids if batch.seq_ids else [None] * batch.num_seqs
         drafts = []
         for i, (key, history, samples) in enumerate(zip(seq_ids, batch.histories, batch.samples)):
             state = self.observe(key, history, samples, lookup)
@@ -384,8 +398,8 @@ class SuffixProposer(ProposerBase):
                 # find the same, each costing host time on a step that would be plain anyway.
                 self._pause(state, len(history))
             drafts.append(draft)
-        if cost_bar is not None:
-            cost_bar.end_step(any(d.token_ids for d in drafts))
+        if self.cost_bar is not None:
+            self.cost_bar.end_step(any(d.token_ids for d in drafts))
         return drafts
 
     def _expected_to_pay(self, draft: Draft) -> bool:
@@ -397,3 +411,62 @@ class SuffixProposer(ProposerBase):
     def propose(self, batch: DraftBatch) -> Proposal:
         tokens = [draft.token_ids for draft in self.propose_drafts(batch)]
         return Proposal(tokens, [None] * len(tokens))
+
+    def propose_step(self, items, results, make_batch: Callable[[], DraftBatch]) -> list[list[int]] | None:
+        """propose() for the runner's host step (host_drafts.propose_from_tokens), the DraftBatch
+        built only when some sequence may draft: the drafts per sequence, or None when nobody
+        drafts (a quiet step: the gate timed it, each sequence stored its new tokens, the results'
+        next_drafts are left empty). items: the step's scheduled sequences (.samples, .seq.seq_id,
+        .seq.token_ids: the tokens before this step's), results: theirs (.new_token_ids),
+        make_batch: the step's DraftBatch (runner/host_drafts.token_draft_batch).
+
+        A sequence is quiet when it sampled, its state has seen exactly seq.token_ids and holds no
+        draft to judge, and either the gate pauses it through the new tokens (they wait in
+        pending, as observe keeps them) or it has no match in either index and its context after
+        the step's one new token ends with a gram that occurs in neither (observe's lookup would
+        find nothing; the token is indexed now, as that lookup indexes it). Any other sequence
+        with such a state is quiet only when the gate looks nothing up this step (the learned bar
+        is k or more, or an exploration step: its tokens wait in pending); one without (a new
+        sequence, a prefill chunk, a draft to judge) takes the DraftBatch. Sequences handled here
+        before the DraftBatch is built have their tokens stored already: observe finds them seen
+        (the same states and drafts as propose()'s; a token indexed here where observe would keep
+        it pending changes no draft: the next lookup indexes pending tokens first). Every call
+        makes the gate's one call of the step, as propose() does."""
+        states, cache_head = self.states, self.cache.index.head
+        ids, waiting = [], None
+        for item, result in zip(items, results):
+            seq = item.seq
+            state = states.get(seq.seq_id)
+            if state is None or state.last_draft or not item.samples or state.prompt_length is None:
+                return [d.token_ids for d in self.propose_drafts(make_batch())]
+            stored, pending, new = seq.token_ids, state.pending, result.new_token_ids
+            tokens = state.index.tokens
+            if (len(stored) != len(tokens) + len(pending) or not stored
+                    or stored[-1] != (pending[-1] if pending else tokens[-1])):  # not what it has seen
+                return [d.token_ids for d in self.propose_drafts(make_batch())]
+            if len(stored) + len(new) < state.resume_at:  # paused through the new tokens
+                if pending:
+                    pending += new
+                else:
+                    state.pending = new[:]
+            elif (pending or len(new) != 1 or state.own_match.positions or state.cache_match.positions
+                  or not state.index.append_if_unmatched(new[0], cache_head)):
+                if waiting is None:
+                    waiting = []
+                waiting.append((state, new))  # quiet only if the gate looks nothing up
+            ids.append(seq.seq_id)
+        cost_bar = self.cost_bar
+        if waiting is None:
+            if cost_bar is not None:  # the gate times the step as propose_drafts would (nothing drafted)
+                cost_bar.quiet_step(tuple(ids))
+            return None
+        lookup, min_length = self._begin_gate(ids, [True] * len(ids))
+        if lookup:
+            return [d.token_ids for d in self._draft_batch(make_batch(), lookup, min_length)]
+        for state, new in waiting:  # observe without a lookup: the tokens wait, unindexed
+            if state.pending:
+                state.pending += new
+            else:
+                state.pending = new[:]
+        cost_bar.end_step(False)
+        return None

@@ -51,7 +51,11 @@ nothing for one step after a drafting one (a fallback to time), at most once per
 drafting steps. The other way round, a bar that stops drafting (a bar of k or more) would never
 time a drafting step again: a bucket's drafting cost older than DRAFT_STALE_AFTER timed intervals
 is dropped (its fallbacks too), so the prior (or a nearer bucket) drafts for a few steps and
-times it afresh (a slow first measurement, a machine that got faster). The engine's
+times it afresh (a slow first measurement, a machine that got faster). A plain interval is only
+stored when timed: its bucket's median, the ratio and the bar are worked out when a bar is next read
+(begin_step, as_dict), from every interval stored by then (the same bar as working them out at each
+interval), so a step the drafter knows to be plain whatever the bar (SuffixProposer.propose_step's
+quiet steps: nobody matches or every sequence is paused) is timed without them (quiet_step). The engine's
 warm-up (compile-bound steps) teaches nothing: the drafter starts the costs afresh after it
 (SuffixProposer.drop_cached_responses).
 """
@@ -88,7 +92,7 @@ class _BucketCosts:
     """One batch-size bucket's recent drafting, fallback and plain step seconds (module docstring)."""
 
     __slots__ = ("draft", "plain", "fallback", "draft_s", "plain_s", "fallback_s", "run_length", "num_draft",
-                 "explored_at", "drafted_at", "ratio")
+                 "explored_at", "drafted_at", "ratio", "plain_stale")
 
     def __init__(self):
         self.draft: deque[float] = deque(maxlen=COST_WINDOW)
@@ -102,18 +106,27 @@ class _BucketCosts:
         self.explored_at: int | None = None  # num_draft at the last exploration
         self.drafted_at = 0  # StepCostBar.num_intervals at the last drafting interval
         self.ratio: float | None = None  # t_draft / t_plain, None until both are known (kept by _update)
+        self.plain_stale = False  # plain intervals added since plain_s (and ratio) were worked out
 
     def add(self, seconds: float, drafted: bool) -> None:
-        """A drafting or a plain interval."""
-        self.num_draft += drafted
-        samples = self.draft if drafted else self.plain
-        samples.append(seconds)
-        if len(samples) >= MIN_COST_SAMPLES:
-            median = lower_median(samples)
-            if drafted:
-                self.draft_s = median
-            else:
-                self.plain_s = median
+        """A drafting interval (draft_s and ratio worked out now), or a plain one: only stored,
+        plain_s and ratio are worked out by settle_plain (or the next _update). A plain interval
+        comes with most steps and the bar is read on fewer (StepCostBar.quiet_step reads none)."""
+        if not drafted:
+            self.plain.append(seconds)
+            self.plain_stale = True
+            return
+        self.num_draft += 1
+        self.draft.append(seconds)
+        if len(self.draft) >= MIN_COST_SAMPLES:
+            self.draft_s = lower_median(self.draft)
+            self._update()
+
+    def settle_plain(self) -> None:
+        """plain_s (and ratio) from the plain intervals stored so far."""
+        self.plain_stale = False
+        if len(self.plain) >= MIN_COST_SAMPLES:
+            self.plain_s = lower_median(self.plain)
             self._update()
 
     def add_fallback(self, seconds: float, run_length: int) -> None:
@@ -142,6 +155,9 @@ class _BucketCosts:
 
     def _update(self) -> None:
         """ratio after a cost changed (an attribute: the gate reads it every step)."""
+        if self.plain_stale:
+            self.settle_plain()  # (which calls this again)
+            return
         if self.draft_s is None or self.plain_s is None:
             self.ratio = None
         else:
@@ -170,15 +186,35 @@ class StepCostBar:
         self._run_length = 0  # drafting intervals timed since this chain's last call without drafts
         self._bars: dict[int, float] = {}  # bucket -> its bar, until a cost changes
         self._any_timed = False  # some bucket has timed both kinds of step
+        self._plain_stale = False  # some bucket stored plain intervals since its plain cost (_settle_plain)
         self.num_intervals = 0  # timed intervals, all buckets (the clock of staleness)
         self._batch_size, self._bucket = 0, 0  # the last call's batch size and its bucket
 
     def begin_step(self, seq_ids: list | None, samples: list[bool]) -> float:
         """The drafter's call of a step: the interval since the last call becomes a sample when the
         batch is steady; returns the bar for this step (also self.bar), sets self.explore."""
+        self._begin((tuple(seq_ids), all(samples)) if seq_ids else None, len(samples))
+        if self._plain_stale:  # plain intervals stored since the last bar: their costs first
+            self._settle_plain()
+        bucket = self._bucket
+        bar = self._bars.get(bucket)
+        self.bar = bar if bar is not None else self._bar(bucket)
+        self.learned = self._any_timed
+        return self.bar
+
+    def quiet_step(self, seq_ids: tuple) -> None:
+        """begin_step and end_step(False) of a step that drafts nothing whatever the bar
+        (SuffixProposer.propose_step; seq_ids, a tuple: its sequences, all sampling): the interval
+        timed and the exploration counted as begin_step does them; the bar is not worked out (bar
+        and learned stay the last step's: nothing reads them before the next begin_step, which
+        counts every interval timed by then)."""
+        self._begin((seq_ids, True), len(seq_ids))
+        self._drafted = False
+
+    def _begin(self, key: tuple | None, batch_size: int) -> None:
+        """A step's call, less the bar: the interval since the last call timed (a steady batch),
+        the exploration counted (self.explore)."""
         now = self.clock()
-        key = (tuple(seq_ids), all(samples)) if seq_ids else None
-        batch_size = len(samples)
         if batch_size != self._batch_size:
             self._batch_size, self._bucket = batch_size, bucket_of(batch_size)
         bucket = self._bucket
@@ -189,7 +225,7 @@ class StepCostBar:
                 self._run_length += 1
                 self._record(bucket, seconds, True)
             elif self._drafted_before is False:
-                self._record(bucket, seconds, False)
+                self._record_plain(bucket, seconds)
             elif self._drafted_before:  # the step that falls back from the run's last verify
                 self._record_fallback(bucket, seconds, self._run_length)
             if not drafted:
@@ -199,9 +235,6 @@ class StepCostBar:
             self._run_length = 0
         self._drafted_before = self._drafted
         self._last_time, self._last_key = now, key
-        bar = self._bars.get(bucket)
-        self.bar = bar if bar is not None else self._bar(bucket)
-        self.learned = self._any_timed
         if self._explore_left == 0 and steady:
             costs = self.buckets.get(bucket)
             if costs is not None and costs.draft_s is not None:
@@ -209,7 +242,6 @@ class StepCostBar:
         self.explore = self._explore_left > 0
         if self.explore:
             self._explore_left -= 1
-        return self.bar
 
     def restart(self) -> None:
         """Forget every cost (after the engine's warm-up: its steps compile kernels)."""
@@ -220,17 +252,41 @@ class StepCostBar:
         self._drafted = drafted if self._last_key is not None else None
 
     def _record(self, bucket: int, seconds: float, drafted: bool) -> None:
+        if not drafted:
+            self._record_plain(bucket, seconds)
+            return
         costs = self.buckets.get(bucket)
         if costs is None:
             costs = self.buckets[bucket] = _BucketCosts()
         before = costs.ratio
         self.num_intervals += 1
-        if drafted:
-            costs.drafted_at = self.num_intervals
-        elif costs.draft_s is not None and self.num_intervals - costs.drafted_at > DRAFT_STALE_AFTER:
-            costs.forget_drafting()  # stale: drafting is timed again (module docstring)
-        costs.add(seconds, drafted)
+        costs.drafted_at = self.num_intervals
+        costs.add(seconds, True)
         self._changed(costs, before)
+
+    def _record_plain(self, bucket: int, seconds: float) -> None:
+        """A plain interval, stored only (its bucket's plain_s and ratio wait for the next bar:
+        _settle_plain)."""
+        costs = self.buckets.get(bucket)
+        if costs is None:
+            costs = self.buckets[bucket] = _BucketCosts()
+        self.num_intervals += 1
+        if costs.draft_s is not None and self.num_intervals - costs.drafted_at > DRAFT_STALE_AFTER:
+            before = costs.ratio
+            costs.forget_drafting()  # stale: drafting is timed again (module docstring)
+            self._changed(costs, before)
+        costs.plain.append(seconds)  # (costs.add(seconds, False))
+        costs.plain_stale = self._plain_stale = True
+
+    def _settle_plain(self) -> None:
+        """Every bucket's plain cost from the plain intervals stored since (and the bars, where a
+        ratio changed)."""
+        self._plain_stale = False
+        for costs in self.buckets.values():
+            if costs.plain_stale:
+                before = costs.ratio
+                costs.settle_plain()
+                self._changed(costs, before)
 
     def _record_fallback(self, bucket: int, seconds: float, run_length: int) -> None:
         costs = self.buckets.get(bucket)
@@ -251,7 +307,7 @@ class StepCostBar:
         drafting: EXPLORE_STEPS when it has timed no plain steps, 1 when it lacks fallbacks and the
         last call drafted (the next interval is a fallback), else 0; at most once per
         EXPLORE_INTERVAL drafting intervals."""
-        if costs.plain_s is None:
+        if len(costs.plain) < MIN_COST_SAMPLES:  # (no plain_s yet, settled or not)
             steps = EXPLORE_STEPS
         elif costs.fallback_s is None and last_drafted:
             steps = 1
@@ -282,15 +338,19 @@ class StepCostBar:
         """For get_stats(): the bar now, and per bucket (named by its smallest batch) the step costs
         in ms (None: not timed yet): a drafting step's as charged (t_draft: its interval and its
         share of the fallback's excess), the fallback step's, the plain step's; the drafting
-        intervals per fallback (m), and the bar they give."""
+        intervals per fallback (m), and the bar they give ("bar": the last call's batch's, from
+        every interval timed so far: what begin_step returned, or would have after a quiet_step)."""
+        if self._plain_stale:
+            self._settle_plain()
         sizes = sorted(self.buckets)
+        bar = self._bar(self._bucket) if self._batch_size else self.bar
 
         def ms(seconds):
             return None if seconds is None else round(1e3 * seconds, 4)
 
         return {
             "auto": True,
-            "bar": round(self.bar, 4),
+            "bar": round(bar, 4),
             "batch_sizes": sizes,
             "draft_step_ms": [ms(self.buckets[b].charged_draft_s) for b in sizes],
             "fallback_step_ms": [ms(self.buckets[b].fallback_s) for b in sizes],

@@ -138,6 +138,24 @@ class SuffixIndex:
             key = self.gram_key(tokens[first - self.key_length : first])  # (also when nothing is indexed)
         self.tail_key = self._index(first, len(tokens), key)
 
+    def append_if_unmatched(self, token: int, other_head: dict[int, int]) -> bool:
+        """extend([token]) for a sequence whose match has ended, when a lookup after it would find
+        nothing: appends the token and returns True when the gram the store then ends with occurs
+        neither here nor in other_head (another index's head: the global cache's); else stores
+        nothing and returns False. False too before the store holds key_length tokens (no tail key)."""
+        old = self.tail_key
+        if old is None:
+            return False
+        key = ((old << TOKEN_BITS) | token) & self.key_mask
+        head = self.head
+        if key in head or key == old or key in other_head:  # (old: the gram the token's indexing adds)
+            return False
+        self.prev.append(head.get(old, -1))
+        head[old] = self.base + len(self.tokens)
+        self.tokens.append(token)
+        self.tail_key = key
+        return True
+
     def append_sequence(self, sequence: list[int]) -> None:
         """Append one sequence of many (the global cache): grams inside it only, SEPARATOR after
         (so every occurrence that goes on has its next token in the store)."""
