@@ -5,8 +5,10 @@ inputs. Imports triton: CUDA (or the interpreter tests) only.
 
 The sizes change from step to step. Triton would compile a variant for each new combination of
 them being 1, a multiple of 16 or neither: in a timed EAGLE3 run at batch 16 on the H200 one such
-compile stalled a step when the batch first shrank to 13 (docs/perf-log.md). So they are not
-specialized on.
+compile stalled a step when the batch first shrank to 13 (docs/perf-log.md), and under adaptive
+speculation the next verify's inputs compiled once more when a batch's block-table width first
+reached 16 (tests/gpu/test_no_compiles_after_warm_up_gpu.py). So neither the counts nor the strides
+and block sizes are specialized on.
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ def _store_accepted(greedy_ptr, caps_ptr, accepted_ptr, next_token_ptr, num_live
         tl.store(num_live_ptr, num_seqs.to(tl.int64))
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
+@triton.jit(do_not_specialize=["num_seqs", "stride_drafts"])
 def _accept_kernel(
     greedy_ptr,  # [B, q] int64
     drafts_ptr,  # [B, k] int64 at (stride_drafts, 1)
@@ -184,7 +186,8 @@ def accept_drawn_triton(greedy, start, rates, row_stride, caps, accepted_out, ne
     )
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
+@triton.jit(do_not_specialize=["num_seqs", "stride_tokens", "stride_first_pos", "stride_table", "block_size",
+                               "last_position"])
 def _catch_up_kernel(
     tokens_ptr,  # [B, q] int64 at (stride_tokens, 1)
     first_pos_ptr,  # [B] int64 at stride_first_pos
@@ -267,7 +270,7 @@ def catch_up_inputs_triton(tokens, first_pos, accepted, next_token, num_live, ta
     return out
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
+@triton.jit(do_not_specialize=["num_seqs", "stride_table", "stride_drafts", "stride_draft_step", "block_size"])
 def _advance_kernel(
     input_ids_ptr,  # [B * q] int64 out
     positions_ptr,  # [B * q] int64: row 0 of each sequence read, then all written
