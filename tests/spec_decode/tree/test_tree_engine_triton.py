@@ -1,7 +1,8 @@
 """Draft trees through the Triton attention backend (the GPU's kernels, run by Triton's interpreter
 on the CPU): the tree verify's and the tree drafter's ancestor masks reach paged_attention_triton
-(the fused rope + attend launch is skipped for masked forwards), and greedy output equals the plain
-engine's. Interpreted attention is slow (about 0.3 s a call): marked slow."""
+(off CUDA RotaryEmbedding.fusable is false, so the masked forwards take the two launches here;
+test_tree_engine_fused_rope.py forces the one-launch kernel with its mask), and greedy output equals
+the plain engine's. Interpreted attention is slow (about 0.3 s a call): marked slow."""
 
 from __future__ import annotations
 
