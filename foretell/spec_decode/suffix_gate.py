@@ -122,12 +122,20 @@ class _BucketCosts:
             self.draft_s = lower_median(self.draft)
             self._update()
 
-    def settle_plain(self) -> None:
-        """plain_s (and ratio) from the plain intervals stored so far."""
+    def settle_plain(self) -> bool:
+        """plain_s (and ratio) from the plain intervals stored so far; whether the ratio changed."""
         self.plain_stale = False
-        if len(self.plain) >= MIN_COST_SAMPLES:
-            self.plain_s = lower_median(self.plain)
-            self._update()
+        plain = self.plain
+        if len(plain) < MIN_COST_SAMPLES:
+            return False
+        ordered = sorted(plain)
+        plain_s = ordered[(len(ordered) - 1) // 2]  # (lower_median inlined: a learned bar settles every step)
+        if plain_s == self.plain_s:
+            return False
+        self.plain_s = plain_s
+        before = self.ratio
+        self._update()
+        return self.ratio != before
 
     def add_fallback(self, seconds: float, run_length: int) -> None:
         """A fallback interval, after a run of run_length drafting intervals."""
@@ -237,8 +245,9 @@ class StepCostBar:
         self._last_time, self._last_key = now, key
         if self._explore_left == 0 and steady:
             costs = self.buckets.get(bucket)
-            if costs is not None and costs.draft_s is not None:
-                self._explore_left = self._exploration(costs, self._drafted)
+            if costs is not None and costs.draft_s is not None and (
+                    len(costs.plain) < MIN_COST_SAMPLES or (costs.fallback_s is None and self._drafted)):
+                self._explore_left = self._exploration(costs, self._drafted)  # (else it answers 0)
         self.explore = self._explore_left > 0
         if self.explore:
             self._explore_left -= 1
@@ -283,10 +292,8 @@ class StepCostBar:
         ratio changed)."""
         self._plain_stale = False
         for costs in self.buckets.values():
-            if costs.plain_stale:
-                before = costs.ratio
-                costs.settle_plain()
-                self._changed(costs, before)
+            if costs.plain_stale and costs.settle_plain():
+                self._ratio_changed(costs)
 
     def _record_fallback(self, bucket: int, seconds: float, run_length: int) -> None:
         costs = self.buckets.get(bucket)
@@ -299,8 +306,12 @@ class StepCostBar:
 
     def _changed(self, costs: _BucketCosts, ratio_before: float | None) -> None:
         if costs.ratio != ratio_before:
-            self._bars.clear()
-            self._any_timed = costs.ratio is not None or any(c.ratio is not None for c in self.buckets.values())
+            self._ratio_changed(costs)
+
+    def _ratio_changed(self, costs: _BucketCosts) -> None:
+        """The bars after a bucket's ratio changed."""
+        self._bars.clear()
+        self._any_timed = costs.ratio is not None or any(c.ratio is not None for c in self.buckets.values())
 
     def _exploration(self, costs: _BucketCosts, last_drafted: bool) -> int:
         """Steps to draft nothing from this call on (module docstring), for a bucket that has timed
