@@ -33,20 +33,24 @@ def test_two_hundred_prompt_lengths_compile_nothing_after_warm_up():
 
 
 def _compiles_after_warm_up(spec: dict, prompts: list[str], batch: bool) -> list[str]:
-    """The kernels (their names) Triton compiled after the engine's warm-up while serving prompts."""
+    """The kernels Triton compiled after the engine's warm-up while serving prompts, each with its
+    compile key (argument types, alignments, constexprs) and the keys the same kernel was compiled
+    with at start-up, so a failure shows which specialization was new."""
     counter = jit_compile_counter()
-    names: list[str] = []
+    compiled: list[tuple[str, str, str]] = []  # (phase, kernel, key)
+    phase = ["start-up"]
     previous = counter.previous_hook
 
-    def naming(**hook_kwargs):
+    def recording(**hook_kwargs):
         fn = hook_kwargs.get("fn")
-        names.append(getattr(getattr(fn, "fn", fn), "__name__", str(fn)))
+        name = getattr(fn, "name", None) or getattr(getattr(fn, "fn", fn), "__name__", str(fn))
+        compiled.append((phase[0], name, str(hook_kwargs.get("key"))[:700]))
         return previous(**hook_kwargs) if previous is not None else None
 
-    with LLM(member_path("target"), device="cuda", speculative_config=spec, kv_cache_memory_bytes=2 << 30) as llm:
-        names.clear()
-        counter.previous_hook = naming
-        try:
+    counter.previous_hook = recording
+    try:
+        with LLM(member_path("target"), device="cuda", speculative_config=spec, kv_cache_memory_bytes=2 << 30) as llm:
+            phase[0] = "serving"
             params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
             for _ in range(2):
                 if batch:
@@ -54,9 +58,11 @@ def _compiles_after_warm_up(spec: dict, prompts: list[str], batch: bool) -> list
                 else:
                     for prompt in prompts:
                         llm.generate([prompt], params, use_tqdm=False)
-        finally:
-            counter.previous_hook = previous
-    return names
+    finally:
+        counter.previous_hook = previous
+    late = [(name, key) for when, name, key in compiled if when == "serving"]
+    early = {name: [key for when, n, key in compiled if when == "start-up" and n == name] for name, _ in late}
+    return [f"{name} key={key}; at start-up: {early[name]}" for name, key in late]
 
 
 @pytest.mark.xfail(reason="H200, a80dd61: ops/step/triton_kernels.py's _advance_kernel compiled once after warm-up "
@@ -66,8 +72,10 @@ def test_adaptive_speculation_compiles_nothing_after_warm_up():
     """Every k in 0..K (k = 0 decoded plainly) is met in the warm-up (engine/warm_up.py), so adaptive
     speculation's choices compile nothing in serving, alone or batched."""
     spec = {"method": "eagle3", "model": member_path("eagle3"), "num_speculative_tokens": "auto"}
-    assert _compiles_after_warm_up(spec, gsm8k_test_prompts(16), batch=True) == []
-    assert _compiles_after_warm_up(spec, gsm8k_test_prompts(4), batch=False) == []
+    batched = _compiles_after_warm_up(spec, gsm8k_test_prompts(16), batch=True)
+    assert not batched, "\n".join(batched)
+    alone = _compiles_after_warm_up(spec, gsm8k_test_prompts(4), batch=False)
+    assert not alone, "\n".join(alone)
 
 
 def test_suffix_drafting_compiles_nothing_after_warm_up():
