@@ -72,7 +72,7 @@ from foretell.runner.launched_verify import LaunchedVerify
 from foretell.runner.padded_logits_controls import padded_step_takes
 from foretell.runner.padded_step_extras import PackedLogprobBuffer, PaddedStepExtras
 from foretell.runner.pinned_ring import PinnedRing
-from foretell.ops.step.dispatch import accept_drafts
+from foretell.ops.step.dispatch import accept_drafts, advance_verify_inputs
 from foretell.runner.step_pipeline import HostCopy
 from foretell.spec_decode.draft_graph import DraftGraphRunner
 from foretell.spec_decode.rejection_sampler import PaddedSampling, dense_draft_probs
@@ -126,17 +126,31 @@ class GraphedVerify:
         (one sequence, with and without caps), so that its kernels (one per draft count) compile at
         start-up: a host drafter (suffix, n-gram) drafts nothing in the warm-up's dummy requests and
         compiled them in its first real drafting steps. Nothing is read back; the next step
-        overwrites what this writes. A drawn verifier (simulated acceptance) runs other kernels."""
-        if self.verifier.synthetic or not self.graphs.captures:
+        overwrites what this writes. A drawn verifier (simulated acceptance) runs other kernels.
+        Then, for any verifier, the advance of a verify's inputs to the next one's
+        (advance_verify_inputs, one kernel per verify length) on scratch buffers: it runs when a
+        verify is queued ahead of the same length's, which the warm-up need not show (under
+        adaptive speculation the H200 compiled it for 3 and 4 rows in serving)."""
+        if not self.graphs.captures:
             return
-        loop = self.draft_graphs
-        caps = torch.zeros(1, dtype=torch.int64, device=self.graphs.device)  # [1]
-        for q in sorted({q for _, q in self.graphs.graphs if q > 1}):
-            key = min(k for k in self.graphs.graphs if k[1] == q)
-            greedy = self.graphs.graphs[key].greedy[:q].view(1, q)
-            drafts_in = self.graphs.input_ids[:q].view(1, q)[:, 1:]
-            for step_caps in (None, caps):
-                accept_drafts(greedy, drafts_in, step_caps, loop.accepted, loop.next_token, loop.num_live)
+        loop, device = self.draft_graphs, self.graphs.device
+        lengths = sorted({q for _, q in self.graphs.graphs if q > 1})
+        if not self.verifier.synthetic:
+            caps = torch.zeros(1, dtype=torch.int64, device=device)  # [1]
+            for q in lengths:
+                key = min(k for k in self.graphs.graphs if k[1] == q)
+                greedy = self.graphs.graphs[key].greedy[:q].view(1, q)
+                drafts_in = self.graphs.input_ids[:q].view(1, q)[:, 1:]
+                for step_caps in (None, caps):
+                    accept_drafts(greedy, drafts_in, step_caps, loop.accepted, loop.next_token, loop.num_live)
+        one = torch.zeros(1, dtype=torch.int64, device=device)  # [1]: accepted, next token
+        for q in lengths:  # each buffer its own allocation: aligned as the graph's are (Triton specializes on it)
+            ids, positions, slots = (torch.zeros(q, dtype=torch.int64, device=device) for _ in range(3))
+            # [1, W]: the rows advance to positions 1..q, all inside the table
+            table = torch.zeros(1, q // self.graphs.block_size + 1, dtype=torch.int32, device=device)
+            advance_verify_inputs(ids, positions, slots, torch.zeros(1, dtype=torch.int32, device=device), table,
+                                  one, one, torch.zeros(1, q - 1, dtype=torch.int64, device=device),
+                                  self.graphs.block_size)
 
     def verify_length(self, sched: SchedulerOutput) -> int | None:
         """q, the rows per sequence of this batch's padded step: the shortest verify length the
