@@ -230,8 +230,6 @@ def test_rope_attention_in_one_launch_at_llama_shapes(num_splits, q_len, with_no
     RoPE's products with their sums differently in the two kernels, as in _check_rope of
     test_pointwise_kernels_gpu.py; Triton's interpreter keeps every rounding and the CPU test
     checks the cache bit for bit.)"""
-    from foretell.ops.attention.triton_rope_paged import rope_paged_attention_triton
-    from foretell.ops.attention.triton_rope_kv import rope_write_kv_triton
     from foretell.layers.norm import RMSNorm
     from foretell.layers.rotary import RotaryEmbedding
 
@@ -247,24 +245,36 @@ def test_rope_attention_in_one_launch_at_llama_shapes(num_splits, q_len, with_no
                    RMSNorm(128, 1e-6, dtype=torch.bfloat16, device=DEVICE))
         for norm in qk_norm:
             norm.weight.data.normal_(1.0, 0.3)
+    _one_launch_against_two(positions, query, key, value, rotary, cache, md, num_splits, seed, qk_norm=qk_norm)
+
+
+def _one_launch_against_two(positions, query, key, value, rotary, cache, md, num_splits, seed, qk_norm=None,
+                            tree_mask=None) -> torch.Tensor:  # the one launch's output [num_tokens, heads, 128]
+    """rope_paged_attention_triton five times against rope_write_kv_triton + paged_attention_triton
+    (the same mask): caches and outputs within bf16 rounding, every repeat identical."""
+    from foretell.ops.attention.triton_rope_paged import rope_paged_attention_triton
+    from foretell.ops.attention.triton_rope_kv import rope_write_kv_triton
+
     rope = (rotary.cos_cache, rotary.sin_cache)
     two_cache = cache.clone()
     q = rope_write_kv_triton(positions, query, key, value, *rope, two_cache, md.slot_mapping, qk_norm=qk_norm)
     expected = torch.full_like(q, float("nan"))
     paged_attention_triton(q, two_cache, md.block_table, md.seq_lens, md.query_start_loc, md.max_query_len,
-                           128**-0.5, expected, num_splits=num_splits)
+                           128**-0.5, expected, num_splits=num_splits, tree_mask=tree_mask)
     outs = []
     for _ in range(5):
         one_cache = cache.clone()
         outs.append(rope_paged_attention_triton(
             positions, query, key, value, *rope, one_cache, md.slot_mapping, md.block_table, md.seq_lens,
-            md.query_start_loc, md.max_query_len, 128**-0.5, qk_norm=qk_norm, num_splits=num_splits))
+            md.query_start_loc, md.max_query_len, 128**-0.5, qk_norm=qk_norm, num_splits=num_splits,
+            tree_mask=tree_mask))
         torch.testing.assert_close(one_cache, two_cache, rtol=2e-2, atol=2e-2, equal_nan=True,
                                    msg=lambda m: f"cache (seed {seed}): {m}")
         assert (one_cache != two_cache).logical_and(~two_cache.isnan()).float().mean() < 1e-3
     torch.testing.assert_close(outs[0].float(), expected.float(), rtol=2e-2, atol=2e-2,
                                msg=lambda m: f"attention (seed {seed}): {m}")
     assert all(torch.equal(o, outs[0]) for o in outs), f"launches differ (seed {seed})"
+    return outs[0]
 
 
 def _ancestor_mask(shape, seed: int) -> torch.Tensor:  # [T, T] bool: a random draft tree's ancestor mask
@@ -284,7 +294,6 @@ def test_rope_attention_in_one_launch_with_a_tree_mask(num_splits):
     and the output within bf16 rounding of the two launches with the same mask (rope_write_kv_triton,
     paged_attention_triton), every repeat identical, and the mask matters."""
     from foretell.ops.attention.triton_rope_paged import rope_paged_attention_triton
-    from foretell.ops.attention.triton_rope_kv import rope_write_kv_triton
     from foretell.layers.rotary import RotaryEmbedding
     from foretell.spec_decode.tree.shape import TreeShape
 
@@ -304,30 +313,14 @@ def test_rope_attention_in_one_launch_with_a_tree_mask(num_splits):
     positions = torch.cat([torch.arange(p, p + q, device=DEVICE) for p, q in specs])
     rotary = RotaryEmbedding(128, 16384, 500000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, device=DEVICE)
-    rope = (rotary.cos_cache, rotary.sin_cache)
-    two_cache = cache.clone()
-    q = rope_write_kv_triton(positions, query, key, value, *rope, two_cache, md.slot_mapping)
-    expected = torch.full_like(q, float("nan"))
-    paged_attention_triton(q, two_cache, md.block_table, md.seq_lens, md.query_start_loc, md.max_query_len,
-                           128**-0.5, expected, num_splits=num_splits, tree_mask=mask)
-    outs = []
-    for _ in range(5):
-        one_cache = cache.clone()
-        outs.append(rope_paged_attention_triton(
-            positions, query, key, value, *rope, one_cache, md.slot_mapping, md.block_table, md.seq_lens,
-            md.query_start_loc, md.max_query_len, 128**-0.5, num_splits=num_splits, tree_mask=mask))
-        torch.testing.assert_close(one_cache, two_cache, rtol=2e-2, atol=2e-2, equal_nan=True,
-                                   msg=lambda m: f"cache (seed {seed}): {m}")
-        assert (one_cache != two_cache).logical_and(~two_cache.isnan()).float().mean() < 1e-3
-    assert not outs[0].isnan().any(), f"unwritten rows or NaN read (seed {seed})"
-    torch.testing.assert_close(outs[0].float(), expected.float(), rtol=2e-2, atol=2e-2,
-                               msg=lambda m: f"attention (seed {seed}): {m}")
-    assert all(torch.equal(o, outs[0]) for o in outs), f"launches differ (seed {seed})"
-    causal = rope_paged_attention_triton(positions, query, key, value, *rope, cache.clone(), md.slot_mapping,
+    out = _one_launch_against_two(positions, query, key, value, rotary, cache, md, num_splits, seed, tree_mask=mask)
+    assert not out.isnan().any(), f"unwritten rows or NaN read (seed {seed})"
+    causal = rope_paged_attention_triton(positions, query, key, value, rotary.cos_cache, rotary.sin_cache,
+                                         cache.clone(), md.slot_mapping,
                                          md.block_table, md.seq_lens, md.query_start_loc, md.max_query_len,
                                          128**-0.5, num_splits=num_splits)
     tree_rows = slice(starts[0], starts[1])
-    assert not torch.allclose(causal[tree_rows].float(), outs[0][tree_rows].float(), rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(causal[starts[1]:starts[3]].float(), outs[0][starts[1]:starts[3]].float(),
+    assert not torch.allclose(causal[tree_rows].float(), out[tree_rows].float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(causal[starts[1]:starts[3]].float(), out[starts[1]:starts[3]].float(),
                                rtol=2e-2, atol=2e-2,
                                msg=lambda m: f"decode and chain rows under all-true / causal masks (seed {seed}): {m}")
