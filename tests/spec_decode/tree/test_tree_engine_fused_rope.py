@@ -9,8 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from foretell import LLM, SamplingParams
-
 if torch.cuda.is_available():
     pytest.skip("on a GPU the fused path runs natively (tests/gpu)", allow_module_level=True)
 
@@ -26,7 +24,7 @@ import_interpreted("foretell.ops.attention.triton_backend")
 @pytest.mark.slow
 def test_greedy_trees_through_the_fused_rope_attention_equal_plain(qwen3_checkpoint, eagle3_head, monkeypatch):
     from foretell.layers.rotary import RotaryEmbedding
-    from test_tree_engine import oracle_drafter
+    from test_tree_engine_triton import assert_greedy_trees_equal_plain
 
     monkeypatch.setattr(RotaryEmbedding, "fusable",
                         lambda self, positions, query, key: query.dim() == 3 and key.dim() == 3
@@ -40,20 +38,10 @@ def test_greedy_trees_through_the_fused_rope_attention_equal_plain(qwen3_checkpo
         return kernel(*args, tree_mask=tree_mask, **kwargs)
 
     monkeypatch.setattr(fused, "rope_paged_attention_triton", spy)
-    prompts = ["The cat reads the book. The cat", "Question: what"]
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    plain = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=64, attention_backend="triton", enforce_eager=True)
-    outs = plain.generate(prompts, params, use_tqdm=False)
-    want = [o.outputs[0].token_ids for o in outs]
-    assert not masked_rows
-    moved = oracle_drafter(monkeypatch, {tuple(o.prompt_token_ids): [*o.prompt_token_ids, *o.outputs[0].token_ids]
-                                         for o in outs})
-    spec = {"method": "eagle3", "model": eagle3_head, "num_speculative_tokens": 3, "topk": 2, "num_draft_tokens": 6}
-    llm = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=64, attention_backend="triton", enforce_eager=True,
-              speculative_config=spec)
-    assert llm.engine.runner.tree_step is not None
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert got == want
-    assert llm.get_stats()["num_accepted_tokens"] >= 4 and any(node > depth for node, depth in moved)
+
+    def no_mask_in_plain():
+        assert not masked_rows
+
+    assert_greedy_trees_equal_plain(qwen3_checkpoint, eagle3_head, monkeypatch, 6, after_plain=no_mask_in_plain)
     # two sequences' 6-node tree verifies in one launch, and their drafter's frontiers of topk 2
     assert 2 * 6 in masked_rows and 2 * 2 in masked_rows

@@ -20,15 +20,18 @@ import_interpreted("foretell.ops.attention.triton_paged")
 import_interpreted("foretell.ops.attention.triton_backend")
 
 
-@pytest.mark.slow
-def test_greedy_trees_on_the_triton_backend_equal_plain(qwen3_checkpoint, eagle3_head, monkeypatch):
+def assert_greedy_trees_equal_plain(qwen3_checkpoint, eagle3_head, monkeypatch, max_tokens: int,
+                                    after_plain=lambda: None) -> None:
+    """Two prompts on the Triton backend, eager: a tree engine's greedy tokens equal the plain
+    engine's, with accepted paths that move (after_plain runs between the two engines)."""
     from test_tree_engine import oracle_drafter
 
     prompts = ["The cat reads the book. The cat", "Question: what"]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     plain = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=64, attention_backend="triton", enforce_eager=True)
     outs = plain.generate(prompts, params, use_tqdm=False)
     want = [o.outputs[0].token_ids for o in outs]
+    after_plain()
     # The target's own continuation hidden on each tree's last branch: accepted paths that move.
     moved = oracle_drafter(monkeypatch, {tuple(o.prompt_token_ids): [*o.prompt_token_ids, *o.outputs[0].token_ids]
                                          for o in outs})
@@ -39,6 +42,11 @@ def test_greedy_trees_on_the_triton_backend_equal_plain(qwen3_checkpoint, eagle3
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
     assert llm.get_stats()["num_accepted_tokens"] >= 4 and any(node > depth for node, depth in moved)
+
+
+@pytest.mark.slow
+def test_greedy_trees_on_the_triton_backend_equal_plain(qwen3_checkpoint, eagle3_head, monkeypatch):
+    assert_greedy_trees_equal_plain(qwen3_checkpoint, eagle3_head, monkeypatch, max_tokens=8)
 
 
 @pytest.mark.slow
