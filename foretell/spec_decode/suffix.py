@@ -34,7 +34,7 @@ it). What predicts a draft is the match it comes from: drafts from a match of mi
 twice that accept much less than those from longer matches. So under a learned "auto" bar each
 draft is also held to its class (MatchCalibration: the length of its match, key_length to 2
 key_length - 1, to 4 key_length - 1, longer): expected accepted = the share of drafted tokens the
-class's last CALIBRATION_WINDOW judged drafts accepted, times the draft's length; below the bar the
+class's last CALIBRATION_WINDOW judged drafts accepted, times the draft's length (suffix_calibration.py); below the bar the
 draft is not proposed (no pause: the match grows with the tokens and may leave the class), except
 one in PROBE_EVERY, which keeps the class's share current, and a draft right after one accepted
 whole (a run going on).
@@ -64,18 +64,15 @@ batch without seq_ids is drafted from fresh indexes (slow, same drafts as a firs
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
 FIRST_PAUSE = 4  # tokens a sequence stops drafting after its drafts fell below the bar
 MAX_PAUSE = 64  # ... doubling while its probes keep failing, at most this many
-CALIBRATION_WINDOW = 32  # judged drafts a match-length class keeps (its share of drafted tokens accepted)
-MIN_CALIBRATION = 4  # judged drafts a class needs before its share gates a draft
-PROBE_EVERY = 8  # a class expected below the bar still proposes one of this many of its drafts
 
 from foretell.spec_decode.proposer import DraftBatch, Proposal, ProposerBase, ProposerCapabilities
 from foretell.spec_decode.suffix_cache import GlobalSuffixCache
+from foretell.spec_decode.suffix_calibration import MatchCalibration
 from foretell.spec_decode.suffix_gate import AUTO_PRIOR_BAR, PAUSE_PER_BAR, StepCostBar
 from foretell.spec_decode.suffix_tree import EMPTY_DRAFT, Draft, Match, SuffixIndex
 
@@ -109,53 +106,6 @@ class SuffixSettings:
     def key_length(self) -> int:
         """The indexes' gram length: the shortest match, within the depth."""
         return min(self.min_match_length, self.max_tree_depth)
-
-
-class MatchCalibration:
-    """What a draft is expected to accept, by the length of the match it comes from: per class
-    (a match of key_length to 2 key_length - 1 tokens, up to 4 key_length - 1, longer), the share of
-    drafted tokens the last CALIBRATION_WINDOW judged drafts of the class had accepted; a draft's
-    expectation is that share times its length (module docstring, the acceptance gate)."""
-
-    NUM_CLASSES = 3
-
-    def __init__(self, key_length: int):
-        self.key_length = max(1, key_length)
-        self.judged: list[deque[tuple[int, int]]] = [deque(maxlen=CALIBRATION_WINDOW) for _ in range(self.NUM_CLASSES)]
-        self.sums = [[0, 0] for _ in range(self.NUM_CLASSES)]  # per class: accepted, drafted tokens in the window
-        self.skipped = [0] * self.NUM_CLASSES  # drafts not proposed since the class's last probe
-
-    def class_of(self, match_length: int) -> int:
-        return min(self.NUM_CLASSES - 1, max(0, (match_length // self.key_length).bit_length() - 1))
-
-    def expected(self, match_length: int, length: int) -> float | None:
-        """Tokens a draft of `length` from a match of match_length is expected to accept; None
-        before its class has MIN_CALIBRATION judged drafts."""
-        c = self.class_of(match_length)
-        if len(self.judged[c]) < MIN_CALIBRATION:
-            return None
-        accepted, drafted = self.sums[c]
-        return length * accepted / drafted
-
-    def probe(self, match_length: int) -> bool:
-        """Whether a draft expected below the bar is proposed anyway (one in PROBE_EVERY)."""
-        c = self.class_of(match_length)
-        self.skipped[c] += 1
-        if self.skipped[c] >= PROBE_EVERY:
-            self.skipped[c] = 0
-            return True
-        return False
-
-    def add(self, match_length: int, accepted: int, length: int) -> None:
-        c = self.class_of(match_length)
-        window, sums = self.judged[c], self.sums[c]
-        if len(window) == window.maxlen:
-            old_accepted, old_length = window[0]
-            sums[0] -= old_accepted
-            sums[1] -= old_length
-        window.append((accepted, length))
-        sums[0] += accepted
-        sums[1] += length
 
 
 class SequenceState:

@@ -1,4 +1,4 @@
-"""The "auto" gate's per-draft check (spec_decode/suffix.py, MatchCalibration): a draft is
+"""The "auto" gate's per-draft check (spec_decode/suffix_calibration.py's MatchCalibration, used by suffix.py): a draft is
 expected to accept its match-length class's recent share of drafted tokens times its length; under
 a learned bar a draft expected below it is not proposed (one in PROBE_EVERY is, and one right after
 a draft accepted whole), without pausing the sequence. Held to a reference computed from the
@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from foretell.spec_decode.suffix import (
-    CALIBRATION_WINDOW, MIN_CALIBRATION, PROBE_EVERY, MatchCalibration, SuffixProposer, SuffixSettings,
-)
+from foretell.spec_decode.suffix import SuffixProposer, SuffixSettings
+from foretell.spec_decode.suffix_calibration import CALIBRATION_WINDOW, MIN_CALIBRATION, PROBE_EVERY, MatchCalibration
 from foretell.spec_decode.suffix_tree import Draft
 
 
