@@ -2,8 +2,8 @@
 
 A sequence's running average of accepted drafts predicts its next draft poorly (it moves on
 drafted steps only, and one draft accepted whole lifts it over the bar); the length of the match
-a draft comes from predicts it well (GSM8K at k = 3 on the CPU default family: drafts from matches
-of 4-7 tokens accept 0.77 tokens on average, from 8 or more 1.8-2.7; docs/perf-log.md). So under a
+a draft comes from predicts it well (on GSM8K drafts from short matches accept far less than those
+from long ones: the figures are in docs/perf-log.md, session 10's CPU work). So under a
 learned "auto" bar (suffix.py, suffix_gate.py) each draft is held to its class: the share of
 drafted tokens the class's last CALIBRATION_WINDOW judged drafts accepted, times the draft's
 length, must reach the bar; one held draft in PROBE_EVERY goes out anyway, which keeps the share
