@@ -3,7 +3,7 @@ before the host reads step N's tokens, so the host's work between two steps (the
 postprocess and schedule, the next batch's tensors) runs while the GPU computes, not between.
 
 A plain decode step (every sequence feeds one row and samples; no drafts; logprobs and logits
-controls allowed, grammars not) samples on the device and queues the copy of its tokens (and the
+controls allowed; grammars without a drafter, below) samples on the device and queues the copy of its tokens (and the
 logprobs of the sequences that ask, runner/logprobs.py's padded form with one row per sequence) to
 pinned host memory. Logits controls (penalties, logit_bias, min_tokens, bad words, allowed tokens)
 run on device state built from the host's lists at a launch from host inputs and advanced by each
@@ -39,6 +39,20 @@ no block tables compared: the same host and device work as an engine without a d
 step queued after it is queued only while the scheduler's choice stays 0 (a choice to draft goes
 back to the padded verify step, launched from host inputs).
 
+Grammars (issues 27 and 31), in an engine without a drafter (`structured` set): a plain decode
+batch whose sequences follow grammars takes this step too, launched from host inputs only. After
+the forward is launched (a graph replay when one fits: the graph itself is the plain one), each
+grammar row's mask is filled on the host from its sequence's matcher, as the host step fills a
+one-row step's (structured/padded_verify.py's padded_verify_grammar with q = 1: the rows filled
+ahead on the worker thread, a row allowing every token for a sequence without a grammar), copied
+to the device in one upload (GrammarMaskBuffer) and applied to the logits after the other
+controls (PaddedVerifyGrammar.apply: the host step's fallback for a row the controls leave with
+nothing allowed); greedy rows take the masked logits' argmax, sampled rows sample them, and the
+logprobs stay the raw logits'. Such a step is never queued ahead (launch_next: the next step's
+masks need this step's tokens on the host), and once its tokens are read the next step's rows
+start filling on the worker (StructuredOutputs.fill_ahead, the host step's call), which advances
+the matchers through them (an EOS ends a sequence's walk there, as on the host step).
+
 DecodeAhead is the step kind (what launches such a step, with the target's graphs, forward and
 sampler it needs); LaunchedDecode is one step on its way.
 """
@@ -60,18 +74,23 @@ from foretell.runner.padded_logits_controls import PaddedLogitsControls, padded_
 from foretell.runner.pinned_ring import PinnedRing
 from foretell.runner.sequence_result import SequenceResult
 from foretell.runner.step_pipeline import HostCopy
+from foretell.structured.padded_verify import GrammarMaskBuffer, PaddedVerifyGrammar, padded_verify_grammar
+from foretell.structured.runtime import StructuredOutputs
 
 
-def plain_decode(scheduled: list[ScheduledSequence]) -> bool:
-    """Every sequence feeds one row, samples, carries no drafts and follows no grammar.
+def plain_decode(scheduled: list[ScheduledSequence], grammars: bool = False) -> bool:
+    """Every sequence feeds one row, samples, carries no drafts and (unless `grammars`) follows
+    no grammar.
 
     A queued step samples before the host has appended the previous token, which is exact
     because sampling reads only the row's parameters and position (seeds) and the logits
     controls' device state (advanced by the step before it on the device), never the host's
-    token lists: a grammar, whose matcher state lives on the host, keeps its requests out."""
+    token lists: a grammar, whose matcher state lives on the host, keeps its requests out of
+    every queued step (`grammars`: a launch from host inputs, which fills their masks)."""
     for item in scheduled:  # a loop, not all() over a generator: this runs twice a decode step
-        if item.num_new_tokens != 1 or not item.samples or item.draft_token_ids \
-                or not padded_step_takes(item.seq.sampling_params):
+        if item.num_new_tokens != 1 or not item.samples or item.draft_token_ids:
+            return False
+        if not padded_step_takes(item.seq.sampling_params) and not grammars:
             return False
     return True
 
@@ -95,13 +114,18 @@ class DecodeAhead:
     # sequences are dropped (HostStep.forget_draft_probs: none of them is verified now).
     zero_drafts_only: bool = False
     forget_draft_probs: Callable[[list[ScheduledSequence]], None] | None = None
+    # Grammar masks on this step (module docstring): the host step's StructuredOutputs, in an
+    # engine without a drafter; None: batches with a grammar take the host step.
+    structured: StructuredOutputs | None = None
+    grammar_masks: GrammarMaskBuffer | None = None  # made at the first grammar step, grown with the batch
+    num_grammar_steps: int = 0  # steps launched with a sequence under a grammar
 
     def takes(self, sched: SchedulerOutput) -> bool:
-        """Whether this kind launches sched's batch: plain decode rows and, with zero_drafts_only,
-        a next step that drafts nothing."""
+        """Whether this kind launches sched's batch: plain decode rows (with grammars when
+        `structured` is set) and, with zero_drafts_only, a next step that drafts nothing."""
         if self.zero_drafts_only and sched.num_next_drafts != 0:
             return False
-        return plain_decode(sched.scheduled)
+        return plain_decode(sched.scheduled, grammars=self.structured is not None)
 
     def copy_tokens(self, token_ids: torch.Tensor) -> HostCopy:
         """token_ids [num_seqs] int64 on the device (then, with logprobs, their packed values): their
@@ -119,22 +143,38 @@ class DecodeAhead:
         # Rebuilt from the host's lists at every launch from host inputs (padded_logits_controls.py).
         controls = PaddedLogitsControls.for_sequences(seqs, self.vocab_size, batch.device)
         logprobs = PaddedLogprobs.for_params([seq.sampling_params for seq in seqs], batch.device)
-        return self.launch_for(seqs, batch, controls, logprobs)
+        grammar_items = None
+        if self.structured is not None and StructuredOutputs.any_structured(sched.scheduled):
+            grammar_items = sched.scheduled
+        return self.launch_for(seqs, batch, controls, logprobs, grammar_items=grammar_items)
+
+    def grammar_for(self, items: list[ScheduledSequence], device: torch.device) -> PaddedVerifyGrammar:
+        """The grammar rows of a decode step (one row a sequence, q = 1), filled on the host and
+        uploaded in one copy (padded_verify_grammar)."""
+        n = len(items)
+        if self.grammar_masks is None or self.grammar_masks.max_rows < n:  # (a new buffer: rarely, as batches grow)
+            self.grammar_masks = GrammarMaskBuffer(max(n, 2 * self.grammar_masks.max_rows if self.grammar_masks else 8),
+                                                   device)
+        self.num_grammar_steps += 1
+        return padded_verify_grammar(self.structured, self.grammar_masks, items, 1, 0, shapes_drafts=False)
 
     def launch_for(self, seqs: list[Sequence], batch: InputBatch, controls: PaddedLogitsControls | None = None,
-                   logprobs: PaddedLogprobs | None = None, all_greedy: bool | None = None) -> "LaunchedDecode":
-        """Forward and sampling of a plain decode batch (its logits processed by `controls`, its
-        logprobs taken from the raw logits for `logprobs`); the copy of its tokens to the host is
-        queued, nothing is waited for. A greedy batch without either on a CUDA graph takes the
-        graph's own argmax. all_greedy: whether every sequence samples greedily (None: looked up;
-        a step queued after another passes the one it launched with: the same sequences).
+                   logprobs: PaddedLogprobs | None = None, all_greedy: bool | None = None,
+                   grammar_items: list[ScheduledSequence] | None = None) -> "LaunchedDecode":
+        """Forward and sampling of a plain decode batch (its logits processed by `controls`, then
+        masked by the grammars of `grammar_items`, the scheduled sequences when one of them has a
+        grammar; its logprobs taken from the raw logits for `logprobs`); the copy of its tokens to
+        the host is queued, nothing is waited for. A greedy batch without any of them on a CUDA
+        graph takes the graph's own argmax. all_greedy: whether every sequence samples greedily
+        (None: looked up; a step queued after another passes the one it launched with: the same
+        sequences).
 
         An all-greedy batch builds no SamplingBatch (no seeds, no per-row parameter lists): every
         step of plain greedy decoding comes through here, and argmax reads nothing else."""
         if all_greedy is None:
             all_greedy = all(seq.sampling_params.greedy for seq in seqs)
         key = self.graphs.bucket_for(batch) if self.graphs is not None else None
-        if key is not None and all_greedy and controls is None and logprobs is None:
+        if key is not None and all_greedy and controls is None and logprobs is None and grammar_items is None:
             token_ids = self.graphs.run(batch, key).greedy[: len(seqs)]  # [num_seqs] int64, until the next replay
             block_size = self.block_size
             table_ends = [len(blocks) * block_size for blocks in batch.block_ids]  # what the buffers' table covers
@@ -144,7 +184,14 @@ class DecodeAhead:
         _, _, raw_logits = self.forward(batch)  # [num_seqs, vocab] float32 (a graph's: until its next replay)
         n = len(seqs)
         no_drafts = torch.zeros(n, 0, dtype=torch.int64, device=raw_logits.device)  # [n, 0]
-        logits = raw_logits if controls is None else controls.apply(raw_logits[:, None, :], no_drafts)[:, 0]
+        grammar = None
+        if grammar_items is None:
+            logits = raw_logits if controls is None else controls.apply(raw_logits[:, None, :], no_drafts)[:, 0]
+        else:  # the masks filled while the forward runs, applied after the controls
+            grammar = self.grammar_for(grammar_items, raw_logits.device)
+            raw_rows = raw_logits[:, None, :]  # [n, 1, vocab]: the padded step's layout, q = 1
+            processed = raw_rows if controls is None else controls.apply(raw_rows, no_drafts)  # [n, 1, vocab]
+            logits = grammar.apply(processed, raw_rows)[:, 0]  # [n, vocab]
         if all_greedy:
             token_ids = argmax_rows(logits)  # [num_seqs] int64: what the sampler picks for greedy rows
         else:
@@ -163,7 +210,7 @@ class DecodeAhead:
             packed = padded_step_logprobs(logprobs, raw_logits[:, None, :], no_drafts, torch.zeros_like(token_ids),
                                           token_ids, out)
         return LaunchedDecode.queue(self, seqs, batch, token_ids, controls=controls, logprobs=logprobs,
-                                    packed_logprobs=packed, all_greedy=all_greedy)
+                                    packed_logprobs=packed, all_greedy=all_greedy, grammar=grammar)
 
 
 @dataclass
@@ -185,13 +232,14 @@ class LaunchedDecode:
     graph_key: tuple[int, int] | None = None
     inputs_version: int = -1
     table_ends: list[int] | None = None
+    grammar: PaddedVerifyGrammar | None = None  # the step's grammar masks (None: no sequence has one)
 
     @classmethod
     def queue(
         cls, kind: DecodeAhead, seqs: list[Sequence], batch: InputBatch, token_ids: torch.Tensor,
         graphed: bool = False, controls: PaddedLogitsControls | None = None,
         logprobs: PaddedLogprobs | None = None, packed_logprobs: torch.Tensor | None = None,
-        all_greedy: bool | None = None,
+        all_greedy: bool | None = None, grammar: PaddedVerifyGrammar | None = None,
     ) -> "LaunchedDecode":
         """Queue the copy of the tokens `batch` sampled (and of their packed logprobs) to the host
         (a graph's: later, in read); waits for nothing."""
@@ -200,15 +248,19 @@ class LaunchedDecode:
         positions, slots = batch.position_list, batch.slot_list
         values = token_ids if packed_logprobs is None else torch.cat([token_ids, packed_logprobs.reshape(-1)])
         copy = None if graphed else kind.copy_tokens(values)
-        return cls(kind, seqs, positions, slots, token_ids, copy, graphed, controls, logprobs, all_greedy)
+        return cls(kind, seqs, positions, slots, token_ids, copy, graphed, controls, logprobs, all_greedy,
+                   grammar=grammar)
 
     def launch_next(self, num_next_drafts: int | None = None) -> "LaunchedDecode | None":
         """The step after this one for the same sequences, its input tokens this one's (still on
         the device), when next_rows() allows it (no drafter: num_next_drafts is None; with
         zero_drafts_only, only while it is 0): advanced on the device when the graph's buffers
         still hold this step's inputs and its table covers every next position, else from inputs
-        built on the host."""
+        built on the host. Never after a step with a grammar (its next masks need this step's tokens
+        on the host)."""
         kind = self.kind
+        if self.grammar is not None:
+            return None
         if kind.zero_drafts_only and num_next_drafts != 0:  # the next step drafts: the padded verify's
             return None
         graphs = kind.graphs
@@ -244,6 +296,8 @@ class LaunchedDecode:
             per_seq = read_padded_logprobs(self.logprobs, 1, host[n:], [r.new_token_ids for r in results])
             for result, logprobs in zip(results, per_seq):
                 result.logprobs = logprobs
+        if self.grammar is not None:  # the next step's rows, on the worker (the host step's call after sampling)
+            self.grammar.structured.fill_ahead(self.grammar.items, results)
         return results
 
     def matches(self, scheduled: list[ScheduledSequence], block_size: int) -> bool:

@@ -228,7 +228,7 @@ def build_step_pipeline(
     vocab_size: int,
     block_size: int,
     max_model_len: int,
-    structured: StructuredOutputs | None = None,  # grammar masks (HostStep's), for the padded verify
+    structured: StructuredOutputs | None = None,  # grammar masks (HostStep's): padded verify, drafterless decode
     forget_draft_probs: Callable | None = None,  # HostStep.forget_draft_probs, for k = 0 steps decoded plainly
 ) -> StepPipeline:
     """The device steps a runner may launch: plain decoding one step ahead (without a drafter, for
@@ -238,7 +238,9 @@ def build_step_pipeline(
     # A host drafter's step without drafts is a plain decode step, queued ahead as plain decoding's.
     host_drafter = isinstance(step_graphs.draft_loop, HostDraftSlots)
     if queue_ahead and (not has_drafter or host_drafter):
-        kinds.append(DecodeAhead(step_graphs.target, target_forward, sampler, vocab_size, block_size, max_model_len))
+        # Without a drafter its grammar requests decode here too, masked on the device (decode_ahead.py).
+        kinds.append(DecodeAhead(step_graphs.target, target_forward, sampler, vocab_size, block_size, max_model_len,
+                                 structured=None if has_drafter else structured))
     if step_graphs.draft_loop is not None:
         if queue_ahead and isinstance(step_graphs.draft_loop, DraftGraphRunner) and step_graphs.draft_loop.skips(0):
             # A k = 0 step whose drafter runs not at all is a plain decode step: decoded as one

@@ -1,8 +1,9 @@
 """The speculative step from host inputs: the form every batch takes that the padded device step
 (graphed_verify.py, captured or eager) does not cover:
   - prefill chunks, and batches mixing them with verifies (rows per sequence differ);
-  - requests under a grammar without a drafter (a drafter's verify takes the padded step with
-    the grammar's masks: structured/padded_verify.py);
+  - requests under a grammar whose step no device step takes (a drafter's verify takes the
+    padded step with the grammar's masks: structured/padded_verify.py; plain decoding without a
+    drafter, when it decides ahead, runner/decode_ahead.py);
   - the last steps of a sequence whose drafter's catch-up rows would pass max_model_len;
   - draft trees (tree_step.py verifies them, this step drafts them);
   - a hybrid drafter (suffix + a model: no padded loop), host drafters (n-gram, suffix) when the

@@ -45,8 +45,11 @@ is runner/host_drafts.HostDraftSlots, which drafts nothing): steps 1-3 and 5 as 
 after the read, once the drafter has proposed from the host's token lists
 (host_drafts.propose_from_tokens shapes those drafts and starts the next rows' fill).
 
-What stays on the host step: grammar requests of plain decoding without a drafter, and of every
-batch the padded step does not take (prefill chunks, trees, tensor parallelism).
+Plain decoding without a drafter masks its grammar requests on its own device step with the same
+pieces (runner/decode_ahead.py: padded_verify_grammar with q = 1, PaddedVerifyGrammar.apply; the
+next rows' fill started after its read). What stays on the host step: grammar requests of every
+batch neither step takes (prefill chunks, trees, tensor parallelism on the padded step; plain
+decoding with async scheduling off).
 """
 
 from __future__ import annotations
