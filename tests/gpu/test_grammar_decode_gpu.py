@@ -13,27 +13,15 @@ import time
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from fixtures.grammar_prompts import PROMPTS, constraints
+from fixtures.op_counter import OpCounter
 from foretell import LLM, SamplingParams
 from foretell.runner.decode_ahead import DecodeAhead
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
                                            "b": {"enum": ["x", "yz"]}},
           "required": ["a", "b"], "additionalProperties": False}
-
-
-class OpCounter(TorchDispatchMode):
-    """Aten ops dispatched eagerly (a CUDA graph's replay dispatches none)."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def structured_cases() -> list[dict]:

@@ -11,26 +11,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from fixtures import deepseek as ds
 from fixtures.grammar_prompts import DS_PROMPTS, K, PROMPTS, constraints
+from fixtures.op_counter import OpCounter
 from foretell import LLM, SamplingParams
 from foretell.runner.graphed_verify import GraphedVerify
 from foretell.runner.host_step import HostStep
 from foretell.spec_decode.draft_graph import DraftGraphRunner
-
-
-class OpCounter(TorchDispatchMode):
-    """Aten ops dispatched eagerly (a CUDA graph's replay dispatches none): kernel launches, roughly."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def padded_kinds(llm):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fixtures.padded_step import uncaptured_decode_graphs
 from foretell import LLM, SamplingParams
 from foretell.runner.cuda_graph import CudaGraphRunner
 from foretell.runner.decode_ahead import DecodeAhead
@@ -54,16 +55,8 @@ def graphed_llm(folder, **options) -> tuple[LLM, CudaGraphRunner, GraphCounts]:
     real model (reads_host_lengths: the torch attention reads the buffers' lengths; exact buckets)."""
     llm = LLM(folder, dtype="float32", async_scheduling="on", num_kv_blocks=128, **options)
     runner = llm.engine.runner
-    block_size = runner.cache_plan.block_size
-    graphs = CudaGraphRunner(runner.model, llm.engine.config.scheduler.max_num_seqs, (1,),
-                             -(-(runner.max_model_len + runner.num_lookahead_tokens) // block_size) + 1,
-                             block_size, runner.max_model_len, runner.device, capture_graphs=False,
-                             reads_host_lengths=True)
-    kinds = [kind for kind in runner.pipeline.kinds if isinstance(kind, DecodeAhead)]
-    assert kinds and runner.pipeline.queue_ahead
-    for kind in kinds:
-        kind.graphs = graphs
-    runner.graphs = graphs
+    assert any(isinstance(kind, DecodeAhead) for kind in runner.pipeline.kinds) and runner.pipeline.queue_ahead
+    graphs = uncaptured_decode_graphs(llm)
     return llm, graphs, GraphCounts(graphs)
 
 

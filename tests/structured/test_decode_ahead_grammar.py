@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 
 from fixtures.grammar_prompts import PROMPTS, constraints
-from fixtures.padded_step import record_host_steps
+from fixtures.padded_step import record_host_steps, uncaptured_decode_graphs
 from foretell import LLM, SamplingParams
 from foretell.runner.cuda_graph import CudaGraphRunner
 from foretell.runner.decode_ahead import DecodeAhead, plain_decode
@@ -55,15 +55,7 @@ def decode_kind(llm: LLM) -> DecodeAhead:
 
 def install_graph_runner(llm: LLM) -> CudaGraphRunner:
     """The target's decode buffers and forward as the GPU's graphs give them (uncaptured)."""
-    runner = llm.engine.runner
-    block_size = runner.cache_plan.block_size
-    graphs = CudaGraphRunner(runner.model, llm.engine.config.scheduler.max_num_seqs, (1,),
-                             -(-(runner.max_model_len + runner.num_lookahead_tokens) // block_size) + 1,
-                             block_size, runner.max_model_len, runner.device, capture_graphs=False,
-                             reads_host_lengths=True)
-    decode_kind(llm).graphs = graphs
-    runner.graphs = graphs
-    return graphs
+    return uncaptured_decode_graphs(llm)
 
 
 def generate(llm: LLM, prompts, params) -> list[tuple]:
