@@ -20,9 +20,13 @@ is step i + 1, and what it costs follows from what calls i, i - 1 and i - 2 draf
   - neither: plain (queued ahead).
 A step yields 1 + accepted tokens (accepted: the draft's agreement with the recorded output, at
 most what is left of it). Each request costs `request` once (its prefill, admission and finish),
-in both engines; the plain engine's decode steps cost plain_engine each (default: plain). jitter
-> 0 multiplies each interval by a seeded log-normal factor of mean 1 (what the gate's medians are
-for; the plain engine's mean is unchanged).
+in both engines; the plain engine's decode steps cost plain_engine each (default: plain). Noise
+(IntervalNoise, seeded, each factor of mean 1: the plain engine's mean is unchanged): jitter > 0
+multiplies each interval by a log-normal factor of sigma jitter; spell in [0, 1) correlates the
+log factors of consecutive intervals (AR(1): a host's slow and fast spells, same stationary sigma).
+tail_share of the intervals (drawn independently) take tail_ms more (a host's occasional slow step:
+a collection, a page fault, another process; the same time whatever the step, so it weighs most on
+the cheapest, the plain step); the plain engine's steps pay its mean (tail_share * tail_ms each).
 The run follows `foretell bench`: the engine's warm-up (costs restarted, cache emptied), the
 bench's warm-up (every prompt for one token, then the first prompt for WARMUP_MAX_TOKENS, the
 gate timing it), then the prompts in order, one at a time, each finished request's response
@@ -67,6 +71,9 @@ class StepCosts:
     request: float = 0.5  # per request, both engines (prefill, admission, finish)
     plain_engine: float | None = None  # the plain engine's decode step (None: plain)
     jitter: float = 0.0  # log-normal sigma of each interval's factor (0: exact)
+    spell: float = 0.0  # correlation of consecutive intervals' log factors (AR(1))
+    tail_share: float = 0.0  # share of intervals that take tail_ms more
+    tail_ms: float = 0.0
 
     def step(self, drafted: bool, drafted_before: bool, drafted_2_before: bool) -> float:
         """The interval after a call that drafted (or not), given the two calls before it."""
@@ -82,7 +89,7 @@ class StepCosts:
 
     @property
     def baseline(self) -> float:
-        return self.plain if self.plain_engine is None else self.plain_engine
+        return (self.plain if self.plain_engine is None else self.plain_engine) + self.tail_share * self.tail_ms
 
 
 COST_SETS = {
@@ -104,6 +111,28 @@ def parse_costs(text: str) -> StepCosts:
         raise ValueError(f"costs must be one of {sorted(COST_SETS)} or P,D,F[,D1[,A]] in ms > 0, got {text!r}")
     names = ("plain", "draft", "fallback", "draft_first", "after_fallback")
     return StepCosts(**dict(zip(names, values)))
+
+
+class IntervalNoise:
+    """Each interval's noise (the module docstring's), from a seeded generator."""
+
+    def __init__(self, costs: StepCosts, seed: int):
+        self.costs, self.rng = costs, random.Random(seed)
+        self.level = 0.0  # the AR(1) log factor (stationary sigma: jitter)
+        if not (costs.jitter >= 0.0 and 0.0 <= costs.spell < 1.0 and 0.0 <= costs.tail_share <= 1.0
+                and costs.tail_ms >= 0.0):
+            raise ValueError(f"noise needs jitter >= 0, 0 <= spell < 1, 0 <= tail_share <= 1, tail_ms >= 0: {costs}")
+
+    def apply(self, ms: float) -> float:
+        """An interval of mean ms as timed: times the jitter's factor (mean 1), plus the tail."""
+        c, rng = self.costs, self.rng
+        if c.jitter:
+            rho = c.spell
+            self.level = rho * self.level + math.sqrt(1.0 - rho * rho) * rng.gauss(0.0, c.jitter)
+            ms *= math.exp(self.level - 0.5 * c.jitter ** 2)
+        if c.tail_share and rng.random() < c.tail_share:
+            ms += c.tail_ms
+        return ms
 
 
 class SimClock:
@@ -171,7 +200,7 @@ def simulate(trace: dict, costs: StepCosts, k: int, gate="auto", seed: int = 0,
     proposer_factory(k, gate, clock) -> a proposer (default: make_proposer)."""
     clock = SimClock()
     proposer = (proposer_factory or make_proposer)(k, gate, clock)
-    rng = random.Random(seed)
+    noise = IntervalNoise(costs, seed)
     prompts, outputs = trace["prompts"], trace["outputs"]
     proposer.drop_cached_responses()  # the engine's warm-up
     seq_ids = iter(range(1 << 30))
@@ -181,15 +210,15 @@ def simulate(trace: dict, costs: StepCosts, k: int, gate="auto", seed: int = 0,
         proposer.forget(seq_id)
     result = RunResult()
     if prompts:
-        _request(proposer, clock, costs, rng, k, prompts[0], outputs[0][:WARMUP_MAX_TOKENS], next(seq_ids), RunResult())
+        _request(proposer, clock, costs, noise, k, prompts[0], outputs[0][:WARMUP_MAX_TOKENS], next(seq_ids), RunResult())
     for prompt, output in zip(prompts, outputs):
-        _request(proposer, clock, costs, rng, k, prompt, output, next(seq_ids), result)
+        _request(proposer, clock, costs, noise, k, prompt, output, next(seq_ids), result)
     result.bar = proposer.bar
     result.gate = proposer.stats().get("suffix_gate")
     return result
 
 
-def _request(proposer, clock: SimClock, costs: StepCosts, rng: random.Random, k: int, prompt: list[int],
+def _request(proposer, clock: SimClock, costs: StepCosts, noise: IntervalNoise, k: int, prompt: list[int],
              output: list[int], seq_id: int, result: RunResult) -> None:
     """One request from its prefill to its forget, into result."""
     clock.now += 1e-3 * costs.request
@@ -201,9 +230,7 @@ def _request(proposer, clock: SimClock, costs: StepCosts, rng: random.Random, k:
         draft = proposer.propose_drafts(batch_of(history, seq_id, k))[0].token_ids
         drafted = bool(draft)
         emitted = 1 + agreement(draft, output, pos) if drafted else 1
-        seconds = 1e-3 * costs.step(drafted, before, before_2)
-        if costs.jitter:
-            seconds *= math.exp(rng.gauss(0.0, costs.jitter) - 0.5 * costs.jitter ** 2)  # mean 1
+        seconds = 1e-3 * noise.apply(costs.step(drafted, before, before_2))
         clock.now += seconds
         result.seconds += seconds
         result.steps += 1
@@ -302,6 +329,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--costs", default="h200,slow-host", help="comma-free list of sets split by ';' or ','")
     parser.add_argument("--gates", default="auto,1.0", help="gates to compare: auto and fixed bars")
     parser.add_argument("--jitter", type=float, default=0.0, help="log-normal sigma on each interval")
+    parser.add_argument("--spell", type=float, default=0.0, help="correlation of consecutive intervals' jitter")
+    parser.add_argument("--tail", default="0,0", help="SHARE,MS: a share of intervals MS slower")
     parser.add_argument("--trace", default=None, help="a trace file (default: recorded and cached)")
     args = parser.parse_args(argv)
     ignore_eos = args.dataset == "repetitive"
@@ -312,7 +341,8 @@ def main(argv: list[str] | None = None) -> None:
     if ";" not in args.costs and any(c not in COST_SETS for c in cost_names):
         cost_names = [args.costs]  # one "P,D,F" set
     for name in cost_names:
-        costs = replace(parse_costs(name), jitter=args.jitter)
+        share, tail_ms = (float(v) for v in args.tail.split(","))
+        costs = replace(parse_costs(name), jitter=args.jitter, spell=args.spell, tail_share=share, tail_ms=tail_ms)
         print(f"{args.dataset} k={k} costs {name}: {costs}")
         for label, row in compare(trace, costs, k, gates).items():
             print(f"  {label:14s} " + "  ".join(f"{key} {value}" for key, value in row.items()))

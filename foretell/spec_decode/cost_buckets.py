@@ -6,6 +6,8 @@ machine). Pure Python, no torch."""
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
+from collections import deque
 from typing import Iterable, Sequence
 
 
@@ -23,3 +25,45 @@ def lower_median(values: Sequence[float]) -> float:
     """The lower median of a non-empty sequence."""
     ordered = sorted(values)
     return ordered[(len(ordered) - 1) // 2]
+
+
+def low_quantile(values: Sequence[float], q: float) -> float:
+    """The q-quantile of a non-empty sequence, rounded down to a value of it (the
+    floor((n - 1) * q)-th smallest; q = 0.5: the lower median)."""
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"a quantile needs 0 <= q <= 1, got {q!r}")
+    ordered = sorted(values)
+    return ordered[int((len(ordered) - 1) * q)]
+
+
+class SlidingQuantile:
+    """The last `window` values, kept sorted as they come (a value in, the oldest out: no sort per
+    read), for low_quantile's q-quantile of them in O(1)."""
+
+    __slots__ = ("order", "ordered")
+
+    def __init__(self, window: int):
+        self.order: deque[float] = deque(maxlen=window)  # arrival order
+        self.ordered: list[float] = []  # the same values, sorted
+
+    def append(self, value: float) -> None:
+        order = self.order
+        if len(order) == order.maxlen:
+            del self.ordered[bisect_left(self.ordered, order[0])]
+        order.append(value)
+        insort(self.ordered, value)
+
+    def quantile(self, q: float) -> float:
+        """low_quantile(values, q) (the values must not be empty)."""
+        ordered = self.ordered
+        return ordered[int((len(ordered) - 1) * q)]
+
+    def clear(self) -> None:
+        self.order.clear()
+        self.ordered.clear()
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __iter__(self):
+        return iter(self.order)

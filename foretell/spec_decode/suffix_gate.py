@@ -34,9 +34,12 @@ drafting costs the m intervals plus the fallback's excess over a plain step, aga
 steps: per drafting step t_draft = D + (F - P) / m, D the drafting interval, F the fallback, P the
 plain one. With a run of one: a draft pays when its 1 + a tokens plus the fallback's one cost less
 than 2 + a plain steps, D + F < (2 + a) P, i.e. a > (D + F - P) / P - 1.
-Per batch-size bucket (powers of two) the lower median of the last COST_WINDOW intervals of each kind
-is its D, F and P; m is the mean run length over the last COST_WINDOW runs that ended in a timed
-fallback (a run counts from its chain's first call when the batch changed under it: the step after
+Per batch-size bucket (powers of two) the low COST_QUANTILE-quantile of the last COST_WINDOW
+intervals of each kind is its D, F and P (the same statistic for each, so that their ratio is one of
+like statistics). Why a low quantile of many: the plain step is the cheapest and a host's slow steps
+(a collection, another process: the same time added to any step) weigh most on it; a median of a
+few let a few slow plain steps in a row raise P, lower the bar and let losing drafts through. m is
+the mean run length over the last COST_WINDOW runs that ended in a timed fallback (a run counts from its chain's first call when the batch changed under it: the step after
 a batch change is not queued ahead anyway). Until a bucket has timed MIN_COST_SAMPLES fallbacks
 its t_draft is D alone. The bar is t_draft / P - 1, clamped to [MIN_AUTO_BAR, k + 1] (k + 1: no
 draft of at most k tokens can pay), taken from the nearest bucket that has timed D and P (ties: the
@@ -52,7 +55,7 @@ drafting steps. The other way round, a bar that stops drafting (a bar of k or mo
 time a drafting step again: a bucket's drafting cost older than DRAFT_STALE_AFTER timed intervals
 is dropped (its fallbacks too), so the prior (or a nearer bucket) drafts for a few steps and
 times it afresh (a slow first measurement, a machine that got faster). A plain interval is only
-stored when timed: its bucket's median, the ratio and the bar are worked out when a bar is next read
+stored when timed: its bucket's quantile, the ratio and the bar are worked out when a bar is next read
 (begin_step, as_dict), from every interval stored by then (the same bar as working them out at each
 interval), so a step the drafter knows to be plain whatever the bar (SuffixProposer.propose_step's
 quiet steps: nobody matches or every sequence is paused) is timed without them (quiet_step). The engine's
@@ -66,14 +69,17 @@ import time
 from collections import deque
 from typing import Callable
 
-from foretell.spec_decode.cost_buckets import bucket_of, lower_median, nearest_bucket
+from foretell.spec_decode.cost_buckets import SlidingQuantile, bucket_of, low_quantile, nearest_bucket
 
 #: The bar before any bucket has timed both kinds of step (the fixed bar's default).
 AUTO_PRIOR_BAR = 1.0
 #: The lowest bar "auto" sets (a draft that accepts nothing still costs a little).
 MIN_AUTO_BAR = 0.1
-#: Intervals of each kind a bucket keeps; its cost is their lower median.
-COST_WINDOW = 9
+#: Intervals of each kind a bucket keeps; its cost is their COST_QUANTILE-quantile.
+COST_WINDOW = 65
+#: The quantile of a bucket's intervals taken as its cost, the same for every kind of step (a ratio
+#: of like statistics): a low one, robust to a host's slow steps, which weigh most on the plain step.
+COST_QUANTILE = 0.25
 #: Intervals of each kind a bucket needs before its bar is used.
 MIN_COST_SAMPLES = 3
 #: Steps drafted for nobody to time plain steps where none came by themselves (3 steady intervals).
@@ -95,10 +101,10 @@ class _BucketCosts:
                  "explored_at", "drafted_at", "ratio", "plain_stale")
 
     def __init__(self):
-        self.draft: deque[float] = deque(maxlen=COST_WINDOW)
-        self.plain: deque[float] = deque(maxlen=COST_WINDOW)
+        self.draft = SlidingQuantile(COST_WINDOW)
+        self.plain = SlidingQuantile(COST_WINDOW)
         self.fallback: deque[tuple[float, int]] = deque(maxlen=COST_WINDOW)  # (seconds, its run's m)
-        self.draft_s: float | None = None  # lower medians, None until MIN_COST_SAMPLES
+        self.draft_s: float | None = None  # COST_QUANTILE-quantiles, None until MIN_COST_SAMPLES
         self.plain_s: float | None = None
         self.fallback_s: float | None = None
         self.run_length = 1.0  # drafting intervals per timed fallback (its runs' mean m)
@@ -119,7 +125,7 @@ class _BucketCosts:
         self.num_draft += 1
         self.draft.append(seconds)
         if len(self.draft) >= MIN_COST_SAMPLES:
-            self.draft_s = lower_median(self.draft)
+            self.draft_s = self.draft.quantile(COST_QUANTILE)
             self._update()
 
     def settle_plain(self) -> bool:
@@ -128,8 +134,7 @@ class _BucketCosts:
         plain = self.plain
         if len(plain) < MIN_COST_SAMPLES:
             return False
-        ordered = sorted(plain)
-        plain_s = ordered[(len(ordered) - 1) // 2]  # (lower_median inlined: a learned bar settles every step)
+        plain_s = plain.quantile(COST_QUANTILE)
         if plain_s == self.plain_s:
             return False
         self.plain_s = plain_s
@@ -141,7 +146,7 @@ class _BucketCosts:
         """A fallback interval, after a run of run_length drafting intervals."""
         self.fallback.append((seconds, run_length))
         if len(self.fallback) >= MIN_COST_SAMPLES:
-            self.fallback_s = lower_median([f for f, _ in self.fallback])
+            self.fallback_s = low_quantile([f for f, _ in self.fallback], COST_QUANTILE)
             self.run_length = sum(m for _, m in self.fallback) / len(self.fallback)
             self._update()
 
@@ -166,7 +171,7 @@ class _BucketCosts:
         if self.plain_stale:
             self.settle_plain()  # (which calls this again)
             return
-        if self.draft_s is None or self.plain_s is None:
+        if self.draft_s is None or not self.plain_s:  # (a plain step timed at 0 s: a coarse clock)
             self.ratio = None
         else:
             self.ratio = self.charged_draft_s / self.plain_s

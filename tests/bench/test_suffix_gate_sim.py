@@ -165,3 +165,43 @@ def test_the_cli_prints_a_table(tmp_path, capsys):
     sim.main(["--trace", str(path), "--costs", "h200;1,2,1.5", "--gates", "auto,1.0", "--jitter", "0.1"])
     out = capsys.readouterr().out
     assert "costs h200" in out and "costs 1,2,1.5" in out and out.count("suffix auto") == 2
+
+
+def test_the_noise_keeps_each_interval_s_mean():
+    n = 20000
+    for costs, mean in [(sim.StepCosts(1.0, 2.0, 1.5, jitter=0.4, spell=0.9), 1.0),
+                        (sim.StepCosts(1.0, 2.0, 1.5, tail_share=0.25, tail_ms=0.4), 1.1)]:
+        noise = sim.IntervalNoise(costs, 0)
+        assert sum(noise.apply(1.0) for _ in range(n)) / n == pytest.approx(mean, rel=0.05)
+    tail = sim.IntervalNoise(sim.StepCosts(1.0, 2.0, 1.5, tail_share=0.5, tail_ms=3.0), 1)
+    assert {tail.apply(1.0) for _ in range(50)} == {1.0, 4.0}  # additive, the same extra for any step
+    assert sim.StepCosts(1.0, 2.0, 1.5, tail_share=0.25, tail_ms=0.4).baseline == pytest.approx(1.1)
+    assert sim.IntervalNoise(sim.StepCosts(1.0, 2.0, 1.5), 0).apply(0.7) == 0.7
+    for bad in (dict(spell=1.0), dict(tail_share=1.5), dict(tail_ms=-1.0), dict(jitter=-0.1)):
+        with pytest.raises(ValueError):
+            sim.IntervalNoise(sim.StepCosts(1.0, 2.0, 1.5, **bad), 0)
+
+
+def test_a_correlated_jitter_drifts_in_spells():
+    noise = sim.IntervalNoise(sim.StepCosts(1.0, 2.0, 1.5, jitter=0.3, spell=0.95), 2)
+    logs = [__import__("math").log(noise.apply(1.0)) for _ in range(5000)]
+    mean = sum(logs) / len(logs)
+    lag1 = sum((a - mean) * (b - mean) for a, b in zip(logs, logs[1:])) / sum((a - mean) ** 2 for a in logs)
+    assert lag1 == pytest.approx(0.95, abs=0.03)
+
+
+def test_slow_steps_on_a_cheap_plain_step_leave_the_gate_off_gsm8k_like_drafts():
+    c = sim.StepCosts(plain=0.14, draft=0.72, fallback=0.50, jitter=0.2, tail_share=0.3, tail_ms=0.3)
+    auto = sim.compare(mixed_trace(), c, 3, ("auto",))["suffix auto"]
+    assert auto["vs_plain"] >= 0.98
+
+
+def test_the_cli_takes_the_noise(tmp_path, capsys):
+    import json
+
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(mixed_trace(n=2)))
+    sim.main(["--trace", str(path), "--costs", "h200", "--gates", "auto", "--jitter", "0.2", "--spell", "0.9",
+              "--tail", "0.3,0.3"])
+    out = capsys.readouterr().out
+    assert "spell=0.9" in out and "tail_share=0.3" in out and "tail_ms=0.3" in out

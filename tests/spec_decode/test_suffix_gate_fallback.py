@@ -91,18 +91,22 @@ def test_on_a_cpu_the_fallback_costs_a_plain_step_and_the_bar_is_unchanged():
     assert bar.bar == pytest.approx(0.5)
 
 
-def test_longer_runs_share_their_fallback():
+def test_longer_runs_share_their_fallback(monkeypatch):
+    from foretell.spec_decode import suffix_gate
+
+    window = 9
+    monkeypatch.setattr(suffix_gate, "COST_WINDOW", window)  # (a window shorter than the runs)
     d, f, p = 2.0, 4.0, 1.0
-    runs = [1, 3, 2, 5, 1, 4, 3, 2, 6, 1, 2]  # the window keeps the last COST_WINDOW of them
+    runs = [1, 3, 2, 5, 1, 4, 3, 2, 6, 1, 2]  # the window keeps the last `window` of them
     pattern = [False] * 6
     for m in runs:
         pattern += [True] * m + [False] * 2
     bar, drafted = run(pattern, EngineClock(d * MS, f * MS, p * MS))
     # (the second run is cut short by one step: the gate explores a fallback once it knows D and P)
     assert runs_of(drafted) == [1, 2] + runs[2:]
-    expected = break_even(runs[-COST_WINDOW:], d, f, p)
+    expected = break_even(runs[-window:], d, f, p)
     assert bar.bar == pytest.approx(expected)
-    assert bar.as_dict()["steps_per_fallback"] == [round(sum(runs[-COST_WINDOW:]) / COST_WINDOW, 2)]
+    assert bar.as_dict()["steps_per_fallback"] == [round(sum(runs[-window:]) / window, 2)]
 
 
 def test_before_enough_fallbacks_a_drafting_step_costs_its_interval():
