@@ -27,7 +27,9 @@ import regex
 import torch
 
 from fixtures import deepseek as ds
-from fixtures.grammar_stubs import VOCAB, FakeSeq, SamplingItem, StepResult, encode
+from fixtures.grammar_stubs import (
+    VOCAB, FakeSeq, SamplingItem, StepResult, encode, forced_text_of, mask_of, regex_sequence,
+)
 from foretell import LLM, SamplingParams
 from foretell.spec_decode.metrics import SpecDecodeStats
 from foretell.structured.forced_drafts import drafts_under_grammar
@@ -37,27 +39,11 @@ PATTERN = r"[0-9]{1,2}-abcab-(x|yy)ba\."
 
 
 def forced_text(prefix: str) -> str:
-    """The reference: the longest text every full match of PATTERN starting with prefix continues
-    with (found by trying each next character the pattern allows)."""
-    alphabet = "0123456789-abcxy."
-    text = ""
-    while True:
-        options = [c for c in alphabet if regex.fullmatch(PATTERN, prefix + text + c, partial=True)]
-        if len(options) != 1 or regex.fullmatch(PATTERN, prefix + text):
-            return text
-        text += options[0]
+    return forced_text_of(PATTERN, prefix, "0123456789-abcxy.")
 
 
 def matcher_for(runtime, hf, output: str, temperature: float = 0.0, seq_id: int = 1):
-    params = SamplingParams(temperature=temperature, structured_outputs={"regex": PATTERN})
-    seq = FakeSeq(params, encode(hf, output), frozenset({hf.eos_token_id}), seq_id)
-    return runtime.matcher_for(seq), seq
-
-
-def mask_of(matcher, runtime) -> np.ndarray:
-    row = np.zeros(runtime.num_words, dtype=np.int32)
-    matcher.fill_mask(row)
-    return row
+    return regex_sequence(runtime, hf, PATTERN, output, temperature, seq_id)
 
 
 def test_the_forced_run_follows_the_drafts(runtime, hf):

@@ -14,12 +14,13 @@ forced_tail, issue 27).
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import regex
 import torch
 
-from fixtures.grammar_stubs import VOCAB, FakeSeq, SamplingItem, StepResult, encode
+from fixtures.grammar_stubs import (
+    VOCAB, FakeSeq, SamplingItem, StepResult, encode, forced_text_of, mask_of, regex_sequence,
+)
 from foretell import LLM, SamplingParams
 from foretell.structured.forced_drafts import drafts_under_grammar, forced_tail
 
@@ -27,26 +28,10 @@ ALPHABET = "abcdefghijklmnopqrstuvwxyz .,-"
 
 
 def forced_text(pattern: str, prefix: str) -> str:
-    """The reference: the longest text every full match of pattern starting with prefix continues
-    with (each next character tried; stops where two are possible or the text may end)."""
-    text = ""
-    while True:
-        options = [c for c in ALPHABET if regex.fullmatch(pattern, prefix + text + c, partial=True)]
-        if len(options) != 1 or regex.fullmatch(pattern, prefix + text):
-            return text
-        text += options[0]
+    return forced_text_of(pattern, prefix, ALPHABET)
 
 
-def sequence(runtime, hf, pattern: str, output: str, temperature: float = 0.0, seq_id: int = 1):
-    params = SamplingParams(temperature=temperature, structured_outputs={"regex": pattern})
-    seq = FakeSeq(params, encode(hf, output), frozenset({hf.eos_token_id}), seq_id)
-    return runtime.matcher_for(seq), seq
-
-
-def mask_of(matcher, runtime) -> np.ndarray:
-    row = np.zeros(runtime.num_words, dtype=np.int32)
-    matcher.fill_mask(row)
-    return row
+sequence = regex_sequence  # (matcher, FakeSeq) of a regex request
 
 
 # (pattern, output so far): the forced text ends in a token that more text could merge into
