@@ -90,7 +90,7 @@ def plain_decode(scheduled: list[ScheduledSequence], grammars: bool = False) -> 
     for item in scheduled:  # a loop, not all() over a generator: this runs twice a decode step
         if item.num_new_tokens != 1 or not item.samples or item.draft_token_ids:
             return False
-        if not padded_step_takes(item.seq.sampling_params) and not grammars:
+        if not grammars and not padded_step_takes(item.seq.sampling_params):
             return False
     return True
 
