@@ -3,9 +3,10 @@
 masks uploaded once and applied after it. fp32, the fixtures: greedy and seeded-sampled output
 under a JSON schema, a regex, a choice and a grammar equals the host step's (the same engine with
 async_scheduling off) token for token and matches its constraint; a grammar decode step reads the
-device at most twice (its tokens, and the mask buffer's last copy event) and dispatches few eager
-ops (the mask's copy and op, the sampling; none of the forward). Prints ops, syncs and the
-grammar decode step's mean time for both forms."""
+device at most twice (its tokens, and the mask buffer's last copy event) and dispatches a small
+number of eager ops (the forward is a replay in both forms; DecodeAhead adds the mask's
+upload and apply: 13 ops on the H200 at 7d5fe83). Prints ops, syncs, the grammar decode step's mean
+time (synchronised, so no overlap) and each form's wall time over the whole set (with overlap)."""
 
 from __future__ import annotations
 
@@ -61,6 +62,15 @@ def run(llm, temperature: float, steps: list | None = None) -> list:
             del runner.execute
 
 
+def timed(fn, *args) -> float:
+    """Seconds `fn(*args)` took, the device drained at both ends."""
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    fn(*args)
+    torch.cuda.synchronize()
+    return time.perf_counter() - started
+
+
 def engine(checkpoint, mode):
     return LLM(checkpoint, device="cuda", dtype="float32", num_kv_blocks=256, async_scheduling=mode)
 
@@ -68,13 +78,15 @@ def engine(checkpoint, mode):
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_grammar_decode_on_the_graphs_equals_the_host_step(qwen3_checkpoint, temperature):
     host_steps, device_steps = [], []
+    walls = {}
     with engine(qwen3_checkpoint, "off") as reference:
-        run(reference, temperature)  # warm
+        walls["host step"] = timed(run, reference, temperature)  # also the warm-up
         expected = run(reference, temperature, host_steps)
     with engine(qwen3_checkpoint, "auto") as llm:
         (kind,) = [k for k in llm.engine.runner.pipeline.kinds if isinstance(k, DecodeAhead)]
         assert kind.structured is not None and kind.graphs is not None and kind.graphs.captures
         run(llm, temperature)
+        walls["DecodeAhead"] = timed(run, llm, temperature)
         before = kind.num_grammar_steps
         got = run(llm, temperature, device_steps)
         assert kind.num_grammar_steps > before
@@ -88,8 +100,10 @@ def test_grammar_decode_on_the_graphs_equals_the_host_step(qwen3_checkpoint, tem
 
     print(f"grammar decode steps (T={temperature}): host step {mean([o for o, _ in host]):.0f} eager ops, "
           f"{1e3 * mean([s for _, s in host]):.2f} ms; DecodeAhead {mean([o for o, _ in device]):.0f} eager ops, "
-          f"{1e3 * mean([s for _, s in device]):.2f} ms")
-    assert mean([o for o, _ in device]) < mean([o for o, _ in host])  # the forward is a replay
+          f"{1e3 * mean([s for _, s in device]):.2f} ms; whole set: "
+          + ", ".join(f"{name} {wall:.2f} s" for name, wall in walls.items()))
+    # the forward is a replay, as in the host step: a few more ops (the mask), none per layer
+    assert max(o for o, _ in device) <= max(o for o, _ in host) + 16
 
 
 def test_a_grammar_decode_step_reads_the_device_at_most_twice(qwen3_checkpoint):

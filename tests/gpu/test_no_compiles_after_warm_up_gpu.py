@@ -65,9 +65,6 @@ def _compiles_after_warm_up(spec: dict, prompts: list[str], batch: bool) -> list
     return [f"{name} key={key}; at start-up: {early[name]}" for name, key in late]
 
 
-@pytest.mark.xfail(reason="H200, 98f49e2: _advance_kernel compiled in serving for Q = 3 and 4 (start-up had 2 and 5); "
-                          "032dc21 compiles it for every verify length at start-up (compile_verification), not "
-                          "yet rerun on the H200: drop this mark once it passes there", strict=False)
 def test_adaptive_speculation_compiles_nothing_after_warm_up():
     """Every k in 0..K (k = 0 decoded plainly) is met in the warm-up (engine/warm_up.py), so adaptive
     speculation's choices compile nothing in serving, alone or batched."""
