@@ -7,7 +7,6 @@ scripts/check_serving_gpu.py measures the same thing with each compilation's ker
 
 from __future__ import annotations
 
-
 from foretell import LLM, SamplingParams
 from foretell.bench.datasets import gsm8k_test_prompts
 from foretell.defaults import member_path
