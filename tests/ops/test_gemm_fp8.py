@@ -228,38 +228,9 @@ def test_gated_epilogue_is_silu_and_mul_of_the_product(block_size, kind, m, dtyp
                        silu_and_mul_torch(ref.fp8_linear_torch(xc, qc, sc, block_size)))
 
 
-@pytest.mark.parametrize("block_size", [BLOCK, (64, 256), None], ids=["128x128", "64x256", "channel"])
-@pytest.mark.parametrize("m", [1, 5, 16])
-def test_mma_with_quantized_x_is_the_product_of_the_quantized_activations(block_size, m, poisoned_empty):
-    """quantize_x: each row of x quantized to e4m3 per group of 128 columns in the kernel (the
-    twin's bits: quantize_fp8_per_token_group), then an FP8 MMA; the result is the float64 product
-    of those dequantized activations within float32 sums, with and without split-K (the last slice
-    short), a bias and the gated epilogue; the same bits on every call."""
-    seed = random.randrange(2**31)
-    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
-    n, k = 2 * rng.randint(33, 70), rng.randint(300, 520)  # a ragged last group
-    q, s = _weight(gen, n, k, block_size)
-    x = (torch.randn(m, k, generator=gen) * torch.exp(torch.randn(m, 1, generator=gen))).half().to(DEVICE)
-    bias = torch.randn(n, generator=gen).half().to(DEVICE)
-    xq, xs = ref.quantize_fp8_per_token_group(x)
-    x_used = ref.dequantize_per_token_group(xq, xs)  # what the FP8 MMA multiplies
-    with reports_seed(seed):
-        for split, b in ((1, bias), (3, None)):
-            config = few.Fp8MmaConfig(block_k=128, num_stages=2, split=split, quantize_x=True)
-            got = few.fp8_few_rows_linear(x, q, s, block_size, b, config)
-            check_product(got, x_used, q, s, block_size, b, torch.float16)
-            assert torch.equal(got, few.fp8_few_rows_linear(x, q, s, block_size, b, config))
-            gated = few.fp8_few_rows_linear(x, q, s, block_size, b, config, gated=True)
-            torch.testing.assert_close(gated, silu_and_mul_torch(got), rtol=2 * torch.finfo(torch.float16).eps,
-                                       atol=1e-6)
-        with pytest.raises(ValueError, match="quantize_x takes block_k"):
-            few.fp8_few_rows_linear(x, q, s, block_size, None, few.Fp8MmaConfig(block_k=64, quantize_x=True))
-
-
 def test_candidate_configs_all_give_the_product(poisoned_empty):
-    """Every config the H200 sweep times (GEMV tiles and splits, MMA widths and splits, the MMA of x
-    quantized per group) computes its product, at a small shape with 128x128 blocks (the sweep
-    checks them again at real shapes)."""
+    """Every config the H200 sweep times (GEMV tiles and splits, MMA widths and splits) computes the
+    product, at a small shape with 128x128 blocks (the sweep checks them again at real shapes)."""
     gen = torch.Generator().manual_seed(7)
     n, k = 64, 512
     q, s = _weight(gen, n, k, BLOCK)
@@ -268,12 +239,8 @@ def test_candidate_configs_all_give_the_product(poisoned_empty):
         configs = few.candidate_configs(m, n, k, torch.float16, BLOCK, DEVICE)
         assert configs[0] == few.default_config(m, n, k, torch.float16, BLOCK, DEVICE)
         assert any(isinstance(c, few.Fp8MmaConfig) for c in configs)  # at one row too (fp16 / bf16 x)
-        assert any(isinstance(c, few.Fp8MmaConfig) and c.quantize_x for c in configs)
-        xq, xs = ref.quantize_fp8_per_token_group(x)
-        x_quantized = ref.dequantize_per_token_group(xq, xs)  # what a quantize_x MMA multiplies
         for config in configs:
-            x_used = x_quantized if getattr(config, "quantize_x", False) else x
-            check_product(few.fp8_few_rows_linear(x, q, s, BLOCK, None, config), x_used, q, s, BLOCK, None,
+            check_product(few.fp8_few_rows_linear(x, q, s, BLOCK, None, config), x, q, s, BLOCK, None,
                           torch.float16)
 
 

@@ -218,16 +218,6 @@ class Fp8Linears:
         y = fp8_linear_torch(x, weight[0], weight[1], FP8_BLOCK)  # [M, N]
         return silu_and_mul_torch(y) if kind == "gate_up" else y
 
-    def twin_for(self, kind: str, x: torch.Tensor, weight, config) -> torch.Tensor:
-        """The twin of `config`'s product: x quantized per token group first for a quantize_x MMA."""
-        if kind == "lm_head" or not getattr(config, "quantize_x", False):
-            return self.twin(kind, x, weight)
-        from foretell.ops.gemm.fp8_reference import fp8_linear_quantized_activations_torch
-        from foretell.ops.pointwise.reference import silu_and_mul_torch
-
-        y = fp8_linear_quantized_activations_torch(x, weight[0], weight[1], FP8_BLOCK)  # [M, N]
-        return silu_and_mul_torch(y) if kind == "gate_up" else y
-
 
 class BatchInvariantLinears:
     """ops/gemm/triton_batch_invariant.py at the mode's shape configs (module docstring: knobs)."""

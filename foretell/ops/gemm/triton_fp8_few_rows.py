@@ -44,8 +44,7 @@ interpreter tests, tests/ops/test_gemm_fp8.py).
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -53,8 +52,7 @@ import triton.language as tl
 
 from foretell.ops.common.pdl import launch_options, let_next_kernel_launch, pdl_enabled, wait_for_previous_kernel
 from foretell.ops.common.split_counters import SplitCounters
-from foretell.ops.gemm.fp8_reference import ACTIVATION_GROUP, check_fp8_weight
-from foretell.ops.gemm.triton_fp8_gemm import e4m3_group_scales, quantize_to_e4m3
+from foretell.ops.gemm.fp8_reference import check_fp8_weight
 from foretell.ops.gemm.triton_gemv import program_rows_of_w, silu_mul_rounded
 from foretell.ops.gemm.triton_mma import device_limits
 
@@ -63,7 +61,6 @@ MAX_M = 16
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MMA_X_DTYPES = (torch.bfloat16, torch.float16)
 MMA_BLOCK_N = 64
-QUANTIZE_X_BY_DEFAULT = os.environ.get("FORETELL_FP8_FEW_ROWS_X", "") == "fp8"  # default_config
 GEMV_TILE_BYTES = 8192  # bytes of FP8 a GEMV tile reads at one row of x (64 a thread over 4 warps)
 # A counter per program tile, zero between launches (one set per process, as triton_mma.py's).
 _COUNTERS = SplitCounters(min_count=1 << 16)
@@ -88,13 +85,9 @@ class Fp8MmaConfig:
     num_warps: int = 4
     block_n: int = MMA_BLOCK_N
     split: int = 1  # slices of K, each its own program
-    # x quantized to e4m3 per token and group of 128 columns in-kernel, the product an FP8 x FP8 MMA
-    # (block_k = 128, the group): the weight goes to the tensor cores as stored, no conversion.
-    quantize_x: bool = False
 
     def __str__(self) -> str:
-        a8 = " a8" if self.quantize_x else ""
-        return f"fp8 mma{a8} BN{self.block_n} BK{self.block_k} s{self.num_stages} w{self.num_warps} split{self.split}"
+        return f"fp8 mma BN{self.block_n} BK{self.block_k} s{self.num_stages} w{self.num_warps} split{self.split}"
 
 
 def _next_pow2(n: int) -> int:
@@ -161,20 +154,10 @@ def mma_config(k: int, block_size: tuple[int, int] | None, n: int | None = None,
     return Fp8MmaConfig(block_k, _mma_stages(MMA_BLOCK_N, block_k, smem), split=split)
 
 
-def quantize_x_fits(k: int, dtype: torch.dtype, block_size: tuple[int, int] | None) -> bool:
-    """Whether the MMA with x quantized per group of 128 (Fp8MmaConfig.quantize_x) takes this shape."""
-    return dtype in MMA_X_DTYPES and k >= ACTIVATION_GROUP and (
-        block_size is None or block_size[1] % ACTIVATION_GROUP == 0)
-
-
 def default_config(m: int, n: int, k: int, dtype: torch.dtype, block_size: tuple[int, int] | None,
                    device: torch.device | None = None):
     """The GEMV for one row (or a float32 x), the MMA for more rows of fp16 / bf16. The GEMV's
-    rows of W per program stay within one block row (four when eight would not fit the blocks).
-    With FORETELL_FP8_FEW_ROWS_X=fp8 in the environment (an experiment: x quantized as the large-M
-    path quantizes it), every shape quantize_x_fits takes the quantize_x MMA at mma_config's split."""
-    if QUANTIZE_X_BY_DEFAULT and quantize_x_fits(k, dtype, block_size):
-        return replace(mma_config(k, block_size, n, device), block_k=ACTIVATION_GROUP, quantize_x=True)
+    rows of W per program stay within one block row (four when eight would not fit the blocks)."""
     if m == 1 or dtype not in MMA_X_DTYPES:
         config = gemv_config(m, n, k, device=device)
         if not gemv_rows_fit_blocks(config.block_n, n, block_size, gated=False):
@@ -206,13 +189,6 @@ def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype, block_size: tu
     qkv takes 3.4 instructions a weight for fp16 x at 128 columns (2.7 at 256, per channel) and
     4.9 for bf16 x (the weight made bf16 through float32), the GEMV 3.15-3.6."""
     configs = [default_config(m, n, k, dtype, block_size, device)]
-    # first after the default (a budgeted sweep reaches them)
-    if quantize_x_fits(k, dtype, block_size):  # x quantized per group of 128: an FP8 x FP8 MMA
-        _, smem = device_limits(device or torch.device("cpu"))
-        for block_n, warps, split in ((64, 4, 1), (64, 4, 2), (64, 4, 4), (64, 4, 8), (128, 8, 2), (128, 8, 4)):
-            if k // split >= 256:
-                stages = _mma_stages(block_n, ACTIVATION_GROUP, smem)
-                configs.append(Fp8MmaConfig(ACTIVATION_GROUP, stages, warps, block_n, split, quantize_x=True))
     if m <= GEMV_MAX_M:
         for block_n, block_k, warps, split in GEMV_CANDIDATES:
             block_k //= _next_pow2(m)
@@ -416,26 +392,6 @@ def _fp8_gemv_kernel(
 
 
 @triton.jit
-def _mma_tile(acc, w, x, scales_w, PER_CHANNEL: tl.constexpr, QUANTIZE_X: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_M] + one K tile's product of w [BLOCK_N, BLOCK_K] (FP8) and x^T
-    [BLOCK_K, BLOCK_M] (fp16 / bf16), scaled by scales_w [BLOCK_N] (the tile's block scale per row
-    of W; unused with PER_CHANNEL, whose scales the epilogue applies). QUANTIZE_X: the tile is one
-    activation group (BLOCK_K = 128); each row of x is quantized to e4m3 by its amax there and the
-    product is an FP8 MMA, scaled by the group's scale too; else the weight is converted to x's
-    dtype (exact) for an fp16 / bf16 MMA."""
-    if QUANTIZE_X:
-        xf = x.to(tl.float32)
-        scales_x = e4m3_group_scales(tl.max(tl.abs(xf), axis=0))  # [BLOCK_M]
-        product = tl.dot(w, quantize_to_e4m3(xf, scales_x[None, :]).to(w.dtype))  # [BLOCK_N, BLOCK_M] float32
-        if PER_CHANNEL:
-            return acc + product * scales_x[None, :]
-        return acc + product * (scales_w[:, None] * scales_x[None, :])
-    if PER_CHANNEL:
-        return tl.dot(w.to(x.dtype), x, acc)
-    return acc + tl.dot(w.to(x.dtype), x) * scales_w[:, None]
-
-
-@triton.jit
 def _fp8_mma_kernel(
     x_ptr,  # [M, K] fp16 / bf16, unit column stride
     w_ptr,  # [N, K] float8e4nv, contiguous
@@ -457,7 +413,6 @@ def _fp8_mma_kernel(
     GATED: tl.constexpr,
     PDL: tl.constexpr,
     SPLIT: tl.constexpr,
-    QUANTIZE_X: tl.constexpr,  # x quantized per token group of BLOCK_K = 128 (_mma_tile)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -473,24 +428,27 @@ def _fp8_mma_kernel(
     w_tile = w_ptr + rows_w[:, None].to(tl.int64) * K + lanes[None, :]  # [BLOCK_N, BLOCK_K]
     x_tile = x_ptr + rows_x[None, :] * stride_xm + lanes[:, None]  # [BLOCK_K, BLOCK_M]
     scale_rows = scale_ptr + (rows_w // QBLOCK_N) * stride_scale  # [BLOCK_N]
+    dtype = x_ptr.dtype.element_ty
     w = tl.load(w_tile, mask=w_ok[:, None] & (lanes < k_end)[None, :], other=0.0, eviction_policy="evict_first")
     wait_for_previous_kernel(PDL)
     x = tl.load(x_tile, mask=(lanes < k_end)[:, None] & x_ok[None, :], other=0.0)
-    scales = scale_rows  # (unread with PER_CHANNEL)
-    if not PER_CHANNEL:
-        scales = tl.load(scale_rows + k_start // QBLOCK_K, mask=w_ok, other=0.0)  # [BLOCK_N]
-    acc = _mma_tile(tl.zeros([BLOCK_N, BLOCK_M], tl.float32), w, x, scales, PER_CHANNEL, QUANTIZE_X)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    if PER_CHANNEL:
+        acc = tl.dot(w.to(dtype), x, acc)
+    else:
+        acc += tl.dot(w.to(dtype), x) * tl.load(scale_rows + k_start // QBLOCK_K, mask=w_ok, other=0.0)[:, None]
     for k0 in range(BLOCK_K, k_per_split, BLOCK_K):
         k_ok = (lanes + k0) < k_end
         w = tl.load(w_tile + k0, mask=w_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
         x = tl.load(x_tile + k0, mask=k_ok[:, None] & x_ok[None, :], other=0.0)
-        if not PER_CHANNEL:
+        if PER_CHANNEL:
+            acc = tl.dot(w.to(dtype), x, acc)
+        else:
             scales = tl.load(scale_rows + (k_start + k0) // QBLOCK_K, mask=w_ok, other=0.0)  # [BLOCK_N]
-        acc = _mma_tile(acc, w, x, scales, PER_CHANNEL, QUANTIZE_X)
+            acc += tl.dot(w.to(dtype), x) * scales[:, None]
     let_next_kernel_launch(PDL)
     _finish_split(acc, partial_ptr, counter_ptr, scale_ptr, stride_scale, bias_ptr, out_ptr, rows_w, w_ok,
-                  rows_x, x_ok, tile, split, M, N, PER_CHANNEL, HAS_BIAS, GATED, SPLIT, BLOCK_N, BLOCK_M,
-                  x_ptr.dtype.element_ty)
+                  rows_x, x_ok, tile, split, M, N, PER_CHANNEL, HAS_BIAS, GATED, SPLIT, BLOCK_N, BLOCK_M, dtype)
 
 
 def check_few_rows_inputs(x, weight, weight_scale, block_size, bias, max_m: int, dtypes, gated: bool = False) -> None:
@@ -546,8 +504,6 @@ def fp8_few_rows_linear(
     qblock_n, qblock_k = block_size if block_size is not None else (1, 1)
     if mma and block_size is not None and qblock_k % config.block_k:
         raise ValueError(f"config {config}: block_k must divide the quant block's width {qblock_k}")
-    if mma and config.quantize_x and config.block_k != ACTIVATION_GROUP:
-        raise ValueError(f"config {config}: quantize_x takes block_k = the activation group, {ACTIVATION_GROUP}")
     if not mma and config.block_m < m:
         raise ValueError(f"config {config} has block_m {config.block_m} < M={m}")
     if gated and config.block_n % 2:
@@ -574,8 +530,7 @@ def fp8_few_rows_linear(
                   GATED=gated, PDL=pdl, SPLIT=split, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                   num_warps=config.num_warps, **launch_options(pdl))
     if mma:
-        _fp8_mma_kernel[(tiles, split)](*args, BLOCK_M=MAX_M, num_stages=config.num_stages,
-                                        QUANTIZE_X=config.quantize_x, **common)
+        _fp8_mma_kernel[(tiles, split)](*args, BLOCK_M=MAX_M, num_stages=config.num_stages, **common)
     else:
         _fp8_gemv_kernel[(tiles, split)](*args, BLOCK_M=config.block_m, **common)
     return out

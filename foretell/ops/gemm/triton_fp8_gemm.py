@@ -69,18 +69,6 @@ def round_to_e4m3(v):
 
 
 @triton.jit
-def e4m3_group_scales(amax):
-    """A group's float32 scale from its amax: max(amax, MIN_AMAX) / 448, correctly rounded."""
-    return tl.math.div_rn(tl.maximum(amax, MIN_AMAX), FP8_MAX)
-
-
-@triton.jit
-def quantize_to_e4m3(x, scales):
-    """float32 x / scales (broadcast), clamped to +-448 and rounded to e4m3 (still float32)."""
-    return round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scales), -FP8_MAX), FP8_MAX))
-
-
-@triton.jit
 def _quantize_per_token_group_kernel(
     x_ptr,  # [M, K], unit column stride
     q_ptr,  # [M, K] float8e4nv, contiguous
@@ -96,8 +84,9 @@ def _quantize_per_token_group_kernel(
     cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [G, GROUP]
     mask = cols < K
     x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
-    scales = e4m3_group_scales(tl.max(tl.abs(x), axis=1))  # [G]
-    tl.store(q_ptr + row * K + cols, quantize_to_e4m3(x, scales[:, None]).to(q_ptr.dtype.element_ty), mask=mask)
+    scales = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX), FP8_MAX)  # [G]
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scales[:, None]), -FP8_MAX), FP8_MAX)
+    tl.store(q_ptr + row * K + cols, round_to_e4m3(q).to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row * num_groups + groups, scales, mask=groups < num_groups)
 
 
