@@ -35,7 +35,7 @@ from collections import defaultdict
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
-import foretell.runner.model_runner as model_runner_module  # noqa: E402
+import foretell.runner.input_batch as input_batch_module  # noqa: E402
 import foretell.tokenizer as tokenizer_module  # noqa: E402
 from foretell import LLM, SamplingParams  # noqa: E402
 from foretell.bench.datasets import load_prompts  # noqa: E402
@@ -82,9 +82,8 @@ def instrument(llm: LLM, timer: PartTimer) -> None:
         runner.padded_forward.replay = timer.wrap("target forward (padded verify)", runner.padded_forward.replay)
     if runner.draft_graphs is not None:
         runner.draft_graphs.run = timer.wrap("draft loop (padded verify)", runner.draft_graphs.run)
-    model_runner_module.build_input_batch = timer.wrap(
-        "input tensors", model_runner_module.build_input_batch
-    )
+    # the runner's batch is built at its first read (input_batch.DeferredInputBatch), by name there
+    input_batch_module.build_input_batch = timer.wrap("input tensors", input_batch_module.build_input_batch)
     detok_add = tokenizer_module.IncrementalDetokenizer.add
     wrapped = timer.wrap("detokenizer", detok_add)
     tokenizer_module.IncrementalDetokenizer.add = lambda self, ids: wrapped(self, ids)
