@@ -1,6 +1,7 @@
 """Token bitmasks on the device: bit t of a row (word t // 32, bit t % 32, little-endian) says
-whether token t may come next. Plain torch (one unpack, one masked fill), the same code on the
-CPU and on CUDA; the host fills the packed rows (matcher.py, batched_fill.py) into a reusable
+whether token t may come next. Applied to logits in plain torch (an unpack, a masked fill) on the
+CPU, and on CUDA in one Triton launch (ops/sampling/triton_token_bitmask.py, whose twin the torch
+form is); the host fills the packed rows (matcher.py, batched_fill.py) into a reusable
 BitmaskBuffer (pinned on CUDA) and one asynchronous copy moves them.
 """
 
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
+from foretell.ops.common.kernel_choice import use_triton
 
 
 def num_mask_words(vocab_size: int) -> int:
@@ -92,8 +95,15 @@ def apply_token_bitmask(
     logits controls left with no finite allowed logit (an allow list or a bias that excludes
     every token the grammar allows, an overflowing penalty) takes the fallback's logits under the
     mask instead, so the token drawn always satisfies the grammar; +inf and NaN become the
-    largest float and -inf there (softmax stays defined). Without fallback and with the rows a
-    slice (or all of them), it is one in-place masked fill: four small kernels in all."""
+    largest float and -inf there (softmax stays defined). On CUDA (float32 logits and fallback)
+    one Triton launch; else torch, where without fallback and with the rows a slice (or all of
+    them) it is one in-place masked fill: four small kernels in all."""
+    if (use_triton(logits, bitmask) and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1
+            and (fallback is None or (fallback.dtype == torch.float32 and fallback.stride(1) == 1))):
+        from foretell.ops.sampling.triton_token_bitmask import apply_token_bitmask_triton  # imports triton
+
+        apply_token_bitmask_triton(logits, row_index, bitmask, fallback)
+        return
     forbidden = forbidden_tokens(bitmask, logits.shape[1])  # [m, vocab] bool
     if fallback is None and not isinstance(row_index, torch.Tensor):
         rows = logits if row_index is None else logits[row_index]  # [m, vocab], a view
