@@ -60,7 +60,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from foretell.structured.bitmask import apply_token_bitmask, forbidden_tokens
+from foretell.structured.bitmask import apply_token_bitmask
 from foretell.structured.runtime import StructuredOutputs
 
 
@@ -151,7 +151,8 @@ class PaddedVerifyGrammar:
         n, q, vocab = logits.shape
         flat = logits.view(n * q, vocab)
         if logits is raw_logits:
-            masked = flat.masked_fill(forbidden_tokens(self.bitmask, vocab), float("-inf"))  # [n * q, vocab]
+            masked = flat.clone()  # [n * q, vocab]
+            apply_token_bitmask(masked, None, self.bitmask)
         else:
             apply_token_bitmask(flat, None, self.bitmask, raw_logits.view(n * q, vocab))
             masked = flat
