@@ -2,7 +2,7 @@
 
 Twin: structured/bitmask.apply_token_bitmask's torch form (an unpack of the packed words, a masked
 fill and, with a fallback, nan_to_num / isfinite / any / where and a copy back: about a dozen
-kernels, 0.17-0.26 ms of host time a grammar step on the H200, more than the mask's fill).
+kernels, each a launch on the host; the times: docs/perf-log.md, "twenty-third GPU session").
 
 One program per masked row, the vocabulary in BLOCK-wide chunks; bit t of a row (word t // 32,
 bit t % 32) allows token t, tokens past the row's words are forbidden:
