@@ -154,18 +154,9 @@ def count_forward_ops(llm, prompt: list[int]) -> None:
     verify's 1 + k rows with a drafter): top-level (what Python dispatches) and every aten op under
     them (torch.profiler's events)."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
+    from foretell.bench.op_counter import OpCounter
     from foretell.runner.input_batch import build_input_batch
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.calls = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.calls += 1
-            return func(*args, **(kwargs or {}))
 
     engine = llm.engine
     engine.add_request("count", {"prompt_token_ids": prompt},
@@ -176,14 +167,14 @@ def count_forward_ops(llm, prompt: list[int]) -> None:
     with torch.inference_mode():
         runner.target_forward(build_input_batch([item], runner.cache_plan.block_size, runner.device))
         batch = build_input_batch([item], runner.cache_plan.block_size, runner.device)
-        with Count() as count:
+        with OpCounter() as count:
             runner.target_forward(batch)
         batch = build_input_batch([item], runner.cache_plan.block_size, runner.device)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             runner.target_forward(batch)
     engine.abort_request("count")
     aten = sum(1 for e in prof.events() if e.name.startswith("aten::"))
-    print(f"target forward of {batch.num_tokens} row(s): {count.calls} top-level torch calls, {aten} aten ops in all")
+    print(f"target forward of {batch.num_tokens} row(s): {count.count} top-level torch calls, {aten} aten ops in all")
 
 
 def main() -> None:

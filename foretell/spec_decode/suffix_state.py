@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from foretell.config import SpeculativeConfig
 from foretell.spec_decode.suffix_gate import AUTO_PRIOR_BAR
 from foretell.spec_decode.suffix_tree import Match, SuffixIndex
 
@@ -15,12 +16,16 @@ MAX_PAUSE = 64  # ... doubling while its probes keep failing, at most this many
 
 @dataclass
 class SuffixSettings:
-    max_tree_depth: int = 24
-    max_cached_requests: int = 10000
-    max_cached_tokens: int = 1 << 17
-    max_spec_factor: float = 1.0
-    min_token_prob: float = 0.1
-    min_match_length: int = 4
+    """The drafter's settings; the defaults are SpeculativeConfig's suffix_decoding_* ones (its
+    documentation: config.py), but for the gate, off unless asked for (the engine's default "auto"
+    needs timed steps: suffix_gate.py)."""
+
+    max_tree_depth: int = SpeculativeConfig.suffix_decoding_max_tree_depth
+    max_cached_requests: int = SpeculativeConfig.suffix_decoding_max_cached_requests
+    max_cached_tokens: int = SpeculativeConfig.suffix_decoding_max_cached_tokens
+    max_spec_factor: float = SpeculativeConfig.suffix_decoding_max_spec_factor
+    min_token_prob: float = SpeculativeConfig.suffix_decoding_min_token_prob
+    min_match_length: int = SpeculativeConfig.suffix_decoding_min_match_length
     min_accepted_tokens: float | str = 0.0  # the acceptance gate's bar (0: off; "auto": suffix_gate.py)
 
     @classmethod

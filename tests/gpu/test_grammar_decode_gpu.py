@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from fixtures.grammar_prompts import PROMPTS, constraints
-from fixtures.op_counter import OpCounter
 from foretell import LLM, SamplingParams
+from foretell.bench.op_counter import OpCounter
 from foretell.runner.decode_ahead import DecodeAhead
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},

@@ -14,8 +14,8 @@ import torch
 
 from fixtures import deepseek as ds
 from fixtures.grammar_prompts import DS_PROMPTS, K, PROMPTS, constraints
-from fixtures.op_counter import OpCounter
 from foretell import LLM, SamplingParams
+from foretell.bench.op_counter import OpCounter
 from foretell.runner.graphed_verify import GraphedVerify
 from foretell.runner.host_step import HostStep
 from foretell.spec_decode.draft_graph import DraftGraphRunner
