@@ -39,7 +39,7 @@ CASES = [
     "batch-invariant moe gate_up, V2-Lite", "batch-invariant moe down, V2-Lite", "batch-invariant moe combine, shared",
     "batch-invariant mla attention, V2-Lite", "batch-invariant mla attention, V3 heads",
     "batch-invariant mla absorbed query with rope", "batch-invariant mla value projection",
-    "token bitmask, fallback, row index", "token bitmask, slice",
+    "token bitmask, fallback, row index", "token bitmask, slice", "rope + gqa attention, tree mask, verify",
 ]
 
 

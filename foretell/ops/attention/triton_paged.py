@@ -150,6 +150,19 @@ def write_kv_triton(
     )
 
 
+@triton.jit
+def tree_visible(visible, tree_mask_ptr, token_index, stride_mask_token, row_valid, key_pos, key_valid,
+                 mask_start, mask_width):
+    """visible [M, TILE_N] narrowed by a tree's ancestor mask: key positions mask_start ..
+    mask_start + mask_width - 1 (the sequence's last mask_width keys) are visible to row i only
+    where its mask row (token_index [M]) says so; keys before them stay as they were."""
+    column = key_pos - mask_start  # [TILE_N]: the key's mask column (< 0: before the mask)
+    in_mask = (column >= 0) & (column < mask_width) & key_valid
+    seen = tl.load(tree_mask_ptr + token_index[:, None] * stride_mask_token + column[None, :],
+                   mask=row_valid[:, None] & in_mask[None, :], other=1)
+    return visible & (seen != 0)
+
+
 @triton.jit(do_not_specialize=["num_seqs", "stride_table_seq"])  # per-batch sizes: one compile
 def _paged_attention_kernel(
     query_ptr,  # [num_tokens, num_heads, head_dim]
@@ -246,12 +259,8 @@ def _paged_attention_kernel(
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         visible = (key_pos[None, :] <= row_pos[:, None]) & key_valid[None, :]
         if TREE_MASK:
-            # [TILE_N]: the mask column of this key, the sequence's last mask_width keys (< 0: before them)
-            column = key_pos - (prefix_len + q_len - mask_width)
-            in_mask = (column >= 0) & (column < mask_width) & key_valid
-            seen = tl.load(tree_mask_ptr + token_index[:, None] * stride_mask_token + column[None, :],
-                           mask=row_valid[:, None] & in_mask[None, :], other=1)
-            visible = visible & (seen != 0)
+            visible = tree_visible(visible, tree_mask_ptr, token_index, stride_mask_token, row_valid, key_pos,
+                                   key_valid, prefix_len + q_len - mask_width, mask_width)
         scores = tl.where(visible, scores, float("-inf"))
         p, alpha, m_i, l_i = online_softmax_step(scores, m_i, l_i)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)

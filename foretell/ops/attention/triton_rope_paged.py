@@ -48,6 +48,7 @@ from foretell.ops.attention.triton_paged import (
     _choose_num_splits,
     _launch_config,
     _tree_mask_rows,
+    tree_visible,
 )
 from foretell.ops.attention.triton_varlen import (
     context_tile,
@@ -255,12 +256,8 @@ def _rope_paged_attention_kernel(
         scores += tl.dot(q2, tl.trans(k2), input_precision=DOT_PRECISION)
         visible = (key_pos[None, :] <= row_pos[:, None]) & key_valid[None, :]
         if TREE_MASK:
-            # [TILE_N]: the mask column of this key, the sequence's last mask_width keys (< 0: before them)
-            column = key_pos - (prefix_len + q_len - mask_width)
-            in_mask = (column >= 0) & (column < mask_width) & key_valid
-            seen = tl.load(tree_mask_ptr + row_index[:, None] * stride_mask_token + column[None, :],
-                           mask=row_valid[:, None] & in_mask[None, :], other=1)
-            visible = visible & (seen != 0)
+            visible = tree_visible(visible, tree_mask_ptr, row_index, stride_mask_token, row_valid, key_pos,
+                                   key_valid, prefix_len + q_len - mask_width, mask_width)
         scores = tl.where(visible, scores * scale_log2, float("-inf"))
         p, alpha, m_i, l_i = online_softmax_step(scores, m_i, l_i)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
