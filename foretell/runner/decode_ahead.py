@@ -40,18 +40,21 @@ step queued after it is queued only while the scheduler's choice stays 0 (a choi
 back to the padded verify step, launched from host inputs).
 
 Grammars (issues 27 and 31), in an engine without a drafter (`structured` set): a plain decode
-batch whose sequences follow grammars takes this step too, launched from host inputs only. After
-the forward is launched (a graph replay when one fits: the graph itself is the plain one), each
-grammar row's mask is filled on the host from its sequence's matcher, as the host step fills a
-one-row step's (structured/padded_verify.py's padded_verify_grammar with q = 1: the rows filled
-ahead on the worker thread, a row allowing every token for a sequence without a grammar), copied
-to the device in one upload (GrammarMaskBuffer) and applied to the logits after the other
-controls (PaddedVerifyGrammar.apply: the host step's fallback for a row the controls leave with
-nothing allowed); greedy rows take the masked logits' argmax, sampled rows sample them, and the
-logprobs stay the raw logits'. Such a step is never queued ahead (launch_next: the next step's
-masks need this step's tokens on the host), and once its tokens are read the next step's rows
-start filling on the worker (StructuredOutputs.fill_ahead, the host step's call), which advances
-the matchers through them (an EOS ends a sequence's walk there, as on the host step).
+batch whose sequences follow grammars takes this step too. After the forward is launched (a graph
+replay when one fits: the graph itself is the plain one), each grammar row's mask is filled on the
+host from its sequence's matcher, as the host step fills a one-row step's
+(structured/padded_verify.py's padded_verify_grammar with q = 1: a row allowing every token for a
+sequence without a grammar), copied to the device in one upload (GrammarMaskBuffer) and applied to
+the logits after the other controls (PaddedVerifyGrammar.apply: the host step's fallback for a row
+the controls leave with nothing allowed); greedy rows take the masked logits' argmax, sampled rows
+sample them, and the logprobs stay the raw logits'. Once its tokens are read, the next step's rows
+start filling on the worker thread (StructuredOutputs.fill_ahead, the host step's call), which
+advances the matchers through them (an EOS ends a sequence's walk there, as on the host step).
+The step after a grammar step is queued ahead as its forward alone (LaunchedDecode.launch_next:
+its masks need this step's tokens on the host): when the scheduler takes it, complete() masks
+and samples its logits with the rows the worker filled meanwhile, so the forward runs on the
+device while the host reads, processes and schedules, as plain decoding's does. Dropped, it is a
+plain queued step dropped (above): the matchers never saw it.
 
 DecodeAhead is the step kind (what launches such a step, with the target's graphs, forward and
 sampler it needs); LaunchedDecode is one step on its way.
@@ -182,6 +185,20 @@ class DecodeAhead:
                                   all_greedy=True, graph_key=key, inputs_version=self.graphs.inputs_version,
                                   table_ends=table_ends)
         _, _, raw_logits = self.forward(batch)  # [num_seqs, vocab] float32 (a graph's: until its next replay)
+        token_ids, grammar, packed = self.sample(seqs, batch.row_positions, raw_logits, controls, logprobs,
+                                                 all_greedy, grammar_items)
+        return LaunchedDecode.queue(self, seqs, batch, token_ids, controls=controls, logprobs=logprobs,
+                                    packed_logprobs=packed, all_greedy=all_greedy, grammar=grammar)
+
+    def sample(self, seqs: list[Sequence], row_positions: list[int], raw_logits: torch.Tensor,
+               controls: PaddedLogitsControls | None, logprobs: PaddedLogprobs | None, all_greedy: bool,
+               grammar_items: list[ScheduledSequence] | None,
+               ) -> tuple[torch.Tensor, PaddedVerifyGrammar | None, torch.Tensor | None]:
+        """The tokens of a decode step whose forward is launched: raw_logits [num_seqs, vocab]
+        float32 processed by `controls` (their device state then advanced by the tokens), masked by
+        the grammars of `grammar_items` (filled on the host now), sampled (greedy: argmax;
+        row_positions give the seeded rows' seeds). Returns the tokens [num_seqs] int64, the step's
+        grammar (None without one) and the packed logprobs of the raw logits (None unless asked)."""
         n = len(seqs)
         no_drafts = torch.zeros(n, 0, dtype=torch.int64, device=raw_logits.device)  # [n, 0]
         grammar = None
@@ -197,10 +214,10 @@ class DecodeAhead:
         else:
             seeds = [
                 None if seq.sampling_params.seed is None else row_seed(seq.sampling_params.seed, seq.index, pos)
-                for seq, pos in zip(seqs, batch.row_positions)
+                for seq, pos in zip(seqs, row_positions)
             ]
             sampling = SamplingBatch.build([seq.sampling_params for seq in seqs], seeds, self.vocab_size,
-                                           batch.device)
+                                           raw_logits.device)
             token_ids = self.sampler(logits, sampling).token_ids  # [num_seqs] int64
         if controls is not None:  # what the step queued after this one processes with
             controls.advance(no_drafts, torch.zeros_like(token_ids), token_ids)
@@ -209,8 +226,16 @@ class DecodeAhead:
             out = torch.empty(logprobs.size(1), dtype=torch.int64, device=raw_logits.device)
             packed = padded_step_logprobs(logprobs, raw_logits[:, None, :], no_drafts, torch.zeros_like(token_ids),
                                           token_ids, out)
-        return LaunchedDecode.queue(self, seqs, batch, token_ids, controls=controls, logprobs=logprobs,
-                                    packed_logprobs=packed, all_greedy=all_greedy, grammar=grammar)
+        return token_ids, grammar, packed
+
+
+@dataclass
+class PendingGrammarSample:
+    """A grammar decode step queued ahead as its forward alone: what LaunchedDecode.complete()
+    needs to mask and sample its logits once the host has the previous step's tokens."""
+
+    raw_logits: torch.Tensor  # [num_seqs, vocab] float32 (a graph's output: valid until its next replay)
+    row_positions: list[int]  # per sequence: the position of the token it samples (seeds)
 
 
 @dataclass
@@ -221,7 +246,7 @@ class LaunchedDecode:
     seqs: list[Sequence]
     positions: list[int]  # per sequence: the position of the step's input token
     slots: list[int]  # per sequence: the cache slot the step wrote its K/V to
-    token_ids: torch.Tensor  # [num_seqs] int64 on the device: what the step sampled
+    token_ids: torch.Tensor | None  # [num_seqs] int64 on the device: what the step sampled (None: pending)
     copy: HostCopy | None  # of token_ids; None: a graph's argmax, copied once the next step is queued
     graphed: bool  # token_ids is a CUDA graph's argmax output (the next replay overwrites it)
     controls: PaddedLogitsControls | None = None  # the logits controls' device state (None: none)
@@ -233,6 +258,9 @@ class LaunchedDecode:
     inputs_version: int = -1
     table_ends: list[int] | None = None
     grammar: PaddedVerifyGrammar | None = None  # the step's grammar masks (None: no sequence has one)
+    # A grammar step queued ahead as its forward alone (module docstring): complete() masks and
+    # samples it; None once it has (or for every other step).
+    pending: PendingGrammarSample | None = None
 
     @classmethod
     def queue(
@@ -256,11 +284,19 @@ class LaunchedDecode:
         the device), when next_rows() allows it (no drafter: num_next_drafts is None; with
         zero_drafts_only, only while it is 0): advanced on the device when the graph's buffers
         still hold this step's inputs and its table covers every next position, else from inputs
-        built on the host. Never after a step with a grammar (its next masks need this step's tokens
-        on the host)."""
+        built on the host. After a step with a grammar, only the next step's forward is launched
+        (its masks need this step's tokens on the host): complete() samples it after the read."""
         kind = self.kind
+        self.complete()
         if self.grammar is not None:
-            return None
+            rows = next_rows(self, kind.block_size, kind.max_model_len)
+            if rows is None:
+                return None
+            batch = build_decode_batch(self.seqs, rows[0], self.token_ids, kind.block_size)
+            _, _, raw_logits = kind.forward(batch)  # [n, vocab] float32 (a graph's: until its next replay)
+            return LaunchedDecode(kind, self.seqs, batch.position_list, batch.slot_list, None, None, False,
+                                  self.controls, self.logprobs, self.all_greedy,
+                                  pending=PendingGrammarSample(raw_logits, batch.row_positions))
         if kind.zero_drafts_only and num_next_drafts != 0:  # the next step drafts: the padded verify's
             return None
         graphs = kind.graphs
@@ -279,12 +315,27 @@ class LaunchedDecode:
         batch = build_decode_batch(self.seqs, rows[0], self.token_ids, kind.block_size)
         return kind.launch_for(self.seqs, batch, self.controls, self.logprobs, self.all_greedy)
 
+    def complete(self) -> None:
+        """Mask and sample a grammar step queued as its forward alone (nothing for another step):
+        the scheduler has taken it, so the host has the previous step's tokens and its matchers
+        (their rows filled ahead on the worker since that read) give this step's masks."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        items = [ScheduledSequence(seq, 1, [], True) for seq in self.seqs]  # what matches() checked
+        self.token_ids, self.grammar, packed = self.kind.sample(
+            self.seqs, pending.row_positions, pending.raw_logits, self.controls, self.logprobs, self.all_greedy,
+            items)
+        values = self.token_ids if packed is None else torch.cat([self.token_ids, packed.reshape(-1)])
+        self.copy = self.kind.copy_tokens(values)
+
     def read(self, following: "LaunchedDecode | None") -> list[SequenceResult]:
         """Wait for this step's tokens (only: not for the one queued after it).
 
         A graph's tokens are read from the next step's input buffer (the copy runs beside the
         graphs: CudaGraphRunner.download_input_ids) when that step went to the same graph, else
         copied now, before anything else can overwrite them."""
+        self.complete()  # (a pending grammar step the pipeline did not queue past)
         if self.copy is None:
             if following is not None and following.graphed:  # the graph's inputs hold our tokens
                 self.copy = HostCopy(*self.kind.graphs.download_input_ids(len(self.seqs)))
@@ -303,7 +354,8 @@ class LaunchedDecode:
     def matches(self, scheduled: list[ScheduledSequence], block_size: int) -> bool:
         """Whether the scheduler's decision is this step: its sequences in order, one sampling row
         each at the launched position, over the same cache slot."""
-        if len(scheduled) != len(self.seqs) or not plain_decode(scheduled):
+        grammars = self.pending is not None  # a grammar step queued ahead takes grammar rows
+        if len(scheduled) != len(self.seqs) or not plain_decode(scheduled, grammars=grammars):
             return False
         for item, seq, pos, slot in zip(scheduled, self.seqs, self.positions, self.slots):
             if item.seq is not seq or seq.num_computed_tokens != pos:

@@ -1,7 +1,8 @@
 """Grammars on plain decoding's device step (runner/decode_ahead.py, issues 27 and 31): in an
 engine without a drafter deciding ahead (async_scheduling on), a decode batch whose sequences
 follow grammars takes DecodeAhead (its masks filled from the matchers, uploaded once, applied on
-the device before sampling) instead of the host step, and is never queued ahead.
+the device before sampling) instead of the host step; with async scheduling the step after it is
+queued ahead as its forward alone, masked and sampled once the scheduler takes it.
 
 The reference is the host step: the same engine with async_scheduling off (no DecodeAhead in its
 pipeline: every step the host step's). In fp32, tokens equal it token for token:
@@ -13,8 +14,10 @@ pipeline: every step the host step's). In fp32, tokens equal it token for token:
   plain rows go on: the plain rows queue ahead again once it is gone), more sequences than the mask
   buffer first holds (it grows).
 Counts: DecodeAhead launched the grammar steps (num_grammar_steps), the host step sampled prefill
-batches only, and no step with a grammar was queued ahead. plain_decode() keeps grammar rows out of
-queued steps (a unit check), and an engine with a drafter keeps its DecodeAhead grammar-free.
+batches only, and grammar steps queued ahead were taken (the pipeline's num_used; a queued forward
+is dropped when its batch changes: a sequence ends, rows join). plain_decode() keeps grammar rows
+out of plain steps queued ahead (a unit check), and an engine with a drafter keeps its DecodeAhead
+grammar-free.
 """
 
 from __future__ import annotations
@@ -84,7 +87,8 @@ def test_greedy_grammar_decode_equals_the_host_step(qwen3_checkpoint, monkeypatc
         got = [generate(llm, PROMPTS, params) for params, _ in cases]
         assert kind.num_grammar_steps > 0
         assert host_steps and all(host_steps)  # the host step sampled prefill batches only
-        assert llm.engine.runner.pipeline.num_launched == 0  # a grammar step is never queued ahead
+        pipeline = llm.engine.runner.pipeline
+        assert pipeline.num_used > 0 and kind.num_grammar_steps > pipeline.num_used  # some from host inputs
     assert got == expected
     for (params, check), outs in zip(cases, got):
         for tokens, text, reason, _ in outs:
@@ -101,6 +105,7 @@ def test_sampled_grammar_decode_with_controls_and_logprobs_equals_the_host_step(
         host_steps = record_host_steps(monkeypatch)
         got = [generate(llm, PROMPTS, params) for params, _ in cases]
         assert decode_kind(llm).num_grammar_steps > 0 and all(host_steps)
+        assert llm.engine.runner.pipeline.num_used > 0  # grammar steps queued ahead (forwards), then sampled
     assert got == expected
     for (params, check), outs in zip(cases, got):
         for tokens, text, reason, logprobs in outs:
