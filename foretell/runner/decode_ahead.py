@@ -187,8 +187,11 @@ class DecodeAhead:
         _, _, raw_logits = self.forward(batch)  # [num_seqs, vocab] float32 (a graph's: until its next replay)
         token_ids, grammar, packed = self.sample(seqs, batch.row_positions, raw_logits, controls, logprobs,
                                                  all_greedy, grammar_items)
-        return LaunchedDecode.queue(self, seqs, batch, token_ids, controls=controls, logprobs=logprobs,
-                                    packed_logprobs=packed, all_greedy=all_greedy, grammar=grammar)
+        launched = LaunchedDecode.queue(self, seqs, batch, token_ids, controls=controls, logprobs=logprobs,
+                                        packed_logprobs=packed, all_greedy=all_greedy, grammar=grammar)
+        if grammar is not None:  # (a plain step's graph inputs advance only on its greedy path, above)
+            launched.note_graph_inputs(batch)
+        return launched
 
     def sample(self, seqs: list[Sequence], row_positions: list[int], raw_logits: torch.Tensor,
                controls: PaddedLogitsControls | None, logprobs: PaddedLogprobs | None, all_greedy: bool,
@@ -287,16 +290,10 @@ class LaunchedDecode:
         built on the host. After a step with a grammar, only the next step's forward is launched
         (its masks need this step's tokens on the host): complete() samples it after the read."""
         kind = self.kind
+        grammar_step = self.pending is not None or self.grammar is not None
         self.complete()
-        if self.grammar is not None:
-            rows = next_rows(self, kind.block_size, kind.max_model_len)
-            if rows is None:
-                return None
-            batch = build_decode_batch(self.seqs, rows[0], self.token_ids, kind.block_size)
-            _, _, raw_logits = kind.forward(batch)  # [n, vocab] float32 (a graph's: until its next replay)
-            return LaunchedDecode(kind, self.seqs, batch.position_list, batch.slot_list, None, None, False,
-                                  self.controls, self.logprobs, self.all_greedy,
-                                  pending=PendingGrammarSample(raw_logits, batch.row_positions))
+        if grammar_step:
+            return self.launch_forward_ahead()
         if kind.zero_drafts_only and num_next_drafts != 0:  # the next step drafts: the padded verify's
             return None
         graphs = kind.graphs
@@ -314,6 +311,43 @@ class LaunchedDecode:
             return None
         batch = build_decode_batch(self.seqs, rows[0], self.token_ids, kind.block_size)
         return kind.launch_for(self.seqs, batch, self.controls, self.logprobs, self.all_greedy)
+
+    def launch_forward_ahead(self) -> "LaunchedDecode | None":
+        """The next step of a grammar step as its forward alone (pending: complete() masks and
+        samples it), its inputs advanced on the device as a greedy step's are when the graph's
+        buffers still hold this step's (any sampling: only the inputs move), else built on the
+        host; None when next_rows() allows no next step."""
+        kind, graphs, n = self.kind, self.kind.graphs, len(self.seqs)
+        if self.table_ends is not None and graphs.inputs_version == self.inputs_version:
+            rows = next_rows(self, kind.block_size, kind.max_model_len, self.table_ends)
+            if rows is not None:
+                positions, slots = rows
+                raw_logits = graphs.advance_decode(self.graph_key, n, self.token_ids).logits[:n]  # [n, vocab]
+                return LaunchedDecode(kind, self.seqs, positions, slots, None, None, False, self.controls,
+                                      self.logprobs, self.all_greedy, graph_key=self.graph_key,
+                                      inputs_version=graphs.inputs_version, table_ends=self.table_ends,
+                                      pending=PendingGrammarSample(raw_logits, [p + 1 for p in positions]))
+        rows = next_rows(self, kind.block_size, kind.max_model_len)
+        if rows is None:
+            return None
+        batch = build_decode_batch(self.seqs, rows[0], self.token_ids, kind.block_size)
+        _, _, raw_logits = kind.forward(batch)  # [n, vocab] float32 (a graph's: until its next replay)
+        launched = LaunchedDecode(kind, self.seqs, batch.position_list, batch.slot_list, None, None, False,
+                                  self.controls, self.logprobs, self.all_greedy,
+                                  pending=PendingGrammarSample(raw_logits, batch.row_positions))
+        launched.note_graph_inputs(batch)
+        return launched
+
+    def note_graph_inputs(self, batch: InputBatch) -> None:
+        """After a grammar step's forward from host inputs: when it replayed a graph, the graph's
+        key, inputs version and table ends, so the step after it may advance those inputs on the
+        device (launch_forward_ahead)."""
+        graphs = self.kind.graphs
+        key = graphs.bucket_for(batch) if graphs is not None else None
+        if key is not None:
+            block_size = self.kind.block_size
+            self.graph_key, self.inputs_version = key, graphs.inputs_version
+            self.table_ends = [len(blocks) * block_size for blocks in batch.block_ids]
 
     def complete(self) -> None:
         """Mask and sample a grammar step queued as its forward alone (nothing for another step):

@@ -58,7 +58,10 @@ times it afresh (a slow first measurement, a machine that got faster). A plain i
 stored when timed: its bucket's quantile, the ratio and the bar are worked out when a bar is next read
 (begin_step, as_dict), from every interval stored by then (the same bar as working them out at each
 interval), so a step the drafter knows to be plain whatever the bar (SuffixProposer.propose_step's
-quiet steps: nobody matches or every sequence is paused) is timed without them (quiet_step). The engine's
+quiet steps: nobody matches or every sequence is paused) is timed without them (quiet_step). A run of quiet steps of one batch only reads the clock at each
+(the stamps kept, at most MAX_DEFERRED): the intervals are timed from the stamps, in order and as
+each step's call would have timed them, when anything next reads or changes the costs (begin_step, a
+quiet step of another batch, as_dict), so a quiet step costs the clock read and one append. The engine's
 warm-up (compile-bound steps) teaches nothing: the drafter starts the costs afresh after it
 (SuffixProposer.drop_cached_responses).
 """
@@ -92,6 +95,9 @@ DRAFT_STALE_AFTER = 4096
 #: probe costs about `bar` plain steps more than a plain step, so probes that keep failing cost at
 #: most ~1 / PAUSE_PER_BAR of the paused tokens' time.
 PAUSE_PER_BAR = 16
+#: Quiet steps of one batch whose clock stamps wait to be timed (StepCostBar.quiet_step) before they
+#: are timed in one go: bounds the stamps kept on a long run of quiet steps.
+MAX_DEFERRED = 64
 
 
 class _BucketCosts:
@@ -202,11 +208,17 @@ class StepCostBar:
         self._plain_stale = False  # some bucket stored plain intervals since its plain cost (_settle_plain)
         self.num_intervals = 0  # timed intervals, all buckets (the clock of staleness)
         self._batch_size, self._bucket = 0, 0  # the last call's batch size and its bucket
+        self._quiet_ids: tuple | None = None  # the batch of the last call, when a quiet step (quiet_step)
+        self._stamps: list[float] = []  # clock stamps of its quiet steps after it, not timed yet
 
     def begin_step(self, seq_ids: list | None, samples: list[bool]) -> float:
         """The drafter's call of a step: the interval since the last call becomes a sample when the
         batch is steady; returns the bar for this step (also self.bar), sets self.explore."""
-        self._begin((tuple(seq_ids), all(samples)) if seq_ids else None, len(samples))
+        now = self.clock()
+        if self._quiet_ids is not None:
+            self._time_stamps()
+            self._quiet_ids = None
+        self._begin((tuple(seq_ids), all(samples)) if seq_ids else None, len(samples), now)
         if self._plain_stale:  # plain intervals stored since the last bar: their costs first
             self._settle_plain()
         bucket = self._bucket
@@ -220,14 +232,36 @@ class StepCostBar:
         (SuffixProposer.propose_step; seq_ids, a tuple: its sequences, all sampling): the interval
         timed and the exploration counted as begin_step does them; the bar is not worked out (bar
         and learned stay the last step's: nothing reads them before the next begin_step, which
-        counts every interval timed by then)."""
-        self._begin((seq_ids, True), len(seq_ids))
-        self._drafted = False
-
-    def _begin(self, key: tuple | None, batch_size: int) -> None:
-        """A step's call, less the bar: the interval since the last call timed (a steady batch),
-        the exploration counted (self.explore)."""
+        counts every interval timed by then). After a quiet step of the same batch only the clock is
+        read: the stamp is timed later (_time_stamps), and explore is not set (nothing reads it)."""
+        if seq_ids == self._quiet_ids:
+            stamps = self._stamps
+            stamps.append(self.clock())
+            if len(stamps) >= MAX_DEFERRED:
+                self._time_stamps()
+            return
         now = self.clock()
+        if self._quiet_ids is not None:
+            self._time_stamps()
+        self._begin((seq_ids, True), len(seq_ids), now)
+        self._drafted = False
+        self._quiet_ids = seq_ids
+
+    def _time_stamps(self) -> None:
+        """The intervals of the quiet steps whose stamps wait (quiet_step), timed in order as
+        each step's own call would have timed them."""
+        stamps = self._stamps
+        if not stamps:
+            return
+        self._stamps = []
+        key, batch_size = (self._quiet_ids, True), len(self._quiet_ids)
+        for now in stamps:
+            self._begin(key, batch_size, now)
+            self._drafted = False
+
+    def _begin(self, key: tuple | None, batch_size: int, now: float) -> None:
+        """A step's call at clock time now, less the bar: the interval since the last call timed (a
+        steady batch), the exploration counted (self.explore)."""
         if batch_size != self._batch_size:
             self._batch_size, self._bucket = batch_size, bucket_of(batch_size)
         bucket = self._bucket
@@ -356,6 +390,7 @@ class StepCostBar:
         share of the fallback's excess), the fallback step's, the plain step's; the drafting
         intervals per fallback (m), and the bar they give ("bar": the last call's batch's, from
         every interval timed so far: what begin_step returned, or would have after a quiet_step)."""
+        self._time_stamps()
         if self._plain_stale:
             self._settle_plain()
         sizes = sorted(self.buckets)

@@ -278,8 +278,40 @@ def test_quiet_step_times_as_begin_step_does(monkeypatch):
             lazy.end_step(True)
         else:  # a step the drafter knew to be plain: timed, no bar worked out
             lazy.quiet_step(tuple(ids))
-            assert lazy.explore == eager.explore
-        assert lazy.as_dict() == eager.as_dict()
+        assert lazy.as_dict() == eager.as_dict()  # (times the quiet steps' stamps that wait)
+        assert lazy.explore == eager.explore
         seconds = rng.uniform(1.5, 3.0) if drafted else rng.uniform(0.9, 1.1)
         for clock in clocks:
             clock.now += seconds
+
+
+def test_quiet_step_stamps_timed_late_give_the_same_costs(monkeypatch):
+    """Long runs of quiet steps (past MAX_DEFERRED) whose stamps wait: the costs, the bar and the
+    explorations read afterwards are those of timing every step at its call."""
+    import foretell.spec_decode.suffix_gate as gate_module
+
+    monkeypatch.setattr(gate_module, "DRAFT_STALE_AFTER", 300)
+    rng = random.Random(5)
+    clocks = FakeClock(), FakeClock()
+    eager, lazy = StepCostBar(4.0, clocks[0]), StepCostBar(4.0, clocks[1])
+    ids = [1]
+    for step in range(3000):
+        if rng.random() < 0.005:
+            ids = [rng.randrange(5) for _ in range(rng.choice([1, 2, 5]))]
+        wants_draft = rng.random() < (0.5 if step % 400 < 100 else 0.01)
+        bar = eager.begin_step(ids, [True] * len(ids))
+        drafted = wants_draft and not eager.explore
+        eager.end_step(drafted)
+        if drafted:
+            assert lazy.begin_step(ids, [True] * len(ids)) == bar
+            assert lazy.explore == eager.explore and lazy.learned == eager.learned
+            lazy.end_step(True)
+        else:
+            lazy.quiet_step(tuple(ids))
+        if rng.random() < 0.01:  # a stats read in the middle of a run
+            assert lazy.as_dict() == eager.as_dict()
+        seconds = rng.uniform(1.5, 3.0) if drafted else rng.uniform(0.9, 1.1)
+        for clock in clocks:
+            clock.now += seconds
+    assert lazy.as_dict() == eager.as_dict()
+    assert lazy.num_intervals == eager.num_intervals

@@ -79,13 +79,17 @@ def test_greedy_grammar_decode_equals_the_host_step(qwen3_checkpoint, monkeypatc
     with engine(qwen3_checkpoint, "off") as reference:
         expected = [generate(reference, PROMPTS, params) for params, _ in cases]
     with engine(qwen3_checkpoint, "on") as llm:
-        if graphed:
-            install_graph_runner(llm)
+        advances = []
+        if graphed:  # a queued grammar step's inputs move on the device (advance_decode), as a greedy step's
+            graphs = install_graph_runner(llm)
+            advance = graphs.advance_decode
+            monkeypatch.setattr(graphs, "advance_decode", lambda *args: (advances.append(1), advance(*args))[1])
         host_steps = record_host_steps(monkeypatch)
         kind = decode_kind(llm)
         assert kind.structured is not None
         got = [generate(llm, PROMPTS, params) for params, _ in cases]
         assert kind.num_grammar_steps > 0
+        assert (len(advances) > 0) == graphed
         assert host_steps and all(host_steps)  # the host step sampled prefill batches only
         pipeline = llm.engine.runner.pipeline
         assert pipeline.num_used > 0 and kind.num_grammar_steps > pipeline.num_used  # some from host inputs
