@@ -54,7 +54,9 @@ rejection sampling treats them as one-hot and sampling stays exact.
 The runner's padded host step calls propose_step, not propose: most steps draft for nobody (no
 sequence has a match, or the gate pauses every one), and such a quiet step is found from the
 scheduled sequences without a DraftBatch, observe or the bar (the same drafts and states; the gate
-still times it): a no-draft step's host work is then near a plain engine's.
+still times it): a no-draft step's host work is then near a plain engine's. Under a learned bar of k
+or more the steps of sequences with pending tokens or a match are quiet too while the gate is sure
+the bar stays there (StepCostBar.barred_step: no bar worked out, only the clock read).
 
 Per-sequence state is keyed by DraftBatch.seq_ids; forget(seq_id) (a finished, aborted or
 preempted sequence) moves its response (the tokens after its prompt) into the global cache;
@@ -318,13 +320,17 @@ class SuffixProposer(ProposerBase):
             if cost_bar is not None:  # the gate times the step as propose_drafts would (nothing drafted)
                 cost_bar.quiet_step(tuple(ids))
             return None
-        lookup, min_length = self._begin_gate(ids, [True] * len(ids))
-        if lookup:
-            return [d.token_ids for d in self._draft_batch(make_batch(), lookup, min_length)]
+        # The gate's bar surely k or more (no lookup, a quiet step for the gate: StepCostBar.barred_step)
+        barred = cost_bar is not None and cost_bar.barred_step(tuple(ids), self.k)
+        if not barred:
+            lookup, min_length = self._begin_gate(ids, [True] * len(ids))
+            if lookup:
+                return [d.token_ids for d in self._draft_batch(make_batch(), lookup, min_length)]
         for state, new in waiting:  # observe without a lookup: the tokens wait, unindexed
             if state.pending:
                 state.pending += new
             else:
                 state.pending = new[:]
-        cost_bar.end_step(False)
+        if not barred:
+            cost_bar.end_step(False)
         return None

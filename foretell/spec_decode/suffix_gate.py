@@ -61,7 +61,13 @@ interval), so a step the drafter knows to be plain whatever the bar (SuffixPropo
 quiet steps: nobody matches or every sequence is paused) is timed without them (quiet_step). A run of quiet steps of one batch only reads the clock at each
 (the stamps kept, at most MAX_DEFERRED): the intervals are timed from the stamps, in order and as
 each step's call would have timed them, when anything next reads or changes the costs (begin_step, a
-quiet step of another batch, as_dict), so a quiet step costs the clock read and one append. The engine's
+quiet step of another batch, as_dict), so a quiet step costs the clock read and one append. A step
+whose drafter looks up matches unless the bar forbids it (SuffixProposer.propose_step's sequences
+with a match or pending tokens, under a learned bar of k or more) is stamped the same way
+(barred_step) while the bar surely stays at or above min_bar: a run of plain intervals moves the
+plain cost's quantile by at most two places of the window each (one value in, one out), so the bar
+at the window's value that many places up is a floor (t_draft / t_plain falls as t_plain grows),
+and the run is also cut before a drafting cost goes stale. The engine's
 warm-up (compile-bound steps) teaches nothing: the drafter starts the costs afresh after it
 (SuffixProposer.drop_cached_responses).
 """
@@ -210,6 +216,8 @@ class StepCostBar:
         self._batch_size, self._bucket = 0, 0  # the last call's batch size and its bucket
         self._quiet_ids: tuple | None = None  # the batch of the last call, when a quiet step (quiet_step)
         self._stamps: list[float] = []  # clock stamps of its quiet steps after it, not timed yet
+        self._barred_left: int | None = None  # steps of that batch whose bar is surely >= _barred_min (None: not known)
+        self._barred_min = 0.0
 
     def begin_step(self, seq_ids: list | None, samples: list[bool]) -> float:
         """The drafter's call of a step: the interval since the last call becomes a sample when the
@@ -217,7 +225,7 @@ class StepCostBar:
         now = self.clock()
         if self._quiet_ids is not None:
             self._time_stamps()
-            self._quiet_ids = None
+            self._quiet_ids = self._barred_left = None
         self._begin((tuple(seq_ids), all(samples)) if seq_ids else None, len(samples), now)
         if self._plain_stale:  # plain intervals stored since the last bar: their costs first
             self._settle_plain()
@@ -235,17 +243,71 @@ class StepCostBar:
         counts every interval timed by then). After a quiet step of the same batch only the clock is
         read: the stamp is timed later (_time_stamps), and explore is not set (nothing reads it)."""
         if seq_ids == self._quiet_ids:
-            stamps = self._stamps
-            stamps.append(self.clock())
-            if len(stamps) >= MAX_DEFERRED:
-                self._time_stamps()
+            self._stamp()
             return
         now = self.clock()
         if self._quiet_ids is not None:
             self._time_stamps()
         self._begin((seq_ids, True), len(seq_ids), now)
         self._drafted = False
-        self._quiet_ids = seq_ids
+        self._quiet_ids, self._barred_left = seq_ids, None
+
+    def barred_step(self, seq_ids: tuple, min_bar: float) -> bool:
+        """For a step of seq_ids (a tuple, all sampling) that drafts nothing when its bar is at
+        least min_bar (> MIN_AUTO_BAR): True when that is sure without working the bar out (the
+        batch of the last call, which drafted nothing, and the plain intervals since cannot bring
+        the bar below min_bar: module docstring); the step is then stamped as a quiet step (the
+        caller ends it: no end_step). False: nothing done, the caller goes on with begin_step."""
+        if seq_ids != self._quiet_ids or min_bar <= MIN_AUTO_BAR:
+            return False
+        left = self._barred_left
+        if left is None or min_bar != self._barred_min:
+            left = self._barred_left = self._barred_run(min_bar)
+            self._barred_min = min_bar
+        if left <= 0:
+            return False
+        return self._stamp()
+
+    def _stamp(self) -> bool:
+        """A quiet step's clock stamp kept (_time_stamps times it later); one barred step fewer
+        left, none when the interval is not positive (a plain cost of 0 s leaves the bar
+        unknown). Returns True."""
+        now = self.clock()
+        stamps = self._stamps
+        left = self._barred_left
+        if left is not None:
+            self._barred_left = left - 1 if now > (stamps[-1] if stamps else self._last_time) else 0
+        stamps.append(now)
+        if len(stamps) >= MAX_DEFERRED:
+            self._time_stamps()
+        return True
+
+    def _barred_run(self, min_bar: float) -> int:
+        """How many plain intervals of the last call's batch from now on surely leave its bar at
+        or above min_bar, with no exploration and no drafting cost going stale (0: none sure)."""
+        self._time_stamps()
+        if self._plain_stale:
+            self._settle_plain()
+        if self._explore_left or self._drafted is not False or self._drafted_before or self._last_key is None:
+            return 0  # (a drafting call before the last: the next interval is a fallback)
+        costs = self.buckets.get(self._bucket)
+        if costs is None or costs.ratio is None or costs.draft_s is None or len(costs.plain) < MIN_COST_SAMPLES:
+            return 0
+        ordered = costs.plain.ordered
+        i = int((len(ordered) - 1) * COST_QUANTILE)
+        if ordered[0] <= 0:
+            return 0
+        run = min(MAX_DEFERRED, DRAFT_STALE_AFTER - (self.num_intervals - costs.drafted_at), (len(ordered) - 1 - i) // 2)
+        while run > 0 and self._bar_at(costs, ordered[i + 2 * run]) < min_bar:
+            run -= 1
+        return run
+
+    def _bar_at(self, costs: _BucketCosts, plain_s: float) -> float:
+        """The bar a bucket's own costs give with plain_s as its plain cost (_bar's clamp)."""
+        draft_s = costs.draft_s
+        if costs.fallback_s is not None:
+            draft_s = draft_s + (costs.fallback_s - plain_s) / costs.run_length
+        return min(max(draft_s / plain_s - 1.0, MIN_AUTO_BAR), self.max_bar)
 
     def _time_stamps(self) -> None:
         """The intervals of the quiet steps whose stamps wait (quiet_step), timed in order as
@@ -297,7 +359,10 @@ class StepCostBar:
 
     def end_step(self, drafted: bool) -> None:
         """What this step's call drafted (any sequence)."""
-        self._drafted = drafted if self._last_key is not None else None
+        key = self._last_key
+        self._drafted = drafted if key is not None else None
+        if not drafted and key is not None and key[1]:  # the batch's next quiet step only stamps the clock
+            self._quiet_ids, self._barred_left = key[0], None
 
     def _record(self, bucket: int, seconds: float, drafted: bool) -> None:
         if not drafted:

@@ -315,3 +315,40 @@ def test_quiet_step_stamps_timed_late_give_the_same_costs(monkeypatch):
             clock.now += seconds
     assert lazy.as_dict() == eager.as_dict()
     assert lazy.num_intervals == eager.num_intervals
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_barred_steps_only_where_the_bar_is_at_least_min_bar(monkeypatch, seed):
+    """StepCostBar.barred_step says yes only on steps whose bar (worked out at each step, as
+    begin_step does) is at least min_bar with no exploration; the costs and the bar read later
+    are those of timing every step at its call. Drafting steps near the bar's edge (their cost
+    drifts), plain steps of a noisy clock."""
+    import foretell.spec_decode.suffix_gate as gate_module
+
+    monkeypatch.setattr(gate_module, "DRAFT_STALE_AFTER", 500)
+    rng = random.Random(seed)
+    clocks = FakeClock(), FakeClock()
+    eager, lazy = StepCostBar(4.0, clocks[0]), StepCostBar(4.0, clocks[1])
+    ids, k, barred = [1], 3, 0
+    for step in range(4000):
+        if rng.random() < 0.003:
+            ids = [rng.randrange(5) for _ in range(rng.choice([1, 2]))]
+        bar = eager.begin_step(ids, [True] * len(ids))
+        lookup = not eager.explore and not (eager.learned and bar >= k)
+        drafted = lookup and rng.random() < 0.5
+        eager.end_step(drafted)
+        if lazy.barred_step(tuple(ids), k):
+            barred += 1
+            assert not lookup
+        else:
+            assert lazy.begin_step(ids, [True] * len(ids)) == bar
+            assert lazy.explore == eager.explore and lazy.learned == eager.learned
+            lazy.end_step(drafted)
+        if rng.random() < 0.01:
+            assert lazy.as_dict() == eager.as_dict()
+        cost = 1.0 + 4.2 * (1 + 0.3 * ((step // 700) % 2))  # drafting near and far over the bar
+        seconds = rng.uniform(cost - 0.4, cost + 0.4) if drafted else rng.uniform(0.8, 1.2)
+        for clock in clocks:
+            clock.now += seconds
+    assert lazy.as_dict() == eager.as_dict()
+    assert barred > 500
