@@ -9,7 +9,7 @@ engine took many times a steady prompt's time, compiling inside the first reques
 variants (powers of two and their neighbours, up to the chunked-prefill budget), one at a time and
 then together, each for a few verify or decode steps, through the scheduler, runner and drafter
 exactly as requests run, and once more over the prefix cache (prefills of a query after a cached
-context). Afterwards nothing of it remains: counters, the prefix cache, the suffix drafter's cache
+context), then short tails after one long cached prefix (cached_tail_prompts). Afterwards nothing of it remains: counters, the prefix cache, the suffix drafter's cache
 of responses and the KV blocks are as they were.
 """
 
@@ -40,6 +40,8 @@ def warm_up(engine) -> float:
         # longer than the query) are other kernel variants, met in serving by repeated prompts.
         for request_id, tokens in prompts.items():
             _run(engine, {f"{request_id}-cached": tokens}, params)
+        for request_id, tokens in cached_tail_prompts(longest, engine.facts.cache_plan.block_size, vocab).items():
+            _run(engine, {request_id: tokens}, params)  # one at a time: each tail after the cached base
     _run(engine, {f"{r}-batched": t for r, t in prompts.items()}, params)  # mixed batches
     if engine.config.speculative is not None and engine.config.speculative.adaptive:
         # Adaptive speculation's policy starts after the warm-up, which drafts K every step: every k
@@ -52,6 +54,29 @@ def warm_up(engine) -> float:
         engine.scheduler.draft_length = None
     leave_no_trace(engine)
     return time.perf_counter() - start
+
+
+# The longest cached prefix the tails follow: long enough that a one-row-block query over it splits
+# its context (triton_paged._choose_num_splits), short enough to cost little.
+TAIL_BASE_TOKENS = 512
+MAX_TAIL = 16  # the one-launch RoPE + attention's largest query block (triton_rope_paged.fits)
+
+
+def cached_tail_prompts(longest: int, block_size: int, vocab: int) -> dict[str, list[int]]:
+    """A base prompt of whole KV blocks, then the base followed by 1..MAX_TAIL more tokens: run in
+    this order, each of the latter prefills only its tail over the cached base. Those are the
+    one-launch attention's query blocks with a split context, which repeated prompts that differ
+    in their last tokens meet in serving (a chat's next turn, a template with another question)
+    and the cached pass above, whose prompts are short where their tails are long, does not.
+    Empty when the engine holds no base of at least two blocks and a tail."""
+    base_len = min(TAIL_BASE_TOKENS, longest - MAX_TAIL) // block_size * block_size
+    if base_len < 2 * block_size:
+        return {}
+    base = [(11 * i + 5) % vocab for i in range(base_len)]
+    prompts = {"warm-up-tail-base": base}
+    for tail in range(1, MAX_TAIL + 1):
+        prompts[f"warm-up-tail-{tail}"] = base + [(13 * i + 2) % vocab for i in range(tail)]
+    return prompts
 
 
 class EveryDraftCount:

@@ -58,6 +58,43 @@ def test_adaptive_warm_up_runs_every_draft_count(qwen3_checkpoint, monkeypatch):
     assert llm.engine.scheduler.draft_length is llm.engine.adaptive  # the real policy after the warm-up
 
 
+def test_warm_up_prefills_every_short_tail_over_a_cached_prefix(qwen3_checkpoint, monkeypatch):
+    """After a base prompt of whole blocks, the base plus 1..16 tokens: each one's prefill is just
+    its tail over the cached base (the one-launch attention's query blocks with a split context,
+    which the short cached prompts do not reach); nothing of it is left afterwards."""
+    from foretell.engine.warm_up import MAX_TAIL, cached_tail_prompts
+    from foretell.runner.model_runner import ModelRunner
+
+    prefills = {}  # request id -> (tokens cached before its first step, tokens that step computes)
+    execute = ModelRunner.execute
+
+    def recording(runner, sched):
+        for item in sched.scheduled:
+            seq = item.seq
+            if seq.request_id.startswith("warm-up-tail-") and seq.request_id not in prefills:
+                prefills[seq.request_id] = (seq.num_computed_tokens, item.num_new_tokens)
+        return execute(runner, sched)
+
+    monkeypatch.setattr(ModelRunner, "execute", recording)
+    llm = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=256, warm_up="on", max_num_batched_tokens=512)
+    block_size = llm.engine.facts.cache_plan.block_size
+    base_len = len(cached_tail_prompts(llm.engine.max_model_len - 16, block_size, 100)["warm-up-tail-base"])
+    assert base_len >= 2 * block_size and base_len % block_size == 0
+    assert prefills.pop("warm-up-tail-base")[0] == 0
+    assert prefills == {f"warm-up-tail-{n}": (base_len, n) for n in range(1, MAX_TAIL + 1)}
+    stats = llm.get_stats()
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"] and not llm.engine.block_manager.cached
+
+
+def test_cached_tail_prompts_need_room_for_a_base_and_a_tail():
+    from foretell.engine.warm_up import cached_tail_prompts
+
+    assert cached_tail_prompts(47, 16, 100) == {}  # 47 - 16 = 31: less than two blocks
+    prompts = cached_tail_prompts(48, 16, 100)
+    assert len(prompts["warm-up-tail-base"]) == 32 and len(prompts) == 17
+    assert all(0 <= t < 100 for tokens in prompts.values() for t in tokens)
+
+
 def test_warm_up_is_off_by_default_on_cpu_and_checks_its_value(qwen3_checkpoint):
     assert LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=64).engine.warm_up_seconds == 0.0
     with pytest.raises(ValueError, match="warm_up must be auto, on or off"):

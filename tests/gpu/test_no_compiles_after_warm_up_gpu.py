@@ -80,3 +80,12 @@ def test_suffix_drafting_compiles_nothing_after_warm_up():
 
     spec = {"method": "suffix", "num_speculative_tokens": 16}
     assert _compiles_after_warm_up(spec, [p.text for p in repetitive_prompts(8)], batch=False) == []
+
+
+def test_plain_decoding_over_repeated_prompts_compiles_nothing_after_warm_up():
+    """The second pass over the repetitive set's prompts prefills short tails over long cached
+    prefixes (the one-launch attention with a query block of 9..16 tokens and its context split),
+    which the warm-up's own cached prompts did not reach until its cached-tail requests."""
+    from foretell.bench.repetitive import repetitive_prompts
+
+    assert _compiles_after_warm_up(None, [p.text for p in repetitive_prompts(8)], batch=False) == []
