@@ -5,11 +5,13 @@ plain steps are bound by the host, whose speed drifts within a call and differs 
 machines, so one ordered pair of runs misleads. Here both engines (the default family's target;
 suffix at k drafts, gate "auto") are built first, warmed on one prompt set, then each repeat gives
 both the same fresh set of GSM8K test prompts (the suffix engine's cross-request cache never holds
-a re-asked prompt's answer), plain first then suffix, and prints tok/s and the gate's learned step
-costs (get_stats()["suffix_gate"]).
+a re-asked prompt's answer) and prints tok/s and the gate's learned step costs
+(get_stats()["suffix_gate"]). The two engines take turns request by request, each going first on
+every other prompt, so a drift of the host's speed lands on both (--whole-sets: plain's whole set,
+then suffix's); the last line pools every repeat's tokens and seconds.
 
     python scripts/suffix_side_by_side.py [--device cuda] [--repeats 3] [--k 3] [--num-prompts 16]
-        [--max-tokens 128] [--output-json OUT.json]
+        [--max-tokens 128] [--whole-sets] [--output-json OUT.json]
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -34,6 +37,7 @@ def main() -> int:
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--whole-sets", action="store_true", help="each engine's whole set in turn")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
     if args.repeats < 1 or args.num_prompts < 1:
@@ -49,18 +53,30 @@ def main() -> int:
     for llm in engines.values():
         llm.generate(prompts[:n], params, use_tqdm=False)  # the warm-up set
     rows = []
+    pooled = {name: [0, 0.0] for name in engines}  # tokens, seconds over every repeat
     for rep in range(args.repeats):
         batch = prompts[n * (rep + 1): n * (rep + 2)]
-        for name, llm in engines.items():
-            start = time.perf_counter()
-            outputs = llm.generate(batch, params, use_tqdm=False)
-            wall = time.perf_counter() - start
-            tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-            rows.append({"repeat": rep, "method": name, "tok_s": round(tokens / wall, 1),
-                         "gate": llm.get_stats().get("suffix_gate")})
+        turns = [(batch, list(engines))] if args.whole_sets else [
+            ([prompt], list(engines)[:: 1 if i % 2 == 0 else -1]) for i, prompt in enumerate(batch)]
+        counts = {name: [0, 0.0] for name in engines}
+        for turn_prompts, order in turns:
+            for name in order:
+                start = time.perf_counter()
+                outputs = engines[name].generate(turn_prompts, params, use_tqdm=False)
+                counts[name][1] += time.perf_counter() - start
+                counts[name][0] += sum(len(o.outputs[0].token_ids) for o in outputs)
+        for name, (tokens, seconds) in counts.items():
+            pooled[name][0] += tokens
+            pooled[name][1] += seconds
+            rows.append({"repeat": rep, "method": name, "tok_s": round(tokens / seconds, 1),
+                         "gate": engines[name].get_stats().get("suffix_gate")})
         plain, suffix = rows[-2]["tok_s"], rows[-1]["tok_s"]
         print(f"repeat {rep}: plain {plain:.1f} tok/s, suffix {suffix:.1f} ({suffix / plain:.2f}x); "
               f"gate {json.dumps(rows[-1]['gate'])}", flush=True)
+    ratios = [rows[i + 1]["tok_s"] / rows[i]["tok_s"] for i in range(0, len(rows), 2)]
+    plain_tok_s, suffix_tok_s = (pooled[name][0] / pooled[name][1] for name in ("none", "suffix"))
+    print(f"pooled: plain {plain_tok_s:.1f} tok/s, suffix {suffix_tok_s:.1f} ({suffix_tok_s / plain_tok_s:.3f}x); "
+          f"median of repeats {statistics.median(ratios):.3f}x", flush=True)
     for llm in engines.values():
         llm.close()
     if args.output_json:
