@@ -4,14 +4,14 @@
 plain steps are bound by the host, whose speed drifts within a call and differs 2x between lent
 machines, so one ordered pair of runs misleads. Here both engines (the default family's target;
 suffix at k drafts, gate "auto") are built first, warmed on one prompt set, then each repeat gives
-both the same fresh set of GSM8K test prompts (the suffix engine's cross-request cache never holds
+both the same fresh set of prompts (GSM8K test questions by default) (the suffix engine's cross-request cache never holds
 a re-asked prompt's answer) and prints tok/s and the gate's learned step costs
 (get_stats()["suffix_gate"]). The two engines take turns request by request, each going first on
 every other prompt, so a drift of the host's speed lands on both (--whole-sets: plain's whole set,
 then suffix's); the last line pools every repeat's tokens and seconds.
 
     python scripts/suffix_side_by_side.py [--device cuda] [--repeats 3] [--k 3] [--num-prompts 16]
-        [--max-tokens 128] [--whole-sets] [--output-json OUT.json]
+        [--max-tokens 128] [--dataset gsm8k] [--ignore-eos] [--whole-sets] [--output-json OUT.json]
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ def main() -> int:
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--dataset", default="gsm8k", help="a prompt set of foretell bench (gsm8k, repetitive)")
+    parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--whole-sets", action="store_true", help="each engine's whole set in turn")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
@@ -44,8 +46,8 @@ def main() -> int:
         parser.error("--repeats and --num-prompts must be >= 1")
     n = args.num_prompts
     prompts = [p.text if p.text is not None else {"prompt_token_ids": p.token_ids}
-               for p in load_prompts("gsm8k", n * (args.repeats + 1))]
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+               for p in load_prompts(args.dataset, n * (args.repeats + 1))]
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
     memory = {"kv_cache_memory_bytes": 2 << 30}  # two engines share the device
     specs = {"none": None, "suffix": {"method": "suffix", "num_speculative_tokens": args.k}}
     engines = {name: LLM(default_target("qwen3"), speculative_config=spec, device=args.device, max_num_seqs=1,
