@@ -4,7 +4,8 @@ masks uploaded once and applied after it. fp32, the fixtures: greedy and seeded-
 under a JSON schema, a regex, a choice and a grammar equals the host step's (the same engine with
 async_scheduling off) token for token and matches its constraint; a grammar decode step reads the
 device at most twice (its tokens, and the mask buffer's last copy event) and replays the
-target's graph for its forward (as the host step does). Prints eager ops, syncs, the grammar decode
+target's graph for its forward (as the host step does; queued ahead, with its inputs moved on the
+device). Prints eager ops, syncs, the grammar decode
 step's mean time (synchronised, so no overlap) and each form's wall time over the whole set (with
 overlap)."""
 
@@ -88,12 +89,14 @@ def test_grammar_decode_on_the_graphs_equals_the_host_step(qwen3_checkpoint, tem
         run(llm, temperature)
         walls["DecodeAhead"] = timed(run, llm, temperature)
         before, replays = kind.num_grammar_steps, []
-        replay = kind.graphs.run
-        kind.graphs.run = lambda *args: (replays.append(args), replay(*args))[1]  # counts the forward's replays
+        replay, advance = kind.graphs.run, kind.graphs.advance_decode
+        # The forward's replays: from host inputs (run) or, queued ahead, inputs moved on the device.
+        kind.graphs.run = lambda *args: (replays.append(args), replay(*args))[1]
+        kind.graphs.advance_decode = lambda *args: (replays.append(args), advance(*args))[1]
         try:
             got = run(llm, temperature, device_steps)
         finally:
-            del kind.graphs.run
+            del kind.graphs.run, kind.graphs.advance_decode
         assert kind.num_grammar_steps > before
         assert len(replays) >= kind.num_grammar_steps - before  # every grammar decode step replayed the forward
     assert got == expected
