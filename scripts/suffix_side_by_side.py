@@ -11,7 +11,8 @@ every other prompt, so a drift of the host's speed lands on both (--whole-sets: 
 then suffix's); the last line pools every repeat's tokens and seconds.
 
     python scripts/suffix_side_by_side.py [--device cuda] [--repeats 3] [--k 3] [--num-prompts 16]
-        [--max-tokens 128] [--dataset gsm8k] [--ignore-eos] [--whole-sets] [--output-json OUT.json]
+        [--max-tokens 128] [--dataset gsm8k] [--ignore-eos] [--min-accepted auto] [--whole-sets]
+        [--output-json OUT.json]
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--dataset", default="gsm8k", help="a prompt set of foretell bench (gsm8k, repetitive)")
     parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--min-accepted", default="auto",
+                        help="suffix_decoding_min_accepted_tokens: the gate's bar (auto: learned), or a number")
     parser.add_argument("--whole-sets", action="store_true", help="each engine's whole set in turn")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
@@ -49,7 +52,9 @@ def main() -> int:
                for p in load_prompts(args.dataset, n * (args.repeats + 1))]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
     memory = {"kv_cache_memory_bytes": 2 << 30}  # two engines share the device
-    specs = {"none": None, "suffix": {"method": "suffix", "num_speculative_tokens": args.k}}
+    bar = args.min_accepted if args.min_accepted == "auto" else float(args.min_accepted)
+    specs = {"none": None, "suffix": {"method": "suffix", "num_speculative_tokens": args.k,
+                                      "suffix_decoding_min_accepted_tokens": bar}}
     engines = {name: LLM(default_target("qwen3"), speculative_config=spec, device=args.device, max_num_seqs=1,
                          log_stats_interval_s=0, **memory) for name, spec in specs.items()}
     for llm in engines.values():
