@@ -4,11 +4,11 @@
 plain steps are bound by the host, whose speed drifts within a call and differs 2x between lent
 machines, so one ordered pair of runs misleads. Here both engines (the default family's target;
 suffix at k drafts, gate "auto") are built first, warmed on one prompt set, then each repeat gives
-both the same fresh set of prompts (GSM8K test questions by default) (the suffix engine's cross-request cache never holds
-a re-asked prompt's answer) and prints tok/s and the gate's learned step costs
-(get_stats()["suffix_gate"]). The two engines take turns request by request, each going first on
-every other prompt, so a drift of the host's speed lands on both (--whole-sets: plain's whole set,
-then suffix's); the last line pools every repeat's tokens and seconds.
+both the same fresh set of prompts (GSM8K test questions by default; the suffix engine's
+cross-request cache never holds a re-asked prompt's answer) and prints tok/s and the gate's learned
+step costs (get_stats()["suffix_gate"]). The two engines take turns request by request, each going
+first on every other prompt, so a drift of the host's speed lands on both (--whole-sets: plain's
+whole set, then suffix's); the last line pools every repeat's tokens and seconds.
 
     python scripts/suffix_side_by_side.py [--device cuda] [--repeats 3] [--k 3] [--num-prompts 16]
         [--max-tokens 128] [--dataset gsm8k] [--ignore-eos] [--min-accepted auto] [--whole-sets]

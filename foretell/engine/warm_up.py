@@ -9,8 +9,9 @@ engine took many times a steady prompt's time, compiling inside the first reques
 variants (powers of two and their neighbours, up to the chunked-prefill budget), one at a time and
 then together, each for a few verify or decode steps, through the scheduler, runner and drafter
 exactly as requests run, and once more over the prefix cache (prefills of a query after a cached
-context), then short tails after one long cached prefix (cached_tail_prompts). Afterwards nothing of it remains: counters, the prefix cache, the suffix drafter's cache
-of responses and the KV blocks are as they were.
+context), then short tails after one long cached prefix (cached_tail_prompts). Afterwards nothing of
+it remains: counters, the prefix cache, the suffix drafter's cache of responses and the KV blocks
+are as they were.
 """
 
 from __future__ import annotations

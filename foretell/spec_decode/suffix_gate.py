@@ -37,13 +37,14 @@ than 2 + a plain steps, D + F < (2 + a) P, i.e. a > (D + F - P) / P - 1.
 Per batch-size bucket (powers of two) the low COST_QUANTILE-quantile of the last COST_WINDOW
 intervals of each kind is its D, F and P (the same statistic for each, so that their ratio is one of
 like statistics). Why a low quantile of many: the plain step is the cheapest and a host's slow steps
-(a collection, another process: the same time added to any step) weigh most on it; a median of a
-few let a few slow plain steps in a row raise P, lower the bar and let losing drafts through. m is
-the mean run length over the last COST_WINDOW runs that ended in a timed fallback (a run counts from its chain's first call when the batch changed under it: the step after
-a batch change is not queued ahead anyway). Until a bucket has timed MIN_COST_SAMPLES fallbacks
-its t_draft is D alone. The bar is t_draft / P - 1, clamped to [MIN_AUTO_BAR, k + 1] (k + 1: no
-draft of at most k tokens can pay), taken from the nearest bucket that has timed D and P (ties: the
-smaller), AUTO_PRIOR_BAR before any has.
+(a collection, another process: the same time added to any step) weigh most on it; a median of a few
+let a few slow plain steps in a row raise P, lower the bar and let losing drafts through. m is the
+mean run length over the last COST_WINDOW runs that ended in a timed fallback (a run counts from its
+chain's first call when the batch changed under it: the step after a batch change is not queued
+ahead anyway). Until a bucket has timed MIN_COST_SAMPLES fallbacks its t_draft is D alone. The bar
+is t_draft / P - 1, clamped to [MIN_AUTO_BAR, k + 1] (k + 1: no draft of at most k tokens can pay),
+taken from the nearest bucket that has timed D and P (ties: the smaller), AUTO_PRIOR_BAR before any
+has.
 
 A workload where every sequence drafts every step never shows a plain step: once a bucket has timed
 MIN_COST_SAMPLES drafting steps and lacks plain ones, the drafter drafts nothing for EXPLORE_STEPS
@@ -51,25 +52,25 @@ steps (drafts change speed only, never tokens: the first of them times a fallbac
 steps), and tries again after EXPLORE_INTERVAL more drafting steps if the batch changed in between;
 a bucket that knows its plain cost but has timed fewer than MIN_COST_SAMPLES fallbacks drafts
 nothing for one step after a drafting one (a fallback to time), at most once per EXPLORE_INTERVAL
-drafting steps. The other way round, a bar that stops drafting (a bar of k or more) would never
-time a drafting step again: a bucket's drafting cost older than DRAFT_STALE_AFTER timed intervals
-is dropped (its fallbacks too), so the prior (or a nearer bucket) drafts for a few steps and
-times it afresh (a slow first measurement, a machine that got faster). A plain interval is only
-stored when timed: its bucket's quantile, the ratio and the bar are worked out when a bar is next read
+drafting steps. The other way round, a bar that stops drafting (a bar of k or more) would never time
+a drafting step again: a bucket's drafting cost older than DRAFT_STALE_AFTER timed intervals is
+dropped (its fallbacks too), so the prior (or a nearer bucket) drafts for a few steps and times it
+afresh (a slow first measurement, a machine that got faster). A plain interval is only stored when
+timed: its bucket's quantile, the ratio and the bar are worked out when a bar is next read
 (begin_step, as_dict), from every interval stored by then (the same bar as working them out at each
 interval), so a step the drafter knows to be plain whatever the bar (SuffixProposer.propose_step's
-quiet steps: nobody matches or every sequence is paused) is timed without them (quiet_step). A run of quiet steps of one batch only reads the clock at each
-(the stamps kept, at most MAX_DEFERRED): the intervals are timed from the stamps, in order and as
-each step's call would have timed them, when anything next reads or changes the costs (begin_step, a
-quiet step of another batch, as_dict), so a quiet step costs the clock read and one append. A step
-whose drafter looks up matches unless the bar forbids it (SuffixProposer.propose_step's sequences
-with a match or pending tokens, under a learned bar of k or more) is stamped the same way
-(barred_step) while the bar surely stays at or above min_bar: a run of plain intervals moves the
-plain cost's quantile by at most two places of the window each (one value in, one out), so the bar
-at the window's value that many places up is a floor (t_draft / t_plain falls as t_plain grows),
-and the run is also cut before a drafting cost goes stale. The engine's
-warm-up (compile-bound steps) teaches nothing: the drafter starts the costs afresh after it
-(SuffixProposer.drop_cached_responses).
+quiet steps: nobody matches or every sequence is paused) is timed without them (quiet_step). A run
+of quiet steps of one batch only reads the clock at each (the stamps kept, at most MAX_DEFERRED):
+the intervals are timed from the stamps, in order and as each step's call would have timed them,
+when anything next reads or changes the costs (begin_step, a quiet step of another batch, as_dict),
+so a quiet step costs the clock read and one append. A step whose drafter looks up matches unless
+the bar forbids it (SuffixProposer.propose_step's sequences with a match or pending tokens, under a
+learned bar of k or more) is stamped the same way (barred_step) while the bar surely stays at or
+above min_bar: a run of plain intervals moves the plain cost's quantile by at most two places of the
+window each (one value in, one out), so the bar at the window's value that many places up is a floor
+(t_draft / t_plain falls as t_plain grows), and the run is also cut before a drafting cost goes
+stale. The engine's warm-up (compile-bound steps) teaches nothing: the drafter starts the costs
+afresh after it (SuffixProposer.drop_cached_responses).
 """
 
 from __future__ import annotations
@@ -216,7 +217,8 @@ class StepCostBar:
         self._batch_size, self._bucket = 0, 0  # the last call's batch size and its bucket
         self._quiet_ids: tuple | None = None  # the batch of the last call, when a quiet step (quiet_step)
         self._stamps: list[float] = []  # clock stamps of its quiet steps after it, not timed yet
-        self._barred_left: int | None = None  # steps of that batch whose bar is surely >= _barred_min (None: not known)
+        # Steps of that batch whose bar is surely >= _barred_min (None: not known yet).
+        self._barred_left: int | None = None
         self._barred_min = 0.0
 
     def begin_step(self, seq_ids: list | None, samples: list[bool]) -> float:
@@ -297,7 +299,8 @@ class StepCostBar:
         i = int((len(ordered) - 1) * COST_QUANTILE)
         if ordered[0] <= 0:
             return 0
-        run = min(MAX_DEFERRED, DRAFT_STALE_AFTER - (self.num_intervals - costs.drafted_at), (len(ordered) - 1 - i) // 2)
+        fresh_left = DRAFT_STALE_AFTER - (self.num_intervals - costs.drafted_at)  # before the drafting cost goes stale
+        run = min(MAX_DEFERRED, fresh_left, (len(ordered) - 1 - i) // 2)
         while run > 0 and self._bar_at(costs, ordered[i + 2 * run]) < min_bar:
             run -= 1
         return run
