@@ -257,18 +257,24 @@ def test_append_if_unmatched_matches_extend_and_a_lookup(key_length):
                 plain.tokens, plain.prev, plain.head, plain.tail_key)
 
 
-def test_quiet_step_times_as_begin_step_does(monkeypatch):
+def drive_eager_and_lazy(monkeypatch, stale_after: int, seed: int, steps: int, change_rate: float,
+                         draft_rate, read_rate: float) -> tuple[StepCostBar, StepCostBar]:
+    """One random run of steps through two gates on their own clocks: `eager` works the bar out at
+    every call (begin_step), `lazy` only at drafting calls, a plain step being a quiet_step (stamped,
+    timed later). The lazy gate's bar, explore and learned are checked at every drafting call, its
+    as_dict (which times the waiting stamps) at a read_rate share of the steps, and with a read at
+    every step its explore too."""
     import foretell.spec_decode.suffix_gate as gate_module
 
-    monkeypatch.setattr(gate_module, "DRAFT_STALE_AFTER", 40)  # staleness reached within the run
-    rng = random.Random(3)
+    monkeypatch.setattr(gate_module, "DRAFT_STALE_AFTER", stale_after)  # staleness reached within the run
+    rng = random.Random(seed)
     clocks = FakeClock(), FakeClock()
     eager, lazy = StepCostBar(4.0, clocks[0]), StepCostBar(4.0, clocks[1])
     ids = [1]
-    for step in range(600):
-        if rng.random() < 0.02:
+    for step in range(steps):
+        if rng.random() < change_rate:
             ids = [rng.randrange(5) for _ in range(rng.choice([1, 2, 5]))]  # the batch changes
-        wants_draft = rng.random() < 0.3
+        wants_draft = rng.random() < draft_rate(step)
         bar = eager.begin_step(ids, [True] * len(ids))
         drafted = wants_draft and not eager.explore
         eager.end_step(drafted)
@@ -278,41 +284,24 @@ def test_quiet_step_times_as_begin_step_does(monkeypatch):
             lazy.end_step(True)
         else:  # a step the drafter knew to be plain: timed, no bar worked out
             lazy.quiet_step(tuple(ids))
-        assert lazy.as_dict() == eager.as_dict()  # (times the quiet steps' stamps that wait)
-        assert lazy.explore == eager.explore
+        if rng.random() < read_rate:
+            assert lazy.as_dict() == eager.as_dict()
+            assert lazy.explore == eager.explore or read_rate < 1.0  # (set again by the timing read)
         seconds = rng.uniform(1.5, 3.0) if drafted else rng.uniform(0.9, 1.1)
         for clock in clocks:
             clock.now += seconds
+    return eager, lazy
+
+
+def test_quiet_step_times_as_begin_step_does(monkeypatch):
+    drive_eager_and_lazy(monkeypatch, 40, 3, 600, 0.02, lambda step: 0.3, read_rate=1.0)
 
 
 def test_quiet_step_stamps_timed_late_give_the_same_costs(monkeypatch):
     """Long runs of quiet steps (past MAX_DEFERRED) whose stamps wait: the costs, the bar and the
     explorations read afterwards are those of timing every step at its call."""
-    import foretell.spec_decode.suffix_gate as gate_module
-
-    monkeypatch.setattr(gate_module, "DRAFT_STALE_AFTER", 300)
-    rng = random.Random(5)
-    clocks = FakeClock(), FakeClock()
-    eager, lazy = StepCostBar(4.0, clocks[0]), StepCostBar(4.0, clocks[1])
-    ids = [1]
-    for step in range(3000):
-        if rng.random() < 0.005:
-            ids = [rng.randrange(5) for _ in range(rng.choice([1, 2, 5]))]
-        wants_draft = rng.random() < (0.5 if step % 400 < 100 else 0.01)
-        bar = eager.begin_step(ids, [True] * len(ids))
-        drafted = wants_draft and not eager.explore
-        eager.end_step(drafted)
-        if drafted:
-            assert lazy.begin_step(ids, [True] * len(ids)) == bar
-            assert lazy.explore == eager.explore and lazy.learned == eager.learned
-            lazy.end_step(True)
-        else:
-            lazy.quiet_step(tuple(ids))
-        if rng.random() < 0.01:  # a stats read in the middle of a run
-            assert lazy.as_dict() == eager.as_dict()
-        seconds = rng.uniform(1.5, 3.0) if drafted else rng.uniform(0.9, 1.1)
-        for clock in clocks:
-            clock.now += seconds
+    eager, lazy = drive_eager_and_lazy(monkeypatch, 300, 5, 3000, 0.005,
+                                       lambda step: 0.5 if step % 400 < 100 else 0.01, read_rate=0.01)
     assert lazy.as_dict() == eager.as_dict()
     assert lazy.num_intervals == eager.num_intervals
 
