@@ -13,6 +13,8 @@ pipeline: every step the host step's). In fp32, tokens equal it token for token:
 - a batch mixing grammar rows with plain ones (greedy and sampled, a grammar that ends while the
   plain rows go on: the plain rows queue ahead again once it is gone), more sequences than the mask
   buffer first holds (it grows).
+- a grammar request aborted mid-run, while the step after it is queued ahead: the others' tokens
+  equal the host step's and every KV block comes back.
 Counts: DecodeAhead launched the grammar steps (num_grammar_steps), the host step sampled prefill
 batches only, and grammar steps queued ahead were taken (the pipeline's num_used; a queued forward
 is dropped when its batch changes: a sequence ends, rows join). plain_decode() keeps grammar rows
@@ -150,6 +152,46 @@ def test_mixed_batch_with_a_grammar_that_ends_equals_the_host_step(qwen3_checkpo
             assert reason == "stop" and len(tokens) < p.max_tokens
         else:
             assert reason == "length" and len(tokens) == p.max_tokens
+
+
+def run_with_an_abort(llm: LLM, prompts: list[str], params: list[SamplingParams], abort_id: str,
+                      abort_after: int) -> dict[str, tuple[int, ...]]:
+    """The requests run step by step through the engine, `abort_id` aborted after abort_after
+    steps; each finished request's tokens."""
+    engine = llm.engine
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", prompt, p)
+    done, steps = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = tuple(out.outputs[0].token_ids)
+        steps += 1
+        if steps == abort_after:
+            engine.abort_request(abort_id)
+    return done
+
+
+@pytest.mark.parametrize("graphed", [False, True])
+def test_an_aborted_grammar_request_leaves_the_others_exact_and_no_blocks(qwen3_checkpoint, graphed):
+    """A grammar request aborted while the step after it is queued ahead as a forward: that step is
+    dropped (the batch changed), the other grammar and plain rows go on with the host step's tokens
+    and every KV block comes back."""
+    regex = {"regex": r"(the|cat|[0-9]{1,2})( (the|book|cat)){1,3}\."}
+    params = [SamplingParams(temperature=0, max_tokens=30, structured_outputs=regex),
+              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=30, structured_outputs={"regex": r"[a-z ]{20,40}"})]
+    prompts = PROMPTS[:3]
+    with engine(qwen3_checkpoint, "off") as reference:
+        expected = run_with_an_abort(reference, prompts, params, "r2", abort_after=4)
+    with engine(qwen3_checkpoint, "on") as llm:
+        if graphed:
+            install_graph_runner(llm)
+        got = run_with_an_abort(llm, prompts, params, "r2", abort_after=4)
+        assert llm.engine.runner.pipeline.num_used > 0
+        stats = llm.get_stats()
+        assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+    assert got == expected and set(got) == {"r0", "r1"}
 
 
 class Item:
