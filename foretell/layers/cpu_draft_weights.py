@@ -4,9 +4,11 @@ default family's draft loop on a laptop-class CPU).
 A draft head's step at batch 1 is a chain of one-row matmuls, each reading its whole weight, and
 small ops between them that find the caches emptied by that read. fbgemm's fp16 GEMM
 (torch.ops.quantized.linear_dynamic_fp16) takes a float32 input, reads weights rounded to fp16
-once at load (half float32's bytes), accumulates in float32 and returns float32; each output row
-is computed alone (its bits do not depend on the rows beside it, as a verify's or a tree's
-batched rows need). On the 2-core Xeon of the CPU bar it costs less than MKL's float32 product
+once at load (half float32's bytes), accumulates in float32 and returns float32. Whether each
+output row is computed alone (its bits independent of the rows beside it) depends on the CPU:
+on the 2-core Xeon of the CPU bar it is; on an EPYC with AVX2 and no AVX-512 a row's last bits
+change with the number of rows (the kernel's row blocks). rows_computed_alone() probes this CPU. That changes drafts only, never the output: the target
+verifies them, and the batch-invariant mode never packs. On the 2-core Xeon of the CPU bar it costs less than MKL's float32 product
 for the head's wide shapes and leaves more of the caches to the ops after it (the figures are in
 the lead's perf log). Bfloat16 checkpoints' values (the default family's) are held exactly in
 fp16, except the few below fp16's normal range.
@@ -49,6 +51,21 @@ def packed_gemm_available() -> bool:
     except (RuntimeError, AttributeError, NotImplementedError):
         return False
     return bool(torch.equal(out, x @ weight.t()))
+
+
+@functools.lru_cache(maxsize=1)
+def rows_computed_alone() -> bool:
+    """Whether fbgemm's fp16 product on this CPU gives every row the same bits at any number of
+    rows (1..9 rows against 9 at once, K = 256: covers a micro-kernel's row blocks and its
+    remainders); False without fbgemm."""
+    if not packed_gemm_available():
+        return False
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(128, 256, generator=generator) * 0.05  # [N, K]
+    x = torch.randn(9, 256, generator=generator)  # [9, K]
+    gemm = PackedDraftGemm(weight)
+    together = gemm(x, weight)  # [9, N]
+    return all(torch.equal(gemm(x[:m].contiguous(), weight), together[:m]) for m in range(1, 9))
 
 
 def draft_weight_format() -> str:

@@ -1,6 +1,6 @@
 """An EAGLE3 head's CPU weights packed in fp16 for fbgemm (layers/cpu_draft_weights.py): the packed
 product against a float64 reference of the fp16-rounded weights, each row's bits independent of
-the rows beside it, the gated and biased forms, the F.linear fallback, which layers are bound
+the rows beside it where this CPU's kernel gives that (rows_computed_alone), the gated and biased forms, the F.linear fallback, which layers are bound
 (never the target's), the environment override, and greedy EAGLE3 output equal to plain decoding
 with the default family's head packed."""
 
@@ -12,6 +12,7 @@ import torch
 from foretell.layers import cpu_draft_weights
 from foretell.layers.cpu_draft_weights import (
     FORMAT_ENV, PackedDraftGemm, draft_weight_format, pack_draft_weights, packed_gemm_available,
+    rows_computed_alone,
 )
 from foretell.layers.embedding import LMHead, VocabEmbedding
 from foretell.layers.linear import Linear, MergedLinear
@@ -39,15 +40,20 @@ def test_fp16_product_is_the_float64_product_of_the_rounded_weights(rows):
 
 
 @needs_fbgemm
-def test_each_row_is_computed_alone():
+def test_each_row_is_computed_alone_where_the_cpu_says_so():
+    """Bit for bit where rows_computed_alone() (the Xeon of the CPU bar); elsewhere (an AVX2-only
+    EPYC: rows blocked in the kernel) each row alone still equals its row among others to float32
+    rounding."""
     torch.manual_seed(1)
     weight = torch.randn(128, 256) * 0.05  # [N, K]
     x = torch.randn(9, 256)
     gemm = PackedDraftGemm(weight)
     together = gemm(x, weight)  # [9, N]
+    same = torch.equal if rows_computed_alone() else (
+        lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-5))
     for i in range(9):
-        assert torch.equal(together[i : i + 1], gemm(x[i : i + 1].contiguous(), weight))
-    assert torch.equal(together[2:6], gemm(x[2:6].contiguous(), weight))
+        assert same(together[i : i + 1], gemm(x[i : i + 1].contiguous(), weight))
+    assert same(together[2:6], gemm(x[2:6].contiguous(), weight))
 
 
 @needs_fbgemm
