@@ -5,10 +5,12 @@ plain steps are bound by the host, whose speed drifts within a call and differs 
 machines, so one ordered pair of runs misleads. Here both engines (the default family's target;
 suffix at k drafts, gate "auto") are built first, warmed on one prompt set, then each repeat gives
 both the same fresh set of prompts (GSM8K test questions by default; the suffix engine's
-cross-request cache never holds a re-asked prompt's answer) and prints tok/s and the gate's learned
-step costs (get_stats()["suffix_gate"]). The two engines take turns request by request, each going
-first on every other prompt, so a drift of the host's speed lands on both (--whole-sets: plain's
-whole set, then suffix's); the last line pools every repeat's tokens and seconds.
+cross-request cache never holds a re-asked prompt's answer) and prints tok/s, engine steps and
+milliseconds a step (the wall time over the steps: the suffix engine's quiet steps against plain's
+show there when it drafts little) and the gate's learned step costs (get_stats()["suffix_gate"]).
+The two engines take turns request by request, each going first on every other prompt, so a drift of
+the host's speed lands on both (--whole-sets: plain's whole set, then suffix's); the last line pools
+every repeat's tokens and seconds.
 
     python scripts/suffix_side_by_side.py [--device cuda] [--repeats 3] [--k 3] [--num-prompts 16]
         [--max-tokens 128] [--dataset gsm8k] [--ignore-eos] [--min-accepted auto] [--whole-sets]
@@ -66,6 +68,7 @@ def main() -> int:
         turns = [(batch, list(engines))] if args.whole_sets else [
             ([prompt], list(engines)[:: 1 if i % 2 == 0 else -1]) for i, prompt in enumerate(batch)]
         counts = {name: [0, 0.0] for name in engines}
+        steps_before = {name: llm.get_stats()["num_steps"] for name, llm in engines.items()}
         for turn_prompts, order in turns:
             for name in order:
                 start = time.perf_counter()
@@ -75,11 +78,15 @@ def main() -> int:
         for name, (tokens, seconds) in counts.items():
             pooled[name][0] += tokens
             pooled[name][1] += seconds
-            rows.append({"repeat": rep, "method": name, "tok_s": round(tokens / seconds, 1),
-                         "gate": engines[name].get_stats().get("suffix_gate")})
-        plain, suffix = rows[-2]["tok_s"], rows[-1]["tok_s"]
-        print(f"repeat {rep}: plain {plain:.1f} tok/s, suffix {suffix:.1f} ({suffix / plain:.2f}x); "
-              f"gate {json.dumps(rows[-1]['gate'])}", flush=True)
+            stats = engines[name].get_stats()
+            steps = stats["num_steps"] - steps_before[name]  # engine steps (prefills included)
+            rows.append({"repeat": rep, "method": name, "tok_s": round(tokens / seconds, 1), "steps": steps,
+                         "ms_per_step": round(1e3 * seconds / max(steps, 1), 4), "gate": stats.get("suffix_gate")})
+        plain, suffix = rows[-2], rows[-1]
+        print(f"repeat {rep}: plain {plain['tok_s']:.1f} tok/s ({plain['steps']} steps, "
+              f"{plain['ms_per_step']:.3f} ms), "
+              f"suffix {suffix['tok_s']:.1f} ({suffix['tok_s'] / plain['tok_s']:.2f}x; {suffix['steps']} steps, "
+              f"{suffix['ms_per_step']:.3f} ms); gate {json.dumps(suffix['gate'])}", flush=True)
     ratios = [rows[i + 1]["tok_s"] / rows[i]["tok_s"] for i in range(0, len(rows), 2)]
     plain_tok_s, suffix_tok_s = (pooled[name][0] / pooled[name][1] for name in ("none", "suffix"))
     print(f"pooled: plain {plain_tok_s:.1f} tok/s, suffix {suffix_tok_s:.1f} ({suffix_tok_s / plain_tok_s:.3f}x); "
