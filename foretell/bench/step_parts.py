@@ -5,7 +5,8 @@ pipeline's launch / take / finish, the padded verify's launch and its pieces, gr
 read-back's wait, a host drafter's propose, adaptive speculation's choice and observation, the
 engine's result processing) in perf_counter timers, runs requests, and reports per engine step the
 microseconds each part took (parts nest: execute holds launch, launch holds replay, ...) and how
-often it ran. The parts are the ones the twentieth GPU session (docs/perf-log.md) needed to tell
+often it ran, beside the median and longest step and the Triton compilations of the measured run
+(a mean per step hides one slow step: a kernel compiled in serving). The parts are the ones the twentieth GPU session (docs/perf-log.md) needed to tell
 host work on the critical path from device waits. bench/host_overhead.py answers another question:
 the host's work apart from the model's arithmetic (forwards taken out or stubbed, coarse parts,
 nothing patched on the classes); this probe times a real run, device waits included, down to the
@@ -53,6 +54,9 @@ PARTS = (
 )
 
 
+STEP_LABEL = "Engine.step"
+
+
 class PartTimers:
     """Seconds and calls per part while installed (install() is a context manager: the wrapped
     functions are put back on exit)."""
@@ -60,21 +64,27 @@ class PartTimers:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
+        self.step_seconds: list[float] = []  # each Engine.step's own: a spike (a compile) shows here
 
     def reset(self) -> None:
         self.seconds.clear()
         self.calls.clear()
+        self.step_seconds.clear()
 
     def _timed(self, fn, label: str):
         seconds, calls = self.seconds, self.calls
+        steps = self.step_seconds if label == STEP_LABEL else None
 
         def timed(*args, **kwargs):
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                seconds[label] += time.perf_counter() - start
+                elapsed = time.perf_counter() - start
+                seconds[label] += elapsed
                 calls[label] += 1
+                if steps is not None:
+                    steps.append(elapsed)
 
         return timed
 
@@ -94,6 +104,13 @@ class PartTimers:
         finally:
             for owner, name, fn in reversed(saved):
                 setattr(owner, name, fn)
+
+    def step_spread(self) -> dict:
+        """The engine steps' median and longest milliseconds (0.0 before any step)."""
+        ordered = sorted(self.step_seconds)
+        if not ordered:
+            return {"median_ms": 0.0, "longest_ms": 0.0}
+        return {"median_ms": round(1e3 * ordered[len(ordered) // 2], 4), "longest_ms": round(1e3 * ordered[-1], 4)}
 
     def per_step(self) -> dict:
         """{part: {"us": microseconds per engine step, "calls": calls per step}}, most time first."""
@@ -136,6 +153,8 @@ def measure(method: str, k: int, dataset: str, num_prompts: int, max_tokens: int
         "method": method, "k": k if spec else 0, "batch_size": batch_size, "tok_s": tokens / wall,
         "tokens": tokens, "steps": steps, "ms_per_step": 1000 * wall / max(steps, 1),
         "steps_queued_ahead_used": after["steps_queued_ahead_used"] - before["steps_queued_ahead_used"],
+        "jit_compiles": after["jit_compiles"] - before["jit_compiles"],  # Triton compilations in the measured run
+        **timers.step_spread(),
         "parts": timers.per_step(),
     }
 
@@ -143,7 +162,8 @@ def measure(method: str, k: int, dataset: str, num_prompts: int, max_tokens: int
 def format_parts(result: dict) -> str:
     lines = [f"{result['method']} k={result['k']} batch {result['batch_size']}: {result['tok_s']:.1f} tok/s, "
              f"{result['steps']} steps ({result['ms_per_step']:.3f} ms a step, "
-             f"{result['steps_queued_ahead_used']} queued ahead and used)",
+             f"{result['steps_queued_ahead_used']} queued ahead and used; median step {result['median_ms']:.3f} ms, "
+             f"longest {result['longest_ms']:.3f}, {result['jit_compiles']} compilations)",
              "| part | us a step | calls a step |", "|---|---|---|"]
     lines += [f"| {label} | {part['us']:.1f} | {part['calls']:.2f} |" for label, part in result["parts"].items()]
     return "\n".join(lines)

@@ -1,5 +1,6 @@
 """foretell.bench.step_parts: the timers wrap each part and put it back, the per-step table divides
-by the engine's steps, and a small run of the default target reports every step's parts."""
+by the engine's steps, the median and longest step, and a small run of the default target reports
+every step's parts."""
 
 from __future__ import annotations
 
@@ -32,3 +33,11 @@ def test_a_small_plain_run_reports_its_steps():
     assert result["parts"]["Engine.step"]["calls"] == 1.0
     assert result["parts"]["ModelRunner.execute"]["us"] <= result["parts"]["Engine.step"]["us"]
     assert "Engine.step" in format_parts(result)
+    assert 0.0 < result["median_ms"] <= result["longest_ms"] and result["jit_compiles"] == 0  # (no Triton on the CPU)
+
+
+def test_step_spread_gives_the_median_and_the_longest_step():
+    timers = PartTimers()
+    assert timers.step_spread() == {"median_ms": 0.0, "longest_ms": 0.0}
+    timers.step_seconds.extend([0.002, 0.001, 0.859, 0.001])
+    assert timers.step_spread() == {"median_ms": 2.0, "longest_ms": 859.0}
