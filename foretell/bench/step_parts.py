@@ -1,16 +1,17 @@
 """Where an engine step's wall time goes, part by part: `python -m foretell.bench.step_parts`.
 
-Wraps the engine's and runner's step parts (the scheduler, the runner's execute, the step
-pipeline's launch / take / finish, the padded verify's launch and its pieces, graph replays, the
-read-back's wait, a host drafter's propose, adaptive speculation's choice and observation, the
-engine's result processing) in perf_counter timers, runs requests, and reports per engine step the
-microseconds each part took (parts nest: execute holds launch, launch holds replay, ...) and how
-often it ran, beside the median and longest step and the Triton compilations of the measured run
-(a mean per step hides one slow step: a kernel compiled in serving). The parts are the ones the twentieth GPU session (docs/perf-log.md) needed to tell
-host work on the critical path from device waits. bench/host_overhead.py answers another question:
-the host's work apart from the model's arithmetic (forwards taken out or stubbed, coarse parts,
-nothing patched on the classes); this probe times a real run, device waits included, down to the
-step pipeline's pieces, by wrapping the classes' functions for the measured run.
+Wraps the engine's and runner's step parts (the scheduler, the runner's execute, the step pipeline's
+launch / take / finish, the padded verify's launch and its pieces, graph replays, the read-back's
+wait, a host drafter's propose, adaptive speculation's choice and observation, the engine's result
+processing) in perf_counter timers, runs requests, and reports per engine step the microseconds each
+part took (parts nest: execute holds launch, launch holds replay, ...) and how often it ran, beside
+the median and longest step and the Triton compilations of the measured run (a mean per step hides
+one slow step: a kernel compiled in serving). The parts are the ones the twentieth GPU session
+(docs/perf-log.md) needed to tell host work on the critical path from device waits.
+bench/host_overhead.py answers another question: the host's work apart from the model's arithmetic
+(forwards taken out or stubbed, coarse parts, nothing patched on the classes); this probe times a
+real run, device waits included, down to the step pipeline's pieces, by wrapping the classes'
+functions for the measured run.
 
     python -m foretell.bench.step_parts [--method suffix|eagle3|...|none] [--k 16]
         [--dataset repetitive] [--num-prompts 8] [--max-tokens 128] [--batch-size 1]
