@@ -76,10 +76,10 @@ afresh after it (SuffixProposer.drop_cached_responses).
 from __future__ import annotations
 
 import time
-from collections import deque
 from typing import Callable
 
-from foretell.spec_decode.cost_buckets import SlidingQuantile, bucket_of, low_quantile, nearest_bucket
+from foretell.spec_decode.cost_buckets import bucket_of, nearest_bucket
+from foretell.spec_decode.suffix_step_costs import BucketCosts
 
 #: The bar before any bucket has timed both kinds of step (the fixed bar's default).
 AUTO_PRIOR_BAR = 1.0
@@ -107,89 +107,6 @@ PAUSE_PER_BAR = 16
 MAX_DEFERRED = 64
 
 
-class _BucketCosts:
-    """One batch-size bucket's recent drafting, fallback and plain step seconds (module docstring)."""
-
-    __slots__ = ("draft", "plain", "fallback", "draft_s", "plain_s", "fallback_s", "run_length", "num_draft",
-                 "explored_at", "drafted_at", "ratio", "plain_stale")
-
-    def __init__(self):
-        self.draft = SlidingQuantile(COST_WINDOW)
-        self.plain = SlidingQuantile(COST_WINDOW)
-        self.fallback: deque[tuple[float, int]] = deque(maxlen=COST_WINDOW)  # (seconds, its run's m)
-        self.draft_s: float | None = None  # COST_QUANTILE-quantiles, None until MIN_COST_SAMPLES
-        self.plain_s: float | None = None
-        self.fallback_s: float | None = None
-        self.run_length = 1.0  # drafting intervals per timed fallback (its runs' mean m)
-        self.num_draft = 0  # drafting intervals recorded in all
-        self.explored_at: int | None = None  # num_draft at the last exploration
-        self.drafted_at = 0  # StepCostBar.num_intervals at the last drafting interval
-        self.ratio: float | None = None  # t_draft / t_plain, None until both are known (kept by _update)
-        self.plain_stale = False  # plain intervals added since plain_s (and ratio) were worked out
-
-    def add(self, seconds: float, drafted: bool) -> None:
-        """A drafting interval (draft_s and ratio worked out now), or a plain one: only stored,
-        plain_s and ratio are worked out by settle_plain (or the next _update). A plain interval
-        comes with most steps and the bar is read on fewer (StepCostBar.quiet_step reads none)."""
-        if not drafted:
-            self.plain.append(seconds)
-            self.plain_stale = True
-            return
-        self.num_draft += 1
-        self.draft.append(seconds)
-        if len(self.draft) >= MIN_COST_SAMPLES:
-            self.draft_s = self.draft.quantile(COST_QUANTILE)
-            self._update()
-
-    def settle_plain(self) -> bool:
-        """plain_s (and ratio) from the plain intervals stored so far; whether the ratio changed."""
-        self.plain_stale = False
-        plain = self.plain
-        if len(plain) < MIN_COST_SAMPLES:
-            return False
-        plain_s = plain.quantile(COST_QUANTILE)
-        if plain_s == self.plain_s:
-            return False
-        self.plain_s = plain_s
-        before = self.ratio
-        self._update()
-        return self.ratio != before
-
-    def add_fallback(self, seconds: float, run_length: int) -> None:
-        """A fallback interval, after a run of run_length drafting intervals."""
-        self.fallback.append((seconds, run_length))
-        if len(self.fallback) >= MIN_COST_SAMPLES:
-            self.fallback_s = low_quantile([f for f, _ in self.fallback], COST_QUANTILE)
-            self.run_length = sum(m for _, m in self.fallback) / len(self.fallback)
-            self._update()
-
-    def forget_drafting(self) -> None:
-        """Drop the drafting and fallback costs (stale: module docstring)."""
-        self.draft.clear()
-        self.fallback.clear()
-        self.draft_s = self.fallback_s = None
-        self.run_length = 1.0
-        self.ratio = None
-
-    @property
-    def charged_draft_s(self) -> float | None:
-        """t_draft: a drafting interval plus its share of the fallback's excess over a plain step
-        (D + (F - P) / m), D alone before MIN_COST_SAMPLES fallbacks; None until D is known."""
-        if self.draft_s is None or self.fallback_s is None or self.plain_s is None:
-            return self.draft_s
-        return self.draft_s + (self.fallback_s - self.plain_s) / self.run_length
-
-    def _update(self) -> None:
-        """ratio after a cost changed (an attribute: the gate reads it every step)."""
-        if self.plain_stale:
-            self.settle_plain()  # (which calls this again)
-            return
-        if self.draft_s is None or not self.plain_s:  # (a plain step timed at 0 s: a coarse clock)
-            self.ratio = None
-        else:
-            self.ratio = self.charged_draft_s / self.plain_s
-
-
 class StepCostBar:
     """The "auto" bar (module docstring). Per engine step: begin_step() at the drafter's call (closes
     the interval since the last call, returns the bar for this batch), explore (draft nothing this
@@ -200,7 +117,7 @@ class StepCostBar:
             raise ValueError(f"StepCostBar needs max_bar >= {MIN_AUTO_BAR}, got {max_bar!r}")
         self.max_bar = max_bar
         self.clock = clock
-        self.buckets: dict[int, _BucketCosts] = {}
+        self.buckets: dict[int, BucketCosts] = {}
         self.bar = AUTO_PRIOR_BAR  # this step's
         self.learned = False  # whether this step's bar comes from timed steps (not the prior)
         self.explore = False  # this step drafts nothing (timing a plain or a fallback step)
@@ -296,7 +213,7 @@ class StepCostBar:
         if costs is None or costs.ratio is None or costs.draft_s is None or len(costs.plain) < MIN_COST_SAMPLES:
             return 0
         ordered = costs.plain.ordered
-        i = int((len(ordered) - 1) * COST_QUANTILE)
+        i = int((len(ordered) - 1) * costs.quantile)  # (SlidingQuantile.quantile's index)
         if ordered[0] <= 0:
             return 0
         fresh_left = DRAFT_STALE_AFTER - (self.num_intervals - costs.drafted_at)  # before the drafting cost goes stale
@@ -305,7 +222,7 @@ class StepCostBar:
             run -= 1
         return run
 
-    def _bar_at(self, costs: _BucketCosts, plain_s: float) -> float:
+    def _bar_at(self, costs: BucketCosts, plain_s: float) -> float:
         """The bar a bucket's own costs give with plain_s as its plain cost (_bar's clamp)."""
         draft_s = costs.draft_s
         if costs.fallback_s is not None:
@@ -373,7 +290,7 @@ class StepCostBar:
             return
         costs = self.buckets.get(bucket)
         if costs is None:
-            costs = self.buckets[bucket] = _BucketCosts()
+            costs = self.buckets[bucket] = BucketCosts(COST_WINDOW, COST_QUANTILE, MIN_COST_SAMPLES)
         before = costs.ratio
         self.num_intervals += 1
         costs.drafted_at = self.num_intervals
@@ -385,7 +302,7 @@ class StepCostBar:
         _settle_plain)."""
         costs = self.buckets.get(bucket)
         if costs is None:
-            costs = self.buckets[bucket] = _BucketCosts()
+            costs = self.buckets[bucket] = BucketCosts(COST_WINDOW, COST_QUANTILE, MIN_COST_SAMPLES)
         self.num_intervals += 1
         if costs.draft_s is not None and self.num_intervals - costs.drafted_at > DRAFT_STALE_AFTER:
             before = costs.ratio
@@ -411,16 +328,16 @@ class StepCostBar:
         costs.add_fallback(seconds, run_length)
         self._changed(costs, before)
 
-    def _changed(self, costs: _BucketCosts, ratio_before: float | None) -> None:
+    def _changed(self, costs: BucketCosts, ratio_before: float | None) -> None:
         if costs.ratio != ratio_before:
             self._ratio_changed(costs)
 
-    def _ratio_changed(self, costs: _BucketCosts) -> None:
+    def _ratio_changed(self, costs: BucketCosts) -> None:
         """The bars after a bucket's ratio changed."""
         self._bars.clear()
         self._any_timed = costs.ratio is not None or any(c.ratio is not None for c in self.buckets.values())
 
-    def _exploration(self, costs: _BucketCosts, last_drafted: bool) -> int:
+    def _exploration(self, costs: BucketCosts, last_drafted: bool) -> int:
         """Steps to draft nothing from this call on (module docstring), for a bucket that has timed
         drafting: EXPLORE_STEPS when it has timed no plain steps, 1 when it lacks fallbacks and the
         last call drafted (the next interval is a fallback), else 0; at most once per
