@@ -6,7 +6,8 @@ wait, a host drafter's propose, adaptive speculation's choice and observation, t
 processing) in perf_counter timers, runs requests, and reports per engine step the microseconds each
 part took (parts nest: execute holds launch, launch holds replay, ...) and how often it ran, beside
 the median and longest step and the Triton compilations of the measured run (a mean per step hides
-one slow step: a kernel compiled in serving). The parts are the ones the twentieth GPU session
+one slow step: a kernel compiled in serving), and the steps by kind (bench/step_kinds.py: drafting,
+fallback, plain, prefill; each kind's time and tokens). The parts are the ones the twentieth GPU session
 (docs/perf-log.md) needed to tell host work on the critical path from device waits.
 bench/host_overhead.py answers another question: the host's work apart from the model's arithmetic
 (forwards taken out or stubbed, coarse parts, nothing patched on the classes); this probe times a
@@ -30,6 +31,8 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 from typing import Iterator
+
+from foretell.bench.step_kinds import StepKinds, format_kinds
 
 # (module, owner attribute or None for a module function, function name): the parts timed
 PARTS = (
@@ -139,11 +142,12 @@ def measure(method: str, k: int, dataset: str, num_prompts: int, max_tokens: int
                for p in load_prompts(dataset, num_prompts)]
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     timers = PartTimers()
+    kinds = StepKinds()
     with LLM(default_target("qwen3"), speculative_config=spec, device=device, max_num_seqs=batch_size,
              log_stats_interval_s=0) as llm:
         llm.generate(prompts, params, use_tqdm=False)
         before = llm.get_stats()
-        with timers.install():
+        with timers.install(), kinds.install():
             start = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
             wall = time.perf_counter() - start
@@ -157,6 +161,7 @@ def measure(method: str, k: int, dataset: str, num_prompts: int, max_tokens: int
         "jit_compiles": after["jit_compiles"] - before["jit_compiles"],  # Triton compilations in the measured run
         **timers.step_spread(),
         "parts": timers.per_step(),
+        "step_kinds": kinds.table(),
     }
 
 
@@ -167,7 +172,7 @@ def format_parts(result: dict) -> str:
              f"longest {result['longest_ms']:.3f}, {result['jit_compiles']} compilations)",
              "| part | us a step | calls a step |", "|---|---|---|"]
     lines += [f"| {label} | {part['us']:.1f} | {part['calls']:.2f} |" for label, part in result["parts"].items()]
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n\n" + format_kinds(result["step_kinds"])
 
 
 def main(argv: list[str] | None = None) -> int:
