@@ -7,7 +7,9 @@ suffix at k drafts, gate "auto") are built first, warmed on one prompt set, then
 both the same fresh set of prompts (GSM8K test questions by default; the suffix engine's
 cross-request cache never holds a re-asked prompt's answer) and prints tok/s, engine steps and
 milliseconds a step (the wall time over the steps: the suffix engine's quiet steps against plain's
-show there when it drafts little) and the gate's learned step costs (get_stats()["suffix_gate"]).
+show there when it drafts little) and the gate's learned step costs (get_stats()["suffix_gate"]);
+at the end each engine's steps by kind over every repeat (bench/step_kinds.py: whether a loss lies in
+the drafting, fallback or plain steps).
 The two engines take turns request by request, each going first on every other prompt, so a drift of
 the host's speed lands on both (--whole-sets: plain's whole set, then suffix's); the last line pools
 every repeat's tokens and seconds.
@@ -30,6 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from foretell import LLM, SamplingParams  # noqa: E402
 from foretell.bench.datasets import load_prompts  # noqa: E402
+from foretell.bench.step_kinds import StepKinds, format_kinds  # noqa: E402
 from foretell.defaults import default_target  # noqa: E402
 
 
@@ -63,6 +66,7 @@ def main() -> int:
         llm.generate(prompts[:n], params, use_tqdm=False)  # the warm-up set
     rows = []
     pooled = {name: [0, 0.0] for name in engines}  # tokens, seconds over every repeat
+    kinds = {name: StepKinds() for name in engines}  # each engine's steps by kind, every repeat
     for rep in range(args.repeats):
         batch = prompts[n * (rep + 1): n * (rep + 2)]
         turns = [(batch, list(engines))] if args.whole_sets else [
@@ -71,9 +75,10 @@ def main() -> int:
         steps_before = {name: llm.get_stats()["num_steps"] for name, llm in engines.items()}
         for turn_prompts, order in turns:
             for name in order:
-                start = time.perf_counter()
-                outputs = engines[name].generate(turn_prompts, params, use_tqdm=False)
-                counts[name][1] += time.perf_counter() - start
+                with kinds[name].install():
+                    start = time.perf_counter()
+                    outputs = engines[name].generate(turn_prompts, params, use_tqdm=False)
+                    counts[name][1] += time.perf_counter() - start
                 counts[name][0] += sum(len(o.outputs[0].token_ids) for o in outputs)
         for name, (tokens, seconds) in counts.items():
             pooled[name][0] += tokens
@@ -91,11 +96,13 @@ def main() -> int:
     plain_tok_s, suffix_tok_s = (pooled[name][0] / pooled[name][1] for name in ("none", "suffix"))
     print(f"pooled: plain {plain_tok_s:.1f} tok/s, suffix {suffix_tok_s:.1f} ({suffix_tok_s / plain_tok_s:.3f}x); "
           f"median of repeats {statistics.median(ratios):.3f}x", flush=True)
+    for name, steps in kinds.items():
+        print(f"\n{name}, steps by kind over every repeat:\n{format_kinds(steps.table())}", flush=True)
     for llm in engines.values():
         llm.close()
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"repeats": rows, "step_kinds": {name: k.table() for name, k in kinds.items()}}, f, indent=1)
     return 0
 
 
