@@ -35,6 +35,7 @@ from foretell.layers.sampler import argmax_rows
 from foretell.ops.step.decode_advance import advance_decode_inputs
 from foretell.ops.step.dispatch import advance_verify_inputs, unpack_graph_inputs
 from foretell.ops.step.inputs import GraphInputBuffers
+from foretell.ops.step.verify_to_decode import verify_to_decode_inputs
 from foretell.runner import graph_inputs
 from foretell.runner.input_batch import InputBatch, build_block_table
 
@@ -94,6 +95,7 @@ class CudaGraphRunner:
         self.side = graph_inputs.SideStream(device)
         self.unpack_launches: dict = {}  # the unpack's compiled kernels, launched directly (ops/step)
         self.advance_launches: dict = {}  # advance_decode's compiled kernel, launched directly
+        self.verify_to_decode_launches: dict = {}  # verify_to_decode's, the same way
         # Counts every write of the input buffers: a step that recorded it after its own write knows
         # the buffers still hold its inputs while it is unchanged (what advance_decode builds on).
         self.inputs_version = 0
@@ -219,6 +221,23 @@ class CudaGraphRunner:
                               self.block_table[:num_seqs], tokens, self.block_size, self.advance_launches)
         self.side.after_input_write()
         self.inputs_version += 1
+        return self.replay(key)
+
+    def verify_to_decode(self, key: tuple[int, int], num_seqs: int, q: int, accepted: torch.Tensor,
+                         next_token: torch.Tensor) -> CapturedForward:
+        """Replay decode graph `key` (bucket, q = 1) for the plain step after the verify step its
+        buffers hold (q rows per sequence, the same bucket): each of the first num_seqs sequences
+        feeds next_token[i] one position past its accepted[i] drafts ([>= num_seqs] int64 on the
+        device, the device's verification of that step), over the block table the buffers hold (the
+        caller checked that the furthest such position lies in it). One launch, no upload
+        (ops/step/verify_to_decode.py)."""
+        self.side.before_input_write()
+        verify_to_decode_inputs(self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.query_start_loc,
+                                self.block_table[:num_seqs], accepted, next_token, num_seqs, key[0], q,
+                                self.block_size, self.verify_to_decode_launches)
+        self.side.after_input_write()
+        self.inputs_version += 1
+        self.table_rows = None  # the buffers hold a decode step now
         return self.replay(key)
 
     def download_input_ids(self, rows: int) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:

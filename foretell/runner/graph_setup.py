@@ -237,19 +237,25 @@ def build_step_pipeline(
     kinds: list[StepKind] = []
     # A host drafter's step without drafts is a plain decode step, queued ahead as plain decoding's.
     host_drafter = isinstance(step_graphs.draft_loop, HostDraftSlots)
+    plain_decode = None
     if queue_ahead and (not has_drafter or host_drafter):
         # Without a drafter its grammar requests decode here too, masked on the device (decode_ahead.py).
-        kinds.append(DecodeAhead(step_graphs.target, target_forward, sampler, vocab_size, block_size, max_model_len,
-                                 structured=None if has_drafter else structured))
+        plain_decode = DecodeAhead(step_graphs.target, target_forward, sampler, vocab_size, block_size, max_model_len,
+                                   structured=None if has_drafter else structured)
+        kinds.append(plain_decode)
     if step_graphs.draft_loop is not None:
         if queue_ahead and isinstance(step_graphs.draft_loop, DraftGraphRunner) and step_graphs.draft_loop.skips(0):
             # A k = 0 step whose drafter runs not at all is a plain decode step: decoded as one
             # (before the padded verify in the kinds: it declines every batch that drafts next).
             kinds.append(DecodeAhead(step_graphs.target, target_forward, sampler, vocab_size, block_size,
                                      max_model_len, zero_drafts_only=True, forget_draft_probs=forget_draft_probs))
+        # Grammars on the padded step (padded_verify.py); a host drafter's verify queues the plain
+        # step after it on the plain decode kind's graphs, when they are the padded forward's (host_verify.py).
+        fallback = plain_decode if host_drafter and plain_decode is not None \
+            and plain_decode.graphs is step_graphs.padded_forward else None
         kinds.append(GraphedVerify(step_graphs.padded_forward, step_graphs.draft_loop, verifier, block_size,
                                    max_model_len, sampler.noise, vocab_size, take_draft_probs,
-                                   structured=structured))  # grammars on the padded step (padded_verify.py)
+                                   structured=structured, fallback_decode=fallback))
     # A drafter's general-path loop needs the host's accept counts: nothing is queued past it.
     queue_ahead = queue_ahead and (not has_drafter or step_graphs.draft_loop is not None)
     return StepPipeline(queue_ahead, kinds)

@@ -27,8 +27,9 @@ drafts a sequence accepts is the verifier's (spec_decode/verifier.py: exact gree
 acceptance is simulated), chosen when the runner is built.
 
 A host drafter's step of greedy rows only (no logits controls, logprobs or grammar; an exact
-verifier) is verified on the host instead (runner/host_verify.py): nothing on the device reads
-its verification, so the graph's greedy tokens are read back and counted there.
+verifier) is verified on the host instead (runner/host_verify.py): the graph's greedy tokens are
+read back and counted there; with queueing ahead (fallback_decode, the plain decode kind on the same
+buffers) it also verifies on the device, for the plain step it queues after itself.
 
 Sampled rows: the verifier rejection-samples over the target's [n, k + 1, vocab] logits on the
 device (verifier.sample_padded), drawing counter-based noise keyed by each sequence's key (its
@@ -57,7 +58,7 @@ there).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -66,13 +67,14 @@ from foretell.engine.scheduler import ScheduledSequence, SchedulerOutput
 from foretell.engine.sequence import Sequence
 from foretell.layers.sampler import NoiseSource, SamplingBatch, sequence_key
 from foretell.runner.cuda_graph import CudaGraphRunner
-from foretell.runner.host_verify import HostVerifiedStep
+from foretell.runner.host_verify import FallbackDecode, HostVerifiedStep
 from foretell.runner.input_batch import InputBatch, build_input_batch
 from foretell.runner.launched_verify import LaunchedVerify
 from foretell.runner.padded_logits_controls import padded_step_takes
 from foretell.runner.padded_step_extras import PackedLogprobBuffer, PaddedStepExtras
 from foretell.runner.pinned_ring import PinnedRing
 from foretell.ops.step.dispatch import accept_drafts, advance_verify_inputs
+from foretell.ops.step.verify_to_decode import verify_to_decode_inputs
 from foretell.runner.step_pipeline import HostCopy
 from foretell.spec_decode.draft_graph import DraftGraphRunner
 from foretell.spec_decode.rejection_sampler import PaddedSampling, dense_draft_probs
@@ -80,6 +82,9 @@ from foretell.spec_decode.verifier import Verifier
 from foretell.structured.padded_verify import GrammarMaskBuffer, padded_verify_grammar
 from foretell.structured.runtime import StructuredOutputs
 
+
+if TYPE_CHECKING:
+    from foretell.runner.decode_ahead import DecodeAhead
 
 #: The input id fed at a padded draft row (a sequence with fewer drafts than the step verifies):
 #: any token id; the row's outputs are never used (acceptance stops before it).
@@ -111,6 +116,9 @@ class GraphedVerify:
     structured: StructuredOutputs | None = None  # grammar masks here (padded_verify.py); None: the host step's
     num_grammar_steps: int = 0  # padded steps with a sequence under a grammar
     num_host_verified_steps: int = 0  # ... verified on the host (a host drafter's greedy steps: host_verify.py)
+    # A host drafter's plain decode kind: a host-verified step queues its plain step after it
+    # (host_verify.py); None: nothing queued after one (no queueing ahead, or a model drafter).
+    fallback_decode: "DecodeAhead | None" = None
 
     def __post_init__(self):
         # rows: the padded forward's most (largest bucket x q)
@@ -130,7 +138,8 @@ class GraphedVerify:
         Then, for any verifier, the advance of a verify's inputs to the next one's
         (advance_verify_inputs, one kernel per verify length) on scratch buffers: it runs when a
         verify is queued ahead of the same length's, which the warm-up need not show (under
-        adaptive speculation the H200 compiled it for 3 and 4 rows in serving)."""
+        adaptive speculation the H200 compiled it for 3 and 4 rows in serving), and for a host drafter
+        the turn of a verify's inputs into the plain step's after it (verify_to_decode_inputs)."""
         if not self.graphs.captures:
             return
         loop, device = self.draft_graphs, self.graphs.device
@@ -151,6 +160,12 @@ class GraphedVerify:
             advance_verify_inputs(ids, positions, slots, torch.zeros(1, dtype=torch.int32, device=device), table,
                                   one, one, torch.zeros(1, q - 1, dtype=torch.int64, device=device),
                                   self.graphs.block_size)
+        if self.fallback_decode is not None:  # the plain step queued after a host-verified one (host_verify.py)
+            ids, positions, slots = (torch.zeros(2, dtype=torch.int64, device=device) for _ in range(3))
+            seq_lens, starts = (torch.ones(2, dtype=torch.int32, device=device) for _ in range(2))
+            table = torch.zeros(1, 2, dtype=torch.int32, device=device)  # [1, 2]: position 1 inside it
+            verify_to_decode_inputs(ids, positions, slots, seq_lens, starts, table, one, one, 1, 1, 1,
+                                    self.graphs.block_size)
 
     def verify_length(self, sched: SchedulerOutput) -> int | None:
         """q, the rows per sequence of this batch's padded step: the shortest verify length the
@@ -235,7 +250,9 @@ class GraphedVerify:
             self.num_mixed_steps += short
             self.num_host_verified_steps += 1
             greedy = self.graphs.graphs[key].greedy[: len(items) * q]  # [n * q] int64, the graph's output
-            return HostVerifiedStep(seqs, key, HostCopy.queue(greedy, self.greedy_copies), draft_ids, limits)
+            copy = HostCopy.queue(greedy, self.greedy_copies)
+            fallback = FallbackDecode.after(self, seqs, batch, q, lengths, limits)  # the plain step after it
+            return HostVerifiedStep(seqs, key, copy, draft_ids, limits, fallback)
         draft_probs = None
         if sampled is not None and any(probs is not None for probs in kept):  # drafts the host step sampled
             drafts = self.graphs.input_ids[: len(items) * q].view(len(items), q)[:, 1:]

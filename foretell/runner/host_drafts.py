@@ -33,7 +33,9 @@ memory).
 A step of the padded kind whose sequences carry no drafts at all (q = 1: nobody matched last step)
 can queue the step after it on the device, as plain decoding does (step_pipeline.py): the launch
 is used when the drafter again drafts nothing for any of them, and dropped (safely: decode_ahead.py
-says why) when it drafts for one.
+says why) when it drafts for one. A greedy step that verifies drafts queues the plain step after it
+the same way, on the device's own verification of it (runner/host_verify.py): used when the drafter
+drafts nothing next (a match that ended), dropped when it drafts again.
 """
 
 from __future__ import annotations

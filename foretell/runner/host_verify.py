@@ -20,18 +20,40 @@ concatenation on the side stream (with its stream switch and event waits): one c
 greedy tokens and one event instead. The host's count is a loop over at most the accepted drafts
 plus one of each sequence.
 
-Never queued ahead and never followed: launch_next returns None (a host drafter's next step is
-launched from host inputs anyway, its drafts being the host's), matches() is never asked.
+Never queued ahead itself (its drafts are the host's: matches() is never true). What follows it,
+when the pipeline queues ahead and the runner has plain decoding's graphs (`fallback`): the plain
+decode step after it, on the guess that the drafter drafts nothing next (most drafting runs end
+after a step or two, and a step after a drafting one used to be launched from host inputs and
+waited for whole). launch_next() verifies the step on the device too (accept_drafts: the same
+counts the host's loop finds, tests/runner/test_host_verify.py) and turns the verify's buffers into
+the (bucket, 1) decode graph's inputs on the device (ops/step/verify_to_decode.py), then replays
+it; read() tells that decode step the positions and slots it used, known once the host has counted
+the accepted drafts. The scheduler's next decision takes it when nobody drafts (a fallback step
+then costs what a plain step queued ahead costs), and the pipeline drops it otherwise (safe: the
+slot it wrote is the next step's first row's, written again with the same token at the same
+position; runner/decode_ahead.py says why a dropped step is harmless). It is not queued when a
+sequence could stop at this step (max_tokens or max_model_len within its drafts and one more
+token) or when its furthest next position lies past the blocks the buffers' table holds.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import torch
+
+from foretell.device_util import to_device
 from foretell.engine.scheduler import ScheduledSequence
 from foretell.engine.sequence import Sequence
+from foretell.ops.step.dispatch import accept_drafts
+from foretell.runner.launched_decode import LaunchedDecode
 from foretell.runner.sequence_result import SequenceResult
 from foretell.runner.step_pipeline import HostCopy
+
+if TYPE_CHECKING:
+    from foretell.runner.cuda_graph import CudaGraphRunner
+    from foretell.runner.decode_ahead import DecodeAhead
 
 
 def greedy_accept_on_host(tokens: list[int], q: int, draft_ids: list[list[int]],
@@ -60,21 +82,84 @@ def greedy_accept_on_host(tokens: list[int], q: int, draft_ids: list[list[int]],
 
 
 @dataclass
+class FallbackDecode:
+    """What a host-verified step needs to queue the plain decode step after it (module docstring)."""
+
+    decode: DecodeAhead  # the plain decode kind whose steps follow (its launch_next, its reads)
+    graphs: CudaGraphRunner  # the target's graphs: the verify ran on (bucket, q), the decode on (bucket, 1)
+    accepted: torch.Tensor  # [>= n] int64: the device's accepted counts (HostDraftSlots' buffer)
+    next_token: torch.Tensor  # [>= n] int64: ... and next tokens
+    num_live: torch.Tensor  # 0-d int64
+    caps: list[int] | None  # most drafts each sequence may accept (None: all of its q - 1)
+    starts: list[int]  # each sequence's first verify position (its computed tokens at launch)
+    table_ends: list[int]  # each sequence's first position past the blocks the buffers' table holds
+    inputs_version: int  # the graph runner's inputs_version after the verify's inputs were written
+
+    @classmethod
+    def after(cls, verify, seqs: list[Sequence], batch, q: int, lengths: list[int],
+              limits: list[int | None]) -> "FallbackDecode | None":
+        """For a host-verified step of `verify` (a GraphedVerify) just replayed from `batch` (q rows
+        per sequence, each with lengths[i] real drafts and an accept limit); None without plain
+        decoding's kind (verify.fallback_decode: no queueing ahead)."""
+        if verify.fallback_decode is None:
+            return None
+        caps = None  # (acceptance capped as the host's count caps it: padded rows and accept limits)
+        if any(n != q - 1 for n in lengths) or any(limit is not None for limit in limits):
+            caps = [n if limit is None else min(n, limit) for n, limit in zip(lengths, limits)]
+        slots, graphs = verify.draft_graphs, verify.graphs
+        return cls(verify.fallback_decode, graphs, slots.accepted, slots.next_token, slots.num_live, caps,
+                   [seq.num_computed_tokens for seq in seqs],
+                   [len(blocks) * verify.block_size for blocks in batch.block_ids], graphs.inputs_version)
+
+
+@dataclass
 class HostVerifiedStep:
     """A padded verify step on its way whose verification the host does at read (a QueuedStep of
-    runner/step_pipeline.py that nothing follows)."""
+    runner/step_pipeline.py, followed by a plain decode step when `fallback` is set)."""
 
     seqs: list[Sequence]
     key: tuple[int, int]  # (batch bucket, q: rows per sequence) of the graph it ran
     copy: HostCopy  # of the target's greedy tokens [len(seqs) * q]
     draft_token_ids: list[list[int]]  # each sequence's real drafts
     accept_limits: list[int | None]
+    fallback: FallbackDecode | None = None  # None: nothing is queued after it
 
     def matches(self, scheduled: list[ScheduledSequence], block_size: int) -> bool:
         return False  # never queued ahead
 
-    def launch_next(self, num_next_drafts: int | None = None) -> None:
-        return None  # the next step's drafts are the host's: launched from host inputs
+    def launch_next(self, num_next_drafts: int | None = None) -> LaunchedDecode | None:
+        """The plain decode step after this one, queued on the device (module docstring), or None."""
+        fallback = self.fallback
+        if fallback is None or num_next_drafts is not None:  # (adaptive speculation chooses drafts: not here)
+            return None
+        graphs, decode = fallback.graphs, fallback.decode
+        bucket, q = self.key
+        decode_key = (bucket, 1)
+        if graphs.inputs_version != fallback.inputs_version or (graphs.captures and decode_key not in graphs.graphs):
+            return None
+        caps = fallback.caps or [q - 1] * len(self.seqs)
+        for seq, start, cap, end in zip(self.seqs, fallback.starts, caps, fallback.table_ends):
+            furthest = start + cap + 1  # the decode's position when every draft it may accept is
+            max_tokens = seq.sampling_params.max_tokens
+            if furthest >= end or len(seq.token_ids) + cap + 1 >= decode.max_model_len:
+                return None
+            if max_tokens is not None and seq.num_output_tokens + cap + 1 >= max_tokens:
+                return None
+        n = len(self.seqs)
+        greedy = graphs.graphs[self.key].greedy[: n * q].view(n, q)  # [n, q] int64, the verify's output
+        drafts_in = graphs.input_ids[: n * q].view(n, q)[:, 1:]  # [n, q - 1], read before the advance rewrites it
+        caps_t = None if fallback.caps is None else to_device(fallback.caps, torch.int64, greedy.device)  # [n]
+        accept_drafts(greedy, drafts_in, caps_t, fallback.accepted, fallback.next_token, fallback.num_live)
+        tokens = graphs.verify_to_decode(decode_key, n, q, fallback.accepted, fallback.next_token).greedy[:n]  # [n]
+        return LaunchedDecode(decode, self.seqs, [], [], tokens, None, True, all_greedy=True, graph_key=decode_key,
+                              inputs_version=graphs.inputs_version, table_ends=fallback.table_ends)
 
-    def read(self, following: None) -> list[SequenceResult]:
-        return greedy_accept_on_host(self.copy.read(), self.key[1], self.draft_token_ids, self.accept_limits)
+    def read(self, following: LaunchedDecode | None) -> list[SequenceResult]:
+        results = greedy_accept_on_host(self.copy.read(), self.key[1], self.draft_token_ids, self.accept_limits)
+        if following is not None:  # the decode step queued after this one: where it ran, now known
+            block_size = following.kind.block_size
+            for seq, start, result in zip(self.seqs, self.fallback.starts, results):
+                position = start + result.num_accepted + 1
+                following.positions.append(position)
+                following.slots.append(seq.block_ids[position // block_size] * block_size + position % block_size)
+        return results

@@ -15,12 +15,14 @@ import random
 import pytest
 import torch
 
-from fixtures.padded_step import padded_step_for_host_drafters
+from fixtures.padded_step import fallback_on_the_padded_forward, padded_step_for_host_drafters
 from foretell import LLM, SamplingParams
+from foretell.bench.datasets import load_prompts
+from foretell.defaults import default_target
 from foretell.ops.step.reference import accept_drafts_torch
 from foretell.runner.graphed_verify import PAD_DRAFT_TOKEN, GraphedVerify
 from foretell.runner.host_verify import HostVerifiedStep, greedy_accept_on_host
-from foretell.runner.step_pipeline import HostCopy
+from foretell.runner.step_pipeline import HostCopy, StepPipeline
 
 SPEC = {"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_tree_depth": 10,
         "suffix_decoding_min_match_length": 2}
@@ -127,3 +129,70 @@ def test_steps_with_logprobs_or_sampled_rows_verify_on_the_device(qwen3_checkpoi
         kind = padded(llm)
         assert kind.num_steps > 0 and llm.get_stats()["num_drafts"] > 0
         assert kind.num_host_verified_steps == 0
+
+
+def record_fallbacks(monkeypatch) -> tuple[list, list]:
+    """(the plain steps host-verified steps queued after them, the queued steps the pipeline took)."""
+    queued, taken = [], []
+    launch_next, take = HostVerifiedStep.launch_next, StepPipeline.take
+
+    def recorded_launch_next(self, num_next_drafts=None):
+        step = launch_next(self, num_next_drafts)
+        if step is not None:
+            queued.append(step)
+        return step
+
+    def recorded_take(self, scheduled, block_size):
+        step = take(self, scheduled, block_size)
+        taken.append(step)
+        return step
+
+    monkeypatch.setattr(HostVerifiedStep, "launch_next", recorded_launch_next)
+    monkeypatch.setattr(StepPipeline, "take", recorded_take)
+    return queued, taken
+
+
+@pytest.mark.parametrize("max_tokens", [24, 9])  # 9: sequences stop within a step's drafts
+def test_the_plain_step_after_a_drafting_one_is_queued_and_exact(qwen3_checkpoint, monkeypatch, max_tokens):
+    """With the plain step after each host-verified step queued on the device (advanced from the
+    verify's buffers), greedy output equals plain decoding's; such steps are taken when the
+    drafter drafts nothing next and dropped when it drafts, and no KV block is left behind."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    _, plain = generate(qwen3_checkpoint, params)
+    padded_step_for_host_drafters(monkeypatch)
+    queued, taken = record_fallbacks(monkeypatch)
+    spec = dict(SPEC, suffix_decoding_min_accepted_tokens=0)  # the gate off: every match drafts
+    llm = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=128, speculative_config=spec, async_scheduling="on")
+    fallback_on_the_padded_forward(llm)
+    tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert tokens == plain
+    assert padded(llm).num_host_verified_steps > 0
+    if max_tokens == 24:
+        used = [step for step in queued if any(step is t for t in taken)]
+        assert used, "no queued plain step was taken"
+    block_manager = llm.engine.scheduler.block_manager
+    assert block_manager.num_free_blocks == block_manager.num_blocks  # (nothing kept past the requests)
+
+
+def test_nothing_is_queued_after_a_step_without_plain_decodings_kind():
+    step = HostVerifiedStep([], (1, 3), HostCopy.queue(torch.tensor([5, 6, 9])), [[5, 6]], [None], fallback=None)
+    assert step.launch_next(None) is None
+
+
+def test_fallbacks_on_the_default_family_are_taken_and_dropped_and_exact(monkeypatch):
+    """The shipped default target on the repetitive prompts (real suffix matches that end): greedy
+    output equals plain decoding's, some queued plain steps are taken (nobody drafted next) and
+    some dropped (a sequence drafted again)."""
+    prompts = [p.text for p in load_prompts("repetitive", 4)]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    options = dict(dtype="float32", num_kv_blocks=256)
+    plain = [o.outputs[0].token_ids for o in LLM(default_target("qwen3"), **options).generate(prompts, params,
+                                                                                               use_tqdm=False)]
+    padded_step_for_host_drafters(monkeypatch)
+    queued, taken = record_fallbacks(monkeypatch)
+    llm = LLM(default_target("qwen3"), speculative_config={"method": "suffix", "num_speculative_tokens": 8},
+              async_scheduling="on", **options)
+    fallback_on_the_padded_forward(llm)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == plain
+    used = [step for step in queued if any(step is t for t in taken)]
+    assert 0 < len(used) < len(queued)
