@@ -96,3 +96,26 @@ def test_suffix_k16_replays_the_smallest_verify_graph(qwen3_checkpoint, monkeypa
     assert {q for q, most in steps if most > 1} & {5, 9}, "no drafting step replayed a shorter graph"
     print(f"K = 16: verify lengths replayed {sorted({q for q, _ in steps})}, "
           f"accepted {llm.get_stats()['num_accepted_tokens']}")
+
+
+def test_the_plain_step_after_a_drafting_one_is_queued_on_the_graphs(monkeypatch):
+    """The shipped default target on the repetitive prompts, fp32, async scheduling: each greedy
+    host-verified step queues the plain step after it on the (bucket, 1) graph (runner/host_verify.py);
+    some are taken, some dropped, and greedy output equals plain decoding's."""
+    from fixtures.padded_step import record_fallbacks
+    from foretell.bench.datasets import load_prompts
+    from foretell.defaults import default_target
+
+    prompts = [p.text for p in load_prompts("repetitive", 8)]
+    params = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
+    options = dict(device="cuda", dtype="float32", num_kv_blocks=512, max_num_seqs=4)
+    plain = [o.outputs[0].token_ids for o in LLM(default_target("qwen3"), **options).generate(prompts, params,
+                                                                                               use_tqdm=False)]
+    llm = LLM(default_target("qwen3"), speculative_config={"method": "suffix", "num_speculative_tokens": 8}, **options)
+    queued, taken = record_fallbacks(monkeypatch)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == plain
+    used = [step for step in queued if any(step is t for t in taken)]
+    assert 0 < len(used) < len(queued)
+    stats = llm.get_stats()
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+    print(f"fallbacks queued {len(queued)}, taken {len(used)}")

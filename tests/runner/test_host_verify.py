@@ -15,14 +15,14 @@ import random
 import pytest
 import torch
 
-from fixtures.padded_step import fallback_on_the_padded_forward, padded_step_for_host_drafters
+from fixtures.padded_step import fallback_on_the_padded_forward, padded_step_for_host_drafters, record_fallbacks
 from foretell import LLM, SamplingParams
 from foretell.bench.datasets import load_prompts
 from foretell.defaults import default_target
 from foretell.ops.step.reference import accept_drafts_torch
 from foretell.runner.graphed_verify import PAD_DRAFT_TOKEN, GraphedVerify
 from foretell.runner.host_verify import HostVerifiedStep, greedy_accept_on_host
-from foretell.runner.step_pipeline import HostCopy, StepPipeline
+from foretell.runner.step_pipeline import HostCopy
 
 SPEC = {"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_tree_depth": 10,
         "suffix_decoding_min_match_length": 2}
@@ -129,27 +129,6 @@ def test_steps_with_logprobs_or_sampled_rows_verify_on_the_device(qwen3_checkpoi
         kind = padded(llm)
         assert kind.num_steps > 0 and llm.get_stats()["num_drafts"] > 0
         assert kind.num_host_verified_steps == 0
-
-
-def record_fallbacks(monkeypatch) -> tuple[list, list]:
-    """(the plain steps host-verified steps queued after them, the queued steps the pipeline took)."""
-    queued, taken = [], []
-    launch_next, take = HostVerifiedStep.launch_next, StepPipeline.take
-
-    def recorded_launch_next(self, num_next_drafts=None):
-        step = launch_next(self, num_next_drafts)
-        if step is not None:
-            queued.append(step)
-        return step
-
-    def recorded_take(self, scheduled, block_size):
-        step = take(self, scheduled, block_size)
-        taken.append(step)
-        return step
-
-    monkeypatch.setattr(HostVerifiedStep, "launch_next", recorded_launch_next)
-    monkeypatch.setattr(StepPipeline, "take", recorded_take)
-    return queued, taken
 
 
 @pytest.mark.parametrize("max_tokens", [24, 9])  # 9: sequences stop within a step's drafts
