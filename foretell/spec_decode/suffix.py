@@ -72,6 +72,7 @@ from foretell.spec_decode.proposer import DraftBatch, Proposal, ProposerBase, Pr
 from foretell.spec_decode.suffix_cache import GlobalSuffixCache
 from foretell.spec_decode.suffix_calibration import MatchCalibration
 from foretell.spec_decode.suffix_gate import AUTO_PRIOR_BAR, PAUSE_PER_BAR, StepCostBar
+from foretell.spec_decode.suffix_margin import RealisedMargin
 from foretell.spec_decode.suffix_state import FIRST_PAUSE, MAX_PAUSE, SequenceState, SuffixSettings
 from foretell.spec_decode.suffix_tree import EMPTY_DRAFT, Draft, Match
 
@@ -88,11 +89,13 @@ class SuffixProposer(ProposerBase):
         bar = s.min_accepted_tokens
         if bar == "auto":  # learned from the steps (suffix_gate.py); k + 1: no draft can pay
             self.cost_bar: StepCostBar | None = StepCostBar(max_bar=num_speculative_tokens + 1)
-            self.bar = self.cost_bar.bar
+            self.bar = self.break_even = self.cost_bar.bar
             self.calibration: MatchCalibration | None = MatchCalibration(s.key_length)
+            # what the admitted drafts realised against their bar, added to it (suffix_margin.py)
+            self.margin: RealisedMargin | None = RealisedMargin(num_speculative_tokens + 1)
         elif isinstance(bar, (int, float)) and not isinstance(bar, bool) and bar >= 0:
             self.cost_bar, self.bar = None, float(bar)
-            self.calibration = None
+            self.calibration = self.margin = None
         else:
             raise ValueError(f"suffix min_accepted_tokens must be a number >= 0 or 'auto', got {bar!r}")
 
@@ -167,6 +170,8 @@ class SuffixProposer(ProposerBase):
         state.run_going = accepted == len(draft)
         if self.calibration is not None:
             self.calibration.add(state.last_match_length, accepted, len(draft))
+            if self.cost_bar.learned:  # admitted under a learned break-even bar: the margin learns
+                self.margin.judge(self.break_even, accepted, self.cost_bar.num_intervals)
         average = accepted if state.accepted_average == float("inf") else 0.5 * (state.accepted_average + accepted)
         if average >= bar:
             state.accepted_average, state.pause = average, FIRST_PAUSE
@@ -194,13 +199,17 @@ class SuffixProposer(ProposerBase):
         self.cache.clear()
         if self.cost_bar is not None:
             self.cost_bar.restart()
+            self.margin = RealisedMargin(self.k + 1)
 
     def stats(self) -> dict:
         """For get_stats(): the acceptance gate's bar now, and under "auto" the step costs it
-        comes from (suffix_gate.StepCostBar.as_dict)."""
+        comes from (suffix_gate.StepCostBar.as_dict: "bar" is the break-even) and the realised
+        margin added to it (suffix_margin.py) with the count of drafts judged into it."""
         if self.cost_bar is None:
             return {"suffix_gate": {"auto": False, "bar": self.bar}}
-        return {"suffix_gate": self.cost_bar.as_dict()}
+        costs = self.cost_bar.as_dict()  # (first: it times the quiet steps' stamps, which the decay counts)
+        margin = self.margin.value(self.cost_bar.num_intervals)
+        return {"suffix_gate": {**costs, "margin": round(margin, 4), "margin_judged": self.margin.num_judged}}
 
     # ---- drafting ------------------------------------------------------------------------
     def draft(self, state: SequenceState, max_tokens: int, min_length: float = 0.0) -> Draft:
@@ -233,7 +242,9 @@ class SuffixProposer(ProposerBase):
         cost_bar = self.cost_bar
         if cost_bar is None:
             return True, 0.0
-        self.bar = cost_bar.begin_step(seq_ids, samples)
+        self.bar = self.break_even = cost_bar.begin_step(seq_ids, samples)
+        if cost_bar.learned:  # the bar the drafts face: break-even plus what they realised (suffix_margin.py)
+            self.bar = min(self.bar + self.margin.value(cost_bar.num_intervals), cost_bar.max_bar)
         # (the prior bar is a guess: it only gates as a fixed bar does)
         min_length = self.bar if cost_bar.learned else 0.0  # a draft no longer cannot pay, accepted whole
         # explore: a plain step to time; a bar of k or more: no draft can pay
@@ -321,7 +332,8 @@ class SuffixProposer(ProposerBase):
                 cost_bar.quiet_step(tuple(ids))
             return None
         # The gate's bar surely k or more (no lookup, a quiet step for the gate: StepCostBar.barred_step)
-        barred = cost_bar is not None and cost_bar.barred_step(tuple(ids), self.k)
+        # (the margin as last set: it only decays, so the bar it gives is a little high for a while)
+        barred = cost_bar is not None and cost_bar.barred_step(tuple(ids), self.k - self.margin.margin)
         if not barred:
             lookup, min_length = self._begin_gate(ids, [True] * len(ids))
             if lookup:
