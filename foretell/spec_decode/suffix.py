@@ -76,6 +76,11 @@ from foretell.spec_decode.suffix_margin import RealisedMargin
 from foretell.spec_decode.suffix_state import FIRST_PAUSE, MAX_PAUSE, SequenceState, SuffixSettings
 from foretell.spec_decode.suffix_tree import EMPTY_DRAFT, Draft, Match
 
+#: Calls of one batch after one whose learned bar was k or more (no draft can pay) that only stamp
+#: the clock (_begin_gate): the bar is not worked out for them. A bar falling below k meanwhile is
+#: seen up to this many steps late: drafts change speed only, never tokens.
+SKIP_AFTER_BARRED = 16
+
 
 class SuffixProposer(ProposerBase):
     method = "suffix"
@@ -93,9 +98,11 @@ class SuffixProposer(ProposerBase):
             self.calibration: MatchCalibration | None = MatchCalibration(s.key_length)
             # what the admitted drafts realised against their bar, added to it (suffix_margin.py)
             self.margin: RealisedMargin | None = RealisedMargin(num_speculative_tokens + 1)
+            self._skip_left = 0  # calls left that only stamp the clock (_begin_gate)
         elif isinstance(bar, (int, float)) and not isinstance(bar, bool) and bar >= 0:
             self.cost_bar, self.bar = None, float(bar)
             self.calibration = self.margin = None
+            self._skip_left = 0
         else:
             raise ValueError(f"suffix min_accepted_tokens must be a number >= 0 or 'auto', got {bar!r}")
 
@@ -200,6 +207,7 @@ class SuffixProposer(ProposerBase):
         if self.cost_bar is not None:
             self.cost_bar.restart()
             self.margin = RealisedMargin(self.k + 1)
+            self._skip_left = 0
 
     def stats(self) -> dict:
         """For get_stats(): the acceptance gate's bar now, and under "auto" the step costs it
@@ -238,17 +246,24 @@ class SuffixProposer(ProposerBase):
 
     def _begin_gate(self, seq_ids: list | None, samples: list[bool]) -> tuple[bool, float]:
         """The gate's call of this step (under "auto": its bar from the steps timed so far):
-        (whether sequences look up matches, the length a draft must exceed)."""
+        (whether sequences look up matches, the length a draft must exceed). After a call whose
+        learned bar was k or more, the next SKIP_AFTER_BARRED calls of the same batch only stamp
+        the clock (StepCostBar.stamp_same_batch) and look nothing up, the bar not worked out."""
         cost_bar = self.cost_bar
         if cost_bar is None:
             return True, 0.0
+        if self._skip_left > 0 and seq_ids and all(samples) and cost_bar.stamp_same_batch(tuple(seq_ids)):
+            self._skip_left -= 1
+            return False, self.bar
         self.bar = self.break_even = cost_bar.begin_step(seq_ids, samples)
         if cost_bar.learned:  # the bar the drafts face: break-even plus what they realised (suffix_margin.py)
             self.bar = min(self.bar + self.margin.value(cost_bar.num_intervals), cost_bar.max_bar)
         # (the prior bar is a guess: it only gates as a fixed bar does)
         min_length = self.bar if cost_bar.learned else 0.0  # a draft no longer cannot pay, accepted whole
         # explore: a plain step to time; a bar of k or more: no draft can pay
-        return not cost_bar.explore and min_length < self.k, min_length
+        lookup = not cost_bar.explore and min_length < self.k
+        self._skip_left = SKIP_AFTER_BARRED if cost_bar.learned and not cost_bar.explore and not lookup else 0
+        return lookup, min_length
 
     def _draft_batch(self, batch: DraftBatch, lookup: bool, min_length: float) -> list[Draft]:
         """propose_drafts after the gate's call (_begin_gate gave lookup and min_length)."""
@@ -334,6 +349,8 @@ class SuffixProposer(ProposerBase):
         # The gate's bar surely k or more (no lookup, a quiet step for the gate: StepCostBar.barred_step)
         # (the margin as last set: it only decays, so the bar it gives is a little high for a while)
         barred = cost_bar is not None and cost_bar.barred_step(tuple(ids), self.k - self.margin.margin)
+        if barred:  # what _begin_gate would have done at this step (the same skips whichever path runs)
+            self._skip_left = self._skip_left - 1 if self._skip_left > 0 else SKIP_AFTER_BARRED
         if not barred:
             lookup, min_length = self._begin_gate(ids, [True] * len(ids))
             if lookup:

@@ -190,6 +190,15 @@ class StepCostBar:
             return False
         return self._stamp()
 
+    def stamp_same_batch(self, seq_ids: tuple) -> bool:
+        """Stamp a step of seq_ids as a quiet step (timed later, as quiet_step's repeats are) when
+        it is the batch of the last call and that call drafted nothing; False: nothing done. For a
+        caller that knows the step drafts nothing (SuffixProposer's skipped steps under a bar of
+        k or more)."""
+        if seq_ids != self._quiet_ids:
+            return False
+        return self._stamp()
+
     def _stamp(self) -> bool:
         """A quiet step's clock stamp kept (_time_stamps times it later); one barred step fewer
         left, none when the interval is not positive (a plain cost of 0 s leaves the bar
