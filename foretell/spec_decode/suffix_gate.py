@@ -18,17 +18,14 @@ idle gap between generate() calls). Call i closes step i's results and proposes 
 i + 1; the interval from call i to call i + 1 holds the drafter's work at call i, the engine's output
 processing and schedule, and step i + 1's launch and read back. Where steps are queued ahead
 (runner/step_pipeline.py: a GPU), step i's finish queues step i + 1 as a plain step (no drafts)
-before reading step i, and a verify with host drafts can queue only the plain step after it (its next
-step's drafts come from the host after it is read: runner/host_verify.py queues step i + 1 as a plain
-step on the guess that nobody drafts, where plain decoding's graphs share the verify's buffers). So,
-by what call i and call i - 1 drafted (any sequence):
+before reading step i, and a verify with host drafts queues at most the plain step after it, on the
+guess that nobody drafts next (runner/host_verify.py). So, by what call i and call i - 1 drafted:
   - drafting (call i drafted): step i + 1 verifies the drafts. When call i - 1 did not draft, a
     plain step i + 1 was queued ahead and is dropped; it still runs on the device before the verify,
     so the interval holds it too. Then the proposal, the verify's launch and its wait;
-  - fallback (call i did not draft, call i - 1 did): step i + 1 is a plain step after a verify:
-    queued by it where it could be (above; then near a plain step's cost), else launched from the
-    host and waited for whole (the host work and the device's latency in a row, not side by side);
-    it queues step i + 2;
+  - fallback (call i did not draft, call i - 1 did): step i + 1 is a plain step after a verify, queued
+    by it where it could be (near a plain step's cost), else launched from the host and waited for
+    whole (host work and device latency in a row, not side by side); it queues step i + 2;
   - plain (neither drafted): step i + 1 was queued ahead by step i's finish: the host's work runs
     while the device computes, the interval is a plain step's period (on a GPU with a small
     target, its host work). On a CPU nothing is queued ahead: plain and fallback cost the same.
@@ -191,10 +188,8 @@ class StepCostBar:
         return self._stamp()
 
     def stamp_same_batch(self, seq_ids: tuple) -> bool:
-        """Stamp a step of seq_ids as a quiet step (timed later, as quiet_step's repeats are) when
-        it is the batch of the last call and that call drafted nothing; False: nothing done. For a
-        caller that knows the step drafts nothing (SuffixProposer's skipped steps under a bar of
-        k or more)."""
+        """A step its caller knows drafts nothing (SuffixProposer's skipped calls) stamped as a quiet
+        step when seq_ids is the batch of the last call, which drafted nothing; else False."""
         if seq_ids != self._quiet_ids:
             return False
         return self._stamp()
