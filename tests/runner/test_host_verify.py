@@ -175,3 +175,27 @@ def test_fallbacks_on_the_default_family_are_taken_and_dropped_and_exact(monkeyp
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == plain
     used = [step for step in queued if any(step is t for t in taken)]
     assert 0 < len(used) < len(queued)
+
+
+def test_no_plain_step_is_queued_where_a_sequence_could_stop_or_outrun_its_table():
+    """launch_next declines (before any device work) when a sequence could reach max_tokens or
+    max_model_len within its drafts and one more token, when its furthest next position passes the
+    blocks the buffers' table holds, when the buffers were rewritten since the verify, and under
+    adaptive speculation (the scheduler chooses the next drafts)."""
+    from types import SimpleNamespace
+
+    from foretell.runner.host_verify import FallbackDecode
+
+    def step(max_tokens=None, outputs=2, start=10, table_end=32, version=7, max_model_len=100):
+        seq = SimpleNamespace(sampling_params=SimpleNamespace(max_tokens=max_tokens), num_output_tokens=outputs,
+                              token_ids=[1] * (start + 1))
+        graphs = SimpleNamespace(inputs_version=7, captures=False, graphs={})
+        decode = SimpleNamespace(max_model_len=max_model_len, block_size=16)
+        fallback = FallbackDecode(decode, graphs, None, None, None, None, [start], [table_end], version)
+        return HostVerifiedStep([seq], (1, 4), None, [[1, 2, 3]], [None], fallback)
+
+    assert step(max_tokens=6).launch_next() is None  # 2 outputs + 3 drafts + 1 reach 6
+    assert step(table_end=14).launch_next() is None  # position 10 + 3 + 1 = 14 is past the table
+    assert step(version=6).launch_next() is None  # the buffers hold another step's inputs
+    assert step(max_model_len=15).launch_next() is None  # 11 tokens + 3 + 1 reach the limit
+    assert step().launch_next(num_next_drafts=2) is None
