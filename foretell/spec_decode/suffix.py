@@ -41,10 +41,13 @@ whole (a run going on).
 min_accepted_tokens "auto" (suffix_gate.py): the bar is what a draft must accept for a drafting
 step to pay on this machine, t_draft / t_plain - 1, learned from the time between the drafter's
 calls (one engine step each); once learned, a draft no longer than the bar is not proposed (even
-accepted whole it cannot pay), a bar of k or more looks nothing up, and the longest pause grows with
-the bar (PAUSE_PER_BAR). "auto" is the fixed AUTO_PRIOR_BAR under a hybrid drafter (a paused
-sequence takes the model's drafts there: no plain step shows what drafting costs) and under tensor
-parallelism (each rank drafts for itself, and ranks must draft alike: no bar from a rank's clock).
+accepted whole it cannot pay), a bar of k or more looks nothing up (and the batch's next
+SKIP_AFTER_BARRED calls only stamp the clock), and the longest pause grows with the bar
+(PAUSE_PER_BAR). The bar the drafts face is that break-even plus a margin learned from what the
+admitted drafts accepted against it (suffix_margin.py), so a class that over-predicts stops.
+"auto" is the fixed AUTO_PRIOR_BAR under a hybrid drafter (a paused sequence takes the model's
+drafts there: no plain step shows what drafting costs) and under tensor parallelism (each rank
+drafts for itself, and ranks must draft alike: no bar from a rank's clock).
 When branches compete the engine would gain from a tree of drafts; host drafters verify chains
 only for now, so the best chain is drafted.
 
