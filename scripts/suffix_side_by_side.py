@@ -12,10 +12,11 @@ at the end each engine's steps by kind over every repeat (bench/step_kinds.py: w
 the drafting, fallback or plain steps).
 The two engines take turns request by request, each going first on every other prompt, so a drift of
 the host's speed lands on both (--whole-sets: plain's whole set, then suffix's); the last line pools
-every repeat's tokens and seconds.
+every repeat's tokens and seconds. --with-null adds a third engine, suffix whose drafter proposes
+nothing at once: what the host-drafter engine costs apart from the drafter's own work.
 
     python scripts/suffix_side_by_side.py [--device cuda] [--repeats 3] [--k 3] [--num-prompts 16]
-        [--max-tokens 128] [--dataset gsm8k] [--ignore-eos] [--min-accepted auto] [--whole-sets]
+        [--max-tokens 128] [--dataset gsm8k] [--ignore-eos] [--min-accepted auto] [--whole-sets] [--with-null]
         [--output-json OUT.json]
 """
 
@@ -48,6 +49,9 @@ def main() -> int:
     parser.add_argument("--min-accepted", default="auto",
                         help="suffix_decoding_min_accepted_tokens: the gate's bar (auto: learned), or a number")
     parser.add_argument("--whole-sets", action="store_true", help="each engine's whole set in turn")
+    parser.add_argument("--with-null", action="store_true",
+                        help="a third engine: suffix whose drafter proposes nothing at once (the host-drafter "
+                             "engine's own cost, apart from the drafter's)")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
     if args.repeats < 1 or args.num_prompts < 1:
@@ -60,8 +64,12 @@ def main() -> int:
     bar = args.min_accepted if args.min_accepted == "auto" else float(args.min_accepted)
     specs = {"none": None, "suffix": {"method": "suffix", "num_speculative_tokens": args.k,
                                       "suffix_decoding_min_accepted_tokens": bar}}
+    if args.with_null:
+        specs["null"] = specs["suffix"]
     engines = {name: LLM(default_target("qwen3"), speculative_config=spec, device=args.device, max_num_seqs=1,
                          log_stats_interval_s=0, **memory) for name, spec in specs.items()}
+    if args.with_null:  # an instance attribute: this engine's drafter only
+        engines["null"].engine.runner.proposer.propose_step = lambda items, results, make_batch: None
     for llm in engines.values():
         llm.generate(prompts[:n], params, use_tqdm=False)  # the warm-up set
     rows = []
@@ -87,15 +95,18 @@ def main() -> int:
             steps = stats["num_steps"] - steps_before[name]  # engine steps (prefills included)
             rows.append({"repeat": rep, "method": name, "tok_s": round(tokens / seconds, 1), "steps": steps,
                          "ms_per_step": round(1e3 * seconds / max(steps, 1), 4), "gate": stats.get("suffix_gate")})
-        plain, suffix = rows[-2], rows[-1]
+        plain, suffix = rows[-len(engines)], rows[-len(engines) + 1]
         print(f"repeat {rep}: plain {plain['tok_s']:.1f} tok/s ({plain['steps']} steps, "
               f"{plain['ms_per_step']:.3f} ms), "
               f"suffix {suffix['tok_s']:.1f} ({suffix['tok_s'] / plain['tok_s']:.2f}x; {suffix['steps']} steps, "
               f"{suffix['ms_per_step']:.3f} ms); gate {json.dumps(suffix['gate'])}", flush=True)
-    ratios = [rows[i + 1]["tok_s"] / rows[i]["tok_s"] for i in range(0, len(rows), 2)]
+    ratios = [rows[i + 1]["tok_s"] / rows[i]["tok_s"] for i in range(0, len(rows), len(engines))]
     plain_tok_s, suffix_tok_s = (pooled[name][0] / pooled[name][1] for name in ("none", "suffix"))
     print(f"pooled: plain {plain_tok_s:.1f} tok/s, suffix {suffix_tok_s:.1f} ({suffix_tok_s / plain_tok_s:.3f}x); "
           f"median of repeats {statistics.median(ratios):.3f}x", flush=True)
+    if args.with_null:
+        null_tok_s = pooled["null"][0] / pooled["null"][1]
+        print(f"pooled: null (no drafter's work) {null_tok_s:.1f} tok/s ({null_tok_s / plain_tok_s:.3f}x)", flush=True)
     for name, steps in kinds.items():
         print(f"\n{name}, steps by kind over every repeat:\n{format_kinds(steps.table())}", flush=True)
     for llm in engines.values():
