@@ -3,11 +3,11 @@ the break-even bar they were admitted under, added to that bar.
 
 The gate (suffix_gate.py) prices a drafting step from timed steps and admits a draft when its
 match class expects it to accept at least the break-even bar (suffix.py's MatchCalibration; the
-sequence's own average; a run going on; a probe). Those predictions can be biased: on GSM8K on the
-H200 (docs/perf-log.md) the admitted drafts accepted about 1.8 of 3 tokens under bars of 2.9-3.7,
-so every drafting step lost, and the cheaper the steps around a draft became the more were let
-through. The margin closes that loop with what the drafts realised: after each judged draft made
-under a learned bar,
+sequence's own average; a run going on; a probe). Those predictions can be biased: on GSM8K on
+the H200 (docs/perf-log.md, the twenty-fifth GPU session) the admitted drafts accepted well under
+the bars they were admitted under, so every drafting step lost, and the cheaper the steps around a
+draft became the more were let through. The margin closes that loop with what the drafts
+realised: after each judged draft made under a learned bar,
 
     margin <- clamp(margin + RATE * (break_even - accepted), 0, max_margin)
 
