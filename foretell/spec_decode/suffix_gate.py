@@ -34,17 +34,14 @@ drafting costs the m intervals plus the fallback's excess over a plain step, aga
 steps: per drafting step t_draft = D + (F - P) / m, D the drafting interval, F the fallback, P the
 plain one. With a run of one: a draft pays when its 1 + a tokens plus the fallback's one cost less
 than 2 + a plain steps, D + F < (2 + a) P, i.e. a > (D + F - P) / P - 1.
-Per batch-size bucket (powers of two) the low COST_QUANTILE-quantile of the last COST_WINDOW
-intervals of each kind is its D, F and P (the same statistic for each, so that their ratio is one of
-like statistics). Why a low quantile of many: the plain step is the cheapest and a host's slow steps
-(a collection, another process: the same time added to any step) weigh most on it; a median of a few
-let a few slow plain steps in a row raise P, lower the bar and let losing drafts through. m is the
-mean run length over the last COST_WINDOW runs that ended in a timed fallback (a run counts from its
-chain's first call when the batch changed under it: the step after a batch change is not queued
-ahead anyway). Until a bucket has timed MIN_COST_SAMPLES fallbacks its t_draft is D alone. The bar
-is t_draft / P - 1, clamped to [MIN_AUTO_BAR, k + 1] (k + 1: no draft of at most k tokens can pay),
-taken from the nearest bucket that has timed D and P (ties: the smaller), AUTO_PRIOR_BAR before any
-has.
+Per batch-size bucket (powers of two) D, F and P are the low COST_QUANTILE-quantile of the last
+COST_WINDOW intervals of each kind (one statistic for all three: a ratio of like statistics; a low
+quantile of many, because a host's slow steps weigh most on the cheapest, the plain step, and a few
+in a row would raise P and let losing drafts through). m is the mean run length over the last
+COST_WINDOW runs that ended in a timed fallback (a run counts from its chain's first call when the
+batch changed under it). Until a bucket has timed MIN_COST_SAMPLES fallbacks t_draft is D alone.
+The bar is t_draft / P - 1, clamped to [MIN_AUTO_BAR, k + 1] (k + 1: no draft of at most k tokens
+can pay), from the nearest bucket that has timed D and P (ties: the smaller), AUTO_PRIOR_BAR before.
 
 A workload where every sequence drafts every step never shows a plain step: once a bucket has timed
 MIN_COST_SAMPLES drafting steps and lacks plain ones, the drafter drafts nothing for EXPLORE_STEPS
