@@ -42,7 +42,7 @@ min_accepted_tokens "auto" (suffix_gate.py): the bar is what a draft must accept
 step to pay on this machine, t_draft / t_plain - 1, learned from the time between the drafter's
 calls (one engine step each); once learned, a draft no longer than the bar is not proposed (even
 accepted whole it cannot pay), a bar of k or more looks nothing up (and the batch's next
-SKIP_AFTER_BARRED calls only stamp the clock), and the longest pause grows with the bar
+calls only stamp the clock: suffix_skips.py), and the longest pause grows with the bar
 (PAUSE_PER_BAR). The bar the drafts face is that break-even plus a margin learned from what the
 admitted drafts accepted against it (suffix_margin.py), so a class that over-predicts stops.
 "auto" is the fixed AUTO_PRIOR_BAR under a hybrid drafter (a paused sequence takes the model's
@@ -76,13 +76,9 @@ from foretell.spec_decode.suffix_cache import GlobalSuffixCache
 from foretell.spec_decode.suffix_calibration import MatchCalibration
 from foretell.spec_decode.suffix_gate import AUTO_PRIOR_BAR, PAUSE_PER_BAR, StepCostBar
 from foretell.spec_decode.suffix_margin import RealisedMargin
+from foretell.spec_decode.suffix_skips import SkippedCalls
 from foretell.spec_decode.suffix_state import FIRST_PAUSE, MAX_PAUSE, SequenceState, SuffixSettings
 from foretell.spec_decode.suffix_tree import EMPTY_DRAFT, Draft, Match
-
-#: Calls of one batch after one whose learned bar was k or more (no draft can pay) that only stamp
-#: the clock (_begin_gate): the bar is not worked out for them. A bar falling below k meanwhile is
-#: seen up to this many steps late: drafts change speed only, never tokens.
-SKIP_AFTER_BARRED = 16
 
 
 class SuffixProposer(ProposerBase):
@@ -101,13 +97,12 @@ class SuffixProposer(ProposerBase):
             self.calibration: MatchCalibration | None = MatchCalibration(s.key_length)
             # what the admitted drafts realised against their bar, added to it (suffix_margin.py)
             self.margin: RealisedMargin | None = RealisedMargin(num_speculative_tokens + 1)
-            self._skip_left = 0  # calls left that only stamp the clock (_begin_gate)
         elif isinstance(bar, (int, float)) and not isinstance(bar, bool) and bar >= 0:
             self.cost_bar, self.bar = None, float(bar)
             self.calibration = self.margin = None
-            self._skip_left = 0
         else:
             raise ValueError(f"suffix min_accepted_tokens must be a number >= 0 or 'auto', got {bar!r}")
+        self.skips = SkippedCalls()  # calls that only stamp the clock after a barring bar (suffix_skips.py)
 
     @property
     def capabilities(self) -> ProposerCapabilities:
@@ -199,6 +194,7 @@ class SuffixProposer(ProposerBase):
     def forget(self, seq_id: int) -> None:
         """A sequence is done (or preempted): its response joins the global cache."""
         state = self.states.pop(seq_id, None)
+        self.skips.wake_one(seq_id, state)  # (a dormant sequence's tokens first: suffix_skips.py)
         if state is not None and state.prompt_length is not None:
             self.cache.add(state.tokens_from(state.prompt_length))  # pending tokens included
 
@@ -210,7 +206,8 @@ class SuffixProposer(ProposerBase):
         if self.cost_bar is not None:
             self.cost_bar.restart()
             self.margin = RealisedMargin(self.k + 1)
-            self._skip_left = 0
+        self.skips.wake(self.states)
+        self.skips.stop()
 
     def stats(self) -> dict:
         """For get_stats(): the acceptance gate's bar now, and under "auto" the step costs it
@@ -250,13 +247,14 @@ class SuffixProposer(ProposerBase):
     def _begin_gate(self, seq_ids: list | None, samples: list[bool]) -> tuple[bool, float]:
         """The gate's call of this step (under "auto": its bar from the steps timed so far):
         (whether sequences look up matches, the length a draft must exceed). After a call whose
-        learned bar was k or more, the next SKIP_AFTER_BARRED calls of the same batch only stamp
-        the clock (StepCostBar.stamp_same_batch) and look nothing up, the bar not worked out."""
+        learned bar was k or more, the next calls of the same batch only stamp the clock
+        (StepCostBar.stamp_same_batch) and look nothing up, the bar not worked out (suffix_skips.py)."""
         cost_bar = self.cost_bar
         if cost_bar is None:
             return True, 0.0
-        if self._skip_left > 0 and seq_ids and all(samples) and cost_bar.stamp_same_batch(tuple(seq_ids)):
-            self._skip_left -= 1
+        skips = self.skips
+        if skips.left > 0 and seq_ids and all(samples) and cost_bar.stamp_same_batch(tuple(seq_ids)):
+            skips.left -= 1
             return False, self.bar
         self.bar = self.break_even = cost_bar.begin_step(seq_ids, samples)
         if cost_bar.learned:  # the bar the drafts face: break-even plus what they realised (suffix_margin.py)
@@ -265,7 +263,10 @@ class SuffixProposer(ProposerBase):
         min_length = self.bar if cost_bar.learned else 0.0  # a draft no longer cannot pay, accepted whole
         # explore: a plain step to time; a bar of k or more: no draft can pay
         lookup = not cost_bar.explore and min_length < self.k
-        self._skip_left = SKIP_AFTER_BARRED if cost_bar.learned and not cost_bar.explore and not lookup else 0
+        if cost_bar.learned and not cost_bar.explore and not lookup:
+            skips.start_run()
+        else:
+            skips.stop()
         return lookup, min_length
 
     def _draft_batch(self, batch: DraftBatch, lookup: bool, min_length: float) -> list[Draft]:
@@ -321,6 +322,12 @@ class SuffixProposer(ProposerBase):
         (the same states and drafts as propose()'s; a token indexed here where observe would keep
         it pending changes no draft: the next lookup indexes pending tokens first). Every call
         makes the gate's one call of the step, as propose() does."""
+        skips = self.skips
+        if skips.dormant_ids is not None:  # a dormant batch (suffix_skips.py): nothing per sequence
+            if skips.left > 0 and skips.skips(items) and self.cost_bar.stamp_same_batch(skips.dormant_ids):
+                skips.left -= 1
+                return None
+            skips.wake(self.states)
         states, cache_head = self.states, self.cache.index.head
         ids, waiting = [], None
         for item, result in zip(items, results):
@@ -345,7 +352,7 @@ class SuffixProposer(ProposerBase):
                 waiting.append((state, new))  # quiet only if the gate looks nothing up
             ids.append(seq.seq_id)
         cost_bar = self.cost_bar
-        if waiting is None:
+        if waiting is None and not skips.left:  # (within a run of skipped calls: counted below, as _begin_gate does)
             if cost_bar is not None:  # the gate times the step as propose_drafts would (nothing drafted)
                 cost_bar.quiet_step(tuple(ids))
             return None
@@ -353,16 +360,21 @@ class SuffixProposer(ProposerBase):
         # (the margin as last set: it only decays, so the bar it gives is a little high for a while)
         barred = cost_bar is not None and cost_bar.barred_step(tuple(ids), self.k - self.margin.margin)
         if barred:  # what _begin_gate would have done at this step (the same skips whichever path runs)
-            self._skip_left = self._skip_left - 1 if self._skip_left > 0 else SKIP_AFTER_BARRED
+            if skips.left > 0:
+                skips.left -= 1
+            else:
+                skips.start_run()
         if not barred:
             lookup, min_length = self._begin_gate(ids, [True] * len(ids))
             if lookup:
                 return [d.token_ids for d in self._draft_batch(make_batch(), lookup, min_length)]
-        for state, new in waiting:  # observe without a lookup: the tokens wait, unindexed
+        for state, new in waiting or ():  # observe without a lookup: the tokens wait, unindexed
             if state.pending:
                 state.pending += new
             else:
                 state.pending = new[:]
         if not barred:
             cost_bar.end_step(False)
+        if skips.left > 0:  # the batch's next calls are skipped: nothing stored per sequence till then
+            skips.sleep(items)
         return None

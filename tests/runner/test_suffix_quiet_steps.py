@@ -152,9 +152,14 @@ def simulate(kind: str, gate, draft_cost: float, seed: int, k: int = 3, num_requ
 
 def assert_same_states(reference: SuffixProposer, candidate: SuffixProposer) -> None:
     assert reference.states.keys() == candidate.states.keys()
+    dormant = candidate.skips.histories  # a dormant batch's sequences catch up later (suffix_skips.py)
     for key, ref in reference.states.items():
         cand = candidate.states[key]
-        assert cand.tokens == ref.tokens  # every token seen (indexed or pending)
+        if key in dormant:
+            assert dormant[key][: cand.num_seen] == cand.tokens  # what it saw, then its sequence's tokens
+            assert ref.tokens == dormant[key]
+        else:
+            assert cand.tokens == ref.tokens  # every token seen (indexed or pending)
         for name in ("prompt_length", "last_draft", "last_match_length", "run_going", "accepted_average",
                      "resume_at", "pause"):
             assert getattr(cand, name) == getattr(ref, name), name
@@ -191,6 +196,22 @@ def test_quiet_steps_with_one_sequence_and_long_requests():
     for kind in ("fresh", "mixed"):
         run = simulate(kind, "auto", 2.0, seed=5, num_requests=3, batch=1, length=300)
         assert run["quiet"] > run["steps"] // 3
+
+
+@pytest.mark.parametrize("kind", ["repetitive", "mixed"])
+def test_dormant_batches_skip_runs_that_grow(monkeypatch, kind):
+    """Under a learned bar of k or more the skipped calls leave the batch dormant (nothing stored
+    per sequence; suffix_skips.py): most calls take that path, the runs grow to MAX_SKIPPED_RUN, and
+    the drafts, states (caught up) and gate costs are propose()'s at every step."""
+    from foretell.spec_decode.suffix_skips import MAX_SKIPPED_RUN, SkippedCalls
+
+    dormant_calls = []
+    original = SkippedCalls.skips
+    monkeypatch.setattr(SkippedCalls, "skips", lambda self, items: original(self, items) and not dormant_calls.append(1))
+    run = simulate(kind, "auto", 9.0, seed=2, num_requests=3, batch=2, length=700)
+    assert run["candidate"].stats()["suffix_gate"]["bar"] >= 3
+    assert len(dormant_calls) > 0.7 * run["steps"]
+    assert run["candidate"].skips.next_run == MAX_SKIPPED_RUN
 
 
 def test_a_sequence_that_does_not_continue_its_state_takes_the_general_path():
