@@ -174,8 +174,8 @@ class StepCostBar:
         batch of the last call, which drafted nothing, and the plain intervals since cannot bring
         the bar below min_bar: module docstring); the step is then stamped as a quiet step (the
         caller ends it: no end_step). False: nothing done, the caller goes on with begin_step."""
-        if seq_ids != self._quiet_ids or min_bar <= MIN_AUTO_BAR:
-            return False
+        if seq_ids != self._quiet_ids or min_bar <= MIN_AUTO_BAR or self.bar < min_bar:
+            return False  # (the last bar worked out below min_bar: not worth proving, the next likely too)
         left = self._barred_left
         if left is None or min_bar != self._barred_min:
             left = self._barred_left = self._barred_run(min_bar)
