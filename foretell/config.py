@@ -306,13 +306,13 @@ class SpeculativeConfig:
                 )
             self.num_draft_tokens = depth + 1
             return
-        if self.method != "eagle3":
+        if self.method not in ("eagle3", "suffix"):
             raise ValueError(
-                f"draft trees (speculative_config topk={topk} > 1) need method 'eagle3' for now, got "
-                f"method {self.method!r}; use topk 1 (a chain) with {self.method!r}"
+                f"draft trees (speculative_config topk={topk} > 1) need method 'eagle3' or 'suffix' for now, "
+                f"got method {self.method!r}; use topk 1 (a chain) with {self.method!r}"
             )
         taken = {"draft_tensor_parallel_size": self.draft_tensor_parallel_size != 1,
-                 "adaptive": bool(getattr(self, "adaptive", False))}
+                 "adaptive": bool(getattr(self, "adaptive", False)), "hybrid": self.hybrid is not None}
         for name, set_ in taken.items():
             if set_:
                 raise ValueError(f"draft trees (topk={topk} > 1) do not take speculative_config {name} yet")

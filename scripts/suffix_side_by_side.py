@@ -13,11 +13,12 @@ the drafting, fallback or plain steps).
 The two engines take turns request by request, each going first on every other prompt, so a drift of
 the host's speed lands on both (--whole-sets: plain's whole set, then suffix's); the last line pools
 every repeat's tokens and seconds. --with-null adds a third engine, suffix whose drafter proposes
-nothing at once: what the host-drafter engine costs apart from the drafter's own work.
+nothing at once: what the host-drafter engine costs apart from the drafter's own work; --tree TOPK,NODES
+one more, suffix drafting trees (speculative_config topk and num_draft_tokens: the tree step).
 
     python scripts/suffix_side_by_side.py [--device cuda] [--repeats 3] [--k 3] [--num-prompts 16]
         [--max-tokens 128] [--dataset gsm8k] [--ignore-eos] [--min-accepted auto] [--whole-sets] [--with-null]
-        [--output-json OUT.json]
+        [--tree 2,12] [--output-json OUT.json]
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def main() -> int:
     parser.add_argument("--with-null", action="store_true",
                         help="a third engine: suffix whose drafter proposes nothing at once (the host-drafter "
                              "engine's own cost, apart from the drafter's)")
+    parser.add_argument("--tree", default=None, metavar="TOPK,NODES",
+                        help="a further engine: suffix draft trees (speculative_config topk, num_draft_tokens)")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
     if args.repeats < 1 or args.num_prompts < 1:
@@ -66,6 +69,9 @@ def main() -> int:
                                       "suffix_decoding_min_accepted_tokens": bar}}
     if args.with_null:
         specs["null"] = specs["suffix"]
+    if args.tree:
+        topk, nodes = (int(v) for v in args.tree.split(","))
+        specs["tree"] = {**specs["suffix"], "topk": topk, "num_draft_tokens": nodes}
     engines = {name: LLM(default_target("qwen3"), speculative_config=spec, device=args.device, max_num_seqs=1,
                          log_stats_interval_s=0, **memory) for name, spec in specs.items()}
     if args.with_null:  # an instance attribute: this engine's drafter only
@@ -104,9 +110,10 @@ def main() -> int:
     plain_tok_s, suffix_tok_s = (pooled[name][0] / pooled[name][1] for name in ("none", "suffix"))
     print(f"pooled: plain {plain_tok_s:.1f} tok/s, suffix {suffix_tok_s:.1f} ({suffix_tok_s / plain_tok_s:.3f}x); "
           f"median of repeats {statistics.median(ratios):.3f}x", flush=True)
-    if args.with_null:
-        null_tok_s = pooled["null"][0] / pooled["null"][1]
-        print(f"pooled: null (no drafter's work) {null_tok_s:.1f} tok/s ({null_tok_s / plain_tok_s:.3f}x)", flush=True)
+    for name, what in (("null", "no drafter's work"), ("tree", f"suffix trees {args.tree}")):
+        if name in pooled:
+            tok_s = pooled[name][0] / pooled[name][1]
+            print(f"pooled: {name} ({what}) {tok_s:.1f} tok/s ({tok_s / plain_tok_s:.3f}x)", flush=True)
     for name, steps in kinds.items():
         print(f"\n{name}, steps by kind over every repeat:\n{format_kinds(steps.table())}", flush=True)
     for llm in engines.values():

@@ -48,6 +48,7 @@ from foretell.runner.sequence_result import SequenceResult
 from foretell.runner.tree_graphs import TreeVerifyGraphs
 from foretell.spec_decode.tree.compact import compaction_slots
 from foretell.spec_decode.tree.draft_graphs import TreeDraftGraphs
+from foretell.spec_decode.tree.host_drafter import HostTreeDrafter
 from foretell.spec_decode.tree.proposer import Eagle3TreeDrafter
 from foretell.spec_decode.tree.shape import DraftTree, TreeShape
 from foretell.spec_decode.tree.simulated import rank_logprobs, simulated_tree_accept
@@ -84,7 +85,10 @@ class TreeStep:
         self.draws = verifier.draws if verifier.synthetic else None
         self.rates = None if self.draws is None else torch.tensor(self.draws.rates, dtype=torch.float64, device=device)
         shaped = None if self.draws is None else rank_logprobs(self.shape, self.draws.rates).to(device)
-        self.drafter = Eagle3TreeDrafter(proposer, self.shape, shaped)
+        # A host drafter (suffix) drafts its trees from token lists (tree/host_drafter.py); else EAGLE3.
+        self.host_trees = proposer.capabilities.drafts_from_tokens
+        self.drafter = HostTreeDrafter(proposer, self.shape, device) if self.host_trees \
+            else Eagle3TreeDrafter(proposer, self.shape, shaped)
         self.block_size = block_size
         self.device = device
         self.trees: dict[int, DraftTree] = {}  # seq_id -> its drafted tree [1, T], until its verify
@@ -101,6 +105,8 @@ class TreeStep:
         captured now (after the target's, in their pool) when verify_graphs is, else uncaptured
         over the same buffers; a drafter backend that reads host lengths drafts on exact buckets."""
         self.verify_graphs = verify_graphs
+        if self.host_trees:  # (drafted on the host: no draft graphs)
+            return
         graph_safe = all(layer.backend.graph_safe for layer in self.drafter.eagle.kv_layers())
         draft_graphs = TreeDraftGraphs(
             self.drafter, verify_graphs.buckets, verify_graphs.block_table.shape[1], self.block_size,
@@ -358,7 +364,10 @@ class TreeStep:
         depth = self.shape.depth
         drafting = [i for i, item in enumerate(sched.scheduled)
                     if draft_batch.num_useful_drafts(i, depth) > 0 and _drafts_trees(item.seq.sampling_params)]
-        tree = self.drafter.draft(draft_batch, drafting)
+        if self.host_trees:  # (only the sequences whose drafter found a tree draft)
+            drafting, tree = self.drafter.draft(draft_batch, drafting)
+        else:
+            tree = self.drafter.draft(draft_batch, drafting)
         if tree is None:
             return
         packed = torch.cat([tree.tokens, tree.depths], 1).tolist()  # one device read: [n, 2T]

@@ -74,6 +74,7 @@ from typing import Callable
 from foretell.spec_decode.proposer import DraftBatch, Proposal, ProposerBase, ProposerCapabilities
 from foretell.spec_decode.suffix_cache import GlobalSuffixCache
 from foretell.spec_decode.suffix_calibration import MatchCalibration
+from foretell.spec_decode.suffix_draft_tree import TreeDraft, accepted_in_tree, draft_tree
 from foretell.spec_decode.suffix_gate import AUTO_PRIOR_BAR, PAUSE_PER_BAR, StepCostBar
 from foretell.spec_decode.suffix_margin import RealisedMargin
 from foretell.spec_decode.suffix_skips import SkippedCalls
@@ -166,15 +167,20 @@ class SuffixProposer(ProposerBase):
         """The gate: how many of the last draft's tokens `new` (the tokens its verify emitted)
         accepted, into the average; below the bar, a pause of state.pause tokens."""
         draft, state.last_draft = state.last_draft, []
+        tree, state.last_tree = state.last_tree, None
         bar = self.bar
         if bar <= 0:
             return
-        accepted, limit = 0, min(len(draft), len(new) - 1)  # the last new token is the target's own
-        while accepted < limit and draft[accepted] == new[accepted]:
-            accepted += 1
-        state.run_going = accepted == len(draft)
+        if tree is not None:  # the path down the tree the new tokens follow
+            accepted, length = accepted_in_tree(tree, new), tree.depth
+        else:
+            accepted, limit = 0, min(len(draft), len(new) - 1)  # the last new token is the target's own
+            while accepted < limit and draft[accepted] == new[accepted]:
+                accepted += 1
+            length = len(draft)
+        state.run_going = accepted == length
         if self.calibration is not None:
-            self.calibration.add(state.last_match_length, accepted, len(draft))
+            self.calibration.add(state.last_match_length, accepted, length)
             if self.cost_bar.learned:  # admitted under a learned break-even bar: the margin learns
                 self.margin.judge(self.break_even, accepted, self.cost_bar.num_intervals)
         average = accepted if state.accepted_average == float("inf") else 0.5 * (state.accepted_average + accepted)
@@ -220,10 +226,11 @@ class SuffixProposer(ProposerBase):
         return {"suffix_gate": {**costs, "margin": round(margin, 4), "margin_judged": self.margin.num_judged}}
 
     # ---- drafting ------------------------------------------------------------------------
-    def draft(self, state: SequenceState, max_tokens: int, min_length: float = 0.0) -> Draft:
+    def draft(self, state: SequenceState, max_tokens: int, min_length: float = 0.0) -> Draft | TreeDraft:
         """The better of the two indexes' drafts longer than min_length for a sequence
-        (EMPTY_DRAFT without one). min_length: the "auto" gate's bar (a draft no longer than it
-        cannot pay for its step even accepted whole)."""
+        (EMPTY_DRAFT without one): chains, or under topk > 1 trees (suffix_draft_tree.py) of
+        max_tokens depth (the longer: the deeper). min_length: the "auto" gate's bar (a draft no
+        longer than it cannot pay for its step even accepted whole)."""
         best = EMPTY_DRAFT
         if max_tokens <= min_length:
             return best
@@ -234,9 +241,13 @@ class SuffixProposer(ProposerBase):
             budget = min(max_tokens, int(s.max_spec_factor * match.length))
             if budget <= min_length:
                 continue
-            tokens, score = index.draft(match, budget, s.min_token_prob)
-            if len(tokens) > min_length and tokens and score > best.score:
-                best = Draft(tokens, match.length, score)
+            if s.topk > 1:
+                draft = draft_tree(index, match, budget, s.max_tree_nodes, s.topk, s.min_token_prob)
+            else:
+                tokens, score = index.draft(match, budget, s.min_token_prob)
+                draft = Draft(tokens, match.length, score)
+            if draft.depth > min_length and draft.token_ids and draft.score > best.score:
+                best = draft
         return best
 
     def propose_drafts(self, batch: DraftBatch) -> list[Draft]:
@@ -283,6 +294,7 @@ class SuffixProposer(ProposerBase):
             if held:
                 draft = EMPTY_DRAFT  # (no pause: a longer match next step may pay)
             state.last_draft, state.last_match_length = draft.token_ids, draft.match_length
+            state.last_tree = draft if isinstance(draft, TreeDraft) and draft.token_ids else None
             if min_length > 0 and not draft.token_ids and not held:
                 # A match, but no draft the learned bar lets pay: the next lookups would likely
                 # find the same, each costing host time on a step that would be plain anyway.
@@ -295,7 +307,7 @@ class SuffixProposer(ProposerBase):
     def _expected_to_pay(self, draft: Draft) -> bool:
         """Whether the draft's class expects it to accept at least the bar (MatchCalibration;
         yes before the class is calibrated, and for one in PROBE_EVERY of a failing class)."""
-        expected = self.calibration.expected(draft.match_length, len(draft.token_ids))
+        expected = self.calibration.expected(draft.match_length, draft.depth)
         return expected is None or expected >= self.bar or self.calibration.probe(draft.match_length)
 
     def propose(self, batch: DraftBatch) -> Proposal:

@@ -27,6 +27,8 @@ class SuffixSettings:
     min_token_prob: float = SpeculativeConfig.suffix_decoding_min_token_prob
     min_match_length: int = SpeculativeConfig.suffix_decoding_min_match_length
     min_accepted_tokens: float | str = 0.0  # the acceptance gate's bar (0: off; "auto": suffix_gate.py)
+    topk: int = 1  # > 1: draft trees, each node's topk likeliest next tokens (suffix_draft_tree.py)
+    max_tree_nodes: int = 0  # a tree's nodes below the root (speculative_config num_draft_tokens - 1)
 
     @classmethod
     def from_config(cls, config) -> "SuffixSettings":
@@ -41,6 +43,8 @@ class SuffixSettings:
             min_token_prob=config.suffix_decoding_min_token_prob,
             min_match_length=config.suffix_decoding_min_match_length,
             min_accepted_tokens=bar,
+            topk=config.topk,
+            max_tree_nodes=config.num_draft_tokens - 1,
         )
 
     @property
@@ -66,6 +70,7 @@ class SequenceState:
         # against), the moving average of accepted tokens per draft, no draft before the
         # history reaches resume_at tokens, and the next pause's length.
         self.last_draft: list[int] = []
+        self.last_tree = None  # last_draft's TreeDraft under topk > 1 (its nodes in tree order)
         self.last_match_length = 0  # the match last_draft came from (its calibration class)
         self.run_going = False  # the last draft was accepted whole (the next one is not held to its class)
         self.accepted_average = float("inf")  # no draft yet: nothing against drafting

@@ -48,6 +48,11 @@ class Draft:
     match_length: int
     score: float
 
+    @property
+    def depth(self) -> int:
+        """The most tokens a verify can accept from it (a tree's is its longest path)."""
+        return len(self.token_ids)
+
 
 EMPTY_DRAFT = Draft([], 0, 0.0)
 

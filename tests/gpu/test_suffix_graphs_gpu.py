@@ -119,3 +119,20 @@ def test_the_plain_step_after_a_drafting_one_is_queued_on_the_graphs(monkeypatch
     stats = llm.get_stats()
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
     print(f"fallbacks queued {len(queued)}, taken {len(used)}")
+
+
+def test_suffix_trees_verify_on_the_tree_graphs(qwen3_checkpoint):
+    """method suffix with topk > 1 (tree/host_drafter.py): whole padded trees verify on the tree
+    step's captured (bucket, T) graphs; greedy fp32 equals plain; a batch of 8 with trees."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    _, plain = generate(qwen3_checkpoint, params)
+    spec = {"method": "suffix", "num_speculative_tokens": 4, "topk": 2, "num_draft_tokens": 7,
+            "suffix_decoding_min_match_length": 1, "suffix_decoding_min_token_prob": 0.0,
+            "suffix_decoding_min_accepted_tokens": 0}
+    llm, got = generate(qwen3_checkpoint, params, speculative_config=spec)
+    step = llm.engine.runner.tree_step
+    assert step.host_trees and step.verify_graphs is not None and step.verify_graphs.captures
+    assert [g.token_ids for g in got] == [e.token_ids for e in plain]
+    assert step.num_graphed_verifies > 0 and llm.get_stats()["num_accepted_tokens"] > 0
+    stats = llm.get_stats()
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]

@@ -234,8 +234,8 @@ def test_requests_that_process_logits_run_without_trees(targets, baselines):
     ({"topk": 2, "num_draft_tokens": 1}, "must be an integer in [2, 11]"),
     ({"topk": 2, "num_draft_tokens": 12}, "must be an integer in [2, 11]"),
     ({"topk": 1, "num_draft_tokens": 6}, "num_draft_tokens must be 4"),
-    ({"method": "mtp", "model": None, "topk": 2}, "need method 'eagle3' for now"),
-    ({"method": "draft_model", "topk": 2}, "need method 'eagle3' for now"),
+    ({"method": "mtp", "model": None, "topk": 2}, "need method 'eagle3' or 'suffix' for now"),
+    ({"method": "draft_model", "topk": 2}, "need method 'eagle3' or 'suffix' for now"),
     ({"topk": 2, "simulate_acceptance": {"rates": [0.5, 0.4]}}, "must be 3 non-increasing values"),
 ])
 def test_bad_tree_configs_are_named(qwen3_checkpoint, eagle3_head, spec, message):
