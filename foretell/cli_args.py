@@ -140,7 +140,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
                          "drafter (its KV cache keeps holes there); off: the drafter still catches up")
     sp.add_argument("--topk", type=int,
                     help="eagle3: draft a tree, expanding this many children per node and keeping this many "
-                         "nodes per depth (--num-speculative-tokens is its depth); 1 (default): a chain")
+                         "nodes per depth (--num-speculative-tokens is its depth); suffix: a tree of each node's "
+                         "topk likeliest next tokens, best first; 1 (default): a chain")
     sp.add_argument("--num-draft-tokens", type=int,
                     help="with --topk > 1: verify rows per sequence, the root included (default depth x topk + 1)")
     sp.add_argument("--eagle3-aux-layer-ids", help="comma-separated, read as inputs of layers i")

@@ -239,6 +239,7 @@ class SpeculativeConfig:
     # Draft trees (SGLang's names; spec_decode/tree/, runner/tree_step.py): num_speculative_tokens is
     # the depth, topk the children expanded per node and nodes kept per depth, num_draft_tokens the
     # verify rows per sequence (the root included; None: depth * topk + 1). topk 1 is the chain.
+    # Methods eagle3 and suffix (its trees: each node's topk likeliest next tokens, best first).
     topk: int = 1
     num_draft_tokens: int | None = None
     revision: str | None = None  # of a draft model given as a Hub id

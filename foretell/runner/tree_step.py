@@ -22,7 +22,9 @@ One step (ModelRunner takes no other step under trees):
      for logprobs: they draft nothing) sample as HostStep does;
   3. the accepted path's target K/V moved to consecutive positions (tree/compact.py); rejected
      nodes' slots lie past the sequence's length and are overwritten by later steps;
-  4. the drafter catches up over the path's rows and drafts the next trees (tree/proposer.py). After
+  4. the drafter catches up over the path's rows and drafts the next trees (tree/proposer.py; a host
+     drafter, suffix decoding, drafts its trees from the token lists instead: tree/host_drafter.py,
+     no catch-up, no draft graphs). After
      a graphed verify where every sequence drafts whatever it accepts, before the step's one host
      read: the paths padded to depth + 1 rows, catch-up and expansion as one replay of the
      drafter's graph from the verify's device outputs (TreeDraftGraphs.run_after_verify); else

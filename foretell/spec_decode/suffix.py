@@ -48,8 +48,10 @@ admitted drafts accepted against it (suffix_margin.py), so a class that over-pre
 "auto" is the fixed AUTO_PRIOR_BAR under a hybrid drafter (a paused sequence takes the model's
 drafts there: no plain step shows what drafting costs) and under tensor parallelism (each rank
 drafts for itself, and ranks must draft alike: no bar from a rank's clock).
-When branches compete the engine would gain from a tree of drafts; host drafters verify chains
-only for now, so the best chain is drafted.
+Under topk > 1 each draft is a tree instead (suffix_draft_tree.py: where the occurrences go on
+differently, the likeliest continuations side by side, best first), verified on the tree step
+(runner/tree_step.py, tree/host_drafter.py); the gate judges a tree by the path its verify accepted
+and holds it to its deepest path's length.
 
 The drafts are deterministic (argmax of the empirical distribution): no draft probabilities, so
 rejection sampling treats them as one-hot and sampling stays exact.
