@@ -43,6 +43,7 @@ from foretell.engine.scheduler import SchedulerOutput
 from foretell.layers.attention.layer import Attention
 from foretell.layers.sampler import SamplingBatch, processed_probs, row_seed
 from foretell.ops.step.kv_moves import KVMoveTargets, move_kv_slots
+from foretell.runner.host_drafts import token_draft_batch
 from foretell.runner.host_step import HostStep
 from foretell.runner.input_batch import InputBatch, build_input_batch
 from foretell.runner.logprobs import add_prompt_logprobs
@@ -362,7 +363,10 @@ class TreeStep:
         result.next_drafts = tokens[1:]
 
     def _draft(self, sched, batch: InputBatch, hidden, aux, results: list, path_rows: dict[int, list[int]]) -> None:
-        draft_batch = self.host_step.draft_batch(sched, batch, hidden, aux, results, path_rows)
+        if self.host_trees:  # token lists only: no rows gathered on the device (host_drafts.py)
+            draft_batch = token_draft_batch(sched, results, self.block_size, self.host_step.max_model_len)
+        else:
+            draft_batch = self.host_step.draft_batch(sched, batch, hidden, aux, results, path_rows)
         depth = self.shape.depth
         drafting = [i for i, item in enumerate(sched.scheduled)
                     if draft_batch.num_useful_drafts(i, depth) > 0 and _drafts_trees(item.seq.sampling_params)]
