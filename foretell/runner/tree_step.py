@@ -370,13 +370,13 @@ class TreeStep:
         depth = self.shape.depth
         drafting = [i for i, item in enumerate(sched.scheduled)
                     if draft_batch.num_useful_drafts(i, depth) > 0 and _drafts_trees(item.seq.sampling_params)]
-        if self.host_trees:  # (only the sequences whose drafter found a tree draft)
-            drafting, tree = self.drafter.draft(draft_batch, drafting)
+        if self.host_trees:  # (only the sequences whose drafter found a tree draft; host lists given)
+            drafting, tree, packed = self.drafter.draft(draft_batch, drafting)
         else:
             tree = self.drafter.draft(draft_batch, drafting)
+            packed = None if tree is None else torch.cat([tree.tokens, tree.depths], 1).tolist()  # one read: [n, 2T]
         if tree is None:
             return
-        packed = torch.cat([tree.tokens, tree.depths], 1).tolist()  # one device read: [n, 2T]
         for j, i in enumerate(drafting):
             self._keep_tree(sched.scheduled[i].seq.seq_id, tree, j, packed[j], results[i])
 

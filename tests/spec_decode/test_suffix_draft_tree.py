@@ -168,15 +168,16 @@ def test_host_tree_drafter_pads_with_copies_of_the_last_leaf():
     full = TreeDraft([1, 2, 3, 4, 5, 6], [0, 0, 1, 1, 2, 3], [1, 1, 2, 2, 2, 3], [0.5, 0.3, 0.3, 0.2, 0.2, 0.1])
     empty = TreeDraft([], [], [], [])
     drafter = HostTreeDrafter(FakeProposer([small, empty, full, small]), shape, torch.device("cpu"))
-    picked, tree = drafter.draft(FakeBatch([40, 41, 42, 43]), [0, 1, 2])  # the 4th may not draft
+    picked, tree, host = drafter.draft(FakeBatch([40, 41, 42, 43]), [0, 1, 2])  # the 4th may not draft
     assert picked == [0, 2]
+    assert host == torch.cat([tree.tokens, tree.depths], 1).tolist()  # the host's copy, nothing read back
     assert tree.tokens.tolist() == [[40, 7, 8, 9, 9, 9, 9], [42, 1, 2, 3, 4, 5, 6]]
     assert tree.parents.tolist() == [[-1, 0, 0, 1, 1, 1, 1], [-1, 0, 0, 1, 1, 2, 3]]
     assert tree.depths.tolist() == [[0, 1, 1, 2, 2, 2, 2], [0, 1, 1, 2, 2, 2, 3]]
     assert torch.equal(tree.ancestor_mask, ancestor_mask_from_parents(tree.parents, 3))
     assert tree.ancestor_mask[0, 4].tolist() == [True, True, False, False, True, False, False]
     assert tree.scores[0, 3].item() == pytest.approx(torch.log(torch.tensor(0.5)).item())
-    assert drafter.draft(FakeBatch([1]), []) == ([], None)
+    assert drafter.draft(FakeBatch([1]), []) == ([], None, [])
     too_big = HostTreeDrafter(FakeProposer([full]), TreeShape(3, 2, 4), torch.device("cpu"))
     with pytest.raises(RuntimeError, match="does not fit num_draft_tokens=4"):
         too_big.draft(FakeBatch([1]), [0])

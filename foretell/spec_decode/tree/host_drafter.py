@@ -35,13 +35,14 @@ class HostTreeDrafter:
         self.shape = shape
         self.device = device
 
-    def draft(self, batch: DraftBatch, drafting: list[int]) -> tuple[list[int], DraftTree | None]:
+    def draft(self, batch: DraftBatch, drafting: list[int]) -> tuple[list[int], DraftTree | None, list[list[int]]]:
         """The drafter over the whole batch; trees for those of `drafting` (indices into the batch)
-        that drafted any: (their indices, their trees [m, T]), ([], None) when none did."""
+        that drafted any: (their indices, their trees [m, T], each one's tokens then depths as host
+        lists [m][2T]: nothing to read back), ([], None, []) when none did."""
         drafts = self.proposer.propose_drafts(batch)
         picked = [i for i in drafting if drafts[i].token_ids]
         if not picked:
-            return [], None
+            return [], None, []
         num_nodes = self.shape.num_draft_tokens
         tokens, parents, depths, scores = [], [], [], []
         for i in picked:
@@ -55,9 +56,11 @@ class HostTreeDrafter:
             depths += [0, *tree.depths, *[tree.depths[-1]] * pad]
             scores += [0.0, *[math.log(p) for p in tree.probs], *[math.log(tree.probs[-1])] * pad]
         m = len(picked)
+        rows = [slice(j * num_nodes, (j + 1) * num_nodes) for j in range(m)]
+        host = [tokens[r] + depths[r] for r in rows]
         ints = to_device(tokens + parents + depths, torch.int64, self.device).view(3, m, num_nodes)
         parent_rows = ints[1]
         tree = DraftTree(self.shape, ints[0], parent_rows, ints[2],
                          ancestor_mask_from_parents(parent_rows, self.shape.depth),
                          to_device(scores, torch.float32, self.device).view(m, num_nodes))
-        return picked, tree
+        return picked, tree, host
