@@ -219,7 +219,7 @@ def skips_catch_up(spec, proposer: Proposer | None) -> bool:
 def build_step_pipeline(
     step_graphs: StepGraphs,
     *,
-    queue_ahead: bool,  # asked for (async scheduling) and allowed (graph_capture.py, no trees)
+    queue_ahead: bool,  # asked for (async scheduling) and allowed (graph_capture.py; trees: a host drafter's)
     has_drafter: bool,
     target_forward: Callable,  # the runner's: a graph replay when one fits, else eager
     sampler: Sampler,
@@ -230,13 +230,14 @@ def build_step_pipeline(
     max_model_len: int,
     structured: StructuredOutputs | None = None,  # grammar masks (HostStep's): padded verify, drafterless decode
     forget_draft_probs: Callable | None = None,  # HostStep.forget_draft_probs, for k = 0 steps decoded plainly
+    host_trees: bool = False,  # a host drafter's trees (the tree step verifies them; the rest decodes here)
 ) -> StepPipeline:
     """The device steps a runner may launch: plain decoding one step ahead (without a drafter, for
-    a host drafter's steps that carry no drafts, and for the k = 0 steps of a drafter that skips its
-    catch-up there), the padded verify (with a drafter whose loop runs padded, captured or not)."""
+    a host drafter's steps that carry no drafts or trees, and for the k = 0 steps of a drafter that
+    skips its catch-up there), the padded verify (with a drafter whose loop runs padded, captured or not)."""
     kinds: list[StepKind] = []
     # A host drafter's step without drafts is a plain decode step, queued ahead as plain decoding's.
-    host_drafter = isinstance(step_graphs.draft_loop, HostDraftSlots)
+    host_drafter = isinstance(step_graphs.draft_loop, HostDraftSlots) or host_trees
     plain_decode = None
     if queue_ahead and (not has_drafter or host_drafter):
         # Without a drafter its grammar requests decode here too, masked on the device (decode_ahead.py).
@@ -257,5 +258,5 @@ def build_step_pipeline(
                                    max_model_len, sampler.noise, vocab_size, take_draft_probs,
                                    structured=structured, fallback_decode=fallback))
     # A drafter's general-path loop needs the host's accept counts: nothing is queued past it.
-    queue_ahead = queue_ahead and (not has_drafter or step_graphs.draft_loop is not None)
+    queue_ahead = queue_ahead and (not has_drafter or step_graphs.draft_loop is not None or host_trees)
     return StepPipeline(queue_ahead, kinds)

@@ -144,7 +144,9 @@ class ModelRunner:
         self.graph_decision = graph_capture_decision(self.tensor_parallel, self.device)
         queue_ahead = queue_ahead and self.graph_decision.allowed  # not over gloo (graph_capture.py)
         self.uses_tree = bool(config.speculative and config.speculative.uses_tree)  # tree_step.py: host steps only
-        queue_ahead = queue_ahead and not self.uses_tree
+        # A host drafter's trees (suffix): its steps without trees decode plainly, queued ahead (execute)
+        self.host_trees = self.uses_tree and self.proposer.capabilities.drafts_from_tokens
+        queue_ahead = queue_ahead and (not self.uses_tree or self.host_trees)
         k = config.speculative.num_draft_kv_slots if config.speculative else 0
         # KV slots reserved past a sampling step's rows: the drafter's k, plus, when steps are
         # queued ahead, the k + 1 rows of the step after it (it is launched before the scheduler
@@ -174,7 +176,8 @@ class ModelRunner:
             target_forward=self.target_forward, sampler=sampler, verifier=self.verifier,
             take_draft_probs=self.host_step.take_draft_probs, vocab_size=self.vocab_size,
             block_size=self.cache_plan.block_size, max_model_len=self.max_model_len,
-            structured=self.host_step.structured, forget_draft_probs=self.host_step.forget_draft_probs)
+            structured=self.host_step.structured, forget_draft_probs=self.host_step.forget_draft_probs,
+            host_trees=self.host_trees)
         self.tree_step = None if not self.uses_tree else TreeStep(
             self.model, self.proposer, self.host_step, self.target_forward, config, self.cache_plan.block_size,
             self.device, self.tensor_parallel.is_parallel, step_graphs.tree_verify)
@@ -287,7 +290,9 @@ class ModelRunner:
         t0 = time.perf_counter()
         check_step(sched, self.max_model_len, self.vocab_size)
         if self.tree_step is not None:
-            results = self.tree_step.execute(sched)
+            results = self._plain_step_of_host_trees(sched) if self.host_trees else None
+            if results is None:
+                results = self.tree_step.execute(sched)
             self.last_times = StepTimes(target_s=time.perf_counter() - t0)
             return results
         block_size = self.cache_plan.block_size
@@ -321,6 +326,24 @@ class ModelRunner:
             if self._device_sync_needed():
                 torch.cuda.synchronize(self.device)
         self.last_times = StepTimes(target_s=t1 - t0, draft_s=time.perf_counter() - t1)
+        return results
+
+    def _plain_step_of_host_trees(self, sched: SchedulerOutput) -> list[SequenceResult] | None:
+        """Under a host drafter's trees, a step that verifies no tree and that the pipeline takes (a
+        plain decode batch) runs as plain decoding's, queued ahead (step_pipeline.py), and its
+        trees are drafted from the results' tokens (TreeStep.draft_host_trees); None: the tree
+        step runs it (a tree to verify, a prefill chunk). A step queued ahead that is not this
+        one is dropped (decode_ahead.py: safe)."""
+        block_size = self.cache_plan.block_size
+        step = self.pipeline.take(sched.scheduled, block_size)
+        if step is None:
+            if any(item.draft_token_ids for item in sched.scheduled):
+                return None
+            step = self.pipeline.launch(sched, DeferredInputBatch(sched.scheduled, block_size, self.device))
+            if step is None:
+                return None
+        results = self.pipeline.finish(step, sched.num_next_drafts)
+        self.tree_step.draft_host_trees(sched, results)
         return results
 
     def _device_sync_needed(self) -> bool:

@@ -362,6 +362,11 @@ class TreeStep:
         self.tree_depths[seq_id] = host[num_nodes: 2 * num_nodes]
         result.next_drafts = tokens[1:]
 
+    def draft_host_trees(self, sched, results: list) -> None:
+        """A host drafter's next trees after a step the runner decoded plainly (queued ahead:
+        ModelRunner._plain_step_of_host_trees), from the results' tokens."""
+        self._draft(sched, None, None, None, results, {})
+
     def _draft(self, sched, batch: InputBatch, hidden, aux, results: list, path_rows: dict[int, list[int]]) -> None:
         if self.host_trees:  # token lists only: no rows gathered on the device (host_drafts.py)
             draft_batch = token_draft_batch(sched, results, self.block_size, self.host_step.max_model_len)

@@ -134,5 +134,6 @@ def test_suffix_trees_verify_on_the_tree_graphs(qwen3_checkpoint):
     assert step.host_trees and step.verify_graphs is not None and step.verify_graphs.captures
     assert [g.token_ids for g in got] == [e.token_ids for e in plain]
     assert step.num_graphed_verifies > 0 and llm.get_stats()["num_accepted_tokens"] > 0
+    assert llm.engine.runner.pipeline.num_used > 0  # steps without trees decoded plainly, queued ahead
     stats = llm.get_stats()
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]

@@ -49,18 +49,27 @@ def check_done(llm: LLM) -> None:
     assert not runner.tree_step.trees and runner.proposer.states == {}
 
 
-@pytest.mark.parametrize("mode", ["batch", "stress"])
+@pytest.mark.parametrize("mode", ["batch", "stress", "queued", "queued-stress"])
 def test_greedy_suffix_trees_equal_plain_greedy(qwen3_checkpoint, branching, mode):
+    """queued: steps without trees decode plainly, queued ahead (ModelRunner._plain_step_of_host_trees;
+    the GPU's default), the tree step taking the steps that verify trees and the prefills."""
     plain = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=128)
     expected = ids(plain.generate(PROMPTS, greedy(), use_tqdm=False))
-    options = dict(STRESS) if mode == "stress" else dict(num_kv_blocks=128)
+    options = dict(STRESS) if "stress" in mode else dict(num_kv_blocks=128)
+    if mode == "queued-stress":  # (a queued step reserves its row too: a few more blocks for the longest request)
+        options["num_kv_blocks"] += 4
+    options["async_scheduling"] = "on" if "queued" in mode else "off"
     llm = LLM(qwen3_checkpoint, dtype="float32", speculative_config=TREE, **options)
-    assert llm.engine.runner.tree_step is not None and llm.engine.runner.tree_step.host_trees
+    runner = llm.engine.runner
+    assert runner.tree_step is not None and runner.tree_step.host_trees
+    assert runner.pipeline.queue_ahead == ("queued" in mode)
     assert ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == expected
     stats = llm.get_stats()
     assert stats["num_drafts"] > 0 and stats["num_accepted_tokens"] > 0
     assert branching[1] > 0  # some trees branch (their nodes verified side by side)
-    if mode == "stress":
+    if "queued" in mode:
+        assert runner.pipeline.num_used > 0  # plain steps taken as queued ahead
+    if "stress" in mode:
         assert stats["num_preemptions"] > 0
     check_done(llm)
     assert ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == expected  # the cached responses draft too
