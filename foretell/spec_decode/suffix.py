@@ -44,7 +44,9 @@ calls (one engine step each); once learned, a draft no longer than the bar is no
 accepted whole it cannot pay), a bar of k or more looks nothing up (and the batch's next
 calls only stamp the clock: suffix_skips.py), and the longest pause grows with the bar
 (PAUSE_PER_BAR). The bar the drafts face is that break-even plus a margin learned from what the
-admitted drafts accepted against it (suffix_margin.py), so a class that over-predicts stops.
+admitted drafts accepted against it (suffix_margin.py), so a class that over-predicts stops. A
+verify step is the whole batch's: a batch of n drafts at all only when its drafts' expected accepted
+tokens together reach n x bar (_batch_pays), else nobody drafts that step.
 "auto" is the fixed AUTO_PRIOR_BAR under a hybrid drafter (a paused sequence takes the model's
 drafts there: no plain step shows what drafting costs) and under tensor parallelism (each rank
 drafts for itself, and ranks must draft alike: no bar from a rank's clock).
@@ -302,9 +304,27 @@ class SuffixProposer(ProposerBase):
                 # find the same, each costing host time on a step that would be plain anyway.
                 self._pause(state, len(history))
             drafts.append(draft)
+        if min_length > 0 and len(drafts) > 1 and not self._batch_pays(drafts):
+            for key in seq_ids:  # nobody drafts this step: nothing to judge at the next
+                state = self.states.get(key)
+                if state is not None:
+                    state.last_draft, state.last_tree = [], None
+            drafts = [EMPTY_DRAFT] * len(drafts)
         if self.cost_bar is not None:
             self.cost_bar.end_step(any(d.token_ids for d in drafts))
         return drafts
+
+    def _batch_pays(self, drafts: list) -> bool:
+        """A verify step is the whole batch's (every sequence waits for it), so under a learned bar
+        the batch's drafts together must be expected to accept the bar for each of its n sequences:
+        sum over the drafts of their class's expected accepted tokens (MatchCalibration; the draft's
+        own empirical score before the class is calibrated) >= n x bar."""
+        expected = 0.0
+        for draft in drafts:
+            if draft.token_ids:
+                calibrated = self.calibration.expected(draft.match_length, draft.depth)
+                expected += draft.score if calibrated is None else calibrated
+        return expected >= self.bar * len(drafts)
 
     def _expected_to_pay(self, draft: Draft) -> bool:
         """Whether the draft's class expects it to accept at least the bar (MatchCalibration;

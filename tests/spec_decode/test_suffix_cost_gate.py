@@ -380,3 +380,25 @@ def test_tensor_parallel_auto_is_the_fixed_prior():
     assert SuffixProposer.from_config(config, None, one_rank).cost_bar is not None
     proposer = SuffixProposer.from_config(config, None, two_ranks)
     assert proposer.cost_bar is None and proposer.bar == AUTO_PRIOR_BAR
+
+
+def test_a_batch_verifies_only_when_its_drafts_together_pay_for_every_sequence():
+    """A verify step is the whole batch's: under a learned bar b a batch of n sequences drafts only
+    when its drafts' expected accepted tokens reach n x b (one long draft does not make 3 other
+    sequences wait for a verify), and then every draft goes out."""
+    from tests.spec_decode.test_suffix_lazy_index import make_batch
+
+    proposer, clock = auto_proposer()
+    teach(proposer, clock, ratio=4.0)  # bar 3 (batch 1's, lent to the batch of 4)
+    loop = [5, 6, 7, 8, 9]
+    looping = [loop[i % 5] for i in range(12)]  # a draft of 7 tokens, expected to accept ~7
+    fresh = [[100 * s + i for i in range(12)] for s in range(1, 4)]  # no match: nothing to draft
+    lone = proposer.propose(make_batch([looping, *fresh], [1, 2, 3, 4], [True] * 4, 8)).token_ids
+    assert proposer.bar == pytest.approx(3.0)
+    assert lone == [[], [], [], []]  # 7 expected < 4 x 3
+    assert proposer.states[1].last_draft == []  # nothing to judge next step
+    together = proposer.propose(make_batch([looping] * 2 + [[s + 50 for s in looping]] * 2, [5, 6, 7, 8],
+                                           [True] * 4, 8)).token_ids
+    assert all(len(d) > 3 for d in together)  # about 4 x 7 expected >= 12: every draft goes out
+    alone = proposer.propose(make_batch([looping], [9], [True], 8)).token_ids
+    assert len(alone[0]) > 3  # batch 1: the draft's own bar
