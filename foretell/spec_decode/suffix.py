@@ -281,7 +281,7 @@ class SuffixProposer(ProposerBase):
         if cost_bar.learned and not cost_bar.explore and not lookup:
             skips.start_run()
         else:
-            skips.stop()
+            skips.left = 0  # (the runs start over short once a step drafts: _draft_batch)
         return lookup, min_length
 
     def _draft_batch(self, batch: DraftBatch, lookup: bool, min_length: float) -> list[Draft]:
@@ -304,14 +304,18 @@ class SuffixProposer(ProposerBase):
                 # find the same, each costing host time on a step that would be plain anyway.
                 self._pause(state, len(history))
             drafts.append(draft)
-        if min_length > 0 and len(drafts) > 1 and not self._batch_pays(drafts):
+        drafted = any(d.token_ids for d in drafts)
+        if drafted and min_length > 0 and len(drafts) > 1 and not self._batch_pays(drafts):
             for key in seq_ids:  # nobody drafts this step: nothing to judge at the next
                 state = self.states.get(key)
                 if state is not None:
                     state.last_draft, state.last_tree = [], None
-            drafts = [EMPTY_DRAFT] * len(drafts)
+            drafts, drafted = [EMPTY_DRAFT] * len(drafts), False
+            self.skips.start_run()  # the batch's next calls look nothing up (its lookups cost host time)
+        elif drafted:
+            self.skips.stop()
         if self.cost_bar is not None:
-            self.cost_bar.end_step(any(d.token_ids for d in drafts))
+            self.cost_bar.end_step(drafted)
         return drafts
 
     def _batch_pays(self, drafts: list) -> bool:

@@ -3,9 +3,11 @@ most k tokens can pay for its step), the next calls of the same batch look nothi
 stamp the gate's clock (StepCostBar.stamp_same_batch); the bar is not worked out for them. A bar
 falling below k meanwhile is seen up to a run late: drafts change speed only, never tokens.
 
-Runs grow: the first is FIRST_SKIPPED_RUN calls, and each run started while the last one's bar
-still barred is twice as long, up to MAX_SKIPPED_RUN; a call whose bar lets drafts look up matches
-(or that explores) starts over at the first length. A workload whose bar stays at k or more (a
+The same follows a step whose batch's drafts were all dropped because together they could not pay
+the batch's verify (SuffixProposer._batch_pays): each of its sequences' lookups is host time.
+Runs grow: the first is FIRST_SKIPPED_RUN calls, and each run started before a step drafted again
+is twice as long, up to MAX_SKIPPED_RUN; a step that drafts starts over at the first length. A
+workload whose bar stays at k or more (a
 small target on a fast GPU with k = 3: a plain step is host work queued ahead, a verify waits for
 its results) then works the bar out a handful of times per request, not every 16 steps.
 
@@ -37,12 +39,13 @@ class SkippedCalls:
         self.histories: dict[int, list[int]] = {}  # its sequences' token lists, by sequence id
 
     def start_run(self) -> None:
-        """A call barred by the learned bar: skip the batch's next calls, a run twice the last."""
+        """A call barred by the learned bar (or whose batch could not pay): skip the batch's next
+        calls, a run twice the last."""
         self.left = self.next_run
         self.next_run = min(2 * self.next_run, MAX_SKIPPED_RUN)
 
     def stop(self) -> None:
-        """A call whose bar lets drafts look up (or that explores): nothing skipped, the next run short."""
+        """A step that drafts: nothing skipped, the next run short."""
         self.left = 0
         self.next_run = FIRST_SKIPPED_RUN
 

@@ -173,6 +173,7 @@ GATES = {  # gate, a drafting step's cost in plain steps
     "off": (0.0, 1.0),
     "fixed": (1.0, 1.0),
     "auto-cheap": ("auto", 1.3),
+    "auto-mid": ("auto", 3.0),  # a bar near 2: batches whose drafts together cannot pay draft nothing
     "auto-dear": ("auto", 9.0),  # the learned bar is k + 1: nothing is looked up (the H200's GSM8K)
 }
 

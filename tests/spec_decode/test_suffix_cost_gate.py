@@ -397,8 +397,10 @@ def test_a_batch_verifies_only_when_its_drafts_together_pay_for_every_sequence()
     assert proposer.bar == pytest.approx(3.0)
     assert lone == [[], [], [], []]  # 7 expected < 4 x 3
     assert proposer.states[1].last_draft == []  # nothing to judge next step
+    assert proposer.skips.left > 0  # and the batch's next calls look nothing up (suffix_skips.py)
     together = proposer.propose(make_batch([looping] * 2 + [[s + 50 for s in looping]] * 2, [5, 6, 7, 8],
                                            [True] * 4, 8)).token_ids
     assert all(len(d) > 3 for d in together)  # about 4 x 7 expected >= 12: every draft goes out
+    assert proposer.skips.left == 0
     alone = proposer.propose(make_batch([looping], [9], [True], 8)).token_ids
     assert len(alone[0]) > 3  # batch 1: the draft's own bar
