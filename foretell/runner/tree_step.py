@@ -8,7 +8,8 @@ advanced by the accepted count. Near max_model_len it keeps a prefix of the list
 smaller tree (a node's ancestors come before it); near max_tokens a greedy request keeps every row
 and an accept_limit (the path is cut there), others keep a prefix.
 
-One step (ModelRunner takes no other step under trees):
+One step (ModelRunner takes no other step under EAGLE3 trees; under a host drafter's trees the steps
+with no tree to verify decode plainly, queued ahead: ModelRunner._plain_step_of_host_trees):
   1. the batch as build_input_batch makes it, with each tree's rows at position root + depth
      (RoPE sees the depth, the cache the tree index) and an ancestor mask over the sequence's last
      keys, its tree rows (AttentionMetadata.tree_mask; rows of other sequences all-true, i.e. causal);
