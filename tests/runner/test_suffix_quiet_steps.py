@@ -208,7 +208,8 @@ def test_dormant_batches_skip_runs_that_grow(monkeypatch, kind):
 
     dormant_calls = []
     original = SkippedCalls.skips
-    monkeypatch.setattr(SkippedCalls, "skips", lambda self, items: original(self, items) and not dormant_calls.append(1))
+    monkeypatch.setattr(SkippedCalls, "skips",
+                        lambda self, items: original(self, items) and not dormant_calls.append(1))
     run = simulate(kind, "auto", 9.0, seed=2, num_requests=3, batch=2, length=700)
     assert run["candidate"].stats()["suffix_gate"]["bar"] >= 3
     assert len(dormant_calls) > 0.7 * run["steps"]

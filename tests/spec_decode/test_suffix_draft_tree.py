@@ -106,7 +106,8 @@ def test_trees_hold_the_likeliest_continuations_in_tree_order(store, topk):
         tree = draft_tree(index, match, depth, max_nodes, topk, min_prob)
         every = enumerate_tree(index, match, depth, topk, min_prob)
         paths = []
-        for i, (token, parent, node_depth, prob) in enumerate(zip(tree.token_ids, tree.parents, tree.depths, tree.probs)):
+        nodes = zip(tree.token_ids, tree.parents, tree.depths, tree.probs)
+        for i, (token, parent, node_depth, prob) in enumerate(nodes):
             assert 0 <= parent <= i  # topological: the parent (1-based; 0 the root) comes first
             path = (paths[parent - 1] if parent else ()) + (token,)
             paths.append(path)

@@ -113,5 +113,6 @@ def test_sampled_trees_are_reproducible_with_a_seed(qwen3_checkpoint, branching)
 ])
 def test_bad_suffix_tree_configs_are_named(qwen3_checkpoint, spec, message):
     with pytest.raises(ValueError) as error:
-        LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=32, speculative_config={"num_speculative_tokens": 3, **spec})
+        LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=32,
+            speculative_config={"num_speculative_tokens": 3, **spec})
     assert message in str(error.value)
