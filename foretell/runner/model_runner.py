@@ -51,6 +51,7 @@ from foretell.runner.cpu_compile_head import install_cpu_compile_head
 from foretell.runner.graph_setup import StepGraphSetup, build_step_pipeline, skips_catch_up
 from foretell.runner.input_batch import DeferredInputBatch, InputBatch
 from foretell.runner.host_step import HostStep
+from foretell.runner.host_tree_steps import plain_step_of_host_trees
 from foretell.runner.host_drafts import propose_from_tokens
 from foretell.runner.step_checks import check_step
 from foretell.runner.tree_step import TreeStep
@@ -290,7 +291,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         check_step(sched, self.max_model_len, self.vocab_size)
         if self.tree_step is not None:
-            results = self._plain_step_of_host_trees(sched) if self.host_trees else None
+            results = plain_step_of_host_trees(self.pipeline, self.tree_step, sched, self.cache_plan.block_size,
+                                               self.device) if self.host_trees else None
             if results is None:
                 results = self.tree_step.execute(sched)
             self.last_times = StepTimes(target_s=time.perf_counter() - t0)
@@ -326,24 +328,6 @@ class ModelRunner:
             if self._device_sync_needed():
                 torch.cuda.synchronize(self.device)
         self.last_times = StepTimes(target_s=t1 - t0, draft_s=time.perf_counter() - t1)
-        return results
-
-    def _plain_step_of_host_trees(self, sched: SchedulerOutput) -> list[SequenceResult] | None:
-        """Under a host drafter's trees, a step that verifies no tree and that the pipeline takes (a
-        plain decode batch) runs as plain decoding's, queued ahead (step_pipeline.py), and its
-        trees are drafted from the results' tokens (TreeStep.draft_host_trees); None: the tree
-        step runs it (a tree to verify, a prefill chunk). A step queued ahead that is not this
-        one is dropped (decode_ahead.py: safe)."""
-        block_size = self.cache_plan.block_size
-        step = self.pipeline.take(sched.scheduled, block_size)
-        if step is None:
-            if any(item.draft_token_ids for item in sched.scheduled):
-                return None
-            step = self.pipeline.launch(sched, DeferredInputBatch(sched.scheduled, block_size, self.device))
-            if step is None:
-                return None
-        results = self.pipeline.finish(step, sched.num_next_drafts)
-        self.tree_step.draft_host_trees(sched, results)
         return results
 
     def _device_sync_needed(self) -> bool:

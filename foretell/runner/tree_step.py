@@ -8,8 +8,7 @@ advanced by the accepted count. Near max_model_len it keeps a prefix of the list
 smaller tree (a node's ancestors come before it); near max_tokens a greedy request keeps every row
 and an accept_limit (the path is cut there), others keep a prefix.
 
-One step (ModelRunner takes no other step under EAGLE3 trees; under a host drafter's trees the steps
-with no tree to verify decode plainly, queued ahead: ModelRunner._plain_step_of_host_trees):
+One step (the runner's only step under EAGLE3 trees; a host drafter's tree-less steps: host_tree_steps.py):
   1. the batch as build_input_batch makes it, with each tree's rows at position root + depth
      (RoPE sees the depth, the cache the tree index) and an ancestor mask over the sequence's last
      keys, its tree rows (AttentionMetadata.tree_mask; rows of other sequences all-true, i.e. causal);
@@ -24,8 +23,7 @@ with no tree to verify decode plainly, queued ahead: ModelRunner._plain_step_of_
   3. the accepted path's target K/V moved to consecutive positions (tree/compact.py); rejected
      nodes' slots lie past the sequence's length and are overwritten by later steps;
   4. the drafter catches up over the path's rows and drafts the next trees (tree/proposer.py; a host
-     drafter, suffix decoding, drafts its trees from the token lists instead: tree/host_drafter.py,
-     no catch-up, no draft graphs). After
+     drafter's from the token lists: tree/host_drafter.py, no catch-up, no draft graphs). After
      a graphed verify where every sequence drafts whatever it accepts, before the step's one host
      read: the paths padded to depth + 1 rows, catch-up and expansion as one replay of the
      drafter's graph from the verify's device outputs (TreeDraftGraphs.run_after_verify); else
@@ -365,7 +363,7 @@ class TreeStep:
 
     def draft_host_trees(self, sched, results: list) -> None:
         """A host drafter's next trees after a step the runner decoded plainly (queued ahead:
-        ModelRunner._plain_step_of_host_trees), from the results' tokens."""
+        runner/host_tree_steps.py), from the results' tokens."""
         self._draft(sched, None, None, None, results, {})
 
     def _draft(self, sched, batch: InputBatch, hidden, aux, results: list, path_rows: dict[int, list[int]]) -> None:

@@ -46,14 +46,12 @@ calls only stamp the clock: suffix_skips.py), and the longest pause grows with t
 (PAUSE_PER_BAR). The bar the drafts face is that break-even plus a margin learned from what the
 admitted drafts accepted against it (suffix_margin.py), so a class that over-predicts stops. A
 verify step is the whole batch's: a batch of n drafts at all only when its drafts' expected accepted
-tokens together reach n x bar (_batch_pays), else nobody drafts that step.
+tokens together reach n x bar (MatchCalibration.expected_in_all), else nobody drafts that step.
 "auto" is the fixed AUTO_PRIOR_BAR under a hybrid drafter (a paused sequence takes the model's
 drafts there: no plain step shows what drafting costs) and under tensor parallelism (each rank
 drafts for itself, and ranks must draft alike: no bar from a rank's clock).
-Under topk > 1 each draft is a tree instead (suffix_draft_tree.py: where the occurrences go on
-differently, the likeliest continuations side by side, best first), verified on the tree step
-(runner/tree_step.py, tree/host_drafter.py); the gate judges a tree by the path its verify accepted
-and holds it to its deepest path's length.
+Under topk > 1 each draft is a tree (suffix_draft_tree.py, verified on the tree step through
+tree/host_drafter.py); the gate judges it by the path its verify accepted, up to its depth.
 
 The drafts are deterministic (argmax of the empirical distribution): no draft probabilities, so
 rejection sampling treats them as one-hot and sampling stays exact.
@@ -78,7 +76,7 @@ from typing import Callable
 from foretell.spec_decode.proposer import DraftBatch, Proposal, ProposerBase, ProposerCapabilities
 from foretell.spec_decode.suffix_cache import GlobalSuffixCache
 from foretell.spec_decode.suffix_calibration import MatchCalibration
-from foretell.spec_decode.suffix_draft_tree import TreeDraft, accepted_in_tree, draft_tree
+from foretell.spec_decode.suffix_draft_tree import TreeDraft, draft_tree, judged_draft
 from foretell.spec_decode.suffix_gate import AUTO_PRIOR_BAR, PAUSE_PER_BAR, StepCostBar
 from foretell.spec_decode.suffix_margin import RealisedMargin
 from foretell.spec_decode.suffix_skips import SkippedCalls
@@ -107,7 +105,7 @@ class SuffixProposer(ProposerBase):
             self.calibration = self.margin = None
         else:
             raise ValueError(f"suffix min_accepted_tokens must be a number >= 0 or 'auto', got {bar!r}")
-        self.skips = SkippedCalls()  # calls that only stamp the clock after a barring bar (suffix_skips.py)
+        self.skips = SkippedCalls()  # calls that only stamp the clock (suffix_skips.py)
 
     @property
     def capabilities(self) -> ProposerCapabilities:
@@ -175,13 +173,7 @@ class SuffixProposer(ProposerBase):
         bar = self.bar
         if bar <= 0:
             return
-        if tree is not None:  # the path down the tree the new tokens follow
-            accepted, length = accepted_in_tree(tree, new), tree.depth
-        else:
-            accepted, limit = 0, min(len(draft), len(new) - 1)  # the last new token is the target's own
-            while accepted < limit and draft[accepted] == new[accepted]:
-                accepted += 1
-            length = len(draft)
+        accepted, length = judged_draft(draft, tree, new)  # (a tree: the path the new tokens follow)
         state.run_going = accepted == length
         if self.calibration is not None:
             self.calibration.add(state.last_match_length, accepted, length)
@@ -305,7 +297,10 @@ class SuffixProposer(ProposerBase):
                 self._pause(state, len(history))
             drafts.append(draft)
         drafted = any(d.token_ids for d in drafts)
-        if drafted and min_length > 0 and len(drafts) > 1 and not self._batch_pays(drafts):
+        # A verify is the whole batch's (every sequence waits for it): the drafts together must be
+        # expected to accept the bar for each of its n sequences, else nobody drafts.
+        if (drafted and min_length > 0 and len(drafts) > 1
+                and self.calibration.expected_in_all(drafts) < self.bar * len(drafts)):
             for key in seq_ids:  # nobody drafts this step: nothing to judge at the next
                 state = self.states.get(key)
                 if state is not None:
@@ -317,18 +312,6 @@ class SuffixProposer(ProposerBase):
         if self.cost_bar is not None:
             self.cost_bar.end_step(drafted)
         return drafts
-
-    def _batch_pays(self, drafts: list) -> bool:
-        """A verify step is the whole batch's (every sequence waits for it), so under a learned bar
-        the batch's drafts together must be expected to accept the bar for each of its n sequences:
-        sum over the drafts of their class's expected accepted tokens (MatchCalibration; the draft's
-        own empirical score before the class is calibrated) >= n x bar."""
-        expected = 0.0
-        for draft in drafts:
-            if draft.token_ids:
-                calibrated = self.calibration.expected(draft.match_length, draft.depth)
-                expected += draft.score if calibrated is None else calibrated
-        return expected >= self.bar * len(drafts)
 
     def _expected_to_pay(self, draft: Draft) -> bool:
         """Whether the draft's class expects it to accept at least the bar (MatchCalibration;

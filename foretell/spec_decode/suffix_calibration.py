@@ -45,6 +45,17 @@ class MatchCalibration:
         accepted, drafted = self.sums[c]
         return length * accepted / drafted
 
+    def expected_in_all(self, drafts) -> float:
+        """Tokens a batch's drafts (Draft or TreeDraft: .token_ids, .match_length, .depth, .score)
+        are expected to accept together: each one's class expectation, its own empirical score
+        before its class is calibrated (the batch-wide gate, SuffixProposer._draft_batch)."""
+        total = 0.0
+        for draft in drafts:
+            if draft.token_ids:
+                calibrated = self.expected(draft.match_length, draft.depth)
+                total += draft.score if calibrated is None else calibrated
+        return total
+
     def probe(self, match_length: int) -> bool:
         """Whether a draft expected below the bar is proposed anyway (one in PROBE_EVERY)."""
         c = self.class_of(match_length)

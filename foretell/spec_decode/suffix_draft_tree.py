@@ -130,3 +130,15 @@ def accepted_in_tree(tree: TreeDraft, new: list[int]) -> int:
         else:
             break
     return accepted
+
+
+def judged_draft(chain: list[int], tree: TreeDraft | None, new: list[int]) -> tuple[int, int]:
+    """What the gate learns of the last draft (a chain, or a tree when given) from the tokens its
+    verify emitted: (accepted tokens, the most it could have accepted: its length or depth). The
+    last new token is the target's own, never a draft."""
+    if tree is not None:
+        return accepted_in_tree(tree, new), tree.depth
+    accepted, limit = 0, min(len(chain), len(new) - 1)
+    while accepted < limit and chain[accepted] == new[accepted]:
+        accepted += 1
+    return accepted, len(chain)

@@ -4,7 +4,7 @@ stamp the gate's clock (StepCostBar.stamp_same_batch); the bar is not worked out
 falling below k meanwhile is seen up to a run late: drafts change speed only, never tokens.
 
 The same follows a step whose batch's drafts were all dropped because together they could not pay
-the batch's verify (SuffixProposer._batch_pays): each of its sequences' lookups is host time.
+the batch's verify (SuffixProposer._draft_batch): each of its sequences' lookups is host time.
 Runs grow: the first is FIRST_SKIPPED_RUN calls, and each run started before a step drafted again
 is twice as long, up to MAX_SKIPPED_RUN; a step that drafts starts over at the first length. A
 workload whose bar stays at k or more (a

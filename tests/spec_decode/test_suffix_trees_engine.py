@@ -51,7 +51,7 @@ def check_done(llm: LLM) -> None:
 
 @pytest.mark.parametrize("mode", ["batch", "stress", "queued", "queued-stress"])
 def test_greedy_suffix_trees_equal_plain_greedy(qwen3_checkpoint, branching, mode):
-    """queued: steps without trees decode plainly, queued ahead (ModelRunner._plain_step_of_host_trees;
+    """queued: steps without trees decode plainly, queued ahead (runner/host_tree_steps.py;
     the GPU's default), the tree step taking the steps that verify trees and the prefills."""
     plain = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=128)
     expected = ids(plain.generate(PROMPTS, greedy(), use_tqdm=False))
