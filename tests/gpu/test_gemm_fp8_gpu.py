@@ -16,7 +16,7 @@ import pytest
 import torch
 
 
-from fixtures.fp8_linear import check_product, random_fp8_weight
+from fixtures.fp8_linear import check_product, half_tiles, random_fp8_weight
 from fixtures.seeds import reports_seed
 from foretell.ops.gemm import fp8_reference as ref
 from foretell.ops.gemm import triton_fp8_few_rows as few
@@ -53,8 +53,9 @@ def test_few_rows_match_float64(dtype, case):
     with torch.inference_mode(), reports_seed(seed):
         for m in (1, 2, 4, 16):
             x = torch.randn(m, k, generator=gen, device=DEVICE).to(dtype)
-            check_product(few.fp8_few_rows_linear(x, q, s, block_size), x, q, s, block_size, None, dtype)
-            check_product(fp8_linear(x, q, s, block_size, bias), x, q, s, block_size, bias, dtype)
+            tiles = half_tiles(few.default_config(m, n, k, dtype, block_size, DEVICE), k)  # (one row: fp16 sums)
+            check_product(few.fp8_few_rows_linear(x, q, s, block_size), x, q, s, block_size, None, dtype, tiles)
+            check_product(fp8_linear(x, q, s, block_size, bias), x, q, s, block_size, bias, dtype, tiles)
             if m <= few.GEMV_MAX_M:  # the GEMV at more rows too (what float32 x takes)
                 config = few.gemv_config(m, n, k)
                 check_product(few.fp8_few_rows_linear(x, q, s, block_size, config=config), x, q, s, block_size,
@@ -148,3 +149,30 @@ def test_gated_gate_up_and_split_k_at_llama_shapes(block_size, m):
                       few.Fp8MmaConfig(block_k=128, split=split))
             check_product(few.fp8_few_rows_linear(x, q, s, block_size, None, config), x, q, s, block_size, None,
                           torch.bfloat16)
+
+
+@pytest.mark.parametrize("block_size", [BLOCK, None], ids=["block", "channel"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_gemv_candidates_at_llama_shapes(block_size, dtype):
+    """The one-row half-precision GEMV (triton_fp8_gemv_half.py), every candidate the sweep times, at
+    Llama-8B's shapes (gate_up gated against silu_and_mul of its own product), in bf16 and fp16, with x
+    of ordinary size and with an outlier 2,000 times the rest (the power of two keeps fp16 in range)."""
+    from foretell.ops.gemm import triton_fp8_gemv_half as half
+
+    seed = random.randrange(2**31)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    with torch.inference_mode(), reports_seed(seed):
+        for n, k in LLAMA8B_SHAPES:
+            q, s = random_fp8_weight(gen, n, k, block_size, DEVICE)
+            for scale in (1.0, 30.0):
+                x = torch.randn(1, k, generator=gen, device=DEVICE) * scale
+                x[0, 5] = 2000.0 * scale
+                x = x.to(dtype)
+                configs = [c for c in few.candidate_configs(1, n, k, dtype, block_size, DEVICE)
+                           if isinstance(c, half.Fp8HalfGemvConfig)]
+                for config in configs:
+                    got = few.fp8_few_rows_linear(x, q, s, block_size, None, config)
+                    check_product(got, x, q, s, block_size, None, dtype, half_tiles(config, k))
+                    if n == 28672:
+                        gated = few.fp8_few_rows_linear(x, q, s, block_size, None, config, gated=True)
+                        torch.testing.assert_close(gated, silu_and_mul_torch(got), rtol=2 * 2**-8, atol=1e-6)

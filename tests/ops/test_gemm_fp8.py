@@ -250,7 +250,8 @@ def test_default_configs_follow_the_h200_sweep():
     gate_up 2), never below 512 columns a slice; the GEMV at one row reads 8 KiB tiles over four
     warps, eight rows of 1024 columns where that leaves four programs a multiprocessor, else four
     rows of 2048; shapes the sweep did not time follow the same rule. The GEMV's tiles at one row
-    follow the in-graph sweep (sweep_linears_in_graph_gpu.py, 5b0b5ca), gemv_config's docstring."""
+    follow the in-graph sweep (sweep_linears_in_graph_gpu.py, 5b0b5ca), gemv_config's docstring; at one
+    row of fp16 / bf16 x they are the float32 GEMV's tiles where the half GEMV does not fit."""
     cpu = torch.device("cpu")  # the interpreter's device limits: 132 multiprocessors
     assert few.mma_config(4096, BLOCK, 4096, cpu).split == 8  # o
     assert few.mma_config(14336, BLOCK, 4096, cpu).split == 8  # down
@@ -263,7 +264,7 @@ def test_default_configs_follow_the_h200_sweep():
     gemv = few.Fp8GemvConfig
     for n, k, want in (((6144, 4096, gemv(1, 8, 512, 4))), (28672, 4096, gemv(1, 16, 512, 4)),
                        (4096, 4096, gemv(1, 8, 1024, 4)), (4096, 14336, gemv(1, 8, 1024, 4))):
-        assert few.default_config(1, n, k, torch.bfloat16, BLOCK, cpu) == want, (n, k)
+        assert few.default_config(1, n, k, torch.float32, BLOCK, cpu) == want, (n, k)  # (half x: test_fp8_gemv_half)
     assert few.gemv_config(1, 6144, 100).block_k == 128  # K in one tile
     assert few.gemv_config(4, 6144, 4096) == gemv(4, 4, 1024, 4)  # float32 x at 4 rows
     # blocks of 4 rows: eight rows a program would straddle two, so four

@@ -53,7 +53,10 @@ import triton.language as tl
 from foretell.ops.common.pdl import launch_options, let_next_kernel_launch, pdl_enabled, wait_for_previous_kernel
 from foretell.ops.common.split_counters import SplitCounters
 from foretell.ops.gemm.fp8_reference import check_fp8_weight
-from foretell.ops.gemm.triton_gemv import program_rows_of_w, silu_mul_rounded
+from foretell.ops.gemm.triton_fp8_epilogue import finish_split
+from foretell.ops.gemm.triton_fp8_gemv_half import (HALF_GEMV_CANDIDATES, HALF_X_DTYPES, Fp8HalfGemvConfig,
+                                                    half_gemv_config, launch_fp8_gemv_half)
+from foretell.ops.gemm.triton_gemv import program_rows_of_w
 from foretell.ops.gemm.triton_mma import device_limits
 
 GEMV_MAX_M = 4
@@ -156,8 +159,13 @@ def mma_config(k: int, block_size: tuple[int, int] | None, n: int | None = None,
 
 def default_config(m: int, n: int, k: int, dtype: torch.dtype, block_size: tuple[int, int] | None,
                    device: torch.device | None = None):
-    """The GEMV for one row (or a float32 x), the MMA for more rows of fp16 / bf16. The GEMV's
-    rows of W per program stay within one block row (four when eight would not fit the blocks)."""
+    """The half-precision GEMV for one row of fp16 / bf16 (triton_fp8_gemv_half.py), the float32
+    GEMV for a float32 x, the MMA for more rows of fp16 / bf16. The GEMVs' rows of W per program stay
+    within one block row (the float32 GEMV's four when eight would not fit the blocks)."""
+    if m == 1 and dtype in HALF_X_DTYPES:
+        config = half_gemv_config(n, k, device=device)
+        if gemv_rows_fit_blocks(config.block_n, n, block_size, gated=False):
+            return config
     if m == 1 or dtype not in MMA_X_DTYPES:
         config = gemv_config(m, n, k, device=device)
         if not gemv_rows_fit_blocks(config.block_n, n, block_size, gated=False):
@@ -189,6 +197,10 @@ def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype, block_size: tu
     qkv takes 3.4 instructions a weight for fp16 x at 128 columns (2.7 at 256, per channel) and
     4.9 for bf16 x (the weight made bf16 through float32), the GEMV 3.15-3.6."""
     configs = [default_config(m, n, k, dtype, block_size, device)]
+    if m == 1 and dtype in HALF_X_DTYPES:
+        for block_n, block_k, warps, split in HALF_GEMV_CANDIDATES:
+            if block_k <= 2 * _next_pow2(k) and (split == 1 or k // split >= block_k):
+                configs.append(half_gemv_config(n, k, block_n, block_k, warps, split, device))
     if m <= GEMV_MAX_M:
         for block_n, block_k, warps, split in GEMV_CANDIDATES:
             block_k //= _next_pow2(m)
@@ -252,54 +264,6 @@ def _gemv_accumulate(acc, w, x_ptr, stride_xm, M, cols, k_end, scale_gate, scale
         else:
             xs = (x * s_gate[None, :])[:, None, :]
         return acc + tl.sum(w[None, :, :] * xs, axis=2)  # [BLOCK_M, BLOCK_N]
-
-
-@triton.jit
-def _finish(acc, scale_ptr, stride_scale, bias_ptr, out_ptr, rows_w, w_ok, rows_x, x_ok, tile, N,
-            PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_X: tl.constexpr, dtype: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_X] (rows of W x rows of x, summed over K) -> out[rows_x, ...]: per-channel
-    scales, bias, rounding to dtype (x's); GATED: silu(gate) * up per (gate j, up j) pair of rows,
-    stored as out [M, N // 2]."""
-    if PER_CHANNEL:
-        acc *= tl.load(scale_ptr + rows_w * stride_scale, mask=w_ok, other=0.0)[:, None]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rows_w, mask=w_ok, other=0.0).to(tl.float32)[:, None]
-    out_dtype = out_ptr.dtype.element_ty  # results round to dtype (a float32 out holds them as they are)
-    if GATED:
-        pairs = tl.permute(tl.reshape(acc.to(dtype).to(tl.float32), [BLOCK_N // 2, 2, BLOCK_X]), (0, 2, 1))
-        gate, up = tl.split(pairs)  # [BLOCK_N // 2, BLOCK_X] each
-        acts = tile * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        tl.store(out_ptr + rows_x[None, :] * (N // 2) + acts[:, None], silu_mul_rounded(gate, up, dtype).to(out_dtype),
-                 mask=(acts < N // 2)[:, None] & x_ok[None, :])
-    else:
-        tl.store(out_ptr + rows_x[None, :] * N + rows_w[:, None], acc.to(dtype).to(out_dtype),
-                 mask=w_ok[:, None] & x_ok[None, :])
-
-
-@triton.jit
-def _finish_split(acc, partial_ptr, counter_ptr, scale_ptr, stride_scale, bias_ptr, out_ptr, rows_w, w_ok,
-                  rows_x, x_ok, tile, split, M, N,
-                  PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, SPLIT: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_X: tl.constexpr, dtype: tl.constexpr):
-    """_finish, after the splits of the tile are summed: each stores its float32 partial
-    [BLOCK_N, BLOCK_X]; the last to arrive sums them in split order and finishes."""
-    if SPLIT == 1:
-        _finish(acc, scale_ptr, stride_scale, bias_ptr, out_ptr, rows_w, w_ok, rows_x, x_ok, tile, N,
-                PER_CHANNEL, HAS_BIAS, GATED, BLOCK_N, BLOCK_X, dtype)
-    else:
-        offsets = rows_x[None, :] * N + rows_w[:, None]  # [BLOCK_N, BLOCK_X] in a [M, N] partial
-        mask = w_ok[:, None] & x_ok[None, :]
-        tl.store(partial_ptr + split * M * N + offsets, acc, mask=mask)
-        tl.debug_barrier()  # every thread's partial is written before the release below
-        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel")
-        if arrived == SPLIT - 1:  # the last split of this tile: every partial is visible now
-            total = tl.zeros_like(acc)
-            for s in range(SPLIT):  # split order: the same sum whichever split finished last
-                total += tl.load(partial_ptr + s * M * N + offsets, mask=mask, other=0.0, cache_modifier=".cg")
-            _finish(total, scale_ptr, stride_scale, bias_ptr, out_ptr, rows_w, w_ok, rows_x, x_ok, tile, N,
-                    PER_CHANNEL, HAS_BIAS, GATED, BLOCK_N, BLOCK_X, dtype)
-            tl.atomic_xchg(counter_ptr + tile, 0)  # ready for the next launch
 
 
 @triton.jit
@@ -386,7 +350,7 @@ def _fp8_gemv_kernel(
         if BLOCK_M == 1:
             acc = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
     m = tl.arange(0, BLOCK_M)
-    _finish_split(tl.trans(acc), partial_ptr, counter_ptr, scale_ptr, stride_scale, bias_ptr, out_ptr, rows, row_ok,
+    finish_split(tl.trans(acc), partial_ptr, counter_ptr, scale_ptr, stride_scale, bias_ptr, out_ptr, rows, row_ok,
                   m, m < M, tile, split, M, N, PER_CHANNEL, HAS_BIAS, GATED, SPLIT, BLOCK_N, BLOCK_M,
                   x_ptr.dtype.element_ty)
 
@@ -447,7 +411,7 @@ def _fp8_mma_kernel(
             scales = tl.load(scale_rows + (k_start + k0) // QBLOCK_K, mask=w_ok, other=0.0)  # [BLOCK_N]
             acc += tl.dot(w.to(dtype), x) * scales[:, None]
     let_next_kernel_launch(PDL)
-    _finish_split(acc, partial_ptr, counter_ptr, scale_ptr, stride_scale, bias_ptr, out_ptr, rows_w, w_ok,
+    finish_split(acc, partial_ptr, counter_ptr, scale_ptr, stride_scale, bias_ptr, out_ptr, rows_w, w_ok,
                   rows_x, x_ok, tile, split, M, N, PER_CHANNEL, HAS_BIAS, GATED, SPLIT, BLOCK_N, BLOCK_M, dtype)
 
 
@@ -498,6 +462,8 @@ def fp8_few_rows_linear(
     n, k = weight.shape if weight.dim() == 2 else (0, 0)
     if config is None and 1 <= m <= MAX_M:
         config = default_config(m, n, k, x.dtype, block_size, x.device)
+    if isinstance(config, Fp8HalfGemvConfig):
+        return _half_gemv_linear(x, weight, weight_scale, block_size, bias, config, float32_out, gated)
     mma = isinstance(config, Fp8MmaConfig)
     check_few_rows_inputs(x, weight, weight_scale, block_size, bias, MAX_M if mma else GEMV_MAX_M,
                           MMA_X_DTYPES if mma else X_DTYPES, gated)
@@ -533,4 +499,22 @@ def fp8_few_rows_linear(
         _fp8_mma_kernel[(tiles, split)](*args, BLOCK_M=MAX_M, num_stages=config.num_stages, **common)
     else:
         _fp8_gemv_kernel[(tiles, split)](*args, BLOCK_M=config.block_m, **common)
+    return out
+
+
+def _half_gemv_linear(x, weight, weight_scale, block_size, bias, config: Fp8HalfGemvConfig, float32_out: bool,
+                      gated: bool) -> torch.Tensor:
+    """fp8_few_rows_linear on the half-precision GEMV (one row of fp16 / bf16 x)."""
+    check_few_rows_inputs(x, weight, weight_scale, block_size, bias, 1, HALF_X_DTYPES, gated)
+    n = weight.shape[0]
+    if gated and config.block_n % 2:
+        raise ValueError(f"config {config}: a gated product needs an even block_n (gate, up pairs)")
+    if not gemv_rows_fit_blocks(config.block_n, n, block_size, gated):
+        raise ValueError(f"config {config}: a program's rows of W must lie in one block row of {block_size}"
+                         f"{' (gate and up rows each)' if gated else ''}")
+    if config.split < 1:
+        raise ValueError(f"config {config}: split must be >= 1")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    out = torch.empty((1, n // 2 if gated else n), dtype=torch.float32 if float32_out else x.dtype, device=x.device)
+    launch_fp8_gemv_half(x, weight, weight_scale, block_size, bias, out, config, gated, _COUNTERS)
     return out
