@@ -167,7 +167,9 @@ def test_mma_matches_float64(block_size, m, poisoned_empty):
     x = torch.randn(m, k, generator=gen).half().to(DEVICE)
     bias = torch.randn(n, generator=gen).half().to(DEVICE)
     with reports_seed(seed):
-        for config in (few.mma_config(k, block_size), few.Fp8MmaConfig(block_k=32, num_stages=2)):
+        configs = (few.mma_config(k, block_size), few.Fp8MmaConfig(block_k=32, num_stages=2),
+                   few.Fp8MmaConfig(block_k=32, num_stages=2, half_x=False))
+        for config in configs:
             for b in (bias, None):
                 check_product(few.fp8_few_rows_linear(x, q, s, block_size, b, config), x, q, s, block_size, b,
                               torch.float16)
@@ -338,3 +340,26 @@ def test_gemm_bad_inputs_raise_clear_errors():
         gemm.fp8_gemm(torch.randn(20, 201), q, s, BLOCK)
     with pytest.raises(ValueError, match="power of two"):
         gemm.quantize_per_token_group(torch.randn(2, 200), group=96)
+
+
+@pytest.mark.parametrize("block_size", [BLOCK, None], ids=["128x128", "channel"])
+def test_mma_rows_of_any_magnitude_keep_the_product(block_size, poisoned_empty):
+    """The MMA's fp16 dot (half_x): each row of x taken times its own power of two, rows of very
+    different size in one call (hundreds, hundredths, zero, one outlier) give the product, the
+    same as the dot in x's dtype (half_x=False) within float32 rounding."""
+    seed = random.randrange(2**31)
+    gen = torch.Generator().manual_seed(seed)
+    n, k = 70, 300
+    q, s = _weight(gen, n, k, block_size)
+    x = torch.randn(5, k, generator=gen)
+    x[0] *= 100.0
+    x[1] *= 1e-2  # (outputs stay fp16 normals)
+    x[2] = 0.0
+    x[3, 7] = 300.0  # one outlier
+    x = x.half().to(DEVICE)
+    with reports_seed(seed):
+        got = few.fp8_few_rows_linear(x, q, s, block_size, None, few.Fp8MmaConfig(block_k=64, num_stages=2))
+        check_product(got, x, q, s, block_size, None, torch.float16)
+        assert not got[2].any()
+        plain = few.fp8_few_rows_linear(x, q, s, block_size, None, few.Fp8MmaConfig(64, 2, half_x=False))
+        torch.testing.assert_close(got.float(), plain.float(), rtol=2 * 2**-10, atol=1e-6)

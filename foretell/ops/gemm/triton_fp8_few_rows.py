@@ -20,10 +20,15 @@ product, as the CPU path computes it).
     and `gated` reads its gate rows and up rows as two tiles, each with its own scales row (one
     interleaved tile chose a scale per weight, and ran slower than the plain product on the H200).
   MMA (up to 16 rows, fp16 / bf16 x, Fp8MmaConfig): program (p, s) owns 64 rows of W (one wgmma
-    tile) and the s-th slice of K, and multiplies [64, BLOCK_K] weight tiles, converted to x's
-    dtype in registers (exact: every e4m3 value is a bf16 and an fp16 value), by x^T tiles
-    [BLOCK_K, 16] on tensor cores; with BLOCK_K dividing the quant block's width, each tile's
-    float32 product is scaled by one scale per row of W before it is added.
+    tile) and the s-th slice of K, and multiplies [64, BLOCK_K] weight tiles, converted in registers
+    (exact: every e4m3 value is a bf16 and an fp16 value), by x^T tiles [BLOCK_K, 16] on tensor
+    cores; with BLOCK_K dividing the quant block's width, each tile's float32 product is scaled by
+    one scale per row of W before it is added. The dot runs in fp16 (`half_x`, the default): sm_90
+    turns an e4m3 pair into an f16 pair in one instruction but reaches bf16 only through float32, so
+    each row of x is first multiplied by a power of two that puts its largest |x| over the slice in
+    [2^13, 2^14) (triton_fp8_gemv_half.row_shifts; a pass over x before the loop) and becomes fp16
+    exactly (a bf16 value's 8 significant bits fit fp16's 11 down to 2^-27 of the row's largest);
+    the float32 sums are divided by it after the loop. half_x=False dots in x's own dtype.
 
 Split-K (both kernels, `split` > 1: layers with fewer programs than the device has
 multiprocessors, Llama-8B's o and down projections at M > 1): each split stores a float32 partial;
@@ -55,7 +60,8 @@ from foretell.ops.common.split_counters import SplitCounters
 from foretell.ops.gemm.fp8_reference import check_fp8_weight
 from foretell.ops.gemm.triton_fp8_epilogue import finish_split
 from foretell.ops.gemm.triton_fp8_gemv_half import (HALF_GEMV_CANDIDATES, HALF_X_DTYPES, Fp8HalfGemvConfig,
-                                                    half_gemv_config, launch_fp8_gemv_half)
+                                                    half_gemv_config, launch_fp8_gemv_half, power_of_two,
+                                                    row_shifts)
 from foretell.ops.gemm.triton_gemv import program_rows_of_w
 from foretell.ops.gemm.triton_mma import device_limits
 
@@ -88,9 +94,11 @@ class Fp8MmaConfig:
     num_warps: int = 4
     block_n: int = MMA_BLOCK_N
     split: int = 1  # slices of K, each its own program
+    half_x: bool = True  # x as fp16 times a power of two per row (exact): one conversion a weight
 
     def __str__(self) -> str:
-        return f"fp8 mma BN{self.block_n} BK{self.block_k} s{self.num_stages} w{self.num_warps} split{self.split}"
+        half = "" if self.half_x else " bf16-dot"
+        return f"fp8 mma BN{self.block_n} BK{self.block_k} s{self.num_stages} w{self.num_warps} split{self.split}{half}"
 
 
 def _next_pow2(n: int) -> int:
@@ -380,6 +388,7 @@ def _fp8_mma_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    HALF_X: tl.constexpr,  # x taken as fp16 times a power of two per row (row_shifts): exact for bf16
 ):
     tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -392,10 +401,15 @@ def _fp8_mma_kernel(
     w_tile = w_ptr + rows_w[:, None].to(tl.int64) * K + lanes[None, :]  # [BLOCK_N, BLOCK_K]
     x_tile = x_ptr + rows_x[None, :] * stride_xm + lanes[:, None]  # [BLOCK_K, BLOCK_M]
     scale_rows = scale_ptr + (rows_w // QBLOCK_N) * stride_scale  # [BLOCK_N]
-    dtype = x_ptr.dtype.element_ty
+    dtype = tl.float16 if HALF_X else x_ptr.dtype.element_ty  # the dot's inputs
     w = tl.load(w_tile, mask=w_ok[:, None] & (lanes < k_end)[None, :], other=0.0, eviction_policy="evict_first")
     wait_for_previous_kernel(PDL)
+    if HALF_X:
+        shift = row_shifts(x_tile, lanes, k_end, x_ok, k_per_split, BLOCK_K, BLOCK_M)  # [BLOCK_M]
+        factor = power_of_two(shift)[None, :]
     x = tl.load(x_tile, mask=(lanes < k_end)[:, None] & x_ok[None, :], other=0.0)
+    if HALF_X:
+        x = (x.to(tl.float32) * factor).to(tl.float16)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     if PER_CHANNEL:
         acc = tl.dot(w.to(dtype), x, acc)
@@ -405,14 +419,19 @@ def _fp8_mma_kernel(
         k_ok = (lanes + k0) < k_end
         w = tl.load(w_tile + k0, mask=w_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
         x = tl.load(x_tile + k0, mask=k_ok[:, None] & x_ok[None, :], other=0.0)
+        if HALF_X:
+            x = (x.to(tl.float32) * factor).to(tl.float16)
         if PER_CHANNEL:
             acc = tl.dot(w.to(dtype), x, acc)
         else:
             scales = tl.load(scale_rows + (k_start + k0) // QBLOCK_K, mask=w_ok, other=0.0)  # [BLOCK_N]
             acc += tl.dot(w.to(dtype), x) * scales[:, None]
     let_next_kernel_launch(PDL)
+    if HALF_X:
+        acc *= power_of_two(-shift)[None, :]
     finish_split(acc, partial_ptr, counter_ptr, scale_ptr, stride_scale, bias_ptr, out_ptr, rows_w, w_ok,
-                  rows_x, x_ok, tile, split, M, N, PER_CHANNEL, HAS_BIAS, GATED, SPLIT, BLOCK_N, BLOCK_M, dtype)
+                 rows_x, x_ok, tile, split, M, N, PER_CHANNEL, HAS_BIAS, GATED, SPLIT, BLOCK_N, BLOCK_M,
+                 x_ptr.dtype.element_ty)
 
 
 def check_few_rows_inputs(x, weight, weight_scale, block_size, bias, max_m: int, dtypes, gated: bool = False) -> None:
@@ -496,7 +515,8 @@ def fp8_few_rows_linear(
                   GATED=gated, PDL=pdl, SPLIT=split, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                   num_warps=config.num_warps, **launch_options(pdl))
     if mma:
-        _fp8_mma_kernel[(tiles, split)](*args, BLOCK_M=MAX_M, num_stages=config.num_stages, **common)
+        _fp8_mma_kernel[(tiles, split)](*args, BLOCK_M=MAX_M, num_stages=config.num_stages,
+                                        HALF_X=config.half_x, **common)
     else:
         _fp8_gemv_kernel[(tiles, split)](*args, BLOCK_M=config.block_m, **common)
     return out

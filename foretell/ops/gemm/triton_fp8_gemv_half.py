@@ -94,9 +94,28 @@ def max_exponent(num_tiles: int) -> int:
 
 
 @triton.jit
-def _power_of_two(e):
+def power_of_two(e):
     """2^e as float32, exactly (e an int32 tensor or scalar in [-126, 127])."""
     return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def exponent_of(v):
+    """e with v in [2^e, 2^(e + 1)) for v > 0 normal float32 (-127 for 0)."""
+    return ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+
+
+@triton.jit
+def row_shifts(x_tile, lanes, k_end, x_ok, k_per_split, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Per row of x (x_tile [BLOCK_K, BLOCK_M] at a slice's first columns `lanes`): the power of two
+    (exponent) that puts the row's largest |x| over the slice in [2^13, 2^14), so bf16 x becomes fp16
+    exactly (8 significant bits within fp16's 11, values down to 2^-27 of the largest) with room below
+    fp16's largest (65504) for tensor-core products accumulated in float32."""
+    largest = tl.zeros([BLOCK_K, BLOCK_M], tl.float32)
+    for k0 in range(0, k_per_split, BLOCK_K):
+        x = tl.load(x_tile + k0, mask=((k0 + lanes) < k_end)[:, None] & x_ok[None, :], other=0.0)
+        largest = tl.maximum(largest, tl.abs(x.to(tl.float32)))
+    return tl.minimum(tl.maximum(13 - exponent_of(tl.max(largest, axis=0)), -126), 126)
 
 
 @triton.jit
@@ -116,8 +135,7 @@ def _x_shift(x_ptr, scale_a, scale_b, k_start, k_end, k_per_split, max_exp,
         scales = tl.maximum(tl.load(scale_a + blocks, mask=block_ok, other=0.0),
                             tl.load(scale_b + blocks, mask=block_ok, other=0.0))
         big *= tl.max(scales, axis=0)
-    exponent = ((big.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # big in [2^exponent, 2^(exponent + 1))
-    return tl.minimum(tl.maximum(max_exp - exponent - 1, -126), 126)
+    return tl.minimum(tl.maximum(max_exp - exponent_of(big) - 1, -126), 126)  # big in [2^e, 2^(e + 1))
 
 
 @triton.jit
@@ -191,7 +209,7 @@ def _fp8_gemv_half_kernel(
     wait_for_previous_kernel(PDL)
     shift = _x_shift(x_ptr, scale_a, scale_b, k_start, k_end, k_per_split, max_exp,
                      QBLOCK_K, PER_CHANNEL, S_SPAN, BLOCK_K)
-    factor = _power_of_two(shift)
+    factor = power_of_two(shift)
     acc_a = w_a.to(tl.float16) * _half_x(x_ptr, cols, k_end, scale_a, factor, QBLOCK_K, PER_CHANNEL, EVEN_K)[None, :]
     if GATED:
         acc_b = w_b.to(tl.float16) * _half_x(x_ptr, cols, k_end, scale_b, factor, QBLOCK_K, PER_CHANNEL,
@@ -209,7 +227,7 @@ def _fp8_gemv_half_kernel(
                 x_b = _half_x(x_ptr, k0 + cols, k_end, scale_b, factor, QBLOCK_K, PER_CHANNEL, EVEN_K)
             acc_b += w_b.to(tl.float16) * x_b[None, :]
     let_next_kernel_launch(PDL)
-    unshift = _power_of_two(-shift)
+    unshift = power_of_two(-shift)
     sums = tl.sum(acc_a.to(tl.float32), axis=1) * unshift  # [PART]
     if GATED:  # (gate j, up j) pairs, as program_rows_of_w orders the rows
         sums = tl.interleave(sums, tl.sum(acc_b.to(tl.float32), axis=1) * unshift)  # [BLOCK_N]
