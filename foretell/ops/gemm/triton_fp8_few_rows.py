@@ -171,7 +171,7 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype, block_size: tuple
     GEMV for a float32 x, the MMA for more rows of fp16 / bf16. The GEMVs' rows of W per program stay
     within one block row (the float32 GEMV's four when eight would not fit the blocks)."""
     if m == 1 and dtype in HALF_X_DTYPES:
-        config = half_gemv_config(n, k, device=device)
+        config = half_gemv_config(n, k)
         if gemv_rows_fit_blocks(config.block_n, n, block_size, gated=False):
             return config
     if m == 1 or dtype not in MMA_X_DTYPES:
@@ -208,7 +208,7 @@ def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype, block_size: tu
     if m == 1 and dtype in HALF_X_DTYPES:
         for block_n, block_k, warps, split in HALF_GEMV_CANDIDATES:
             if block_k <= 2 * _next_pow2(k) and (split == 1 or k // split >= block_k):
-                configs.append(half_gemv_config(n, k, block_n, block_k, warps, split, device))
+                configs.append(half_gemv_config(n, k, block_n, block_k, warps, split))
     if m <= GEMV_MAX_M:
         for block_n, block_k, warps, split in GEMV_CANDIDATES:
             block_k //= _next_pow2(m)

@@ -46,7 +46,6 @@ import triton.language as tl
 
 from foretell.ops.common.pdl import launch_options, let_next_kernel_launch, pdl_enabled, wait_for_previous_kernel
 from foretell.ops.gemm.triton_fp8_epilogue import finish_split
-from foretell.ops.gemm.triton_mma import device_limits
 
 FP16_MAX = 65504.0
 E4M3_MAX = 448.0
@@ -65,27 +64,22 @@ class Fp8HalfGemvConfig:
 
 
 # Candidates for the H200's in-graph sweep (rows of W, columns a tile, warps, splits of K): 16 columns a
-# thread along K and 8 rows a thread (x's conversion shared by 8 rows) but for the 1024-column tiles;
-# BLOCK_K x N x split / SMs bytes are in flight a multiprocessor, and the tiles a slice holds amortise
-# the program's x pass and its lanes' final sum (sm_90 counts: docs/perf-log.md).
-HALF_GEMV_CANDIDATES = ((16, 512, 2, 1), (16, 512, 2, 2), (32, 512, 4, 1), (32, 512, 4, 2), (16, 1024, 4, 1),
-                        (8, 1024, 2, 1), (16, 256, 1, 1), (32, 256, 2, 1), (8, 512, 1, 1), (64, 512, 8, 1))
+# thread along K; BLOCK_K x N x split / SMs bytes are in flight a multiprocessor, and the tiles a slice
+# holds amortise the program's x pass and its lanes' final sum (sm_90 counts and the sweep's times:
+# docs/perf-log.md). The default first.
+HALF_GEMV_CANDIDATES = ((16, 1024, 4, 1), (32, 1024, 8, 1), (16, 2048, 8, 1), (8, 2048, 4, 1), (16, 1024, 4, 2),
+                        (32, 1024, 4, 1), (8, 1024, 2, 1), (16, 512, 2, 1), (32, 512, 4, 1), (16, 512, 2, 2))
 
 
 def half_gemv_config(n: int, k: int, block_n: int | None = None, block_k: int | None = None,
-                     num_warps: int | None = None, split: int | None = None,
-                     device: torch.device | None = None) -> Fp8HalfGemvConfig:
-    """The default at one row: 16 rows x 512 columns over two warps (8 rows and 16 columns a thread:
-    the fewest instructions a weight of the sm_90 builds but for 32-row tiles), K split in two where
-    that leaves fewer than two programs a multiprocessor (Llama-8B's o and down: 256 programs)."""
+                     num_warps: int | None = None, split: int = 1) -> Fp8HalfGemvConfig:
+    """The default at one row: 16 rows x 1024 columns over four warps (8 rows and 16 columns a
+    thread), the H200's in-graph sweep's winner at each of Llama-8B's four linears (0566980:
+    0.8-1.9 us a call faster than 16 x 512 over two warps; 256-column tiles and one warp far slower)."""
     if n < 1 or k < 1:
         raise ValueError(f"FP8 half GEMV needs N >= 1 and K >= 1, got N={n}, K={k}")
-    block_n = block_n or 16
-    block_k = max(16, min(block_k or 512, triton.next_power_of_2(k)))
-    if split is None:
-        sms, _ = device_limits(device or torch.device("cpu"))
-        split = 2 if triton.cdiv(n, block_n) < 2 * sms and k >= 4 * block_k else 1
-    return Fp8HalfGemvConfig(block_n, block_k, num_warps or 2, split)
+    block_k = max(16, min(block_k or 1024, triton.next_power_of_2(k)))
+    return Fp8HalfGemvConfig(block_n or 16, block_k, num_warps or 4, split)
 
 
 def max_exponent(num_tiles: int) -> int:
