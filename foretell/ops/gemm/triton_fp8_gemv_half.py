@@ -58,11 +58,9 @@ class Fp8HalfGemvConfig:
     block_k: int  # columns per tile: 16 bytes a thread along K
     num_warps: int
     split: int = 1  # slices of K, each its own program
-    prefetch_l2: bool = False  # ask L2 for the program's whole slice before waiting on the kernel before
 
     def __str__(self) -> str:
-        pre = " L2" if self.prefetch_l2 else ""
-        return f"fp8 half gemv BN{self.block_n} BK{self.block_k} w{self.num_warps} split{self.split}{pre}"
+        return f"fp8 half gemv BN{self.block_n} BK{self.block_k} w{self.num_warps} split{self.split}"
 
 
 # Candidates for the H200's in-graph sweep (rows of W, columns a tile, warps, splits of K): 16 columns a
@@ -151,18 +149,6 @@ def _half_x(x_ptr, cols, k_end, scale_row, factor, QBLOCK_K: tl.constexpr, PER_C
 
 
 @triton.jit
-def _prefetch_to_l2(row_ptrs, k_per_split, PART: tl.constexpr, LINES: tl.constexpr):
-    """Ask L2 for the program's rows of W over its slice (row_ptrs [PART] at the slice's start), one
-    128-byte line an address, nothing waited for: issued before the wait on the kernel before, while
-    its last programs run, so the memory system streams this kernel's weights meanwhile."""
-    lines = tl.arange(0, LINES) * 128
-    ptrs = row_ptrs[:, None] + lines[None, :]  # [PART, LINES]
-    mask = (lines < k_per_split)[None, :]
-    return tl.inline_asm_elementwise("@$2 prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l,b", [ptrs, mask],
-                                     dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _load_tile(tile_ptr, cols, k_end, EVEN_K: tl.constexpr):
     """A [rows, BLOCK_K] FP8 tile at columns `cols` (rows all readable)."""
     if EVEN_K:
@@ -195,8 +181,6 @@ def _fp8_gemv_half_kernel(
     S_SPAN: tl.constexpr,  # a power of two >= the scale blocks a slice spans
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PREFETCH_L2: tl.constexpr = False,  # the slice's rows asked of L2 before the wait (CUDA only)
-    LINES: tl.constexpr = 1,  # a power of two >= the slice's 128-byte lines a row (PREFETCH_L2)
 ):
     tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -213,10 +197,6 @@ def _fp8_gemv_half_kernel(
     scale_a = scale_ptr + (first // QBLOCK_N) * stride_scale
     scale_b = scale_ptr + ((half + first) // QBLOCK_N) * stride_scale if GATED else scale_a
     # W is streamed once and no kernel of a step writes it: requested before the wait (pdl.py).
-    if PREFETCH_L2:
-        _prefetch_to_l2(w_ptr + part_rows.to(tl.int64) * K + k_start, k_per_split, PART, LINES)
-        if GATED:
-            _prefetch_to_l2(w_ptr + (half + part_rows).to(tl.int64) * K + k_start, k_per_split, PART, LINES)
     w_a = _load_tile(a_tile, cols, k_end, EVEN_K)
     if GATED:
         w_b = _load_tile(b_tile, cols, k_end, EVEN_K)
@@ -280,6 +260,5 @@ def launch_fp8_gemv_half(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
         weight_scale.stride(0), k_per_split, max_exponent(k_per_split // config.block_k),
         QBLOCK_N=qblock_n, QBLOCK_K=qblock_k, PER_CHANNEL=block_size is None, HAS_BIAS=bias is not None,
         GATED=gated, PDL=pdl, SPLIT=split, EVEN_K=split * k_per_split == k, S_SPAN=s_span,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, PREFETCH_L2=config.prefetch_l2 and x.is_cuda,
-        LINES=triton.next_power_of_2(triton.cdiv(k_per_split, 128)), num_warps=config.num_warps, **launch_options(pdl),
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps, **launch_options(pdl),
     )
