@@ -159,8 +159,8 @@ def test_gated_gate_up_and_split_k_at_llama_shapes(block_size, m):
 def test_half_gemv_candidates_at_llama_shapes(block_size, dtype):
     """The one-row half-precision GEMV (triton_fp8_gemv_half.py), every candidate the sweep times, at
     Llama-8B's shapes (gate_up gated too), in bf16 (x with an outlier 2,000 times the rest, up to 2e6)
-    and fp16 (an outlier of 100: the gated outputs must fit fp16); the power of two keeps the products
-    in fp16's range."""
+    and fp16 (x of unit size and an outlier of 100: silu(gate) * up must fit fp16's outputs); the power
+    of two keeps the products in fp16's range."""
     from foretell.ops.gemm import triton_fp8_gemv_half as half
 
     seed = random.randrange(2**31)
@@ -169,7 +169,7 @@ def test_half_gemv_candidates_at_llama_shapes(block_size, dtype):
         for n, k in LLAMA8B_SHAPES:
             q, s = random_fp8_weight(gen, n, k, block_size, DEVICE)
             bf16 = dtype == torch.bfloat16  # (fp16: silu(gate) * up must stay below 65504)
-            for scale in (1.0, 30.0) + ((1000.0,) if bf16 else ()):
+            for scale in (1.0, 30.0, 1000.0) if bf16 else (1.0,):
                 x = torch.randn(1, k, generator=gen, device=DEVICE) * scale
                 x[0, 5] = 2000.0 * scale if bf16 else 100.0
                 x = x.to(dtype)
