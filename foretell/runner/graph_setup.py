@@ -7,14 +7,13 @@ StepGraphSetup.build() runs once, after the KV caches are allocated and max_mode
      is not graph-safe, tensor parallelism over gloo (distributed/graph_capture.py) or a refused
      capture. The few-row GEMMs (layers/small_m.py) are bound just before the capture;
   2. the padded verify step's target forward: the graphs, or without them the same static
-     buffers run eagerly (None without a drafter whose loop runs padded, under tensor
-     parallelism, and for tree speculation, which verifies on the host);
+     buffers run eagerly (None without a drafter, under tensor parallelism, and for tree
+     speculation, which verifies on its own step);
   3. the padded step's draft loop (spec_decode/draft_graph.DraftGraphRunner), captured when the
      drafter's backend allows, else run eagerly (the same code); for a drafter that drafts from
-     the token lists on the host (n-gram, suffix) and a target with graphs, host_drafts.HostDraftSlots,
-     which drafts nothing on the device (the graphs then take host_draft_verify_lens' few verify
-     lengths; without graphs such a drafter's verifies run unpadded on the host step: cheaper
-     than padding every sequence to the longest draft).
+     the token lists on the host (n-gram, suffix), host_drafts.HostDraftSlots, which drafts
+     nothing on the device (the padded forward then takes host_draft_verify_lens' few verify
+     lengths, captured or not).
 build_step_pipeline() then makes the step pipeline (step_pipeline.py) from them: plain decoding
 queued ahead without a drafter (decode_ahead.py), the padded verify step with one
 (graphed_verify.py), and plain decoding again for the k = 0 steps of a drafter that then runs
@@ -173,15 +172,18 @@ class StepGraphSetup:
 
     def padded_forward(self, target: CudaGraphRunner | None) -> CudaGraphRunner | None:
         """The target forward the padded verify step runs on: the graphs, or without them
-        (--enforce-eager, a backend that reads host lengths, a refused capture) the same static
-        buffers run eagerly. None without a drafter whose loop runs padded (none, n-gram), and
-        under tensor parallelism (its forward gathers whole logits: the host step's
-        greedy_without_logits avoids that)."""
+        (--enforce-eager, a backend that reads host lengths, a refused capture, the CPU) the same
+        static buffers run eagerly, for a drafter whose loop runs padded and for a host drafter
+        (n-gram, suffix: its verifies take host_draft_verify_lens' few lengths, as on the graphs).
+        None without a drafter, and under tensor parallelism (its forward gathers whole logits: the
+        host step's greedy_without_logits avoids that)."""
         if self.uses_tree:  # tree steps verify on the host (tree_step.py)
             return None
         if target is not None:
             return target
-        if self.proposer is None or self.proposer.padded_drafter() is None or self.tensor_parallel.is_parallel:
+        if self.proposer is None or self.tensor_parallel.is_parallel:
+            return None
+        if self.proposer.padded_drafter() is None and not self.drafts_on_host():
             return None
         graph_safe = all(layer.backend.graph_safe for layer in self.model.attention_layers())
         return self.graph_runner(capture_graphs=False, reads_host_lengths=not graph_safe)

@@ -6,10 +6,9 @@
     drafter, when it decides ahead, runner/decode_ahead.py);
   - the last steps of a sequence whose drafter's catch-up rows would pass max_model_len;
   - draft trees (tree_step.py verifies them, this step drafts them);
-  - a hybrid drafter (suffix + a model: no padded loop), host drafters (n-gram, suffix) when the
-    target has no graphs (with graphs they verify on the padded step: runner/host_drafts.py;
-    either way they get a DraftBatch of host lists, no rows gathered), and tensor parallelism
-    (greedy_without_logits below).
+  - a hybrid drafter (suffix + a model: no padded loop; host drafters alone verify on the padded
+    step, with graphs or without: runner/host_drafts.py; here too they get a DraftBatch of host
+    lists, no rows gathered), and tensor parallelism (greedy_without_logits below).
 Greedy and sampled rows, requests asking for logprobs (runner/logprobs.py) or using the other
 logits controls (penalties, logit_bias, bad words, min_tokens, allowed tokens: device state,
 runner/padded_logits_controls.py), and sequences with fewer drafts than the step verifies

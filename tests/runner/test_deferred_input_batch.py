@@ -13,7 +13,6 @@ import dataclasses
 import pytest
 import torch
 
-from fixtures.padded_step import padded_step_for_host_drafters
 from foretell import LLM, SamplingParams
 from foretell.engine.scheduler import ScheduledSequence
 from foretell.engine.sequence import Sequence
@@ -75,7 +74,6 @@ def test_padded_steps_build_only_their_padded_batch(qwen3_checkpoint, monkeypatc
     options = dict(dtype="float32", num_kv_blocks=128)
     plain = [o.outputs[0].token_ids for o in LLM(qwen3_checkpoint, **options).generate(prompts, params,
                                                                                          use_tqdm=False)]
-    padded_step_for_host_drafters(monkeypatch)
     builds = []  # per build of the scheduler's batch: whether any of its sequences carried drafts
     build = input_batch.build_input_batch
 

@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 
-from fixtures.padded_step import fallback_on_the_padded_forward, padded_step_for_host_drafters, record_fallbacks
+from fixtures.padded_step import fallback_on_the_padded_forward, record_fallbacks
 from foretell import LLM, SamplingParams
 from foretell.bench.datasets import load_prompts
 from foretell.defaults import default_target
@@ -113,7 +113,6 @@ def test_suffix_greedy_steps_are_verified_on_the_host_and_equal_plain(qwen3_chec
                                                                        async_scheduling):
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     _, plain = generate(qwen3_checkpoint, params)
-    padded_step_for_host_drafters(monkeypatch)
     llm, tokens = generate(qwen3_checkpoint, params, SPEC, async_scheduling=async_scheduling)
     assert tokens == plain
     kind = padded(llm)
@@ -122,7 +121,6 @@ def test_suffix_greedy_steps_are_verified_on_the_host_and_equal_plain(qwen3_chec
 
 
 def test_steps_with_logprobs_or_sampled_rows_verify_on_the_device(qwen3_checkpoint, monkeypatch):
-    padded_step_for_host_drafters(monkeypatch)
     for params in (SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1),
                    SamplingParams(temperature=0.1, max_tokens=16, ignore_eos=True, seed=5)):
         llm, _ = generate(qwen3_checkpoint, params, dict(SPEC, suffix_decoding_min_token_prob=0.0))
@@ -138,7 +136,6 @@ def test_the_plain_step_after_a_drafting_one_is_queued_and_exact(qwen3_checkpoin
     drafter drafts nothing next and dropped when it drafts, and no KV block is left behind."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     _, plain = generate(qwen3_checkpoint, params)
-    padded_step_for_host_drafters(monkeypatch)
     queued, taken = record_fallbacks(monkeypatch)
     spec = dict(SPEC, suffix_decoding_min_accepted_tokens=0)  # the gate off: every match drafts
     llm = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=128, speculative_config=spec, async_scheduling="on")
@@ -167,7 +164,6 @@ def test_fallbacks_on_the_default_family_are_taken_and_dropped_and_exact(monkeyp
     options = dict(dtype="float32", num_kv_blocks=256)
     plain = [o.outputs[0].token_ids for o in LLM(default_target("qwen3"), **options).generate(prompts, params,
                                                                                                use_tqdm=False)]
-    padded_step_for_host_drafters(monkeypatch)
     queued, taken = record_fallbacks(monkeypatch)
     llm = LLM(default_target("qwen3"), speculative_config={"method": "suffix", "num_speculative_tokens": 8},
               async_scheduling="on", **options)

@@ -1,11 +1,11 @@
 """Host drafters (suffix, n-gram) on the padded verify step (runner/host_drafts.py).
 
-With the target's graphs their verifies take the padded device step (graphed_verify.GraphedVerify
-with HostDraftSlots: no device draft loop) and they draft from the host's token lists, with no
-device work; without graphs (the CPU's torch backend) they stay on the host step, which hands
-them no device rows any more. The padded step is run here on the CPU's torch backend with the
-GPU's verify lengths (host_draft_verify_lens: the padded_on_cpu fixture); test_suffix_host_drafts_triton.py
-runs it on the Triton backend's graph buffers (slow). Checked:
+Their verifies take the padded device step (graphed_verify.GraphedVerify with HostDraftSlots: no
+device draft loop), on the target's graphs or, without them (the CPU's torch backend), on the same
+buffers run eagerly with the GPU's verify lengths (host_draft_verify_lens), and they draft from the
+host's token lists, with no device work. The host step (their CPU path before; tensor parallelism's
+and hybrid drafters' still) is the reference: fixtures/padded_step.host_step_for_host_drafters.
+test_suffix_host_drafts_triton.py runs them on the Triton backend's graph buffers (slow). Checked:
   - the verify lengths the graphs take for a host drafter (host_draft_verify_lens: K = 16 gives
     1, 5, 9, 17) and every padded step taking the fewest rows that hold its longest draft;
   - greedy output equals plain greedy output (fp32) for suffix and n-gram, batches with unequal
@@ -23,7 +23,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fixtures.padded_step import padded_step_for_host_drafters
+from fixtures.padded_step import host_step_for_host_drafters
 from fixtures.spec_prompts import PROMPTS, STRESS
 from foretell import LLM, SamplingParams
 from foretell.bench.suffix_host_cost import _StepCalls
@@ -34,7 +34,6 @@ from foretell.runner.host_drafts import HostDraftSlots, host_draft_verify_lens, 
 from foretell.runner.host_step import HostStep
 from foretell.runner.input_batch import build_input_batch
 from foretell.runner.sequence_result import SequenceResult
-from foretell.spec_decode.ngram import NgramProposer
 from foretell.spec_decode.suffix import SuffixProposer
 
 MAX_TOKENS = 20
@@ -64,11 +63,6 @@ def plain(qwen3_checkpoint):
     return ids(run(qwen3_checkpoint, greedy())[1])
 
 
-@pytest.fixture
-def padded_on_cpu(monkeypatch):
-    padded_step_for_host_drafters(monkeypatch)  # fixtures/padded_step.py
-
-
 def padded(llm):
     """The padded verify step's kind (with steps queued ahead a plain decode step's comes first)."""
     return next(kind for kind in llm.engine.runner.pipeline.kinds if isinstance(kind, GraphedVerify))
@@ -76,7 +70,7 @@ def padded(llm):
 
 @pytest.mark.parametrize("method", ["suffix", "ngram"])
 @pytest.mark.parametrize("mode", ["batch", "stress"])
-def test_greedy_equals_plain_on_the_padded_step(qwen3_checkpoint, plain, padded_on_cpu, method, mode):
+def test_greedy_equals_plain_on_the_padded_step(qwen3_checkpoint, plain, method, mode):
     llm, outputs = run(qwen3_checkpoint, greedy(), SPECS[method], **(STRESS if mode == "stress" else {}))
     assert ids(outputs) == plain
     runner = llm.engine.runner
@@ -93,7 +87,7 @@ def test_greedy_equals_plain_on_the_padded_step(qwen3_checkpoint, plain, padded_
 
 
 def test_steps_pad_to_the_smallest_verify_length_that_holds_their_longest_draft(qwen3_checkpoint, plain,
-                                                                                 padded_on_cpu, monkeypatch):
+                                                                                 monkeypatch):
     """K = 16 (the suffix drafter's usual): the graphs take 1, 5, 9 and 17 rows per sequence, and
     each step pads to the fewest that hold 1 + its longest draft (issue 29: every drafting step
     took 17 before); greedy output equals plain."""
@@ -131,7 +125,7 @@ def test_host_draft_verify_lens():
             host_draft_verify_lens(bad)
 
 
-def test_verifies_no_longer_take_the_host_step(qwen3_checkpoint, padded_on_cpu, monkeypatch):
+def test_verifies_no_longer_take_the_host_step(qwen3_checkpoint, monkeypatch):
     verifies_on_host = []
     sample = HostStep.sample
 
@@ -145,7 +139,7 @@ def test_verifies_no_longer_take_the_host_step(qwen3_checkpoint, padded_on_cpu, 
 
 
 @pytest.mark.parametrize("method", ["suffix", "ngram"])
-def test_padded_step_equals_the_host_step(qwen3_checkpoint, method, monkeypatch, request):
+def test_padded_step_equals_the_host_step(qwen3_checkpoint, method):
     """Greedy requests with logprobs beside seeded sampled ones: the greedy rows' tokens and
     logprobs are the host step's; the sampled rows are reproducible. (A sampled row's draws on the
     padded step follow its noise keyed by position, rejection_sampler.sample_padded, which is the
@@ -161,9 +155,9 @@ def test_padded_step_equals_the_host_step(qwen3_checkpoint, method, monkeypatch,
         return llm, ids(outs), [[(lp.token_id, round(lp.logprob, 4)) for lp in o.outputs[0].logprobs or []]
                                 for o in outs]
 
-    reference, ref_tokens, ref_logprobs = generate()  # the host step (no graphs on the CPU)
+    with host_step_for_host_drafters():
+        reference, ref_tokens, ref_logprobs = generate()  # the host step
     assert reference.engine.runner.draft_graphs is None
-    request.getfixturevalue("padded_on_cpu")
     llm, tokens, logprobs = generate()
     assert padded(llm).num_sampled_steps > 0 and padded(llm).num_logprob_steps > 0
     assert llm.get_stats()["num_accepted_tokens"] > 0
@@ -173,7 +167,7 @@ def test_padded_step_equals_the_host_step(qwen3_checkpoint, method, monkeypatch,
     assert all(len(t) == MAX_TOKENS for t in tokens)
 
 
-def test_steps_without_drafts_are_queued_ahead(qwen3_checkpoint, plain, padded_on_cpu):
+def test_steps_without_drafts_are_queued_ahead(qwen3_checkpoint, plain):
     # async scheduling forced on the CPU: a step of no drafts (q = 1) queues the next one
     llm, outputs = run(qwen3_checkpoint, greedy(), SPECS["suffix"], async_scheduling="on")
     assert ids(outputs) == plain
@@ -213,17 +207,17 @@ def count_step_calls(folder, spec) -> tuple[dict, int]:
     return mode.counts, steps
 
 
-def test_host_drafting_makes_no_device_calls(qwen3_checkpoint, monkeypatch, request):
-    """The host step (the CPU without graphs): drafting gathers no rows any more. The padded step:
+def test_host_drafting_makes_no_device_calls(qwen3_checkpoint, monkeypatch):
+    """The host step: drafting gathers no rows any more. The padded step (the CPU's path now):
     drafting makes no torch call either, and the step fewer than the host step's."""
-    host, steps = count_step_calls(qwen3_checkpoint, SPECS["suffix"])
-    assert host["drafter_torch_calls"] == 0
-    # before: the same step gathered the valid rows' ids and hidden states for the drafter
-    monkeypatch.setattr(HostStep, "propose", _propose_with_rows)
-    gathered, _ = count_step_calls(qwen3_checkpoint, SPECS["suffix"])
-    assert gathered["drafter_torch_calls"] > 0
-    monkeypatch.undo()
-    request.getfixturevalue("padded_on_cpu")
+    with host_step_for_host_drafters():
+        host, steps = count_step_calls(qwen3_checkpoint, SPECS["suffix"])
+        assert host["drafter_torch_calls"] == 0
+        # before: the same step gathered the valid rows' ids and hidden states for the drafter
+        monkeypatch.setattr(HostStep, "propose", _propose_with_rows)
+        gathered, _ = count_step_calls(qwen3_checkpoint, SPECS["suffix"])
+        assert gathered["drafter_torch_calls"] > 0
+        monkeypatch.undo()
     counts, padded_steps = count_step_calls(qwen3_checkpoint, SPECS["suffix"])
     assert padded_steps == steps  # the same steps (same drafts, same acceptance)
     assert counts["drafter_torch_calls"] == 0

@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 
 import numpy as np
 import pytest
@@ -30,6 +31,7 @@ from fixtures import deepseek as ds
 from fixtures.grammar_stubs import (
     VOCAB, FakeSeq, SamplingItem, StepResult, encode, forced_text_of, mask_of, regex_sequence,
 )
+from fixtures.padded_step import host_step_for_host_drafters
 from foretell import LLM, SamplingParams
 from foretell.spec_decode.metrics import SpecDecodeStats
 from foretell.structured.forced_drafts import drafts_under_grammar
@@ -152,17 +154,21 @@ def plain_tokens(qwen3_checkpoint):
         return greedy_run(llm, PROMPTS)[0]
 
 
-@pytest.mark.parametrize("method", ["eagle3", "draft_model", "ngram"])
-def test_greedy_output_with_forced_drafts_equals_plain(method, request, qwen3_checkpoint, plain_tokens):
-    with LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=128,
-             speculative_config=spec_config(method, request)) as llm:
+@pytest.mark.parametrize("method, host_step", [("eagle3", False), ("draft_model", False), ("ngram", False),
+                                               ("ngram", True)])
+def test_greedy_output_with_forced_drafts_equals_plain(method, host_step, request, qwen3_checkpoint, plain_tokens):
+    """Every drafter on the padded step (forced drafts up to k, its verify length), and a host
+    drafter on the host step (tensor parallelism's and hybrid drafters' path: forced runs past k)."""
+    with host_step_for_host_drafters() if host_step else contextlib.nullcontext():
+        llm = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=128, speculative_config=spec_config(method, request))
+    with llm:
         tokens, stats = greedy_run(llm, PROMPTS)
         timer = llm.engine.runner.host_step.structured.timer
     assert tokens == plain_tokens
     assert timer.forced_drafts > 0
-    if method == "ngram":  # the host step (no padded step for a host drafter on the CPU)
+    if host_step:
         assert len(stats["accepted_per_position"]) > 2  # some verify accepted more than k drafts
-    else:  # the padded step: forced drafts up to k (its verify length)
+    else:
         assert len(stats["accepted_per_position"]) == 2
 
 

@@ -16,12 +16,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import pytest
 import regex
 import torch
 
 from fixtures.grammar_stubs import VOCAB, FakeSeq, SamplingItem, StepResult, encode
+from fixtures.padded_step import host_step_for_host_drafters
 from foretell import LLM, SamplingParams
 from foretell.cli_args import add_engine_args, speculative_config_from_args
 from foretell.config import SpeculativeConfig
@@ -122,8 +124,11 @@ def plain_tokens(qwen3_checkpoint):
         return greedy_run(llm)[0]
 
 
-@pytest.mark.parametrize("method", ["eagle3", "ngram"])
-def test_greedy_output_equals_plain_with_the_switch_on_and_off(method, request, qwen3_checkpoint, plain_tokens):
+@pytest.mark.parametrize("method, host_step", [("eagle3", False), ("ngram", False), ("ngram", True)])
+def test_greedy_output_equals_plain_with_the_switch_on_and_off(method, host_step, request, qwen3_checkpoint,
+                                                               plain_tokens):
+    """On the padded step (every drafter; its verify length caps the drafts at k) and on the host
+    step (a host drafter there: tensor parallelism's and hybrid drafters' path)."""
     k = 2
     for forced in (True, False):
         config = {"method": method, "num_speculative_tokens": k, "structured_forced_drafts": forced}
@@ -131,14 +136,16 @@ def test_greedy_output_equals_plain_with_the_switch_on_and_off(method, request, 
             config["model"] = request.getfixturevalue("eagle3_head")
         else:
             config["prompt_lookup_min"] = 1
-        with LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=128, speculative_config=config) as llm:
+        with host_step_for_host_drafters() if host_step else contextlib.nullcontext():
+            llm = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=128, speculative_config=config)
+        with llm:
             tokens, stats = greedy_run(llm)
             timer = llm.engine.runner.host_step.structured.timer
         assert tokens == plain_tokens, f"forced drafts {'on' if forced else 'off'}"
         assert stats["drafts"] > 0
         if forced:
             assert timer.forced_drafts > 0
-            assert any(stats["positions"][k:]) is (method == "ngram")  # some verify past k: the host step's
+            assert any(stats["positions"][k:]) is host_step  # some verify past k: the host step's
         else:
             assert timer.forced_drafts == 0 and timer.replaced_drafts == 0
             assert len(stats["positions"]) == k  # no verify past k
