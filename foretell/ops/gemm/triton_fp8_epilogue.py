@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from foretell.ops.gemm.triton_gemv import silu_mul_rounded
+from foretell.ops.gemm.triton_mma import store_output
 
 
 @triton.jit
@@ -22,18 +22,7 @@ def finish(acc, scale_ptr, stride_scale, bias_ptr, out_ptr, rows_w, w_ok, rows_x
     stored as out [M, N // 2]."""
     if PER_CHANNEL:
         acc *= tl.load(scale_ptr + rows_w * stride_scale, mask=w_ok, other=0.0)[:, None]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rows_w, mask=w_ok, other=0.0).to(tl.float32)[:, None]
-    out_dtype = out_ptr.dtype.element_ty  # results round to dtype (a float32 out holds them as they are)
-    if GATED:
-        pairs = tl.permute(tl.reshape(acc.to(dtype).to(tl.float32), [BLOCK_N // 2, 2, BLOCK_X]), (0, 2, 1))
-        gate, up = tl.split(pairs)  # [BLOCK_N // 2, BLOCK_X] each
-        acts = tile * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        tl.store(out_ptr + rows_x[None, :] * (N // 2) + acts[:, None], silu_mul_rounded(gate, up, dtype).to(out_dtype),
-                 mask=(acts < N // 2)[:, None] & x_ok[None, :])
-    else:
-        tl.store(out_ptr + rows_x[None, :] * N + rows_w[:, None], acc.to(dtype).to(out_dtype),
-                 mask=w_ok[:, None] & x_ok[None, :])
+    store_output(acc, bias_ptr, rows_w, w_ok, out_ptr, rows_x, x_ok, tile, N, HAS_BIAS, GATED, BLOCK_N, BLOCK_X, dtype)
 
 
 @triton.jit

@@ -161,16 +161,16 @@ def _mma_kernel(
             acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
             for s in range(SPLIT):  # split order: the same sum whichever split finished last
                 acc += tl.load(partial_ptr + s * M * N + offsets, mask=out_mask, other=0.0, cache_modifier=".cg")
-            _store_output(acc, bias_ptr, cols, col_ok, out_ptr, rows, row_ok, tile, N,
+            store_output(acc, bias_ptr, cols, col_ok, out_ptr, rows, row_ok, tile, N,
                           HAS_BIAS, GATED, BLOCK_N, BLOCK_M, x_ptr.dtype.element_ty)
             tl.atomic_xchg(counter_ptr + tile, 0)  # ready for the next launch
     else:
-        _store_output(acc, bias_ptr, cols, col_ok, out_ptr, rows, row_ok, tile, N,
+        store_output(acc, bias_ptr, cols, col_ok, out_ptr, rows, row_ok, tile, N,
                       HAS_BIAS, GATED, BLOCK_N, BLOCK_M, x_ptr.dtype.element_ty)
 
 
 @triton.jit
-def _store_output(acc, bias_ptr, cols, col_ok, out_ptr, rows, row_ok, tile, N,
+def store_output(acc, bias_ptr, cols, col_ok, out_ptr, rows, row_ok, tile, N,
                   HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                   dtype: tl.constexpr):
     """Store acc [BLOCK_N, BLOCK_M] (rows of W x rows of x) as out[rows, cols] (+ bias), rounded to
