@@ -6,8 +6,9 @@
 Which path runs (rows M = x's leading dimensions flattened):
   - CPU tensors, autograd, or no triton (ops.common.kernel_choice.use_triton): fp8_linear_torch,
     the weight dequantized on the fly, float32 sums, x as it is;
-  - M <= 16 on CUDA (decode, verify, draft): triton_fp8_few_rows.py, x as it is (the GEMV for one
-    row or a float32 x up to 4 rows; the tensor-core MMA for 2 to 16 rows of fp16 / bf16);
+  - M <= 16 on CUDA (decode, verify, draft): triton_fp8_few_rows.py, x as it is (one row of fp16 /
+    bf16: the half-precision GEMV, triton_fp8_gemv_half.py; a float32 x up to 4 rows: the GEMV; 2 to
+    16 rows of fp16 / bf16: the tensor-core MMA, dotting fp16);
   - more rows on CUDA (prefill, large batches), with 128-wide weight blocks or per-channel scales:
     triton_fp8_gemm.py, x quantized per token group of 128 (as the checkpoints were trained) and
     multiplied on FP8 tensor cores; its twin is fp8_linear_quantized_activations_torch, so this

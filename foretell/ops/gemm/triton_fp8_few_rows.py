@@ -4,21 +4,25 @@ per output channel (`quantization="fp8"`); layouts in fp8_reference.py, which ho
 (fp8_linear_torch).
 
 Decode, verify and draft steps read every weight once for a handful of rows, so they are bound by
-the weight bytes: these kernels read the weight in its 8 bits and scale it in-kernel, summing in
-float32. x stays in its dtype (no activation quantization: the result is the dequantized weight's
-product, as the CPU path computes it).
+the weight bytes: these kernels read the weight in its 8 bits and scale it in-kernel, with no
+activation quantization (the result is the dequantized weight's product, as the CPU path computes
+it): the GEMV and the MMA sum in float32, the half GEMV in fp16 pairs per lane.
 
-  GEMV (up to 4 rows, Fp8GemvConfig; M = 1 is decode at batch 1): program (p, s) owns BLOCK_N rows
-    of W over the s-th of SPLIT slices of K, in [BLOCK_N, BLOCK_K] tiles, as ops/gemm/triton_gemv.py
-    (whose bf16 tiles run the H200's Llama-8B decode at batch 1). A program's rows lie in one
-    128-row block (two with `gated`: gate rows and up rows), so per column block the scale is one
-    number per block row: the kernel multiplies x's columns by their block's scale (one multiply
-    per column of x, not per weight) and sums w * (x s) over the tile with no per-block reshape.
-    Per-channel scales multiply each row's sum once, in the epilogue. At one row of x the products
-    stay per lane [BLOCK_N, BLOCK_K] and are summed across the program's threads once, after the
-    last tile (a sum across warps every tile cost a quarter of the loop's instructions for sm_90),
-    and `gated` reads its gate rows and up rows as two tiles, each with its own scales row (one
-    interleaved tile chose a scale per weight, and ran slower than the plain product on the H200).
+  HALF GEMV (one row of fp16 / bf16 x, Fp8HalfGemvConfig: decode at batch 1, the default there):
+    products summed in fp16 pairs, x brought into fp16's range by a power of two
+    (triton_fp8_gemv_half.py, which says why and what it costs in accuracy).
+  GEMV (up to 4 rows, Fp8GemvConfig: float32 x, and one row of fp16 / bf16 x where the half GEMV's
+    tile would straddle a scale block): program (p, s) owns BLOCK_N rows of W over the s-th of SPLIT
+    slices of K, in [BLOCK_N, BLOCK_K] tiles, as ops/gemm/triton_gemv.py (whose bf16 tiles run the
+    H200's Llama-8B decode at batch 1). A program's rows lie in one 128-row block (two with `gated`:
+    gate rows and up rows), so per column block the scale is one number per block row: the kernel
+    multiplies x's columns by their block's scale (one multiply per column of x, not per weight) and
+    sums w * (x s) over the tile with no per-block reshape. Per-channel scales multiply each row's
+    sum once, in the epilogue. At one row of x the products stay per lane [BLOCK_N, BLOCK_K] and are
+    summed across the program's threads once, after the last tile (a sum across warps every tile
+    cost a quarter of the loop's instructions for sm_90), and `gated` reads its gate rows and up
+    rows as two tiles, each with its own scales row (one interleaved tile chose a scale per weight,
+    and ran slower than the plain product on the H200).
   MMA (up to 16 rows, fp16 / bf16 x, Fp8MmaConfig): program (p, s) owns 64 rows of W (one wgmma
     tile) and the s-th slice of K, and multiplies [64, BLOCK_K] weight tiles, converted in registers
     (exact: every e4m3 value is a bf16 and an fp16 value), by x^T tiles [BLOCK_K, 16] on tensor

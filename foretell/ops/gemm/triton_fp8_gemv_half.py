@@ -25,14 +25,15 @@ weight's own rounding (4 significant bits) and of the order of the bf16 output's
 
 A program owns BLOCK_N rows of W (all inside one block row of the scales; with `gated` BLOCK_N / 2
 gate rows and the same up rows, loaded as two tiles, each with its own scales row) over the s-th of
-SPLIT slices of K, in [BLOCK_N, BLOCK_K] tiles laid out with each thread holding 16 contiguous bytes
-of every row (BLOCK_K = 16 x the threads along K), so x's conversion is shared by the rows a thread
-holds. The first tile is requested before waiting for the kernel before (programmatic dependent
-launch: ops/common/pdl.py) and the loop starts after it (an FP8 tile carried across the loop would be
-unpacked to a byte a register and repacked every tile). Rows past N read the last row (no masked
-load) and are not stored; EVEN_K (every slice whole tiles: every Llama / DeepSeek shape) drops the
-K masks. Split slices and the epilogue (per-channel scales, bias, silu(gate) * up, split partials
-summed in split order by the last split) are triton_fp8_few_rows.py's.
+SPLIT slices of K, in [BLOCK_N, BLOCK_K] tiles that Triton lays out as 16 contiguous bytes of a row
+a thread (BLOCK_K / 16 threads along K, the rest of the program's threads along the rows, each
+thread holding several rows), so x's conversion is shared by the rows a thread holds. The first tile
+is requested before waiting for the kernel before (programmatic dependent launch: ops/common/pdl.py)
+and the loop starts after it (an FP8 tile carried across the loop would be unpacked to a byte a
+register and repacked every tile). Rows past N read the last row (no masked load) and are not
+stored; EVEN_K (every slice whole tiles: every Llama / DeepSeek shape) drops the K masks. Split
+slices and the epilogue (per-channel scales, bias, silu(gate) * up, split partials summed in split
+order by the last split) are the other few-row kernels' (triton_fp8_epilogue.py).
 """
 
 from __future__ import annotations
