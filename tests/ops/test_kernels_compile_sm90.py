@@ -40,7 +40,6 @@ CASES = [
     "batch-invariant mla attention, V2-Lite", "batch-invariant mla attention, V3 heads",
     "batch-invariant mla absorbed query with rope", "batch-invariant mla value projection",
     "token bitmask, fallback, row index", "token bitmask, slice", "rope + gqa attention, tree mask, verify",
-    "fp8 half gemv, gated blocks", "fp8 half gemv, per channel, split 2", "fp8 mma, fp16 dot of bf16 x",
 ]
 
 

@@ -75,8 +75,9 @@ HALF_GEMV_CANDIDATES = ((16, 1024, 4, 1), (32, 1024, 8, 1), (16, 2048, 8, 1), (8
 def half_gemv_config(n: int, k: int, block_n: int | None = None, block_k: int | None = None,
                      num_warps: int | None = None, split: int = 1) -> Fp8HalfGemvConfig:
     """The default at one row: 16 rows x 1024 columns over four warps (8 rows and 16 columns a
-    thread), the H200's in-graph sweep's winner at each of Llama-8B's four linears (0566980:
-    0.8-1.9 us a call faster than 16 x 512 over two warps; 256-column tiles and one warp far slower)."""
+    thread), the H200's in-graph sweep's winner at each of Llama-8B's four linears (0566980; the
+    times, and the slower 256-column tiles and single warps: docs/perf-log.md, twenty-seventh GPU
+    session)."""
     if n < 1 or k < 1:
         raise ValueError(f"FP8 half GEMV needs N >= 1 and K >= 1, got N={n}, K={k}")
     block_k = max(16, min(block_k or 1024, triton.next_power_of_2(k)))
