@@ -10,16 +10,16 @@ Two pieces:
   - HostDraftSlots: what the padded verify step (graphed_verify.GraphedVerify) takes as its
     draft loop for such a drafter. It drafts nothing on the device (m = 0 drafts per sequence),
     it only holds the buffers the verifier writes (accepted count, next token, live sequences).
-    So a host drafter's verify is the target's (bucket, q) graph replay (q: 1 when no sequence drafts, else the smallest verify length of
-    host_draft_verify_lens() that holds 1 + the step's longest draft, shorter drafts padded),
-    verification on the device and one read back of the whole step, and after it the drafter
-    proposes from the host lists (propose_from_tokens). Before this every verify with sequences
-    of unequal draft counts (the common case: a suffix draft's length is the match's) ran the
-    target eagerly from host inputs, then gathered the valid rows' ids and hidden states the
-    drafter never reads. Without graphs (the CPU's torch backend, --enforce-eager) the same step
-    runs on the same buffers eagerly (graph_setup.py's padded_forward): one path for every
-    drafter (on the CPU the default family ran as fast on it as on the host step's unpadded rows:
-    docs/perf-log.md, 2026-12-03); tensor parallelism and hybrid drafters keep the host step.
+    So a host drafter's verify is the target's (bucket, q) graph replay (q: 1 when no sequence
+    drafts, else the smallest verify length of host_draft_verify_lens() that holds 1 + the step's
+    longest draft, shorter drafts padded), verification on the device and one read back of the whole
+    step, and after it the drafter proposes from the host lists (propose_from_tokens). Before this
+    every verify with sequences of unequal draft counts (the common case: a suffix draft's length is
+    the match's) ran the target eagerly from host inputs, then gathered the valid rows' ids and
+    hidden states the drafter never reads. Without graphs (the CPU's torch backend, --enforce-eager)
+    the same step runs on the same buffers eagerly (graph_setup.py's padded_forward): one path for
+    every drafter (on the CPU the default family ran as fast on it as on the host step's unpadded
+    rows: docs/perf-log.md, 2026-12-03); tensor parallelism and hybrid drafters keep the host step.
 
 The verify lengths (host_draft_verify_lens): a host drafter's draft is as long as its match
 allows, so most steps verify far fewer than K drafts (a suffix match of 3 tokens drafts at most 3
