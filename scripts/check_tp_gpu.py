@@ -38,6 +38,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
 from foretell import LLM, SamplingParams  # noqa: E402
+from foretell.bench.engine_probe import parallel_graph_state  # noqa: E402
 from foretell.defaults import member_path  # noqa: E402
 from foretell.device_util import release_cached_device_memory  # noqa: E402
 
@@ -123,7 +124,7 @@ def main() -> int:
             started = time.perf_counter()
             llm = engine(args.model, 2, eager=eager, spec=draft, device=args.device, dtype=args.dtype)
             start_s = time.perf_counter() - started
-            state = llm.engine.runner.graph_state()
+            state = parallel_graph_state(llm)
             got = tokens(llm, PROMPTS, args.max_tokens)
             equal = got == reference
             failed |= not equal

@@ -126,12 +126,12 @@ def kernel_times_us(replay, iters: int, top: int = 12) -> dict:
 
 def part_verify_cost(target: str, options: dict, context: int, iters: int) -> dict:
     llm = LLM(target, skip_tokenizer_init=True, max_num_seqs=1, log_stats_interval_s=0, **options)
-    runner = llm.engine.runner
-    model, device, block_size = runner.model, runner.device, runner.cache_plan.block_size
+    target = probe.target_model(llm)
+    model, device, block_size = target.model, target.device, target.block_size
     rows = VERIFY_TREE.num_draft_tokens
     num_blocks = -(-(context + rows) // block_size)
     block_table = torch.arange(num_blocks, dtype=torch.int32, device=device).unsqueeze(0)  # no request runs
-    vocab = runner.vocab_size
+    vocab = target.vocab_size
     gen = torch.Generator().manual_seed(0)
     tree = build_tree(VERIFY_TREE, torch.zeros(1, dtype=torch.int64), torch.randn(1, vocab, generator=gen),
                       lambda t, s, d: torch.randn(1, VERIFY_TREE.topk, vocab, generator=gen))
@@ -153,10 +153,9 @@ def part_verify_cost(target: str, options: dict, context: int, iters: int) -> di
     # cuBLAS, as a tree engine's verify did before tree_step_gemm_rows. Timed so, then bound as a
     # tree engine binds them (16 rows: the MMA in mode "on").
     row["tree_verify_cublas_s"] = time_call(lambda: forward(ids, tree_positions, tree_meta), device, iters)
-    gemm = runner.small_m_gemm
-    if gemm is not None:
-        prepare_small_m_linears(model, rows, gemm.mode)
-    row["small_m_rows"] = rows if gemm is not None else 0
+    if target.small_m_gemm_mode is not None:
+        prepare_small_m_linears(model, rows, target.small_m_gemm_mode)
+    row["small_m_rows"] = rows if target.small_m_gemm_mode is not None else 0
     row["tree_verify_s"] = time_call(lambda: forward(ids, tree_positions, tree_meta), device, iters)
     row["causal_16_rows_s"] = time_call(lambda: forward(ids, chain_positions, chain_meta), device, iters)
     row["tree_over_decode_eager"] = row["tree_verify_s"] / row["decode_s"]
@@ -181,7 +180,7 @@ def part_verify_cost(target: str, options: dict, context: int, iters: int) -> di
     start = time.perf_counter()
     llm.generate([prompt], params, use_tqdm=False)
     row["engine_decode_step_s"] = (time.perf_counter() - start) / 128  # prefill included: an upper bound
-    del runner, model, forward  # the closures hold the weights: drop them so close() can free the memory
+    del target, model, forward  # the closures hold the weights: drop them so close() can free the memory
     llm.close()
     return row
 

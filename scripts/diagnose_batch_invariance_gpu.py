@@ -54,6 +54,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 from foretell import LLM, SamplingParams  # noqa: E402
+from foretell.bench.engine_probe import target_model  # noqa: E402
 
 SECTIONS = ("graphs", "eager", "localise", "sampling")
 RESULTS: dict = {}
@@ -235,14 +236,11 @@ class Forwarder:
     handed out from 0 upwards; nothing of the engine is running, and its prefix cache is off)."""
 
     def __init__(self, llm: LLM):
-        runner = llm.engine.runner
-        if not hasattr(runner, "cache_plan"):
-            raise ValueError(f"localise drives one process's model; this engine runs a {type(runner).__name__} "
-                             f"(use tensor_parallel_size 1)")
-        self.model = runner.model
-        self.device = runner.device
-        self.block_size = runner.cache_plan.block_size
-        self.num_blocks = runner.cache_plan.num_blocks
+        target = target_model(llm)  # ValueError for a tensor-parallel engine: one process's model
+        self.model = target.model
+        self.device = target.device
+        self.block_size = target.block_size
+        self.num_blocks = target.num_blocks
         self.next_block = 0
 
     def blocks_for(self, num_tokens: int) -> list[int]:

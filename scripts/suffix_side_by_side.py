@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from foretell import LLM, SamplingParams  # noqa: E402
 from foretell.bench.datasets import load_prompts  # noqa: E402
+from foretell.bench.engine_probe import propose_nothing  # noqa: E402
 from foretell.bench.step_kinds import StepKinds, format_kinds  # noqa: E402
 from foretell.defaults import default_target  # noqa: E402
 
@@ -74,8 +75,8 @@ def main() -> int:
         specs["tree"] = {**specs["suffix"], "topk": topk, "num_draft_tokens": nodes}
     engines = {name: LLM(default_target("qwen3"), speculative_config=spec, device=args.device, max_num_seqs=1,
                          log_stats_interval_s=0, **memory) for name, spec in specs.items()}
-    if args.with_null:  # an instance attribute: this engine's drafter only
-        engines["null"].engine.runner.proposer.propose_step = lambda items, results, make_batch: None
+    if args.with_null:
+        propose_nothing(engines["null"])
     for llm in engines.values():
         llm.generate(prompts[:n], params, use_tqdm=False)  # the warm-up set
     rows = []

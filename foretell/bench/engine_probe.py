@@ -14,8 +14,11 @@ breaks a tested function here rather than a GPU script found broken on the GPU.
   grammar_forced_drafts(llm, on)                      a with-block with grammar-forced drafts on / off
   tree_graph_use(llm)                                 whether draft-tree steps ran on their graphs
   use_uncaptured_tree_graphs(llm)                     tree steps on their graphs' code path, uncaptured
+  target_model(llm)                                   the target and its KV cache's sizes, for hand-built forwards
+  propose_nothing(llm)                                a host drafter that drafts for nobody (its cost alone)
+  parallel_graph_state(llm)                           graphs captured / steps queued ahead, any rank count
 
-Every function works on a single-process engine (tensor_parallel_size 1); the graph timers need
+Every function but parallel_graph_state works on a single-process engine (tensor_parallel_size 1); the graph timers need
 CUDA graphs (a CUDA device, enforce_eager off) and say so otherwise. Times are medians of CUDA
 events (foretell.bench.kernels.timing.time_kernel).
 """
@@ -23,6 +26,7 @@ events (foretell.bench.kernels.timing.time_kernel).
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
@@ -216,3 +220,44 @@ def use_uncaptured_tree_graphs(llm) -> None:
     step.use_graphs(TreeVerifyGraphs(runner.model, llm.engine.config.scheduler.max_num_seqs,
                                      step.shape.num_draft_tokens, blocks, block_size, runner.max_model_len,
                                      runner.device, capture_graphs=False, reads_host_lengths=True))
+
+
+@dataclass(frozen=True)
+class TargetModel:
+    """An idle engine's target model with what a hand-built forward over its KV cache needs."""
+
+    model: torch.nn.Module  # called as model(input_ids, positions, attn_metadata) -> (hidden, aux)
+    device: torch.device
+    dtype: torch.dtype
+    block_size: int  # tokens a KV block holds
+    num_blocks: int  # KV blocks in the cache
+    vocab_size: int
+    small_m_gemm_mode: str | None  # the few-row GEMMs' mode the engine bound (None: none bound)
+
+
+def target_model(llm) -> TargetModel:
+    """The engine's target for forwards a script builds itself (diagnoses, kernel-level timings):
+    nothing of the engine may be running meanwhile, and the blocks it uses are the script's to hand
+    out (the engine's prefix cache is overwritten)."""
+    runner = _runner(llm)
+    plan = runner.cache_plan
+    gemm = runner.small_m_gemm
+    return TargetModel(runner.model, runner.device, runner.dtype, plan.block_size, plan.num_blocks,
+                       int(runner.vocab_size), None if gemm is None else gemm.mode)
+
+
+def propose_nothing(llm) -> None:
+    """From now on the engine's host drafter (n-gram, suffix) drafts for nobody at each step while
+    the engine runs as a speculative one: a side-by-side's third engine, whose gap to plain decoding
+    is the host-drafter engine's own cost and whose gap to the drafter is the drafter's."""
+    proposer = _runner(llm).proposer
+    if proposer is None or not proposer.capabilities.drafts_from_tokens:
+        raise ValueError("propose_nothing needs a host drafter (method ngram or suffix); this engine drafts with "
+                         f"{type(proposer).__name__ if proposer is not None else 'no drafter'}")
+    proposer.propose_step = lambda items, results, make_batch: None  # this instance only
+
+
+def parallel_graph_state(llm) -> dict:
+    """Whether the engine captured CUDA graphs and queues steps ahead, and why not when not: a
+    tensor-parallel engine's rank 0 answers (every rank decides alike), a single process its own."""
+    return dict(llm.engine.runner.graph_state())  # ModelRunner's, or ParallelRunner's from rank 0

@@ -43,11 +43,7 @@ from foretell.layers.batch_invariant import prepare_batch_invariant
 from foretell.layers.vocab_parallel import ParallelLMHead
 from foretell.ops.gemm.dispatch import SmallMGemm
 from foretell.models.base import HFConfig, ModelOptions
-from foretell.layers.cpu_draft_weights import draft_weight_format, pack_draft_weights
-from foretell.models.eagle3_cpu_step import cpu_step_fits
-from foretell.layers.cpu_weight_layout import store_weights_transposed, transposed_weights_preferred
-from foretell.runner.cpu_compile import install_cpu_compile
-from foretell.runner.cpu_compile_head import install_cpu_compile_head
+from foretell.runner.cpu_setup import prepare_cpu_models
 from foretell.runner.graph_setup import StepGraphSetup, build_step_pipeline, skips_catch_up
 from foretell.runner.input_batch import DeferredInputBatch, InputBatch
 from foretell.runner.host_step import HostStep
@@ -118,23 +114,8 @@ class ModelRunner:
         self.model = build_model(mc.model, self.hf_config, options, mc.load_format, mc.seed)
         if self.proposer is not None:
             self.proposer.load(self.model, mc.load_format)
-        if self.device.type == "cpu" and not mc.batch_invariant and transposed_weights_preferred():
-            store_weights_transposed(cpu_transposable_models(self.model, self.proposer))  # cpu_weight_layout.py
-        if self.device.type == "cpu" and self.proposer is not None and not mc.batch_invariant and not mc.cpu_compile:
-            # an EAGLE3 head's linears read int8 (or fp16) weights packed for fbgemm (cpu_draft_weights.py)
-            heads = cpu_packed_draft_heads(self.proposer)
-            pack_draft_weights(heads, draft_weight_format(), exclude=self.model)
-            for head in heads:  # its layer's normed embedding rows, gathered per step (models/eagle3.py)
-                head.prepare_cpu_input_table()
-            # the head's step in direct torch calls where it fits (models/eagle3_cpu_step.py)
-            self.proposer.cpu_direct_step = len(heads) == 1 and cpu_step_fits(heads[0])
-        if mc.cpu_compile:  # the CPU's decode and verify forward through torch.compile (cpu_compile.py)
-            verify_rows = (1 + config.speculative.num_speculative_tokens,) if config.speculative is not None else ()
-            install_cpu_compile(self.model, self.device, (1, *verify_rows), self.tensor_parallel.world_size,
-                                mc.batch_invariant)
-            if self.proposer is not None:  # an EAGLE3 head's draft step (cpu_compile_head.py)
-                install_cpu_compile_head(self.proposer, (1, *verify_rows), self.tensor_parallel.world_size,
-                                         mc.batch_invariant)
+        # the CPU's weight layouts, packed draft heads and compiled forwards (cpu_setup.py)
+        prepare_cpu_models(self.model, self.proposer, config, self.device, self.tensor_parallel.world_size)
         if mc.batch_invariant:  # every float Linear, LMHead and MoE of target and drafter
             prepare_batch_invariant([self.model, *(self.proposer.draft_modules() if self.proposer else [])])
         self.vocab_size = self.hf_config.language_model().vocab_size
@@ -369,6 +350,13 @@ class ModelRunner:
         if self.proposer is not None:
             self.proposer.drop_cached_responses()
 
+    def graph_state(self) -> dict:
+        """Whether this runner captured its graphs and queues steps ahead, and why not when not
+        (distributed/graph_capture.py decides for tensor parallelism)."""
+        return {"allowed": self.graph_decision.allowed, "reason": self.graph_decision.reason,
+                "captured": self.graphs is not None and self.graphs.captures,
+                "queue_ahead": self.pipeline.queue_ahead}
+
     def runner_stats(self) -> dict:
         """What the runner adds to get_stats(): the drafter's (Proposer.stats) and the step
         pipeline's steps queued ahead of their results, and how many of those the scheduler's
@@ -382,22 +370,3 @@ class ModelRunner:
         ParallelRunner stops its workers)."""
         self.host_step.structured.close()
 
-
-def cpu_packed_draft_heads(proposer: "Proposer") -> list[torch.nn.Module]:
-    """The drafter modules whose CPU weights are packed for fbgemm (cpu_draft_weights.py): EAGLE3
-    heads over a Llama layer. A draft model keeps its float32 weights: one that is the target's own
-    checkpoint drafts exactly what the target verifies, which tests and A/B runs rely on."""
-    from foretell.models.eagle3 import Eagle3Head
-
-    return [m for m in proposer.draft_modules() if type(m) is Eagle3Head]
-
-
-def cpu_transposable_models(model: torch.nn.Module, proposer: "Proposer | None") -> list[torch.nn.Module]:
-    """The models whose float weights may be stored transposed on the CPU (cpu_weight_layout.py):
-    the Llama family (target or draft model) and the EAGLE3 head over a Llama layer; their code
-    never views a weight's memory (MLA's does)."""
-    from foretell.models.eagle3 import Eagle3Head
-    from foretell.models.llama import LlamaForCausalLM
-
-    drafts = proposer.draft_modules() if proposer is not None else []
-    return [m for m in (model, *drafts) if isinstance(m, LlamaForCausalLM) or type(m) is Eagle3Head]

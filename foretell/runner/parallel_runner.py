@@ -75,12 +75,7 @@ class RankRunner:
         return self.runner.runner_stats()
 
     def graph_state(self) -> dict:
-        """Whether this rank captured its graphs and queues steps ahead, and why
-        (distributed/graph_capture.py)."""
-        runner = self.runner
-        return {"allowed": runner.graph_decision.allowed, "reason": runner.graph_decision.reason,
-                "captured": runner.graphs is not None and runner.graphs.captures,
-                "queue_ahead": runner.pipeline.queue_ahead}
+        return self.runner.graph_state()
 
 
 def build_rank_runner(tp: TensorParallel, device: torch.device, config: EngineConfig) -> RankRunner:

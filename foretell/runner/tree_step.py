@@ -33,7 +33,7 @@ One step (the runner's only step under EAGLE3 trees; a host drafter's tree-less 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
@@ -48,6 +48,7 @@ from foretell.runner.input_batch import InputBatch, build_input_batch
 from foretell.runner.logprobs import add_prompt_logprobs
 from foretell.runner.sequence_result import SequenceResult
 from foretell.runner.tree_graphs import TreeVerifyGraphs
+from foretell.runner.tree_group import TreeGroup
 from foretell.spec_decode.tree.compact import compaction_slots
 from foretell.spec_decode.tree.draft_graphs import TreeDraftGraphs
 from foretell.spec_decode.tree.host_drafter import HostTreeDrafter
@@ -383,17 +384,6 @@ class TreeStep:
             return
         for j, i in enumerate(drafting):
             self._keep_tree(sched.scheduled[i].seq.seq_id, tree, j, packed[j], results[i])
-
-
-@dataclass
-class TreeGroup:
-    """The step's trees of one node count, stacked: scheduled indices, trees [n, T], each
-    sequence's root row in the batch, the root's position and its nodes' depths (host copies)."""
-    index: list[int]
-    tree: DraftTree
-    root_rows: list[int]
-    root_positions: list[int]
-    depths: list[list[int]]
 
 
 def _drafts_trees(params) -> bool:

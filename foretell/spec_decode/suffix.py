@@ -17,39 +17,36 @@ length and the occurrences) between steps. Each step, for each sequence that sam
   3. walk: follow the most frequent next token while the path's empirical probability stays
      >= min_token_prob;
   4. take the index whose draft scores higher (sum of the prefixes' probabilities).
-The acceptance gate (min_accepted_tokens > 0): a draft costs a verify step, which the engine
-cannot queue ahead as it queues a plain decode step (the drafts come from the host after the step
-is read), so a draft pays only when enough of it is accepted. Each sequence keeps the draft it
-proposed and, when the next step's tokens arrive, counts how many of them it got right; a moving
-average of that count (half each step) below min_accepted_tokens stops the sequence's drafting
-for `pause` tokens (no lookup, no draft: its steps are plain decode steps, queued ahead, and the
-drafter only stores their tokens; the probe indexes them in one extend), after which one draft
-probes again: accepted well (the average, reset to the bar at the pause, stays at or above it),
-drafting goes on and the pause length starts over; else it pauses again, twice as long (up to MAX_PAUSE tokens). Drafts change speed
-only, never the tokens: the output stays the target's.
-The sequence's average alone over-predicts the next draft (it is updated on drafted steps only and
-halves each step: one whole acceptance lifts it over the bar, and on GSM8K the drafts after it
-accept far less; bench/suffix_gate_sim.py replays the real drafter over recorded outputs and shows
-it). What predicts a draft is the match it comes from: drafts from a match of min_match_length to
-twice that accept much less than those from longer matches. So under a learned "auto" bar each
-draft is also held to its class (MatchCalibration: the length of its match, key_length to 2
-key_length - 1, to 4 key_length - 1, longer): expected accepted = the share of drafted tokens the
-class's last CALIBRATION_WINDOW judged drafts accepted, times the draft's length (suffix_calibration.py); below the bar the
-draft is not proposed (no pause: the match grows with the tokens and may leave the class), except
-one in PROBE_EVERY, which keeps the class's share current, and a draft right after one accepted
-whole (a run going on).
-min_accepted_tokens "auto" (suffix_gate.py): the bar is what a draft must accept for a drafting
-step to pay on this machine, t_draft / t_plain - 1, learned from the time between the drafter's
-calls (one engine step each); once learned, a draft no longer than the bar is not proposed (even
-accepted whole it cannot pay), a bar of k or more looks nothing up (and the batch's next
-calls only stamp the clock: suffix_skips.py), and the longest pause grows with the bar
-(PAUSE_PER_BAR). The bar the drafts face is that break-even plus a margin learned from what the
-admitted drafts accepted against it (suffix_margin.py), so a class that over-predicts stops. A
-verify step is the whole batch's: a batch of n drafts at all only when its drafts' expected accepted
-tokens together reach n x bar (MatchCalibration.expected_in_all), else nobody drafts that step.
-"auto" is the fixed AUTO_PRIOR_BAR under a hybrid drafter (a paused sequence takes the model's
-drafts there: no plain step shows what drafting costs) and under tensor parallelism (each rank
-drafts for itself, and ranks must draft alike: no bar from a rank's clock).
+The acceptance gate (min_accepted_tokens > 0): a draft costs a verify step, which the engine cannot queue
+ahead as it queues a plain decode step (the drafts come from the host after the step is read), so a draft pays
+only when enough of it is accepted. Each sequence keeps the draft it proposed and, when the next step's tokens
+arrive, counts how many of them it got right; a moving average of that count (half each step) below
+min_accepted_tokens stops the sequence's drafting for `pause` tokens (no lookup, no draft: its steps are plain
+decode steps, queued ahead, and the drafter only stores their tokens; the probe indexes them in one extend),
+after which one draft probes again: accepted well (the average, reset to the bar at the pause, stays at or
+above it), drafting goes on and the pause length starts over; else it pauses again, twice as long (up to
+MAX_PAUSE tokens). Drafts change speed only, never the tokens: the output stays the target's.
+The sequence's average alone over-predicts the next draft (it is updated on drafted steps only and halves each
+step: one whole acceptance lifts it over the bar, and on GSM8K the drafts after it accept far less;
+bench/suffix_gate_sim.py replays the real drafter over recorded outputs and shows it). What predicts a draft
+is the match it comes from: drafts from a match of min_match_length to twice that accept much less than those
+from longer matches. So under a learned "auto" bar each draft is also held to its class (MatchCalibration: the
+length of its match, key_length to 2 key_length - 1, to 4 key_length - 1, longer): expected accepted = the
+share of drafted tokens the class's last CALIBRATION_WINDOW judged drafts accepted, times the draft's length
+(suffix_calibration.py); below the bar the draft is not proposed (no pause: the match grows with the tokens
+and may leave the class), except one in PROBE_EVERY, which keeps the class's share current, and a draft right
+after one accepted whole (a run going on).
+min_accepted_tokens "auto" (suffix_gate.py): the bar is what a draft must accept for a drafting step to pay on
+this machine, t_draft / t_plain - 1, learned from the time between the drafter's calls (one engine step each);
+once learned, a draft no longer than the bar is not proposed (even accepted whole it cannot pay), a bar of k
+or more looks nothing up (and the batch's next calls only stamp the clock: suffix_skips.py), and the longest
+pause grows with the bar (PAUSE_PER_BAR). The bar the drafts face is that break-even plus a margin learned
+from what the admitted drafts accepted against it (suffix_margin.py), so a class that over-predicts stops. A
+verify step is the whole batch's: a batch of n drafts at all only when its drafts' expected accepted tokens
+together reach n x bar (MatchCalibration.expected_in_all), else nobody drafts that step. "auto" is the fixed
+AUTO_PRIOR_BAR under a hybrid drafter (a paused sequence takes the model's drafts there: no plain step shows
+what drafting costs) and under tensor parallelism (each rank drafts for itself, and ranks must draft alike: no
+bar from a rank's clock).
 Under topk > 1 each draft is a tree (suffix_draft_tree.py, verified on the tree step through
 tree/host_drafter.py); the gate judges it by the path its verify accepted, up to its depth.
 

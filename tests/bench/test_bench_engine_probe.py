@@ -1,7 +1,9 @@
 """foretell.bench.engine_probe and foretell.bench.tiny_checkpoints on the CPU: the tiny checkpoints
 load and speculation on them reproduces plain greedy decoding; the probes count steps, switch the
 step pipeline off and back, time an EAGLE3 chain step, count active weight bytes from the written
-file, and refuse what needs CUDA graphs with a clear error. (scripts/bench_gpu.py runs them on the GPU.)"""
+file, and refuse what needs CUDA graphs with a clear error; the target model runs a hand-built
+forward, a host drafter can be told to draft nothing, and the graph state says why nothing was
+captured. (scripts/bench_gpu.py runs them on the GPU.)"""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import torch
 from foretell import LLM, SamplingParams
 from foretell.bench import engine_probe as probe
 from foretell.bench.tiny_checkpoints import write_tiny_eagle3_head, write_tiny_qwen3
+from foretell.ops.attention.metadata import AttentionMetadata
 
 PROMPTS = [{"prompt_token_ids": [(13 * i + 7 * j * j) % 440 + 1 for j in range(20 + 5 * i)]} for i in range(3)]
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -99,3 +102,44 @@ def test_active_weight_bytes_counts_the_checkpoint_less_its_embedding(plain, tin
     assert probe.active_weight_bytes(plain) == (values + kv_scales) * 4  # float32 engine
     with pytest.raises(ValueError, match="experts_per_token must be in"):
         probe.active_weight_bytes(plain, num_routed_experts=8, experts_per_token=9)
+
+
+def test_target_model_runs_a_hand_built_forward_that_matches_the_engine(tiny, plain):
+    first_token = tokens(plain)[0][0]
+    with make_llm(tiny[0]) as llm:  # its own engine: the forward writes the cache's first blocks
+        target = probe.target_model(llm)
+        logits = _last_row_logits(target, PROMPTS[0]["prompt_token_ids"])
+    assert int(logits.argmax()) == first_token  # the engine's first greedy token
+    assert target.device.type == "cpu" and target.dtype == torch.float32
+    assert target.vocab_size == probe.vocab_size(plain) and target.num_blocks == 64
+    assert target.block_size > 0 and target.small_m_gemm_mode is None  # the CPU binds no few-row GEMMs
+
+
+def _last_row_logits(target, ids) -> torch.Tensor:  # [1, vocab]
+    """One eager prefill forward of ids over blocks 0.. of the target's cache."""
+    rows, size = len(ids), target.block_size
+    table = torch.arange(-(-rows // size), dtype=torch.int32)[None]  # [1, blocks]: the script's own blocks
+    positions = torch.arange(rows)
+    meta = AttentionMetadata(query_start_loc=torch.tensor([0, rows], dtype=torch.int32),
+                             seq_lens=torch.tensor([rows], dtype=torch.int32), block_table=table,
+                             slot_mapping=table[0, positions // size].long() * size + positions % size,
+                             block_size=size, max_query_len=rows, max_seq_len=rows, query_start_loc_cpu=[0, rows],
+                             seq_lens_cpu=[rows])
+    with torch.inference_mode():
+        hidden, _ = target.model(torch.tensor(ids), positions, meta)  # [rows, hidden]
+        return target.model.compute_logits(hidden[-1:])
+
+
+def test_propose_nothing_keeps_the_output_and_drafts_nothing(tiny, plain):
+    expected = tokens(plain)
+    with make_llm(tiny[0], {"method": "ngram", "num_speculative_tokens": 2}) as llm:
+        probe.propose_nothing(llm)
+        assert tokens(llm) == expected
+        assert llm.get_stats()["num_drafts"] == 0
+    with pytest.raises(ValueError, match="propose_nothing needs a host drafter"):
+        probe.propose_nothing(plain)
+
+
+def test_graph_state_says_why_the_cpu_engine_captures_nothing(plain):
+    state = probe.parallel_graph_state(plain)
+    assert state["captured"] is False and set(state) == {"allowed", "reason", "captured", "queue_ahead"}

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import torch
 
 from foretell.runner.input_batch import InputBatch
-from foretell.runner.tree_step import TreeGroup, TreeStep
+from foretell.runner.tree_group import TreeGroup
+from foretell.runner.tree_step import TreeStep
 from foretell.spec_decode.tree.build import build_tree
 from foretell.spec_decode.tree.shape import TreeShape
 
