@@ -102,7 +102,7 @@ class StepGraphSetup:
         if spec is not None and spec.adaptive:  # a verify of any length adaptive speculation chooses
             query_lens = tuple(range(1, spec.num_speculative_tokens + 2))
         elif spec is not None and self.drafts_on_host():  # drafts as long as the match: a few lengths
-            query_lens = host_draft_verify_lens(spec.num_speculative_tokens)
+            query_lens = host_draft_verify_lens(self.proposer.k)
         if self.uses_tree:  # trees verify on their own graphs (tree_verify); the rest decodes
             query_lens = (1,)
         return CudaGraphRunner(
@@ -118,9 +118,9 @@ class StepGraphSetup:
         )
 
     def drafts_on_host(self) -> bool:
-        """A drafter that drafts from the host's token lists (n-gram, suffix): no device loop."""
-        proposer = self.proposer
-        return proposer is not None and proposer.padded_drafter() is None and proposer.capabilities.drafts_from_tokens
+        """A drafter that drafts on the host after the step's read, with no device loop: n-gram,
+        suffix (from the token lists) and a hybrid (suffix + a model catching up on the host)."""
+        return self.proposer is not None and self.proposer.padded_drafter() is None
 
     def target_graphs(self) -> CudaGraphRunner | None:
         """The target's graphs (captured on CUDA; on the CPU with a graph-safe backend the same
@@ -173,8 +173,9 @@ class StepGraphSetup:
     def padded_forward(self, target: CudaGraphRunner | None) -> CudaGraphRunner | None:
         """The target forward the padded verify step runs on: the graphs, or without them
         (--enforce-eager, a backend that reads host lengths, a refused capture, the CPU) the same
-        static buffers run eagerly, for a drafter whose loop runs padded and for a host drafter
-        (n-gram, suffix: its verifies take host_draft_verify_lens' few lengths, as on the graphs).
+        static buffers run eagerly, for a drafter whose loop runs padded and for one that drafts on
+        the host (n-gram, suffix, hybrid: its verifies take host_draft_verify_lens' few lengths, as
+        on the graphs).
         None without a drafter, and under tensor parallelism (its forward gathers whole logits: the
         host step's greedy_without_logits avoids that)."""
         if self.uses_tree:  # tree steps verify on the host (tree_step.py)
@@ -182,8 +183,6 @@ class StepGraphSetup:
         if target is not None:
             return target
         if self.proposer is None or self.tensor_parallel.is_parallel:
-            return None
-        if self.proposer.padded_drafter() is None and not self.drafts_on_host():
             return None
         graph_safe = all(layer.backend.graph_safe for layer in self.model.attention_layers())
         return self.graph_runner(capture_graphs=False, reads_host_lengths=not graph_safe)
@@ -193,8 +192,10 @@ class StepGraphSetup:
         backend allows (else run eagerly: the same code)."""
         drafter = self.proposer.padded_drafter() if self.proposer is not None else None
         if padded_forward is not None and self.drafts_on_host():
-            # n-gram, suffix: verifies on the target's graphs (here padded_forward is them), drafts on the host
-            return HostDraftSlots(padded_forward, self.config.speculative.num_speculative_tokens)
+            # n-gram, suffix, hybrid: verifies on the target's graphs (here padded_forward is them),
+            # drafts on the host (a hybrid's model drafter over the step's rows)
+            reads_rows = not self.proposer.capabilities.drafts_from_tokens
+            return HostDraftSlots(padded_forward, self.proposer.k, reads_rows=reads_rows)
         if padded_forward is None or drafter is None:
             return None
         graph_safe = all(layer.backend.graph_safe for layer in self.proposer.kv_layers())
@@ -238,8 +239,11 @@ def build_step_pipeline(
     a host drafter's steps that carry no drafts or trees, and for the k = 0 steps of a drafter that
     skips its catch-up there), the padded verify (with a drafter whose loop runs padded, captured or not)."""
     kinds: list[StepKind] = []
-    # A host drafter's step without drafts is a plain decode step, queued ahead as plain decoding's.
+    # A host drafter's step without drafts is a plain decode step, queued ahead as plain decoding's;
+    # nothing is queued ahead of a drafter that reads each step's rows after its read (a hybrid).
     host_drafter = isinstance(step_graphs.draft_loop, HostDraftSlots) or host_trees
+    if isinstance(step_graphs.draft_loop, HostDraftSlots) and step_graphs.draft_loop.reads_rows:
+        queue_ahead = False
     plain_decode = None
     if queue_ahead and (not has_drafter or host_drafter):
         # Without a drafter its grammar requests decode here too, masked on the device (decode_ahead.py).

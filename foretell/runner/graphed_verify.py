@@ -67,6 +67,7 @@ from foretell.engine.scheduler import ScheduledSequence, SchedulerOutput
 from foretell.engine.sequence import Sequence
 from foretell.layers.sampler import NoiseSource, SamplingBatch, sequence_key
 from foretell.runner.cuda_graph import CudaGraphRunner
+from foretell.runner.host_drafts import DrafterRows
 from foretell.runner.host_verify import FallbackDecode, HostVerifiedStep
 from foretell.runner.input_batch import InputBatch, build_input_batch
 from foretell.runner.launched_verify import LaunchedVerify
@@ -234,7 +235,10 @@ class GraphedVerify:
         key = self.graphs.bucket_for(batch)
         if key is None or key[1] != q:
             return None
-        self.graphs.run(batch, key)
+        forward = self.graphs.run(batch, key)
+        rows = len(items) * q
+        drafter_rows = DrafterRows(batch, forward.hidden[:rows], [a[:rows] for a in forward.aux]) \
+            if self.draft_graphs.reads_rows else None  # a hybrid's model drafter reads them after the read
         seqs = [item.seq for item in items]
         limits = [item.accept_limit for item in items]
         draft_ids = [item.draft_token_ids for item in items]
@@ -252,7 +256,7 @@ class GraphedVerify:
             greedy = self.graphs.graphs[key].greedy[: len(items) * q]  # [n * q] int64, the graph's output
             copy = HostCopy.queue(greedy, self.greedy_copies)
             fallback = FallbackDecode.after(self, seqs, batch, q, lengths, limits)  # the plain step after it
-            return HostVerifiedStep(seqs, key, copy, draft_ids, limits, fallback)
+            return HostVerifiedStep(seqs, key, copy, draft_ids, limits, fallback, drafter_rows)
         draft_probs = None
         if sampled is not None and any(probs is not None for probs in kept):  # drafts the host step sampled
             drafts = self.graphs.input_ids[: len(items) * q].view(len(items), q)[:, 1:]
@@ -264,8 +268,10 @@ class GraphedVerify:
         m = self.num_drafts(q, sched.num_next_drafts)
         outputs = self._verify_on_device(key, len(items), caps, sampled, draft_probs, lengths if short else None, m,
                                          extras)
-        return self._launched(seqs, key, outputs, [seq.num_computed_tokens for seq in seqs], draft_ids, limits,
-                              sampled, extras)
+        launched = self._launched(seqs, key, outputs, [seq.num_computed_tokens for seq in seqs], draft_ids, limits,
+                                  sampled, extras)
+        launched.drafter_rows = drafter_rows
+        return launched
 
     def _verifies_on_host(self, sampled: PaddedSampling | None, extras: PaddedStepExtras) -> bool:
         """Whether a step of drafts is verified on the host (host_verify.py): a host drafter's

@@ -19,7 +19,10 @@ Two pieces:
     hidden states the drafter never reads. Without graphs (the CPU's torch backend, --enforce-eager)
     the same step runs on the same buffers eagerly (graph_setup.py's padded_forward): one path for
     every drafter (on the CPU the default family ran as fast on it as on the host step's unpadded
-    rows: docs/perf-log.md, 2026-12-03); tensor parallelism and hybrid drafters keep the host step.
+    rows: docs/perf-log.md, 2026-12-03); tensor parallelism keeps the host step. A hybrid drafter
+    (suffix + a model) takes the padded step the same way, its model drafter catching up on the host
+    over the step's rows (DrafterRows, HostStep.propose) after the read: nothing is queued ahead of
+    it, since its catch-up reads the forward's outputs of every step.
 
 The verify lengths (host_draft_verify_lens): a host drafter's draft is as long as its match
 allows, so most steps verify far fewer than K drafts (a suffix match of 3 tokens drafts at most 3
@@ -40,9 +43,12 @@ drafts nothing next (a match that ended), dropped when it drafts again.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from foretell.engine.scheduler import SchedulerOutput
+from foretell.runner.input_batch import InputBatch
 from foretell.runner.sequence_result import SequenceResult
 from foretell.spec_decode.proposer import DraftBatch, Proposer
 from foretell.spec_decode.token_history import TokenHistory
@@ -118,15 +124,30 @@ def propose_from_tokens(proposer: Proposer, sched: SchedulerOutput, results: lis
                 break
 
 
+@dataclass
+class DrafterRows:
+    """A padded step's rows as a drafter that drafts after the read from the target's rows (a
+    hybrid's model drafter) takes them: the step's (padded) batch, every sequence's q rows in
+    order, and the target's outputs at those rows, views of the padded forward's static outputs
+    that stay valid until its next run (nothing is queued ahead of such a drafter)."""
+
+    batch: InputBatch  # [n * q] rows: query_start, input_ids and the block table the drafter reads
+    hidden: torch.Tensor  # [n * q, hidden]
+    aux: list[torch.Tensor]  # each [n * q, hidden]: the target's aux hidden states (EAGLE3)
+
+
 class HostDraftSlots:
-    """The padded verify step's draft loop for a host drafter: the verifier's output buffers and
-    the verify lengths the target's padded forward takes; drafts nothing on the device."""
+    """The padded verify step's draft loop for a drafter that drafts on the host after the step's
+    read: the verifier's output buffers and the verify lengths the target's padded forward takes;
+    drafts nothing on the device. reads_rows: the drafter reads the step's target rows (a hybrid,
+    whose model drafter catches up over them: the step hands them over as DrafterRows)."""
 
     drafts_on_host = True  # proposed after the step's read (propose_from_tokens), not by a device loop
 
-    def __init__(self, target, k: int):  # target: the padded forward (a CudaGraphRunner)
+    def __init__(self, target, k: int, reads_rows: bool = False):  # target: the padded forward (a CudaGraphRunner)
         self.target = target
         self.k = k  # K: the most drafts a step verifies
+        self.reads_rows = reads_rows
         # Every verify length the padded forward has (host_draft_verify_lens(K), or 1..K + 1 under
         # adaptive speculation), so a step pads to the fewest rows.
         self.verify_lens = tuple(q for q in target.query_lens if 1 <= q <= k + 1)

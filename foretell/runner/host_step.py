@@ -6,9 +6,10 @@
     drafter, when it decides ahead, runner/decode_ahead.py);
   - the last steps of a sequence whose drafter's catch-up rows would pass max_model_len;
   - draft trees (tree_step.py verifies them, this step drafts them);
-  - a hybrid drafter (suffix + a model: no padded loop; host drafters alone verify on the padded
-    step, with graphs or without: runner/host_drafts.py; here too they get a DraftBatch of host
-    lists, no rows gathered), and tensor parallelism (greedy_without_logits below).
+  - tensor parallelism (greedy_without_logits below). Host drafters (n-gram, suffix) and hybrid
+    drafters verify on the padded step, with graphs or without (runner/host_drafts.py); in the
+    batches this step takes a host drafter gets a DraftBatch of host lists, no rows gathered, and
+    propose() here serves a hybrid after the padded step too, over that step's rows.
 Greedy and sampled rows, requests asking for logprobs (runner/logprobs.py) or using the other
 logits controls (penalties, logit_bias, bad words, min_tokens, allowed tokens: device state,
 runner/padded_logits_controls.py), and sequences with fewer drafts than the step verifies

@@ -54,6 +54,7 @@ from foretell.runner.step_pipeline import HostCopy
 if TYPE_CHECKING:
     from foretell.runner.cuda_graph import CudaGraphRunner
     from foretell.runner.decode_ahead import DecodeAhead
+    from foretell.runner.host_drafts import DrafterRows
 
 
 def greedy_accept_on_host(tokens: list[int], q: int, draft_ids: list[list[int]],
@@ -123,6 +124,7 @@ class HostVerifiedStep:
     draft_token_ids: list[list[int]]  # each sequence's real drafts
     accept_limits: list[int | None]
     fallback: FallbackDecode | None = None  # None: nothing is queued after it
+    drafter_rows: "DrafterRows | None" = None  # the step's target rows, for a hybrid's model drafter
 
     def matches(self, scheduled: list[ScheduledSequence], block_size: int) -> bool:
         return False  # never queued ahead

@@ -56,6 +56,7 @@ class PendingGrammarSample:
 class LaunchedDecode:
     """A decode step queued on the device whose tokens the host has not read yet."""
 
+    drafter_rows = None  # (no drafter reads a decode step's rows: step_pipeline.QueuedStep)
     kind: DecodeAhead  # what launched it, and launches the step after it
     seqs: list[Sequence]
     positions: list[int]  # per sequence: the position of the step's input token

@@ -20,6 +20,7 @@ from foretell.spec_decode.rejection_sampler import PaddedSampling
 
 if TYPE_CHECKING:
     from foretell.runner.graphed_verify import GraphedVerify
+    from foretell.runner.host_drafts import DrafterRows
 
 
 @dataclass
@@ -40,6 +41,7 @@ class LaunchedVerify:
     accept_limits: list[int | None]
     sampled: PaddedSampling | None  # the sampled rows' parameters and keys (None: greedy only)
     extras: PaddedStepExtras  # logits controls and logprobs (the latter in the copy after the drafts)
+    drafter_rows: "DrafterRows | None" = None  # the step's target rows, for a hybrid's model drafter
 
     @property
     def num_drafts(self) -> int:

@@ -290,6 +290,9 @@ class ModelRunner:
             if self.drafts_from_tokens:  # a host drafter's drafts, from the host lists (host_drafts.py)
                 propose_from_tokens(self.proposer, sched, results, block_size, self.max_model_len,
                                     self.host_step.structured)
+            elif step.drafter_rows is not None:  # a hybrid: its model drafter over the step's rows
+                rows = step.drafter_rows
+                self.host_step.propose(sched, rows.batch, rows.hidden, rows.aux, results)
             self.last_times = StepTimes(target_s=t1 - t0, draft_s=time.perf_counter() - t1)
             return results
         results = [SequenceResult() for _ in sched.scheduled]

@@ -17,7 +17,7 @@ step files import this one and not the other way round.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -60,7 +60,11 @@ class HostCopy:
 
 
 class QueuedStep(Protocol):
-    """A step launched on the device whose results the host has not read yet."""
+    """A step launched on the device whose results the host has not read yet. drafter_rows: its
+    target rows for a drafter that catches up over them after the read (a hybrid's: host_drafts.py's
+    DrafterRows), None for every other step."""
+
+    drafter_rows: Any
 
     def matches(self, scheduled: list[ScheduledSequence], block_size: int) -> bool:
         """Whether the scheduler's decision is exactly this step."""

@@ -113,6 +113,7 @@ class DraftGraphRunner:
     many as it verified, adaptive speculation's steady state); any other (q, m) runs eagerly."""
 
     drafts_on_host = False  # its drafts come from the device loop (runner/host_drafts.HostDraftSlots': the host's)
+    reads_rows = False  # no drafter reads the step's target rows after its read (HostDraftSlots' may)
 
     def __init__(self, proposer: PaddedDrafter, target: PaddedForward, k: int, reads_host_lengths: bool = False,
                  verify_lens: tuple[int, ...] | None = None, skip_catch_up: bool = False):

@@ -8,7 +8,9 @@ sequence's accepted rows (its KV cache must hold every token), but drafts only f
 that need it: it gets them as the ones that sampled.
 
 Suffix drafts carry no probabilities (one-hot, exact under rejection sampling); the model's
-keep theirs. The hybrid drafts on the host (no padded device loop), like the suffix drafter.
+keep theirs. The hybrid drafts on the host (no padded device loop), like the suffix drafter: its
+verifies take the padded step, and after each step's read the model drafter catches up over that
+step's target rows (runner/host_drafts.py's DrafterRows).
 """
 
 from __future__ import annotations

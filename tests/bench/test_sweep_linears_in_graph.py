@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fixtures.triton_interpreter import import_interpreted, interpreter_mode  # noqa: F401
+from fixtures.triton_interpreter import import_fp8_few_rows, import_interpreted, interpreter_mode  # noqa: F401
 from foretell.bench.kernels import linear_chain, moe_int4_chain
 from foretell.bench.kernels.linear_kinds import (
     LAYER_KINDS, BatchInvariantLinears, Bf16Linears, Fp8Linears, InvariantLaunch,
@@ -157,9 +157,8 @@ def _launch_matches_twin(family, kinds, pick, shapes=linear_chain.TINY_SHAPES):
 
 def test_candidates_run_through_the_public_launch():
     # fp16 here: Triton's interpreter keeps bf16 as integers.
-    for name in ("triton_gemv", "triton_mma", "triton_fp8_few_rows", "triton_batch_invariant"):
-        import_interpreted(f"foretell.ops.gemm.{name}")
-    few = import_interpreted("foretell.ops.gemm.triton_fp8_few_rows")
+    few = import_fp8_few_rows()  # with the kernel modules it calls into, dependencies first
+    import_interpreted("foretell.ops.gemm.triton_batch_invariant")
     fp8 = Fp8Linears(torch.float16, CPU, use_kernels=True)
     chosen = _launch_matches_twin(fp8, ("gate_up", "down"),
                                   lambda cs: [c for c in cs if isinstance(c, few.Fp8MmaConfig)][-1])

@@ -20,14 +20,14 @@ from fixtures import deepseek as ds
 from fixtures.float64_linear import poisoned_empty  # noqa: F401 (a fixture)
 from fixtures.fp8_linear import check_product, random_fp8_weight
 from fixtures.seeds import reports_seed
-from fixtures.triton_interpreter import HAS_CUDA, import_interpreted, interpreter_mode  # noqa: F401
+from fixtures.triton_interpreter import HAS_CUDA, import_fp8_few_rows, import_interpreted, interpreter_mode  # noqa: F401
 from foretell.loader import dequantize_fp8_blocks
 from foretell.ops.gemm import fp8_reference as ref
 from foretell.ops.gemm.fp8_dispatch import fp8_linear, fp8_path
 from foretell.ops.pointwise.reference import silu_and_mul_torch
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
-few = import_interpreted("foretell.ops.gemm.triton_fp8_few_rows")
+few = import_fp8_few_rows()
 gemm = import_interpreted("foretell.ops.gemm.triton_fp8_gemm")
 BLOCK = (128, 128)
 

@@ -4,7 +4,8 @@ Their verifies take the padded device step (graphed_verify.GraphedVerify with Ho
 device draft loop), on the target's graphs or, without them (the CPU's torch backend), on the same
 buffers run eagerly with the GPU's verify lengths (host_draft_verify_lens), and they draft from the
 host's token lists, with no device work. The host step (their CPU path before; tensor parallelism's
-and hybrid drafters' still) is the reference: fixtures/padded_step.host_step_for_host_drafters.
+still) is the reference: fixtures/padded_step.host_step_for_host_drafters. Hybrid drafters on the
+padded step: test_hybrid_padded_step.py.
 test_suffix_host_drafts_triton.py runs them on the Triton backend's graph buffers (slow). Checked:
   - the verify lengths the graphs take for a host drafter (host_draft_verify_lens: K = 16 gives
     1, 5, 9, 17) and every padded step taking the fewest rows that hold its longest draft;

@@ -158,7 +158,7 @@ def plain_tokens(qwen3_checkpoint):
                                                ("ngram", True)])
 def test_greedy_output_with_forced_drafts_equals_plain(method, host_step, request, qwen3_checkpoint, plain_tokens):
     """Every drafter on the padded step (forced drafts up to k, its verify length), and a host
-    drafter on the host step (tensor parallelism's and hybrid drafters' path: forced runs past k)."""
+    drafter on the host step (tensor parallelism's path: forced runs past k)."""
     with host_step_for_host_drafters() if host_step else contextlib.nullcontext():
         llm = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=128, speculative_config=spec_config(method, request))
     with llm:
