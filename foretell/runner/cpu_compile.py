@@ -29,7 +29,6 @@ It applies to the CPU only: on CUDA the step runs in CUDA graphs and the flag is
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 import torch.nn.functional as F

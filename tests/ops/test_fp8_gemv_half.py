@@ -16,7 +16,9 @@ import torch
 from fixtures.float64_linear import poisoned_empty  # noqa: F401 (a fixture)
 from fixtures.fp8_linear import check_gated, check_product, half_tiles, random_fp8_weight
 from fixtures.seeds import reports_seed
-from fixtures.triton_interpreter import HAS_CUDA, import_fp8_few_rows, import_interpreted, interpreter_mode  # noqa: F401
+from fixtures.triton_interpreter import (  # noqa: F401 (interpreter_mode: a fixture)
+    HAS_CUDA, import_fp8_few_rows, import_interpreted, interpreter_mode,
+)
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 few = import_fp8_few_rows()

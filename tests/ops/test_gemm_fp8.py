@@ -20,7 +20,9 @@ from fixtures import deepseek as ds
 from fixtures.float64_linear import poisoned_empty  # noqa: F401 (a fixture)
 from fixtures.fp8_linear import check_product, random_fp8_weight
 from fixtures.seeds import reports_seed
-from fixtures.triton_interpreter import HAS_CUDA, import_fp8_few_rows, import_interpreted, interpreter_mode  # noqa: F401
+from fixtures.triton_interpreter import (  # noqa: F401 (interpreter_mode: a fixture)
+    HAS_CUDA, import_fp8_few_rows, import_interpreted, interpreter_mode,
+)
 from foretell.loader import dequantize_fp8_blocks
 from foretell.ops.gemm import fp8_reference as ref
 from foretell.ops.gemm.fp8_dispatch import fp8_linear, fp8_path
