@@ -57,6 +57,16 @@ class HybridProposer:
     def bind_draft_cache(self, block_size: int) -> None:
         self.model.bind_draft_cache(block_size)
 
+    @property
+    def cpu_direct_step(self) -> bool:
+        """The model drafter's flag (an EAGLE3 head's step in direct torch calls on the CPU, which
+        the runner's CPU set-up turns on: runner/cpu_setup.py)."""
+        return bool(getattr(self.model, "cpu_direct_step", False))
+
+    @cpu_direct_step.setter
+    def cpu_direct_step(self, on: bool) -> None:
+        self.model.cpu_direct_step = on
+
     def padded_drafter(self) -> PaddedDrafter | None:
         return None  # the suffix side drafts on the host every step
 

@@ -2,7 +2,7 @@
 bit for bit: logits, h and the draft cache's keys and values, for a catch-up over a verify's rows
 (fc over the aux hidden states, one or several kept rows) and for chain steps (from h), across
 context lengths, with norm_before_residual either way; the runner turns it on for a packed CPU
-head, and cpu_step_fits refuses heads it does not cover."""
+head (a hybrid's too), and cpu_step_fits refuses heads it does not cover."""
 
 from __future__ import annotations
 
@@ -73,3 +73,11 @@ def test_eagle3_greedy_equals_plain_through_the_direct_step(qwen3_checkpoint, ea
     got = [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     assert got == want
+
+
+def test_a_hybrids_eagle3_head_takes_the_direct_step(qwen3_checkpoint, eagle3_head):
+    spec = {"method": "suffix", "hybrid": "eagle3", "model": eagle3_head, "num_speculative_tokens": 4,
+            "hybrid_num_speculative_tokens": 2}
+    hybrid = LLM(qwen3_checkpoint, dtype="float32", device="cpu", num_kv_blocks=32, num_cpu_threads=1,
+                 speculative_config=spec).engine.runner.proposer
+    assert hybrid.model.cpu_direct_step and hybrid.cpu_direct_step  # the flag reaches the head's proposer
