@@ -11,7 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from foretell.config import SpeculativeConfig
+    from foretell.speculative_config import SpeculativeConfig
     from foretell.engine.llm import LLM
     from foretell.sampling_params import SamplingParams
 
@@ -22,7 +22,7 @@ __version__ = "0.1.0"
 _LAZY_NAMES = {
     "LLM": "foretell.engine.llm",
     "SamplingParams": "foretell.sampling_params",
-    "SpeculativeConfig": "foretell.config",
+    "SpeculativeConfig": "foretell.speculative_config",
 }
 
 

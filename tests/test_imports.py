@@ -374,7 +374,7 @@ def test_public_names_load_on_first_use():
         "    print('AttributeError', e)\n"
     )
     assert out.splitlines() == [
-        "foretell.engine.llm foretell.sampling_params foretell.config",
+        "foretell.engine.llm foretell.sampling_params foretell.speculative_config",
         "True",
         "AttributeError module 'foretell' has no attribute 'NoSuchName'",
     ]

@@ -200,10 +200,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
 def run_serve_command(args: argparse.Namespace) -> int:
     from foretell.bench.datasets import load_prompts, ordinary_vocab
     from foretell.bench.report import write_json
-    from foretell.bench.serve_load import (
-        ServeSettings, format_serve_report, format_sweep_report, parse_concurrencies,
-        per_request_tables, run_concurrency_sweep, run_serve_load,
-    )
+    from foretell.bench.serve_load import ServeSettings, parse_concurrencies, run_concurrency_sweep, run_serve_load
+    from foretell.bench.serve_summary import format_serve_report, format_sweep_report, per_request_tables
     from foretell.bench.sweep import parse_float_list
 
     vocab = None

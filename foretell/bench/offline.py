@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from foretell.bench.datasets import Prompt, load_prompts, ordinary_vocab
-from foretell.config import SpeculativeConfig
+from foretell.speculative_config import SpeculativeConfig
 from foretell.bench.sweep import add_comparisons, release, run_closed_loop, summarize
 from foretell.progress import progress_bar
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from foretell.bench.report import acceptance_counters
-from foretell.config import SPECULATIVE_METHODS, SpeculativeConfig
+from foretell.speculative_config import SPECULATIVE_METHODS, SpeculativeConfig
 
 DRAFT_MODEL_METHODS = ("eagle3", "draft_model")  # methods that need speculative_config["model"]
 

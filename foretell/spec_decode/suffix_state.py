@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from foretell.config import SpeculativeConfig
+from foretell.speculative_config import SpeculativeConfig
 from foretell.spec_decode.suffix_gate import AUTO_PRIOR_BAR
 from foretell.spec_decode.suffix_tree import Match, SuffixIndex
 

@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from foretell.bench import datasets
-from foretell.bench.serve_load import parse_spec_metrics, spec_delta
+from foretell.bench.spec_metrics_scrape import parse_spec_metrics, spec_delta
 from foretell.bench.sweep import parse_float_list, parse_int_list, parse_methods, spec_counters
 from foretell.cli import main
 
@@ -475,7 +475,7 @@ def test_bench_serve_random_needs_tokenizer(capsys):
 
 
 def test_percentile_summary_math():
-    from foretell.bench.serve_load import RequestResult, summarize_results
+    from foretell.bench.serve_summary import RequestResult, summarize_results
 
     results = [RequestResult(True, latency_s=1.0, ttft_s=0.1, itl_s=[0.3, 0.3, 0.3],
                              output_tokens=4, prompt_tokens=2, counted_from_usage=True),

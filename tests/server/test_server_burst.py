@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from foretell.bench.serve_load import RequestResult, per_request_rows, wave_ttft  # noqa: E402
+from foretell.bench.serve_summary import RequestResult, per_request_rows, wave_ttft  # noqa: E402
 from foretell.cli import main  # noqa: E402
 from foretell.config import build_engine_config  # noqa: E402
 from foretell.engine.engine import Engine  # noqa: E402

@@ -18,7 +18,7 @@ import random
 import pytest
 import torch
 
-from foretell.config import SPECULATIVE_METHODS, SpeculativeConfig
+from foretell.speculative_config import SPECULATIVE_METHODS, SpeculativeConfig
 from foretell.layers.sampler import NoiseSource, SamplingBatch
 from foretell.sampling_params import SamplingParams
 from foretell.spec_decode.ngram import NgramProposer
