@@ -253,13 +253,13 @@ class GraphedVerify:
             self.num_steps += 1
             self.num_mixed_steps += short
             self.num_host_verified_steps += 1
-            greedy = self.graphs.graphs[key].greedy[: len(items) * q]  # [n * q] int64, the graph's output
+            greedy = self.graphs.graphs[key].greedy[:rows]  # [n * q] int64, the graph's output
             copy = HostCopy.queue(greedy, self.greedy_copies)
             fallback = FallbackDecode.after(self, seqs, batch, q, lengths, limits)  # the plain step after it
             return HostVerifiedStep(seqs, key, copy, draft_ids, limits, fallback, drafter_rows)
         draft_probs = None
         if sampled is not None and any(probs is not None for probs in kept):  # drafts the host step sampled
-            drafts = self.graphs.input_ids[: len(items) * q].view(len(items), q)[:, 1:]
+            drafts = self.graphs.input_ids[:rows].view(len(items), q)[:, 1:]
             draft_probs = dense_draft_probs(drafts, lengths, kept, self.vocab_size)
         caps = None
         if short or any(limit is not None for limit in limits):  # acceptance stops at each one's cap
@@ -268,10 +268,8 @@ class GraphedVerify:
         m = self.num_drafts(q, sched.num_next_drafts)
         outputs = self._verify_on_device(key, len(items), caps, sampled, draft_probs, lengths if short else None, m,
                                          extras)
-        launched = self._launched(seqs, key, outputs, [seq.num_computed_tokens for seq in seqs], draft_ids, limits,
-                                  sampled, extras)
-        launched.drafter_rows = drafter_rows
-        return launched
+        return self._launched(seqs, key, outputs, [seq.num_computed_tokens for seq in seqs], draft_ids, limits,
+                              sampled, extras, drafter_rows)
 
     def _verifies_on_host(self, sampled: PaddedSampling | None, extras: PaddedStepExtras) -> bool:
         """Whether a step of drafts is verified on the host (host_verify.py): a host drafter's
@@ -389,10 +387,10 @@ class GraphedVerify:
         drafts = loop.run(bucket, n, q, m)  # [n, m]
         return loop.accepted[:n], loop.next_token[:n], drafts, packed
 
-    def _launched(self, seqs, key, outputs, starts, draft_ids, limits, sampled,
-                  extras: PaddedStepExtras) -> "LaunchedVerify":
+    def _launched(self, seqs, key, outputs, starts, draft_ids, limits, sampled, extras: PaddedStepExtras,
+                  drafter_rows: DrafterRows | None = None) -> "LaunchedVerify":
         accepted, next_token, drafts, packed = outputs
         read_back = [accepted, next_token, drafts] + ([] if packed is None else [packed])
         copy = HostCopy(*self.graphs.side.download_outputs(read_back))
         return LaunchedVerify(self, seqs, key, accepted, next_token, drafts, copy, starts, draft_ids, limits,
-                              sampled, extras)
+                              sampled, extras, drafter_rows)

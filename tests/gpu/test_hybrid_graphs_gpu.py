@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
+from fixtures.padded_step import assert_same_outputs, record_host_steps
 from foretell import LLM, SamplingParams
 from foretell.runner.graphed_verify import GraphedVerify
 from foretell.runner.host_drafts import HostDraftSlots
-from foretell.runner.host_step import HostStep
 
 PROMPTS = ["The cat reads the book. The cat reads the book. The cat", "def add(x):\n    return x + 1\ndef add(x):",
            "a b a b a b a b", "Question: what is 3 plus 7? Answer:"]
@@ -29,26 +29,15 @@ def test_hybrid_verifies_on_the_graphs(qwen3_checkpoint, eagle3_head, method, mo
     llm = engine(qwen3_checkpoint, {"method": "suffix", "hybrid": method, "model": model,
                                     "num_speculative_tokens": 8, "hybrid_num_speculative_tokens": 2,
                                     "suffix_decoding_min_accepted_tokens": 1.0})
-    host_verifies = []
-    sample = HostStep.sample
-
-    def counted(self, sched, batch, logits, results):
-        host_verifies.append(any(item.draft_token_ids for item in sched.scheduled)
-                             and all(item.num_new_tokens == 1 + len(item.draft_token_ids) for item in sched.scheduled))
-        return sample(self, sched, batch, logits, results)
-
-    monkeypatch.setattr(HostStep, "sample", counted)  # from here: the warm-up mixed prefills with verifies
+    host_steps = record_host_steps(monkeypatch)  # from here: the warm-up mixed prefills with verifies
     got = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     runner = llm.engine.runner
     assert runner.graphs.captures and isinstance(runner.draft_graphs, HostDraftSlots)
     assert runner.draft_graphs.reads_rows and not runner.pipeline.queue_ahead
-    assert not any(host_verifies)  # a batch of verifies alone never takes the host step
+    assert all(host_steps)  # the host step took batches with prefill rows alone
     verify = next(kind for kind in runner.pipeline.kinds if isinstance(kind, GraphedVerify))
     assert verify.num_steps > 0 and runner.proposer.num_model_drafts > 0
-    for g, e in zip(got, plain):
-        assert g.token_ids == e.token_ids
-        for a, b in zip(g.logprobs, e.logprobs):
-            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+    assert_same_outputs(got, plain)
     stats = llm.get_stats()
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
     if method == "draft_model":
