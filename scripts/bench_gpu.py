@@ -230,6 +230,39 @@ def llama_eagle3(batches, mean_length=2.93):
     return out
 
 
+@section("llama_eagle3_arrivals")
+def llama_eagle3_arrivals(rounds: int = 2, num_requests: int = 32, prompt_len: int = 256):
+    """Requests arriving while others verify: 32 of them through 8 slots, their prompts chunked at
+    512 tokens and their lengths unequal, so each new prompt's chunk meets 7 verifies. Output
+    tok/s with such batches split (the verifies on the padded step: graph replays and the draft
+    loop's graphs) and run whole on the host step, in turns on one engine (EAGLE3 k = 3, simulated
+    mean length 2.93)."""
+    spec = {"method": "eagle3", "model": f"{CONFIGS}/llama-3.1-8b-eagle3", "num_speculative_tokens": 3,
+            "simulate_acceptance": {"mean_acceptance_length": 2.93}}
+    llm = make_llm(f"{CONFIGS}/llama-3.1-8b", spec, max_num_seqs=8, max_num_batched_tokens=512)
+    prompts = [{"prompt_token_ids": [(7 * i + j) % 1000 + 1 for j in range(prompt_len)]} for i in range(num_requests)]
+    params = [SamplingParams(temperature=0, max_tokens=64 + 32 * (i % 4), ignore_eos=True) for i in range(num_requests)]
+    out_tokens = sum(p.max_tokens for p in params)
+
+    def run() -> dict:
+        split0, t0 = probe.split_step_count(llm), time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return {"tok_s": out_tokens / (time.perf_counter() - t0), "split_steps": probe.split_step_count(llm) - split0}
+
+    for _ in range(2):  # warm-up: both ways meet their shapes before the clock
+        run()
+        with probe.split_batches_off(llm):
+            run()
+    split, whole = [], []
+    for _ in range(rounds):
+        split.append(run())
+        with probe.split_batches_off(llm):
+            whole.append(run())
+    free(llm)
+    best_split, best_whole = max(r["tok_s"] for r in split), max(r["tok_s"] for r in whole)
+    return {"split": split, "whole": whole, "split_over_whole": best_split / best_whole}
+
+
 def v2_lite_folder(mtp: bool) -> str:
     config = json.load(open(f"{CONFIGS}/deepseek-v2-lite/config.json"))
     if mtp:
@@ -309,8 +342,8 @@ def speculation_agreement(device: str, dtypes, num_prompts: int = 32, max_tokens
     return out
 
 
-SECTIONS = ("llama_baseline", "llama_eagle3", "llama_small_m_off", "default_family", "bf16_agreement",
-            "llama_eager_b1", "deepseek_v2_lite", "deepseek_small_m")
+SECTIONS = ("llama_baseline", "llama_eagle3", "llama_eagle3_arrivals", "llama_small_m_off", "default_family",
+            "bf16_agreement", "llama_eager_b1", "deepseek_v2_lite", "deepseek_small_m")
 OPT_IN = {"deepseek_small_m"}  # experiments, run only when named
 
 
@@ -335,6 +368,7 @@ def main() -> None:
     RESULTS["gpu"] = torch.cuda.get_device_name()
     RESULTS["torch"] = torch.__version__
     sections = {"llama_baseline": lambda: llama_baseline(batches), "llama_eagle3": lambda: llama_eagle3(batches),
+                "llama_eagle3_arrivals": llama_eagle3_arrivals,
                 "llama_small_m_off": llama_small_m_off, "default_family": default_family,
                 "bf16_agreement": bf16_agreement, "llama_eager_b1": llama_eager,
                 "deepseek_v2_lite": lambda: deepseek_v2_lite(args.bandwidth), "deepseek_small_m": deepseek_small_m}

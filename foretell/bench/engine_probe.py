@@ -116,6 +116,23 @@ def queue_ahead_off(llm) -> Iterator[None]:
         pipeline.queue_ahead, pipeline.kinds = saved
 
 
+@contextlib.contextmanager
+def split_batches_off(llm) -> Iterator[None]:
+    """Inside the block a batch of prompt chunks beside verifies runs whole on the host step (its
+    verifies too) instead of split (runner/split_step.py): the before of split batches' figures."""
+    runner = _runner(llm)
+    saved, runner.padded_verify = runner.padded_verify, None
+    try:
+        yield
+    finally:
+        runner.padded_verify = saved
+
+
+def split_step_count(llm) -> int:
+    """Batches split so far: verifies on the padded step beside a host step's prompt chunks."""
+    return int(_runner(llm).num_split_steps)
+
+
 def engine_step_count(llm) -> int:
     """Engine steps run so far (prefill chunks, decode and verify steps)."""
     return int(llm.get_stats()["num_steps"])

@@ -199,6 +199,34 @@ class CudaGraphRunner:
         """Replay for a batch bucket_for() accepted; the graph's static outputs (rows past
         batch.num_tokens are padding). Its inputs arrive in one copy and one launch
         (runner/graph_inputs.py)."""
+        self._write_inputs(batch, key)
+        return self.replay(key)
+
+    def load(self, batch: InputBatch, key: tuple[int, int], hidden: torch.Tensor, aux: list[torch.Tensor],
+             logits: torch.Tensor) -> CapturedForward:
+        """run() for a batch whose forward ran elsewhere (one eager forward over a split batch's
+        verifies and prompt chunks: split_step.py): its inputs written as run() writes them, its
+        outputs (hidden [rows, hidden], aux, logits [rows, vocab] float32 of its rows) put where a
+        replay of graph `key` leaves them, for the verification and the draft loop to read."""
+        self._write_inputs(batch, key)
+        rows, greedy = batch.num_tokens, argmax_rows(logits)  # greedy [rows] int64
+        if self.captures:
+            out = self.graphs[key]
+            for static, value in zip([out.hidden, *out.aux, out.logits, out.greedy], [hidden, *aux, logits, greedy]):
+                static[:rows].copy_(value)
+            return out
+        padded_rows = key[0] * key[1]  # as an uncaptured forward's outputs: the bucket's rows
+
+        def padded(t: torch.Tensor) -> torch.Tensor:
+            return t if t.shape[0] == padded_rows else torch.cat([t, t.new_zeros(padded_rows - rows, *t.shape[1:])])
+
+        self.graphs.clear()
+        self.graphs[key] = CapturedForward(None, padded(hidden), [padded(a) for a in aux], padded(logits),
+                                           padded(greedy))
+        return self.graphs[key]
+
+    def _write_inputs(self, batch: InputBatch, key: tuple[int, int]) -> None:
+        """The batch's inputs into the buffers of graph `key`, in one copy and one launch."""
         host, layout, slot = graph_inputs.pack(batch, *key, self.side.uploads)
         staging = self.staging[: layout.size]
         self.side.upload(staging, host, slot)
@@ -208,7 +236,6 @@ class CudaGraphRunner:
         self.side.after_input_write()
         self.inputs_version += 1
         self.table_rows = None  # recorded only by advance_verify: no per-step host work on this path
-        return self.replay(key)
 
     def advance_decode(self, key: tuple[int, int], num_seqs: int, tokens: torch.Tensor) -> CapturedForward:
         """Replay decode graph `key` (q = 1) for the step after the one its buffers hold: each of the

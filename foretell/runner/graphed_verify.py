@@ -20,7 +20,9 @@ asks for more than q - 1 (num_drafts; the scheduler takes the first k). It runs 
 target's padded forward and the draft loop (spec_decode/draft_graph.py) whether they are captured
 CUDA graphs or not: off CUDA, under --enforce-eager, after a refused capture, or with an attention
 backend that reads host lengths (the CPU's default torch backend: then the bucket is the exact
-batch and each forward reads its lengths from the buffers), the same code runs eagerly. Every
+batch and each forward reads its lengths from the buffers), the same code runs eagerly. A batch
+of prompt chunks beside verifies is planned here (plan) and finished here after one forward over
+both (launch_planned, on outputs CudaGraphRunner.load puts in the buffers: split_step.py). Every
 other batch takes the host step (host_step.py says which and why). A sequence near max_tokens
 keeps its k draft rows with its acceptance capped (ScheduledSequence.accept_limit). How many
 drafts a sequence accepts is the verifier's (spec_decode/verifier.py: exact greedy, or drawn when
@@ -66,7 +68,7 @@ from foretell.device_util import to_device
 from foretell.engine.scheduler import ScheduledSequence, SchedulerOutput
 from foretell.engine.sequence import Sequence
 from foretell.layers.sampler import NoiseSource, SamplingBatch, sequence_key
-from foretell.runner.cuda_graph import CudaGraphRunner
+from foretell.runner.cuda_graph import CapturedForward, CudaGraphRunner
 from foretell.runner.host_drafts import DrafterRows
 from foretell.runner.host_verify import FallbackDecode, HostVerifiedStep
 from foretell.runner.input_batch import InputBatch, build_input_batch
@@ -90,6 +92,20 @@ if TYPE_CHECKING:
 #: The input id fed at a padded draft row (a sequence with fewer drafts than the step verifies):
 #: any token id; the row's outputs are never used (acceptance stops before it).
 PAD_DRAFT_TOKEN = 0
+
+
+@dataclass
+class VerifyPlan:
+    """A batch the padded step takes, before its target forward: the verify length q, the
+    sequences each feeding q rows (drafts padded to q - 1), their batch and its graph key, and
+    each sequence's real draft count (short: some are padded)."""
+
+    q: int
+    items: list[ScheduledSequence]
+    batch: InputBatch
+    key: tuple[int, int]
+    lengths: list[int]
+    short: bool
 
 
 @dataclass
@@ -219,9 +235,9 @@ class GraphedVerify:
         wanted = k if num_next_drafts is None else num_next_drafts
         return 0 if wanted == 0 and self.draft_graphs.skips(0) else q - 1 if wanted <= q - 1 else k
 
-    def launch(self, sched: SchedulerOutput, batch: InputBatch) -> "LaunchedVerify | HostVerifiedStep | None":
-        """The step the scheduler decided, its inputs from `batch` (sequences with fewer drafts
-        padded to the step's q - 1), when the batch fits."""
+    def plan(self, sched: SchedulerOutput, batch: InputBatch) -> VerifyPlan | None:
+        """The padded step for the scheduler's decision (its inputs from `batch`, sequences with
+        fewer drafts padded to the step's q - 1), when the batch fits; None: the host step."""
         q = self._length_that_fits(sched, batch)
         if q is None:
             return None
@@ -229,13 +245,26 @@ class GraphedVerify:
         lengths = [len(item.draft_token_ids) for item in items]
         short = any(n != q - 1 for n in lengths)
         if short:
-            batch = self._padded_batch(items, q, batch.device)
-            if batch is None:
+            items = self._padded_items(items, q)
+            if items is None:
                 return None
+            batch = build_input_batch(items, self.block_size, batch.device)
         key = self.graphs.bucket_for(batch)
         if key is None or key[1] != q:
             return None
-        forward = self.graphs.run(batch, key)
+        return VerifyPlan(q, items, batch, key, lengths, short)
+
+    def launch(self, sched: SchedulerOutput, batch: InputBatch) -> "LaunchedVerify | HostVerifiedStep | None":
+        """The step the scheduler decided, when the batch fits (plan), its target forward a replay."""
+        plan = self.plan(sched, batch)
+        return None if plan is None else self.launch_planned(sched, plan, self.graphs.run(plan.batch, plan.key))
+
+    def launch_planned(self, sched: SchedulerOutput, plan: VerifyPlan,
+                       forward: CapturedForward) -> "LaunchedVerify | HostVerifiedStep":
+        """The planned step after its target forward (a replay, or outputs loaded into the
+        buffers: CudaGraphRunner.load): verification and drafting on the device."""
+        q, key, batch, lengths, short = plan.q, plan.key, plan.batch, plan.lengths, plan.short
+        items = sched.scheduled
         rows = len(items) * q
         drafter_rows = DrafterRows(batch, forward.hidden[:rows], [a[:rows] for a in forward.aux]) \
             if self.draft_graphs.reads_rows else None  # a hybrid's model drafter reads them after the read
@@ -278,17 +307,17 @@ class GraphedVerify:
         return (self.draft_graphs.drafts_on_host and sampled is None and not self.verifier.synthetic
                 and extras.controls is None and extras.logprobs is None and extras.grammar is None)
 
-    def _padded_batch(self, items: list[ScheduledSequence], q: int, device: torch.device) -> InputBatch | None:
-        """The batch with every sequence's drafts padded to q - 1 (PAD_DRAFT_TOKEN), None when a
-        padded row would lie past the sequence's blocks (the scheduler reserves the drafter's
-        lookahead slots past a sampling step, so it does not: a guard)."""
+    def _padded_items(self, items: list[ScheduledSequence], q: int) -> list[ScheduledSequence] | None:
+        """Every sequence with its drafts padded to q - 1 (PAD_DRAFT_TOKEN), None when a padded row
+        would lie past the sequence's blocks (the scheduler reserves the drafter's lookahead slots
+        past a sampling step, so it does not: a guard)."""
         padded = []
         for item in items:
             seq, drafts = item.seq, item.draft_token_ids
             if (seq.num_computed_tokens + q - 1) // self.block_size >= len(seq.block_ids):
                 return None
             padded.append(ScheduledSequence(seq, q, drafts + [PAD_DRAFT_TOKEN] * (q - 1 - len(drafts)), True))
-        return build_input_batch(padded, self.block_size, device)
+        return padded
 
     def _sampling(self, seqs: list[Sequence], q: int) -> PaddedSampling | None:
         """The sampled rows' parameters and noise keys; None for a batch of greedy sequences."""

@@ -1,6 +1,7 @@
 """The speculative step from host inputs: the form every batch takes that the padded device step
 (graphed_verify.py, captured or eager) does not cover:
-  - prefill chunks, and batches mixing them with verifies (rows per sequence differ);
+  - prefill chunks; beside verifies (a mixed batch) they take their rows of one forward over
+    both, whose verifies the padded step finishes (split_step.py), so this step verifies nothing;
   - requests under a grammar whose step no device step takes (a drafter's verify takes the
     padded step with the grammar's masks: structured/padded_verify.py; plain decoding without a
     drafter, when it decides ahead, runner/decode_ahead.py);

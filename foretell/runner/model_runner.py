@@ -18,10 +18,13 @@ queues steps ahead; over gloo it runs eagerly (distributed/graph_capture.py says
 execute(): the step the pipeline queued ahead when the scheduler's batch is that step; else a
 device step the pipeline launches for the batch (a plain decode step, decode_ahead.py; a padded
 verify step, graphed_verify.py, on the target's graphs or, without them, on the same static
-buffers run eagerly: padded_forward); else the step from host inputs: target forward -> logits
-of the sampling rows -> Sampler (no drafts in the step) or the verifier -> Proposer (catch-up +
-k drafts) -> per-sequence results for the scheduler (host_step.py). Before any of it, each
-sequence is checked on its own (step_checks.py), so a bad one fails alone.
+buffers run eagerly: padded_forward); else, for prompt chunks beside verifies, one forward over
+both whose verify rows the padded step finishes and whose prompt rows the host step samples
+(split_step.py); else the step from host inputs: target forward -> logits of the sampling rows ->
+Sampler (no drafts in the step) or the verifier -> Proposer (catch-up + k drafts) ->
+per-sequence results for the scheduler (host_step.py). With a padded step, the host step verifies
+drafts only near max_model_len (the padded rows would pass it). Before any of it, each sequence
+is checked on its own (step_checks.py), so a bad one fails alone.
 """
 
 from __future__ import annotations
@@ -46,9 +49,11 @@ from foretell.models.base import HFConfig, ModelOptions
 from foretell.runner.cpu_setup import prepare_cpu_models
 from foretell.runner.graph_setup import StepGraphSetup, build_step_pipeline, skips_catch_up
 from foretell.runner.input_batch import DeferredInputBatch, InputBatch
+from foretell.runner.graphed_verify import GraphedVerify, VerifyPlan
 from foretell.runner.host_step import HostStep
 from foretell.runner.host_tree_steps import plain_step_of_host_trees
 from foretell.runner.host_drafts import propose_from_tokens
+from foretell.runner.split_step import ForwardRows, SplitBatch, forward_split
 from foretell.runner.step_checks import check_step
 from foretell.runner.tree_step import TreeStep
 from foretell.runner.logprobs import add_prompt_logprobs
@@ -165,6 +170,9 @@ class ModelRunner:
             self.device, self.tensor_parallel.is_parallel, step_graphs.tree_verify)
         self.last_times = StepTimes()
         self.drafts_from_tokens = self.proposer is not None and self.proposer.capabilities.drafts_from_tokens
+        # Drafts are verified on the padded step (graphed_verify.py), a mixed batch's too (split_step.py)
+        self.padded_verify = next((kind for kind in self.pipeline.kinds if isinstance(kind, GraphedVerify)), None)
+        self.num_split_steps = 0  # batches of prompt chunks beside verifies, split (split_step.py)
 
     def describe(self) -> RunnerFacts:
         capabilities = self.proposer.capabilities if self.proposer is not None else None
@@ -285,18 +293,55 @@ class ModelRunner:
             batch = DeferredInputBatch(sched.scheduled, block_size, self.device)
             step = self.pipeline.launch(sched, batch)
         if step is not None:  # queues the step after it when it can, then reads its results
-            results = self.pipeline.finish(step, sched.num_next_drafts)
-            t1 = time.perf_counter()
-            if self.drafts_from_tokens:  # a host drafter's drafts, from the host lists (host_drafts.py)
-                propose_from_tokens(self.proposer, sched, results, block_size, self.max_model_len,
-                                    self.host_step.structured)
-            elif step.drafter_rows is not None:  # a hybrid: its model drafter over the step's rows
-                rows = step.drafter_rows
-                self.host_step.propose(sched, rows.batch, rows.hidden, rows.aux, results)
-            self.last_times = StepTimes(target_s=t1 - t0, draft_s=time.perf_counter() - t1)
-            return results
+            return self._finish_device_step(sched, step, t0, queue_next=True)
+        split = SplitBatch.of(sched) if self.padded_verify is not None else None
+        if split is not None:  # prompt chunks beside verifies: the verifies finish on the padded step
+            plan = self.padded_verify.plan(split.verify, DeferredInputBatch(split.verify.scheduled, block_size,
+                                                                            self.device))
+            if plan is not None:
+                return self._split_step(split, plan, t0)
+        return self._host_step(sched, batch, t0)
+
+    def _split_step(self, split: SplitBatch, plan: VerifyPlan, t0: float) -> list[SequenceResult]:
+        """One forward over a split batch (split_step.py): its verifies verified and drafted for by
+        the padded step, its prompt chunks sampled and caught up over by the host step."""
+        self.num_split_steps += 1
+        verify_rows, prefill_rows = forward_split(self.model, plan, split.prefill, self.cache_plan.block_size,
+                                                  self.device)
+        kind = self.padded_verify
+        forward = kind.graphs.load(plan.batch, plan.key, verify_rows.hidden, verify_rows.aux, verify_rows.logits)
+        verified = self._finish_device_step(split.verify, kind.launch_planned(split.verify, plan, forward), t0,
+                                            queue_next=False)
+        draft_s = self.last_times.draft_s
+        prefill_batch = DeferredInputBatch(split.prefill.scheduled, self.cache_plan.block_size, self.device)
+        results = split.merge(verified, self._host_step(split.prefill, prefill_batch, t0, prefill_rows))
+        self.last_times.draft_s += draft_s
+        return results
+
+    def _finish_device_step(self, sched: SchedulerOutput, step, t0: float, queue_next: bool) -> list[SequenceResult]:
+        """A launched device step's results, with a host drafter's drafts (queue_next: queue the
+        step after it first, when the pipeline may)."""
+        results = self.pipeline.finish(step, sched.num_next_drafts, queue_next=queue_next)
+        t1 = time.perf_counter()
+        if self.drafts_from_tokens:  # a host drafter's drafts, from the host lists (host_drafts.py)
+            propose_from_tokens(self.proposer, sched, results, self.cache_plan.block_size, self.max_model_len,
+                                self.host_step.structured)
+        elif step.drafter_rows is not None:  # a hybrid: its model drafter over the step's rows
+            rows = step.drafter_rows
+            self.host_step.propose(sched, rows.batch, rows.hidden, rows.aux, results)
+        self.last_times = StepTimes(target_s=t1 - t0, draft_s=time.perf_counter() - t1)
+        return results
+
+    def _host_step(self, sched: SchedulerOutput, batch: InputBatch, t0: float,
+                   computed: ForwardRows | None = None) -> list[SequenceResult]:
+        """The step from host inputs (the module docstring's last case); computed: the batch's
+        rows of a forward that already ran (a split batch's)."""
         results = [SequenceResult() for _ in sched.scheduled]
-        if self.host_step.greedy_without_logits(sched, batch):  # tensor parallel, greedy rows only
+        if computed is not None:
+            hidden, aux = computed.hidden, computed.aux
+            add_prompt_logprobs(self.model, sched, batch, hidden, results)
+            self.host_step.sample(sched, batch, computed.logits, results)
+        elif self.host_step.greedy_without_logits(sched, batch):  # tensor parallel, greedy rows only
             hidden, aux, greedy = self.target_forward(batch, greedy_tokens=True)  # greedy [rows] int64
             add_prompt_logprobs(self.model, sched, batch, hidden, results)
             self.host_step.sample_greedy(sched, batch, greedy, results)

@@ -112,10 +112,12 @@ class StepPipeline:
                 return step
         return None
 
-    def finish(self, step: QueuedStep, num_next_drafts: int | None = None) -> list[SequenceResult]:
-        """Queue the step after `step` when the pipeline may and can, then read `step`.
-        num_next_drafts: the drafts the scheduler chose for the step after (SchedulerOutput's)."""
-        following = step.launch_next(num_next_drafts) if self.queue_ahead else None
+    def finish(self, step: QueuedStep, num_next_drafts: int | None = None,
+               queue_next: bool = True) -> list[SequenceResult]:
+        """Queue the step after `step` when the pipeline may and can (and queue_next: not for a
+        part of a split batch, split_step.py), then read `step`. num_next_drafts: the drafts the
+        scheduler chose for the step after (SchedulerOutput's)."""
+        following = step.launch_next(num_next_drafts) if self.queue_ahead and queue_next else None
         results = step.read(following)
         if following is not None:
             self.queued = following

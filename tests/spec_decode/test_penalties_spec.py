@@ -11,6 +11,7 @@ import collections
 import pytest
 
 from fixtures import deepseek as ds
+from fixtures.chi_square import chi2_999, chi_square_two_samples
 from foretell import LLM, SamplingParams
 
 PROMPTS = [
@@ -160,30 +161,6 @@ def test_min_tokens_delays_eos_stop_ids_and_stop_strings(qwen3_checkpoint, qwen3
 # ---------------------------------------------------------------------------------- sampled
 
 
-def chi_square_two_samples(a: collections.Counter, b: collections.Counter) -> tuple[float, int]:
-    """Pearson's chi-square of a 2 x K contingency table (categories with fewer than 10 samples
-    in both together pooled into one) and its degrees of freedom."""
-    keys = sorted(set(a) | set(b), key=lambda k: -(a[k] + b[k]))
-    big = [k for k in keys if a[k] + b[k] >= 10]
-    rest = [k for k in keys if a[k] + b[k] < 10]
-    table = [[a[k] for k in big], [b[k] for k in big]]
-    if rest:
-        table[0].append(sum(a[k] for k in rest))
-        table[1].append(sum(b[k] for k in rest))
-    na, nb = sum(table[0]), sum(table[1])
-    stat = 0.0
-    for j in range(len(table[0])):
-        col = table[0][j] + table[1][j]
-        for row, n in ((table[0], na), (table[1], nb)):
-            expected = col * n / (na + nb)
-            stat += (row[j] - expected) ** 2 / expected
-    return stat, len(table[0]) - 1
-
-
-# chi-square quantiles at p = 0.999 by degrees of freedom (a false alarm once in a thousand runs)
-CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12, 9: 27.88,
-            10: 29.59, 11: 31.26, 12: 32.91, 13: 34.53, 14: 36.12, 15: 37.70, 16: 39.25, 17: 40.79,
-            18: 42.31, 19: 43.82, 20: 45.31}
 NUM_SAMPLES = 400
 ALLOWED = [60, 61, 62]
 # Made of the allowed tokens, so the n-gram drafter proposes them (and many are accepted).
@@ -212,12 +189,12 @@ def test_sampled_with_penalties_matches_plain_distribution(qwen3_checkpoint):
     for position in (1, 2, 3):
         stat, dof = chi_square_two_samples(collections.Counter(t[position] for t in plain),
                                            collections.Counter(t[position] for t in speculative))
-        assert stat < CHI2_999[dof], (position, stat, dof)
+        assert stat < chi2_999(dof), (position, stat, dof)
     stat, dof = chi_square_two_samples(collections.Counter(plain), collections.Counter(speculative))
-    assert stat < CHI2_999[dof], ("whole outputs", stat, dof)
+    assert stat < chi2_999(dof), ("whole outputs", stat, dof)
     distinct = [collections.Counter(len(set(t)) for t in sample) for sample in (plain, speculative, unpenalized)]
     stat, dof = chi_square_two_samples(distinct[0], distinct[1])
-    assert stat < CHI2_999[dof], ("distinct tokens", stat, dof)
+    assert stat < chi2_999(dof), ("distinct tokens", stat, dof)
     # The test can see a difference: without the penalties repeats are far more common.
     stat, dof = chi_square_two_samples(distinct[0], distinct[2])
-    assert stat > CHI2_999[dof], ("penalties changed nothing", stat, dof)
+    assert stat > chi2_999(dof), ("penalties changed nothing", stat, dof)

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from fixtures.grammar_stubs import VOCAB, FakeSeq, encode
+from fixtures.chi_square import chi2_999, chi_square_two_samples
 from foretell import LLM, SamplingParams
 from foretell.structured.batched_fill import fill_verify_masks
 from foretell.structured.bitmask import BitmaskBuffer, unpack_bitmask
@@ -221,22 +222,6 @@ def test_masked_self_draft_accepts_every_draft(qwen3_checkpoint, monkeypatch):
     assert masked_drafts - masked_accepted <= 3 * len(PROMPTS)
 
 
-def chi_square_statistic(a: collections.Counter, b: collections.Counter) -> tuple[float, int]:
-    """Pearson's chi-square of the 2 x K table of two samples' counts (categories seen fewer
-    than 10 times in both together pooled into one) and its degrees of freedom."""
-    keys = [k for k in set(a) | set(b) if a[k] + b[k] >= 10]
-    rare = [k for k in set(a) | set(b) if a[k] + b[k] < 10]
-    table = np.array([[c[k] for k in keys] + ([sum(c[k] for k in rare)] if rare else []) for c in (a, b)], dtype=float)
-    expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
-    return float(((table - expected) ** 2 / expected).sum()), table.shape[1] - 1
-
-
-# chi-square quantiles at p = 0.999 by degrees of freedom (a false alarm once in a thousand runs)
-CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12, 9: 27.88,
-            10: 29.59, 11: 31.26, 12: 32.91, 13: 34.53, 14: 36.12, 15: 37.70, 16: 39.25, 17: 40.79,
-            18: 42.31, 19: 43.82, 20: 45.31, 21: 46.80, 22: 48.27, 23: 49.73, 24: 51.18, 25: 52.62, 26: 54.05}
-
-
 def test_sampled_output_with_a_masked_draft_model_keeps_the_distribution(qwen3_checkpoint, qwen3_tied_checkpoint):
     """Outputs under a small grammar, sampled at temperature 1: with a masked draft model the
     strings come with the plain target's frequencies (two-sample chi-square)."""
@@ -251,5 +236,5 @@ def test_sampled_output_with_a_masked_draft_model_keeps_the_distribution(qwen3_c
         if spec is not None:
             assert stats["num_accepted_tokens"] > 0.1 * stats["num_draft_tokens"] > 0
         counts.append(collections.Counter(o.text for o in out.outputs))
-    stat, dof = chi_square_statistic(counts[0], counts[1])
-    assert dof >= 3 and stat < CHI2_999[dof], (stat, dof, counts)
+    stat, dof = chi_square_two_samples(counts[0], counts[1])
+    assert dof >= 3 and stat < chi2_999(dof), (stat, dof, counts)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import collections
 import contextlib
 
-import numpy as np
 import pytest
 import regex
 import torch
@@ -32,6 +31,7 @@ from fixtures.grammar_stubs import (
     VOCAB, FakeSeq, SamplingItem, StepResult, encode, forced_text_of, mask_of, regex_sequence,
 )
 from fixtures.padded_step import host_step_for_host_drafters
+from fixtures.chi_square import chi2_999, chi_square_two_samples
 from foretell import LLM, SamplingParams
 from foretell.spec_decode.metrics import SpecDecodeStats
 from foretell.structured.forced_drafts import drafts_under_grammar
@@ -185,22 +185,6 @@ def test_mtp_greedy_output_with_forced_drafts_equals_plain(checkpoint_root, toke
     assert len(stats["accepted_per_position"]) == 2  # the padded step: forced drafts up to k
 
 
-def chi_square_statistic(a: collections.Counter, b: collections.Counter) -> tuple[float, int]:
-    """Pearson's chi-square of the 2 x K table of two samples' counts (categories seen fewer
-    than 10 times in both together pooled into one) and its degrees of freedom."""
-    keys = [k for k in set(a) | set(b) if a[k] + b[k] >= 10]
-    rare = [k for k in set(a) | set(b) if a[k] + b[k] < 10]
-    table = np.array([[c[k] for k in keys] + ([sum(c[k] for k in rare)] if rare else []) for c in (a, b)], dtype=float)
-    expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
-    return float(((table - expected) ** 2 / expected).sum()), table.shape[1] - 1
-
-
-# chi-square quantiles at p = 0.999 by degrees of freedom (a false alarm once in a thousand runs)
-CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12, 9: 27.88,
-            10: 29.59, 11: 31.26, 12: 32.91, 13: 34.53, 14: 36.12, 15: 37.70, 16: 39.25, 17: 40.79,
-            18: 42.31, 19: 43.82, 20: 45.31, 21: 46.80, 22: 48.27, 23: 49.73, 24: 51.18, 25: 52.62, 26: 54.05}
-
-
 @pytest.mark.slow  # two engines drawing 400 samples: about 40 s on 2 busy cores
 def test_sampled_output_with_forced_drafts_keeps_the_distribution(qwen3_checkpoint, qwen3_tied_checkpoint):
     """A free character, a fixed stretch (forced drafts appended to the draft model's drawn ones
@@ -220,5 +204,5 @@ def test_sampled_output_with_forced_drafts_keeps_the_distribution(qwen3_checkpoi
             if spec is not None:
                 assert llm.engine.runner.host_step.structured.timer.forced_drafts > 0
         counts.append(collections.Counter(tuple(o.token_ids) for o in out.outputs))
-    stat, dof = chi_square_statistic(counts[0], counts[1])
-    assert dof >= 3 and stat < CHI2_999[dof], (stat, dof, counts)
+    stat, dof = chi_square_two_samples(counts[0], counts[1])
+    assert dof >= 3 and stat < chi2_999(dof), (stat, dof, counts)
