@@ -76,9 +76,8 @@ from foretell.runner.launched_verify import LaunchedVerify
 from foretell.runner.padded_logits_controls import padded_step_takes
 from foretell.runner.padded_step_extras import PackedLogprobBuffer, PaddedStepExtras
 from foretell.runner.pinned_ring import PinnedRing
-from foretell.ops.step.dispatch import accept_drafts, advance_verify_inputs
-from foretell.ops.step.verify_to_decode import verify_to_decode_inputs
 from foretell.runner.step_pipeline import HostCopy
+from foretell.runner.verify_warm_up import compile_verification
 from foretell.spec_decode.draft_graph import DraftGraphRunner
 from foretell.spec_decode.rejection_sampler import PaddedSampling, dense_draft_probs
 from foretell.spec_decode.verifier import Verifier
@@ -147,42 +146,8 @@ class GraphedVerify:
         self.compile_verification()
 
     def compile_verification(self) -> None:
-        """Greedy verification once per verify length of the captured graphs, on their own buffers
-        (one sequence, with and without caps), so that its kernels (one per draft count) compile at
-        start-up: a host drafter (suffix, n-gram) drafts nothing in the warm-up's dummy requests and
-        compiled them in its first real drafting steps. Nothing is read back; the next step
-        overwrites what this writes. A drawn verifier (simulated acceptance) runs other kernels.
-        Then, for any verifier, the advance of a verify's inputs to the next one's
-        (advance_verify_inputs, one kernel per verify length) on scratch buffers: it runs when a
-        verify is queued ahead of the same length's, which the warm-up need not show (under
-        adaptive speculation the H200 compiled it for 3 and 4 rows in serving), and for a host drafter
-        the turn of a verify's inputs into the plain step's after it (verify_to_decode_inputs)."""
-        if not self.graphs.captures:
-            return
-        loop, device = self.draft_graphs, self.graphs.device
-        lengths = sorted({q for _, q in self.graphs.graphs if q > 1})
-        if not self.verifier.synthetic:
-            caps = torch.zeros(1, dtype=torch.int64, device=device)  # [1]
-            for q in lengths:
-                key = min(k for k in self.graphs.graphs if k[1] == q)
-                greedy = self.graphs.graphs[key].greedy[:q].view(1, q)
-                drafts_in = self.graphs.input_ids[:q].view(1, q)[:, 1:]
-                for step_caps in (None, caps):
-                    accept_drafts(greedy, drafts_in, step_caps, loop.accepted, loop.next_token, loop.num_live)
-        one = torch.zeros(1, dtype=torch.int64, device=device)  # [1]: accepted, next token
-        for q in lengths:  # each buffer its own allocation: aligned as the graph's are (Triton specializes on it)
-            ids, positions, slots = (torch.zeros(q, dtype=torch.int64, device=device) for _ in range(3))
-            # [1, W]: the rows advance to positions 1..q, all inside the table
-            table = torch.zeros(1, q // self.graphs.block_size + 1, dtype=torch.int32, device=device)
-            advance_verify_inputs(ids, positions, slots, torch.zeros(1, dtype=torch.int32, device=device), table,
-                                  one, one, torch.zeros(1, q - 1, dtype=torch.int64, device=device),
-                                  self.graphs.block_size)
-        if self.fallback_decode is not None:  # the plain step queued after a host-verified one (host_verify.py)
-            ids, positions, slots = (torch.zeros(2, dtype=torch.int64, device=device) for _ in range(3))
-            seq_lens, starts = (torch.ones(2, dtype=torch.int32, device=device) for _ in range(2))
-            table = torch.zeros(1, 2, dtype=torch.int32, device=device)  # [1, 2]: position 1 inside it
-            verify_to_decode_inputs(ids, positions, slots, seq_lens, starts, table, one, one, 1, 1, 1,
-                                    self.graphs.block_size)
+        """Compile verification's kernels at start-up (verify_warm_up.py says which and why)."""
+        compile_verification(self)
 
     def verify_length(self, sched: SchedulerOutput) -> int | None:
         """q, the rows per sequence of this batch's padded step: the shortest verify length the

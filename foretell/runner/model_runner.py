@@ -46,6 +46,7 @@ from foretell.layers.batch_invariant import prepare_batch_invariant
 from foretell.layers.vocab_parallel import ParallelLMHead
 from foretell.ops.gemm.dispatch import SmallMGemm
 from foretell.models.base import HFConfig, ModelOptions
+from foretell.runner.context_limit import resolve_max_model_len
 from foretell.runner.cpu_setup import prepare_cpu_models
 from foretell.runner.graph_setup import StepGraphSetup, build_step_pipeline, skips_catch_up
 from foretell.runner.input_batch import DeferredInputBatch, InputBatch
@@ -140,7 +141,8 @@ class ModelRunner:
         # can allocate for it).
         self.num_lookahead_tokens = k + (k + 1 if queue_ahead else 0)
         self.cache_plan = self._allocate_cache()
-        self.max_model_len = self._max_model_len()
+        self.max_model_len = resolve_max_model_len(self.hf_config, self.proposer, config, self.cache_plan,
+                                                   self.num_lookahead_tokens)
         step_graphs = StepGraphSetup(config, self.model, self.proposer, self.cache_plan, self.max_model_len,
                                      self.num_lookahead_tokens, self.device, self.tensor_parallel,
                                      self.graph_decision, self.uses_tree).build()
@@ -190,33 +192,6 @@ class ModelRunner:
         )
 
     # ---- set-up --------------------------------------------------------------------------
-    def _max_model_len(self) -> int:
-        """The longest sequence: the model's limit (and a draft model's, whose rotary table ends
-        there too), and no more than one sequence alone can hold in the KV cache (with its
-        lookahead slots), so any admitted sequence can finish."""
-        limit = self.hf_config.language_model().get("max_position_embeddings", 2048)
-        limit_source = f"the model's max_position_embeddings {limit} ({self.hf_config.language_model().source})"
-        drafter_limit = self.proposer.capabilities.max_positions if self.proposer is not None else None
-        if drafter_limit is not None and drafter_limit < limit:
-            limit = drafter_limit
-            limit_source = f"the draft model's max_position_embeddings {limit} ({self.config.speculative.model})"
-        asked = self.config.model.max_model_len
-        if asked is not None and asked > limit:
-            raise ValueError(f"max_model_len {asked} is larger than {limit_source}")
-        capacity = self.cache_plan.num_tokens - self.num_lookahead_tokens
-        if asked is not None and asked > capacity:
-            raise ValueError(
-                f"max_model_len {asked} is more than the KV cache can hold for one sequence "
-                f"({capacity} tokens in {self.cache_plan.num_blocks} blocks of "
-                f"{self.cache_plan.block_size}): give the cache more memory or lower max_model_len"
-            )
-        if asked is None and capacity < limit:
-            logger.warning(
-                "max_model_len set to %d (the KV cache holds %d tokens; the model allows %d)",
-                max(capacity, 1), capacity, limit,
-            )
-        return max(1, min(asked or limit, capacity))
-
     def _allocate_cache(self) -> CachePlan:
         cc = self.config.cache
         draft_layers = self.proposer.kv_layers() if self.proposer else []

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import torch
 
-from foretell.runner import graphed_verify
+from foretell.runner import verify_warm_up
 from foretell.runner.graphed_verify import GraphedVerify
 
 
@@ -36,7 +36,7 @@ def test_each_verify_length_is_verified_with_and_without_caps(monkeypatch):
     def record(greedy, drafts, caps, accepted, next_token, num_live):
         calls.append((tuple(greedy.shape), tuple(drafts.shape), drafts.stride(0), caps is None))
 
-    monkeypatch.setattr(graphed_verify, "accept_drafts", record)
+    monkeypatch.setattr(verify_warm_up, "accept_drafts", record)
     _verify(_graphs([(1, 1), (4, 1), (1, 5), (4, 5), (1, 9), (1, 17)])).compile_verification()
     assert calls == [((1, q), (1, q - 1), q, caps_none) for q in (5, 9, 17) for caps_none in (True, False)]
 
@@ -55,7 +55,7 @@ def test_each_verify_length_advances_once_on_its_own_buffers(monkeypatch):
         assert len({t.data_ptr() for t in rows}) == 3 and all(t.storage_offset() == 0 for t in rows)  # aligned alike
         calls.append((input_ids.numel(), tuple(drafts.shape), tuple(table.shape), block_size))
 
-    monkeypatch.setattr(graphed_verify, "advance_verify_inputs", record)
+    monkeypatch.setattr(verify_warm_up, "advance_verify_inputs", record)
     for synthetic in (False, True):  # a drawn verifier's steps advance too
         calls.clear()
         _verify(_graphs([(1, 1), (4, 3), (1, 4), (2, 4)]), synthetic=synthetic).compile_verification()
@@ -68,7 +68,7 @@ def test_the_advance_twin_runs_on_the_cpu():
 
 def test_nothing_runs_without_captured_graphs_and_no_verification_with_a_drawn_verifier(monkeypatch):
     fail = lambda *a: (_ for _ in ()).throw(AssertionError("ran"))  # noqa: E731
-    monkeypatch.setattr(graphed_verify, "accept_drafts", fail)
+    monkeypatch.setattr(verify_warm_up, "accept_drafts", fail)
     _verify(_graphs([(1, 5)]), synthetic=True).compile_verification()
-    monkeypatch.setattr(graphed_verify, "advance_verify_inputs", fail)
+    monkeypatch.setattr(verify_warm_up, "advance_verify_inputs", fail)
     _verify(_graphs([(1, 5)], captures=False)).compile_verification()
