@@ -16,7 +16,7 @@ verify's rows at the cost of about one row); `MergedLinear.forward_gated` is an 
 projection with its activation, which those kernels apply as their epilogue.
 
 Tensor parallelism (a TensorParallel with several ranks, distributed/tensor_parallel.py): the
-fused q/k/v and gate_up layers and ColumnParallelLinear hold this rank's rows of the output (no
+fused q/k/v and gate_up layers and ColumnParallelLinear (parallel_linear.py) hold this rank's rows of the output (no
 collective: their consumer works on its heads or columns); RowParallelLinear holds its columns of
 the input and sums the partial products over ranks. Such parameters also carry `rank_slices`
 (shard id -> RankSlice): which part of each checkpoint tensor this rank holds, so the loader
@@ -401,73 +401,3 @@ class QKVLinear(Linear):
         self, qkv: torch.Tensor  # [num_tokens, q_size + 2 * kv_size]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-
-
-class ColumnParallelLinear(Linear):
-    """A Linear whose output rows are split over ranks: this rank computes its share of the
-    output features (no collective). With one rank, a Linear."""
-
-    def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        bias: bool = False,
-        *,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-        tp: TensorParallel | None = None,
-        fp8_block: tuple[int, int] | None = None,
-    ):
-        tp = tp or TensorParallel()
-        start, part = tp.even_shard(output_size, "a column-parallel layer's output size")
-        super().__init__(input_size, part, bias, dtype=dtype, device=device, fp8_block=fp8_block)
-        row_slice = {None: RankSlice(0, start, part, output_size)}
-        self.set_weight_rank_slices(row_slice, tp)
-        set_rank_slices(self.bias, row_slice, tp)
-
-
-class RowParallelLinear(Linear):
-    """A Linear whose input features are split over ranks (the input is the column-parallel
-    layer's local output): each rank multiplies its columns of W, the products are summed over
-    ranks, and the bias (whole on every rank) is added once after the sum. Build it through
-    row_parallel_linear, which gives a plain Linear for one rank."""
-
-    bias_in_gemm = False
-
-    def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        bias: bool = False,
-        *,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-        tp: TensorParallel | None = None,
-        fp8_block: tuple[int, int] | None = None,
-    ):
-        tp = tp or TensorParallel()
-        start, part = tp.even_shard(input_size, "a row-parallel layer's input size")
-        super().__init__(part, output_size, bias, dtype=dtype, device=device, fp8_block=fp8_block)
-        self.tp = tp
-        self.set_weight_rank_slices({None: RankSlice(1, start, part, input_size)}, tp)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., input / ranks] -> [..., output]
-        out = self.tp.all_reduce(self.matmul(x, None))
-        return out if self.bias is None else out.add_(self.bias)
-
-
-def row_parallel_linear(
-    input_size: int,
-    output_size: int,
-    bias: bool = False,
-    *,
-    dtype: torch.dtype | None = None,
-    device: torch.device | str | None = None,
-    tp: TensorParallel | None = None,
-    fp8_block: tuple[int, int] | None = None,
-) -> Linear:
-    """A RowParallelLinear over several ranks; a plain Linear for one (no collective, the bias in
-    the matmul: exactly today's layer)."""
-    if tp is None or not tp.is_parallel:
-        return Linear(input_size, output_size, bias, dtype=dtype, device=device, fp8_block=fp8_block)
-    return RowParallelLinear(input_size, output_size, bias, dtype=dtype, device=device, tp=tp, fp8_block=fp8_block)

@@ -14,9 +14,8 @@ import torch.nn.functional as F
 
 from fixtures.tensor_parallel import fake_rank, load_whole
 from foretell.distributed.tensor_parallel import TensorParallel
-from foretell.layers.linear import (
-    ColumnParallelLinear, Linear, MergedLinear, QKVLinear, RowParallelLinear, row_parallel_linear,
-)
+from foretell.layers.linear import Linear, MergedLinear, QKVLinear
+from foretell.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear, row_parallel_linear
 from foretell.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, lm_head, vocab_embedding
 
 HIDDEN, OUT, VOCAB, HEAD_DIM = 12, 10, 11, 4  # VOCAB odd: rank 1 holds a padding row
