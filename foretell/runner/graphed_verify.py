@@ -71,7 +71,7 @@ from foretell.layers.sampler import NoiseSource, SamplingBatch, sequence_key
 from foretell.runner.cuda_graph import CapturedForward, CudaGraphRunner
 from foretell.runner.host_drafts import DrafterRows
 from foretell.runner.host_verify import FallbackDecode, HostVerifiedStep
-from foretell.runner.input_batch import InputBatch, build_input_batch
+from foretell.runner.input_batch import InputBatch, build_input_batch, rows_within
 from foretell.runner.launched_verify import LaunchedVerify
 from foretell.runner.padded_logits_controls import padded_step_takes
 from foretell.runner.padded_step_extras import PackedLogprobBuffer, PaddedStepExtras
@@ -153,9 +153,9 @@ class GraphedVerify:
         """q, the rows per sequence of this batch's padded step: the shortest verify length the
         draft loop takes (K + 1; any of 1..K + 1 under adaptive speculation) that holds 1 + the
         most drafts a sequence verifies, when every sequence feeds one row plus its drafts and
-        samples (logprobs, logits controls or a grammar with `structured`, or none), and has its
-        draft loop's catch-up rows below max_model_len (a draft LM one short of the limit takes
-        the host step: nothing it drafts there is used). None: the host step."""
+        samples (logprobs, logits controls or a grammar with `structured`, or none), its real rows
+        below max_model_len (the scheduler's cap; padded rows past it are placed at its last
+        position: plan). None: the host step."""
         items = sched.scheduled
         if not items:
             return None
@@ -168,7 +168,7 @@ class GraphedVerify:
             item.samples
             and item.num_new_tokens == 1 + len(item.draft_token_ids)  # a verify (or decode), no prefill rows
             and (padded_step_takes(item.seq.sampling_params) or self.structured is not None)  # a grammar
-            and loop.catch_up_fits(item.seq.num_computed_tokens, q)
+            and item.seq.num_computed_tokens + len(item.draft_token_ids) < self.max_model_len
             for item in items
         )
         return q if fits else None
@@ -213,7 +213,7 @@ class GraphedVerify:
             items = self._padded_items(items, q)
             if items is None:
                 return None
-            batch = build_input_batch(items, self.block_size, batch.device)
+            batch = rows_within(build_input_batch(items, self.block_size, batch.device), self.max_model_len)
         key = self.graphs.bucket_for(batch)
         if key is None or key[1] != q:
             return None

@@ -170,11 +170,6 @@ class HostDraftSlots:
         """DraftGraphRunner.skips' answer: no (this loop never runs a drafter, whatever m)."""
         return False
 
-    def catch_up_fits(self, first_position: int, q: int | None = None) -> bool:
-        """Whether a verify of q rows (None: K + 1) from first_position keeps every row, padding
-        included, below max_model_len (the rotary table and the block table end there)."""
-        return first_position + (self.k + 1 if q is None else q) <= self.target.max_model_len
-
     def run(self, bucket: int, num_seqs: int, q: int | None = None, m: int | None = None) -> torch.Tensor:
         """No drafts on the device: [num_seqs, 0] (the host drafter proposes after the read)."""
         return self.no_drafts[:num_seqs]  # a static buffer's view, as the read-back wants

@@ -11,7 +11,7 @@ lists into the graph's buffers with one copy (runner/graph_inputs.py).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -209,3 +209,16 @@ def build_decode_batch(
     )
     batch.max_query_len, batch.block_table_width = 1, width  # the cached properties, known here
     return batch
+
+
+def rows_within(batch: InputBatch, max_model_len: int) -> InputBatch:
+    """The batch with every row past max_model_len (a padded row of a sequence near the limit)
+    rotated at the last position instead: the rotary tables may end there. Its K/V slot stays the
+    row's own (a lookahead slot of the sequence, overwritten before anything reads it), and
+    causality comes from the lengths, not the positions; its outputs are never used (acceptance
+    stops before a padded row), and the draft loop clamps its own rows the same way
+    (ops/step dispatch.catch_up_inputs)."""
+    last = max_model_len - 1
+    if max(batch.position_list, default=0) <= last:
+        return batch
+    return replace(batch, position_list=[min(p, last) for p in batch.position_list])

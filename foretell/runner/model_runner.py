@@ -23,8 +23,8 @@ both whose verify rows the padded step finishes and whose prompt rows the host s
 (split_step.py); else the step from host inputs: target forward -> logits of the sampling rows ->
 Sampler (no drafts in the step) or the verifier -> Proposer (catch-up + k drafts) ->
 per-sequence results for the scheduler (host_step.py). With a padded step, the host step verifies
-drafts only near max_model_len (the padded rows would pass it). Before any of it, each sequence
-is checked on its own (step_checks.py), so a bad one fails alone.
+drafts only in the rare batch no padded step fits. Before any of it, each sequence is checked on
+its own (step_checks.py), so a bad one fails alone.
 """
 
 from __future__ import annotations
@@ -282,7 +282,7 @@ class ModelRunner:
         the padded step, its prompt chunks sampled and caught up over by the host step."""
         self.num_split_steps += 1
         verify_rows, prefill_rows = forward_split(self.model, plan, split.prefill, self.cache_plan.block_size,
-                                                  self.device)
+                                                  self.max_model_len, self.device)
         kind = self.padded_verify
         forward = kind.graphs.load(plan.batch, plan.key, verify_rows.hidden, verify_rows.aux, verify_rows.logits)
         verified = self._finish_device_step(split.verify, kind.launch_planned(split.verify, plan, forward), t0,

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from foretell.engine.scheduler import ScheduledSequence, SchedulerOutput
-from foretell.runner.input_batch import build_input_batch
+from foretell.runner.input_batch import build_input_batch, rows_within
 
 if TYPE_CHECKING:
     from foretell.runner.graphed_verify import VerifyPlan
@@ -76,12 +76,13 @@ class ForwardRows:
     logits: torch.Tensor
 
 
-def forward_split(model, plan: "VerifyPlan", prefill: SchedulerOutput, block_size: int,
+def forward_split(model, plan: "VerifyPlan", prefill: SchedulerOutput, block_size: int, max_model_len: int,
                   device: torch.device) -> tuple[ForwardRows, ForwardRows]:
-    """One eager target forward over the planned verify rows (each sequence's q rows, first) and
-    the prefill part's rows (after them): (the verify rows' outputs, every row with logits; the
-    prefill part's, its sampling rows' logits in its own batch's order)."""
-    batch = build_input_batch(plan.items + prefill.scheduled, block_size, device)
+    """One eager target forward over the planned verify rows (each sequence's q rows, first; padded
+    rows past max_model_len placed as the plan's are) and the prefill part's rows (after them):
+    (the verify rows' outputs, every row with logits; the prefill part's, its sampling rows' logits
+    in its own batch's order)."""
+    batch = rows_within(build_input_batch(plan.items + prefill.scheduled, block_size, device), max_model_len)
     hidden, aux = model(batch.input_ids, batch.positions, batch.attn_metadata)  # [rows, hidden]
     logits = model.compute_logits(hidden[batch.logits_rows])  # [verify rows + prefill sampling rows, vocab]
     rows = plan.batch.num_tokens  # the verify rows, all of them logits rows, in order

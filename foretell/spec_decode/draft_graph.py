@@ -19,9 +19,9 @@ ProposerCapabilities.catch_up_skippable) an m = 0 step runs nothing at all: the 
 cache keeps holes at that step's positions, and the next drafting step's catch-up needs none of
 them (its rows pair the target's features at p0 + r with the tokens at p0 + r + 1, all from its
 own verify).
-Near max_model_len, a chained step whose draft sits at or past the limit (never verified: the
-scheduler's room cap) runs at position max_model_len - 1 (ops/step dispatch.catch_up_inputs), and the
-runner graphs a batch only when its catch-up rows fit below the limit (catch_up_fits).
+Near max_model_len, a catch-up row or chained step at or past the limit (a padded row, or a draft
+never verified: the scheduler's room cap) runs at position max_model_len - 1 (ops/step
+dispatch.catch_up_inputs), as the target's padded rows there do (input_batch.rows_within).
 Rows of padding sequences write no KV (slot -1). It drafts greedily for every row, sampled ones
 included (the verifier checks a deterministic draft against a one-hot q: exact); any other batch
 shape takes the proposer's own loop (draft_loop.py, which samples a sampled request's drafts) in
@@ -159,12 +159,6 @@ class DraftGraphRunner:
         """The (q, m) loops captured per bucket: m = K for every verify length, and m = q - 1
         (but m = 0 when it runs nothing: skips)."""
         return sorted({(q, m) for q in self.verify_lens for m in (self.k, q - 1) if not self.skips(m)})
-
-    def catch_up_fits(self, first_position: int, q: int | None = None) -> bool:
-        """Whether a verify step of q rows (None: K + 1) starting at first_position (p0) has every
-        catch-up row, at p0 .. p0 + n - 1, below max_model_len (a draft LM's last row sits one past
-        the verify's)."""
-        return first_position + self.rows_per_seq(self.k + 1 if q is None else q) <= self.target.max_model_len
 
     def _loop(self, bucket: int, q: int, m: int) -> torch.Tensor:
         t, p = self.target, self.proposer

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from fixtures.padded_step import assert_same_outputs, count_steps
+from fixtures.padded_step import assert_same_outputs, count_steps, short_context_copy
 from foretell import LLM, SamplingParams
 
 PROMPTS = ["The cat reads the book. The cat reads the book. The cat", "def add(x):\n    return x + 1\ndef add(x):",
@@ -39,3 +39,20 @@ def test_split_batches_verify_on_the_graphs(qwen3_checkpoint, eagle3_head, metho
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
     if method == "draft_model":
         assert stats["num_accepted_tokens"] >= 0.9 * stats["num_draft_tokens"] > 0  # (GEMMs of other row counts)
+
+
+def test_verifies_at_the_end_of_the_rotary_table_on_the_graphs(qwen3_checkpoint, eagle3_head, tmp_path, monkeypatch):
+    """A target whose rotary table ends at max_model_len (40): verifies running into it replay the
+    graphs with their padded rows past the limit rotated at its last position (and the draft loop's
+    rows clamped); greedy fp32 = plain, every sequence ends at the limit, no verify on the host step."""
+    folder = short_context_copy(qwen3_checkpoint, tmp_path, 40)
+    params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    plain = [o.outputs[0] for o in engine(folder).generate(PROMPTS, params, use_tqdm=False)]
+    llm = engine(folder, {"method": "eagle3", "model": eagle3_head, "num_speculative_tokens": 3})
+    counts = count_steps(monkeypatch)
+    got = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert llm.engine.runner.graphs.captures and llm.engine.runner.max_model_len == 40
+    assert counts["padded"] > 0 and counts["host_verify"] == 0, counts
+    assert_same_outputs(got, plain)
+    stats = llm.get_stats()
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]

@@ -244,8 +244,8 @@ def test_requests_with_controls_stay_off_the_paths_that_sample_without_them():
 
     batch = SimpleNamespace(sampling_seq_index=[0])
     host = HostStep(None, None, None, VOCAB, 16, 100, torch.device("cpu"), tensor_parallel=True)
-    loop = SimpleNamespace(k=2, verify_lens=(3,), catch_up_fits=lambda n, q=None: True)
-    padded = SimpleNamespace(draft_graphs=loop, graphs=SimpleNamespace(bucket_for=lambda b: (1, 3)))
+    loop = SimpleNamespace(k=2, verify_lens=(3,))
+    padded = SimpleNamespace(draft_graphs=loop, graphs=SimpleNamespace(bucket_for=lambda b: (1, 3)), max_model_len=100)
     padded.verify_length = lambda sched: GraphedVerify.verify_length(padded, sched)
     padded.enabled, padded.structured = True, None  # no grammar masks: grammars on the host step
     padded._length_that_fits = lambda sched, b: GraphedVerify._length_that_fits(padded, sched, b)

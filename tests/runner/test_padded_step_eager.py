@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from fixtures.padded_step import count_steps
+from fixtures.padded_step import count_steps, short_context_copy
 from foretell import LLM, SamplingParams
 from foretell.runner.cuda_graph import CudaGraphRunner
 
@@ -62,17 +62,39 @@ def test_greedy_verifies_take_the_eager_padded_step(qwen3_checkpoint, qwen3_tied
 def test_eager_padded_step_caps_near_max_tokens_and_max_model_len(qwen3_checkpoint, eagle3_head, monkeypatch):
     """max_tokens not a multiple of the accepted lengths (acceptance capped on the padded step),
     and sequences that run into max_model_len (max_tokens unset; the last verifies, with fewer
-    than k drafts, leave the padded step)."""
+    than k drafts, stay on the padded step, their padded rows past the limit)."""
     config = {"method": "eagle3", "model": eagle3_head, "num_speculative_tokens": 3}
     for max_tokens, limit in [(7, None), (None, 24)]:
         extra = {} if limit is None else {"max_model_len": limit}
         _, want = generate(qwen3_checkpoint, max_tokens=max_tokens, **extra)
         counts = count_steps(monkeypatch)
         llm, got = generate(qwen3_checkpoint, max_tokens=max_tokens, speculative_config=config, **extra)
-        assert got == want and counts["padded"] > 0, (max_tokens, limit)
+        assert got == want and counts["padded"] > 0 and counts["host_verify"] == 0, (max_tokens, limit, counts)
         assert all(len(tokens) <= (max_tokens or limit) for tokens in got)
         stats = llm.get_stats()
         assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+
+
+@pytest.mark.parametrize("drafter", ["eagle3", "draft_model", "suffix"])
+def test_verifies_at_the_end_of_the_rotary_table_stay_padded(qwen3_checkpoint, eagle3_head, tmp_path, monkeypatch,
+                                                            drafter):
+    """A target (and draft LM) whose rotary table ends at the engine's max_model_len (40): the
+    verifies of sequences running into the limit stay on the padded step, their padded rows past
+    it rotated at its last position (input_batch.rows_within; unclamped they would index past the
+    table), the draft loop's catch-up rows clamped the same way; greedy output equals plain's and
+    every sequence ends at the limit."""
+    folder = short_context_copy(qwen3_checkpoint, tmp_path, 40)
+    config = {"eagle3": {"method": "eagle3", "model": eagle3_head, "num_speculative_tokens": 3},
+              "draft_model": {"method": "draft_model", "model": folder, "num_speculative_tokens": 3},
+              "suffix": {"method": "suffix", "num_speculative_tokens": 5}}[drafter]
+    llm, want = generate(folder, max_tokens=None)
+    assert llm.engine.runner.max_model_len == 40
+    counts = count_steps(monkeypatch)
+    llm, got = generate(folder, max_tokens=None, speculative_config=config)
+    assert got == want and counts["padded"] > 0 and counts["host_verify"] == 0, counts
+    assert [len(llm.engine.tokenizer.encode(p)) + len(t) for p, t in zip(PROMPTS, got)] == [40] * len(PROMPTS)
+    stats = llm.get_stats()
+    assert stats["num_draft_tokens"] > 0 and stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
 
 
 def test_sampled_and_logprob_requests_take_the_padded_step(qwen3_checkpoint, eagle3_head, monkeypatch):

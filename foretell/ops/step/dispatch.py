@@ -114,9 +114,8 @@ def catch_up_inputs(
     Near max_model_len a chained step whose draft could never be verified (its position is at or
     past the limit, which the scheduler never verifies) sits at last_position instead: the rotary
     table, its KV slot and its context stay within the limit, and its draft is never accepted.
-    The runner only takes the padded step for batches whose catch-up rows fit
-    (p0 + n - 1 <= last_position); rows past it would be clamped the same way, with the
-    sequence's context capped there."""
+    Catch-up rows past it (a verify's padded rows near the limit) are placed there the same way,
+    with the sequence's context capped there: their drafts are never used either."""
     args = (tokens, first_pos, accepted, next_token, num_live, table, block_size, rows_per_seq, shift,
             chained_steps, last_position)
     if kernel_choice.use_triton(tokens):
