@@ -5,7 +5,6 @@
   - requests under a grammar whose step no device step takes (a drafter's verify takes the
     padded step with the grammar's masks: structured/padded_verify.py; plain decoding without a
     drafter, when it decides ahead, runner/decode_ahead.py);
-  - the last steps of a sequence whose drafter's catch-up rows would pass max_model_len;
   - draft trees (tree_step.py verifies them, this step drafts them);
   - tensor parallelism (greedy_without_logits below). Host drafters (n-gram, suffix) and hybrid
     drafters verify on the padded step, with graphs or without (runner/host_drafts.py); in the
