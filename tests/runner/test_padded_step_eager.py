@@ -97,6 +97,22 @@ def test_verifies_at_the_end_of_the_rotary_table_stay_padded(qwen3_checkpoint, e
     assert stats["num_draft_tokens"] > 0 and stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
 
 
+def test_mtp_at_the_end_of_the_rotary_table_stays_padded(checkpoint_root, tokenizer_dir, tmp_path, monkeypatch):
+    """MTP on the DeepSeek-V3 fixture (MLA + MoE; the MLA path rotates its own rope part) whose
+    rotary table ends at max_model_len (24): verifies into the limit stay padded, greedy = plain."""
+    from fixtures import deepseek as ds
+
+    folder = short_context_copy(ds.checkpoint(checkpoint_root, tokenizer_dir, "v3"), tmp_path, 24)
+    prompts = [{"prompt_token_ids": [5, 17, 250, 3, 99, 41, 7]}, {"prompt_token_ids": [44, 9]}]
+    llm, want = generate(folder, max_tokens=None, prompts=prompts)
+    assert llm.engine.runner.max_model_len == 24
+    counts = count_steps(monkeypatch)
+    llm, got = generate(folder, max_tokens=None, prompts=prompts,
+                        speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    assert got == want and counts["padded"] > 0 and counts["host_verify"] == 0, counts
+    assert [len(p["prompt_token_ids"]) + len(t) for p, t in zip(prompts, got)] == [24, 24]
+
+
 def test_sampled_and_logprob_requests_take_the_padded_step(qwen3_checkpoint, eagle3_head, monkeypatch):
     """Sampled rows and logprobs (tests/runner/test_padded_logprobs.py) no longer leave the padded step."""
     counts = count_steps(monkeypatch)
