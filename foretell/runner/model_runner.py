@@ -312,17 +312,17 @@ class ModelRunner:
         """The step from host inputs (the module docstring's last case); computed: the batch's
         rows of a forward that already ran (a split batch's)."""
         results = [SequenceResult() for _ in sched.scheduled]
+        greedy = None  # [rows] int64: a tensor-parallel step of greedy rows only takes no logits
         if computed is not None:
-            hidden, aux = computed.hidden, computed.aux
-            add_prompt_logprobs(self.model, sched, batch, hidden, results)
-            self.host_step.sample(sched, batch, computed.logits, results)
-        elif self.host_step.greedy_without_logits(sched, batch):  # tensor parallel, greedy rows only
-            hidden, aux, greedy = self.target_forward(batch, greedy_tokens=True)  # greedy [rows] int64
-            add_prompt_logprobs(self.model, sched, batch, hidden, results)
-            self.host_step.sample_greedy(sched, batch, greedy, results)
+            hidden, aux, logits = computed.hidden, computed.aux, computed.logits
+        elif self.host_step.greedy_without_logits(sched, batch):
+            hidden, aux, greedy = self.target_forward(batch, greedy_tokens=True)
         else:
             hidden, aux, logits = self.target_forward(batch)  # logits [rows, vocab] float32
-            add_prompt_logprobs(self.model, sched, batch, hidden, results)
+        add_prompt_logprobs(self.model, sched, batch, hidden, results)
+        if greedy is not None:
+            self.host_step.sample_greedy(sched, batch, greedy, results)
+        else:
             self.host_step.sample(sched, batch, logits, results)
         if self._device_sync_needed():
             torch.cuda.synchronize(self.device)

@@ -283,7 +283,6 @@ class _Forward:
     query_lens = (1, 5)
     buckets = [1, 2, 4]
     device = torch.device("cpu")
-    max_model_len = 20
 
 
 def test_host_draft_slots():
