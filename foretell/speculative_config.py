@@ -12,6 +12,7 @@ from typing import Any
 SPECULATIVE_METHODS = ("eagle3", "mtp", "draft_model", "ngram", "suffix")
 # Model drafters suffix decoding can fall back on (speculative_config["hybrid"]).
 SUFFIX_HYBRID_METHODS = ("eagle3", "mtp", "draft_model")
+TREE_METHODS = ("eagle3", "draft_model", "suffix")  # topk > 1
 
 
 @dataclass
@@ -65,7 +66,8 @@ class SpeculativeConfig:
     # Draft trees (SGLang's names; spec_decode/tree/, runner/tree_step.py): num_speculative_tokens is
     # the depth, topk the children expanded per node and nodes kept per depth, num_draft_tokens the
     # verify rows per sequence (the root included; None: depth * topk + 1). topk 1 is the chain.
-    # Methods eagle3 and suffix (its trees: each node's topk likeliest next tokens, best first).
+    # Methods eagle3, draft_model and suffix (its trees: each node's topk likeliest next tokens, best
+    # first).
     topk: int = 1
     num_draft_tokens: int | None = None
     revision: str | None = None  # of a draft model given as a Hub id
@@ -133,9 +135,10 @@ class SpeculativeConfig:
                 )
             self.num_draft_tokens = depth + 1
             return
-        if self.method not in ("eagle3", "suffix"):
+        if self.method not in TREE_METHODS:
             raise ValueError(
-                f"draft trees (speculative_config topk={topk} > 1) need method 'eagle3' or 'suffix' for now, "
+                f"draft trees (speculative_config topk={topk} > 1) need method 'eagle3', 'draft_model' or "
+                f"'suffix' for now (MTP's MLA layers take no tree mask yet), "
                 f"got method {self.method!r}; use topk 1 (a chain) with {self.method!r}"
             )
         taken = {"draft_tensor_parallel_size": self.draft_tensor_parallel_size != 1,
@@ -160,9 +163,12 @@ class SpeculativeConfig:
     @property
     def num_draft_kv_slots(self) -> int:
         """KV slots the drafter writes past a sequence's verified tokens: k for a chain; for a tree
-        the frontier rows of every depth but the last (topk each), at least the depth."""
+        the frontier rows of every depth but the last (topk each), at least the depth, and one more
+        for a draft LM, whose catch-up also writes the root's row (tree/proposer.py)."""
         depth = self.num_speculative_tokens
-        return max(depth, (depth - 1) * self.topk) if self.uses_tree else depth
+        if not self.uses_tree:
+            return depth
+        return max(depth, (depth - 1) * self.topk) + (1 if self.method == "draft_model" else 0)
 
     def _resolve_adaptive(self) -> None:
         """num_speculative_tokens "auto" is adaptive with its default maximum; adaptive true takes

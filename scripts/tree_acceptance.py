@@ -1,5 +1,6 @@
 """Real acceptance of draft trees against the chain (issue 28's bar): the default Qwen3-layout family
-(its target and EAGLE3 head), greedy, GSM8K test prompts, float32 on the CPU.
+(its target and its EAGLE3 head, or with --method draft_model its draft LM), greedy, GSM8K test
+prompts, float32 on the CPU.
 
 For each config: mean acceptance length (1 + accepted per verify step), acceptance per depth, and
 whether the output equals plain greedy on every prompt. Prints a table and writes JSON.
@@ -31,7 +32,8 @@ def parse_tree(text: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default=os.path.join(DEFAULTS, "qwen3-target"))
-    parser.add_argument("--head", default=os.path.join(DEFAULTS, "qwen3-eagle3"))
+    parser.add_argument("--method", choices=["eagle3", "draft_model"], default="eagle3")
+    parser.add_argument("--head", help="the drafter's folder (default: the family's EAGLE3 head or draft LM)")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--chain-k", type=int, default=3, help="the chain to compare against")
@@ -40,6 +42,7 @@ def main() -> None:
     parser.add_argument("--output-json")
     args = parser.parse_args()
     torch.set_num_threads(args.num_cpu_threads)
+    drafter = args.head or os.path.join(DEFAULTS, "qwen3-eagle3" if args.method == "eagle3" else "qwen3-draft")
     prompts = gsm8k_test_prompts(args.num_prompts)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     engine = dict(dtype="float32", device="cpu", kv_cache_memory_bytes=1 << 30, max_num_seqs=256, warm_up="off")
@@ -47,7 +50,7 @@ def main() -> None:
     configs.update({f"tree {t}": parse_tree(t) for t in args.trees})
     rows, baseline = {}, None
     for name, shape in configs.items():
-        spec = None if shape is None else {"method": "eagle3", "model": args.head, **shape}
+        spec = None if shape is None else {"method": args.method, "model": drafter, **shape}
         llm = LLM(args.target, speculative_config=spec, **engine)
         start = time.perf_counter()
         tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -64,7 +67,7 @@ def main() -> None:
         rows[name] = row
         print(f"{name}: {json.dumps(row)}", flush=True)
         del llm
-    print(f"\n{len(prompts)} GSM8K test prompts x {args.max_tokens} tokens, greedy, float32, CPU\n")
+    print(f"\n{args.method}, {len(prompts)} GSM8K test prompts x {args.max_tokens} tokens, greedy, float32, CPU\n")
     print("| config | mean acceptance length | per depth | greedy = plain |")
     print("|---|---|---|---|")
     for name, row in rows.items():

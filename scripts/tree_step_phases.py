@@ -21,7 +21,7 @@ changes; the wrappers go away with the engine):
   draft            TreeStep._draft, of which
     draft batch      HostStep.draft_batch: the catch-up's inputs
     catch-up         Eagle3Proposer.catch_up: the head over the accepted path's rows (eager)
-    expansion        TreeDraftGraphs.run (graph replay + tree copy-out) or Eagle3TreeDrafter.expand
+    expansion        TreeDraftGraphs.run (graph replay + tree copy-out) or ModelTreeDrafter.expand
 
 Each wrapped call records host perf_counter time and, on CUDA, a pair of CUDA events on the current
 stream (no synchronisation inside the step: the device span is when the GPU reached the phase's first
@@ -152,7 +152,7 @@ def instrument(llm: LLM, timer: PhaseTimer) -> None:
     timer.wrap(step, "_draft_after_verify", "graphed draft")
     timer.wrap(step, "_draft", "draft")
     timer.wrap(step.host_step, "draft_batch", "draft batch")
-    timer.wrap(step.drafter.eagle, "catch_up", "catch-up")
+    timer.wrap(step.drafter.proposer, "catch_up", "catch-up")
     if step.drafter.graphs is not None:
         timer.wrap(step.drafter.graphs, "run", "expansion")
     else:

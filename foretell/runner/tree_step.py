@@ -8,7 +8,7 @@ advanced by the accepted count. Near max_model_len it keeps a prefix of the list
 smaller tree (a node's ancestors come before it); near max_tokens a greedy request keeps every row
 and an accept_limit (the path is cut there), others keep a prefix.
 
-One step (the runner's only step under EAGLE3 trees; a host drafter's tree-less steps: host_tree_steps.py):
+One step (the runner's only step under model drafters' trees; a host drafter's tree-less steps: host_tree_steps.py):
   1. the batch as build_input_batch makes it, with each tree's rows at position root + depth
      (RoPE sees the depth, the cache the tree index) and an ancestor mask over the sequence's last
      keys, its tree rows (AttentionMetadata.tree_mask; rows of other sequences all-true, i.e. causal);
@@ -52,7 +52,7 @@ from foretell.runner.tree_group import TreeGroup
 from foretell.spec_decode.tree.compact import compaction_slots
 from foretell.spec_decode.tree.draft_graphs import TreeDraftGraphs
 from foretell.spec_decode.tree.host_drafter import HostTreeDrafter
-from foretell.spec_decode.tree.proposer import Eagle3TreeDrafter
+from foretell.spec_decode.tree.proposer import ModelTreeDrafter
 from foretell.spec_decode.tree.shape import DraftTree, TreeShape
 from foretell.spec_decode.tree.simulated import rank_logprobs, simulated_tree_accept
 from foretell.spec_decode.tree.path_verify import verify_greedy_paths, verify_sampled_paths
@@ -75,7 +75,7 @@ class TreeStep:
         layers = [*model.attention_layers(), *proposer.kv_layers()]
         if not all(type(layer) is Attention for layer in layers):
             raise ValueError("draft trees (speculative_config topk > 1) need GQA attention in the target "
-                             "and the EAGLE3 head (Llama / Qwen3 layouts) for now; MLA has no tree mask yet")
+                             "and the drafter (Llama / Qwen3 layouts) for now; MLA has no tree mask yet")
         self.shape = TreeShape(spec.num_speculative_tokens, spec.topk, spec.num_draft_tokens)
         self.model = model
         self.host_step = host_step
@@ -88,10 +88,11 @@ class TreeStep:
         self.draws = verifier.draws if verifier.synthetic else None
         self.rates = None if self.draws is None else torch.tensor(self.draws.rates, dtype=torch.float64, device=device)
         shaped = None if self.draws is None else rank_logprobs(self.shape, self.draws.rates).to(device)
-        # A host drafter (suffix) drafts its trees from token lists (tree/host_drafter.py); else EAGLE3.
+        # A host drafter (suffix) drafts its trees from token lists (tree/host_drafter.py); else a model
+        # drafter (EAGLE3, a draft LM: tree/proposer.py).
         self.host_trees = proposer.capabilities.drafts_from_tokens
         self.drafter = HostTreeDrafter(proposer, self.shape, device) if self.host_trees \
-            else Eagle3TreeDrafter(proposer, self.shape, shaped)
+            else ModelTreeDrafter(proposer, self.shape, shaped)
         self.block_size = block_size
         self.device = device
         self.trees: dict[int, DraftTree] = {}  # seq_id -> its drafted tree [1, T], until its verify
@@ -108,9 +109,9 @@ class TreeStep:
         captured now (after the target's, in their pool) when verify_graphs is, else uncaptured
         over the same buffers; a drafter backend that reads host lengths drafts on exact buckets."""
         self.verify_graphs = verify_graphs
-        if self.host_trees:  # (drafted on the host: no draft graphs)
+        if self.host_trees or not self.drafter.proposer.tree_draft_graphs:  # (suffix, a draft LM: drafted eagerly)
             return
-        graph_safe = all(layer.backend.graph_safe for layer in self.drafter.eagle.kv_layers())
+        graph_safe = all(layer.backend.graph_safe for layer in self.drafter.proposer.kv_layers())
         draft_graphs = TreeDraftGraphs(
             self.drafter, verify_graphs.buckets, verify_graphs.block_table.shape[1], self.block_size,
             verify_graphs.max_model_len, self.device, capture_graphs=verify_graphs.captures,

@@ -70,6 +70,8 @@ class DraftLoopProposer(ProposerBase):
     #: Whether catch_up and chain_step take greedy_only=True and then return greedy draft tokens
     #: (target ids) [n] int64 in place of logits (a head split over tensor-parallel ranks).
     greedy_without_logits: bool = False
+    #: Whether a draft tree's catch-up and expansion may run on tree/draft_graphs.py's graphs (EAGLE3's).
+    tree_draft_graphs: bool = False
 
     @property
     def capabilities(self) -> ProposerCapabilities:
@@ -121,6 +123,18 @@ class DraftLoopProposer(ProposerBase):
         """The catch-up over every verify row with device-side inputs only (capturable; used by
         spec_decode/draft_graph.py)."""
         raise NotImplementedError
+
+    def tree_step(
+        self, tokens: torch.Tensor, positions: torch.Tensor, state: Any, metadata
+    ) -> tuple[torch.Tensor, Any]:
+        """One forward over a draft tree's frontier rows (spec_decode/tree/proposer.py; metadata
+        carries their ancestor mask): logits [rows, draft_vocab] and the state of each row."""
+        return self.chain_step(tokens, positions, metadata, state)
+
+    def select_state_rows(self, state: Any, rows: torch.Tensor) -> Any:
+        """The state of the rows `rows` [m] int64 (a tree's parents): a per-row tensor's rows;
+        a draft LM carries none."""
+        return None if state is None else state.index_select(0, rows)
 
     # [draft_vocab] int64 target id of each draft id, for a drafter with a smaller vocabulary (EAGLE3's d2t)
     target_id_map: torch.Tensor | None = None

@@ -61,6 +61,7 @@ def resolve_aux_layers(flag_ids, head_config: HFConfig, num_layers: int) -> tupl
 class Eagle3Proposer(DraftLoopProposer):
     method = "eagle3"
     row_offset = -1
+    tree_draft_graphs = True
     head_class: type[Eagle3Head] = Eagle3Head
     # A catch-up whose rows draft nothing (a prompt chunk, a step before one that drafts nothing)
     # runs head.cache_kv: fc, the layer input and the keys and values only. False: the whole
@@ -190,6 +191,10 @@ class Eagle3Proposer(DraftLoopProposer):
 
     def chain_step(self, tokens, positions, metadata, state, greedy_only: bool = False):
         return self._drafts(self._head_step(tokens, positions, metadata, greedy_only=greedy_only, g=state), greedy_only)
+
+    def tree_step(self, tokens, positions, state, metadata):
+        """The head's step as it is (the CPU's direct and compiled steps take no tree mask)."""
+        return self.head.step(tokens, positions, state, metadata)
 
     def _head_step(self, input_ids, positions, metadata, keep_rows=None, greedy_only=False, *, g=None, aux=None):
         """head.step from g (the previous h) or from the aux hidden states (fc first), through the

@@ -107,7 +107,7 @@ def test_sampled_trees_are_reproducible_with_a_seed(qwen3_checkpoint, branching)
 
 
 @pytest.mark.parametrize("spec, message", [
-    ({"method": "ngram", "topk": 2}, "need method 'eagle3' or 'suffix' for now"),
+    ({"method": "ngram", "topk": 2}, "need method 'eagle3', 'draft_model' or 'suffix'"),
     ({"method": "suffix", "topk": 2, "hybrid": "eagle3", "model": "x"}, "do not take speculative_config hybrid"),
     ({"method": "suffix", "topk": 2, "num_draft_tokens": 40}, "must be an integer in [2, 11]"),
 ])

@@ -2,7 +2,7 @@
 and the catch-up with it after a graphed verify.
 
 run(): after the catch-up (the chain's, eager: its rows are each sequence's accepted path), everything
-the tree draft does is device work of fixed shape (Eagle3TreeDrafter.expand): depth 1's top-k,
+the tree draft does is device work of fixed shape (ModelTreeDrafter.expand): depth 1's top-k,
 then per depth the head over bucket * topk frontier rows with their [topk, d * topk] ancestor
 masks, the scratch slots and positions computed from the roots and the block table, and the
 tree's choice (TreeBuilder: top-k, sorts, gathers; no host read). A graph per bucket captures all
@@ -12,7 +12,7 @@ tensors, copied out after the replay (the runner keeps a sequence's tree until i
 the next replay).
 
 run_after_verify(): after a verify on its graph (whole trees), the catch-up too, in a second graph
-per bucket: each sequence's accepted path padded to depth + 1 rows (Eagle3TreeDrafter.padded_catch_up),
+per bucket: each sequence's accepted path padded to depth + 1 rows (ModelTreeDrafter.padded_catch_up),
 its inputs the verify's device outputs (the paths' aux features gathered into a static buffer, the
 path tokens, the accepted counts) and the verified roots' positions; the next roots and root tokens
 follow on the device, so the whole draft phase is one replay launched before the step's host read.
@@ -35,7 +35,7 @@ import torch
 
 from foretell.device_util import graph_capture
 from foretell.models.base import side_by_side
-from foretell.spec_decode.tree.proposer import Eagle3TreeDrafter
+from foretell.spec_decode.tree.proposer import ModelTreeDrafter
 from foretell.spec_decode.tree.shape import DraftTree
 
 TREE_FIELDS = ("tokens", "parents", "depths", "ancestor_mask", "scores")
@@ -50,7 +50,7 @@ class CapturedTreeDraft:
 class TreeDraftGraphs:
     def __init__(
         self,
-        drafter: Eagle3TreeDrafter,
+        drafter: ModelTreeDrafter,
         buckets: list[int],  # batch buckets, ascending (the target's)
         max_blocks_per_seq: int,
         block_size: int,  # the target's
@@ -70,7 +70,7 @@ class TreeDraftGraphs:
         self.capture_graphs = capture_graphs and not reads_host_lengths
         self.reads_host_lengths = reads_host_lengths
         self.pool = pool
-        head = drafter.eagle.head
+        head = drafter.proposer.head
         max_bucket = self.buckets[-1]
         self.logits = torch.zeros(max_bucket, head.draft_vocab_size, dtype=torch.float32, device=device)
         self.h = torch.zeros(max_bucket, head.hidden_size, dtype=head.norm.weight.dtype, device=device)
@@ -103,7 +103,7 @@ class TreeDraftGraphs:
                                    self.block_size, self.max_model_len - 1, live, roots_host)
 
     def _catch_up_and_expand(self, bucket: int, first_pos_host: list[int] | None = None) -> DraftTree:
-        """The padded catch-up over the verified paths (Eagle3TreeDrafter.padded_catch_up), then the
+        """The padded catch-up over the verified paths (ModelTreeDrafter.padded_catch_up), then the
         expansion from its last rows: the whole draft phase after a graphed verify."""
         max_bucket, rows = self.buckets[-1], bucket * (self.drafter.shape.depth + 1)
         first_pos = self.inputs[1 + max_bucket: 1 + max_bucket + bucket]

@@ -37,7 +37,7 @@ def tree_llm(qwen3_checkpoint, eagle3_head):
 @pytest.mark.parametrize("num_prompts", [1, 2])
 def test_tree_draft_phase_uploads_four_times_and_reads_once(tree_llm, num_prompts):
     tree_step = tree_llm.engine.runner.tree_step
-    eagle = tree_step.drafter.eagle
+    eagle = tree_step.drafter.proposer
     phases, catch_ups = [], []
     draft, catch_up = tree_step._draft, eagle.catch_up
 

@@ -1,10 +1,10 @@
-"""The EAGLE3 tree drafter runs only each depth's topk new frontier rows (spec_decode/tree/proposer.py):
+"""The model tree drafter (EAGLE3, a draft LM) runs only each depth's topk new frontier rows (spec_decode/tree/proposer.py):
 the earlier frontier rows' K/V stay in the draft cache's scratch slots and the tree mask's columns
 reach them (the last d * topk keys). Held against a re-running drafter written here (depth d runs
 every frontier row so far, d * topk per sequence, under their ancestor mask over those rows, and
 keeps the newest topk), on the same batches inside the engine: the trees are equal (tokens, parents,
 depths, ancestor masks exactly; path scores to float32 rounding) in float32 on the Qwen3 and
-Llama-3.1 fixtures, the head runs topk rows per depth instead of d * topk, and greedy output equals
+Llama-3.1 fixtures with EAGLE3 heads and on Qwen3 with another LM as its draft model, the drafter runs topk rows per depth instead of d * topk, and greedy output equals
 plain greedy output."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from fixtures.eagle3 import write_eagle3_head
 from foretell import LLM, SamplingParams
 from foretell.spec_decode.proposer import catch_up_metadata
 from foretell.spec_decode.tree.build import TreeBuilder
-from foretell.spec_decode.tree.proposer import Eagle3TreeDrafter
+from foretell.spec_decode.tree.proposer import ModelTreeDrafter
 from foretell.spec_decode.tree.shape import DraftTree
 
 PROMPTS = [
@@ -42,33 +42,36 @@ def llama31_eagle3_head(checkpoint_root, llama31_checkpoint) -> str:
 
 
 @pytest.fixture(scope="module")
-def targets(qwen3_checkpoint, eagle3_head, llama31_checkpoint, llama31_eagle3_head):
-    return {"qwen3": (qwen3_checkpoint, eagle3_head), "llama31": (llama31_checkpoint, llama31_eagle3_head)}
+def targets(qwen3_checkpoint, eagle3_head, llama31_checkpoint, llama31_eagle3_head, qwen3_tied_checkpoint):
+    return {"qwen3": (qwen3_checkpoint, eagle3_head), "llama31": (llama31_checkpoint, llama31_eagle3_head),
+            "qwen3:draft_model": (qwen3_checkpoint, qwen3_tied_checkpoint)}  # another LM of the same tokenizer
 
 
-def rerunning_draft(drafter: Eagle3TreeDrafter, batch, drafting: list[int]) -> DraftTree | None:
+def rerunning_draft(drafter: ModelTreeDrafter, batch, drafting: list[int]) -> DraftTree | None:
     """The reference: depth d re-runs all d * topk frontier rows so far at their scratch slots
-    (root .. root + d * topk - 1) with their ancestor mask [d * topk, d * topk] over exactly those
-    rows (a verify-shaped mask: W = the forward's own rows), and reads the newest topk rows."""
-    eagle, shape = drafter.eagle, drafter.shape
+    (base .. base + d * topk - 1, base the slot after the catch-up's last row) with their ancestor
+    mask [d * topk, d * topk] over exactly those rows (a verify-shaped mask: W = the forward's own
+    rows), and reads the newest topk rows."""
+    proposer, shape = drafter.proposer, drafter.shape
     topk = shape.topk
-    logits, h = eagle.catch_up(batch, drafting)
+    logits, state = proposer.catch_up(batch, drafting)
     if not drafting:
         return None
-    n, device = len(drafting), h.device
+    n, device = len(drafting), logits.device
     builder = TreeBuilder(shape, torch.tensor([batch.next_token_ids[i] for i in drafting], device=device),
                           drafter.rank_logprobs)
     frontier, parent_slot = builder.add_depth(logits)
     roots = [batch.num_tokens_after_step(i) - 1 for i in drafting]
+    bases = [r + 1 + proposer.row_offset for r in roots]  # EAGLE3: the root's own slot; a draft LM: the next
     table = batch.block_table[torch.tensor(drafting, device=device)]
     seqs = torch.arange(n, device=device).unsqueeze(1)
     eye = torch.eye(topk, dtype=torch.bool, device=device)
-    tokens, states = [], []
-    parent_h = h.unsqueeze(1).expand(n, topk, h.shape[-1])
+    tokens, states = [], []  # per depth: [n, topk] target ids, the rows' states (None: a draft LM's)
+    parents = torch.arange(n, device=device).repeat_interleave(topk)  # depth 1: the root's state
     ancestors = eye.expand(n, topk, topk)  # [n, W, W]: every frontier row so far over every one
     for depth in range(1, shape.depth):
-        tokens.append(eagle.to_target_ids(frontier))
-        states.append(parent_h[seqs, parent_slot])
+        tokens.append(proposer.to_target_ids(frontier))
+        states.append(proposer.select_state_rows(state, parents))  # [n * topk, ...] or None
         if depth > 1:
             width = ancestors.shape[1]
             grown = torch.zeros(n, width + topk, width + topk, dtype=torch.bool, device=device)
@@ -77,52 +80,56 @@ def rerunning_draft(drafter: Eagle3TreeDrafter, batch, drafting: list[int]) -> D
             grown[:, width:, width:] = eye
             ancestors = grown
         width = depth * topk
-        positions = [min(r + d, batch.max_model_len - 1) for r in roots for d in range(1, depth + 1) for _ in range(topk)]
-        metadata = catch_up_metadata(roots, [width] * n, table, batch.block_size, eagle.draft_block_size)
+        positions = [min(r + d + proposer.row_offset, batch.max_model_len - 1)
+                     for r in roots for d in range(1, depth + 1) for _ in range(topk)]
+        metadata = catch_up_metadata(bases, [width] * n, table, batch.block_size, proposer.draft_block_size)
         metadata = replace(metadata, tree_mask=ancestors.reshape(n * width, width))
+        every_state = None if states[0] is None else torch.cat([s.view(n, topk, -1) for s in states], 1).flatten(0, 1)
+        out, new_state = proposer.tree_step(torch.cat(tokens, 1).flatten(), torch.tensor(positions, device=device),
+                                            every_state, metadata)
         newest = (seqs * width + width - topk + torch.arange(topk, device=device)).flatten()
-        out, new_h = eagle.head.step(torch.cat(tokens, 1).flatten(), torch.tensor(positions, device=device),
-                                     torch.cat(states, 1).flatten(0, 1), metadata, newest)
-        frontier, parent_slot = builder.add_depth(out.view(n, topk, -1))
-        parent_h = new_h.view(n, topk, -1)
+        frontier, parent_slot = builder.add_depth(out[newest].view(n, topk, -1))
+        state = proposer.select_state_rows(new_state, newest)
+        parents = (seqs * topk + parent_slot).flatten()
     tree = builder.finish()
-    tree.tokens = torch.cat([tree.tokens[:, :1], eagle.to_target_ids(tree.tokens[:, 1:])], 1)
+    tree.tokens = torch.cat([tree.tokens[:, :1], proposer.to_target_ids(tree.tokens[:, 1:])], 1)
     return tree
 
 
 class FrontierRows:
-    """Counts the head rows of the depth forwards (those with a tree mask; the catch-up has none)."""
+    """Counts the drafter's rows in the depth forwards (those with a tree mask; the catch-up has none)."""
 
-    def __init__(self, head):
-        self.step = head.step
+    def __init__(self, proposer):
+        self.step = proposer.tree_step
         self.rows = 0
 
-    def __call__(self, tokens, positions, states, metadata, *rest, **kwargs):
+    def __call__(self, tokens, positions, state, metadata):
         if metadata.tree_mask is not None:
             self.rows += tokens.shape[0]
-        return self.step(tokens, positions, states, metadata, *rest, **kwargs)
+        return self.step(tokens, positions, state, metadata)
 
 
 @pytest.mark.parametrize("tree", [(3, 3, 8), (5, 4, 16)], ids=lambda t: ",".join(map(str, t)))
-@pytest.mark.parametrize("family", ["qwen3", "llama31"])
+@pytest.mark.parametrize("family", ["qwen3", "llama31", "qwen3:draft_model"])
 def test_frontier_drafter_equals_rerunning_drafter(targets, monkeypatch, family, tree):
     target, head = targets[family]
+    method = "draft_model" if family.endswith(":draft_model") else "eagle3"
     plain = LLM(target, dtype="float32", num_kv_blocks=128)
     want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, greedy(), use_tqdm=False)]
     depth, topk, nodes = tree
     calls = []  # per draft call: (sequences drafting, frontier rows re-running, frontier rows now)
     mismatches = []  # (the engine turns an exception inside a step into failed requests: collect instead)
-    original = Eagle3TreeDrafter.draft
+    original = ModelTreeDrafter.draft
 
     def checked_draft(self, batch, drafting):
-        counter = FrontierRows(self.eagle.head)
-        self.eagle.head.step = counter
+        counter = FrontierRows(self.proposer)
+        self.proposer.tree_step = counter
         try:
             expected = rerunning_draft(self, batch, drafting)  # (its catch-up writes what the next one does)
             rerun_rows, counter.rows = counter.rows, 0
             got = original(self, batch, drafting)
         finally:
-            del self.eagle.head.step  # the instance attribute: the class's method again
+            del self.proposer.tree_step  # the instance attribute: the class's method again
         if drafting:
             mismatches.extend(f for f in ("tokens", "parents", "depths", "ancestor_mask")
                               if not torch.equal(getattr(got, f), getattr(expected, f)))
@@ -131,8 +138,8 @@ def test_frontier_drafter_equals_rerunning_drafter(targets, monkeypatch, family,
         calls.append((len(drafting), rerun_rows, counter.rows))
         return got
 
-    monkeypatch.setattr(Eagle3TreeDrafter, "draft", checked_draft)
-    spec = {"method": "eagle3", "model": head, "num_speculative_tokens": depth, "topk": topk, "num_draft_tokens": nodes}
+    monkeypatch.setattr(ModelTreeDrafter, "draft", checked_draft)
+    spec = {"method": method, "model": head, "num_speculative_tokens": depth, "topk": topk, "num_draft_tokens": nodes}
     llm = LLM(target, dtype="float32", num_kv_blocks=128, speculative_config=spec)
     outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
     assert not mismatches

@@ -14,7 +14,7 @@ import pytest
 
 from fixtures.eagle3 import write_eagle3_head
 from foretell import LLM, SamplingParams
-from foretell.spec_decode.tree.proposer import Eagle3TreeDrafter
+from foretell.spec_decode.tree.proposer import ModelTreeDrafter
 from foretell.spec_decode.tree.shape import sibling_ranks
 
 PROMPTS = [
@@ -99,7 +99,7 @@ def oracle_drafter(monkeypatch, full: dict[tuple[int, ...], list[int]]) -> list[
     never the best path when topk > 1), write the target's true continuation; siblings of the
     path that hold the same token get another one. Returns the list of (last node, depth) of the
     branches written, filled as the engine drafts."""
-    original = Eagle3TreeDrafter.draft
+    original = ModelTreeDrafter.draft
     moved: list[tuple[int, int]] = []
 
     def draft(self, batch, drafting):
@@ -124,13 +124,13 @@ def oracle_drafter(monkeypatch, full: dict[tuple[int, ...], list[int]]) -> list[
                 token = continuation[depths[node] - 1]
                 for sibling in range(1, len(depths)):
                     if parents[sibling] == parents[node] and sibling != node and tree.tokens[j, sibling] == token:
-                        tree.tokens[j, sibling] = (token + 1) % self.eagle.target_vocab
+                        tree.tokens[j, sibling] = (token + 1) % self.proposer.target_vocab
                 tree.tokens[j, node] = token
             moved.append((path[0], len(path)) if path else (0, 0))
         assert (sibling_ranks(tree.parents) >= 0).all()
         return tree
 
-    monkeypatch.setattr(Eagle3TreeDrafter, "draft", draft)
+    monkeypatch.setattr(ModelTreeDrafter, "draft", draft)
     return moved
 
 
@@ -234,8 +234,7 @@ def test_requests_that_process_logits_run_without_trees(targets, baselines):
     ({"topk": 2, "num_draft_tokens": 1}, "must be an integer in [2, 11]"),
     ({"topk": 2, "num_draft_tokens": 12}, "must be an integer in [2, 11]"),
     ({"topk": 1, "num_draft_tokens": 6}, "num_draft_tokens must be 4"),
-    ({"method": "mtp", "model": None, "topk": 2}, "need method 'eagle3' or 'suffix' for now"),
-    ({"method": "draft_model", "topk": 2}, "need method 'eagle3' or 'suffix' for now"),
+    ({"method": "mtp", "model": None, "topk": 2}, "need method 'eagle3', 'draft_model' or 'suffix'"),
     ({"topk": 2, "simulate_acceptance": {"rates": [0.5, 0.4]}}, "must be 3 non-increasing values"),
 ])
 def test_bad_tree_configs_are_named(qwen3_checkpoint, eagle3_head, spec, message):

@@ -1,5 +1,5 @@
 """The tree step's catch-up after a graphed verify (issue 28): each sequence's accepted path padded to
-depth + 1 rows (Eagle3TreeDrafter.padded_catch_up), run with the expansion as one replay of the
+depth + 1 rows (ModelTreeDrafter.padded_catch_up), run with the expansion as one replay of the
 drafter's graph (TreeDraftGraphs.run_after_verify) before the step's host read.
 
 Held here against independent references: the padded catch-up gives the eager catch-up's
@@ -34,7 +34,7 @@ def test_padded_catch_up_equals_the_eager_catch_up(targets, accepted):
     target, head = targets["llama31"]
     runner = tree_llm(target, head).engine.runner
     drafter = runner.tree_step.drafter
-    eagle = drafter.eagle
+    eagle = drafter.proposer
     depth, block_size, max_model_len = drafter.shape.depth, runner.cache_plan.block_size, 64
     rows_per_seq, n = depth + 1, len(accepted)
     gen = torch.Generator().manual_seed(sum(accepted))

@@ -154,7 +154,7 @@ def test_tree_draft_graphs_refuse_what_does_not_fit(targets):
 
 
 def test_tree_draft_graphs_equal_the_eager_expansion(targets):
-    """The buffers' expansion (exact bucket, host lengths) vs Eagle3TreeDrafter.expand on the same
+    """The buffers' expansion (exact bucket, host lengths) vs ModelTreeDrafter.expand on the same
     random catch-up outputs: equal trees, and equal scratch KV in the draft cache."""
     from foretell.spec_decode.tree.draft_graphs import TreeDraftGraphs
 
@@ -169,7 +169,7 @@ def test_tree_draft_graphs_equal_the_eager_expansion(targets):
     h = torch.randn(n, graphs.h.shape[1], generator=generator)
     roots, tokens = [9, 20, 33], [5, 6, 7]
     table = torch.stack([torch.randperm(8, generator=generator, dtype=torch.int32) for _ in range(n)])  # [n, 8]
-    cache = drafter.eagle.kv_layers()[0].kv_cache
+    cache = drafter.proposer.kv_layers()[0].kv_cache
     cache.zero_()
     got = graphs.run(logits, h, tokens, roots, table)
     cache_after_graph = cache.clone()
