@@ -10,7 +10,6 @@ sampled trees are reproducible; no KV block is left behind."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from foretell import LLM, SamplingParams
 from foretell.spec_decode.tree.proposer import ModelTreeDrafter
