@@ -13,6 +13,7 @@ import pytest
 
 from foretell import LLM, SamplingParams
 from foretell.spec_decode.tree.proposer import ModelTreeDrafter
+from test_tree_engine import check_blocks_free, ids
 
 PROMPTS = [
     "The cat reads the book. The cat reads the book. The cat",
@@ -27,19 +28,9 @@ def greedy(max_tokens: int | None = MAX_TOKENS) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def ids(outputs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
-
-
 def tree_llm(target: str, draft: str, tree: dict = TREE, **kwargs) -> LLM:
     spec = {"method": "draft_model", "model": draft, **tree}
     return LLM(target, dtype="float32", speculative_config=spec, **{"num_kv_blocks": 64, **kwargs})
-
-
-def check_blocks_free(llm: LLM) -> None:
-    stats = llm.get_stats()
-    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
-    assert stats["num_requests_running"] == 0 and not llm.engine.runner.tree_step.trees
 
 
 @pytest.mark.parametrize("drafter", ["other_lm", "itself"])
@@ -48,7 +39,8 @@ def test_greedy_draft_model_trees_equal_plain(qwen3_checkpoint, qwen3_tied_check
     plain = LLM(qwen3_checkpoint, dtype="float32", num_kv_blocks=64)
     llm = tree_llm(qwen3_checkpoint, draft)
     assert llm.engine.runner.tree_step is not None
-    assert ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == ids(plain.generate(PROMPTS, greedy(), use_tqdm=False))
+    want = ids(plain.generate(PROMPTS, greedy(), use_tqdm=False))
+    assert ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == want
     stats = llm.get_stats()
     assert stats["num_drafts"] > 0
     if drafter == "itself":  # the target's own argmax is every tree's best depth-1 child

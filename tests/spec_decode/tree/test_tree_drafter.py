@@ -1,11 +1,12 @@
-"""The model tree drafter (EAGLE3, a draft LM) runs only each depth's topk new frontier rows (spec_decode/tree/proposer.py):
-the earlier frontier rows' K/V stay in the draft cache's scratch slots and the tree mask's columns
-reach them (the last d * topk keys). Held against a re-running drafter written here (depth d runs
-every frontier row so far, d * topk per sequence, under their ancestor mask over those rows, and
-keeps the newest topk), on the same batches inside the engine: the trees are equal (tokens, parents,
-depths, ancestor masks exactly; path scores to float32 rounding) in float32 on the Qwen3 and
-Llama-3.1 fixtures with EAGLE3 heads and on Qwen3 with another LM as its draft model, the drafter runs topk rows per depth instead of d * topk, and greedy output equals
-plain greedy output."""
+"""The model tree drafter (EAGLE3, a draft LM) runs only each depth's topk new frontier rows
+(spec_decode/tree/proposer.py): the earlier frontier rows' K/V stay in the draft cache's scratch
+slots and the tree mask's columns reach them (the last d * topk keys). Held against a re-running
+drafter written here (depth d runs every frontier row so far, d * topk per sequence, under their
+ancestor mask over those rows, and keeps the newest topk), on the same batches inside the engine:
+the trees are equal (tokens, parents, depths, ancestor masks exactly; path scores to float32
+rounding) in float32 on the Qwen3 and Llama-3.1 fixtures with EAGLE3 heads and on Qwen3 with
+another LM as its draft model, the drafter runs topk rows per depth instead of d * topk, and greedy
+output equals plain greedy output."""
 
 from __future__ import annotations
 
