@@ -56,7 +56,7 @@ class ModelTreeDrafter:
         if not drafting:
             return None
         root_tokens = [batch.next_token_ids[i] for i in drafting]
-        # The root sits at num_tokens_after_step - 1; a depth-d node's row at root + d - 1.
+        # The root sits at num_tokens_after_step - 1; a depth-d node's row at root + d + row_offset.
         roots = [batch.num_tokens_after_step(i) - 1 for i in drafting]
         n, device = len(drafting), logits.device
         every = drafting == list(range(batch.block_table.shape[0]))  # the usual case: the table as it is
