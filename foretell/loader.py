@@ -7,7 +7,7 @@ and saying exactly what is wrong when a checkpoint does not fit the model.
 
 Reading is in one place, `iter_checkpoint_tensors`, which yields (key, tensor, file) from
 safetensors (single or sharded with model.safetensors.index.json) or pytorch_model.bin (single or
-sharded). It pairs FP8 block-quantized weights as DeepSeek-V3/R1 and Kimi-K2 ship them,
+sharded). It pairs FP8 block-quantized weights (checkpoint_fp8.py) as DeepSeek-V3/R1 and Kimi-K2 ship them,
 `X.weight` (float8) with `X.weight_scale_inv` (float32, [ceil(out/b0), ceil(in/b1)], blocks
 `quantization_config.weight_block_size`, default 128 x 128), wherever the two sit in the shards.
 The model decides what becomes of a pair by its parameters: where it holds the weight in FP8
@@ -42,6 +42,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from foretell.checkpoint_errors import CheckpointError, list_names
+from foretell.checkpoint_fp8 import FP8_DTYPES, FP8_SCALE_SUFFIX, Fp8Pairing
 from foretell.layers.linear import RankSlice, default_weight_loader
 from foretell.weight_rules import WeightRules
 
@@ -54,15 +56,6 @@ PT_INDEX = "pytorch_model.bin.index.json"
 PT_SINGLE = "pytorch_model.bin"
 # Mistral's repos also hold consolidated.safetensors in Mistral's own naming; never pick it up.
 _NOT_HF_WEIGHTS = ("consolidated",)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded into the model; the message names the file and key."""
-
-
-def _list_names(items: list[str], limit: int = 20) -> str:
-    shown = ", ".join(items[:limit])
-    return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
 
 
 def _read_index(index_path: str) -> dict[str, list[str]]:
@@ -210,7 +203,7 @@ def iter_checkpoint_tensors(
     """
     fmt, files = find_weight_files(folder, load_format)
     read = _iter_safetensors if fmt == "safetensors" else _iter_pt
-    fp8 = _Fp8Pairing(folder, keep_fp8) if dequantize_fp8 else None
+    fp8 = Fp8Pairing(folder, keep_fp8) if dequantize_fp8 else None
     skip = skip or (lambda key: False)
     for path, expected_keys in files:
         seen = set()
@@ -226,125 +219,10 @@ def iter_checkpoint_tensors(
             absent = [k for k in expected_keys if k not in seen]
             if absent:
                 raise CheckpointError(
-                    f"the weight index says {path} holds {_list_names(absent)}, but it does not"
+                    f"the weight index says {path} holds {list_names(absent)}, but it does not"
                 )
     if fp8 is not None:
         fp8.check_complete()
-
-
-FP8_DTYPES = tuple(
-    getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name)
-)
-FP8_SCALE_SUFFIX = "_scale_inv"
-DEFAULT_FP8_BLOCK = (128, 128)
-
-
-def fp8_block_size(folder: str) -> tuple[int, int]:
-    """quantization_config.weight_block_size from config.json (top level or text_config)."""
-    path = os.path.join(folder, "config.json")
-    try:
-        with open(path) as f:
-            config = json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return DEFAULT_FP8_BLOCK
-    for holder in (config, config.get("text_config") or {}):
-        block = (holder.get("quantization_config") or {}).get("weight_block_size")
-        if block is not None:
-            if len(block) != 2 or any(not isinstance(b, int) or b < 1 for b in block):
-                raise CheckpointError(
-                    f"{path}: quantization_config.weight_block_size must be two positive "
-                    f"integers, got {block!r}"
-                )
-            return tuple(block)
-    return DEFAULT_FP8_BLOCK
-
-
-def dequantize_fp8_blocks(
-    weight: torch.Tensor,  # [out, in] float8
-    scale_inv: torch.Tensor,  # [ceil(out / b0), ceil(in / b1)]
-    block: tuple[int, int],
-) -> torch.Tensor:  # [out, in] float32: each block times its scale
-    rows, cols = weight.shape
-    scales = scale_inv.float()
-    scales = scales.repeat_interleave(block[0], dim=0)[:rows]
-    scales = scales.repeat_interleave(block[1], dim=1)[:, :cols]
-    return weight.float() * scales
-
-
-class _Fp8Pairing:
-    """Holds an FP8 weight or a scale until its partner arrives (possibly from another shard)."""
-
-    def __init__(self, folder: str, keep: Callable[[str], bool] | None = None):
-        self.folder = folder
-        self.keep = keep or (lambda key: False)
-        self._block: tuple[int, int] | None = None
-        self.weights: dict[str, tuple[torch.Tensor, str]] = {}
-        self.scales: dict[str, tuple[torch.Tensor, str]] = {}
-        self.kept_weights: dict[str, str] = {}  # weight key -> file, yielded as FP8 (scale not seen yet)
-        self.kept_scales: set[str] = set()  # weight keys whose scale was yielded (weight not seen yet)
-
-    @property
-    def block(self) -> tuple[int, int]:
-        if self._block is None:
-            self._block = fp8_block_size(self.folder)
-        return self._block
-
-    def add(self, key: str, tensor: torch.Tensor, path: str) -> list[tuple[str, torch.Tensor]]:
-        if key.endswith(".weight" + FP8_SCALE_SUFFIX):
-            weight_key = key[: -len(FP8_SCALE_SUFFIX)]
-            if self.keep(weight_key):
-                if self.kept_weights.pop(weight_key, None) is None:
-                    self.kept_scales.add(weight_key)
-                return [(key, tensor)]
-            if weight_key in self.weights:
-                weight, _ = self.weights.pop(weight_key)
-                return [(weight_key, self._dequantize(weight_key, weight, tensor, path))]
-            self.scales[weight_key] = (tensor, path)
-            return []
-        if tensor.dtype in FP8_DTYPES:
-            if self.keep(key):
-                if key in self.kept_scales:
-                    self.kept_scales.discard(key)
-                else:
-                    self.kept_weights[key] = path
-                return [(key, tensor)]
-            if key in self.scales:
-                scale, _ = self.scales.pop(key)
-                return [(key, self._dequantize(key, tensor, scale, path))]
-            self.weights[key] = (tensor, path)
-            return []
-        return [(key, tensor)]
-
-    def _dequantize(self, key, weight, scale, path) -> torch.Tensor:
-        b0, b1 = self.block
-        if weight.dim() != 2:
-            raise CheckpointError(f"{path}: FP8 tensor {key!r} has shape {tuple(weight.shape)}; "
-                                  f"block dequantization needs a 2-D weight")
-        expected = (-(-weight.shape[0] // b0), -(-weight.shape[1] // b1))
-        if tuple(scale.shape) != expected:
-            raise CheckpointError(
-                f"{path}: {key + FP8_SCALE_SUFFIX!r} has shape {tuple(scale.shape)}, expected "
-                f"{expected} for a {tuple(weight.shape)} weight in {b0}x{b1} blocks "
-                f"(quantization_config.weight_block_size)"
-            )
-        return dequantize_fp8_blocks(weight, scale, (b0, b1))
-
-    def check_complete(self) -> None:
-        unpaired = {key: path for key, (_, path) in self.weights.items()} | self.kept_weights
-        if unpaired:
-            keys = sorted(unpaired)
-            raise CheckpointError(
-                f"checkpoint in {self.folder} has FP8 tensor(s) without a "
-                f"'{FP8_SCALE_SUFFIX}' scale: {_list_names(keys)} (in "
-                f"{os.path.basename(unpaired[keys[0]])}); foretell reads block-quantized "
-                f"FP8 (weight + weight_scale_inv) only"
-            )
-        if self.scales or self.kept_scales:
-            keys = sorted(k + FP8_SCALE_SUFFIX for k in set(self.scales) | self.kept_scales)
-            raise CheckpointError(
-                f"checkpoint in {self.folder} has scale(s) without an FP8 weight: "
-                f"{_list_names(keys)}"
-            )
 
 
 def checkpoint_keys(folder: str, load_format: str = "auto") -> dict[str, tuple[int, ...]]:
@@ -459,12 +337,12 @@ def load_weights(
     problems = []
     if missing:
         problems.append(
-            f"{len(missing)} parameter(s) found no tensor in the checkpoint: {_list_names(missing)}"
+            f"{len(missing)} parameter(s) found no tensor in the checkpoint: {list_names(missing)}"
         )
     if unexpected:
         problems.append(
             f"{len(unexpected)} checkpoint tensor(s) match no parameter of "
-            f"{type(model).__name__}: {_list_names(unexpected)}"
+            f"{type(model).__name__}: {list_names(unexpected)}"
         )
     if problems:
         raise CheckpointError(

@@ -22,7 +22,8 @@ from fixtures import deepseek as ds
 from fixtures.checkpoints import make_variant
 from foretell import LLM, SamplingParams
 from foretell.ops.attention.reference import TorchAttentionBackend
-from foretell.loader import CheckpointError, dequantize_fp8_blocks, iter_checkpoint_tensors, load_weights
+from foretell.checkpoint_fp8 import dequantize_fp8_blocks
+from foretell.loader import CheckpointError, iter_checkpoint_tensors, load_weights
 from foretell.models.base import HFConfig, ModelOptions
 from foretell.models.registry import resolve_model_class
 

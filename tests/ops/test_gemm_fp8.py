@@ -23,7 +23,7 @@ from fixtures.seeds import reports_seed
 from fixtures.triton_interpreter import (  # noqa: F401 (interpreter_mode: a fixture)
     HAS_CUDA, import_fp8_few_rows, import_interpreted, interpreter_mode,
 )
-from foretell.loader import dequantize_fp8_blocks
+from foretell.checkpoint_fp8 import dequantize_fp8_blocks
 from foretell.ops.gemm import fp8_reference as ref
 from foretell.ops.gemm.fp8_dispatch import fp8_linear, fp8_path
 from foretell.ops.pointwise.reference import silu_and_mul_torch
