@@ -56,7 +56,7 @@ def cache_latents(
         latent_write_torch(kv_a, positions, attention.kv_a_layernorm, attention.rotary_emb, latent.kv_cache,
                            metadata.slot_mapping, k_scale)
         return
-    from foretell.ops.mla.triton_fused import latent_write_triton  # imports triton: CUDA only
+    from foretell.ops.mla.triton_latent_write import latent_write_triton  # imports triton: CUDA only
 
     metadata.check_cache_block_size(latent.kv_cache.shape[1], "MLA cache")
     latent_write_triton(kv_a, positions, attention.kv_a_layernorm, attention.rotary_emb, latent.kv_cache,

@@ -99,6 +99,7 @@ def test_shapes_from_the_shipped_llama_config():
 def test_candidates_are_valid_and_the_default_comes_first():
     from foretell.ops.gemm import triton_batch_invariant as bi
     from foretell.ops.gemm import triton_fp8_few_rows as few
+    from foretell.ops.gemm import triton_fp8_gemv as fp8_gemv
 
     shapes = linear_chain.ChainShapes.from_hf_config(LLAMA)
     fp8 = Fp8Linears(torch.bfloat16, CPU, use_kernels=False)
@@ -107,7 +108,7 @@ def test_candidates_are_valid_and_the_default_comes_first():
         configs = fp8.candidates(kind, 1, n, k)
         assert configs[0] == fp8.default(kind, 1, n, k) and len(set(configs)) == len(configs) > 10
         for c in configs:
-            if isinstance(c, few.Fp8GemvConfig):
+            if isinstance(c, fp8_gemv.Fp8GemvConfig):
                 assert few.gemv_rows_fit_blocks(c.block_n, n, (128, 128), kind == "gate_up")
                 assert kind != "gate_up" or c.block_n % 2 == 0
     bf16 = Bf16Linears(torch.bfloat16, CPU, use_kernels=False)

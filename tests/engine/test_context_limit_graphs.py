@@ -20,6 +20,7 @@ from fixtures.triton_interpreter import import_interpreted, interpreter_mode  # 
 from test_context_limit import prompt, short_context, to_limit, token_ids  # noqa: E402
 
 import_interpreted("foretell.ops.attention.triton_paged")
+import_interpreted("foretell.ops.attention.triton_write_kv")
 import_interpreted("foretell.ops.attention.triton_backend")
 
 LIMIT = 24  # short: the interpreter runs every kernel in Python

@@ -18,10 +18,8 @@ from foretell.ops.attention.reference import (
     write_kv_torch,
 )
 from foretell.ops.attention.triton_backend import TritonAttentionBackend
-from foretell.ops.attention.triton_paged import (
-    paged_attention_triton,
-    write_kv_triton,
-)
+from foretell.ops.attention.triton_paged import paged_attention_triton
+from foretell.ops.attention.triton_write_kv import write_kv_triton
 
 DEVICE = torch.device("cuda")
 TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 2e-2, torch.float32: 2e-4}

@@ -21,6 +21,7 @@ from fixtures.seeds import reports_seed
 from foretell.ops.gemm import fp8_reference as ref
 from foretell.ops.gemm import triton_fp8_few_rows as few
 from foretell.ops.gemm import triton_fp8_gemm as gemm
+from foretell.ops.gemm import triton_fp8_gemv as fp8_gemv
 from foretell.ops.gemm.fp8_dispatch import fp8_linear
 from foretell.ops.pointwise.reference import silu_and_mul_torch
 
@@ -56,8 +57,8 @@ def test_few_rows_match_float64(dtype, case):
             tiles = half_tiles(few.default_config(m, n, k, dtype, block_size, DEVICE), k)  # (one row: fp16 sums)
             check_product(few.fp8_few_rows_linear(x, q, s, block_size), x, q, s, block_size, None, dtype, tiles)
             check_product(fp8_linear(x, q, s, block_size, bias), x, q, s, block_size, bias, dtype, tiles)
-            if m <= few.GEMV_MAX_M:  # the GEMV at more rows too (what float32 x takes)
-                config = few.gemv_config(m, n, k)
+            if m <= fp8_gemv.GEMV_MAX_M:  # the GEMV at more rows too (what float32 x takes)
+                config = fp8_gemv.gemv_config(m, n, k)
                 check_product(few.fp8_few_rows_linear(x, q, s, block_size, config=config), x, q, s, block_size,
                               None, dtype)
 
@@ -148,7 +149,7 @@ def test_gated_gate_up_and_split_k_at_llama_shapes(block_size, m):
             torch.testing.assert_close(got, want, rtol=2 * 2**-8, atol=1e-6)
         q, s = random_fp8_weight(gen, 4096, 4096, block_size, DEVICE)
         for split in (2, 4, 8):
-            config = (few.gemv_config(m, 4096, 4096, split=split) if m == 1 else
+            config = (fp8_gemv.gemv_config(m, 4096, 4096, split=split) if m == 1 else
                       few.Fp8MmaConfig(block_k=128, split=split))
             check_product(few.fp8_few_rows_linear(x, q, s, block_size, None, config), x, q, s, block_size, None,
                           torch.bfloat16)

@@ -20,12 +20,13 @@ from foretell.layers.rotary import RotaryEmbedding
 from foretell.ops.attention.fp8_kv import FP8_E4M3, index_copy_slots, quantize_for_cache
 from foretell.ops.attention.metadata import AttentionMetadata
 from foretell.ops.attention.reference import TorchAttentionBackend, causal_attention, gather_context, write_kv_torch
-from foretell.ops.attention.triton_paged import paged_attention_triton, write_kv_triton
+from foretell.ops.attention.triton_paged import paged_attention_triton
 from foretell.ops.attention.triton_rope_kv import rope_write_kv_triton
 from foretell.ops.attention.triton_rope_paged import rope_paged_attention_triton
+from foretell.ops.attention.triton_write_kv import write_kv_triton
 from foretell.ops.mla.reference import TorchMLABackend, latent_write_torch
-from foretell.ops.mla.triton_attention import mla_attention_triton, write_latent_triton
-from foretell.ops.mla.triton_fused import latent_write_triton
+from foretell.ops.mla.triton_attention import mla_attention_triton
+from foretell.ops.mla.triton_latent_write import latent_write_triton, write_latent_triton
 
 DEVICE = torch.device("cuda")
 TOLERANCE = {torch.float16: dict(rtol=1e-2, atol=1e-2), torch.bfloat16: dict(rtol=3e-2, atol=3e-2)}

@@ -1,8 +1,8 @@
-"""The fused MLA kernels (ops/mla/triton_fused.py) on a CUDA device at DeepSeek-V2-Lite sizes (16
-heads, nope 128, rope 64, kv_lora_rank 512, v 128; the matmuls also at V3's 128 heads), bf16 and
-fp16, against their torch twins on the same device; the Triton backend's attend_projections
-against the torch backend's; an MLAAttention forward with no host sync, captured in a CUDA graph
-and replayed with new tokens, positions, slots and contexts.
+"""The fused MLA kernels (ops/mla/triton_fused.py, triton_latent_write.py) on a CUDA device at
+DeepSeek-V2-Lite sizes (16 heads, nope 128, rope 64, kv_lora_rank 512, v 128; the matmuls also at
+V3's 128 heads), bf16 and fp16, against their torch twins on the same device; the Triton backend's
+attend_projections against the torch backend's; an MLAAttention forward with no host sync, captured
+in a CUDA graph and replayed with new tokens, positions, slots and contexts.
 
 The latent write and the RoPE round where their twins round, but a float32 reduction in another
 order (the norm) or a product contracted into an FMA (RoPE, see test_pointwise_kernels_gpu.py) can
@@ -28,12 +28,9 @@ from foretell.ops.mla.reference import (
     project_values_torch,
     split_kv_b,
 )
-from foretell.ops.mla.triton_fused import (
-    absorb_query_triton,
-    latent_write_triton,
-    project_values_triton,
-)
-from foretell.ops.mla.triton_attention import TritonMLABackend
+from foretell.ops.mla.triton_backend import TritonMLABackend
+from foretell.ops.mla.triton_fused import absorb_query_triton, project_values_triton
+from foretell.ops.mla.triton_latent_write import latent_write_triton
 from foretell.layers.norm import RMSNorm
 from foretell.layers.rotary import RotaryEmbedding
 

@@ -16,11 +16,9 @@ import torch
 from foretell.ops.attention.metadata import AttentionMetadata
 from foretell.ops.attention.reference import causal_attention, gather_context
 from foretell.ops.mla.reference import TorchMLABackend
-from foretell.ops.mla.triton_attention import (
-    TritonMLABackend,
-    mla_attention_triton,
-    write_latent_triton,
-)
+from foretell.ops.mla.triton_attention import mla_attention_triton
+from foretell.ops.mla.triton_backend import TritonMLABackend
+from foretell.ops.mla.triton_latent_write import write_latent_triton
 from foretell.ops.moe.reference import experts_forward_torch
 from foretell.ops.moe.triton_experts import fused_experts_triton
 

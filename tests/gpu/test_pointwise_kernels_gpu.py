@@ -213,7 +213,7 @@ def test_rope_and_kv_write_in_one_launch(shape, style, with_norm):
     """rope_write_kv_triton against the launches it replaces ((q_norm, k_norm,) rope_triton,
     write_kv_triton) in bf16, padded rows left alone, and captured in a CUDA graph."""
     from foretell.ops.attention.triton_rope_kv import rope_write_kv_triton
-    from foretell.ops.attention.triton_paged import write_kv_triton
+    from foretell.ops.attention.triton_write_kv import write_kv_triton
 
     num_heads, num_kv_heads, head_dim, rotary_dim = shape
     dtype, num_tokens = torch.bfloat16, 9

@@ -32,6 +32,7 @@ from test_attention_rope_paged import Step
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 import_interpreted("foretell.ops.pointwise.triton_kernels")
 kernels = import_interpreted("foretell.ops.attention.triton_paged")
+write_kv = import_interpreted("foretell.ops.attention.triton_write_kv")
 rkv = import_interpreted("foretell.ops.attention.triton_rope_kv")
 fused = import_interpreted("foretell.ops.attention.triton_rope_paged")
 from foretell.ops.attention.triton_backend import TritonAttentionBackend  # noqa: E402
@@ -87,7 +88,7 @@ def test_write_kv_stores_the_twins_bytes(dtype):
     cache = torch.zeros(2, 6, 8, 3, 64, dtype=FP8_E4M3, device=DEVICE)
     expected = cache.clone()
     with reports_seed(seed):
-        kernels.write_kv_triton(key, value, cache, slots, *SCALES)
+        write_kv.write_kv_triton(key, value, cache, slots, *SCALES)
         real = slots >= 0
         write_kv_torch(key[real], value[real], expected, slots[real], *SCALES)
         _same_bytes(cache, expected, "write_kv_triton")
@@ -98,7 +99,7 @@ def _check_paged(batch: Batch, dtype, seed, **split):
     cache = _fp8_cache(batch.cache, *SCALES)
     reference_cache = cache.clone()
     with reports_seed(seed):
-        kernels.write_kv_triton(batch.key, batch.value, cache, md.slot_mapping, *SCALES)
+        write_kv.write_kv_triton(batch.key, batch.value, cache, md.slot_mapping, *SCALES)
         write_kv_torch(batch.key, batch.value, reference_cache, md.slot_mapping, *SCALES)
         _same_bytes(cache, reference_cache, "write_kv_triton")
         expected = TorchAttentionBackend().attend(batch.query, reference_cache, md, batch.scale, *SCALES)
@@ -227,7 +228,7 @@ def test_bad_scales_and_query_dtype_are_refused():
     cache = _fp8_cache(batch.cache, 1.0, 1.0)
     out = torch.empty_like(batch.query)
     with pytest.raises(ValueError, match="k_scale must be a finite positive number"):
-        kernels.write_kv_triton(batch.key, batch.value, cache, md.slot_mapping, k_scale=0.0)
+        write_kv.write_kv_triton(batch.key, batch.value, cache, md.slot_mapping, k_scale=0.0)
     with pytest.raises(ValueError, match="v_scale must be a finite positive number"):
         kernels.paged_attention_triton(batch.query, cache, md.block_table, md.seq_lens, md.query_start_loc,
                                        md.max_query_len, batch.scale, out, v_scale=float("nan"))

@@ -21,6 +21,7 @@ from fixtures.triton_interpreter import HAS_CUDA, import_interpreted, interprete
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 kernels = import_interpreted("foretell.ops.attention.triton_paged")
+write_kv = import_interpreted("foretell.ops.attention.triton_write_kv")
 varlen = import_interpreted("foretell.ops.attention.triton_varlen")
 from foretell.ops.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 
@@ -112,7 +113,7 @@ def _check_attention(batch: Batch, dtype, seed, num_splits=None, min_split_token
     cache_ref = batch.cache.clone()
     write_kv_torch(batch.key, batch.value, cache_ref, md.slot_mapping)
     cache = batch.cache.clone()
-    kernels.write_kv_triton(batch.key, batch.value, cache, md.slot_mapping)
+    write_kv.write_kv_triton(batch.key, batch.value, cache, md.slot_mapping)
     torch.testing.assert_close(cache, cache_ref, rtol=0, atol=0, equal_nan=True,
                                msg=lambda m: f"write_kv mismatch (seed {seed}): {m}")
 
@@ -157,7 +158,7 @@ def test_persistent_split_counters_reset_between_launches():
                   dtype=torch.float16, seed=seed)
     md = batch.metadata
     cache = batch.cache.clone()
-    kernels.write_kv_triton(batch.key, batch.value, cache, md.slot_mapping)
+    write_kv.write_kv_triton(batch.key, batch.value, cache, md.slot_mapping)
     expected = TorchAttentionBackend().attend(batch.query, cache, md, batch.scale)
     counters = SplitCounters()
     for _ in range(3):
@@ -203,7 +204,7 @@ def test_write_kv_skips_negative_slots(dtype):
     expected = cache.clone()
     real = slots >= 0
     write_kv_torch(key[real], value[real], expected, slots[real])
-    kernels.write_kv_triton(key, value, cache, slots)
+    write_kv.write_kv_triton(key, value, cache, slots)
     assert torch.equal(cache, expected), f"seed {seed}"
 
 
@@ -218,7 +219,7 @@ def test_write_kv_from_strided_views():
     expected = cache.clone()
     slots = torch.tensor([0, 5, 6, 11, 3], device=DEVICE)
     write_kv_torch(key, value, expected, slots)
-    kernels.write_kv_triton(key, value, cache, slots)
+    write_kv.write_kv_triton(key, value, cache, slots)
     assert torch.equal(cache, expected), f"seed {seed}"
 
 

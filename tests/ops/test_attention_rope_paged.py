@@ -30,6 +30,7 @@ DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 import_interpreted("foretell.ops.pointwise.triton_kernels")
 rkv = import_interpreted("foretell.ops.attention.triton_rope_kv")
 kernels = import_interpreted("foretell.ops.attention.triton_paged")
+import_interpreted("foretell.ops.attention.triton_write_kv")
 fused = import_interpreted("foretell.ops.attention.triton_rope_paged")
 from foretell.ops.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 

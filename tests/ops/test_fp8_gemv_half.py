@@ -22,6 +22,7 @@ from fixtures.triton_interpreter import (  # noqa: F401 (interpreter_mode: a fix
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 few = import_fp8_few_rows()
+fp8_gemv = import_interpreted("foretell.ops.gemm.triton_fp8_gemv")  # (interpreted by the line above)
 half = import_interpreted("foretell.ops.gemm.triton_fp8_gemv_half")  # (interpreted by the line above)
 BLOCK = (128, 128)
 
@@ -109,10 +110,10 @@ def test_default_at_one_row_of_half_x_and_the_sweeps_candidates(poisoned_empty):
     for n, k, want in ((6144, 4096, config(16, 1024, 4)), (28672, 4096, config(16, 1024, 4)),
                        (4096, 14336, config(16, 1024, 4)), (64, 100, config(16, 128, 4))):
         assert few.default_config(1, n, k, torch.bfloat16, BLOCK, cpu) == want, (n, k)
-    assert isinstance(few.default_config(1, 6144, 4096, torch.float32, BLOCK, cpu), few.Fp8GemvConfig)
+    assert isinstance(few.default_config(1, 6144, 4096, torch.float32, BLOCK, cpu), fp8_gemv.Fp8GemvConfig)
     assert isinstance(few.default_config(2, 6144, 4096, torch.bfloat16, BLOCK, cpu), few.Fp8MmaConfig)
     # blocks of 4 rows: no half tile fits, so the float32 GEMV's four rows
-    assert isinstance(few.default_config(1, 8192, 256, torch.bfloat16, (4, 128), cpu), few.Fp8GemvConfig)
+    assert isinstance(few.default_config(1, 8192, 256, torch.bfloat16, (4, 128), cpu), fp8_gemv.Fp8GemvConfig)
     gen = torch.Generator().manual_seed(7)
     n, k = 64, 512
     q, s = random_fp8_weight(gen, n, k, BLOCK, DEVICE)

@@ -30,6 +30,7 @@ from foretell.ops.pointwise.reference import silu_and_mul_torch
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 few = import_fp8_few_rows()
+fp8_gemv = import_interpreted("foretell.ops.gemm.triton_fp8_gemv")  # (interpreted by the line above)
 gemm = import_interpreted("foretell.ops.gemm.triton_fp8_gemm")
 BLOCK = (128, 128)
 
@@ -150,7 +151,7 @@ def test_gemv_matches_float64(block_size, dtype, m, poisoned_empty):
     q, s = _weight(gen, n, k, block_size)
     x = torch.randn(m, k, generator=gen).to(dtype).to(DEVICE)
     bias = torch.randn(n, generator=gen).to(dtype).to(DEVICE)
-    configs = [None, few.gemv_config(m, n, k, block_k=64), few.gemv_config(m, n, k, block_k=256, block_n=2)]
+    configs = [None, fp8_gemv.gemv_config(m, n, k, block_k=64), fp8_gemv.gemv_config(m, n, k, block_k=256, block_n=2)]
     with reports_seed(seed):
         for config, b in zip(configs, (bias, None, bias)):  # one tile of K, tiles narrower and wider than a block
             got = few.fp8_few_rows_linear(x, q, s, block_size, b, config)
@@ -192,7 +193,7 @@ def test_split_k_gives_the_product(block_size, kind, m, dtype, poisoned_empty):
     with reports_seed(seed):
         for split in (2, 4):
             if kind == "gemv":
-                config = few.gemv_config(m, n, k, block_k=64, block_n=8, split=split)
+                config = fp8_gemv.gemv_config(m, n, k, block_k=64, block_n=8, split=split)
             else:
                 config = few.Fp8MmaConfig(block_k=32, num_stages=2, split=split)
             got = few.fp8_few_rows_linear(x, q, s, block_size, bias, config)
@@ -216,8 +217,8 @@ def test_gated_epilogue_is_silu_and_mul_of_the_product(block_size, kind, m, dtyp
     x = torch.randn(m, k, generator=gen).to(dtype).to(DEVICE)
     bias = torch.randn(2 * inter, generator=gen).to(dtype).to(DEVICE)
     if kind == "gemv":
-        configs = [few.gemv_config(m, 2 * inter, k, block_n=16),
-                   few.gemv_config(m, 2 * inter, k, block_k=64, block_n=16, split=2)]
+        configs = [fp8_gemv.gemv_config(m, 2 * inter, k, block_n=16),
+                   fp8_gemv.gemv_config(m, 2 * inter, k, block_k=64, block_n=16, split=2)]
     else:
         configs = [few.mma_config(k, block_size), few.Fp8MmaConfig(block_k=32, num_stages=2, split=3)]
     with reports_seed(seed):
@@ -265,12 +266,12 @@ def test_default_configs_follow_the_h200_sweep():
     assert few.mma_config(1024, BLOCK, 64, cpu).split == 2  # slices of 512 at least
     assert few.mma_config(512, BLOCK, 64, cpu).split == 1
     assert few.mma_config(4096, BLOCK, 200_000, cpu).split == 1  # a vocabulary: programs enough
-    gemv = few.Fp8GemvConfig
+    gemv = fp8_gemv.Fp8GemvConfig
     for n, k, want in (((6144, 4096, gemv(1, 8, 512, 4))), (28672, 4096, gemv(1, 16, 512, 4)),
                        (4096, 4096, gemv(1, 8, 1024, 4)), (4096, 14336, gemv(1, 8, 1024, 4))):
         assert few.default_config(1, n, k, torch.float32, BLOCK, cpu) == want, (n, k)  # (half x: test_fp8_gemv_half)
-    assert few.gemv_config(1, 6144, 100).block_k == 128  # K in one tile
-    assert few.gemv_config(4, 6144, 4096) == gemv(4, 4, 1024, 4)  # float32 x at 4 rows
+    assert fp8_gemv.gemv_config(1, 6144, 100).block_k == 128  # K in one tile
+    assert fp8_gemv.gemv_config(4, 6144, 4096) == gemv(4, 4, 1024, 4)  # float32 x at 4 rows
     # blocks of 4 rows: eight rows a program would straddle two, so four
     assert few.default_config(1, 8192, 256, torch.bfloat16, (4, 128), cpu).block_n == 4
 
@@ -281,7 +282,7 @@ def test_few_rows_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="1 to 16 rows"):
         few.fp8_few_rows_linear(torch.randn(17, 200).half(), q, s, BLOCK, config=few.mma_config(200, BLOCK))
     with pytest.raises(ValueError, match="1 to 4 rows"):
-        few.fp8_few_rows_linear(torch.randn(5, 200), q, s, BLOCK, config=few.gemv_config(4, 70, 200))
+        few.fp8_few_rows_linear(torch.randn(5, 200), q, s, BLOCK, config=fp8_gemv.gemv_config(4, 70, 200))
     with pytest.raises(ValueError, match="x in"):
         few.fp8_few_rows_linear(x.float(), q, s, BLOCK, config=few.mma_config(200, BLOCK))
     with pytest.raises(ValueError, match="power-of-two width"):
@@ -293,9 +294,9 @@ def test_few_rows_bad_inputs_raise_clear_errors():
         few.fp8_few_rows_linear(x, q, s, BLOCK, torch.zeros(70))
     q48, s48 = ref.quantize_fp8_blocks(torch.randn(96, 200), (48, 128))
     with pytest.raises(ValueError, match="must lie in one block row"):
-        few.fp8_few_rows_linear(x[:1], q48, s48, (48, 128), config=few.gemv_config(1, 96, 200, block_n=32))
+        few.fp8_few_rows_linear(x[:1], q48, s48, (48, 128), config=fp8_gemv.gemv_config(1, 96, 200, block_n=32))
     with pytest.raises(ValueError, match="even block_n"):
-        few.fp8_few_rows_linear(x[:1], q, s, BLOCK, config=few.gemv_config(1, 70, 200, block_n=1), gated=True)
+        few.fp8_few_rows_linear(x[:1], q, s, BLOCK, config=fp8_gemv.gemv_config(1, 70, 200, block_n=1), gated=True)
 
 
 def test_activation_quantizer_kernel_gives_the_twins_bits(poisoned_empty):

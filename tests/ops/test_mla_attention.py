@@ -23,7 +23,11 @@ if torch.cuda.is_available():
 
 from fixtures.triton_interpreter import import_interpreted, interpreter_mode  # noqa: E402, F401
 
+import_interpreted("foretell.ops.mla.triton_rope")
+latent_write = import_interpreted("foretell.ops.mla.triton_latent_write")
+import_interpreted("foretell.ops.mla.triton_fused")
 mla_triton = import_interpreted("foretell.ops.mla.triton_attention")
+mla_backend = import_interpreted("foretell.ops.mla.triton_backend")
 
 
 TOLERANCE = {torch.float16: 5e-3, torch.float32: 1e-4}
@@ -105,7 +109,7 @@ def check(batch: LatentBatch, dtype, seed, num_splits=None, config=None):
     cache_ref = batch.cache.clone()
     TorchMLABackend().write_kv(batch.latent, batch.k_pe, cache_ref, md.slot_mapping)
     cache = batch.cache.clone()
-    mla_triton.write_latent_triton(batch.latent, batch.k_pe, cache, md.slot_mapping)
+    latent_write.write_latent_triton(batch.latent, batch.k_pe, cache, md.slot_mapping)
     torch.testing.assert_close(cache, cache_ref, rtol=0, atol=0, equal_nan=True,
                                msg=lambda m: f"latent write mismatch (seed {seed}): {m}")
     expected = reference_o_lat(batch, cache_ref)
@@ -156,7 +160,7 @@ def test_backend_matches_torch_backend_and_skips_padding_slots():
     md = batch.metadata
     kv_b = torch.randn(heads * (nope + v), rank, generator=gen) / rank**0.5
     q_nope = torch.randn(md.num_tokens, heads, nope, generator=gen)
-    backend, reference = mla_triton.TritonMLABackend(), TorchMLABackend()
+    backend, reference = mla_backend.TritonMLABackend(), TorchMLABackend()
     assert backend.graph_safe and backend.name == "triton"
     cache, cache_ref = batch.cache.clone(), batch.cache.clone()
     slots = md.slot_mapping.clone()
@@ -179,7 +183,7 @@ def test_padding_rows_are_left_untouched():
     batch = LatentBatch(BATCHES["verify"], 4, 32, 8, 8, torch.float16, seed)
     md = batch.metadata
     cache = batch.cache.clone()
-    mla_triton.write_latent_triton(batch.latent, batch.k_pe, cache, md.slot_mapping)
+    latent_write.write_latent_triton(batch.latent, batch.k_pe, cache, md.slot_mapping)
     n = md.num_tokens
     q_lat, q_pe = torch.cat([batch.q_lat, batch.q_lat[:3]]), torch.cat([batch.q_pe, batch.q_pe[:3]])
     for num_splits in (1, 2):
@@ -220,7 +224,7 @@ def test_deepseek_triton_backend_matches_torch(checkpoint_root, tokenizer_dir, m
     monkeypatch.setattr(moe_triton, "fused_experts_triton", lambda *a, **kw: calls.append(1) or fused(*a, **kw))
     llm, got = _greedy(folder, attention_backend="triton")
     assert got == want
-    assert calls and all(isinstance(layer.backend, mla_triton.TritonMLABackend)
+    assert calls and all(isinstance(layer.backend, mla_backend.TritonMLABackend)
                          for layer in llm.engine.runner.model.attention_layers())
     from foretell.runner.cuda_graph import CudaGraphRunner
 
@@ -249,9 +253,9 @@ def test_v2_lite_every_fused_kernel_matches_torch(checkpoint_root, tokenizer_dir
     monkeypatch.setattr(kernel_choice, "use_triton", lambda *tensors: True)
     monkeypatch.setattr(moe_dispatch, "use_triton", lambda *tensors: True)
     rope_styles, routed = [], []
-    write, route = mla_triton.latent_write_triton, router.route_triton
+    write, route = latent_write.latent_write_triton, router.route_triton
     # RoPE runs inside the fused MLA kernels: the latent write rotates k_pe with the layer's style.
-    monkeypatch.setattr(mla_triton, "latent_write_triton",
+    monkeypatch.setattr(mla_backend, "latent_write_triton",
                         lambda kv_a, positions, norm, rotary, *a: rope_styles.append(rotary.style)
                         or write(kv_a, positions, norm, rotary, *a))
     monkeypatch.setattr(router, "route_triton", lambda *a: routed.append(1) or route(*a))

@@ -28,8 +28,11 @@ from test_mla_attention import BATCHES, LONG, LatentBatch  # noqa: E402
 from test_mla_fused import kv_a_view, paged_slots, rotary  # noqa: E402
 
 import_interpreted("foretell.ops.pointwise.triton_kernels")
-fused = import_interpreted("foretell.ops.mla.triton_fused")
+import_interpreted("foretell.ops.mla.triton_rope")
+latent_write = import_interpreted("foretell.ops.mla.triton_latent_write")
+import_interpreted("foretell.ops.mla.triton_fused")
 mla_triton = import_interpreted("foretell.ops.mla.triton_attention")
+mla_backend = import_interpreted("foretell.ops.mla.triton_backend")
 
 K_SCALE = 0.25  # not 1: a scale applied twice or never shows
 
@@ -65,7 +68,7 @@ def test_latent_write_and_attention_over_fp8_match_torch(dtype, kind):
     md = batch.metadata
     cache, cache_ref = _fp8(batch), _fp8(batch)
     with reports_seed(seed):
-        mla_triton.write_latent_triton(batch.latent, batch.k_pe, cache, md.slot_mapping, K_SCALE)
+        latent_write.write_latent_triton(batch.latent, batch.k_pe, cache, md.slot_mapping, K_SCALE)
         TorchMLABackend().write_kv(batch.latent, batch.k_pe, cache_ref, md.slot_mapping, K_SCALE)
         _same_bytes(cache, cache_ref, "write_latent_triton")
         out = torch.full_like(batch.q_lat, float("nan"))
@@ -88,7 +91,7 @@ def test_split_attention_over_fp8(num_splits):
     md = batch.metadata
     cache = _fp8(batch)
     with reports_seed(seed):
-        mla_triton.write_latent_triton(batch.latent, batch.k_pe, cache, md.slot_mapping, K_SCALE)
+        latent_write.write_latent_triton(batch.latent, batch.k_pe, cache, md.slot_mapping, K_SCALE)
         out = torch.full_like(batch.q_lat, float("nan"))
         mla_triton.mla_attention_triton(batch.q_lat, batch.q_pe, cache, md.block_table, md.seq_lens,
                                         md.query_start_loc, md.max_query_len, batch.scale, out,
@@ -116,7 +119,7 @@ def test_fused_latent_write_stores_the_twins_bytes(dtype):
     want = cache.clone()
     with reports_seed(seed):
         reference.latent_write_torch(kv_a, positions, norm, rope_emb, want, slots, K_SCALE)
-        fused.latent_write_triton(kv_a, positions, norm, rope_emb, cache, slots, K_SCALE)
+        latent_write.latent_write_triton(kv_a, positions, norm, rope_emb, cache, slots, K_SCALE)
         if dtype == torch.float32:
             _same_bytes(cache, want, "latent_write_triton")
         else:
@@ -142,7 +145,7 @@ def test_backends_agree_over_fp8_and_stay_close_to_float32():
     cache = quantize_for_cache(full, FP8_E4M3, 1.0)
     args = (q_nope, batch.q_pe, kv_b, cache, md, batch.scale, v)
     with reports_seed(seed):
-        triton_out = mla_triton.TritonMLABackend().attend(*args, k_scale=1.0)
+        triton_out = mla_backend.TritonMLABackend().attend(*args, k_scale=1.0)
         absorbed = TorchMLABackend().attend(*args, absorb=True, k_scale=1.0)
         expanded = TorchMLABackend().attend(*args, absorb=False, k_scale=1.0)
         torch.testing.assert_close(triton_out, absorbed, rtol=1e-4, atol=1e-4)
@@ -157,7 +160,7 @@ def test_bad_k_scale_is_refused():
     md = batch.metadata
     cache = _fp8(batch)
     with pytest.raises(ValueError, match="k_scale must be a finite positive number"):
-        mla_triton.write_latent_triton(batch.latent, batch.k_pe, cache, md.slot_mapping, -1.0)
+        latent_write.write_latent_triton(batch.latent, batch.k_pe, cache, md.slot_mapping, -1.0)
     with pytest.raises(ValueError, match="k_scale must be a finite positive number"):
         mla_triton.mla_attention_triton(batch.q_lat, batch.q_pe, cache, md.block_table, md.seq_lens,
                                         md.query_start_loc, md.max_query_len, batch.scale,

@@ -1,5 +1,5 @@
-"""The fused MLA kernels (ops/mla/triton_fused.py) held against their torch twins, and a whole
-MLAAttention forward with the Triton backend against the torch backend.
+"""The fused MLA kernels (ops/mla/triton_fused.py, triton_latent_write.py) held against their torch
+twins, and a whole MLAAttention forward with the Triton backend against the torch backend.
 
   latent write     RMSNorm of c + RoPE of k_pe + cache write at slot_mapping, from a strided kv_a
                    view; padded rows (slot -1) leave the NaN-poisoned cache untouched.
@@ -32,8 +32,11 @@ if torch.cuda.is_available():
 
 from fixtures.triton_interpreter import import_interpreted, interpreter_mode  # noqa: E402, F401
 
+import_interpreted("foretell.ops.mla.triton_rope")
+latent_write = import_interpreted("foretell.ops.mla.triton_latent_write")
 fused = import_interpreted("foretell.ops.mla.triton_fused")
-mla_triton = import_interpreted("foretell.ops.mla.triton_attention")
+import_interpreted("foretell.ops.mla.triton_attention")
+mla_backend = import_interpreted("foretell.ops.mla.triton_backend")
 
 SMALL = dict(num_heads=4, nope=16, rope=8, rank=32, v=16)
 V2_LITE = dict(num_heads=16, nope=128, rope=64, rank=512, v=128)
@@ -93,7 +96,7 @@ def check_latent_write(num_tokens, dtype, rotary_name, dims=SMALL, block_size=8,
     cache = torch.full((num_blocks, block_size, rank + rope), float("nan"), dtype=dtype)
     want = cache.clone()
     reference.latent_write_torch(kv_a, positions, norm, rope_emb, want, slots)
-    fused.latent_write_triton(kv_a, positions, norm, rope_emb, cache, slots)
+    latent_write.latent_write_triton(kv_a, positions, norm, rope_emb, cache, slots)
     assert torch.equal(cache.isnan(), want.isnan()), f"written slots differ (seed {seed})"
     assert (~cache.isnan()).flatten(0, 1).any(-1).sum() == int((slots >= 0).sum()), f"seed {seed}"
     assert_close(cache, want, dtype, "latent write", seed)
@@ -242,7 +245,7 @@ def mla_layers(dims, q_lora_rank, rotary_name, dtype, gen):
                 value = 1 + 0.2 * value
             param.copy_(value)
         layers[1].load_state_dict(layers[0].state_dict())
-    assert isinstance(layers[1].attn.backend, mla_triton.TritonMLABackend)
+    assert isinstance(layers[1].attn.backend, mla_backend.TritonMLABackend)
     return layers
 
 
@@ -307,13 +310,13 @@ def test_bad_inputs_raise_value_errors():
     positions, slots = torch.arange(3), torch.arange(3)
     cache = torch.zeros(4, 8, rank + rope)
     with pytest.raises(ValueError, match="MLA cache"):
-        fused.latent_write_triton(kv_a, positions, norm, rope_emb, torch.zeros(4, 8, rank + rope + 1), slots)
+        latent_write.latent_write_triton(kv_a, positions, norm, rope_emb, torch.zeros(4, 8, rank + rope + 1), slots)
     with pytest.raises(ValueError, match="rotary"):
-        fused.latent_write_triton(kv_a, positions, norm, rotary("gptj", rope + 2), cache, slots)
+        latent_write.latent_write_triton(kv_a, positions, norm, rotary("gptj", rope + 2), cache, slots)
     with pytest.raises(ValueError, match="kv_a_layernorm.weight"):
-        fused.latent_write_triton(kv_a.half(), positions, norm, rope_emb, cache.half(), slots)
+        latent_write.latent_write_triton(kv_a.half(), positions, norm, rope_emb, cache.half(), slots)
     with pytest.raises(ValueError, match="slot_mapping"):
-        fused.latent_write_triton(kv_a, positions, norm, rope_emb, cache, slots[:2])
+        latent_write.latent_write_triton(kv_a, positions, norm, rope_emb, cache, slots[:2])
     w_uk, w_uv = split_kv_b(kv_b_weight(dims, dtype, gen), heads, nope, v)
     q = torch.randn(3, heads, nope + rope, generator=gen)
     with pytest.raises(ValueError, match="w_uk"):
@@ -325,7 +328,7 @@ def test_bad_inputs_raise_value_errors():
     with pytest.raises(ValueError, match="w_uv"):
         fused.project_values_triton(torch.randn(3, heads + 1, rank), w_uv)
 
-    backend = mla_triton.TritonMLABackend()
+    backend = mla_backend.TritonMLABackend()
     cache, md, positions = paged_batch([(5, 3)], rank + rope, 8, dtype, gen)
     kv_b = kv_b_weight(dims, dtype, gen)
     args = dict(q=q, kv_a=kv_a, positions=positions, rotary_emb=rope_emb, kv_a_layernorm=norm,

@@ -181,19 +181,21 @@ class Fp8Linears:
         if kind == "lm_head":  # a bf16 GEMV in this mode too: the bf16 family sweeps its tiles
             return [self.head.default(kind, m, n, k)]
         from foretell.ops.gemm import triton_fp8_few_rows as few
+        from foretell.ops.gemm import triton_fp8_gemv as gemv
 
         gated = kind == "gate_up"
         default = self.default(kind, m, n, k)
         configs = [default] + few.candidate_configs(m, n, k, self.dtype, FP8_BLOCK, self.device)
-        if isinstance(default, few.Fp8GemvConfig):
+        if isinstance(default, gemv.Fp8GemvConfig):
             for warps in (2, 8):
-                configs.append(few.gemv_config(m, n, k, default.block_k, default.block_n, warps, default.split))
+                configs.append(gemv.gemv_config(m, n, k, default.block_k, default.block_n, warps, default.split))
             for split in (2, 4):
                 if k // split >= default.block_k:
-                    configs.append(few.gemv_config(m, n, k, default.block_k, default.block_n, default.num_warps, split))
+                    configs.append(gemv.gemv_config(m, n, k, default.block_k, default.block_n, default.num_warps,
+                                                    split))
         kept = []
         for config in dict.fromkeys(configs):
-            if isinstance(config, few.Fp8GemvConfig):
+            if isinstance(config, gemv.Fp8GemvConfig):
                 if not few.gemv_rows_fit_blocks(config.block_n, n, FP8_BLOCK, gated) or (gated and config.block_n % 2):
                     continue
             kept.append(config)

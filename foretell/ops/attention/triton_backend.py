@@ -1,4 +1,5 @@
-"""The Triton attention backend: the AttentionBackend protocol over the kernels in triton_paged.py.
+"""The Triton attention backend: the AttentionBackend protocol over the kernels in triton_paged.py and
+triton_write_kv.py.
 
 Same semantics as TorchAttentionBackend (its twin). Every launch reads only host ints that the
 metadata already carries (max_query_len) and tensor shapes, so a step is CUDA-graph capturable
@@ -13,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from foretell.ops.attention.metadata import AttentionMetadata
-from foretell.ops.attention.triton_paged import paged_attention_triton, write_kv_triton
+from foretell.ops.attention.triton_paged import paged_attention_triton
+from foretell.ops.attention.triton_write_kv import write_kv_triton
 from foretell.ops.common.protocols import NormModule, RotaryModule
 from foretell.ops.common.split_counters import SplitCounters
 

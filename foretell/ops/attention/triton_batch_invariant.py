@@ -31,8 +31,9 @@ from __future__ import annotations
 import torch
 
 from foretell.ops.attention.metadata import AttentionMetadata
-from foretell.ops.attention.triton_paged import paged_attention_triton, write_kv_triton
+from foretell.ops.attention.triton_paged import paged_attention_triton
 from foretell.ops.attention.triton_rope_kv import rope_write_kv_triton
+from foretell.ops.attention.triton_write_kv import write_kv_triton
 from foretell.ops.common.protocols import NormModule, RotaryModule
 
 # The query length every launch is sized for: a verify of k + 1 = 4 rows fills one program's tile,

@@ -1,7 +1,9 @@
-"""Triton kernels over the paged GQA cache: the KV write and one varlen attention kernel.
+"""The varlen attention kernel over the paged GQA cache (its KV write: triton_write_kv.py; the tile
+sizes, context split and input checks its launcher shares with the other paged kernels:
+triton_paged_launch.py).
 
-Twins: `write_kv_torch` and `TorchAttentionBackend.attend` in reference.py hold the reference
-semantics; tests/ops/test_attention_paged.py holds the two together on random inputs.
+Twin: `TorchAttentionBackend.attend` in reference.py holds the reference semantics;
+tests/ops/test_attention_paged.py holds the two together on random inputs.
 
 The attention kernel handles every kind of row in one launch: prefill chunks (with or without a
 cached prefix), decode (1 query token) and verify (1 + k query tokens). Each program owns one
@@ -19,26 +21,23 @@ query_start_loc. Surplus blocks return at once. Grid sizes depend only on host i
 max_query_len), so a launch is CUDA-graph capturable.
 
 Long-context decode with few programs splits the context (flash-decoding): up to num_splits
-programs cover pieces of at least MIN_SPLIT_TOKENS of their own context (sized in-kernel from
-seq_lens, so the split adapts to the real length), and the last to finish merges the pieces
-(triton_varlen.py says how).
+programs cover pieces of at least MIN_SPLIT_TOKENS (triton_paged_launch.py) of their own context
+(sized in-kernel from seq_lens, so the split adapts to the real length), and the last to finish
+merges the pieces (triton_varlen.py says how).
 
 Rows of `out` past query_start_loc[-1] (padding) are left untouched.
 
 A draft tree's forward passes tree_mask [num_tokens, W] (bool, int8 or uint8): on top of the causal
 limit, a row sees key seq_len - W + c of its sequence (column c: the last W keys, a verify's tree
-rows or a drafter's frontier rows so far) only where its mask row is set (reference.py's semantics). Without a mask the kernel is compiled
-without it (TREE_MASK off).
+rows or a drafter's frontier rows so far) only where its mask row is set (reference.py's
+semantics). Without a mask the kernel is compiled without it (TREE_MASK off).
 
-An FP8 cache (fp8_kv.py): the write stores key / k_scale and value / v_scale in e4m3
-(triton_fp8_kv.to_cache); the attention converts each K/V tile to the query's dtype (exact) and
-runs its dots there, k_scale folded into the softmax scale and v_scale applied to the float32
-accumulator once at the end.
+An FP8 cache (fp8_kv.py; triton_write_kv.py stores key / k_scale and value / v_scale in e4m3): the
+attention converts each K/V tile to the query's dtype (exact) and runs its dots there, k_scale
+folded into the softmax scale and v_scale applied to the float32 accumulator once at the end.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -52,102 +51,19 @@ from foretell.ops.attention.triton_varlen import (
     store_attention,
 )
 from foretell.ops.attention.fp8_kv import check_scale, is_fp8
-from foretell.ops.attention.triton_fp8_kv import check_fp8_query, compute_dtype, dot_precision, to_cache
+from foretell.ops.attention.triton_fp8_kv import check_fp8_query, compute_dtype, dot_precision
+from foretell.ops.attention.triton_paged_launch import (
+    MIN_SPLIT_TOKENS,
+    _check_cache,
+    _choose_num_splits,
+    _launch_config,
+    _tree_mask_rows,
+    _unit_last_stride,
+)
 from foretell.ops.common.pdl import join_dependent_chain, launch_options, pdl_enabled
 from foretell.ops.common.split_counters import SplitCounters
 
 _LOG2E = 1.4426950408889634
-# A split of the context covers at least this many tokens (rounded up to whole tiles): a short
-# context runs as few pieces, a long one as up to num_splits. One tile per piece measured best on
-# the H200 at Llama-8B batch 1 (docs/perf-log.md).
-MIN_SPLIT_TOKENS = 32
-
-
-@triton.jit
-def _write_kv_kernel(
-    key_ptr,
-    value_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    slot_mapping_ptr,
-    k_inv_scale,  # 1 / k_scale (FP8 caches; unused otherwise)
-    v_inv_scale,
-    stride_key_token,
-    stride_key_head,
-    stride_value_token,
-    stride_value_head,
-    stride_cache_block,
-    stride_cache_slot,
-    stride_cache_head,
-    NUM_KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEADS_P: tl.constexpr,
-    HEAD_DIM_P: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-):
-    token = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    if slot < 0:  # padded rows (CUDA-graph padding) carry slot -1
-        return
-    block = slot // BLOCK_SIZE
-    offset = slot % BLOCK_SIZE
-    heads = tl.arange(0, HEADS_P)
-    dims = tl.arange(0, HEAD_DIM_P)
-    mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
-    key = tl.load(
-        key_ptr + token * stride_key_token + heads[:, None] * stride_key_head + dims[None, :],
-        mask=mask,
-    )
-    value = tl.load(
-        value_ptr + token * stride_value_token + heads[:, None] * stride_value_head + dims[None, :],
-        mask=mask,
-    )
-    cache_offsets = (
-        block * stride_cache_block
-        + offset * stride_cache_slot
-        + heads[:, None] * stride_cache_head
-        + dims[None, :]
-    )
-    tl.store(k_cache_ptr + cache_offsets, to_cache(key, k_inv_scale, k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + cache_offsets, to_cache(value, v_inv_scale, v_cache_ptr.dtype.element_ty), mask=mask)
-
-
-def write_kv_triton(
-    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-    slot_mapping: torch.Tensor,  # [num_tokens] int64; slots < 0 are skipped
-    k_scale: float = 1.0,  # FP8 caches store key / k_scale
-    v_scale: float = 1.0,
-) -> None:
-    num_tokens, num_kv_heads, head_dim = key.shape
-    if num_tokens == 0:
-        return
-    key = _unit_last_stride(key)
-    value = _unit_last_stride(value)
-    _check_cache(kv_cache)
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
-    _write_kv_kernel[(num_tokens,)](
-        key,
-        value,
-        k_cache,
-        v_cache,
-        slot_mapping,
-        1.0 / check_scale("k_scale", k_scale),
-        1.0 / check_scale("v_scale", v_scale),
-        key.stride(0),
-        key.stride(1),
-        value.stride(0),
-        value.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim,
-        HEADS_P=triton.next_power_of_2(num_kv_heads),
-        HEAD_DIM_P=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=kv_cache.shape[2],
-    )
 
 
 @triton.jit
@@ -387,76 +303,3 @@ def paged_attention_triton(
         **launch_options(pdl),
     )
     return out
-
-
-def _launch_config(
-    group: int, head_dim: int, max_query_len: int, cache_dtype: torch.dtype  # the tiles' dtype
-) -> dict:
-    group_p = triton.next_power_of_2(group)
-    # float32 tiles take the FMA path (exact "ieee" dot) and spill when large: keep them small.
-    wide = cache_dtype.itemsize > 2
-    # About 64 rows per program for prefill; decode/verify take just enough tokens to hold
-    # their queries, but never fewer than 16 rows (the smallest tl.dot M).
-    target_rows = 16 if wide else (64 if head_dim <= 128 else 32)
-    block_q = min(triton.next_power_of_2(max(max_query_len, 1)), max(1, target_rows // group_p))
-    block_q = max(block_q, 16 // min(group_p, 16))
-    if wide:
-        tile_n = 16
-    else:
-        tile_n = 64 if head_dim <= 128 else 32
-    return {
-        "BLOCK_Q": block_q,
-        "BLOCK_M": block_q * group_p,
-        "TILE_N": tile_n,
-        "num_warps": 8 if block_q * group_p >= 128 else 4,
-    }
-
-
-def _choose_num_splits(
-    device: torch.device,
-    active_programs: int,
-    max_context: int,
-    max_query_len: int,
-    tile_n: int,
-    max_splits: int = 64,
-) -> int:
-    """Split the context when decode/verify would leave most SMs idle, into at most max_splits
-    pieces. Shapes only, so the choice is the same in eager mode and in a captured CUDA graph."""
-    if max_query_len > 16 or device.type != "cuda":
-        return 1
-    wanted = triton.cdiv(2 * _multiprocessor_count(device.index or 0), active_programs)
-    # Keep at least a couple of tiles per split over the longest context the table can hold.
-    cap = max(1, max_context // (2 * tile_n))
-    splits = min(wanted, cap, max_splits)
-    return 1 if splits <= 1 else triton.next_power_of_2(splits)
-
-
-@functools.lru_cache(maxsize=None)
-def _multiprocessor_count(device_index: int) -> int:
-    # A fixed hardware fact, memoised so a launch never re-queries the driver.
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _tree_mask_rows(tree_mask: torch.Tensor | None, num_tokens: int) -> torch.Tensor | None:
-    """The mask as int8 rows with a unit stride (a bool or uint8 mask is viewed, not copied)."""
-    if tree_mask is None:
-        return None
-    if tree_mask.dim() != 2 or tree_mask.shape[0] < num_tokens or tree_mask.dtype not in (torch.bool, torch.int8, torch.uint8):
-        raise ValueError(
-            f"tree_mask must be [num_tokens={num_tokens}, W] bool, int8 or uint8; got "
-            f"{tuple(tree_mask.shape)} {tree_mask.dtype}"
-        )
-    tree_mask = _unit_last_stride(tree_mask)
-    return tree_mask if tree_mask.dtype == torch.int8 else tree_mask.view(torch.int8)
-
-
-def _unit_last_stride(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
-
-
-def _check_cache(kv_cache: torch.Tensor) -> None:
-    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.stride(-1) != 1:
-        raise ValueError(
-            "kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim] with a unit "
-            f"stride on head_dim; got shape {tuple(kv_cache.shape)}, stride {kv_cache.stride()}"
-        )

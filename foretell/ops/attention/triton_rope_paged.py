@@ -41,14 +41,13 @@ import torch
 import triton
 import triton.language as tl
 
-from foretell.ops.attention.triton_paged import (
-    _LOG2E,
+from foretell.ops.attention.triton_paged import _LOG2E, tree_visible
+from foretell.ops.attention.triton_paged_launch import (
     MIN_SPLIT_TOKENS,
     _check_cache,
     _choose_num_splits,
     _launch_config,
     _tree_mask_rows,
-    tree_visible,
 )
 from foretell.ops.attention.triton_varlen import (
     context_tile,

@@ -29,7 +29,7 @@ from foretell.ops.gemm.fp8_reference import ACTIVATION_GROUP, check_fp8_weight, 
 from foretell.ops.pointwise.dispatch import silu_and_mul
 
 FEW_ROWS_MAX_M = 16  # triton_fp8_few_rows.MAX_M (restated: this module needs no triton)
-GEMV_MAX_M = 4  # triton_fp8_few_rows.GEMV_MAX_M
+GEMV_MAX_M = 4  # triton_fp8_gemv.GEMV_MAX_M
 TENSOR_CORE_DTYPES = (torch.bfloat16, torch.float16)
 
 

@@ -1,7 +1,7 @@
 """Multi-head Latent Attention of the batch-invariant mode on CUDA (issue 23): TritonMLABackend's kernels
-(triton_fused.py, triton_attention.py) launched with one shape for every step, so that a query row's
-output depends on its own query, its own context and the weights only. Graph safe: nothing reads host
-lengths (the torch form in batch_invariant.py loops over rows on the host).
+(triton_latent_write.py, triton_fused.py, triton_attention.py) launched with one shape for every step,
+so that a query row's output depends on its own query, its own context and the weights only. Graph
+safe: nothing reads host lengths (the torch form in batch_invariant.py loops over rows on the host).
 
 Every row is attended in the absorbed form (as TritonMLABackend does for every query length). What
 makes the default launches step-dependent, and what is fixed here:
@@ -32,7 +32,8 @@ import torch
 from foretell.ops.attention.metadata import AttentionMetadata
 from foretell.ops.attention.triton_fp8_kv import compute_dtype
 from foretell.ops.mla.reference import split_kv_b
-from foretell.ops.mla.triton_attention import TritonMLABackend, mla_attention_triton, mla_launch_config
+from foretell.ops.mla.triton_attention import mla_attention_triton, mla_launch_config
+from foretell.ops.mla.triton_backend import TritonMLABackend
 from foretell.ops.mla.triton_fused import _launch_head_matmul, head_matmul_config, project_values_triton
 
 # The query length every attention launch is sized for: with DeepSeek's 16 or 128 heads a program

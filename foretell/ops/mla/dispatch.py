@@ -1,5 +1,5 @@
 """Which MLA backend a layer gets, by the attention backend's name: "torch" is TorchMLABackend
-(reference.py), "triton" TritonMLABackend (triton_attention.py, imported only when asked for: it
+(reference.py), "triton" TritonMLABackend (triton_backend.py, imported only when asked for: it
 imports triton). Unknown names fall back to torch, as the GQA layers' "auto" does off CUDA.
 The batch-invariant mode's GQA backends ("torch_batch_invariant", "triton_batch_invariant") give
 their MLA layers the batch-invariant twins: BatchInvariantTorchMLABackend (batch_invariant.py) and
@@ -13,7 +13,7 @@ from foretell.ops.mla.reference import TorchMLABackend
 
 
 def _triton_mla_backend():
-    from foretell.ops.mla.triton_attention import TritonMLABackend  # imports triton
+    from foretell.ops.mla.triton_backend import TritonMLABackend  # imports triton
 
     return TritonMLABackend()
 

@@ -1,5 +1,5 @@
 """Plain-torch Multi-head Latent Attention over the latent cache: the reference the Triton kernels
-(triton_attention.py, triton_fused.py) are held to, and what the CPU runs.
+(triton_attention.py, triton_fused.py, triton_latent_write.py) are held to, and what the CPU runs.
 
 The cache holds [c | rotated k_pe] per token per layer: [num_blocks, block_size, kv_lora_rank +
 qk_rope_head_dim]. kv_b_proj [heads * (nope + v), kv_lora_rank] expands c into per-head keys and

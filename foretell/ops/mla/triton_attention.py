@@ -1,9 +1,10 @@
-"""Triton MLA over the latent cache: the latent KV write, one varlen attention kernel in the
-absorbed form, and `TritonMLABackend` (graph safe) that puts them behind the MLA backend interface.
+"""Triton MLA attention over the latent cache: one varlen attention kernel in the absorbed form and
+the kernel that merges its context splits (the latent cache writes: triton_latent_write.py;
+`TritonMLABackend`, graph safe, puts them behind the MLA backend interface: triton_backend.py).
 
-Twins: `TorchMLABackend.write_kv` and `absorbed_attention` in reference.py hold the reference semantics;
-tests/ops/test_mla_attention.py holds kernels and twins together on random inputs (Triton's interpreter
-on the CPU), tests/gpu/test_mla_moe_gpu.py does it on CUDA in bf16.
+Twin: `absorbed_attention` in reference.py holds the reference semantics; tests/ops/test_mla_attention.py
+holds kernels and twins together on random inputs (Triton's interpreter on the CPU),
+tests/gpu/test_mla_moe_gpu.py does it on CUDA in bf16.
 
 The attention works on q = [q_lat | q_pe] (kv_lora_rank + rope wide) against the cached
 [c | k_pe] of each context token: one key "head" shared by every query head (MQA), with the latent
@@ -23,8 +24,9 @@ The same kernel serves prefill chunks (any query length), so the backend never r
 lengths. Rows of the output past query_start_loc[-1] are left untouched.
 
 An FP8 latent cache (ops/attention/fp8_kv.py, one k_scale per layer): writes store the entry /
-k_scale in e4m3; the attention converts each latent tile to the query's dtype (exact), k_scale
-rides in the softmax scale (scores) and multiplies the float32 accumulator (c is the value too).
+k_scale in e4m3 (triton_latent_write.py); the attention converts each latent tile to the query's
+dtype (exact), k_scale rides in the softmax scale (scores) and multiplies the float32 accumulator
+(c is the value too).
 """
 
 from __future__ import annotations
@@ -34,9 +36,8 @@ import triton
 import triton.language as tl
 
 from foretell.ops.attention.fp8_kv import check_scale, is_fp8
-from foretell.ops.attention.metadata import AttentionMetadata
-from foretell.ops.attention.triton_fp8_kv import check_fp8_query, compute_dtype, dot_precision, to_cache
-from foretell.ops.attention.triton_paged import (
+from foretell.ops.attention.triton_fp8_kv import check_fp8_query, compute_dtype, dot_precision
+from foretell.ops.attention.triton_paged_launch import (
     _choose_num_splits,
     _unit_last_stride,
 )
@@ -48,68 +49,9 @@ from foretell.ops.attention.triton_varlen import (
     split_tile_range,
     store_attention,
 )
-from foretell.ops.common.protocols import NormModule, RotaryModule
-from foretell.ops.mla.reference import TorchMLABackend, projection_widths, split_kv_b
-from foretell.ops.mla.triton_fused import (
-    _check_cache,
-    absorb_query_triton,
-    latent_write_triton,
-    project_values_triton,
-)
+from foretell.ops.mla.triton_latent_write import _check_cache
 
 _LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _write_latent_kernel(
-    latent_ptr,  # [num_tokens, rank]
-    k_pe_ptr,  # [num_tokens, rope]
-    cache_ptr,  # [num_blocks, block_size, rank + rope]
-    slot_mapping_ptr,  # [num_tokens] int64
-    inv_scale,  # 1 / k_scale (FP8 caches; unused otherwise)
-    stride_latent,
-    stride_k_pe,
-    stride_cache_block,
-    stride_cache_slot,
-    RANK: tl.constexpr,
-    RANK_P: tl.constexpr,
-    ROPE: tl.constexpr,
-    ROPE_P: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-):
-    token = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    if slot < 0:  # padded rows (CUDA-graph padding) carry slot -1
-        return
-    base = cache_ptr + (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_slot
-    r = tl.arange(0, RANK_P)
-    c = tl.load(latent_ptr + token * stride_latent + r, mask=r < RANK)
-    tl.store(base + r, to_cache(c, inv_scale, cache_ptr.dtype.element_ty), mask=r < RANK)
-    p = tl.arange(0, ROPE_P)
-    k_pe = tl.load(k_pe_ptr + token * stride_k_pe + p, mask=p < ROPE)
-    tl.store(base + RANK + p, to_cache(k_pe, inv_scale, cache_ptr.dtype.element_ty), mask=p < ROPE)
-
-
-def write_latent_triton(
-    latent: torch.Tensor,  # [num_tokens, kv_lora_rank]
-    k_pe: torch.Tensor,  # [num_tokens, qk_rope_head_dim]
-    kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]
-    slot_mapping: torch.Tensor,  # [num_tokens] int64; slots < 0 are skipped
-    k_scale: float = 1.0,  # FP8 caches store the entry / k_scale
-) -> None:
-    num_tokens, rank = latent.shape
-    rope = k_pe.shape[-1]
-    _check_cache(kv_cache, rank + rope)
-    if num_tokens == 0:
-        return
-    latent, k_pe = _unit_last_stride(latent), _unit_last_stride(k_pe)
-    _write_latent_kernel[(num_tokens,)](
-        latent, k_pe, kv_cache, slot_mapping, 1.0 / check_scale("k_scale", k_scale),
-        latent.stride(0), k_pe.stride(0), kv_cache.stride(0), kv_cache.stride(1),
-        RANK=rank, RANK_P=triton.next_power_of_2(rank),
-        ROPE=rope, ROPE_P=triton.next_power_of_2(rope),
-        BLOCK_SIZE=kv_cache.shape[1],
-    )
 
 
 @triton.jit(do_not_specialize=["num_seqs", "stride_table_seq"])  # per-batch sizes: one compile
@@ -347,94 +289,3 @@ def mla_launch_config(num_heads: int, max_query_len: int, cache_dtype: torch.dty
     rows = max(max_query_len, 1) * triton.next_power_of_2(num_heads)
     block_m = 16 if rows <= 16 else 32
     return {"BLOCK_M": block_m, "TILE_N": 32, "num_warps": block_m // 4, "num_stages": 2}
-
-
-class TritonMLABackend:
-    """The MLA backend interface of TorchMLABackend over the kernels above. Every query length
-    goes through the absorbed kernel (prefill too), so nothing reads host lengths.
-
-    `attend_projections` (what MLAAttention calls) runs the fused kernels of triton_fused.py
-    around the attention: latent norm + k_pe RoPE + cache write in one launch, q_nope . W_UK and
-    q_pe RoPE into one q_abs buffer in another, and the W_UV projection in a third."""
-
-    graph_safe = True
-    name = "triton"
-
-    def attend_projections(
-        self,
-        q: torch.Tensor,  # [num_tokens, num_heads, qk_nope + qk_rope], may be a strided view
-        kv_a: torch.Tensor,  # [num_tokens, kv_lora_rank + qk_rope], may be a strided view
-        positions: torch.Tensor,  # [num_tokens]
-        rotary_emb: RotaryModule,
-        kv_a_layernorm: NormModule,
-        kv_b_weight: torch.Tensor,  # [num_heads * (qk_nope + v), kv_lora_rank]
-        kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_lora_rank + qk_rope]
-        metadata: AttentionMetadata,
-        scale: float,
-        v_head_dim: int,
-        k_scale: float = 1.0,  # FP8 caches: stored entries are [c | k_pe] / k_scale
-    ) -> torch.Tensor:  # [num_tokens, num_heads, v_head_dim]
-        nope, rank, _ = projection_widths(q, kv_a, rotary_emb, kv_a_layernorm, kv_b_weight, kv_cache, v_head_dim)
-        metadata.check_cache_block_size(kv_cache.shape[1], "MLA cache")
-        num_tokens, num_heads, _ = q.shape
-        w_uk, w_uv = split_kv_b(kv_b_weight, num_heads, nope, v_head_dim)
-        latent_write_triton(kv_a, positions, kv_a_layernorm, rotary_emb, kv_cache, metadata.slot_mapping, k_scale)
-        q_abs = absorb_query_triton(q, w_uk, positions, rotary_emb,
-                                    **self.absorb_launch(nope, rank, q.dtype))  # [T, heads, rank + rope]
-        o_lat = torch.empty(num_tokens, num_heads, rank, dtype=q.dtype, device=q.device)
-        mla_attention_triton(
-            q_abs[..., :rank], q_abs[..., rank:], kv_cache, metadata.block_table, metadata.seq_lens,
-            metadata.query_start_loc, metadata.max_query_len, scale, o_lat, k_scale=k_scale,
-            **self.attention_launch(num_heads, kv_cache, q.dtype),
-        )
-        return project_values_triton(o_lat, w_uv, **self.project_launch(rank, v_head_dim, q.dtype))  # [T, heads, v]
-
-    # The launch choices of attend_projections' three kernels: empty here (each kernel picks its
-    # tiles, split count and RoPE placement from the step's shapes); the batch-invariant backend
-    # fixes them (batch_invariant_triton.py).
-    def absorb_launch(self, nope: int, rank: int, dtype: torch.dtype) -> dict:
-        return {}
-
-    def attention_launch(self, num_heads: int, kv_cache: torch.Tensor, dtype: torch.dtype) -> dict:
-        return {}
-
-    def project_launch(self, rank: int, v_head_dim: int, dtype: torch.dtype) -> dict:
-        return {}
-
-    def write_kv(
-        self,
-        latent: torch.Tensor,  # [num_tokens, kv_lora_rank], normed
-        k_pe: torch.Tensor,  # [num_tokens, qk_rope_head_dim], rotated
-        kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]
-        slot_mapping: torch.Tensor,  # [num_tokens] int64; -1 marks padded rows
-        k_scale: float = 1.0,
-    ) -> None:
-        write_latent_triton(latent, k_pe, kv_cache, slot_mapping, k_scale)
-
-    def attend(
-        self,
-        q_nope: torch.Tensor,  # [num_tokens, num_heads, qk_nope_head_dim]
-        q_pe: torch.Tensor,  # [num_tokens, num_heads, qk_rope_head_dim], rotated
-        kv_b_weight: torch.Tensor,  # [num_heads * (qk_nope + v), kv_lora_rank]
-        kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]
-        metadata: AttentionMetadata,
-        scale: float,
-        v_head_dim: int,
-        absorb: bool | None = None,  # False: the torch backend's expanded form (tests)
-        k_scale: float = 1.0,
-    ) -> torch.Tensor:  # [num_tokens, num_heads, v_head_dim]
-        if absorb is False:
-            return TorchMLABackend().attend(
-                q_nope, q_pe, kv_b_weight, kv_cache, metadata, scale, v_head_dim, absorb=False, k_scale=k_scale
-            )
-        metadata.check_cache_block_size(kv_cache.shape[1], "MLA cache")
-        num_tokens, num_heads, nope = q_nope.shape
-        rank = kv_cache.shape[-1] - q_pe.shape[-1]
-        w_uk, w_uv = split_kv_b(kv_b_weight, num_heads, nope, v_head_dim)
-        q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)  # [T, heads, rank]
-        o_lat = torch.empty(num_tokens, num_heads, rank, dtype=q_nope.dtype, device=q_nope.device)
-        mla_attention_triton(
-            q_lat, q_pe, kv_cache, metadata.block_table, metadata.seq_lens,
-            metadata.query_start_loc, metadata.max_query_len, scale, o_lat, k_scale=k_scale,
-        )
-        return torch.einsum("thr,hvr->thv", o_lat, w_uv)  # [T, heads, v]

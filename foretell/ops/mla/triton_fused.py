@@ -1,14 +1,18 @@
 """Fused Triton kernels around MLA's latent attention: the small per-layer ops before and after
 `mla_attention_triton`, a launch each instead of a chain of tiny ones.
 
-  latent_write_triton   kv side, one program per token: RMSNorm of the latent c (kv_a_layernorm),
-                        RoPE of the shared k_pe, and the write of [c | k_pe] into the latent cache
-                        at slot_mapping (slot -1, a CUDA-graph padding row, writes nothing). It
-                        reads the kv_a slice of fused_qkv_a_proj's output in place (a strided view).
+  latent_write_triton   kv side, one program per token (triton_latent_write.py): RMSNorm of the
+                        latent c (kv_a_layernorm), RoPE of the shared k_pe, and the write of
+                        [c | k_pe] into the latent cache at slot_mapping (slot -1, a CUDA-graph
+                        padding row, writes nothing). It reads the kv_a slice of fused_qkv_a_proj's
+                        output in place (a strided view).
   absorb_query_triton   q side: q_lat = q_nope . W_UK per head and RoPE of q_pe, both written into
                         one buffer q_abs [T, heads, rank + rope] whose two slices are the
                         attention kernel's q_lat and q_pe.
   project_values_triton out = o_lat . W_UV^T per head (the absorbed form's value projection).
+
+This module holds the q and value sides: the per-head matmul kernel they share and the two
+launchers. The RoPE pieces all three use are in triton_rope.py.
 
 At DeepSeek-V2-Lite's batch 1 the ops these replace were launch-bound: RMSNorm, RoPE, the cache
 write and two batched cuBLAS matmuls, each a few microseconds of mostly launch latency, 27 layers
@@ -41,160 +45,9 @@ import torch
 import triton
 import triton.language as tl
 
-from foretell.ops.attention.fp8_kv import check_scale
-from foretell.ops.attention.triton_fp8_kv import to_cache
-from foretell.ops.attention.triton_paged import _unit_last_stride
-from foretell.ops.common.protocols import NormModule, RotaryModule
-from foretell.ops.pointwise.triton_kernels import _in_dtype
-
-ROPE_STYLES = ("neox", "gptj")
-
-
-# ---------------------------------------------------------------------- shared pieces
-
-
-@triton.jit
-def _rotate_pairs(x1, x2, cos, sin, dtype: tl.constexpr):
-    """apply_rope_*'s arithmetic on float32 pairs (cos/sin already rounded to dtype): each
-    product and each sum rounded to dtype. Returns the rotated pair, float32, dtype-exact."""
-    o1 = _in_dtype(_in_dtype(x1 * cos, dtype) - _in_dtype(x2 * sin, dtype), dtype)
-    o2 = _in_dtype(_in_dtype(x2 * cos, dtype) + _in_dtype(x1 * sin, dtype), dtype)
-    return o1, o2
-
-
-@triton.jit
-def _pair_offsets(i, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
-    # gptj (DeepSeek): pairs (2i, 2i + 1); neox: pairs (i, i + HALF).
-    if INTERLEAVED:
-        return 2 * i, 2 * i + 1
-    else:
-        return i, HALF + i
-
-
-def _rope_tables(rotary_emb: RotaryModule, rope: int, like: torch.Tensor):
-    """(cos, sin) [max_positions, rope // 2] float32 with a unit last stride, checked against the
-    rope width and the tensors' device."""
-    if rotary_emb.style not in ROPE_STYLES:
-        raise ValueError(f"rope style {rotary_emb.style!r} is not one of {ROPE_STYLES}")
-    if rotary_emb.rotary_dim != rope:
-        raise ValueError(
-            f"the rotary embedding rotates {rotary_emb.rotary_dim} channels but the rope part is "
-            f"{rope} wide (qk_rope_head_dim)"
-        )
-    cos, sin = rotary_emb.cos_cache, rotary_emb.sin_cache
-    if cos.device != like.device:
-        raise ValueError(f"the rotary cos/sin tables are on {cos.device}, the inputs on {like.device}")
-    return cos.contiguous(), sin.contiguous()
-
-
-def _check_cache(kv_cache: torch.Tensor, width: int) -> None:
-    if kv_cache.dim() != 3 or kv_cache.shape[-1] != width or kv_cache.stride(-1) != 1:
-        raise ValueError(
-            f"the MLA cache must be [num_blocks, block_size, {width}] (kv_lora_rank + "
-            f"qk_rope_head_dim) with a unit last stride; got shape {tuple(kv_cache.shape)}, "
-            f"stride {kv_cache.stride()}"
-        )
-
-
-# ---------------------------------------------------------------------- kv side
-
-
-@triton.jit
-def _latent_write_kernel(
-    kv_a_ptr,  # [num_tokens, rank + rope], row stride stride_kv_a
-    norm_weight_ptr,  # [rank]
-    positions_ptr,  # [num_tokens] int
-    cos_ptr,  # [max_positions, rope // 2] float32
-    sin_ptr,
-    cache_ptr,  # [num_blocks, block_size, rank + rope]
-    slot_mapping_ptr,  # [num_tokens] int64; < 0: padded row
-    eps,
-    inv_scale,  # 1 / k_scale: an FP8 cache stores the entry scaled (unused otherwise)
-    stride_kv_a,
-    stride_cos,
-    stride_cache_block,
-    stride_cache_slot,
-    RANK: tl.constexpr,
-    RANK_P: tl.constexpr,
-    HALF: tl.constexpr,  # rope // 2
-    HALF_P: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,  # cache block size
-    INTERLEAVED: tl.constexpr,
-):
-    # Every load is issued before any result is waited on (a padded row's loads are wasted, but
-    # an early return would put the slot load's latency in front of all the others).
-    token = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    position = tl.load(positions_ptr + token).to(tl.int64)
-    dtype = kv_a_ptr.dtype.element_ty  # the model dtype: where the torch path rounds
-    cache_dtype = cache_ptr.dtype.element_ty
-    row = kv_a_ptr + token * stride_kv_a
-    r = tl.arange(0, RANK_P)
-    r_ok = r < RANK
-    i = tl.arange(0, HALF_P)
-    i_ok = i < HALF
-    first, second = _pair_offsets(i, HALF, INTERLEAVED)
-    c = tl.load(row + r, mask=r_ok, other=0.0).to(tl.float32)  # [RANK_P]
-    weight = tl.load(norm_weight_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
-    x1 = tl.load(row + RANK + first, mask=i_ok, other=0.0).to(tl.float32)  # [HALF_P]
-    x2 = tl.load(row + RANK + second, mask=i_ok, other=0.0).to(tl.float32)
-    # Padded rows (slot -1) write nothing and may carry any position. (Masks spelled as full
-    # vectors: the interpreter rejects a scalar & vector mask.)
-    pair_ok = i_ok & ((slot + 0 * i) >= 0)  # [HALF_P]
-    rank_ok = r_ok & ((slot + 0 * r) >= 0)  # [RANK_P]
-    cos = _in_dtype(tl.load(cos_ptr + position * stride_cos + i, mask=pair_ok, other=0.0), dtype)
-    sin = _in_dtype(tl.load(sin_ptr + position * stride_cos + i, mask=pair_ok, other=0.0), dtype)
-    entry = cache_ptr + (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_slot
-
-    # RMSNorm (norm.py): normalise in float32, round, multiply by the weight, round.
-    variance = tl.sum(c * c, axis=0) / RANK
-    normed = _in_dtype(c * tl.rsqrt(variance + eps), dtype)
-    tl.store(entry + r, to_cache((weight * normed).to(dtype), inv_scale, cache_dtype), mask=rank_ok)
-    # RoPE of k_pe at the token's position.
-    o1, o2 = _rotate_pairs(x1, x2, cos, sin, dtype)
-    tl.store(entry + RANK + first, to_cache(o1.to(dtype), inv_scale, cache_dtype), mask=pair_ok)
-    tl.store(entry + RANK + second, to_cache(o2.to(dtype), inv_scale, cache_dtype), mask=pair_ok)
-
-
-def latent_write_triton(
-    kv_a: torch.Tensor,  # [num_tokens, kv_lora_rank + rope], may be a strided view
-    positions: torch.Tensor,  # [num_tokens] int
-    kv_a_layernorm: NormModule,  # over kv_lora_rank
-    rotary_emb: RotaryModule,  # rotary_dim == rope
-    kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_lora_rank + rope]
-    slot_mapping: torch.Tensor,  # [num_tokens] int64; slots < 0 are skipped
-    k_scale: float = 1.0,  # an FP8 cache (ops/attention/fp8_kv.py) stores [c | k_pe] / k_scale
-) -> None:
-    """Norm the latent, rotate k_pe and write [c | k_pe] into the cache, one launch."""
-    rank = kv_a_layernorm.hidden_size
-    weight = kv_a_layernorm.weight
-    if kv_a.dim() != 2 or kv_a.shape[-1] <= rank:
-        raise ValueError(
-            f"kv_a must be [num_tokens, kv_lora_rank + qk_rope_head_dim] with kv_lora_rank {rank}; "
-            f"got shape {tuple(kv_a.shape)}"
-        )
-    rope = kv_a.shape[-1] - rank
-    _check_cache(kv_cache, rank + rope)
-    if weight.shape != (rank,) or weight.dtype != kv_a.dtype:
-        raise ValueError(f"kv_a_layernorm.weight must be [{rank}] {kv_a.dtype}, got "
-                         f"{list(weight.shape)} {weight.dtype}")
-    num_tokens = kv_a.shape[0]
-    if positions.shape != (num_tokens,) or slot_mapping.shape != (num_tokens,):
-        raise ValueError(f"positions and slot_mapping must be [{num_tokens}], got "
-                         f"{list(positions.shape)} and {list(slot_mapping.shape)}")
-    cos, sin = _rope_tables(rotary_emb, rope, kv_a)
-    if num_tokens == 0:
-        return
-    kv_a = _unit_last_stride(kv_a)
-    _latent_write_kernel[(num_tokens,)](
-        kv_a, weight, positions, cos, sin, kv_cache, slot_mapping,
-        kv_a_layernorm.eps, 1.0 / check_scale("k_scale", k_scale), kv_a.stride(0), cos.stride(0),
-        kv_cache.stride(0), kv_cache.stride(1),
-        RANK=rank, RANK_P=triton.next_power_of_2(rank),
-        HALF=rope // 2, HALF_P=triton.next_power_of_2(max(rope // 2, 1)),
-        BLOCK_SIZE=kv_cache.shape[1], INTERLEAVED=rotary_emb.style == "gptj",
-        num_warps=4 if rank >= 512 else 1,
-    )
+from foretell.ops.attention.triton_paged_launch import _unit_last_stride
+from foretell.ops.common.protocols import RotaryModule
+from foretell.ops.mla.triton_rope import _rope_heads_kernel, _rope_tables, _rope_tile
 
 
 # ---------------------------------------------------------------------- per-head matmuls
@@ -235,46 +88,6 @@ def _head_matmul_tile(
         b = tl.load(b_cols + k[:, None] * stride_b_k, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc += tl.dot(a, b, input_precision=DOT_PRECISION)
     return acc
-
-
-@triton.jit
-def _rope_tile(
-    x_ptr,  # [num_tokens, num_heads, >= 2 * HALF] rows: the rope part of a head
-    out_ptr,  # same layout
-    positions_ptr,
-    cos_ptr,
-    sin_ptr,
-    num_tokens,
-    head,
-    t0,
-    stride_x_token,
-    stride_x_head,
-    stride_out_token,
-    stride_out_head,
-    stride_cos,
-    HALF: tl.constexpr,
-    HALF_P: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
-):
-    """RoPE of BLOCK_T tokens' rope part of one head, rounded as apply_rope_* rounds."""
-    dtype = out_ptr.dtype.element_ty
-    t = t0 + tl.arange(0, BLOCK_T)
-    i = tl.arange(0, HALF_P)
-    mask = (t < num_tokens)[:, None] & (i < HALF)[None, :]
-    t = t.to(tl.int64)
-    position = tl.load(positions_ptr + t, mask=t < num_tokens, other=0).to(tl.int64)
-    table = position[:, None] * stride_cos + i[None, :]
-    cos = _in_dtype(tl.load(cos_ptr + table, mask=mask, other=0.0), dtype)  # [BLOCK_T, HALF_P]
-    sin = _in_dtype(tl.load(sin_ptr + table, mask=mask, other=0.0), dtype)
-    first, second = _pair_offsets(i, HALF, INTERLEAVED)
-    src = x_ptr + t[:, None] * stride_x_token + head * stride_x_head
-    dst = out_ptr + t[:, None] * stride_out_token + head * stride_out_head
-    x1 = tl.load(src + first[None, :], mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + second[None, :], mask=mask, other=0.0).to(tl.float32)
-    o1, o2 = _rotate_pairs(x1, x2, cos, sin, dtype)
-    tl.store(dst + first[None, :], o1.to(dtype), mask=mask)
-    tl.store(dst + second[None, :], o2.to(dtype), mask=mask)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -327,46 +140,6 @@ def _head_matmul_kernel(
         n = n0 + tl.arange(0, BLOCK_N)
         out = out_ptr + t.to(tl.int64)[:, None] * stride_out_token + head * stride_out_head + n[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(t < num_tokens)[:, None] & (n < N)[None, :])
-
-
-@triton.jit
-def _rope_heads_kernel(
-    x_ptr,  # [num_tokens, num_heads, 2 * HALF] rows
-    out_ptr,  # same layout
-    positions_ptr,
-    cos_ptr,
-    sin_ptr,
-    stride_x_token,
-    stride_x_head,
-    stride_out_token,
-    stride_out_head,
-    stride_cos,
-    NUM_HEADS: tl.constexpr,
-    HALF: tl.constexpr,
-    HALF_P: tl.constexpr,
-    BLOCK_HEADS: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
-):
-    # Program (token, head block): absorb_query_triton's q_pe RoPE for prefill-sized T. One
-    # token per program with heads as rows (as pointwise/triton_kernels.rope_triton does): cos/sin are
-    # read once, and per-row position gathers (_rope_tile) ran several times slower here.
-    token = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)
-    dtype = out_ptr.dtype.element_ty
-    i = tl.arange(0, HALF_P)
-    i_ok = i < HALF
-    position = tl.load(positions_ptr + token).to(tl.int64)
-    cos = _in_dtype(tl.load(cos_ptr + position * stride_cos + i, mask=i_ok, other=0.0), dtype)[None, :]
-    sin = _in_dtype(tl.load(sin_ptr + position * stride_cos + i, mask=i_ok, other=0.0), dtype)[None, :]
-    mask = (heads < NUM_HEADS)[:, None] & i_ok[None, :]
-    first, second = _pair_offsets(i, HALF, INTERLEAVED)
-    src = x_ptr + token * stride_x_token + heads[:, None] * stride_x_head
-    dst = out_ptr + token * stride_out_token + heads[:, None] * stride_out_head
-    x1 = tl.load(src + first[None, :], mask=mask, other=0.0).to(tl.float32)  # [BLOCK_HEADS, HALF_P]
-    x2 = tl.load(src + second[None, :], mask=mask, other=0.0).to(tl.float32)
-    o1, o2 = _rotate_pairs(x1, x2, cos, sin, dtype)
-    tl.store(dst + first[None, :], o1.to(dtype), mask=mask)
-    tl.store(dst + second[None, :], o2.to(dtype), mask=mask)
 
 
 # Up to this many tokens the q_pe RoPE rides in absorb_query's matmul launch (one launch less at

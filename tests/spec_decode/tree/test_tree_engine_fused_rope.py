@@ -16,6 +16,7 @@ from fixtures.triton_interpreter import import_interpreted, interpreter_mode  # 
 
 import_interpreted("foretell.ops.pointwise.triton_kernels")
 import_interpreted("foretell.ops.attention.triton_paged")
+import_interpreted("foretell.ops.attention.triton_write_kv")
 import_interpreted("foretell.ops.attention.triton_rope_kv")
 fused = import_interpreted("foretell.ops.attention.triton_rope_paged")
 import_interpreted("foretell.ops.attention.triton_backend")

@@ -17,6 +17,7 @@ if torch.cuda.is_available():
 from fixtures.triton_interpreter import import_interpreted, interpreter_mode  # noqa: E402, F401
 
 import_interpreted("foretell.ops.attention.triton_paged")
+import_interpreted("foretell.ops.attention.triton_write_kv")
 import_interpreted("foretell.ops.attention.triton_backend")
 
 
