@@ -17,9 +17,9 @@ kv_b_proj, a model built without its quantization) the pair becomes one float32 
 to each block times its scale.
 
 Under tensor parallelism a parameter holding one rank's part of a checkpoint tensor says which
-part through `param.rank_slices` (shard id -> RankSlice, layers/linear.py). The loader hands its
-weight_loader only that part: from safetensors it reads only those bytes (get_slice; FP8 weights
-kept in FP8 and their scales too, the layer having checked that the cut falls on block
+part through `param.rank_slices` (shard id -> RankSlice, layers/rank_slices.py). The loader hands
+its weight_loader only that part: from safetensors it reads only those bytes (get_slice; FP8
+weights kept in FP8 and their scales too, the layer having checked that the cut falls on block
 boundaries), elsewhere (.bin files, FP8 tensors dequantized whole) it cuts the part from the
 whole tensor. The whole tensor's shape is checked either way.
 
@@ -44,7 +44,8 @@ from torch import nn
 
 from foretell.checkpoint_errors import CheckpointError, list_names
 from foretell.checkpoint_fp8 import FP8_DTYPES, FP8_SCALE_SUFFIX, Fp8Pairing
-from foretell.layers.linear import RankSlice, default_weight_loader
+from foretell.layers.rank_slices import RankSlice
+from foretell.layers.weight_loaders import default_weight_loader
 from foretell.weight_rules import WeightRules
 
 LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from foretell.layers.cpu_few_rows import few_rows_linear, fits_few_rows
-from foretell.layers.linear import make_param
+from foretell.layers.weight_loaders import make_param
 
 if TYPE_CHECKING:
     from foretell.ops.gemm.dispatch import SmallMGemm

@@ -1,13 +1,8 @@
-"""Linear layers whose parameters know how checkpoint tensors fill them.
+"""Linear layers: Linear, and the fused q/k/v (QKVLinear) and gate_up (MergedLinear) projections.
 
-Every parameter here carries `weight_loader(param, loaded_tensor, shard_id)`, the hook the generic
-loader calls. Unfused parameters take the whole tensor (shard_id None); fused ones take one named
-slice per checkpoint tensor and list the slices they expect in `param.shard_ids`, so the loader can
-tell a half-loaded fused parameter from a complete one.
-
-Values are converted with `tensor.to(param.dtype)` (by value, never by reinterpreting bits), and a
-tensor of the wrong shape raises ValueError with the expected and found shapes; the loader adds
-the parameter name, checkpoint key and file.
+Their parameters know how checkpoint tensors fill them: each carries a `weight_loader` hook
+(weight_loaders.py: the whole tensor for an unfused parameter, one named slice per checkpoint
+tensor for a fused one, converted by value and shape-checked).
 
 A Linear computes F.linear, or, once prepare_small_m_linears (small_m.py) has bound a
 SmallMGemm to it (on CUDA, before graph capture), lets that pick cuBLAS or the Triton GEMV for
@@ -16,12 +11,12 @@ verify's rows at the cost of about one row); `MergedLinear.forward_gated` is an 
 projection with its activation, which those kernels apply as their epilogue.
 
 Tensor parallelism (a TensorParallel with several ranks, distributed/tensor_parallel.py): the
-fused q/k/v and gate_up layers and ColumnParallelLinear (parallel_linear.py) hold this rank's rows of the output (no
-collective: their consumer works on its heads or columns); RowParallelLinear holds its columns of
-the input and sums the partial products over ranks. Such parameters also carry `rank_slices`
-(shard id -> RankSlice): which part of each checkpoint tensor this rank holds, so the loader
-reads only that part and the weight_loader gets it already cut. With one rank (the default)
-the layers are exactly the unsplit ones and carry no rank_slices.
+fused q/k/v and gate_up layers and ColumnParallelLinear (parallel_linear.py) hold this rank's rows
+of the output (no collective: their consumer works on its heads or columns); RowParallelLinear
+holds its columns of the input and sums the partial products over ranks. Such parameters also
+carry `rank_slices` (shard id -> RankSlice, rank_slices.py): which part of each checkpoint tensor
+this rank holds, so the loader reads only that part and the weight_loader gets it already cut.
+With one rank (the default) the layers are exactly the unsplit ones and carry no rank_slices.
 
 FP8 (`fp8_block` (rows, columns), issue 25): the layer holds `weight` in float8_e4m3fn as an FP8
 block-quantized checkpoint ships it, with float32 `weight_scale_inv` [ceil(out / rows), ceil(in /
@@ -29,13 +24,12 @@ columns)], and computes through ops/gemm/fp8_dispatch.fp8_linear. Both are copie
 float tensor for an FP8 weight is an error, not a conversion). A fused layer stacks its shards'
 blocks, so every shard but the last must fill whole blocks (`fp8_fits`; else the layer stays in
 the model dtype and the loader dequantizes its tensors). Tensor-parallel slices must cut along
-block boundaries (`block_slices`, checked at construction). `quantize_fp8_` turns a loaded float
-layer into the same layout (`quantization="fp8"`).
+block boundaries (`block_slices`, rank_slices.py, checked at construction). `quantize_fp8_` turns
+a loaded float layer into the same layout (`quantization="fp8"`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -44,173 +38,14 @@ from torch import nn
 
 from foretell.distributed.tensor_parallel import TensorParallel
 from foretell.layers.cpu_few_rows import few_rows_linear, fits_few_rows
+from foretell.layers.rank_slices import RankSlice, block_slices, even_slices, kv_head_shard, set_rank_slices
+from foretell.layers.weight_loaders import make_param, make_sharded_param, mark_fp8_dummy
 from foretell.ops.gemm.fp8_dispatch import fp8_linear
 from foretell.ops.gemm.fp8_reference import FP8_DTYPE, blocks, quantize_fp8_blocks
 from foretell.ops.pointwise.dispatch import silu_and_mul
 
 if TYPE_CHECKING:
     from foretell.ops.gemm.dispatch import SmallMGemm
-
-
-def check_shape(loaded: torch.Tensor, expected: Sequence[int], what: str) -> None:
-    if tuple(loaded.shape) != tuple(expected):
-        raise ValueError(
-            f"{what}: expected shape {tuple(expected)}, found shape {tuple(loaded.shape)}"
-        )
-
-
-def as_param_dtype(loaded: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
-    """loaded in param's dtype, converted by value; an FP8 parameter takes FP8 bits only (a float
-    tensor there means the checkpoint does not hold this layer in FP8)."""
-    if param.dtype == FP8_DTYPE and loaded.dtype != FP8_DTYPE:
-        raise ValueError(f"expected a float8_e4m3fn tensor (the layer is held in FP8, as the checkpoint's "
-                         f"quantization_config says), found {loaded.dtype}")
-    return loaded.to(param.dtype)
-
-
-def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
-    """Copy a whole checkpoint tensor into an unfused parameter, converting dtype by value."""
-    if shard_id is not None:
-        raise ValueError(f"parameter is not fused but was given shard {shard_id!r}")
-    check_shape(loaded, param.shape, "parameter")
-    with torch.no_grad():
-        param.copy_(as_param_dtype(loaded, param))
-
-
-def make_param(
-    shape: Sequence[int], dtype: torch.dtype | None, device: torch.device | str | None
-) -> nn.Parameter:
-    param = nn.Parameter(torch.empty(tuple(shape), dtype=dtype, device=device), requires_grad=False)
-    param.weight_loader = default_weight_loader
-    return param
-
-
-# Dummy weights (load_format="dummy") of an FP8 layer: unit-normal FP8 values times this scale,
-# so the real weight has the float layers' spread (loader.DUMMY_STD) without FP8 subnormals.
-FP8_DUMMY_SCALE = 0.02
-
-
-def mark_fp8_dummy(weight: nn.Parameter, scale: nn.Parameter) -> None:
-    weight.dummy_std = 1.0
-    scale.dummy_value = FP8_DUMMY_SCALE
-
-
-def fp8_fits(shard_sizes: Sequence[int], block_rows: int) -> bool:
-    """Whether shards stacked along the rows keep whole blocks: every shard but the last fills
-    whole `block_rows`-row blocks (the last may end in a partial one)."""
-    return all(size % block_rows == 0 for size in list(shard_sizes)[:-1])
-
-
-def block_slices(slices: dict[Any, RankSlice], block: tuple[int, int], what: str) -> dict[Any, RankSlice]:
-    """The rank slices of an FP8 weight's block scales, from the weight's: the same cut in blocks.
-    ValueError unless the cut falls on block boundaries."""
-    out = {}
-    for shard_id, part in slices.items():
-        b = block[part.dim]
-        ragged_end = part.start + part.size == part.full_size
-        if part.start % b or (part.size % b and not ragged_end):
-            axis = "rows" if part.dim == 0 else "columns"
-            raise ValueError(
-                f"{what}: tensor parallelism gives this rank {axis} {part.start}..{part.start + part.size} of "
-                f"{part.full_size}, which cuts inside the FP8 checkpoint's {b}-wide blocks "
-                f"(quantization_config.weight_block_size {list(block)}); choose a tensor_parallel_size whose "
-                f"share of {part.full_size} is a multiple of {b}"
-            )
-        out[shard_id] = RankSlice(part.dim, part.start // b, blocks(part.size, b), blocks(part.full_size, b))
-    return out
-
-
-@dataclass(frozen=True)
-class RankSlice:
-    """The part of a checkpoint tensor one rank holds: `size` entries from `start` along `dim`,
-    out of the checkpoint's `full_size` there (checked before cutting, so a misshapen tensor is
-    reported rather than cut to fit)."""
-
-    dim: int
-    start: int
-    size: int
-    full_size: int
-
-    def check_full_shape(self, shape: Sequence[int]) -> None:
-        if len(shape) <= self.dim or shape[self.dim] != self.full_size:
-            raise ValueError(
-                f"expected size {self.full_size} along dim {self.dim} (split over tensor-parallel "
-                f"ranks), found shape {tuple(shape)}"
-            )
-
-    def take(self, full: torch.Tensor) -> torch.Tensor:  # the checkpoint tensor -> this rank's part
-        self.check_full_shape(full.shape)
-        return full.narrow(self.dim, self.start, self.size)
-
-
-def even_slices(sizes: dict[Any, int], dim: int, tp: TensorParallel, what: str) -> dict[Any, RankSlice]:
-    """shard id -> this rank's even share of each checkpoint tensor along dim."""
-    slices = {}
-    for shard_id, size in sizes.items():
-        start, part = tp.even_shard(size, what)
-        slices[shard_id] = RankSlice(dim, start, part, size)
-    return slices
-
-
-def kv_head_shard(num_heads: int, num_kv_heads: int, tp: TensorParallel) -> tuple[int, int]:
-    """(first KV head, KV heads) this rank holds. KV heads are split like the query heads; with
-    fewer KV heads than ranks each rank holds the one its query heads attend to (replicated over
-    world_size / num_kv_heads ranks), which needs world_size to be a multiple of num_kv_heads."""
-    tp.even_shard(num_heads, "num_attention_heads")
-    if num_kv_heads >= tp.world_size:
-        return tp.even_shard(num_kv_heads, "num_key_value_heads")
-    if tp.world_size % num_kv_heads:
-        raise ValueError(
-            f"num_key_value_heads = {num_kv_heads} is fewer than tensor_parallel_size = "
-            f"{tp.world_size} and does not divide it (KV heads are then replicated, which needs "
-            f"tensor_parallel_size to be a multiple of num_key_value_heads)"
-        )
-    return tp.rank * num_kv_heads // tp.world_size, 1
-
-
-def set_rank_slices(param: nn.Parameter | None, slices: dict[Any, RankSlice], tp: TensorParallel) -> None:
-    if param is not None and tp.is_parallel:
-        param.rank_slices = slices
-
-
-class ShardedLoader:
-    """weight_loader for a parameter fused along dim 0 from named slices.
-
-    `shards` maps a shard id to (row offset, row count); a tensor for that shard must have the
-    parameter's shape with dim 0 replaced by the row count.
-    """
-
-    def __init__(self, shards: dict[Any, tuple[int, int]]):
-        self.shards = shards
-
-    def __call__(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
-        if shard_id not in self.shards:
-            raise ValueError(
-                f"fused parameter has shards {list(self.shards)}, was given shard {shard_id!r}"
-            )
-        offset, size = self.shards[shard_id]
-        check_shape(loaded, (size, *param.shape[1:]), f"shard {shard_id!r}")
-        with torch.no_grad():
-            param.narrow(0, offset, size).copy_(as_param_dtype(loaded, param))
-
-
-def make_sharded_param(
-    rest_shape: Sequence[int],
-    shard_sizes: dict[Any, int],
-    dtype: torch.dtype | None,
-    device: torch.device | str | None,
-) -> nn.Parameter:
-    """A parameter of shape [sum(shard_sizes), *rest_shape] filled slice by slice, in dict order."""
-    shards, offset = {}, 0
-    for shard_id, size in shard_sizes.items():
-        shards[shard_id] = (offset, size)
-        offset += size
-    param = nn.Parameter(
-        torch.empty((offset, *rest_shape), dtype=dtype, device=device), requires_grad=False
-    )
-    param.weight_loader = ShardedLoader(shards)
-    param.shard_ids = tuple(shard_sizes)
-    return param
 
 
 class Linear(nn.Module):
@@ -302,6 +137,12 @@ class Linear(nn.Module):
     def extra_repr(self) -> str:
         fp8 = "" if self.block_size is None else f", fp8 blocks {self.block_size[0]}x{self.block_size[1]}"
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}{fp8}"
+
+
+def fp8_fits(shard_sizes: Sequence[int], block_rows: int) -> bool:
+    """Whether shards stacked along the rows keep whole blocks: every shard but the last fills
+    whole `block_rows`-row blocks (the last may end in a partial one)."""
+    return all(size % block_rows == 0 for size in list(shard_sizes)[:-1])
 
 
 def fused_fp8_block(fp8_block: tuple[int, int] | None, shard_sizes: Sequence[int]) -> tuple[int, int] | None:

@@ -34,9 +34,10 @@ from torch import nn
 
 from foretell.distributed.tensor_parallel import TensorParallel
 from foretell.layers.attention.kv_scales import KVScales
-from foretell.layers.linear import MergedLinear, RankSlice, set_rank_slices
+from foretell.layers.linear import MergedLinear
 from foretell.layers.parallel_linear import ColumnParallelLinear, row_parallel_linear
 from foretell.layers.norm import RMSNorm
+from foretell.layers.rank_slices import RankSlice, set_rank_slices
 from foretell.layers.rotary import RotaryEmbedding
 from foretell.ops.attention.metadata import AttentionMetadata
 from foretell.ops.mla.dispatch import build_mla_backend

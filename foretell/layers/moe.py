@@ -53,9 +53,11 @@ import torch
 from torch import nn
 
 from foretell.distributed.tensor_parallel import TensorParallel
-from foretell.layers.linear import Linear, MergedLinear, RankSlice, make_param
+from foretell.layers.linear import Linear, MergedLinear
 from foretell.layers.parallel_linear import row_parallel_linear
 from foretell.layers.packed_experts import PackedExperts, expert_weight_rules  # noqa: F401 (models import them here)
+from foretell.layers.rank_slices import RankSlice
+from foretell.layers.weight_loaders import make_param
 from foretell.ops.moe.dispatch import route
 from foretell.ops.moe.reference import RouterConfig
 

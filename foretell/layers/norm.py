@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from foretell.ops.common import kernel_choice
-from foretell.layers.linear import make_param
+from foretell.layers.weight_loaders import make_param
 
 
 def rms_norm_torch(

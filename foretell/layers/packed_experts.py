@@ -31,7 +31,8 @@ import torch
 from torch import nn
 
 from foretell.distributed.tensor_parallel import TensorParallel
-from foretell.layers.linear import RankSlice, as_param_dtype, check_shape, make_param, mark_fp8_dummy, set_rank_slices
+from foretell.layers.rank_slices import RankSlice, set_rank_slices
+from foretell.layers.weight_loaders import as_param_dtype, check_shape, make_param, mark_fp8_dummy
 from foretell.ops.gemm.fp8_reference import FP8_DTYPE, blocks, quantize_fp8_blocks
 from foretell.ops.moe.dispatch import fused_experts
 from foretell.ops.moe.fp8_dispatch import fused_fp8_experts

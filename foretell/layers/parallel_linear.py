@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from foretell.distributed.tensor_parallel import TensorParallel
-from foretell.layers.linear import Linear, RankSlice, set_rank_slices
+from foretell.layers.linear import Linear
+from foretell.layers.rank_slices import RankSlice, set_rank_slices
 
 
 class ColumnParallelLinear(Linear):

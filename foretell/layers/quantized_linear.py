@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from foretell.layers.linear import Linear, check_shape, default_weight_loader
+from foretell.layers.linear import Linear
+from foretell.layers.weight_loaders import check_shape, default_weight_loader
 from foretell.layers.packed_experts import PackedExperts
 from foretell.ops.gemm.fp8_dispatch import fp8_linear
 from foretell.ops.gemm.fp8_reference import FP8_DTYPE, blocks, check_fp8_weight, quantize_fp8_per_channel

@@ -21,7 +21,8 @@ from torch import nn
 
 from foretell.distributed.tensor_parallel import TensorParallel
 from foretell.layers.embedding import LMHead, VocabEmbedding
-from foretell.layers.linear import RankSlice, check_shape, make_param
+from foretell.layers.rank_slices import RankSlice
+from foretell.layers.weight_loaders import check_shape, make_param
 
 
 class PaddedRowsLoader:

@@ -49,7 +49,9 @@ from foretell.layers.attention.kv_only import trailing_projection, write_rotated
 from foretell.layers.attention.qkv_block import attend_qkv
 from foretell.ops.attention.metadata import AttentionMetadata
 from foretell.layers.embedding import VocabEmbedding
-from foretell.layers.linear import QKVLinear, kv_head_shard, make_param
+from foretell.layers.linear import QKVLinear
+from foretell.layers.rank_slices import kv_head_shard
+from foretell.layers.weight_loaders import make_param
 from foretell.layers.parallel_linear import row_parallel_linear
 from foretell.layers.norm import RMSNorm
 from foretell.layers.rotary import RotaryEmbedding, rope_parameters_from_config

@@ -34,7 +34,8 @@ from foretell.layers.attention.kv_scales import kv_scale_rules
 from foretell.layers.attention.layer import Attention
 from foretell.layers.attention.qkv_block import ForwardRows, attend_qkv
 from foretell.ops.attention.metadata import AttentionMetadata
-from foretell.layers.linear import MergedLinear, QKVLinear, kv_head_shard
+from foretell.layers.linear import MergedLinear, QKVLinear
+from foretell.layers.rank_slices import kv_head_shard
 from foretell.layers.parallel_linear import row_parallel_linear
 from foretell.layers.norm import RMSNorm, rms_norm_torch
 from foretell.layers.rotary import RotaryEmbedding, rope_parameters_from_config

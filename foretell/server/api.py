@@ -36,7 +36,9 @@ from foretell.server.protocol import (
     ModelCard,
     ModelList,
 )
-from foretell.server.serving import ServingContext, create_chat_completion, create_completion
+from foretell.server.serving import ServingContext
+from foretell.server.serving_chat import create_chat_completion
+from foretell.server.serving_completion import create_completion
 from foretell.server.ui_routes import add_stats_route, add_ui_routes
 
 logger = logging.getLogger("foretell.server")

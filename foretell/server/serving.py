@@ -1,9 +1,12 @@
-"""What the endpoints do: turn a validated OpenAI request into engine requests, and the engine's
-final outputs into an OpenAI response (streams: see streaming.py).
+"""What the endpoints share: the ServingContext (the engine, the model's name, the front
+tokenizer's thread, the checks every request passes before the engine takes it), a request's
+SamplingParams, and the final outputs a non-streaming response is built from. The endpoints
+themselves turn a validated OpenAI request into engine requests, and the engine's final outputs
+into an OpenAI response: serving_completion.py (/v1/completions) and serving_chat.py
+(/v1/chat/completions); streams: see streaming.py.
 
-One API call becomes one engine request per prompt (each with n sequences); choice index
-i * n + j is prompt i's j-th sample, as OpenAI numbers them. A client that hangs up before its
-non-streaming response is ready has its requests aborted.
+A client that hangs up before its non-streaming response is ready has its requests aborted
+(collect_finals).
 
 Tokenization never runs on the event loop: a prompt (or chat) longer in characters than
 max_model_len tokens could possibly span is refused before it is tokenized, and the rest is
@@ -15,26 +18,20 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, field
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse
 
 from foretell.engine.outputs import CompletionOutput, RequestOutput
-from foretell.engine.sequence import Logprob
 from foretell.sampling_params import SamplingParams
 from foretell.server.async_engine import AsyncEngine, EngineDeadError, OutputStream, PromptSpec
 from foretell.server.async_engine import RequestFailedError
-from foretell.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from foretell.server.protocol import SamplingRequestFields, usage
-from foretell.server.streaming import Delta, request_failure, sse_response
-from foretell.server.tool_calls import ToolCallStream, ToolPlan, chat_message, message_dicts, plan_tools
-from foretell.server.tool_calls import render_with_tools, structured_outputs_of
+from foretell.server.protocol import APIError, SamplingRequestFields
+from foretell.server.streaming import request_failure
+from foretell.server.tool_calls import structured_outputs_of
 from foretell.server.tool_parsers import check_tool_call_parser
 from foretell.server.token_origins import origins_json
 
@@ -173,255 +170,6 @@ def new_id(prefix: str) -> str:
 
 def finite(x: float) -> float:
     return x if x == x and x > LOGPROB_FLOOR else LOGPROB_FLOOR  # x == x is False for NaN
-
-
-# ---------------------------------------------------------------------------------- completion
-
-
-async def completion_prompts(req: CompletionRequest, ctx: ServingContext, request_id: str) -> tuple[list[PromptSpec], list[str]]:
-    """Engine prompts of a completion request, and each prompt's text (for echo)."""
-    raw = req.prompt
-    if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
-        raw = [raw]
-    scores_prompt = req.echo and req.logprobs is not None
-    if scores_prompt and req.stream:
-        raise APIError(400, "echo with logprobs (prompt scoring) is supported without streaming; "
-                       "set stream to false", param="echo")
-    if req.best_of is not None and req.best_of != req.n:
-        raise APIError(400, "best_of is not supported (only best_of == n)", param="best_of")
-    if req.suffix:
-        raise APIError(400, "suffix is not supported by this server", param="suffix")
-    params = sampling_params(req, req.max_tokens, req.logprobs)
-    if scores_prompt:
-        params = replace(params, prompt_logprobs=req.logprobs)
-    ctx.check_ready()
-    max_model_len = ctx.engine.max_model_len
-    for i, item in enumerate(raw):
-        if isinstance(item, str):
-            if not item:
-                raise APIError(400, f"prompt {i} is an empty string", param="prompt")
-            ctx.check_prompt_chars(len(item), f"prompt {i}", "prompt")
-        elif len(item) >= max_model_len:
-            raise APIError(400, f"prompt {i} is {len(item)} tokens, but max_model_len is "
-                           f"{max_model_len}: shorten the prompt", param="prompt", code="prompt_too_long")
-    tokenized = await ctx.on_tokenizer_thread(tokenize_prompts, ctx.engine.tokenizer, raw, req.echo)
-    specs, texts = [], []
-    for i, (token_ids, text) in enumerate(tokenized):
-        if not token_ids:
-            raise APIError(400, f"prompt {i} encodes to no tokens", param="prompt")
-        specs.append(PromptSpec(f"{request_id}-{i}", {"prompt": text or None, "prompt_token_ids": token_ids}, params))
-        texts.append(text)
-    return specs, texts
-
-
-def tokenize_prompts(tokenizer, prompts: list, decode_ids: bool) -> list[tuple[list[int], str]]:
-    """On the tokenizer thread: (token ids, text) of each prompt; token-id prompts get their
-    text only when asked (echo)."""
-    out = []
-    for item in prompts:
-        if isinstance(item, str):
-            out.append((tokenizer.encode(item), item))
-        else:
-            text = tokenizer.decode(item, skip_special_tokens=False) if decode_ids else ""
-            out.append((list(item), text))
-    return out
-
-
-def completion_logprobs(ctx: ServingContext, logprobs: list[Logprob], offset: int) -> dict[str, Any]:
-    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
-    for lp in logprobs:
-        token = ctx.token_string(lp.token_id)
-        tokens.append(token)
-        token_logprobs.append(finite(lp.logprob))
-        top = {ctx.token_string(t): finite(v) for t, v in lp.top.items()}
-        top.setdefault(token, finite(lp.logprob))
-        top_logprobs.append(top)
-        text_offset.append(offset)
-        offset += len(token)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
-            "text_offset": text_offset}
-
-
-def echo_logprobs(ctx: ServingContext, out, completion: dict | None) -> dict:
-    """OpenAI's echo + logprobs layout: the prompt's tokens (the first without a log-prob), then
-    the completion's, with text offsets running through both."""
-    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
-    offset = 0
-    for token_id, lp in zip(out.prompt_token_ids, out.prompt_logprobs):
-        token = ctx.token_string(token_id)
-        tokens.append(token)
-        text_offset.append(offset)
-        offset += len(token)
-        if lp is None:
-            token_logprobs.append(None)
-            top_logprobs.append(None)
-            continue
-        token_logprobs.append(finite(lp.logprob))
-        top = {ctx.token_string(t): finite(v) for t, v in lp.top.items()}
-        top.setdefault(token, finite(lp.logprob))
-        top_logprobs.append(top)
-    merged = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
-              "text_offset": text_offset}
-    if completion is not None:
-        for key in merged:
-            merged[key] = merged[key] + completion[key]
-    return merged
-
-
-async def create_completion(req: CompletionRequest, ctx: ServingContext, raw: Request):
-    ctx.check_model(req.model)
-    request_id = new_id("cmpl")
-    specs, prompt_texts = await completion_prompts(req, ctx, request_id)
-    stream = await ctx.submit(specs, "prompt")
-    index_of = {spec.request_id: i for i, spec in enumerate(specs)}
-    base = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": ctx.model_name}
-    echo = prompt_texts if req.echo else [""] * len(specs)
-
-    def choice(prompt_index: int, c: CompletionOutput, text: str, new_logprobs, offset: int) -> dict:
-        return {
-            "index": prompt_index * req.n + c.index,
-            "text": text,
-            "logprobs": completion_logprobs(ctx, new_logprobs, offset) if new_logprobs is not None else None,
-            "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason,
-        }
-
-    if req.stream:
-        def chunk(rid: str, c: CompletionOutput, delta: Delta) -> dict | None:
-            i = index_of[rid]
-            text = (echo[i] if delta.first else "") + delta.text
-            if not text and delta.logprobs is None and delta.finish_reason is None and delta.token_origins is None:
-                return None
-            ch = choice(i, c, text, delta.logprobs, delta.text_offset)
-            ch["finish_reason"], ch["stop_reason"] = delta.finish_reason, delta.stop_reason
-            if req.return_token_origins:
-                ch["token_origins"] = ctx.origins_json(c, delta.token_origins)
-            return {**base, "choices": [ch]}
-
-        return sse_response(stream, lambda: ctx.engine.abort(stream), req, chunk, base, req.logprobs is not None)
-
-    finals = await collect_finals(ctx, stream, raw)
-    choices = []
-    for out in sorted(finals, key=lambda o: index_of[o.request_id]):
-        i = index_of[out.request_id]
-        for c in out.outputs:
-            logprobs = c.logprobs if req.logprobs is not None else None
-            ch = choice(i, c, echo[i] + c.text, logprobs, len(echo[i]))
-            if req.echo and req.logprobs is not None:
-                ch["logprobs"] = echo_logprobs(ctx, out, ch["logprobs"])
-            if req.return_token_origins:
-                ch["token_origins"] = ctx.origins_json(c, c.token_origins)
-            choices.append(ch)
-    return JSONResponse({**base, "choices": choices, "usage": usage(finals)})
-
-
-# ---------------------------------------------------------------------------------------- chat
-
-
-async def chat_prompt(req: ChatCompletionRequest, ctx: ServingContext, tools: list[dict] | None = None) -> list[int]:
-    messages = message_dicts(req)
-    ctx.check_ready()
-    ctx.check_prompt_chars(sum(len(m["content"]) for m in messages), "the messages' content", "messages")
-    return await ctx.on_tokenizer_thread(render_chat, ctx.engine.tokenizer, messages, req.add_generation_prompt, tools)
-
-
-def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
-    """On the tokenizer thread: the chat template's token ids, or a 400 naming the failure."""
-    code = None
-    try:
-        if tools:
-            return render_with_tools(tokenizer, messages, add_generation_prompt, tools)
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-    except ValueError as e:  # the tokenizer has no chat template
-        message, code = str(e), "no_chat_template"
-    except Exception as e:  # a template can raise anything (jinja2 errors, raise_exception(...))
-        message = f"the chat template failed on these messages: {e}"
-    # Raised outside the except blocks, so the error carries no template traceback (whose frames
-    # hold the messages) and no reference cycle keeps them alive after the response.
-    raise APIError(400, message, param="messages", code=code)
-
-
-def chat_logprobs(ctx: ServingContext, logprobs: list[Logprob], num_top: int) -> dict[str, Any]:
-    def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        token = ctx.token_string(token_id)
-        return {"token": token, "logprob": finite(logprob), "bytes": list(token.encode("utf-8"))}
-
-    content = []
-    for lp in logprobs:
-        top = sorted(lp.top.items(), key=lambda kv: -kv[1])[:num_top]
-        content.append({**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in top]})
-    return {"content": content}
-
-
-async def create_chat_completion(req: ChatCompletionRequest, ctx: ServingContext, raw: Request):
-    ctx.check_model(req.model)
-    if req.top_logprobs is not None and not req.logprobs:
-        raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
-    num_top = req.top_logprobs or 0
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = sampling_params(req, max_tokens, num_top if req.logprobs else None)
-    plan = plan_tools(req, getattr(ctx.engine.tokenizer.hf, "chat_template", None), ctx.tool_call_parser)
-    if plan.constraint is not None:  # tool_choice required or named: the call's grammar
-        params = replace(params, structured_outputs=plan.constraint)
-    request_id = new_id("chatcmpl")
-    prompt = {"prompt_token_ids": await chat_prompt(req, ctx, plan.tools)}
-    stream = await ctx.submit([PromptSpec(request_id, prompt, params)], "messages")
-    base = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": ctx.model_name}
-
-    def logprobs_of(lps: list[Logprob] | None) -> dict | None:
-        return chat_logprobs(ctx, lps, num_top) if req.logprobs and lps is not None else None
-
-    if req.stream:
-        chunk_base = {**base, "object": "chat.completion.chunk"}
-        tool_streams: dict[int, ToolCallStream] = {}
-
-        def chunk(rid: str, c: CompletionOutput, delta: Delta) -> dict | None:
-            if plan.active:
-                return tool_chunk(chunk_base, c, delta, tool_streams.setdefault(c.index, ToolCallStream(plan.parser)),
-                                  logprobs_of(delta.logprobs))
-            message = {"role": "assistant", "content": delta.text} if delta.first else {"content": delta.text}
-            if (not delta.first and not delta.text and delta.logprobs is None
-                    and delta.finish_reason is None and delta.token_origins is None):
-                return None
-            if delta.finish_reason is not None and not delta.text and not delta.first:
-                message = {}
-            ch = {"index": c.index, "delta": message, "logprobs": logprobs_of(delta.logprobs),
-                  "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
-            if req.return_token_origins:
-                ch["token_origins"] = ctx.origins_json(c, delta.token_origins)
-            return {**chunk_base, "choices": [ch]}
-
-        return sse_response(stream, lambda: ctx.engine.abort(stream), req, chunk, chunk_base, req.logprobs)
-
-    finals = await collect_finals(ctx, stream, raw)
-    choices = [final_chat_choice(c, plan, logprobs_of(c.logprobs)) for out in finals for c in out.outputs]
-    if req.return_token_origins:
-        for ch, c in zip(choices, (c for out in finals for c in out.outputs)):
-            ch["token_origins"] = ctx.origins_json(c, c.token_origins)
-    return JSONResponse({**base, "choices": choices, "usage": usage(finals)})
-
-
-def final_chat_choice(c: CompletionOutput, plan: ToolPlan, logprobs: dict | None) -> dict:
-    message, called = chat_message(c.text, plan)
-    finish = "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason
-    return {"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish,
-            "stop_reason": c.stop_reason}
-
-
-def tool_chunk(base: dict, c: CompletionOutput, delta: Delta, tools: ToolCallStream, logprobs: dict | None) -> dict | None:
-    """A chat chunk of a request whose output is parsed for tool calls (server/tool_calls.py)."""
-    finished = delta.finish_reason is not None
-    content, calls = tools.feed(delta.text, finished)
-    message = {"role": "assistant"} if delta.first else {}
-    if content:
-        message["content"] = content
-    if calls:
-        message["tool_calls"] = calls
-    if not message and logprobs is None and not finished:
-        return None
-    finish = "tool_calls" if finished and tools.called and delta.finish_reason == "stop" else delta.finish_reason
-    return {**base, "choices": [{"index": c.index, "delta": message, "logprobs": logprobs,
-                                 "finish_reason": finish, "stop_reason": delta.stop_reason}]}
 
 
 # ------------------------------------------------------------------------- collecting outputs

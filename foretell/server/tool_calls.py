@@ -1,4 +1,4 @@
-"""Structured outputs and tool calling on the server's side (serving.py calls these).
+"""Structured outputs and tool calling on the server's side (serving.py and serving_chat.py call these).
 
 - structured_outputs_of(): OpenAI's response_format ({"type": "json_object"} and {"type":
   "json_schema", "json_schema": {"schema": ...}}) or vLLM's structured_outputs field, as

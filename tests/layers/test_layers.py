@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from foretell.layers.activation import SiluAndMul
 from foretell.layers.embedding import LMHead, VocabEmbedding
-from foretell.layers.linear import Linear, MergedLinear, QKVLinear, default_weight_loader
+from foretell.layers.linear import Linear, MergedLinear, QKVLinear
+from foretell.layers.weight_loaders import default_weight_loader
 from foretell.layers.norm import RMSNorm
 from foretell.layers.rotary import FREQUENCY_BUILDERS, RotaryEmbedding, rope_parameters_from_config
 from foretell.models.base import HFConfig
