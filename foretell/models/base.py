@@ -248,10 +248,16 @@ class CausalLM(torch.nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab] float32
         return self.lm_head(hidden)
 
+    @property
+    def splits_vocabulary(self) -> bool:
+        """Whether each tensor-parallel rank holds a share of the vocabulary: compute_logits then
+        gathers whole rows, compute_greedy_tokens does not."""
+        return self.options.tensor_parallel.is_parallel
+
     def compute_greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n] int64
         """The greedy tokens of compute_logits' rows; with the vocabulary split over ranks, without
         gathering the logits (ParallelLMHead.greedy_tokens)."""
-        if self.options.tensor_parallel.is_parallel:
+        if self.splits_vocabulary:
             return self.lm_head.greedy_tokens(hidden)
         return self.lm_head(hidden).argmax(dim=-1)
 

@@ -55,6 +55,10 @@ class KimiK25ForConditionalGeneration(nn.Module):
     def compute_greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n] int64
         return self.language_model.compute_greedy_tokens(hidden)
 
+    @property
+    def splits_vocabulary(self) -> bool:
+        return self.language_model.splits_vocabulary
+
     def attention_layers(self) -> list[nn.Module]:
         return self.language_model.attention_layers()
 

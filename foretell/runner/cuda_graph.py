@@ -24,7 +24,7 @@ from the buffers.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
@@ -39,6 +39,9 @@ from foretell.ops.step.verify_to_decode import verify_to_decode_inputs
 from foretell.runner import graph_inputs
 from foretell.runner.input_batch import InputBatch, build_block_table
 
+if TYPE_CHECKING:
+    from foretell.runner.split_step import ForwardRows
+
 logger = logging.getLogger("foretell")
 
 
@@ -49,13 +52,27 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     return [b for b in buckets if b < max_num_seqs] + [max_num_seqs]
 
 
-@dataclass
 class CapturedForward:
-    graph: "torch.cuda.CUDAGraph | None"  # None: uncaptured (off CUDA), run() recomputes
-    hidden: torch.Tensor  # [B * q, hidden]
-    aux: list[torch.Tensor]  # each [B * q, hidden]
-    logits: torch.Tensor  # [B * q, vocab] float32
-    greedy: torch.Tensor  # [B * q] int64: each row's argmax, what greedy sampling picks
+    """A (bucket, q) forward's outputs: a graph's static tensors, or an uncaptured run's. An
+    uncaptured forward of a model whose vocabulary is split over tensor-parallel ranks takes its
+    greedy tokens from each rank's row maxima and gathers the whole logits rows only when a reader
+    asks for them (a greedy step asks for none): `logits` may be given as a function of nothing."""
+
+    __slots__ = ("graph", "hidden", "aux", "greedy", "_logits")
+
+    def __init__(self, graph: "torch.cuda.CUDAGraph | None", hidden: torch.Tensor, aux: list[torch.Tensor],
+                 logits: "torch.Tensor | Callable[[], torch.Tensor]", greedy: torch.Tensor):
+        self.graph = graph  # None: uncaptured (off CUDA), run() recomputes
+        self.hidden = hidden  # [B * q, hidden]
+        self.aux = aux  # each [B * q, hidden]
+        self._logits = logits
+        self.greedy = greedy  # [B * q] int64: each row's argmax, what greedy sampling picks
+
+    @property
+    def logits(self) -> torch.Tensor:  # [B * q, vocab] float32
+        if callable(self._logits):
+            self._logits = self._logits()
+        return self._logits
 
 
 class CudaGraphRunner:
@@ -123,8 +140,12 @@ class CudaGraphRunner:
         )
 
     def _forward(self, bucket: int, q: int):
+        """(hidden, aux, logits, greedy) of graph `key`'s rows; uncaptured with the vocabulary split
+        over ranks, logits as a function (CapturedForward) and greedy from the ranks' row maxima."""
         rows = bucket * q
         hidden, aux = self.model(self.input_ids[:rows], self.positions[:rows], self._metadata(bucket, q))
+        if not self.captures and getattr(self.model, "splits_vocabulary", False):
+            return hidden, aux, lambda: self.model.compute_logits(hidden), self.model.compute_greedy_tokens(hidden)
         logits = self.model.compute_logits(hidden)
         return hidden, aux, logits, argmax_rows(logits)
 
@@ -202,17 +223,19 @@ class CudaGraphRunner:
         self._write_inputs(batch, key)
         return self.replay(key)
 
-    def load(self, batch: InputBatch, key: tuple[int, int], hidden: torch.Tensor, aux: list[torch.Tensor],
-             logits: torch.Tensor) -> CapturedForward:
+    def load(self, batch: InputBatch, key: tuple[int, int], computed: "ForwardRows") -> CapturedForward:
         """run() for a batch whose forward ran elsewhere (one eager forward over a split batch's
         verifies and prompt chunks: split_step.py): its inputs written as run() writes them, its
-        outputs (hidden [rows, hidden], aux, logits [rows, vocab] float32 of its rows) put where a
-        replay of graph `key` leaves them, for the verification and the draft loop to read."""
+        outputs (hidden [rows, hidden], aux, logits [rows, vocab] float32 of its rows, greedy
+        tokens) put where a replay of graph `key` leaves them, for the verification and the draft
+        loop to read (uncaptured, logits still gathered only when read)."""
         self._write_inputs(batch, key)
-        rows, greedy = batch.num_tokens, argmax_rows(logits)  # greedy [rows] int64
+        rows = batch.num_tokens
         if self.captures:
-            out = self.graphs[key]
-            for static, value in zip([out.hidden, *out.aux, out.logits, out.greedy], [hidden, *aux, logits, greedy]):
+            out, logits = self.graphs[key], computed.logits
+            greedy = argmax_rows(logits) if computed.greedy is None else computed.greedy  # [rows] int64
+            for static, value in zip([out.hidden, *out.aux, out.logits, out.greedy],
+                                     [computed.hidden, *computed.aux, logits, greedy]):
                 static[:rows].copy_(value)
             return out
         padded_rows = key[0] * key[1]  # as an uncaptured forward's outputs: the bucket's rows
@@ -220,9 +243,10 @@ class CudaGraphRunner:
         def padded(t: torch.Tensor) -> torch.Tensor:
             return t if t.shape[0] == padded_rows else torch.cat([t, t.new_zeros(padded_rows - rows, *t.shape[1:])])
 
+        greedy = argmax_rows(computed.logits) if computed.greedy is None else computed.greedy
         self.graphs.clear()
-        self.graphs[key] = CapturedForward(None, padded(hidden), [padded(a) for a in aux], padded(logits),
-                                           padded(greedy))
+        self.graphs[key] = CapturedForward(None, padded(computed.hidden), [padded(a) for a in computed.aux],
+                                           lambda: padded(computed.logits), padded(greedy))
         return self.graphs[key]
 
     def _write_inputs(self, batch: InputBatch, key: tuple[int, int]) -> None:

@@ -175,14 +175,13 @@ class StepGraphSetup:
         (--enforce-eager, a backend that reads host lengths, a refused capture, the CPU) the same
         static buffers run eagerly, for a drafter whose loop runs padded and for one that drafts on
         the host (n-gram, suffix, hybrid: its verifies take host_draft_verify_lens' few lengths, as
-        on the graphs).
-        None without a drafter, and under tensor parallelism (its forward gathers whole logits: the
-        host step's greedy_without_logits avoids that)."""
+        on the graphs), tensor-parallel ranks over gloo included (a greedy step gathers no logits
+        there: CapturedForward). None without a drafter."""
         if self.uses_tree:  # tree steps verify on the host (tree_step.py)
             return None
         if target is not None:
             return target
-        if self.proposer is None or self.tensor_parallel.is_parallel:
+        if self.proposer is None:
             return None
         graph_safe = all(layer.backend.graph_safe for layer in self.model.attention_layers())
         return self.graph_runner(capture_graphs=False, reads_host_lengths=not graph_safe)

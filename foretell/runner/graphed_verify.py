@@ -365,7 +365,9 @@ class GraphedVerify:
         self.num_steps += 1
         self.num_controlled_steps += extras.controls is not None
         self.num_logprob_steps += extras.logprobs is not None
-        raw_logits = outputs.logits[: n * q].view(n, q, -1)  # [n, q, vocab] float32
+        # [n, q, vocab] float32; none for greedy rows without controls, logprobs or grammars (under
+        # tensor parallelism an uncaptured forward then gathers no logits: CapturedForward)
+        raw_logits = outputs.logits[: n * q].view(n, q, -1) if sampled is not None or extras.reads_logits else None
         # What verification reads: the processed logits [n, q, vocab] and what greedy rows pick [n, q].
         logits, greedy = extras.process(raw_logits, drafts_in, greedy)
         if sampled is None:

@@ -5,11 +5,11 @@
   - requests under a grammar whose step no device step takes (a drafter's verify takes the
     padded step with the grammar's masks: structured/padded_verify.py; plain decoding without a
     drafter, when it decides ahead, runner/decode_ahead.py);
-  - draft trees (tree_step.py verifies them, this step drafts them);
-  - tensor parallelism (greedy_without_logits below). Host drafters (n-gram, suffix) and hybrid
-    drafters verify on the padded step, with graphs or without (runner/host_drafts.py); in the
-    batches this step takes a host drafter gets a DraftBatch of host lists, no rows gathered, and
-    propose() here serves a hybrid after the padded step too, over that step's rows.
+  - draft trees (tree_step.py verifies them, this step drafts them).
+Host drafters (n-gram, suffix) and hybrid drafters verify on the padded step, with graphs or
+without (runner/host_drafts.py); in the batches this step takes a host drafter gets a DraftBatch
+of host lists, no rows gathered, and propose() here serves a hybrid after the padded step too,
+over that step's rows. Tensor-parallel ranks verify on the padded step too (over gloo eagerly).
 Greedy and sampled rows, requests asking for logprobs (runner/logprobs.py) or using the other
 logits controls (penalties, logit_bias, bad words, min_tokens, allowed tokens: device state,
 runner/padded_logits_controls.py), and sequences with fewer drafts than the step verifies
@@ -30,7 +30,8 @@ Under tensor parallelism a step whose sampling rows are all greedy and ask for n
 no logits: greedy_without_logits() says so (the one place that decides), the runner then hands
 sample_greedy() the model's greedy tokens (compute_greedy_tokens: each rank's row maxima, one
 small all-gather) instead of whole vocabulary rows gathered from every rank. With one rank the
-step always takes logits, as before.
+step always takes logits, as before. (The padded step's uncaptured forward does the same on its
+own: runner/cuda_graph.CapturedForward gathers logits only when a reader asks.)
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class HostStep:
         self.draft_probs: dict[int, torch.Tensor] = {}  # seq_id -> [k, vocab] for sampled drafts
         self.structured = structured or StructuredOutputs(None, vocab_size)
         self.skip_catch_up = skip_catch_up
+        self.num_verify_steps = 0  # steps whose drafts this step verified (the rare batch no padded step fits)
 
     def _sampling_rows(self, sched: SchedulerOutput, batch: InputBatch):
         params, seeds = [], []
@@ -101,6 +103,7 @@ class HostStep:
         target's greedy token at each sampling row."""
         items = [sched.scheduled[i] for i in batch.sampling_seq_index]
         if any(item.draft_token_ids for item in items):
+            self.num_verify_steps += 1
             for item in items:  # greedy sequences keep no draft probabilities; drop any left
                 self._pop_draft_probs(item)
             verify = self.verifier.verify_greedy(greedy, [item.draft_token_ids for item in items],
@@ -122,6 +125,7 @@ class HostStep:
         logits = self.structured.mask_logits(logits, items, copy=logits is raw_logits and sampling.max_num_logprobs >= 0,
                                              fallback=raw_logits)
         if any(item.draft_token_ids for item in items):
+            self.num_verify_steps += 1
             drafts = [item.draft_token_ids for item in items]
             probs = [self._pop_draft_probs(item) for item in items]
             verify = self.verifier.verify(logits, drafts, probs, sampling, [item.accept_limit for item in items])

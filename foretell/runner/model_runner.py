@@ -11,9 +11,10 @@ Under tensor parallelism one runner runs in each rank's worker process (worker_e
 with the rank's TensorParallel and device: the target (and MTP layers) hold the rank's slices,
 EAGLE3 heads and draft models are whole on every rank, every rank gets the same KV block count
 (the fewest any rank can hold), and every rank computes the same tokens (whole logits, one
-noise seed; a step of greedy rows only takes greedy tokens without gathering the logits,
-HostStep.greedy_without_logits). Over NCCL it captures its graphs, collectives included, and
-queues steps ahead; over gloo it runs eagerly (distributed/graph_capture.py says why).
+noise seed; a step of greedy rows only takes greedy tokens without gathering the logits: the
+padded step's uncaptured forward, CapturedForward, and HostStep.greedy_without_logits). Over NCCL
+it captures its graphs, collectives included, and queues steps ahead; over gloo it runs the padded
+step eagerly and queues nothing ahead (distributed/graph_capture.py says why).
 
 execute(): the step the pipeline queued ahead when the scheduler's batch is that step; else a
 device step the pipeline launches for the batch (a plain decode step, decode_ahead.py; a padded
@@ -284,7 +285,7 @@ class ModelRunner:
         verify_rows, prefill_rows = forward_split(self.model, plan, split.prefill, self.cache_plan.block_size,
                                                   self.max_model_len, self.device)
         kind = self.padded_verify
-        forward = kind.graphs.load(plan.batch, plan.key, verify_rows.hidden, verify_rows.aux, verify_rows.logits)
+        forward = kind.graphs.load(plan.batch, plan.key, verify_rows)
         verified = self._finish_device_step(split.verify, kind.launch_planned(split.verify, plan, forward), t0,
                                             queue_next=False)
         draft_s = self.last_times.draft_s
@@ -313,9 +314,11 @@ class ModelRunner:
         rows of a forward that already ran (a split batch's)."""
         results = [SequenceResult() for _ in sched.scheduled]
         greedy = None  # [rows] int64: a tensor-parallel step of greedy rows only takes no logits
+        greedy_only = self.host_step.greedy_without_logits(sched, batch)
         if computed is not None:
-            hidden, aux, logits = computed.hidden, computed.aux, computed.logits
-        elif self.host_step.greedy_without_logits(sched, batch):
+            hidden, aux = computed.hidden, computed.aux
+            greedy, logits = (computed.greedy, None) if greedy_only else (None, computed.logits)
+        elif greedy_only:
             hidden, aux, greedy = self.target_forward(batch, greedy_tokens=True)
         else:
             hidden, aux, logits = self.target_forward(batch)  # logits [rows, vocab] float32
@@ -375,10 +378,13 @@ class ModelRunner:
 
     def graph_state(self) -> dict:
         """Whether this runner captured its graphs and queues steps ahead, and why not when not
-        (distributed/graph_capture.py decides for tensor parallelism)."""
+        (distributed/graph_capture.py decides for tensor parallelism), and how many steps verified
+        drafts on the padded step and how many on the host step."""
         return {"allowed": self.graph_decision.allowed, "reason": self.graph_decision.reason,
                 "captured": self.graphs is not None and self.graphs.captures,
-                "queue_ahead": self.pipeline.queue_ahead}
+                "queue_ahead": self.pipeline.queue_ahead,
+                "padded_verify_steps": self.padded_verify.num_steps if self.padded_verify is not None else 0,
+                "host_verify_steps": self.host_step.num_verify_steps}
 
     def runner_stats(self) -> dict:
         """What the runner adds to get_stats(): the drafter's (Proposer.stats) and the step

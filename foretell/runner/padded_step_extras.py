@@ -76,7 +76,13 @@ class PaddedStepExtras:
         return cls(PaddedLogprobs.for_params([seq.sampling_params for seq in seqs], device),
                    PaddedLogitsControls.for_sequences(seqs, vocab_size, device))
 
-    def process(self, raw_logits: torch.Tensor, drafts: torch.Tensor,
+    @property
+    def reads_logits(self) -> bool:
+        """Whether any of them reads the step's logits (a greedy step without them reads only its
+        greedy tokens)."""
+        return self.controls is not None or self.logprobs is not None or self.grammar is not None
+
+    def process(self, raw_logits: torch.Tensor | None, drafts: torch.Tensor,
                 greedy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The logits verification reads and each row's greedy token: raw_logits [n, q, vocab]
         float32 and greedy [n, q] as they are without controls or grammars, else processed (a new

@@ -15,7 +15,7 @@ drafts are verified in one place, and the mixed batch costs one pass over the we
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -66,14 +66,24 @@ class SplitBatch:
         return results
 
 
-@dataclass
 class ForwardRows:
     """A part of one forward's outputs: hidden [rows, hidden], aux (each [rows, hidden]) and the
-    logits of its sampling rows [sampling rows, vocab] float32."""
+    logits of its sampling rows [sampling rows, vocab] float32. With the vocabulary split over
+    tensor-parallel ranks the logits are gathered only when read (`logits_of`), and `greedy`
+    [sampling rows] int64 holds the rows' greedy tokens from each rank's row maxima."""
 
-    hidden: torch.Tensor
-    aux: list[torch.Tensor]
-    logits: torch.Tensor
+    def __init__(self, hidden: torch.Tensor, aux: list[torch.Tensor],
+                 logits: "torch.Tensor | Callable[[], torch.Tensor]", greedy: torch.Tensor | None = None):
+        self.hidden = hidden
+        self.aux = aux
+        self.logits_of = logits  # the tensor, or the function that gathers it
+        self.greedy = greedy
+
+    @property
+    def logits(self) -> torch.Tensor:  # [sampling rows, vocab] float32
+        if callable(self.logits_of):
+            self.logits_of = self.logits_of()
+        return self.logits_of
 
 
 def forward_split(model, plan: "VerifyPlan", prefill: SchedulerOutput, block_size: int, max_model_len: int,
@@ -84,7 +94,12 @@ def forward_split(model, plan: "VerifyPlan", prefill: SchedulerOutput, block_siz
     in its own batch's order)."""
     batch = rows_within(build_input_batch(plan.items + prefill.scheduled, block_size, device), max_model_len)
     hidden, aux = model(batch.input_ids, batch.positions, batch.attn_metadata)  # [rows, hidden]
-    logits = model.compute_logits(hidden[batch.logits_rows])  # [verify rows + prefill sampling rows, vocab]
+    sampling = hidden[batch.logits_rows]  # [verify rows + prefill sampling rows, hidden]
     rows = plan.batch.num_tokens  # the verify rows, all of them logits rows, in order
-    return (ForwardRows(hidden[:rows], [a[:rows] for a in aux], logits[:rows]),
-            ForwardRows(hidden[rows:], [a[rows:] for a in aux], logits[rows:]))
+    verify, prefill_part = (hidden[:rows], [a[:rows] for a in aux]), (hidden[rows:], [a[rows:] for a in aux])
+    if getattr(model, "splits_vocabulary", False):  # each part's logits gathered when read; greedy tokens gather none
+        greedy = model.compute_greedy_tokens(sampling)  # [sampling rows] int64
+        return (ForwardRows(*verify, lambda: model.compute_logits(sampling[:rows]), greedy[:rows]),
+                ForwardRows(*prefill_part, lambda: model.compute_logits(sampling[rows:]), greedy[rows:]))
+    logits = model.compute_logits(sampling)  # [verify rows + prefill sampling rows, vocab]
+    return ForwardRows(*verify, logits[:rows]), ForwardRows(*prefill_part, logits[rows:])

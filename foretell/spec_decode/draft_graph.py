@@ -182,17 +182,26 @@ class DraftGraphRunner:
         meta = metadata(self.catch_up_starts[n][: bucket + 1], catch_up.seq_lens, catch_up.slots, n)
         aux = [a_[:rows] for a_ in t.graphs[(bucket, q)].aux]
         hidden = t.graphs[(bucket, q)].hidden[:rows]
-        logits, state = p.padded_catch_up(catch_up.tokens, catch_up.positions, meta, hidden, aux,
-                                          catch_up.last_rows)
+        # A head split over tensor-parallel ranks drafts from each rank's row maxima, gathering no logits.
+        greedy_only = {"greedy_only": True} if p.greedy_without_logits else {}
+
+        def pick(out: torch.Tensor, into: torch.Tensor) -> None:  # out: logits [bucket, vocab] | drafts [bucket]
+            if greedy_only:
+                into.copy_(out)
+            else:
+                p.greedy_target_ids(out, into)
+
+        out, state = p.padded_catch_up(catch_up.tokens, catch_up.positions, meta, hidden, aux,
+                                       catch_up.last_rows, **greedy_only)
         by_step = torch.empty((m, bucket), dtype=torch.int64, device=t.device)  # each step's argmax writes a row
         if m == 0:  # a catch-up only (the drafter's KV for the accepted tokens)
             return by_step.t()
-        p.greedy_target_ids(logits, by_step[0])
+        pick(out, by_step[0])
         for j in range(1, m):
             step = catch_up.chain_step(j)
             meta = metadata(self.single_starts[: bucket + 1], step.seq_lens, step.slots, 1)
-            logits, state = p.chain_step(by_step[j - 1], step.positions, meta, state)
-            p.greedy_target_ids(logits, by_step[j])
+            out, state = p.chain_step(by_step[j - 1], step.positions, meta, state, **greedy_only)
+            pick(out, by_step[j])
         return by_step.t()  # [bucket, m], strided
 
     @property

@@ -186,8 +186,9 @@ class Eagle3Proposer(DraftLoopProposer):
         stepped = self._head_step(input_ids, positions, metadata, keep_rows, greedy_only, aux=batch.aux_hidden_states)
         return self._drafts(stepped, greedy_only)
 
-    def padded_catch_up(self, input_ids, positions, metadata, hidden, aux, last_rows):
-        return self._head_step(input_ids, positions, metadata, last_rows, aux=aux)
+    def padded_catch_up(self, input_ids, positions, metadata, hidden, aux, last_rows, greedy_only: bool = False):
+        return self._drafts(self._head_step(input_ids, positions, metadata, last_rows, greedy_only, aux=aux),
+                            greedy_only)
 
     def chain_step(self, tokens, positions, metadata, state, greedy_only: bool = False):
         return self._drafts(self._head_step(tokens, positions, metadata, greedy_only=greedy_only, g=state), greedy_only)

@@ -109,7 +109,7 @@ class MTPProposer(DraftLoopProposer):
         state = out[ends[last_rows]]
         return self._head(0, state, greedy_only), (state, 1)
 
-    def padded_catch_up(self, input_ids, positions, metadata, hidden, aux, last_rows):
+    def padded_catch_up(self, input_ids, positions, metadata, hidden, aux, last_rows, greedy_only: bool = False):
         out = self.mtp.step(0, positions, input_ids, hidden, metadata)  # [rows, H]
         previous = out
         rows = torch.arange(out.shape[0], device=self.device)
@@ -119,7 +119,7 @@ class MTPProposer(DraftLoopProposer):
         for layer in range(1, self.mtp.num_layers):
             previous = self.mtp.step(layer, positions, input_ids, previous[pred], metadata)
         state = out.index_select(0, last_rows)
-        return self.mtp.compute_logits(0, state), (state, 1)
+        return self._head(0, state, greedy_only), (state, 1)
 
     def _catch_up_layer(self, layer, previous, input_ids, positions, metadata):
         """Layer `layer` over all catch-up rows: the row at t gets layer - 1's output at t - 1;

@@ -115,6 +115,7 @@ class PaddedDrafter(Protocol):
 
     row_offset: int  # -1: the row at t pairs features at t with token t + 1 (EAGLE3, MTP); 0: a draft LM
     draft_block_size: int
+    greedy_without_logits: bool  # a head split over tensor-parallel ranks: greedy drafts from row maxima
 
     def padded_catch_up(
         self,
@@ -124,14 +125,18 @@ class PaddedDrafter(Protocol):
         hidden: torch.Tensor,  # [verify rows, hidden] target final hidden states
         aux: list[torch.Tensor],  # each [verify rows, hidden]
         last_rows: torch.Tensor,  # [bucket] the row whose output drafts token 1
+        greedy_only: bool = False,  # asked only of a drafter with greedy_without_logits
     ) -> tuple[torch.Tensor, Any]:
-        """The catch-up over every row: (logits of last_rows [bucket, draft_vocab], chain state)."""
+        """The catch-up over every row: (logits of last_rows [bucket, draft_vocab], chain state);
+        with greedy_only their greedy drafts as target ids [bucket] int64 instead."""
         ...
 
     def chain_step(
-        self, tokens: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, state: Any
+        self, tokens: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, state: Any,
+        greedy_only: bool = False,
     ) -> tuple[torch.Tensor, Any]:
-        """One single-row step per sequence: logits [n, draft_vocab] and the next state."""
+        """One single-row step per sequence: logits [n, draft_vocab] (greedy_only: greedy drafts as
+        target ids [n] int64) and the next state."""
         ...
 
     def greedy_target_ids(self, logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -142,4 +142,5 @@ def test_propose_nothing_keeps_the_output_and_drafts_nothing(tiny, plain):
 
 def test_graph_state_says_why_the_cpu_engine_captures_nothing(plain):
     state = probe.parallel_graph_state(plain)
-    assert state["captured"] is False and set(state) == {"allowed", "reason", "captured", "queue_ahead"}
+    assert state["captured"] is False and set(state) == {"allowed", "reason", "captured", "queue_ahead",
+                                                         "padded_verify_steps", "host_verify_steps"}

@@ -23,7 +23,6 @@ import pytest
 from fixtures import deepseek as ds
 from foretell import LLM, SamplingParams
 from foretell.distributed.executor import WorkerDied
-from foretell.runner.graphed_verify import GraphedVerify
 
 PROMPTS = [[5, 17, 250, 3, 99, 41, 7], [300, 12, 8, 8, 61, 2, 19, 77, 140, 33], [44], [9, 9, 9, 9, 9, 9]]
 MAX_TOKENS = 10
@@ -163,18 +162,10 @@ def test_two_ranks_equal_one_rank(folders, baselines, case):
 def test_qwen3_eagle3_under_chunked_prefill_and_preemption_and_sampling(folders, baselines):
     """EAGLE3 on Qwen3 (the head whole on every rank) in a small cache: greedy equals one rank
     without speculation; seeded sampling (every rank draws from the same noise) equals one rank
-    with the same head on the same step form. Tensor-parallel ranks verify on the host step, whose
-    drafter samples its drafts, where one rank's padded step drafts greedily (exact both ways, but
-    other drafts give other tokens), so the one-rank engine is held to the host step here."""
+    with the same head, both verifying on the padded step (the ranks' runs eagerly over gloo)."""
     spec = spec_config(folders, "qwen3", "eagle3")
     one_rank = LLM(folders["qwen3"], dtype="float32", speculative_config=spec, **STRESS)
-    padded = [kind for kind in one_rank.engine.runner.pipeline.kinds if isinstance(kind, GraphedVerify)]
-    assert padded
-    for kind in padded:
-        kind.enabled = False  # every verify on the host step, as on the tensor-parallel ranks
     expected_sampled = tokens(one_rank, sampled())
-    for kind in padded:
-        kind.enabled = True
     llm = tp_engine(folders, "qwen3", "eagle3", **STRESS)
     try:
         assert tokens(llm, greedy()) == baselines("qwen3")
@@ -192,7 +183,8 @@ def test_qwen3_eagle3_under_chunked_prefill_and_preemption_and_sampling(folders,
 def test_greedy_steps_gather_no_logits(folders, baselines, target, method):
     """With every request greedy, no step (target, verify, MTP drafts) gathers whole logits rows
     (each rank's ParallelLMHead counts its gathers), and the tokens equal one rank's; a step
-    mixing greedy and sampled requests still gathers them (sampling needs whole rows)."""
+    mixing greedy and sampled requests still gathers them (sampling needs whole rows). Drafts
+    are verified on the padded step, run eagerly over gloo, never on the host step."""
     llm = tp_engine(folders, target, method)
     runner = llm.engine.runner
     try:
@@ -207,6 +199,9 @@ def test_greedy_steps_gather_no_logits(folders, baselines, target, method):
         outs = llm.generate(prompts, [greedy(), sampled()], use_tqdm=False)
         assert outs[0].outputs[0].token_ids == baselines(target)[0]
         assert runner.num_logit_gathers() > before
+        state = runner.graph_state()
+        assert state["host_verify_steps"] == 0
+        assert (state["padded_verify_steps"] > 0) == (method is not None)
     finally:
         llm.engine.shutdown()
 
