@@ -1,6 +1,6 @@
 """Real acceptance of draft trees against the chain (issue 28's bar): the default Qwen3-layout family
 (its target and its EAGLE3 head, or with --method draft_model its draft LM), greedy, GSM8K test
-prompts, float32 on the CPU.
+prompts, float32 on the CPU (or --device cuda, --dtype bfloat16).
 
 For each config: mean acceptance length (1 + accepted per verify step), acceptance per depth, and
 whether the output equals plain greedy on every prompt. Prints a table and writes JSON.
@@ -39,13 +39,16 @@ def main() -> None:
     parser.add_argument("--chain-k", type=int, default=3, help="the chain to compare against")
     parser.add_argument("--trees", nargs="+", default=["5,4,16", "6,8,32"], help="depth,topk,num_draft_tokens")
     parser.add_argument("--num-cpu-threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
     parser.add_argument("--output-json")
     args = parser.parse_args()
     torch.set_num_threads(args.num_cpu_threads)
     drafter = args.head or os.path.join(DEFAULTS, "qwen3-eagle3" if args.method == "eagle3" else "qwen3-draft")
     prompts = gsm8k_test_prompts(args.num_prompts)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    engine = dict(dtype="float32", device="cpu", kv_cache_memory_bytes=1 << 30, max_num_seqs=256, warm_up="off")
+    engine = dict(dtype=args.dtype, device=args.device, kv_cache_memory_bytes=1 << 30, max_num_seqs=len(prompts),
+                  warm_up="off" if args.device == "cpu" else "auto")  # every prompt in one batch
     configs = {"plain": None, f"chain k={args.chain_k}": {"num_speculative_tokens": args.chain_k}}
     configs.update({f"tree {t}": parse_tree(t) for t in args.trees})
     rows, baseline = {}, None
@@ -67,7 +70,8 @@ def main() -> None:
         rows[name] = row
         print(f"{name}: {json.dumps(row)}", flush=True)
         del llm
-    print(f"\n{args.method}, {len(prompts)} GSM8K test prompts x {args.max_tokens} tokens, greedy, float32, CPU\n")
+    print(f"\n{args.method}, {len(prompts)} GSM8K test prompts x {args.max_tokens} tokens, greedy, {args.dtype}, "
+          f"{args.device}\n")
     print("| config | mean acceptance length | per depth | greedy = plain |")
     print("|---|---|---|---|")
     for name, row in rows.items():

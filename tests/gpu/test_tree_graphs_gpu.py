@@ -4,8 +4,8 @@ and after a graphed verify its catch-up padded to depth + 1 rows with it)
 is captured and replayed, and its greedy output equals plain greedy decoding and the eager tree
 step's (enforce_eager), in float32 on the Qwen3 and Llama-3.1 fixtures, at batches 1 and 3 (padded
 to the bucket of 4) and with trees cut near max_model_len (eager verify for those steps);
-seeded sampled trees equal the eager tree step's tokens. A bf16 16-node tree at batch 1 binds the
-few-row MMA for its 16 verify rows. The K/V compaction's one launch over
+seeded sampled trees equal the eager tree step's tokens; a draft LM's trees likewise. A bf16
+16-node tree at batch 1 binds the few-row MMA for its 16 verify rows. The K/V compaction's one launch over
 every layer (ops/step/kv_moves.py) at Llama-8B's cache shape in bf16 and FP8 against the per-layer
 gather/scatter, launched directly and replayed from a CUDA graph."""
 
@@ -92,6 +92,33 @@ def test_cut_trees_near_max_model_len_on_the_gpu(qwen3_checkpoint, eagle3_head):
     llm = engine(qwen3_checkpoint, eagle3_head, max_model_len=48)
     assert ids(llm.generate(PROMPTS, params, use_tqdm=False)) == want
     assert llm.engine.runner.tree_step.num_graphed_verifies > 0
+
+
+@pytest.mark.parametrize("drafter", ["other_lm", "itself"])
+def test_draft_model_trees_on_the_gpu_equal_plain(qwen3_checkpoint, qwen3_tied_checkpoint, drafter):
+    """A draft LM's trees (its catch-up and depth forwards eager, the target's verify captured):
+    greedy fp32 output equals plain greedy decoding at batches 1 and 3, and the eager tree step's
+    sampled tokens with seeds."""
+    draft = qwen3_checkpoint if drafter == "itself" else qwen3_tied_checkpoint
+    spec = {"method": "draft_model", "model": draft, **TREE}
+    greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    want = ids(engine(qwen3_checkpoint, None).generate(PROMPTS, greedy, use_tqdm=False))
+
+    def tree_engine(**kwargs) -> LLM:
+        return LLM(qwen3_checkpoint, device="cuda", dtype="float32", num_kv_blocks=256, max_num_seqs=4,
+                   speculative_config=spec, **kwargs)
+
+    llm = tree_engine()
+    step = llm.engine.runner.tree_step
+    assert step.verify_graphs is not None and step.verify_graphs.captures
+    for prompts in (PROMPTS[:1], PROMPTS):
+        assert ids(llm.generate(prompts, greedy, use_tqdm=False)) == want[: len(prompts)]
+    assert step.num_graphed_verifies > 0 and llm.get_stats()["num_drafts"] > 0
+    if drafter == "itself":
+        assert llm.get_stats()["acceptance_per_position"][0] == 1.0
+    sampled = [SamplingParams(temperature=0.8, seed=s, max_tokens=16, ignore_eos=True) for s in (1, 2, 3)]
+    eager = tree_engine(enforce_eager=True)
+    assert ids(llm.generate(PROMPTS, sampled, use_tqdm=False)) == ids(eager.generate(PROMPTS, sampled, use_tqdm=False))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
