@@ -258,9 +258,11 @@ class ModelRunner:
         if self.tree_step is not None:
             results = plain_step_of_host_trees(self.pipeline, self.tree_step, sched, self.cache_plan.block_size,
                                                self.device) if self.host_trees else None
+            draft_s = 0.0
             if results is None:
                 results = self.tree_step.execute(sched)
-            self.last_times = StepTimes(target_s=time.perf_counter() - t0)
+                draft_s = self.tree_step.draft_s
+            self.last_times = StepTimes(target_s=time.perf_counter() - t0 - draft_s, draft_s=draft_s)
             return results
         block_size = self.cache_plan.block_size
         step = self.pipeline.take(sched.scheduled, block_size)  # the step queued ahead, when it is this one
@@ -327,18 +329,15 @@ class ModelRunner:
             self.host_step.sample_greedy(sched, batch, greedy, results)
         else:
             self.host_step.sample(sched, batch, logits, results)
-        if self._device_sync_needed():
+        if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t1 = time.perf_counter()
         if self.proposer is not None:
             self.host_step.propose(sched, batch, hidden, aux, results)
-            if self._device_sync_needed():
+            if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         self.last_times = StepTimes(target_s=t1 - t0, draft_s=time.perf_counter() - t1)
         return results
-
-    def _device_sync_needed(self) -> bool:
-        return self.device.type == "cuda"
 
     def num_logit_gathers(self) -> int:
         """How many times the vocabulary-parallel heads (the target's, MTP's) have gathered whole
@@ -377,9 +376,8 @@ class ModelRunner:
             self.proposer.drop_cached_responses()
 
     def graph_state(self) -> dict:
-        """Whether this runner captured its graphs and queues steps ahead, and why not when not
-        (distributed/graph_capture.py decides for tensor parallelism), and how many steps verified
-        drafts on the padded step and how many on the host step."""
+        """Whether this runner captured its graphs and queues steps ahead, why not when not
+        (graph_capture.py decides under tensor parallelism), and its verifies padded / on the host step."""
         return {"allowed": self.graph_decision.allowed, "reason": self.graph_decision.reason,
                 "captured": self.graphs is not None and self.graphs.captures,
                 "queue_ahead": self.pipeline.queue_ahead,

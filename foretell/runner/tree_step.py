@@ -33,6 +33,7 @@ One step (the runner's only step under model drafters' trees; a host drafter's t
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import replace
 
 import torch
@@ -82,6 +83,7 @@ class TreeStep:
         self.target_forward = target_forward  # the runner's (graphs when a batch fits), for tree-less steps
         self.verify_graphs: TreeVerifyGraphs | None = None  # whole-tree batches' verify forward (None: eager)
         self.num_graphed_verifies = 0  # tree verifies run on verify_graphs (replayed or uncaptured)
+        self.draft_s = 0.0  # the last step's host time drafting after its read (StepTimes.draft_s)
         # Simulated acceptance (tree/simulated.py): the verifier's draws, per-depth rates for the best
         # path, and trees shaped as a draft calibrated to those rates would shape them.
         verifier = host_step.verifier
@@ -136,8 +138,11 @@ class TreeStep:
             hidden, aux, logits = self.target_forward(batch)
         add_prompt_logprobs(self.model, sched, batch, hidden, results)
         path_rows, drafted = self._sample(sched, batch, logits, groups, results, aux if graphed else None)
+        self.draft_s = 0.0  # the host's drafting after the read (a graphed draft ran before it)
         if not drafted:
+            start = time.perf_counter()
             self._draft(sched, batch, hidden, aux, results, path_rows)
+            self.draft_s = time.perf_counter() - start
         return results
 
     def forget(self, seq_id: int) -> None:

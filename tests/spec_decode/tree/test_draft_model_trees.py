@@ -126,3 +126,23 @@ def test_draft_model_trees_reserve_the_root_row(qwen3_checkpoint):
     eagle = SpeculativeConfig(method="eagle3", model="head", **TREE)
     draft = SpeculativeConfig(method="draft_model", model=qwen3_checkpoint, **TREE)
     assert (eagle.num_draft_kv_slots, draft.num_draft_kv_slots) == (4, 5)  # max(depth, (depth - 1) * topk) (+ 1)
+
+
+def test_tree_steps_report_their_drafting_time(qwen3_checkpoint, monkeypatch):
+    """The runner's StepTimes for a tree step split its wall time: the eager drafting after the
+    read (draft_s, what `foretell bench` reports as draft ms) and the rest (target_s)."""
+    from foretell.runner.model_runner import ModelRunner
+
+    times = []
+    execute = ModelRunner.execute
+
+    def timed(self, sched):
+        results = execute(self, sched)
+        times.append((self.last_times.target_s, self.last_times.draft_s))
+        return results
+
+    monkeypatch.setattr(ModelRunner, "execute", timed)
+    llm = tree_llm(qwen3_checkpoint, qwen3_checkpoint)
+    llm.generate(PROMPTS[:1], greedy(), use_tqdm=False)
+    assert all(target > 0 and draft >= 0 for target, draft in times)
+    assert sum(draft > 0 for _, draft in times) >= len(times) - 1  # every step drafts but a request's last
