@@ -58,7 +58,7 @@ def warm_up(engine) -> float:
 
 
 # The longest cached prefix the tails follow: long enough that a one-row-block query over it splits
-# its context (triton_paged_launch._choose_num_splits), short enough to cost little.
+# its context (triton_paged_launch.choose_num_splits), short enough to cost little.
 TAIL_BASE_TOKENS = 512
 MAX_TAIL = 16  # the one-launch RoPE + attention's largest query block (triton_rope_paged.fits)
 

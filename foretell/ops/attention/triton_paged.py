@@ -54,11 +54,11 @@ from foretell.ops.attention.fp8_kv import check_scale, is_fp8
 from foretell.ops.attention.triton_fp8_kv import check_fp8_query, compute_dtype, dot_precision
 from foretell.ops.attention.triton_paged_launch import (
     MIN_SPLIT_TOKENS,
-    _check_cache,
-    _choose_num_splits,
-    _launch_config,
-    _tree_mask_rows,
-    _unit_last_stride,
+    check_paged_cache,
+    choose_num_splits,
+    paged_launch_config,
+    tree_mask_rows,
+    unit_last_stride,
 )
 from foretell.ops.common.pdl import join_dependent_chain, launch_options, pdl_enabled
 from foretell.ops.common.split_counters import SplitCounters
@@ -213,7 +213,7 @@ def paged_attention_triton(
     context only (the batch-invariant mode: triton_batch_invariant.py)."""
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
-    _check_cache(kv_cache)
+    check_paged_cache(kv_cache)
     _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
     if cache_head_dim != head_dim or num_heads % num_kv_heads != 0:
         raise ValueError(
@@ -224,16 +224,17 @@ def paged_attention_triton(
         raise ValueError("paged_attention_triton needs `out` with a unit stride on head_dim")
     if num_tokens == 0 or num_seqs == 0:
         return out
-    query = _unit_last_stride(query)
+    query = unit_last_stride(query)
     check_fp8_query(kv_cache, query.dtype)
-    mask_rows = _tree_mask_rows(tree_mask, num_tokens)
+    mask_rows = tree_mask_rows(tree_mask, num_tokens)
     fp8 = is_fp8(kv_cache.dtype)
     tiles = compute_dtype(kv_cache, query.dtype)
     group = num_heads // num_kv_heads
-    config = _launch_config(group, head_dim, max_query_len if launch_query_len is None else launch_query_len, tiles)
+    launch_rows = max_query_len if launch_query_len is None else launch_query_len
+    config = paged_launch_config(group, head_dim, launch_rows, tiles)
     block_q, block_m, tile_n = config["BLOCK_Q"], config["BLOCK_M"], config["TILE_N"]
     if num_splits is None:
-        num_splits = _choose_num_splits(
+        num_splits = choose_num_splits(
             query.device,
             active_programs=num_seqs * triton.cdiv(max(max_query_len, 1), block_q) * num_kv_heads,
             max_context=block_table.shape[1] * block_size,

@@ -20,7 +20,7 @@ import triton
 MIN_SPLIT_TOKENS = 32
 
 
-def _launch_config(
+def paged_launch_config(
     group: int, head_dim: int, max_query_len: int, cache_dtype: torch.dtype  # the tiles' dtype
 ) -> dict:
     group_p = triton.next_power_of_2(group)
@@ -43,7 +43,7 @@ def _launch_config(
     }
 
 
-def _choose_num_splits(
+def choose_num_splits(
     device: torch.device,
     active_programs: int,
     max_context: int,
@@ -55,7 +55,7 @@ def _choose_num_splits(
     pieces. Shapes only, so the choice is the same in eager mode and in a captured CUDA graph."""
     if max_query_len > 16 or device.type != "cuda":
         return 1
-    wanted = triton.cdiv(2 * _multiprocessor_count(device.index or 0), active_programs)
+    wanted = triton.cdiv(2 * multiprocessor_count(device.index or 0), active_programs)
     # Keep at least a couple of tiles per split over the longest context the table can hold.
     cap = max(1, max_context // (2 * tile_n))
     splits = min(wanted, cap, max_splits)
@@ -63,12 +63,12 @@ def _choose_num_splits(
 
 
 @functools.lru_cache(maxsize=None)
-def _multiprocessor_count(device_index: int) -> int:
+def multiprocessor_count(device_index: int) -> int:
     # A fixed hardware fact, memoised so a launch never re-queries the driver.
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _tree_mask_rows(tree_mask: torch.Tensor | None, num_tokens: int) -> torch.Tensor | None:
+def tree_mask_rows(tree_mask: torch.Tensor | None, num_tokens: int) -> torch.Tensor | None:
     """The mask as int8 rows with a unit stride (a bool or uint8 mask is viewed, not copied)."""
     if tree_mask is None:
         return None
@@ -79,15 +79,15 @@ def _tree_mask_rows(tree_mask: torch.Tensor | None, num_tokens: int) -> torch.Te
             f"tree_mask must be [num_tokens={num_tokens}, W] bool, int8 or uint8; got "
             f"{tuple(tree_mask.shape)} {tree_mask.dtype}"
         )
-    tree_mask = _unit_last_stride(tree_mask)
+    tree_mask = unit_last_stride(tree_mask)
     return tree_mask if tree_mask.dtype == torch.int8 else tree_mask.view(torch.int8)
 
 
-def _unit_last_stride(tensor: torch.Tensor) -> torch.Tensor:
+def unit_last_stride(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
 
 
-def _check_cache(kv_cache: torch.Tensor) -> None:
+def check_paged_cache(kv_cache: torch.Tensor) -> None:
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.stride(-1) != 1:
         raise ValueError(
             "kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim] with a unit "

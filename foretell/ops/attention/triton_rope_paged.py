@@ -44,10 +44,10 @@ import triton.language as tl
 from foretell.ops.attention.triton_paged import _LOG2E, tree_visible
 from foretell.ops.attention.triton_paged_launch import (
     MIN_SPLIT_TOKENS,
-    _check_cache,
-    _choose_num_splits,
-    _launch_config,
-    _tree_mask_rows,
+    check_paged_cache,
+    choose_num_splits,
+    paged_launch_config,
+    tree_mask_rows,
 )
 from foretell.ops.attention.triton_varlen import (
     context_tile,
@@ -65,7 +65,8 @@ from foretell.ops.pointwise.triton_kernels import _in_dtype, rms_norm_heads, rot
 # Launch shape at batch 1, from 32 launches in a PDL chain on the H200 at Llama-8B heads (docs/
 # perf-log.md, 2026-11-30, "The attention in a chain of launches"): idle splits still launch and
 # wait, and the last program merges every piece that holds keys one after another, so more pieces
-# cost more than they save; 16 keep long contexts fast. 16-bit tiles take 8 warps; float32 keeps _launch_config's (its tiles spill).
+# cost more than they save; 16 keep long contexts fast. 16-bit tiles take 8 warps; float32 keeps
+# paged_launch_config's (its tiles spill).
 MAX_SPLITS = 16
 WARPS_16_BIT = 8
 
@@ -274,7 +275,8 @@ def _rope_paged_attention_kernel(
 def _query_block(query: torch.Tensor, max_query_len: int, kv_cache: torch.Tensor) -> int:
     """Query tokens per program (the paged attention's tile), at most 16."""
     group = query.shape[1] // kv_cache.shape[3]
-    return min(16, _launch_config(group, query.shape[2], max_query_len, compute_dtype(kv_cache, query.dtype))["BLOCK_Q"])
+    tiles = compute_dtype(kv_cache, query.dtype)
+    return min(16, paged_launch_config(group, query.shape[2], max_query_len, tiles)["BLOCK_Q"])
 
 
 def fits(query: torch.Tensor, max_query_len: int, rotary_dim: int, kv_cache: torch.Tensor) -> bool:
@@ -310,7 +312,7 @@ def rope_paged_attention_triton(
     """rope_write_kv_triton then paged_attention_triton (with the same tree_mask), in one launch
     (a batch that `fits`)."""
     num_tokens, num_heads, head_dim = query.shape
-    _check_cache(kv_cache)
+    check_paged_cache(kv_cache)
     num_kv_heads = kv_cache.shape[3]
     if key.shape != (num_tokens, num_kv_heads, head_dim) or value.shape != key.shape:
         raise ValueError(f"key and value must be [{num_tokens}, {num_kv_heads}, {head_dim}] for query "
@@ -324,7 +326,7 @@ def rope_paged_attention_triton(
             "run rope_write_kv_triton and paged_attention_triton instead")
     if style not in ("neox", "gptj"):
         raise ValueError(f"rope style {style!r} is not one of neox, gptj")
-    mask_rows = _tree_mask_rows(tree_mask, num_tokens)  # int8 view, or None: compiled without TREE_MASK
+    mask_rows = tree_mask_rows(tree_mask, num_tokens)  # int8 view, or None: compiled without TREE_MASK
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
@@ -337,9 +339,9 @@ def rope_paged_attention_triton(
     v_scale = check_scale("v_scale", v_scale) if fp8 else 1.0
     group = num_heads // num_kv_heads
     block_size = kv_cache.shape[2]
-    config = _launch_config(group, head_dim, max_query_len, tiles)
+    config = paged_launch_config(group, head_dim, max_query_len, tiles)
     if num_splits is None:
-        num_splits = _choose_num_splits(query.device, active_programs=num_seqs * num_kv_heads,
+        num_splits = choose_num_splits(query.device, active_programs=num_seqs * num_kv_heads,
                                         max_context=block_table.shape[1] * block_size,
                                         max_query_len=max_query_len, tile_n=config["TILE_N"],
                                         max_splits=MAX_SPLITS)

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from foretell.ops.attention.fp8_kv import check_scale
 from foretell.ops.attention.triton_fp8_kv import to_cache
-from foretell.ops.attention.triton_paged_launch import _check_cache, _unit_last_stride
+from foretell.ops.attention.triton_paged_launch import check_paged_cache, unit_last_stride
 
 
 @triton.jit
@@ -79,9 +79,9 @@ def write_kv_triton(
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
-    key = _unit_last_stride(key)
-    value = _unit_last_stride(value)
-    _check_cache(kv_cache)
+    key = unit_last_stride(key)
+    value = unit_last_stride(value)
+    check_paged_cache(kv_cache)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     _write_kv_kernel[(num_tokens,)](
         key,

@@ -38,8 +38,8 @@ import triton.language as tl
 from foretell.ops.attention.fp8_kv import check_scale, is_fp8
 from foretell.ops.attention.triton_fp8_kv import check_fp8_query, compute_dtype, dot_precision
 from foretell.ops.attention.triton_paged_launch import (
-    _choose_num_splits,
-    _unit_last_stride,
+    choose_num_splits,
+    unit_last_stride,
 )
 from foretell.ops.attention.triton_varlen import (
     context_tile,
@@ -49,7 +49,7 @@ from foretell.ops.attention.triton_varlen import (
     split_tile_range,
     store_attention,
 )
-from foretell.ops.mla.triton_latent_write import _check_cache
+from foretell.ops.mla.triton_latent_write import check_latent_cache
 
 _LOG2E = 1.4426950408889634
 
@@ -222,13 +222,13 @@ def mla_attention_triton(
     """Causal varlen MQA of [q_lat | q_pe] over the latent cache; returns o_lat (`out`)."""
     num_tokens, num_heads, rank = q_lat.shape
     rope = q_pe.shape[-1]
-    _check_cache(kv_cache, rank + rope)
+    check_latent_cache(kv_cache, rank + rope)
     if out.stride(-1) != 1:
         raise ValueError("mla_attention_triton needs `out` with a unit stride on kv_lora_rank")
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
-    q_lat, q_pe = _unit_last_stride(q_lat), _unit_last_stride(q_pe)
+    q_lat, q_pe = unit_last_stride(q_lat), unit_last_stride(q_pe)
     check_fp8_query(kv_cache, q_lat.dtype)
     if q_pe.dtype != q_lat.dtype:
         raise ValueError(f"q_lat and q_pe must share a dtype, got {q_lat.dtype} and {q_pe.dtype}")
@@ -242,7 +242,7 @@ def mla_attention_triton(
     head_blocks = triton.cdiv(num_heads, block_h)
     block_size = kv_cache.shape[1]
     if num_splits is None:
-        num_splits = _choose_num_splits(
+        num_splits = choose_num_splits(
             q_lat.device,
             active_programs=num_seqs * triton.cdiv(max(max_query_len, 1), block_q) * head_blocks,
             max_context=block_table.shape[1] * block_size,

@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from foretell.ops.attention.triton_paged_launch import _unit_last_stride
+from foretell.ops.attention.triton_paged_launch import unit_last_stride
 from foretell.ops.common.protocols import RotaryModule
 from foretell.ops.mla.triton_rope import _rope_heads_kernel, _rope_tables, _rope_tile
 
@@ -234,7 +234,7 @@ def absorb_query_triton(
     out = _output_buffer(out, (num_tokens, num_heads, rank + rope), q)
     if num_tokens == 0:
         return out
-    q = _unit_last_stride(q)
+    q = unit_last_stride(q)
     q_nope, q_pe = q[..., :nope], q[..., nope:]
     interleaved = rotary_emb.style == "gptj"
     w_uk_strides = (w_uk.stride(0), w_uk.stride(1), 1)  # B[h][k=d, j=r] = W_UK[h, d, r]
@@ -269,7 +269,7 @@ def project_values_triton(
     out = _output_buffer(out, (num_tokens, num_heads, v_head_dim), o_lat)
     if num_tokens == 0:
         return out
-    o_lat = _unit_last_stride(o_lat)
+    o_lat = unit_last_stride(o_lat)
     # B[h][k=r, j=v] = W_UV[h, v, r]
     return _launch_head_matmul(o_lat, w_uv, (w_uv.stride(0), 1, w_uv.stride(1)), out, v_head_dim,
                                config=config)

@@ -24,13 +24,13 @@ import triton.language as tl
 
 from foretell.ops.attention.fp8_kv import check_scale
 from foretell.ops.attention.triton_fp8_kv import to_cache
-from foretell.ops.attention.triton_paged_launch import _unit_last_stride
+from foretell.ops.attention.triton_paged_launch import unit_last_stride
 from foretell.ops.common.protocols import NormModule, RotaryModule
 from foretell.ops.mla.triton_rope import _pair_offsets, _rope_tables, _rotate_pairs
 from foretell.ops.pointwise.triton_kernels import _in_dtype
 
 
-def _check_cache(kv_cache: torch.Tensor, width: int) -> None:
+def check_latent_cache(kv_cache: torch.Tensor, width: int) -> None:
     if kv_cache.dim() != 3 or kv_cache.shape[-1] != width or kv_cache.stride(-1) != 1:
         raise ValueError(
             f"the MLA cache must be [num_blocks, block_size, {width}] (kv_lora_rank + "
@@ -114,7 +114,7 @@ def latent_write_triton(
             f"got shape {tuple(kv_a.shape)}"
         )
     rope = kv_a.shape[-1] - rank
-    _check_cache(kv_cache, rank + rope)
+    check_latent_cache(kv_cache, rank + rope)
     if weight.shape != (rank,) or weight.dtype != kv_a.dtype:
         raise ValueError(f"kv_a_layernorm.weight must be [{rank}] {kv_a.dtype}, got "
                          f"{list(weight.shape)} {weight.dtype}")
@@ -125,7 +125,7 @@ def latent_write_triton(
     cos, sin = _rope_tables(rotary_emb, rope, kv_a)
     if num_tokens == 0:
         return
-    kv_a = _unit_last_stride(kv_a)
+    kv_a = unit_last_stride(kv_a)
     _latent_write_kernel[(num_tokens,)](
         kv_a, weight, positions, cos, sin, kv_cache, slot_mapping,
         kv_a_layernorm.eps, 1.0 / check_scale("k_scale", k_scale), kv_a.stride(0), cos.stride(0),
@@ -176,10 +176,10 @@ def write_latent_triton(
 ) -> None:
     num_tokens, rank = latent.shape
     rope = k_pe.shape[-1]
-    _check_cache(kv_cache, rank + rope)
+    check_latent_cache(kv_cache, rank + rope)
     if num_tokens == 0:
         return
-    latent, k_pe = _unit_last_stride(latent), _unit_last_stride(k_pe)
+    latent, k_pe = unit_last_stride(latent), unit_last_stride(k_pe)
     _write_latent_kernel[(num_tokens,)](
         latent, k_pe, kv_cache, slot_mapping, 1.0 / check_scale("k_scale", k_scale),
         latent.stride(0), k_pe.stride(0), kv_cache.stride(0), kv_cache.stride(1),
