@@ -3,7 +3,9 @@
 # V2-Lite sizes, and where a decode step's kernel time goes), results and logs under OUT_DIR.
 #   bash scripts/gpu_check.sh OUT_DIR [--skip-attention] [--part tests-a|tests-b|tests-c|benchmarks]
 # The whole no longer fits one 10-minute device call: --part runs one share of it (the GPU test
-# files by name: a-f, g-l, m-z; or the benchmarks), each within a call.
+# files by name: a-f, g-l, m-z; or the benchmarks), each within a call. On a fresh machine the
+# grammar tests need llguidance: carry it as a wheel in .whl (pip download --platform
+# manylinux_2_31_x86_64 llguidance==1.9.1), which this script installs first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 usage="usage: gpu_check.sh OUT_DIR [--skip-attention] [--part tests-a|tests-b|tests-c|benchmarks]"
@@ -29,6 +31,11 @@ case $part in
 esac
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+# Wheels carried to a bare machine (llguidance for the grammar tests): `.whl/*.whl`, installed aside.
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 stage() { echo "[gpu_check] $1 done at ${SECONDS}s" | tee -a "$out/stages.log"; }  # the issue's budget: 10 minutes
 if [ ${#tests[@]} -gt 0 ]; then
     python3 -m pytest -m gpu "${tests[@]}" -q -p no:cacheprovider -o addopts="" 2>&1 | tee "$out/gpu_tests.log" | tail -25
