@@ -26,6 +26,8 @@ CASES = [
     "fp8 activation quantizer, per token group of 128", "fp8 gemm, 128x128 blocks, 128x128 tiles",
     "fp8 gemm, per channel, bias, 64-row tiles", "int4 moe gemv gate_up, Kimi-K2.5",
     "int4 moe gemv down + combine, Kimi-K2.5, slot split", "int4 moe gemv down + combine, unsplit",
+    "int4 moe gemv gate_up over x's lanes, Kimi-K2.5", "int4 x lanes",
+    "int4 moe gemv down + combine over act's lanes, Kimi-K2.5, slot split",
 ]
 
 

@@ -182,16 +182,18 @@ def plan_gemv(
     )
 
 
-def override_kernel_configs(defaults: dict, config: dict | None, label: str) -> dict:
+def override_kernel_configs(defaults: dict, config: dict | None, label: str, extra_keys: tuple = ()) -> dict:
     """defaults {"gate_up": {...}, "down": {...}} updated by config's per-kernel dicts of
-    QUANTIZED_KERNEL_KEYS; ValueError naming an unknown kernel or key. label names the path in
-    errors ("FP8 MoE", "int4 MoE"); the caller checks the values its kernels need."""
+    QUANTIZED_KERNEL_KEYS (and the path's extra_keys); ValueError naming an unknown kernel or key.
+    label names the path in errors ("FP8 MoE", "int4 MoE"); the caller checks the values its
+    kernels need."""
+    keys = QUANTIZED_KERNEL_KEYS + tuple(extra_keys)
     resolved = {name: dict(cfg) for name, cfg in defaults.items()}
     for name, overrides in (config or {}).items():
         if name not in resolved or not isinstance(overrides, dict):
             raise ValueError(f"{label} config keys are 'gate_up' and 'down' (dicts), got {name!r}")
-        unknown = sorted(set(overrides) - set(QUANTIZED_KERNEL_KEYS))
+        unknown = sorted(set(overrides) - set(keys))
         if unknown:
-            raise ValueError(f"unknown {label} {name} config keys {unknown}; expected {list(QUANTIZED_KERNEL_KEYS)}")
+            raise ValueError(f"unknown {label} {name} config keys {unknown}; expected {list(keys)}")
         resolved[name].update(overrides)
     return resolved

@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from foretell.ops.moe.int4_reference import INT4_GROUP, check_int4_expert_inputs
+from foretell.ops.moe.triton_int4_lanes import FLOAT_ONE_BITS, _lanes_gate_up_sums, _lanes_row_sums, x_lanes
 from foretell.ops.moe.gemv_common import (
     _combine_split_slots,
     _down_program,
@@ -113,7 +114,8 @@ def _int4_words(packed_rows, scale_rows, k0, row_valid, num_words, num_groups, x
 
 @triton.jit
 def _int4_gate_up_kernel(
-    x_ptr,  # [num_tokens, hidden]
+    x_ptr,  # [num_tokens, hidden] (read unless LANES)
+    lanes_ptr,  # [num_tokens, 9, lanes_words] float32: x's lanes (triton_int4_lanes.py; read when LANES)
     packed_ptr,  # [E, 2 * inter, ceil(hidden / 8)] int32: gate rows then up rows
     scale_ptr,  # [E, 2 * inter, ceil(hidden / 32)] (the model dtype)
     ids_ptr,  # [num_pairs] expert of each (token, k) pair
@@ -128,8 +130,11 @@ def _int4_gate_up_kernel(
     stride_act,
     words_per_row,  # ceil(hidden / 8): passed, so Triton sees its divisibility (vector loads)
     groups_per_row,  # ceil(hidden / 32)
+    lanes_words,
+    one,  # FLOAT_ONE_BITS (a runtime value: ptxas keeps it in a register, the masks are immediates)
     TOP_K: tl.constexpr,
     ZERO_COUNTERS: tl.constexpr,
+    LANES: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -141,6 +146,12 @@ def _int4_gate_up_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_valid = cols < inter
     num_words, num_groups = words_per_row, groups_per_row
+    if LANES:
+        gate_sum, up_sum = _lanes_gate_up_sums(packed_ptr, scale_ptr, lanes_ptr, expert, token, cols, col_valid, inter,
+                                               stride_packed_expert, stride_scale_expert, num_words, num_groups,
+                                               lanes_words, one, BLOCK_N, BLOCK_K)
+        _store_silu_product(gate_sum, up_sum, act_ptr, pair, stride_act, cols, col_valid)
+        return
     up_rows = (cols + inter)[:, None].to(tl.int64)  # row I + j of [gate; up] is up's row j
     gate_packed = packed_ptr + expert * stride_packed_expert + cols[:, None].to(tl.int64) * num_words
     up_packed = packed_ptr + expert * stride_packed_expert + up_rows * num_words
@@ -162,15 +173,19 @@ def _int4_gate_up_kernel(
 @triton.jit
 def _int4_down_slot(
     act_ptr, packed_ptr, scale_ptr, ids_ptr, weights_ptr, pair, cols, col_valid, inter, stride_act,
-    stride_packed_expert, stride_scale_expert, words_per_row, groups_per_row,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    stride_packed_expert, stride_scale_expert, words_per_row, groups_per_row, lanes_ptr, lanes_words, one,
+    LANES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One slot's weighted output for BLOCK_N columns: round(W_down[e] . act[pair]) * weight."""
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     num_words, num_groups = words_per_row, groups_per_row  # ceil(inter / 8), ceil(inter / 32)
+    dtype = act_ptr.dtype.element_ty
+    if LANES:
+        y = _lanes_row_sums(packed_ptr, scale_ptr, lanes_ptr, expert, pair, cols, col_valid, stride_packed_expert,
+                            stride_scale_expert, num_words, num_groups, lanes_words, one, BLOCK_N, BLOCK_K)
+        return y.to(dtype).to(tl.float32) * tl.load(weights_ptr + pair)
     rows_packed = packed_ptr + expert * stride_packed_expert + cols[:, None].to(tl.int64) * num_words
     rows_scale = scale_ptr + expert * stride_scale_expert + cols[:, None].to(tl.int64) * num_groups
-    dtype = act_ptr.dtype.element_ty
     y = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)  # per row and word lane: summed once, after
     for k0 in range(0, inter, BLOCK_K):
         x0, x1, x2, x3, x4, x5, x6, x7, c = _x_lanes(act_ptr + pair * stride_act, k0, inter, BLOCK_K, dtype)
@@ -199,10 +214,14 @@ def _int4_down_combine_kernel(
     stride_out,
     words_per_row,  # ceil(inter / 8)
     groups_per_row,  # ceil(inter / 32)
+    lanes_ptr,  # [num_pairs, 9, lanes_words] float32: act's lanes (read when LANES)
+    lanes_words,
+    one,  # FLOAT_ONE_BITS
     TOP_K: tl.constexpr,
     SLOTS: tl.constexpr,  # slots per program
     GROUPS: tl.constexpr,  # programs per (token, column block): cdiv(TOP_K, SLOTS)
     HAS_SHARED: tl.constexpr,
+    LANES: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -212,8 +231,8 @@ def _int4_down_combine_kernel(
         for k in tl.static_range(TOP_K):  # slot order, as the twin sums
             acc += _int4_down_slot(act_ptr, packed_ptr, scale_ptr, ids_ptr, weights_ptr, token * TOP_K + k, cols,
                                    col_valid, inter, stride_act, stride_packed_expert, stride_scale_expert,
-                                   words_per_row, groups_per_row,
-                                   BLOCK_N, BLOCK_K)
+                                   words_per_row, groups_per_row, lanes_ptr, lanes_words, one,
+                                   LANES, BLOCK_N, BLOCK_K)
         _store_token(acc, shared_ptr, out_ptr, token, cols, col_valid, stride_shared, stride_out, HAS_SHARED)
     else:
         for j in tl.static_range(SLOTS):
@@ -222,8 +241,8 @@ def _int4_down_combine_kernel(
                 pair = token * TOP_K + slot
                 value = _int4_down_slot(act_ptr, packed_ptr, scale_ptr, ids_ptr, weights_ptr, pair, cols, col_valid,
                                         inter, stride_act, stride_packed_expert, stride_scale_expert,
-                                        words_per_row, groups_per_row,
-                                        BLOCK_N, BLOCK_K)
+                                        words_per_row, groups_per_row, lanes_ptr, lanes_words, one,
+                                        LANES, BLOCK_N, BLOCK_K)
                 tl.store(scratch_ptr + pair * hidden + cols, value, mask=col_valid)
         _combine_split_slots(scratch_ptr, counters_ptr, shared_ptr, out_ptr, token, col_block, cols, col_valid, hidden,
                              stride_shared, stride_out, TOP_K, GROUPS, HAS_SHARED, BLOCK_N)
@@ -236,19 +255,39 @@ def int4_launch_config(num_tokens: int, top_k: int) -> dict:
     eight columns of 256 on one warp, slots spread over at most 8 programs a column block (the
     figures: docs/perf-log.md)."""
     return {
-        "gate_up": {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 2},
-        "down": {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 1, "SPLIT": min(max(top_k, 1), 8)},
+        "gate_up": {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 2, "LANES": False},
+        "down": {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 1, "SPLIT": min(max(top_k, 1), 8), "LANES": False},
     }
 
 
+def candidate_configs(num_tokens: int, top_k: int) -> list[dict]:
+    """Whole configs for the in-graph sweep (bench/kernels/moe_int4_chain.py): the kernels over
+    x's lanes (triton_int4_lanes.py) at a few tiles, gate_up alone and both kernels."""
+    default = int4_launch_config(num_tokens, top_k)
+    configs = []
+    for rows, columns, warps in ((8, 512, 2), (4, 512, 2), (4, 1024, 4), (8, 1024, 4), (16, 512, 4)):
+        gate_up = {"BLOCK_N": rows, "BLOCK_K": columns, "num_warps": warps, "LANES": True}
+        configs.append({"gate_up": gate_up, "down": default["down"]})
+        for down_rows, down_columns, down_warps in ((8, 256, 1), (4, 256, 1), (8, 512, 2)):
+            configs.append({"gate_up": gate_up, "down": {**default["down"], "BLOCK_N": down_rows,
+                                                         "BLOCK_K": down_columns, "num_warps": down_warps,
+                                                         "LANES": True}})
+    return configs
+
+
 def _resolve(config: dict | None, num_tokens: int, top_k: int) -> dict:
-    resolved = override_kernel_configs(int4_launch_config(num_tokens, top_k), config, "int4 MoE")
+    resolved = override_kernel_configs(int4_launch_config(num_tokens, top_k), config, "int4 MoE", ("LANES",))
     for name, cfg in resolved.items():
         block_k = cfg["BLOCK_K"]
         if block_k < INT4_GROUP or block_k & (block_k - 1) or cfg["BLOCK_N"] & (cfg["BLOCK_N"] - 1):
             raise ValueError(f"int4 MoE {name}: BLOCK_K must be a power of two >= {INT4_GROUP} and BLOCK_N a power "
                              f"of two, got {cfg}")
     return resolved
+
+
+def _lanes_or_none(x: torch.Tensor, dtype: torch.dtype, cfg: dict) -> torch.Tensor | None:
+    """x's lanes for a kernel whose config asks for them (LANES), padded to its tiles; else None."""
+    return x_lanes(x, dtype, cfg["BLOCK_K"] // 8) if cfg["LANES"] else None
 
 
 def fused_int4_experts_gemv_triton(
@@ -275,16 +314,21 @@ def fused_int4_experts_gemv_triton(
         t.contiguous() for t in (gate_up_packed, gate_up_scale, down_packed, down_scale))
     plan = plan_gemv(hidden, weights, ids, shared, inter, gate_up_scale.dtype, out_dtype, down_cfg["SPLIT"],
                      down_cfg["BLOCK_N"])
+    up_lanes = _lanes_or_none(hidden, gate_up_scale.dtype, up_cfg)
     _int4_gate_up_kernel[plan.gate_up_grid(up_cfg["BLOCK_N"])](
-        hidden, gate_up_packed, gate_up_scale, plan.flat_ids, plan.act, plan.counters, plan.num_counters,
-        hidden_size, inter, hidden.stride(0), gate_up_packed.stride(0), gate_up_scale.stride(0), plan.act.stride(0),
-        gate_up_packed.shape[2], gate_up_scale.shape[2], **plan.gate_up_constexprs, **launch_options(up_cfg),
+        hidden, hidden if up_lanes is None else up_lanes, gate_up_packed, gate_up_scale, plan.flat_ids, plan.act,
+        plan.counters, plan.num_counters, hidden_size, inter, hidden.stride(0), gate_up_packed.stride(0),
+        gate_up_scale.stride(0), plan.act.stride(0), gate_up_packed.shape[2], gate_up_scale.shape[2],
+        0 if up_lanes is None else up_lanes.shape[2], FLOAT_ONE_BITS, **plan.gate_up_constexprs,
+        **launch_options(up_cfg),
     )
+    down_lanes = _lanes_or_none(plan.act, plan.act.dtype, down_cfg)
     _int4_down_combine_kernel[plan.down_grid](
         plan.act, down_packed, down_scale, plan.flat_ids, plan.pair_weights, plan.shared_or_out, plan.scratch,
         plan.counters, plan.out, hidden_size, inter, plan.act.stride(0), down_packed.stride(0), down_scale.stride(0),
         plan.stride_shared, plan.out.stride(0), down_packed.shape[2], down_scale.shape[2],
-        **plan.down_constexprs, **launch_options(down_cfg),
+        plan.act if down_lanes is None else down_lanes, 0 if down_lanes is None else down_lanes.shape[2],
+        FLOAT_ONE_BITS, **plan.down_constexprs, **launch_options(down_cfg),
         enable_fp_fusion=False,  # each weighted slot output rounded to float32 before it is added
     )
     return plan.out
