@@ -156,22 +156,23 @@ def poison_buffers(monkeypatch):
 
 
 SMALL_TILES = {"gate_up": {"BLOCK_N": 32, "BLOCK_K": 32}, "down": {"BLOCK_N": 64, "BLOCK_K": 32, "SPLIT": 2}}
-LANES = {"gate_up": {"LANES": True}, "down": {"LANES": True}}  # the kernels over x's lanes (triton_int4_lanes.py)
-SMALL_LANES = {name: {**tiles, "LANES": True} for name, tiles in SMALL_TILES.items()}
+TILE_LANES = {"gate_up": {"LANES": False}, "down": {"LANES": False}}  # x's lanes made in every tile
+SMALL_TILE_LANES = {name: {**tiles, "LANES": False} for name, tiles in SMALL_TILES.items()}
 
 
 @pytest.mark.parametrize(
     "num_tokens, top_k, hidden, inter, with_shared, config",
     [(1, 8, 96, 64, True, None), (2, 2, 72, 40, False, None), (2, 3, 96, 72, True, SMALL_TILES),
-     (1, 1, 64, 32, False, {"down": {"SPLIT": 1}}), (1, 8, 96, 64, True, LANES), (2, 2, 72, 40, False, LANES),
-     (2, 3, 96, 72, True, SMALL_LANES), (1, 1, 64, 32, False, {"gate_up": {"LANES": True}, "down": {"SPLIT": 1}}),
-     (3, 2, 160, 96, True, {"gate_up": {"BLOCK_N": 4, "BLOCK_K": 64, "LANES": True},
-                            "down": {"BLOCK_N": 8, "BLOCK_K": 64, "SPLIT": 1, "LANES": True}})],
+     (1, 1, 64, 32, False, {"down": {"SPLIT": 1}}), (1, 8, 96, 64, True, TILE_LANES),
+     (2, 2, 72, 40, False, TILE_LANES), (2, 3, 96, 72, True, SMALL_TILE_LANES),
+     (1, 1, 64, 32, False, {"gate_up": {"LANES": False}, "down": {"SPLIT": 1}}),
+     (3, 2, 160, 96, True, {"gate_up": {"BLOCK_N": 8, "BLOCK_K": 64}, "down": {"BLOCK_N": 2, "BLOCK_K": 64, "SPLIT": 1}})],
 )
 def test_kernels_match_the_twin(kernels, num_tokens, top_k, hidden, inter, with_shared, config, monkeypatch):
     """Default tiles (one K chunk) and small ones (several chunks, a partial one; the down slot
     split in two); H = 72: a group of 8 columns past the last full one; fp16 and float32 scales;
-    each also with the kernels over x's lanes (LANES), alone and with the default down kernel."""
+    the kernels over x's lanes (the default) and those making the lanes in every tile (LANES False),
+    together and mixed."""
     poison_buffers(monkeypatch)
     seed = _seed()
     for dtype, tolerance in ((torch.float16, 2e-2), (torch.float32, 1e-4)):

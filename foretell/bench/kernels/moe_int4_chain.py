@@ -79,7 +79,7 @@ def default_config() -> dict:
 
 def _distance(config: dict, default: dict) -> float:
     return sum(abs(math.log2(config[key] / value)) for key, value in default.items()
-               if isinstance(value, int) and key in config)
+               if isinstance(value, int) and not isinstance(value, bool) and key in config)
 
 
 def candidate_configs(kernel: str) -> list[dict]:
