@@ -94,7 +94,7 @@ def candidate_configs(kernel: str) -> list[dict]:
     if kernel == "gate_up":
         for rows in (2, 4, 8, 16, 32):
             for columns in (256, 512, 1024, 2048):
-                for warps in (2, 4, 8):
+                for warps in (1, 2, 4, 8):
                     if 2 <= 2 * rows * columns // 8 // (32 * warps) <= 32:
                         configs.append({**default, "BLOCK_N": rows, "BLOCK_K": columns, "num_warps": warps})
     else:

@@ -251,13 +251,13 @@ def _int4_down_combine_kernel(
 def int4_launch_config(num_tokens: int, top_k: int) -> dict:
     """The H200's best at Kimi-K2.5's shapes (H = 7168, I = 2048, 8 of 384 experts) in a CUDA graph
     over 16 MoE layers, used at every token count: both kernels over x's lanes
-    (triton_int4_lanes.py; 37.9% of HBM against 29.3% for the per-tile lanes below, 2026-12-04),
-    gate_up four rows of gate and of up a program over 512-column tiles on two warps, the down
+    (triton_int4_lanes.py; 42.6% of HBM against 29.3% for the per-tile lanes below, 2026-12-04),
+    gate_up four rows of gate and of up a program over 512-column tiles on one warp, the down
     kernel four columns over 256 on one warp, slots spread over at most 8 programs a column block
     (the figures: docs/perf-log.md). LANES False: the kernels that compute x's lanes in every tile
     (8d8d90d's tiles: gate_up 8 x 512 / 2 warps, down 8 x 256 / 1)."""
     return {
-        "gate_up": {"BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 2, "LANES": True},
+        "gate_up": {"BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 1, "LANES": True},
         "down": {"BLOCK_N": 4, "BLOCK_K": 256, "num_warps": 1, "SPLIT": min(max(top_k, 1), 8), "LANES": True},
     }
 
@@ -268,9 +268,9 @@ def candidate_configs(num_tokens: int, top_k: int) -> list[dict]:
     default = int4_launch_config(num_tokens, top_k)
     configs = [{"gate_up": {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 2, "LANES": False},
                 "down": {**default["down"], "BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 1, "LANES": False}}]
-    for rows, columns, warps in ((4, 512, 2), (4, 512, 1), (4, 256, 1), (2, 512, 1), (8, 256, 1), (2, 1024, 2)):
+    for rows, columns, warps in ((4, 512, 1), (4, 1024, 1), (2, 1024, 1), (8, 512, 1), (2, 512, 1), (4, 256, 1)):
         gate_up = {"BLOCK_N": rows, "BLOCK_K": columns, "num_warps": warps, "LANES": True}
-        for down_rows, down_columns, down_warps in ((4, 256, 1), (2, 256, 1), (4, 128, 1), (4, 512, 2)):
+        for down_rows, down_columns, down_warps in ((4, 256, 1), (4, 512, 1), (4, 512, 2)):
             configs.append({"gate_up": gate_up, "down": {**default["down"], "BLOCK_N": down_rows,
                                                          "BLOCK_K": down_columns, "num_warps": down_warps}})
     return [c for c in configs if c != default]
