@@ -166,13 +166,16 @@ SMALL_TILE_LANES = {name: {**tiles, "LANES": False} for name, tiles in SMALL_TIL
      (1, 1, 64, 32, False, {"down": {"SPLIT": 1}}), (1, 8, 96, 64, True, TILE_LANES),
      (2, 2, 72, 40, False, TILE_LANES), (2, 3, 96, 72, True, SMALL_TILE_LANES),
      (1, 1, 64, 32, False, {"gate_up": {"LANES": False}, "down": {"SPLIT": 1}}),
-     (3, 2, 160, 96, True, {"gate_up": {"BLOCK_N": 8, "BLOCK_K": 64}, "down": {"BLOCK_N": 2, "BLOCK_K": 64, "SPLIT": 1}})],
+     (3, 2, 160, 96, True, {"gate_up": {"BLOCK_N": 8, "BLOCK_K": 64},
+                            "down": {"BLOCK_N": 2, "BLOCK_K": 64, "SPLIT": 1}}),
+     (1, 1, 2056, 16, False, {"gate_up": {"BLOCK_N": 4, "BLOCK_K": 8192}})],
 )
 def test_kernels_match_the_twin(kernels, num_tokens, top_k, hidden, inter, with_shared, config, monkeypatch):
     """Default tiles (one K chunk) and small ones (several chunks, a partial one; the down slot
     split in two); H = 72: a group of 8 columns past the last full one; fp16 and float32 scales;
     the kernels over x's lanes (the default) and those making the lanes in every tile (LANES False),
-    together and mixed."""
+    together and mixed; H = 2056 over 8192-column tiles: lanes padded past the lanes kernel's
+    first blocks (257 words to 1,024)."""
     poison_buffers(monkeypatch)
     seed = _seed()
     for dtype, tolerance in ((torch.float16, 2e-2), (torch.float32, 1e-4)):

@@ -31,7 +31,9 @@ that does not read weights is gemv_common.py's):
 Twin: int4_experts_forward_torch (int4_reference.py: the used experts dequantized, then
 experts_forward_torch) plus the shared output. Grids are fixed by shapes and the launch config and
 nothing is read on the host, so the forward can be captured in a CUDA graph. Tiles: the H200's
-best at Kimi-K2.5's shapes (H = 7168, I = 2048, 8 of 384 experts; int4_launch_config).
+best at Kimi-K2.5's shapes (H = 7168, I = 2048, 8 of 384 experts; int4_launch_config). By default
+(LANES) the weight loops are triton_int4_lanes.py's, over x's lanes made once per token by one
+small launch before each kernel; the loops below (_x_lanes, _int4_words) are LANES off.
 This module imports triton: CUDA (or the interpreter tests, tests/ops/test_moe_int4.py) only.
 """
 
@@ -251,7 +253,7 @@ def _int4_down_combine_kernel(
 def int4_launch_config(num_tokens: int, top_k: int) -> dict:
     """The H200's best at Kimi-K2.5's shapes (H = 7168, I = 2048, 8 of 384 experts) in a CUDA graph
     over 16 MoE layers, used at every token count: both kernels over x's lanes
-    (triton_int4_lanes.py; 42.6% of HBM against 29.3% for the per-tile lanes below, 2026-12-04),
+    (triton_int4_lanes.py; faster than the per-tile lanes below: docs/perf-log.md, 2026-12-04),
     gate_up four rows of gate and of up a program over 512-column tiles on one warp, the down
     kernel four columns over 256 on one warp, slots spread over at most 8 programs a column block
     (the figures: docs/perf-log.md). LANES False: the kernels that compute x's lanes in every tile

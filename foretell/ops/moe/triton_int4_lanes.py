@@ -1,22 +1,29 @@
-"""The int4 MoE gate_up kernel over x's lanes prepared once per token (a variant of
-triton_int4_gemv.py's, chosen by the launch config's "LANES"; read that module's docstring first).
+"""The int4 MoE kernels' weight loops over x's lanes prepared once per token: what
+triton_int4_gemv.py's two kernels run by default (launch config "LANES"; read that module's
+docstring first for the format and the nibble arithmetic).
 
-Why: the default kernel computes x's eight lanes and the words' correction c (_x_lanes) in every
-program and every tile, for the few rows a thread holds, and moves them into the weight tile's
-layout through shared memory (a barrier pair per lane); it reads each group's scale once per
-word. Compiled for sm_90 that is ~39 instructions a packed word, against ~20 for the nibbles'
-arithmetic itself. Here:
-  - _int4_x_lanes_kernel writes, once per token, lanes [num_tokens, 9, words] float32: lane i
-    (0..7) holds x[8 j + i] (rounded to the scales' dtype) times 2^8 (even i) or 2^4 (odd i), lane
-    8 the correction c_j = sum_i (2^8 or 2^4 + 8) x[8 j + i]: _x_lanes' values, laid out so each
-    lane is contiguous along the words;
-  - the gate_up kernel reads its [BLOCK_N, G, 4] tile (G groups of four packed words: a group of
-    32 columns shares one scale) and the lanes at the same [BLOCK_N, G, 4] shape, the same
-    addresses for every row, so the lanes arrive in the tile's own layout (no shared memory, no
-    barrier); a word's 8 products are chained onto -c, the group's four words summed in the
-    thread, and the group times its scale (read once a group) added to the row's accumulator.
-The arithmetic is _nibble_pair's; the sums are the default kernel's up to the order of float32
-additions (per group instead of per word lane), so the output matches the twin as that one does.
+Why: with LANES off the kernels compute x's eight lanes and the words' correction c (_x_lanes) in
+every program and every tile, for the few rows a thread holds, move them into the weight tile's
+layout through shared memory (a barrier pair per lane) and read each group's scale once per
+word: ~39 sm_90 instructions a packed word (gate_up, 8 x 512 on two warps, compiled as the device
+launches it, pointers and sizes divisible by 16), against ~20 for the nibbles' arithmetic itself.
+Here (28.6 a word at the default 4 x 512 on one warp; the H200's figures in docs/perf-log.md,
+2026-12-04):
+  - _int4_x_lanes_kernel writes, once per token (or per (token, expert) pair for the down
+    kernel's act), lanes [rows, 9, words] float32: lane i (0..7) holds x[8 j + i] (rounded to the
+    scales' dtype) times 2^8 (even i) or 2^4 (odd i), lane 8 the correction c_j = sum_i (2^8 or
+    2^4 + 8) x[8 j + i]: _x_lanes' values, each lane contiguous along the words, padded with zeros
+    to whole tiles so the kernels read them unmasked;
+  - the weight loops read [BLOCK_N, G, 4] tiles (G groups of four packed words: a group of 32
+    columns shares one scale) and the lanes at the same [BLOCK_N, G, 4] shape, the same addresses
+    for every row, so the lanes arrive in the tile's own layout (no shared memory, no barrier) and
+    gate_up reads them once for its gate and up rows; a word's 8 products are chained onto -c,
+    the group's four words summed in the thread, and the group times its scale (read once a
+    group) added to the row's accumulator;
+  - 1.0's bits come in as a runtime value (FLOAT_ONE_BITS): as a literal, ptxas rematerialized
+    the two nibble masks in registers before every use (~4 instructions a word).
+The arithmetic is _nibble_pair's; the sums are the LANES-off kernels' up to the order of float32
+additions (per group instead of per word lane), so the output matches the twin as those do.
 """
 
 from __future__ import annotations
@@ -60,7 +67,8 @@ def _tile_lanes(lane_row_ptr, w0, num_words, BLOCK_N: tl.constexpr, G: tl.conste
     """The 9 lanes of the tile's words w0 .. w0 + 4 G at the tile's [BLOCK_N, G, 4] shape (every
     row reads the same addresses, so the values arrive in the weight tile's layout; the lanes
     buffer is padded to whole tiles, so no mask)."""
-    word = w0 + tl.arange(0, G)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :] + tl.zeros([BLOCK_N, 1, 1], tl.int32)
+    no_rows = tl.zeros([BLOCK_N, 1, 1], tl.int32)
+    word = w0 + tl.arange(0, G)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :] + no_rows  # [BLOCK_N, G, 4]
     lane = lane_row_ptr + word
     return (tl.load(lane), tl.load(lane + num_words), tl.load(lane + 2 * num_words), tl.load(lane + 3 * num_words),
             tl.load(lane + 4 * num_words), tl.load(lane + 5 * num_words), tl.load(lane + 6 * num_words),
@@ -79,7 +87,7 @@ def _int4_group_sums(packed_rows, scale_rows, word, row_valid, num_words, num_gr
     sums = _nibble_pair3(sums, packed, 7, x2, x3, one)
     sums = _nibble_pair3(sums, packed, -1, x4, x5, one)
     sums = _nibble_pair3(sums, packed, -9, x6, x7, one)
-    group = (tl.min(word, axis=2) // 4)  # [BLOCK_N, G]
+    group = tl.min(word, axis=2) // 4  # [BLOCK_N, G]: each group's first word / 4
     scales = tl.load(tl.reshape(scale_rows, [BLOCK_N, 1]) + group,
                      mask=tl.reshape(row_valid, [BLOCK_N, 1]) & (group < num_groups), other=0.0).to(tl.float32)
     return tl.sum(sums, axis=2) * scales
@@ -150,6 +158,6 @@ def x_lanes(hidden: torch.Tensor, dtype: torch.dtype, tile_words: int) -> torch.
     num_words = -(-k // 8)
     padded = triton.cdiv(num_words, tile_words) * tile_words
     lanes = torch.empty(num_tokens, NUM_LANES, padded, dtype=torch.float32, device=hidden.device)
-    _int4_x_lanes_kernel[(num_tokens, triton.cdiv(num_words, LANES_BLOCK))](
+    _int4_x_lanes_kernel[(num_tokens, triton.cdiv(padded, LANES_BLOCK))](  # the padding's zeros written too
         hidden, lanes, k, hidden.stride(0), padded, DTYPE=_TL_DTYPES[dtype], BLOCK=LANES_BLOCK)
     return lanes
