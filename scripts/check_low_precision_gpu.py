@@ -16,7 +16,9 @@ Sections (each independent: a failure is recorded and the rest still runs):
                      config) against bf16, batch-1 decode tok/s (bar: 1.7x);
   int4_moe_bandwidth the int4 MoE GEMV kernels at Kimi-K2.5's expert shapes (H 7168, I 2048, 8 of 384
                      experts), and the FP8 ones at DeepSeek-V3's (8 + 1 of 257): bytes read per call over
-                     CUDA-graph time, against the H200's 4.8 TB/s (bar: 70%).
+                     CUDA-graph time, against the H200's 4.8 TB/s (bar: 70%);
+  fp8_moe_configs    the FP8 MoE GEMV at DeepSeek-V3's experts, the default launch config against each
+                     of fp8_triton_gemv.candidate_configs (the per-weight scaled kernels among them).
 Prints a table at the end and writes check_low_precision_gpu.json to --out (default: $OUT, or .).
 The engine helpers (make_llm, decode_tok_s, free) are scripts/bench_gpu.py's.
 """
@@ -245,7 +247,47 @@ def moe_bandwidth(token_counts=(1, 2, 4)):
     return out
 
 
-SECTIONS = {fn.section_name: fn for fn in (deepseek_v3_cut, kimi_k25_cut, llama_fp8, v2_lite_fp8, moe_bandwidth)}
+@section("fp8_moe_configs")
+def fp8_moe_configs(token_counts=(1, 4)):
+    """The FP8 MoE GEMV at DeepSeek-V3's experts (8 routed + the shared one of 257, 128x128 blocks)
+    with its default launch config and each of the module's candidate_configs, one layer in a
+    CUDA graph, the default re-timed before each candidate (its median and spread reported)."""
+    from foretell.ops.moe.fp8_triton_gemv import candidate_configs, fused_fp8_experts_gemv_triton
+
+    dev, out = torch.device("cuda"), {}
+    h, inter, top_k, experts = 7168, 2048, 8, 257
+    gu = torch.randn(experts, 2 * inter, h, device=dev, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+    gu_s = torch.full((experts, 2 * inter // 128, h // 128), 0.02, device=dev)
+    dn = torch.randn(experts, h, inter, device=dev, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+    dn_s = torch.full((experts, h // 128, inter // 128), 0.02, device=dev)
+    per_expert = sum(t[0].numel() * t.element_size() for t in (gu, gu_s, dn, dn_s))
+    for tokens in token_counts:
+        x = torch.randn(tokens, h, device=dev, dtype=torch.bfloat16)
+        ids = torch.cat([torch.stack([torch.randperm(256, device=dev)[:top_k] for _ in range(tokens)]),
+                         torch.full((tokens, 1), 256, device=dev)], dim=1)
+        weights = torch.rand(tokens, top_k + 1, device=dev)
+        used_bytes = ids.unique().numel() * per_expert
+
+        def timed(config):
+            seconds = graph_time_s(lambda: fused_fp8_experts_gemv_triton(x, gu, gu_s, dn, dn_s, (128, 128), weights,
+                                                                         ids, config=config))
+            share = round(used_bytes / seconds / H200_BYTES_S, 4)
+            return {"us": round(seconds * 1e6, 2), "fraction_of_bandwidth": share}
+
+        defaults, rows = [], []
+        for config in candidate_configs(tokens, top_k + 1):
+            defaults.append(timed(None)["us"])
+            rows.append({"config": config, **timed(config)})
+        defaults.append(timed(None)["us"])
+        default_us = sorted(defaults)[len(defaults) // 2]
+        out[f"t{tokens}_default"] = {"us": default_us, "min_us": min(defaults), "max_us": max(defaults),
+                                     "fraction_of_bandwidth": round(used_bytes / (default_us * 1e-6) / H200_BYTES_S, 4)}
+        out[f"t{tokens}_candidates"] = sorted(rows, key=lambda r: r["us"])
+    return out
+
+
+SECTIONS = {fn.section_name: fn for fn in (deepseek_v3_cut, kimi_k25_cut, llama_fp8, v2_lite_fp8, moe_bandwidth,
+                                           fp8_moe_configs)}
 
 
 def print_table() -> None:

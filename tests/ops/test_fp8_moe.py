@@ -122,17 +122,21 @@ def poison_buffers(monkeypatch):
 
 
 SMALL_TILES = {"gate_up": {"BLOCK_N": 16, "BLOCK_K": 32}, "down": {"BLOCK_N": 32, "BLOCK_K": 32, "SPLIT": 2}}
+PER_WEIGHT_SCALES = {"gate_up": {"SCALE_X": False}, "down": {"SCALE_X": False}}  # each weight scaled, rounded
 
 
 @pytest.mark.parametrize(
     "num_tokens, top_k, hidden, inter, block, with_shared, config",
     [(1, 4, 96, 64, (32, 32), True, None), (2, 2, 72, 48, (16, 64), False, None),
-     (2, 3, 96, 72, (32, 16), True, SMALL_TILES), (1, 1, 64, 32, (32, 32), False, {"down": {"SPLIT": 1}})],
+     (2, 3, 96, 72, (32, 16), True, SMALL_TILES), (1, 1, 64, 32, (32, 32), False, {"down": {"SPLIT": 1}}),
+     (1, 4, 96, 64, (32, 32), True, PER_WEIGHT_SCALES), (2, 3, 96, 72, (4, 32), True, None)],
 )
 def test_kernels_match_the_twin(kernels, num_tokens, top_k, hidden, inter, block, with_shared, config, monkeypatch):
     """Default tiles (one K chunk, several quant blocks a tile) and small ones (several chunks, a
     partial one, quant blocks wider than a tile; the down slot split in two); ragged blocks at
-    H = 72 and I = 72; fp16 and float32 x (the model dtype the weights round to)."""
+    H = 72 and I = 72; fp16 and float32 x (the model dtype the weights round to). The block scales
+    go onto x (SCALE_X) where a program's rows share a block row; each weight scaled where they do
+    not (SMALL_TILES' gate_up: I = 72 is no multiple of 16 rows; 4-row blocks) or SCALE_X is off."""
     poison_buffers(monkeypatch)
     seed = _seed()
     for dtype, tolerance in ((torch.float16, 2e-2), (torch.float32, 1e-4)):

@@ -28,6 +28,8 @@ CASES = [
     "int4 moe gemv down + combine, Kimi-K2.5, slot split", "int4 moe gemv down + combine, unsplit",
     "int4 moe gemv gate_up over x's lanes, Kimi-K2.5", "int4 x lanes",
     "int4 moe gemv down + combine over act's lanes, Kimi-K2.5, slot split",
+    "fp8 moe gemv gate_up, scales on x, DeepSeek-V3", "fp8 moe gemv gate_up, each weight scaled",
+    "fp8 moe gemv down + combine, scales on act, slot split",
 ]
 
 
