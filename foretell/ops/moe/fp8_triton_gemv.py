@@ -234,26 +234,29 @@ def _fp8_down_combine_kernel(
 
 
 def fp8_launch_config(num_tokens: int, top_k: int) -> dict:
-    """The H200 sweep's winners at DeepSeek-V3's shapes (8 + 1 of 257 experts, b3ec0f8): gate_up
-    eight rows a program, over 512-column tiles and eight warps at one token (faster than 16
-    rows of 128), 256-column tiles and four warps at more (where there are 4x the programs); the
-    down kernel 16 columns of 256 over four warps with the slots spread over at most 8 programs a
-    column block (V3's 9 slots: 5 programs of 2), faster at one token than one slot a program
-    (the figures: docs/perf-log.md, "Figures moved from docstrings")."""
-    one = num_tokens == 1
+    """The H200's best at DeepSeek-V3's shapes (8 + 1 of 257 experts, one layer in a CUDA graph,
+    2026-12-04, scripts/check_low_precision_gpu.py fp8_moe_configs), at 1 and at 4 tokens: block
+    scales on x (SCALE_X), gate_up 16 rows a program over 512-column tiles and eight warps, the
+    down kernel 8 columns over 512 and four warps, the slots spread over at most 8 programs a
+    column block (V3's 9 slots: 5 programs of 2). The per-weight scaled kernels (SCALE_X off)
+    were fastest at 8 rows of 512 on eight warps (256 columns on four at more tokens) and a
+    down kernel of 16 x 256 on four (the figures: docs/perf-log.md)."""
     return {
-        "gate_up": {"BLOCK_N": 8, "BLOCK_K": 512 if one else 256, "num_warps": 8 if one else 4, "SCALE_X": True},
-        "down": {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "SPLIT": min(max(top_k, 1), 8), "SCALE_X": True},
+        "gate_up": {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 8, "SCALE_X": True},
+        "down": {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4, "SPLIT": min(max(top_k, 1), 8), "SCALE_X": True},
     }
 
 
 def candidate_configs(num_tokens: int, top_k: int) -> list[dict]:
-    """Whole configs for an in-graph sweep: the per-weight scaled kernels (SCALE_X off) at the
-    default tiles, and the SCALE_X kernels' tiles around them."""
+    """Whole configs for an in-graph sweep: the per-weight scaled kernels (SCALE_X off) at their
+    best tiles, and the SCALE_X kernels' tiles around the default."""
     default = fp8_launch_config(num_tokens, top_k)
-    configs = [{name: {**cfg, "SCALE_X": False} for name, cfg in default.items()}]
-    for rows, columns, warps in ((8, 512, 4), (8, 1024, 8), (16, 512, 8), (4, 512, 4)):
-        for down_rows, down_columns, down_warps in ((16, 256, 4), (8, 512, 4), (16, 512, 8)):
+    one = num_tokens == 1
+    configs = [{"gate_up": {"BLOCK_N": 8, "BLOCK_K": 512 if one else 256, "num_warps": 8 if one else 4,
+                            "SCALE_X": False},
+                "down": {**default["down"], "BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "SCALE_X": False}}]
+    for rows, columns, warps in ((16, 512, 8), (16, 1024, 8), (32, 512, 8), (16, 512, 4), (32, 256, 8)):
+        for down_rows, down_columns, down_warps in ((8, 512, 4), (8, 1024, 4), (8, 512, 2), (4, 1024, 4)):
             configs.append({"gate_up": {**default["gate_up"], "BLOCK_N": rows, "BLOCK_K": columns, "num_warps": warps},
                             "down": {**default["down"], "BLOCK_N": down_rows, "BLOCK_K": down_columns,
                                      "num_warps": down_warps}})
