@@ -26,6 +26,15 @@ BLOCK = (128, 128)
 V3 = {"experts": 24, "top_k": 9, "hidden": 7168, "inter": 2048}  # V3's expert sizes (fewer experts stored)
 SMALL = {"experts": 12, "top_k": 3, "hidden": 328, "inter": 200}  # ragged blocks and tiles
 TOLERANCE = 3e-2  # the twin rounds each weight to bf16, the kernels scale unrounded products
+
+
+def assert_near_twin(got, want):
+    """Within TOLERANCE, with an absolute floor of 2^-6 of the largest output: a token's output sums
+    9 weighted slot outputs, each rounded to bf16 (an ulp of 2^-8 of its size) where a weight's
+    rounding can tip it, so an output near 0 can be a few of its slots' ulps off; and on average
+    within 2^-9 of the output's mean size."""
+    torch.testing.assert_close(got, want, rtol=TOLERANCE, atol=want.abs().max().item() / 64)
+    assert (got.float() - want.float()).abs().mean() <= want.float().abs().mean() / 512
 PER_WEIGHT_SCALES = {"gate_up": {"SCALE_X": False}, "down": {"SCALE_X": False}}
 
 
@@ -60,7 +69,7 @@ def test_gemv_matches_the_twin(shape, num_tokens):
         per_weight = fused_fp8_experts_gemv_triton(x, *experts, BLOCK, weights, ids, shared, config=PER_WEIGHT_SCALES)
         for got in (scaled_x, per_weight):
             assert got.dtype == x.dtype and torch.isfinite(got).all()
-            torch.testing.assert_close(got, want, rtol=TOLERANCE, atol=TOLERANCE)
+            assert_near_twin(got, want)
         unsplit = fused_fp8_experts_gemv_triton(x, *experts, BLOCK, weights, ids, shared, config={"down": {"SPLIT": 1}})
         assert torch.equal(unsplit, scaled_x)  # the slot split sums in slot order, as one program would
 
