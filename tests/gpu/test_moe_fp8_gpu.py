@@ -32,9 +32,9 @@ def assert_near_twin(got, want):
     """Within TOLERANCE, with an absolute floor of 2^-6 of the largest output: a token's output sums
     9 weighted slot outputs, each rounded to bf16 (an ulp of 2^-8 of its size) where a weight's
     rounding can tip it, so an output near 0 can be a few of its slots' ulps off; and on average
-    within 2^-9 of the output's mean size."""
+    within 2^-7 of the output's mean size (a wrong scale or block row is off by its whole size)."""
     torch.testing.assert_close(got, want, rtol=TOLERANCE, atol=want.abs().max().item() / 64)
-    assert (got.float() - want.float()).abs().mean() <= want.float().abs().mean() / 512
+    assert (got.float() - want.float()).abs().mean() <= want.float().abs().mean() / 128
 PER_WEIGHT_SCALES = {"gate_up": {"SCALE_X": False}, "down": {"SCALE_X": False}}
 
 
