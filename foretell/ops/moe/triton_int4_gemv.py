@@ -132,7 +132,7 @@ def _int4_gate_up_kernel(
     stride_act,
     words_per_row,  # ceil(hidden / 8): passed, so Triton sees its divisibility (vector loads)
     groups_per_row,  # ceil(hidden / 32)
-    lanes_words,
+    lanes_words,  # the lanes buffer's words a lane (words_per_row padded to whole tiles)
     one,  # FLOAT_ONE_BITS (a runtime value: ptxas keeps it in a register, the masks are immediates)
     TOP_K: tl.constexpr,
     ZERO_COUNTERS: tl.constexpr,
@@ -217,7 +217,7 @@ def _int4_down_combine_kernel(
     words_per_row,  # ceil(inter / 8)
     groups_per_row,  # ceil(inter / 32)
     lanes_ptr,  # [num_pairs, 9, lanes_words] float32: act's lanes (read when LANES)
-    lanes_words,
+    lanes_words,  # the lanes buffer's words a lane (words_per_row padded to whole tiles)
     one,  # FLOAT_ONE_BITS
     TOP_K: tl.constexpr,
     SLOTS: tl.constexpr,  # slots per program
@@ -253,11 +253,11 @@ def _int4_down_combine_kernel(
 def int4_launch_config(num_tokens: int, top_k: int) -> dict:
     """The H200's best at Kimi-K2.5's shapes (H = 7168, I = 2048, 8 of 384 experts) in a CUDA graph
     over 16 MoE layers, used at every token count: both kernels over x's lanes
-    (triton_int4_lanes.py; faster than the per-tile lanes below: docs/perf-log.md, 2026-12-04),
-    gate_up four rows of gate and of up a program over 512-column tiles on one warp, the down
-    kernel four columns over 256 on one warp, slots spread over at most 8 programs a column block
-    (the figures: docs/perf-log.md). LANES False: the kernels that compute x's lanes in every tile
-    (8d8d90d's tiles: gate_up 8 x 512 / 2 warps, down 8 x 256 / 1)."""
+    (triton_int4_lanes.py), gate_up four rows of gate and of up a program over 512-column tiles on
+    one warp, the down kernel four columns over 256 on one warp, slots spread over at most 8
+    programs a column block. LANES False: the kernels that compute x's lanes in every tile, best
+    at 8d8d90d's tiles (gate_up 8 x 512 on two warps, down 8 x 256 on one). The figures, both
+    forms side by side: docs/perf-log.md, 2026-12-04."""
     return {
         "gate_up": {"BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 1, "LANES": True},
         "down": {"BLOCK_N": 4, "BLOCK_K": 256, "num_warps": 1, "SPLIT": min(max(top_k, 1), 8), "LANES": True},
