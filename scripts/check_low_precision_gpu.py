@@ -202,6 +202,28 @@ def graph_time_s(fn, iters: int = 50) -> float:
     return sorted(times)[len(times) // 2]
 
 
+V3_HIDDEN, V3_INTER, V3_TOP_K, V3_EXPERTS = 7168, 2048, 8, 257  # 256 routed + 1 shared FP8 experts
+
+
+def v3_fp8_experts(dev):
+    """DeepSeek-V3's FP8 experts (128x128 blocks): gate_up, its scales, down, its scales."""
+    h, inter, experts = V3_HIDDEN, V3_INTER, V3_EXPERTS
+    gu = torch.randn(experts, 2 * inter, h, device=dev, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+    gu_s = torch.full((experts, 2 * inter // 128, h // 128), 0.02, device=dev)
+    dn = torch.randn(experts, h, inter, device=dev, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+    dn_s = torch.full((experts, h // 128, inter // 128), 0.02, device=dev)
+    return gu, gu_s, dn, dn_s
+
+
+def v3_routed_tokens(tokens: int, dev):
+    """x [tokens, H] bf16, routing weights [tokens, 9] and ids: 8 distinct routed experts each, then the
+    shared one (id 256) as the ninth slot."""
+    x = torch.randn(tokens, V3_HIDDEN, device=dev, dtype=torch.bfloat16)
+    routed = torch.stack([torch.randperm(V3_EXPERTS - 1, device=dev)[:V3_TOP_K] for _ in range(tokens)])
+    ids = torch.cat([routed, torch.full((tokens, 1), V3_EXPERTS - 1, device=dev)], dim=1)
+    return x, torch.rand(tokens, V3_TOP_K + 1, device=dev), ids
+
+
 @section("int4_moe_bandwidth")
 def moe_bandwidth(token_counts=(1, 2, 4)):
     from foretell.ops.moe.fp8_triton_gemv import fused_fp8_experts_gemv_triton
@@ -227,18 +249,10 @@ def moe_bandwidth(token_counts=(1, 2, 4)):
         out[f"int4_kimi_t{tokens}"] = {"us": seconds * 1e6, "bytes": used * per_expert,
                                        "fraction_of_bandwidth": used * per_expert / seconds / H200_BYTES_S}
     del gu_p, gu_s, d_p, d_s
-    # DeepSeek-V3: 256 routed + 1 shared FP8 experts, 128x128 blocks
-    experts = 257
-    gu = torch.randn(experts, 2 * inter, h, device=dev, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
-    gu_s = torch.full((experts, 2 * inter // 128, h // 128), 0.02, device=dev)
-    dn = torch.randn(experts, h, inter, device=dev, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
-    dn_s = torch.full((experts, h // 128, inter // 128), 0.02, device=dev)
+    gu, gu_s, dn, dn_s = v3_fp8_experts(dev)
     per_expert = sum(t[0].numel() * t.element_size() for t in (gu, gu_s, dn, dn_s))
     for tokens in token_counts:
-        x = torch.randn(tokens, h, device=dev, dtype=torch.bfloat16)
-        ids = torch.cat([torch.stack([torch.randperm(256, device=dev)[:top_k] for _ in range(tokens)]),
-                         torch.full((tokens, 1), 256, device=dev)], dim=1)
-        weights = torch.rand(tokens, top_k + 1, device=dev)
+        x, weights, ids = v3_routed_tokens(tokens, dev)
         used = ids.unique().numel()
         seconds = graph_time_s(lambda: fused_fp8_experts_gemv_triton(x, gu, gu_s, dn, dn_s, (128, 128), weights, ids))
         out[f"fp8_v3_t{tokens}"] = {"us": seconds * 1e6, "bytes": used * per_expert,
@@ -255,17 +269,10 @@ def fp8_moe_configs(token_counts=(1, 4)):
     from foretell.ops.moe.fp8_triton_gemv import candidate_configs, fused_fp8_experts_gemv_triton
 
     dev, out = torch.device("cuda"), {}
-    h, inter, top_k, experts = 7168, 2048, 8, 257
-    gu = torch.randn(experts, 2 * inter, h, device=dev, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
-    gu_s = torch.full((experts, 2 * inter // 128, h // 128), 0.02, device=dev)
-    dn = torch.randn(experts, h, inter, device=dev, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
-    dn_s = torch.full((experts, h // 128, inter // 128), 0.02, device=dev)
+    gu, gu_s, dn, dn_s = v3_fp8_experts(dev)
     per_expert = sum(t[0].numel() * t.element_size() for t in (gu, gu_s, dn, dn_s))
     for tokens in token_counts:
-        x = torch.randn(tokens, h, device=dev, dtype=torch.bfloat16)
-        ids = torch.cat([torch.stack([torch.randperm(256, device=dev)[:top_k] for _ in range(tokens)]),
-                         torch.full((tokens, 1), 256, device=dev)], dim=1)
-        weights = torch.rand(tokens, top_k + 1, device=dev)
+        x, weights, ids = v3_routed_tokens(tokens, dev)
         used_bytes = ids.unique().numel() * per_expert
 
         def timed(config):
@@ -275,7 +282,7 @@ def fp8_moe_configs(token_counts=(1, 4)):
             return {"us": round(seconds * 1e6, 2), "fraction_of_bandwidth": share}
 
         defaults, rows = [], []
-        for config in candidate_configs(tokens, top_k + 1):
+        for config in candidate_configs(tokens, ids.shape[1]):
             defaults.append(timed(None)["us"])
             rows.append({"config": config, **timed(config)})
         defaults.append(timed(None)["us"])
