@@ -107,7 +107,7 @@ def test_quantize_fp8_turns_float_experts_into_the_fp8_layout():
 @pytest.fixture
 def kernels():
     if fp8_gemv is None:
-        pytest.skip("on a GPU the kernels run through the engine's FP8 models (scripts/check_low_precision_gpu.py)")
+        pytest.skip("on a GPU the kernels are tested in tests/gpu/test_moe_fp8_gpu.py")
     return fp8_gemv
 
 
