@@ -37,21 +37,13 @@ def _bin(tool: str) -> str:
 
 
 def compile_as_launched(fn, types: dict, constants: dict, num_warps: int, not16: set[str]):
-    """triton.compile for sm_90 with pointers and integers (but not16's) divisible by 16."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    """fixtures.kernel_compile._compile with pointers and integers (but not16's) divisible by 16."""
+    from fixtures.kernel_compile import _compile
 
-    signature, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in constants:
-            signature[name] = "constexpr"
-            continue
-        signature[name] = types.get(name, "*bf16" if name.endswith("_ptr") else "i32")
-        if name not in not16 and (signature[name].startswith("*") or signature[name].startswith("i")):
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    source = ASTSource(fn=fn, signature=signature, constexprs=dict(constants), attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    runtime = [name for name in fn.arg_names if name not in constants and name not in not16]
+    divisible = {name for name in runtime
+                 if name.endswith("_ptr") or types.get(name, "i32").startswith(("*", "i"))}
+    return _compile(fn, types, constants, num_warps, divisible_by_16=divisible)
 
 
 def _disassemble(cubin: bytes) -> tuple[str, str]:
